@@ -1,0 +1,3 @@
+"""stalepipe: asynchronous pipeline-parallel LLM pretraining and a gradient-delay emulator."""
+
+__version__ = "0.1.0"

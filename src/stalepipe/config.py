@@ -1,0 +1,560 @@
+"""Experiment configuration: frozen dataclasses, presets, dotted overrides.
+
+Each component owns one dataclass and receives only that one. `ExperimentConfig` composes them.
+Every field carries a one-line help text in its metadata; `stalepipe train --help` prints them
+with their defaults. Overrides use dotted keys: `--optim.lr 3e-4 --train.steps 200`.
+
+Validation happens in `__post_init__` and raises `ConfigError` (a `ValueError`) whose message
+names the field and its allowed range, so the CLI can print it as one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the field and what it accepts."""
+
+
+def _f(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+# --------------------------------------------------------------------------------------------
+# Component configs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """LLaMA-style decoder shape. `num_kv_heads < num_heads` gives grouped-query attention."""
+
+    vocab_size: int = _f(256, "vocabulary size (must cover the tokenizer's ids)")
+    dim: int = _f(96, "residual stream width")
+    num_layers: int = _f(3, "number of transformer blocks")
+    num_heads: int = _f(4, "attention heads (dim must be divisible by it)")
+    num_kv_heads: int = _f(2, "key/value heads for GQA (divides num_heads)")
+    ffn_dim: int = _f(256, "SwiGLU hidden width")
+    max_seq_len: int = _f(128, "longest sequence RoPE is precomputed for")
+    rope_theta: float = _f(10000.0, "RoPE base frequency")
+    norm_eps: float = _f(1e-5, "RMSNorm epsilon")
+    tie_embeddings: bool = _f(True, "share the input embedding and the output head")
+    init_std: float = _f(0.02, "std of the normal init of linear and embedding weights")
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "dim",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "ffn_dim",
+            "max_seq_len",
+        ):
+            _check(
+                getattr(self, name) >= 1, f"model.{name} must be >= 1, got {getattr(self, name)}"
+            )
+        _check(
+            self.dim % self.num_heads == 0,
+            f"model.dim ({self.dim}) must be divisible by model.num_heads ({self.num_heads})",
+        )
+        _check(
+            (self.dim // self.num_heads) % 2 == 0,
+            f"model.dim / model.num_heads must be even for RoPE, got {self.dim // self.num_heads}",
+        )
+        _check(
+            self.num_heads % self.num_kv_heads == 0,
+            f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads "
+            f"({self.num_kv_heads})",
+        )
+        _check(self.rope_theta > 0, f"model.rope_theta must be > 0, got {self.rope_theta}")
+        _check(self.norm_eps > 0, f"model.norm_eps must be > 0, got {self.norm_eps}")
+        _check(self.init_std > 0, f"model.init_std must be > 0, got {self.init_std}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where tokens come from. `stalepipe data prepare` writes shards into `data_dir`."""
+
+    corpus: str = _f("shakespeare", "built-in corpus name, or 'text' for --text files")
+    tokenizer: str = _f("byte", "tokenizer: byte | gpt2 | bpe")
+    bpe_vocab_size: int = _f(4096, "vocab size when training the 'bpe' tokenizer")
+    data_dir: str = _f("", "token shard directory ('' = data_cache/<corpus>-<tokenizer>)")
+    seq_len: int = _f(64, "tokens per training sequence")
+    val_fraction: float = _f(0.05, "share of documents held out for validation")
+    seed: int = _f(0, "data order seed; batch k is a pure function of (seed, k)")
+
+    def __post_init__(self) -> None:
+        _check(
+            self.tokenizer in ("byte", "gpt2", "bpe"),
+            f"data.tokenizer must be one of byte, gpt2, bpe; got {self.tokenizer!r}",
+        )
+        _check(self.seq_len >= 2, f"data.seq_len must be >= 2, got {self.seq_len}")
+        _check(
+            0.0 < self.val_fraction < 1.0,
+            f"data.val_fraction must be in (0, 1), got {self.val_fraction}",
+        )
+        _check(
+            self.bpe_vocab_size >= 257,
+            f"data.bpe_vocab_size must be >= 257, got {self.bpe_vocab_size}",
+        )
+
+    def resolved_dir(self) -> str:
+        return self.data_dir or f"data_cache/{self.corpus}-{self.tokenizer}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """Optimizer choice and hyperparameters. `None` means "the optimizer's own default"
+    (see docs/optimizers.md); the resolved values are written to the run's config.json."""
+
+    name: str = _f("adamw", "optimizer: adamw | muon | soap | adan | lion | mars")
+    lr: float | None = _f(None, "peak learning rate (matrix params for muon)")
+    beta1: float | None = _f(None, "first-moment / momentum coefficient")
+    beta2: float | None = _f(None, "second-moment coefficient")
+    beta3: float | None = _f(None, "third coefficient (adan: gradient-difference EMA)")
+    eps: float | None = _f(None, "denominator epsilon")
+    weight_decay: float | None = _f(None, "decoupled weight decay (not applied to norms/biases)")
+    nesterov: bool | None = _f(None, "Nesterov momentum (muon)")
+    ns_steps: int | None = _f(None, "Newton-Schulz iterations (muon)")
+    muon_scale: str | None = _f(None, "muon LR scaling: 'original' | 'match_rms'")
+    adam_lr: float | None = _f(None, "LR of the AdamW part of composite optimizers (muon, mars)")
+    precond_freq: int | None = _f(None, "preconditioner update frequency (soap)")
+    gamma: float | None = _f(None, "variance-reduction scale (mars)")
+
+    def __post_init__(self) -> None:
+        _check(self.lr is None or self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
+        for b in ("beta1", "beta2", "beta3"):
+            v = getattr(self, b)
+            _check(v is None or 0.0 <= v < 1.0, f"optim.{b} must be in [0, 1), got {v}")
+        _check(self.eps is None or self.eps >= 0, f"optim.eps must be >= 0, got {self.eps}")
+        _check(
+            self.weight_decay is None or self.weight_decay >= 0,
+            f"optim.weight_decay must be >= 0, got {self.weight_decay}",
+        )
+        _check(
+            self.adam_lr is None or self.adam_lr > 0,
+            f"optim.adam_lr must be > 0, got {self.adam_lr}",
+        )
+        _check(
+            self.ns_steps is None or self.ns_steps >= 1,
+            f"optim.ns_steps must be >= 1, got {self.ns_steps}",
+        )
+        _check(
+            self.precond_freq is None or self.precond_freq >= 1,
+            f"optim.precond_freq must be >= 1, got {self.precond_freq}",
+        )
+        _check(
+            self.muon_scale in (None, "original", "match_rms"),
+            f"optim.muon_scale must be 'original' or 'match_rms', got {self.muon_scale!r}",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DelayConfig:
+    """Gradient-delay policy and mitigations (GUIDE section 2)."""
+
+    policy: str = _f("sync", "delay policy: sync | 2bw | pipedream | wpipe | fixed:N")
+    ef: bool = _f(False, "update-level error feedback W+ = W - 2U_k + U_{k-1}")
+    taylor: float = _f(0.0, "DC-ASGD Taylor compensation lambda (0 = off)")
+    taylor_adaptive: bool = _f(False, "adaptive lambda: taylor / sqrt(EMA of g^2)")
+    taylor_ema: float = _f(0.95, "EMA coefficient of g^2 for adaptive Taylor")
+    sync_start: int = _f(0, "first K steps run without delay")
+    sync_cooldown: float = _f(0.0, "last K steps without delay: K if >= 1, else a fraction")
+    mode: str = _f("fast", "emulator mode: fast (whole model) | exact (per stage, per microbatch)")
+
+    def __post_init__(self) -> None:
+        policy = self.policy
+        if policy.startswith("fixed:"):
+            n = policy.split(":", 1)[1]
+            _check(n.isdigit(), f"delay.policy fixed:N needs an integer N >= 0, got {policy!r}")
+        else:
+            _check(
+                policy in ("sync", "2bw", "pipedream", "wpipe"),
+                f"delay.policy must be sync, 2bw, pipedream, wpipe or fixed:N; got {policy!r}",
+            )
+        _check(self.taylor >= 0, f"delay.taylor must be >= 0, got {self.taylor}")
+        _check(
+            0.0 <= self.taylor_ema < 1.0,
+            f"delay.taylor_ema must be in [0, 1), got {self.taylor_ema}",
+        )
+        _check(self.sync_start >= 0, f"delay.sync_start must be >= 0, got {self.sync_start}")
+        _check(
+            self.sync_cooldown >= 0,
+            f"delay.sync_cooldown must be >= 0 (steps, or a fraction < 1), got "
+            f"{self.sync_cooldown}",
+        )
+        _check(
+            self.mode in ("fast", "exact"),
+            f"delay.mode must be 'fast' or 'exact', got {self.mode!r}",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """How the model is split into stages (the emulator uses this too: staleness is per stage)."""
+
+    num_stages: int = _f(1, "pipeline stages P (<= model.num_layers)")
+    schedule: str = _f("1f1b", "runtime schedule: gpipe | 1f1b | 2bw | pipedream")
+    backend: str = _f("auto", "torch.distributed backend: auto | gloo | nccl")
+
+    def __post_init__(self) -> None:
+        _check(self.num_stages >= 1, f"pipeline.num_stages must be >= 1, got {self.num_stages}")
+        _check(
+            self.backend in ("auto", "gloo", "nccl"),
+            f"pipeline.backend must be auto, gloo or nccl; got {self.backend!r}",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The training loop: steps, batch, LR schedule, eval, checkpoints."""
+
+    steps: int = _f(200, "optimizer steps")
+    batch_size: int = _f(16, "sequences per global batch (split into microbatches)")
+    num_microbatches: int = _f(1, "microbatches per step; gradients are summed, loss averaged")
+    lr_schedule: str = _f("cosine", "LR schedule: cosine (warmup + cosine) | wsd | constant")
+    warmup_steps: int = _f(20, "linear warmup steps")
+    decay_frac: float = _f(0.2, "WSD: fraction of steps in the final decay phase")
+    min_lr_ratio: float = _f(0.1, "final LR as a fraction of the peak")
+    grad_clip: float = _f(1.0, "global grad-norm clip (0 = off)")
+    eval_every: int = _f(50, "evaluate val loss every N steps (0 = only at the end)")
+    eval_batches: int = _f(8, "val batches per evaluation")
+    log_every: int = _f(10, "write a metrics line every N steps")
+    ckpt_every: int = _f(0, "checkpoint every N steps (0 = only at the end)")
+    keep_last: int = _f(2, "checkpoints kept on disk")
+    seed: int = _f(0, "model init and dropout seed")
+    threads: int = _f(0, "torch intra-op threads (0 = leave torch's default)")
+    device: str = _f("cpu", "cpu | cuda | cuda:N")
+    dtype: str = _f("float32", "parameter dtype: float32 | bfloat16")
+    progress: bool = _f(True, "show a progress bar")
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
+        _check(self.batch_size >= 1, f"train.batch_size must be >= 1, got {self.batch_size}")
+        _check(
+            self.num_microbatches >= 1,
+            f"train.num_microbatches must be >= 1, got {self.num_microbatches}",
+        )
+        _check(
+            self.batch_size % self.num_microbatches == 0,
+            f"train.batch_size ({self.batch_size}) must be divisible by "
+            f"train.num_microbatches ({self.num_microbatches})",
+        )
+        _check(
+            self.lr_schedule in ("cosine", "wsd", "constant"),
+            f"train.lr_schedule must be cosine, wsd or constant; got {self.lr_schedule!r}",
+        )
+        _check(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(
+            0.0 <= self.decay_frac <= 1.0,
+            f"train.decay_frac must be in [0, 1], got {self.decay_frac}",
+        )
+        _check(
+            0.0 <= self.min_lr_ratio <= 1.0,
+            f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}",
+        )
+        _check(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
+        for name in ("eval_every", "ckpt_every", "threads"):
+            _check(
+                getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}"
+            )
+        for name in ("eval_batches", "log_every", "keep_last"):
+            _check(
+                getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}"
+            )
+        _check(
+            self.dtype in ("float32", "bfloat16"),
+            f"train.dtype must be float32 or bfloat16, got {self.dtype!r}",
+        )
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch_size // self.num_microbatches
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExperimentConfig:
+    """Everything one run needs. `name` is the run directory under `out_dir`."""
+
+    name: str = _f("run", "run name: results go to <out_dir>/<name>")
+    out_dir: str = _f("runs", "parent directory of run directories")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    delay: DelayConfig = field(default_factory=DelayConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        _check(
+            bool(self.name) and "/" not in self.name,
+            f"name must be a non-empty directory name without '/', got {self.name!r}",
+        )
+        _check(
+            self.pipeline.num_stages <= self.model.num_layers,
+            f"pipeline.num_stages ({self.pipeline.num_stages}) must be <= model.num_layers "
+            f"({self.model.num_layers})",
+        )
+        _check(
+            self.data.seq_len <= self.model.max_seq_len,
+            f"data.seq_len ({self.data.seq_len}) must be <= model.max_seq_len "
+            f"({self.model.max_seq_len})",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ExperimentConfig:
+        return _from_dict(cls, d, prefix="")
+
+
+def _from_dict(cls: type, d: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key, value in d.items():
+        if key not in names:
+            raise ConfigError(_unknown_key_msg(prefix + key, _all_keys(ExperimentConfig)))
+        if dataclasses.is_dataclass(hints[key]):
+            kwargs[key] = _from_dict(hints[key], value, prefix + key + ".")
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Dotted overrides
+# --------------------------------------------------------------------------------------------
+
+
+def _all_keys(cls: type, prefix: str = "") -> dict[str, dataclasses.Field]:
+    """Flat map 'section.field' -> Field for every leaf field."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, dataclasses.Field] = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(_all_keys(hints[f.name], prefix + f.name + "."))
+        else:
+            out[prefix + f.name] = f
+    return out
+
+
+def _leaf_type(cls: type, dotted: str) -> Any:
+    *path, leaf = dotted.split(".")
+    for part in path:
+        cls = typing.get_type_hints(cls)[part]
+    return typing.get_type_hints(cls)[leaf]
+
+
+def _unknown_key_msg(key: str, keys: dict[str, Any]) -> str:
+    close = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.5)
+    hint = f"; did you mean --{close[0]}?" if close else "; see `stalepipe train --help`"
+    return f"unknown config key --{key}{hint}"
+
+
+def parse_value(text: str, tp: Any, key: str) -> Any:
+    """Parse a CLI string into the field's annotated type (handles `X | None`)."""
+    args = typing.get_args(tp)
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        if text.lower() in ("none", "null"):
+            return None
+        tp = next(a for a in args if a is not type(None))
+    try:
+        if tp is bool:
+            low = text.lower()
+            if low in ("true", "1", "yes", "on"):
+                return True
+            if low in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if tp is int:
+            return int(text)
+        if tp is float:
+            return float(text)
+        if tp is str:
+            return text
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"unsupported field type {tp} for {key}")
+    raise ConfigError(f"--{key} expects a {tp.__name__}, got {text!r}")
+
+
+def apply_overrides(cfg: ExperimentConfig, overrides: dict[str, str]) -> ExperimentConfig:
+    """Return `cfg` with dotted-key string overrides applied (validated, typed)."""
+    keys = _all_keys(ExperimentConfig)
+    nested: dict[str, dict[str, Any]] = {}
+    top: dict[str, Any] = {}
+    for key, text in overrides.items():
+        if key not in keys:
+            raise ConfigError(_unknown_key_msg(key, keys))
+        value = parse_value(text, _leaf_type(ExperimentConfig, key), key)
+        if "." in key:
+            section, leaf = key.split(".", 1)
+            nested.setdefault(section, {})[leaf] = value
+        else:
+            top[key] = value
+    changes = {s: dataclasses.replace(getattr(cfg, s), **v) for s, v in nested.items()}
+    return dataclasses.replace(cfg, **changes, **top)
+
+
+def config_help() -> str:
+    """Every overridable key with its type, default and help text, grouped by section."""
+    lines = []
+    section = None
+    default_cfg = ExperimentConfig()
+    for key, f in _all_keys(ExperimentConfig).items():
+        sec = key.split(".")[0] if "." in key else ""
+        if sec != section:
+            section = sec
+            lines.append(f"\n[{sec or 'run'}]")
+        obj = default_cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        tp = _leaf_type(ExperimentConfig, key)
+        tname = getattr(tp, "__name__", str(tp)).replace("NoneType", "None")
+        if isinstance(tp, types.UnionType):
+            tname = " | ".join(a.__name__ for a in typing.get_args(tp)).replace("NoneType", "None")
+        lines.append(f"  --{key:<26} {tname:<12} default {obj!r}: {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Presets
+# --------------------------------------------------------------------------------------------
+
+
+def smollm_135m() -> ModelConfig:
+    """SmolLM-135M (HuggingFaceTB): 30 layers, 576 dim, 9 heads, 3 kv heads, ffn 1536, tied."""
+    return ModelConfig(
+        vocab_size=49152,
+        dim=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        ffn_dim=1536,
+        max_seq_len=2048,
+        rope_theta=10000.0,
+        tie_embeddings=True,
+        init_std=0.02,
+    )
+
+
+def smollm_360m() -> ModelConfig:
+    """SmolLM-360M: 32 layers, 960 dim, 15 heads, 5 kv heads, ffn 2560, tied."""
+    return ModelConfig(
+        vocab_size=49152,
+        dim=960,
+        num_layers=32,
+        num_heads=15,
+        num_kv_heads=5,
+        ffn_dim=2560,
+        max_seq_len=2048,
+        rope_theta=10000.0,
+        tie_embeddings=True,
+        init_std=0.02,
+    )
+
+
+def cpu_tiny() -> ExperimentConfig:
+    """~0.33M parameters, byte tokenizer: for tests and the CPU demo (a step takes ~10 ms)."""
+    return ExperimentConfig(
+        name="cpu-tiny",
+        model=ModelConfig(
+            vocab_size=256,
+            dim=96,
+            num_layers=3,
+            num_heads=4,
+            num_kv_heads=2,
+            ffn_dim=256,
+            max_seq_len=128,
+        ),
+        data=DataConfig(seq_len=64),
+        train=TrainConfig(steps=300, batch_size=16, warmup_steps=30, eval_every=50),
+    )
+
+
+def cpu_small() -> ExperimentConfig:
+    """~3M parameters, byte tokenizer: the largest model that trains usefully on 2 CPU cores."""
+    return ExperimentConfig(
+        name="cpu-small",
+        model=ModelConfig(
+            vocab_size=256,
+            dim=256,
+            num_layers=4,
+            num_heads=8,
+            num_kv_heads=4,
+            ffn_dim=688,
+            max_seq_len=256,
+        ),
+        data=DataConfig(seq_len=128),
+        train=TrainConfig(steps=500, batch_size=16, warmup_steps=50, eval_every=100),
+    )
+
+
+def _smollm_run(model: ModelConfig, name: str) -> ExperimentConfig:
+    return ExperimentConfig(
+        name=name,
+        model=model,
+        data=DataConfig(tokenizer="gpt2", seq_len=1024),
+        train=TrainConfig(
+            steps=10000,
+            batch_size=256,
+            num_microbatches=8,
+            warmup_steps=500,
+            lr_schedule="wsd",
+            eval_every=500,
+            ckpt_every=1000,
+            device="cuda",
+            dtype="bfloat16",
+        ),
+    )
+
+
+def smollm_135m_run() -> ExperimentConfig:
+    """SmolLM-135M on GPT-2 tokens (vocab padded to 50304), WSD schedule, for GPUs."""
+    return _smollm_run(dataclasses.replace(smollm_135m(), vocab_size=50304), "smollm-135m")
+
+
+def smollm_360m_run() -> ExperimentConfig:
+    """SmolLM-360M on GPT-2 tokens (vocab padded to 50304), WSD schedule, for GPUs."""
+    return _smollm_run(dataclasses.replace(smollm_360m(), vocab_size=50304), "smollm-360m")
+
+
+PRESETS: dict[str, Callable[[], ExperimentConfig]] = {
+    "cpu-tiny": cpu_tiny,
+    "cpu-small": cpu_small,
+    "smollm-135m": smollm_135m_run,
+    "smollm-360m": smollm_360m_run,
+}
+
+
+def get_preset(name: str) -> ExperimentConfig:
+    """The preset `name`; an unknown name raises ConfigError suggesting the closest one."""
+    if name not in PRESETS:
+        close = difflib.get_close_matches(name, list(PRESETS), n=1, cutoff=0.4)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)}){hint}")
+    return PRESETS[name]()

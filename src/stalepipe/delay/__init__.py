@@ -1,0 +1,1 @@
+"""Gradient-delay policies, mitigations and the single-process delay emulator."""

@@ -1,0 +1,22 @@
+"""LLaMA-style models and their pipeline partition."""
+
+from stalepipe.models.partition import (
+    PipelineStage,
+    StageSpec,
+    partition,
+    split_layers,
+    stage_specs,
+)
+from stalepipe.models.transformer import Transformer, build_model, count_params, flops_per_token
+
+__all__ = [
+    "PipelineStage",
+    "StageSpec",
+    "Transformer",
+    "build_model",
+    "count_params",
+    "flops_per_token",
+    "partition",
+    "split_layers",
+    "stage_specs",
+]

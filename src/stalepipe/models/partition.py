@@ -1,0 +1,131 @@
+"""Split a Transformer into P pipeline stages without renaming a single parameter.
+
+Stage 0 owns the embedding, stage P-1 the final norm and output head; transformer blocks are
+assigned in contiguous runs that balance per-stage forward FLOPs (the head counts towards the
+last stage). With tied embeddings the shared matrix is *owned* by stage 0 (it appears in its
+`named_parameters`) and *used* by stage P-1 too; the delay engine and the pipeline runtime treat
+that use explicitly (GUIDE section 2: never silently diverging).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from stalepipe.config import ConfigError, ModelConfig
+from stalepipe.models.transformer import Transformer, block_flops, head_flops
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Which part of the model stage `stage` of `num_stages` holds."""
+
+    stage: int
+    num_stages: int
+    layers: range
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+def split_layers(cfg: ModelConfig, num_stages: int, seq_len: int | None = None) -> list[range]:
+    """Contiguous block ranges, one per stage, minimising the most expensive stage's FLOPs.
+
+    Every stage gets at least one block. Exact DP over split points: O(P * L^2), L <= ~100.
+    """
+    L = cfg.num_layers
+    if not 1 <= num_stages <= L:
+        raise ConfigError(
+            f"pipeline.num_stages must be in [1, model.num_layers={L}], got {num_stages}"
+        )
+    block = block_flops(cfg, seq_len or cfg.max_seq_len)
+    extra_last = head_flops(cfg)
+
+    def cost(lo: int, hi: int, last: bool) -> int:
+        return (hi - lo) * block + (extra_last if last else 0)
+
+    # best[p][i]: the lexicographically smallest (max stage cost, sum of squared stage costs)
+    # over splits of the first i blocks into p stages; the second key spreads blocks evenly
+    # among stages when the most expensive stage is fixed (e.g. by a large output head).
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * (L + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (L + 1) for _ in range(num_stages + 1)]
+    best[0][0] = (0, 0)
+    for p in range(1, num_stages + 1):
+        last = p == num_stages
+        for i in range(p, L + 1):
+            for j in range(p - 1, i):
+                c = cost(j, i, last)
+                cand = (max(best[p - 1][j][0], c), best[p - 1][j][1] + c * c)
+                if cand < best[p][i]:
+                    best[p][i], cut[p][i] = cand, j
+    bounds = [L]
+    for p in range(num_stages, 0, -1):
+        bounds.append(cut[p][bounds[-1]])
+    bounds.reverse()
+    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
+def stage_specs(cfg: ModelConfig, num_stages: int, seq_len: int | None = None) -> list[StageSpec]:
+    """The `StageSpec` of every stage."""
+    return [
+        StageSpec(s, num_stages, r) for s, r in enumerate(split_layers(cfg, num_stages, seq_len))
+    ]
+
+
+class PipelineStage(nn.Module):
+    """A view of part of a `Transformer`: it shares (not copies) the model's modules and keeps
+    their global names, e.g. `layers.3.attn.wq.weight`.
+
+    forward(x, targets): stage 0 takes token ids, later stages hidden states (B, T, D); the last
+    stage returns the loss when targets are given, logits otherwise; others return hidden states.
+    """
+
+    def __init__(self, model: Transformer, spec: StageSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.rope = model.rope
+        if spec.is_first:
+            self.tok_emb = model.tok_emb
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in spec.layers})
+        if spec.is_last:
+            self.norm = model.norm
+            self.lm_head = model.lm_head
+        self._head_fn = model.head if spec.is_last else None
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if self.spec.is_first:
+            x = self.tok_emb(x)
+        for block in self.layers.values():
+            x = block(x, self.rope)
+        if self.spec.is_last:
+            return self._head_fn(x, targets)
+        return x
+
+    def owned_parameters(self) -> dict[str, nn.Parameter]:
+        """Parameters this stage owns; a tied head weight is owned by stage 0, not here."""
+        return dict(self.named_parameters())
+
+
+def partition(
+    model: Transformer, num_stages: int, seq_len: int | None = None
+) -> list[PipelineStage]:
+    """Split `model` into `num_stages` stages sharing its modules. Every parameter is owned by
+    exactly one stage under its original name."""
+    return [PipelineStage(model, spec) for spec in stage_specs(model.cfg, num_stages, seq_len)]
+
+
+def stage_of_parameters(model: Transformer, num_stages: int) -> dict[str, int]:
+    """Map each global parameter name to the stage that owns it."""
+    owner: dict[str, int] = {}
+    for stage in partition(model, num_stages):
+        for name in stage.owned_parameters():
+            owner.setdefault(name, stage.spec.stage)
+    return owner
