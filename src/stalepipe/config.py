@@ -19,8 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from stalepipe.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A bad configuration value; the message names the field and what it accepts."""
 
 
