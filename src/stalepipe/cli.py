@@ -1,0 +1,165 @@
+"""`stalepipe <command>`: the command-line interface. Every command has --help.
+
+Bad input prints one line (`stalepipe: error: ...`) and exits with status 2; nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from stalepipe.config import (
+    PRESETS,
+    ConfigError,
+    ExperimentConfig,
+    apply_overrides,
+    config_help,
+    get_preset,
+)
+from stalepipe.errors import UserError
+
+
+def parse_overrides(tokens: Sequence[str]) -> dict[str, str]:
+    """`--a.b 1 --c=2` -> {"a.b": "1", "c": "2"}; anything else is a usage error."""
+    out: dict[str, str] = {}
+    it = iter(tokens)
+    for tok in it:
+        if not tok.startswith("--") or tok == "--":
+            raise ConfigError(f"unexpected argument {tok!r}; overrides look like --train.steps 100")
+        key = tok[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+        else:
+            value = next(it, None)
+            if value is None:
+                raise ConfigError(f"--{key} needs a value")
+        out[key] = value
+    return out
+
+
+def build_config(preset: str | None, config_file: str | None, overrides: dict[str, str]) -> ExperimentConfig:
+    """Preset (or a saved config.json, or the defaults) with dotted overrides applied."""
+    import json
+
+    if preset and config_file:
+        raise ConfigError("--preset and --config exclude each other; pick one")
+    if config_file:
+        try:
+            with open(config_file) as f:
+                cfg = ExperimentConfig.from_dict(json.load(f))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {config_file} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {config_file} is not valid JSON ({e.msg}, line {e.lineno})") from None
+    else:
+        cfg = get_preset(preset) if preset else ExperimentConfig()
+    return apply_overrides(cfg, overrides)
+
+
+# ------------------------------------------------------------------------------------------
+# commands
+# ------------------------------------------------------------------------------------------
+
+
+def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.train.loop import train
+
+    cfg = build_config(args.preset, args.config, parse_overrides(extra))
+    if args.name:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, name=args.name)
+    if args.print_config:
+        print(cfg.to_json())
+        return 0
+    result = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    print(f"done: {result.steps} steps in {result.wall_time_s:.1f}s ({result.tokens_per_s:,.0f} tok/s); "
+          f"final train loss {result.final_train_loss:.4f}, val loss {result.final_val_loss:.4f}; "
+          f"run directory {result.run_dir}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.models import count_params, flops_per_token, split_layers
+
+    cfg = build_config(args.preset, args.config, parse_overrides(extra))
+    m = cfg.model
+    counts = count_params(m)
+    flops = flops_per_token(m, cfg.data.seq_len)
+    print(f"model: {m.num_layers} layers, dim {m.dim}, {m.num_heads} heads / {m.num_kv_heads} kv heads, "
+          f"ffn {m.ffn_dim}, vocab {m.vocab_size}, tied={m.tie_embeddings}")
+    print("parameters: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
+    print(f"training FLOPs per token at seq {cfg.data.seq_len}: {flops['total']:,} "
+          f"(forward {flops['forward']:,})")
+    P = cfg.pipeline.num_stages
+    print(f"{P}-stage split (blocks per stage): "
+          + ", ".join(f"s{s}: {r.start}-{r.stop - 1}" for s, r in enumerate(split_layers(m, P))))
+    return 0
+
+
+def cmd_presets(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.models import count_params
+
+    for name, fn in PRESETS.items():
+        cfg = fn()
+        n = count_params(cfg.model)["total"]
+        print(f"{name:<14} {n / 1e6:8.2f}M params  {(fn.__doc__ or '').strip().splitlines()[0]}")
+    return 0
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", help=f"start from a preset: {', '.join(PRESETS)}")
+    p.add_argument("--config", help="start from a config.json (e.g. a run's own)")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stalepipe",
+        description="Asynchronous pipeline-parallel LLM pretraining and gradient-delay studies.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "train", help="train a model (any config field can be overridden)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a model. Override any config field with --section.field VALUE, e.g.\n"
+                    "  stalepipe train --preset cpu-small --optim.lr 3e-3 --train.steps 200",
+        epilog="config fields:" + config_help(),
+    )
+    _add_config_args(p)
+    p.add_argument("--name", help="run name (same as --name in the config)")
+    p.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="delete an existing run of this name first")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("info", help="parameter / FLOP counts and the stage split of a config")
+    _add_config_args(p)
+    p.set_defaults(fn=cmd_info)
+
+    p = sub.add_parser("presets", help="list the built-in presets")
+    p.set_defaults(fn=cmd_presets)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `stalepipe` console script."""
+    parser = make_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.fn not in (cmd_train, cmd_info):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return args.fn(args, extra) or 0
+    except UserError as e:
+        print(f"stalepipe: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("stalepipe: interrupted; the last checkpoint is kept", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Run directories: `runs/<name>/` with config.json, meta.json, metrics.jsonl and checkpoints.
+
+Reports read only these files. Opening a run directory decides between a fresh start, a resume
+and a refusal, so that nothing already saved is ever overwritten by accident.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import stalepipe
+from stalepipe.config import ExperimentConfig
+from stalepipe.errors import UserError
+
+# Fields that may differ between a run and its resumption without changing the trajectory.
+RESUMABLE_CHANGES = {
+    "train.progress", "train.log_every", "train.ckpt_every", "train.keep_last", "train.threads",
+    "train.eval_every", "train.eval_batches", "out_dir",
+}
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Dotted keys whose values differ, ignoring fields in RESUMABLE_CHANGES."""
+    a, b = _flatten(saved), _flatten(current)
+    keys = sorted(set(a) | set(b))
+    return [k for k in keys if k not in RESUMABLE_CHANGES and a.get(k) != b.get(k)]
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5, cwd=Path(stalepipe.__file__).parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def open_run_dir(cfg: ExperimentConfig, *, resume: bool, overwrite: bool) -> Path:
+    """Create or reopen `cfg.out_dir/cfg.name` and write config.json and meta.json.
+
+    - new directory: start fresh;
+    - existing run without --resume / --overwrite: refuse (UserError), touching nothing;
+    - --resume: the saved config must match `cfg` except for RESUMABLE_CHANGES;
+    - --overwrite: delete the old run first.
+    """
+    if resume and overwrite:
+        raise UserError("--resume and --overwrite exclude each other; pick one")
+    run_dir = Path(cfg.out_dir) / cfg.name
+    saved_cfg = run_dir / "config.json"
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if overwrite:
+            shutil.rmtree(run_dir)
+        elif not resume:
+            raise UserError(
+                f"run directory {run_dir} already exists; pass --resume to continue it, "
+                f"--overwrite to replace it, or choose another --name"
+            )
+        elif saved_cfg.is_file():
+            try:
+                saved = json.loads(saved_cfg.read_text())
+            except json.JSONDecodeError:
+                raise UserError(f"{saved_cfg} is corrupt; fix it or start over with --overwrite") from None
+            diff = config_diff(saved, cfg.to_dict())
+            if diff:
+                shown = ", ".join(f"{k}: {_flatten(saved).get(k)!r} -> {_flatten(cfg.to_dict()).get(k)!r}"
+                                  for k in diff[:3])
+                raise UserError(
+                    f"--resume with a different config ({shown}); resume with the run's own "
+                    f"settings (stalepipe train --config {saved_cfg} --resume) or use a new --name"
+                )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(saved_cfg, cfg.to_dict())
+    meta = {
+        "stalepipe": stalepipe.__version__,
+        "git_commit": git_commit(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "host": socket.gethostname(),
+        "argv": sys.argv,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "resumed": bool(resume),
+    }
+    write_json_atomic(run_dir / "meta.json", meta)
+    return run_dir
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to metrics.jsonl. On resume, lines from steps at or
+    after the resume point are dropped first, so the file reads as one uninterrupted run."""
+
+    def __init__(self, run_dir: Path, start_step: int) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        if self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and _step_of(line) < start_step]
+            write_text_atomic(self.path, "".join(line + "\n" for line in kept))
+        self._f = open(self.path, "a")  # noqa: SIM115 - closed in close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", -1))
+    except (json.JSONDecodeError, TypeError, ValueError):
+        return 1 << 62  # a torn last line from a crash: drop it
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """All records of a run's metrics.jsonl (a torn final line is skipped)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
