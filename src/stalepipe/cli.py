@@ -39,7 +39,9 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def build_config(preset: str | None, config_file: str | None, overrides: dict[str, str]) -> ExperimentConfig:
+def build_config(
+    preset: str | None, config_file: str | None, overrides: dict[str, str]
+) -> ExperimentConfig:
     """Preset (or a saved config.json, or the defaults) with dotted overrides applied."""
     import json
 
@@ -52,7 +54,9 @@ def build_config(preset: str | None, config_file: str | None, overrides: dict[st
         except FileNotFoundError:
             raise ConfigError(f"config file {config_file} does not exist") from None
         except json.JSONDecodeError as e:
-            raise ConfigError(f"config file {config_file} is not valid JSON ({e.msg}, line {e.lineno})") from None
+            raise ConfigError(
+                f"config file {config_file} is not valid JSON ({e.msg}, line {e.lineno})"
+            ) from None
     else:
         cfg = get_preset(preset) if preset else ExperimentConfig()
     return apply_overrides(cfg, overrides)
@@ -75,9 +79,11 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         print(cfg.to_json())
         return 0
     result = train(cfg, resume=args.resume, overwrite=args.overwrite)
-    print(f"done: {result.steps} steps in {result.wall_time_s:.1f}s ({result.tokens_per_s:,.0f} tok/s); "
-          f"final train loss {result.final_train_loss:.4f}, val loss {result.final_val_loss:.4f}; "
-          f"run directory {result.run_dir}")
+    print(
+        f"done: {result.steps} steps in {result.wall_time_s:.1f}s ({result.tokens_per_s:,.0f} tok/s); "
+        f"final train loss {result.final_train_loss:.4f}, val loss {result.final_val_loss:.4f}; "
+        f"run directory {result.run_dir}"
+    )
     return 0
 
 
@@ -88,14 +94,20 @@ def cmd_info(args: argparse.Namespace, extra: list[str]) -> int:
     m = cfg.model
     counts = count_params(m)
     flops = flops_per_token(m, cfg.data.seq_len)
-    print(f"model: {m.num_layers} layers, dim {m.dim}, {m.num_heads} heads / {m.num_kv_heads} kv heads, "
-          f"ffn {m.ffn_dim}, vocab {m.vocab_size}, tied={m.tie_embeddings}")
+    print(
+        f"model: {m.num_layers} layers, dim {m.dim}, {m.num_heads} heads / {m.num_kv_heads} kv heads, "
+        f"ffn {m.ffn_dim}, vocab {m.vocab_size}, tied={m.tie_embeddings}"
+    )
     print("parameters: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
-    print(f"training FLOPs per token at seq {cfg.data.seq_len}: {flops['total']:,} "
-          f"(forward {flops['forward']:,})")
+    print(
+        f"training FLOPs per token at seq {cfg.data.seq_len}: {flops['total']:,} "
+        f"(forward {flops['forward']:,})"
+    )
     P = cfg.pipeline.num_stages
-    print(f"{P}-stage split (blocks per stage): "
-          + ", ".join(f"s{s}: {r.start}-{r.stop - 1}" for s, r in enumerate(split_layers(m, P))))
+    print(
+        f"{P}-stage split (blocks per stage): "
+        + ", ".join(f"s{s}: {r.start}-{r.stop - 1}" for s, r in enumerate(split_layers(m, P)))
+    )
     return 0
 
 
@@ -122,16 +134,21 @@ def make_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser(
-        "train", help="train a model (any config field can be overridden)",
+        "train",
+        help="train a model (any config field can be overridden)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a model. Override any config field with --section.field VALUE, e.g.\n"
-                    "  stalepipe train --preset cpu-small --optim.lr 3e-3 --train.steps 200",
+        "  stalepipe train --preset cpu-small --optim.lr 3e-3 --train.steps 200",
         epilog="config fields:" + config_help(),
     )
     _add_config_args(p)
     p.add_argument("--name", help="run name (same as --name in the config)")
-    p.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
-    p.add_argument("--overwrite", action="store_true", help="delete an existing run of this name first")
+    p.add_argument(
+        "--resume", action="store_true", help="continue the run from its last checkpoint"
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="delete an existing run of this name first"
+    )
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.set_defaults(fn=cmd_train)
 

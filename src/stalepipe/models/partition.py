@@ -99,6 +99,7 @@ class PipelineStage(nn.Module):
             self.norm = model.norm
             self.lm_head = model.lm_head
         self._head_fn = model.head if spec.is_last else None
+        self.tied = model.cfg.tie_embeddings  # the head uses stage 0's embedding matrix
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if self.spec.is_first:
@@ -111,7 +112,10 @@ class PipelineStage(nn.Module):
 
     def owned_parameters(self) -> dict[str, nn.Parameter]:
         """Parameters this stage owns; a tied head weight is owned by stage 0, not here."""
-        return dict(self.named_parameters())
+        owned = dict(self.named_parameters())
+        if self.tied and self.spec.is_last and not self.spec.is_first:
+            owned.pop("lm_head.weight", None)
+        return owned
 
 
 def partition(

@@ -78,7 +78,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def load_model_state(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], path: Path) -> None:
+def load_model_state(
+    model: torch.nn.Module, state_dict: dict[str, torch.Tensor], path: Path
+) -> None:
     """Load weights strictly; a shape or name mismatch raises CheckpointError with the fix."""
     own = model.state_dict()
     missing = sorted(set(own) - set(state_dict))
@@ -86,10 +88,12 @@ def load_model_state(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]
     wrong = [k for k in own if k in state_dict and own[k].shape != state_dict[k].shape]
     if missing or unexpected or wrong:
         detail = (
-            f"missing {missing[:3]}" if missing
-            else f"unexpected {unexpected[:3]}" if unexpected
+            f"missing {missing[:3]}"
+            if missing
+            else f"unexpected {unexpected[:3]}"
+            if unexpected
             else f"shape of {wrong[0]}: checkpoint {tuple(state_dict[wrong[0]].shape)} vs model "
-                 f"{tuple(own[wrong[0]].shape)}"
+            f"{tuple(own[wrong[0]].shape)}"
         )
         raise CheckpointError(
             f"checkpoint {path} does not match the model config ({detail}); use the run's own "

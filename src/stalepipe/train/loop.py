@@ -23,7 +23,12 @@ from stalepipe.errors import TrainingError
 from stalepipe.models import Transformer, build_model
 from stalepipe.optim import build_optimizer, resolve_config
 from stalepipe.optim.schedules import apply_lr, lr_multiplier, set_peak_lr
-from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint, load_model_state, save_checkpoint
+from stalepipe.train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    load_model_state,
+    save_checkpoint,
+)
 from stalepipe.train.progress import Progress
 from stalepipe.train.rundir import MetricsWriter, open_run_dir
 
@@ -60,8 +65,14 @@ def forward_backward(model: torch.nn.Module, microbatches: Microbatches) -> floa
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, loader: TokenLoader, num_batches: int, batch_size: int,
-             device: torch.device, autocast: contextlib.AbstractContextManager) -> float:
+def evaluate(
+    model: Transformer,
+    loader: TokenLoader,
+    num_batches: int,
+    batch_size: int,
+    device: torch.device,
+    autocast: contextlib.AbstractContextManager,
+) -> float:
     """Mean loss over the first `num_batches` validation batches (the same ones every time)."""
     was_training = model.training
     model.eval()
@@ -80,8 +91,9 @@ def _autocast(cfg: ExperimentConfig, device: torch.device) -> contextlib.Abstrac
     return contextlib.nullcontext()
 
 
-def train(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False,
-          verbose: bool = True) -> TrainResult:
+def train(
+    cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False, verbose: bool = True
+) -> TrainResult:
     """Train `cfg` end to end in `cfg.out_dir/cfg.name`; see the module docstring."""
     tc = cfg.train
     if tc.threads:
@@ -127,13 +139,20 @@ def train(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = Fals
             with autocast:
                 loss = forward_backward(model, micro)
             if not math.isfinite(loss):
-                where = f"last good checkpoint: {last_ckpt}" if last_ckpt else "no checkpoint was written"
+                where = (
+                    f"last good checkpoint: {last_ckpt}"
+                    if last_ckpt
+                    else "no checkpoint was written"
+                )
                 raise TrainingError(
                     f"non-finite loss ({loss}) at step {step}; {where}. Lower --optim.lr, enable "
                     f"--train.grad_clip, or resume from the checkpoint with a smaller LR"
                 )
-            grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip).item()
-                         if tc.grad_clip > 0 else math.nan)
+            grad_norm = (
+                torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip).item()
+                if tc.grad_clip > 0
+                else math.nan
+            )
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss)
@@ -143,31 +162,47 @@ def train(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = Fals
             record: dict[str, Any] = {"step": step, "loss": loss}
             if done % tc.log_every == 0 or done == tc.steps:
                 elapsed = time.perf_counter() - t0
-                record.update(lr=optimizer.param_groups[0]["lr"], lr_mult=lr_mult,
-                              grad_norm=grad_norm, tokens=done * tokens_per_step,
-                              tokens_per_s=(done - start) * tokens_per_step / max(elapsed, 1e-9))
+                record.update(
+                    lr=optimizer.param_groups[0]["lr"],
+                    lr_mult=lr_mult,
+                    grad_norm=grad_norm,
+                    tokens=done * tokens_per_step,
+                    tokens_per_s=(done - start) * tokens_per_step / max(elapsed, 1e-9),
+                )
             if (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps:
-                val_loss = evaluate(model, val_data, tc.eval_batches, tc.batch_size, device,
-                                    autocast)
+                val_loss = evaluate(
+                    model, val_data, tc.eval_batches, tc.batch_size, device, autocast
+                )
                 record["val_loss"] = val_loss
             metrics.write(record)
-            progress.update(loss=loss, val_loss=val_loss,
-                            tok_s=(done - start) * tokens_per_step / max(time.perf_counter() - t0, 1e-9))
+            progress.update(
+                loss=loss,
+                val_loss=val_loss,
+                tok_s=(done - start) * tokens_per_step / max(time.perf_counter() - t0, 1e-9),
+            )
             if (tc.ckpt_every and done % tc.ckpt_every == 0) or done == tc.steps:
-                last_ckpt = save_checkpoint(run_dir, done, {
-                    "config": cfg.to_dict(),
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "rng": torch.get_rng_state(),
-                }, tc.keep_last)
+                last_ckpt = save_checkpoint(
+                    run_dir,
+                    done,
+                    {
+                        "config": cfg.to_dict(),
+                        "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "rng": torch.get_rng_state(),
+                    },
+                    tc.keep_last,
+                )
     finally:
         progress.close()
         metrics.close()
     wall = time.perf_counter() - t0
     return TrainResult(
-        run_dir=run_dir, steps=tc.steps,
+        run_dir=run_dir,
+        steps=tc.steps,
         final_train_loss=losses[-1] if losses else math.nan,
-        final_val_loss=val_loss, train_losses=losses, wall_time_s=wall,
+        final_val_loss=val_loss,
+        train_losses=losses,
+        wall_time_s=wall,
         tokens_per_s=(tc.steps - start) * tokens_per_step / max(wall, 1e-9),
     )
 

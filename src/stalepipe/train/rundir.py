@@ -25,8 +25,14 @@ from stalepipe.errors import UserError
 
 # Fields that may differ between a run and its resumption without changing the trajectory.
 RESUMABLE_CHANGES = {
-    "train.progress", "train.log_every", "train.ckpt_every", "train.keep_last", "train.threads",
-    "train.eval_every", "train.eval_batches", "out_dir",
+    "train.progress",
+    "train.log_every",
+    "train.ckpt_every",
+    "train.keep_last",
+    "train.threads",
+    "train.eval_every",
+    "train.eval_batches",
+    "out_dir",
 }
 
 
@@ -49,8 +55,13 @@ def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
 
 def git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=5, cwd=Path(stalepipe.__file__).parent)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(stalepipe.__file__).parent,
+        )
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -86,11 +97,15 @@ def open_run_dir(cfg: ExperimentConfig, *, resume: bool, overwrite: bool) -> Pat
             try:
                 saved = json.loads(saved_cfg.read_text())
             except json.JSONDecodeError:
-                raise UserError(f"{saved_cfg} is corrupt; fix it or start over with --overwrite") from None
+                raise UserError(
+                    f"{saved_cfg} is corrupt; fix it or start over with --overwrite"
+                ) from None
             diff = config_diff(saved, cfg.to_dict())
             if diff:
-                shown = ", ".join(f"{k}: {_flatten(saved).get(k)!r} -> {_flatten(cfg.to_dict()).get(k)!r}"
-                                  for k in diff[:3])
+                shown = ", ".join(
+                    f"{k}: {_flatten(saved).get(k)!r} -> {_flatten(cfg.to_dict()).get(k)!r}"
+                    for k in diff[:3]
+                )
                 raise UserError(
                     f"--resume with a different config ({shown}); resume with the run's own "
                     f"settings (stalepipe train --config {saved_cfg} --resume) or use a new --name"
@@ -119,8 +134,11 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, start_step: int) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and _step_of(line) < start_step]
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line.strip() and _step_of(line) < start_step
+            ]
             write_text_atomic(self.path, "".join(line + "\n" for line in kept))
         self._f = open(self.path, "a")  # noqa: SIM115 - closed in close()
 

@@ -1,0 +1,51 @@
+"""Partition: every parameter owned exactly once under its global name; stages compose."""
+
+import pytest
+import torch
+
+from stalepipe.config import ConfigError, ModelConfig, smollm_135m
+from stalepipe.models import build_model, partition, split_layers
+
+CFG = ModelConfig(
+    vocab_size=128, dim=32, num_layers=6, num_heads=4, num_kv_heads=2, ffn_dim=64, max_seq_len=16
+)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 6])
+def test_every_parameter_exactly_once_with_global_names(P, tied):
+    model = build_model(ModelConfig(**{**CFG.__dict__, "tie_embeddings": tied}), seed=0)
+    stages = partition(model, P)
+    owned = [(name, p) for s in stages for name, p in s.owned_parameters().items()]
+    names = [n for n, _ in owned]
+    assert len(names) == len(set(names))
+    assert dict(model.named_parameters()).keys() == set(names)
+    for name, p in owned:
+        assert dict(model.named_parameters())[name] is p  # shared, not copied
+    assert "tok_emb.weight" in stages[0].owned_parameters()
+    assert "norm.weight" in stages[-1].owned_parameters()
+    if not tied:
+        assert "lm_head.weight" in stages[-1].owned_parameters()
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 6])
+def test_stages_compose_to_the_model(P):
+    model = build_model(CFG, seed=0)
+    x = torch.randint(0, 128, (2, 16))
+    h = x
+    for stage in partition(model, P):
+        h = stage(h, x if stage.spec.is_last else None)
+    torch.testing.assert_close(h, model(x, x), rtol=0, atol=0)
+
+
+def test_blocks_contiguous_and_balanced():
+    ranges = split_layers(CFG, 3)
+    assert [r.start for r in ranges] == [0, 2, 4] and ranges[-1].stop == 6
+    big = split_layers(smollm_135m(), 4)
+    assert sum(len(r) for r in big) == 30
+    assert len(big[-1]) < len(big[0])  # the last stage also carries the large output head
+
+
+def test_more_stages_than_layers_is_refused():
+    with pytest.raises(ConfigError, match="num_stages"):
+        split_layers(CFG, 7)
