@@ -211,18 +211,34 @@ class DelayConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
-    """How the model is split into stages (the emulator uses this too: staleness is per stage)."""
+    """How the model is split into stages, and which engine runs them.
+
+    The emulator (engine=emulate) uses `num_stages` for per-stage staleness in one process; the
+    distributed runtime (engine=distributed) runs one process per stage (times `data_parallel`).
+    """
 
     num_stages: int = _f(1, "pipeline stages P (<= model.num_layers)")
+    engine: str = _f("emulate", "emulate (one process) | distributed (one process per stage)")
     schedule: str = _f("1f1b", "runtime schedule: gpipe | 1f1b | 2bw | pipedream")
+    data_parallel: int = _f(1, "data-parallel replicas of each stage (distributed engine)")
     backend: str = _f("auto", "torch.distributed backend: auto | gloo | nccl")
+    timeout_s: float = _f(120.0, "seconds a rank waits for a peer before failing the run")
 
     def __post_init__(self) -> None:
         _check(self.num_stages >= 1, f"pipeline.num_stages must be >= 1, got {self.num_stages}")
         _check(
+            self.engine in ("emulate", "distributed"),
+            f"pipeline.engine must be emulate or distributed; got {self.engine!r}",
+        )
+        _check(
+            self.data_parallel >= 1,
+            f"pipeline.data_parallel must be >= 1, got {self.data_parallel}",
+        )
+        _check(
             self.backend in ("auto", "gloo", "nccl"),
             f"pipeline.backend must be auto, gloo or nccl; got {self.backend!r}",
         )
+        _check(self.timeout_s > 0, f"pipeline.timeout_s must be > 0, got {self.timeout_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
