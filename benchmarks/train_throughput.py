@@ -1,0 +1,82 @@
+"""Tokens/s of stalepipe's training loop vs a minimal hand-written PyTorch loop.
+
+Both train the same model on the same batches with AdamW, gradient clipping and the same
+microbatching, in this one process, alternating rounds so that machine noise hits both alike.
+The ratio is what matters (goal >= 0.95); absolute numbers depend on the machine.
+
+    python benchmarks/train_throughput.py [--preset cpu-small] [--steps 30] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import tempfile
+import time
+
+import torch
+
+from stalepipe.config import apply_overrides, get_preset
+from stalepipe.data import TokenLoader, ensure_prepared
+from stalepipe.models import build_model
+from stalepipe.train.loop import train
+from stalepipe.train.rundir import read_metrics
+
+
+def hand_written(cfg, data_dir: str, steps: int) -> float:
+    """The loop a researcher writes in ten minutes; returns tokens/s."""
+    tc = cfg.train
+    loader = TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.data.seed)
+    model = build_model(cfg.model, tc.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr or 1e-3, betas=(0.9, 0.95),
+                            weight_decay=0.1)
+    m = tc.num_microbatches
+    t0 = time.perf_counter()
+    for step in range(steps):
+        x, y = loader.batch(step, tc.batch_size)
+        for xm, ym in zip(x.chunk(m), y.chunk(m)):
+            (model(xm, ym) / m).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return steps * tc.batch_size * cfg.data.seq_len / (time.perf_counter() - t0)
+
+
+def stalepipe_loop(cfg, steps: int, out_dir: str, round_: int) -> float:
+    """stalepipe's `train` with logging, the delay engine (sync) and metrics; returns tokens/s
+    as the loop measures it before its final evaluation and checkpoint."""
+    run = dataclasses.replace(cfg, name=f"bench{round_}", out_dir=out_dir)
+    run = apply_overrides(run, {"train.steps": str(steps), "train.log_every": str(steps),
+                                "train.eval_every": "0", "train.progress": "false"})
+    train(run, verbose=False)
+    return read_metrics(f"{out_dir}/bench{round_}")[-1]["tokens_per_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="cpu-small")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = get_preset(args.preset)
+    data_dir = str(ensure_prepared(cfg.data))
+    ours, theirs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            theirs.append(hand_written(cfg, data_dir, args.steps))
+            ours.append(stalepipe_loop(cfg, args.steps, tmp, r))
+    mo, mt = statistics.median(ours), statistics.median(theirs)
+    print(f"preset {args.preset}, {args.steps} steps x {args.rounds} rounds, "
+          f"batch {cfg.train.batch_size} x seq {cfg.data.seq_len}, threads {torch.get_num_threads()}")
+    print(f"{'loop':<22}{'tokens/s (median)':>20}{'rounds':>40}")
+    print(f"{'hand-written PyTorch':<22}{mt:>20,.0f}{str([round(t) for t in theirs]):>40}")
+    print(f"{'stalepipe train':<22}{mo:>20,.0f}{str([round(t) for t in ours]):>40}")
+    print(f"ratio stalepipe / hand-written: {mo / mt:.3f}  (goal >= 0.95)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Shared fixtures: a prepared excerpt corpus (byte tokenizer) and a tiny experiment config."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from stalepipe.config import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
+
+# Several processes share 2 cores in CI: one thread each keeps runs fast and deterministic.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def excerpt_data_dir(tmp_path_factory) -> str:
+    """Token shards of the packaged Shakespeare excerpt, byte tokenizer (prepared once)."""
+    from stalepipe.data import prepare_corpus
+
+    out = tmp_path_factory.mktemp("data") / "excerpt-byte"
+    cfg = DataConfig(corpus="excerpt", tokenizer="byte", data_dir=str(out))
+    return str(prepare_corpus(cfg, progress=False))
+
+
+@pytest.fixture
+def tiny_config(tmp_path, excerpt_data_dir) -> ExperimentConfig:
+    """A 2-layer, dim-64 model on the excerpt: a step takes a few milliseconds."""
+    return ExperimentConfig(
+        name="tiny",
+        out_dir=str(tmp_path / "runs"),
+        model=ModelConfig(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                          ffn_dim=128, max_seq_len=32),
+        data=DataConfig(corpus="excerpt", data_dir=excerpt_data_dir, seq_len=32),
+        train=TrainConfig(steps=12, batch_size=4, num_microbatches=2, warmup_steps=2,
+                          eval_every=6, eval_batches=2, log_every=1, progress=False),
+    )

@@ -1,0 +1,58 @@
+"""CLI: a smoke run, help text, and one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from stalepipe.cli import main
+
+
+def _train_args(tiny_config, *extra):
+    m = tiny_config.model
+    return ["train", "--preset", "cpu-tiny", "--out_dir", tiny_config.out_dir,
+            "--data.corpus", "excerpt", "--data.data_dir", tiny_config.data.data_dir,
+            "--data.seq_len", "32", "--model.dim", str(m.dim), "--model.num_layers", "2",
+            "--train.batch_size", "4", "--train.eval_batches", "1", "--train.progress", "false",
+            *extra]
+
+
+def test_train_smoke(tiny_config, capsys):
+    assert main(_train_args(tiny_config, "--train.steps", "3", "--name", "smoke")) == 0
+    out = capsys.readouterr().out
+    assert "done: 3 steps" in out and "val loss" in out
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["train", "--preset", "cpu-tinny"], "unknown preset 'cpu-tinny'"),
+    (["train", "--optim.lrr", "1"], "did you mean --optim.lr"),
+    (["train", "--optim.lr", "-1"], "optim.lr must be > 0"),
+    (["train", "--train.batch_size", "10", "--train.num_microbatches", "3"], "divisible"),
+    (["train", "--pipeline.num_stages", "99"], "num_stages"),
+    (["train", "--config", "/nonexistent/config.json"], "does not exist"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_existing_run_is_refused(tiny_config, capsys):
+    args = _train_args(tiny_config, "--train.steps", "1", "--name", "again")
+    assert main(args) == 0
+    assert main(args) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_help_documents_fields(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    assert "--optim.lr" in capsys.readouterr().out
+
+
+def test_info_and_presets(capsys):
+    assert main(["info", "--preset", "smollm-360m", "--pipeline.num_stages", "4"]) == 0
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    assert "4-stage split" in out and "cpu-tiny" in out

@@ -1,0 +1,122 @@
+"""Training loop: it learns, resumes bit for bit, and refuses bad input without losing data."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from stalepipe.errors import CheckpointError, TrainingError, UserError
+from stalepipe.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from stalepipe.train.loop import train
+from stalepipe.train.rundir import read_metrics
+
+
+def _with(cfg, **sections):
+    changes = {k: dataclasses.replace(getattr(cfg, k), **v) if isinstance(v, dict) else v
+               for k, v in sections.items()}
+    return dataclasses.replace(cfg, **changes)
+
+
+def test_loss_falls_and_run_directory_is_complete(tiny_config):
+    cfg = _with(tiny_config, train={"steps": 30, "eval_every": 10}, optim={"lr": 3e-3})
+    result = train(cfg, verbose=False)
+    assert result.train_losses[-1] < result.train_losses[0] - 0.5
+    run = result.run_dir
+    assert {"config.json", "meta.json", "metrics.jsonl"} <= {p.name for p in run.iterdir()}
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["optim"]["lr"] == 3e-3 and saved["optim"]["beta1"] is not None  # resolved
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == list(range(30))
+    assert [r["step"] for r in records if "val_loss" in r] == [9, 19, 29]
+    assert latest_checkpoint(run).name == "ckpt_00000030.pt"
+
+
+def test_resume_equals_uninterrupted_bitwise(tiny_config, tmp_path):
+    cfg = _with(tiny_config, train={"ckpt_every": 5, "keep_last": 5})
+    full = train(cfg, verbose=False)
+    # Simulate a crash right after the step-10 checkpoint: drop what came later, then resume.
+    crashed = tmp_path / "crashed"
+    shutil.copytree(full.run_dir, crashed / cfg.name)
+    (crashed / cfg.name / "ckpt_00000012.pt").unlink()
+    resumed = train(dataclasses.replace(cfg, out_dir=str(crashed)), resume=True, verbose=False)
+
+    a = load_checkpoint(latest_checkpoint(full.run_dir))
+    b = load_checkpoint(latest_checkpoint(resumed.run_dir))
+    assert a["step"] == b["step"] == 12
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert resumed.train_losses == full.train_losses[10:]
+    assert read_metrics(full.run_dir) == _without_time(read_metrics(resumed.run_dir), read_metrics(full.run_dir))
+
+
+def _without_time(resumed, full):
+    # tokens/s and timing differ between runs; everything else must be identical
+    def strip(r):
+        return {k: v for k, v in r.items() if k != "tokens_per_s"}
+
+    assert [strip(r) for r in resumed] == [strip(r) for r in full]
+    return full
+
+
+def test_existing_run_directory_is_refused_and_untouched(tiny_config):
+    first = train(_with(tiny_config, train={"steps": 2}), verbose=False)
+    before = {p.name: p.stat().st_mtime_ns for p in first.run_dir.iterdir()}
+    with pytest.raises(UserError, match="--resume .* --overwrite"):
+        train(_with(tiny_config, train={"steps": 2}), verbose=False)
+    assert {p.name: p.stat().st_mtime_ns for p in first.run_dir.iterdir()} == before
+    again = train(_with(tiny_config, train={"steps": 2}), overwrite=True, verbose=False)
+    assert again.steps == 2
+
+
+def test_resume_with_a_different_config_is_refused(tiny_config):
+    train(_with(tiny_config, train={"steps": 2}), verbose=False)
+    with pytest.raises(UserError, match="optim.lr"):
+        train(_with(tiny_config, train={"steps": 2}, optim={"lr": 0.5}), resume=True, verbose=False)
+
+
+def test_corrupt_checkpoint_is_reported_with_the_fix(tiny_config):
+    run = train(_with(tiny_config, train={"steps": 4, "ckpt_every": 2}), verbose=False).run_dir
+    last = list_checkpoints(run)[-1]
+    last.write_bytes(last.read_bytes()[:100])  # truncated by a crash of the disk, say
+    with pytest.raises(CheckpointError, match="corrupt.*delete it"):
+        train(_with(tiny_config, train={"steps": 4, "ckpt_every": 2}), resume=True, verbose=False)
+    assert last.exists()  # nothing deleted behind the user's back
+
+
+def test_checkpoint_of_another_model_is_refused(tiny_config, tmp_path):
+    from stalepipe.models import build_model
+    from stalepipe.train.checkpoint import load_model_state
+
+    run = train(_with(tiny_config, train={"steps": 2}), verbose=False).run_dir
+    state = load_checkpoint(latest_checkpoint(run))
+    other = build_model(dataclasses.replace(tiny_config.model, dim=32, num_heads=2, num_kv_heads=1), 0)
+    with pytest.raises(CheckpointError, match="does not match the model config"):
+        load_model_state(other, state["model"], latest_checkpoint(run))
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"hello": 1}, foreign)
+    with pytest.raises(CheckpointError, match="not a stalepipe checkpoint"):
+        load_checkpoint(foreign)
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_config):
+    cfg = _with(tiny_config, train={"steps": 6, "ckpt_every": 2, "grad_clip": 0.0},
+                optim={"lr": 1e30})
+    with pytest.raises(TrainingError, match="non-finite loss"):
+        train(cfg, verbose=False)
+    ckpts = list_checkpoints(tiny_config.out_dir + "/tiny")
+    for c in ckpts:  # whatever was saved is loadable and finite
+        state = load_checkpoint(c)
+        assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_microbatching_matches_one_big_batch(tiny_config):
+    a = train(_with(tiny_config, name="a", train={"steps": 3, "num_microbatches": 1}), verbose=False)
+    b = train(_with(tiny_config, name="b", train={"steps": 3, "num_microbatches": 4}), verbose=False)
+    sa = load_checkpoint(latest_checkpoint(a.run_dir))["model"]
+    sb = load_checkpoint(latest_checkpoint(b.run_dir))["model"]
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], rtol=1e-4, atol=1e-6)
