@@ -1,0 +1,111 @@
+"""Deterministic batches from token shards: batch k is a pure function of (seed, split, k).
+
+Each batch is `batch_size` windows of `seq_len + 1` tokens at offsets drawn uniformly (with
+replacement, nanoGPT-style) from all windows that fit inside one shard, using a torch generator
+seeded from `(seed, split, step)`. Consequences the rest of stalepipe relies on:
+
+- The loader holds no position: the training loop's `step` *is* the data position, so a resumed
+  run, an emulator and every pipeline stage (each building its own loader) see the same tokens.
+- Evaluation is `batch(i, ...)` for `i = 0..n-1` on the `val` split; with a fixed seed (e.g.
+  `EVAL_SEED`) it is identical across runs, whatever the training seed.
+- Changing `batch_size` changes every batch (offsets are drawn as one block).
+
+Windows never cross a shard boundary, which only loses `seq_len` windows per shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from stalepipe.data.manifest import has_manifest, read_manifest, split_shards
+from stalepipe.data.shards import read_shard
+from stalepipe.errors import DataError
+
+EVAL_SEED = 0
+
+
+def batch_seed(seed: int, split: str, step: int) -> int:
+    """The generator seed of batch `step`: a hash, so nearby (seed, step) pairs are unrelated."""
+    digest = hashlib.sha256(f"stalepipe-batch:{seed}:{split}:{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+class TokenLoader:
+    """Random-window batches over one split of a prepared (or llm.c-format) data directory.
+
+    `batch(step, batch_size)` returns `(x, y)`, int64 CPU tensors of shape (batch_size, seq_len),
+    with `y[:, t] == x[:, t + 1]` inside the window (next-token targets). Shards are
+    memory-mapped, so opening is cheap and only the sampled windows are read.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, split: str, seq_len: int, seed: int) -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.data_dir = Path(data_dir)
+        self.split = split
+        self.seq_len = seq_len
+        self.seed = seed
+        shards = split_shards(self.data_dir, split)
+        self._tokens = [read_shard(path) for path, _ in shards]
+        self.num_tokens = sum(n for _, n in shards)
+        # Window starts per shard: 0 .. n - (seq_len + 1), none for shards that are too short.
+        windows = np.array([max(0, len(t) - seq_len) for t in self._tokens], dtype=np.int64)
+        if windows.sum() == 0:
+            longest = max((len(t) for t in self._tokens), default=0)
+            raise DataError(
+                f"the {split} split of {self.data_dir} has {longest} tokens in its longest "
+                f"shard, fewer than seq_len+1 = {seq_len + 1}; lower --data.seq_len or prepare "
+                "more data"
+            )
+        self._window_ends = np.cumsum(windows)
+        self.num_windows = int(self._window_ends[-1])
+        self._manifest = read_manifest(self.data_dir) if has_manifest(self.data_dir) else None
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The tokenizer's vocab size from the manifest (None for foreign shards)."""
+        return self._manifest["tokenizer"]["vocab_size"] if self._manifest else None
+
+    @property
+    def eot(self) -> int | None:
+        """The document-separator id from the manifest (None for foreign shards)."""
+        return self._manifest["tokenizer"]["eot"] if self._manifest else None
+
+    def offsets(self, step: int, batch_size: int) -> list[tuple[int, int]]:
+        """`(shard index, start)` of each window of batch `step`: the pure part of `batch`."""
+        if step < 0 or batch_size < 1:
+            raise ValueError(f"need step >= 0 and batch_size >= 1, got {step}, {batch_size}")
+        gen = torch.Generator().manual_seed(batch_seed(self.seed, self.split, step))
+        flat = torch.randint(self.num_windows, (batch_size,), generator=gen).numpy()
+        shard = np.searchsorted(self._window_ends, flat, side="right")
+        start = flat - np.concatenate(([0], self._window_ends))[shard]
+        return list(zip(shard.tolist(), start.tolist()))
+
+    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets of batch `step`, each (batch_size, seq_len) int64."""
+        span = self.seq_len + 1
+        rows = [self._tokens[s][o : o + span] for s, o in self.offsets(step, batch_size)]
+        windows = torch.from_numpy(np.stack(rows).astype(np.int64))
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+def check_vocab(data_dir: str | os.PathLike, model_vocab_size: int) -> None:
+    """Raise DataError if a model with `model_vocab_size` ids cannot embed the data's tokens.
+
+    Uses the manifest's tokenizer vocab; shards without a manifest are not checked (their vocab
+    is unknown without reading every token).
+    """
+    if not has_manifest(data_dir):
+        return
+    vocab = read_manifest(data_dir)["tokenizer"]["vocab_size"]
+    if model_vocab_size < vocab:
+        suggested = -(-vocab // 64) * 64  # round up to a multiple of 64: faster matmuls
+        raise DataError(
+            f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's {vocab}; "
+            f"use --model.vocab_size {suggested}"
+        )

@@ -1,0 +1,134 @@
+"""`manifest.json`: what a prepared data directory holds, and the checks against it.
+
+The manifest is written last, so a directory with a valid manifest is a complete one. It records
+the corpus, the tokenizer (name, vocab size, eot id, files), per split the shards with their
+token counts and SHA-256, document counts and text bytes, the validation documents, and the
+source files. Opening shards always checks their headers and sizes against it (cheap); the full
+SHA-256 check reads every byte, so it only runs on request (`verify`).
+
+A directory of shards made by another tool (llm.c, modded-nanogpt) has no manifest; the loader
+then takes `*train*.bin` / `*val*.bin` in sorted order and skips the vocabulary check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from stalepipe.data.shards import REPREPARE, read_header
+from stalepipe.errors import DataError
+
+MANIFEST = "manifest.json"
+FORMAT = "stalepipe-token-shards"
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(directory: str | os.PathLike, manifest: dict[str, Any]) -> Path:
+    """Write `manifest.json` atomically (temp file + rename)."""
+    path = Path(directory) / MANIFEST
+    tmp = path.with_name(MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def has_manifest(directory: str | os.PathLike) -> bool:
+    """Whether `directory` holds a manifest (valid or not)."""
+    return (Path(directory) / MANIFEST).is_file()
+
+
+def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
+    """Parse and sanity-check `directory/manifest.json`; DataError naming the fix otherwise."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise DataError(f"{path} is missing; run `stalepipe data prepare` for {directory}")
+    try:
+        manifest = json.loads(path.read_text())
+        ok = (
+            manifest.get("format") == FORMAT
+            and isinstance(manifest.get("tokenizer"), dict)
+            and all(isinstance(manifest["splits"][s]["shards"], list) for s in SPLITS)
+        )
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise DataError(f"{path} is corrupt or not a stalepipe manifest; {REPREPARE}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise DataError(
+            f"{path} has format version {manifest.get('format_version')}, this stalepipe reads "
+            f"{FORMAT_VERSION}; {REPREPARE}"
+        )
+    return manifest
+
+
+def split_shards(directory: str | os.PathLike, split: str) -> list[tuple[Path, int]]:
+    """`(path, num_tokens)` of each shard of `split`, headers and sizes checked.
+
+    With a manifest, its shard list and token counts are authoritative; without one (shards from
+    another tool), every `*<split>*.bin` file in sorted order.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    directory = Path(directory)
+    if has_manifest(directory):
+        entries = read_manifest(directory)["splits"][split]["shards"]
+        shards = []
+        for entry in entries:
+            path = directory / entry["file"]
+            _, num_tokens = read_header(path)
+            if num_tokens != entry["num_tokens"]:
+                raise DataError(
+                    f"token shard {path} holds {num_tokens} tokens but {MANIFEST} says "
+                    f"{entry['num_tokens']}; {REPREPARE}"
+                )
+            shards.append((path, num_tokens))
+        return shards
+    if not directory.is_dir():
+        raise DataError(f"data directory {directory} does not exist; run `stalepipe data prepare`")
+    paths = sorted(directory.glob(f"*{split}*.bin"))
+    if not paths:
+        raise DataError(
+            f"{directory} has no {MANIFEST} and no *{split}*.bin shards; run `stalepipe data prepare`"
+        )
+    return [(p, read_header(p)[1]) for p in paths]
+
+
+def verify(directory: str | os.PathLike) -> None:
+    """Re-hash every shard and compare with the manifest (reads all data: slow on big corpora)."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    for split in SPLITS:
+        split_shards(directory, split)  # headers and sizes first: clearer errors
+        for entry in manifest["splits"][split]["shards"]:
+            path = directory / entry["file"]
+            if file_sha256(path) != entry["sha256"]:
+                raise DataError(
+                    f"token shard {path} does not match the SHA-256 in {MANIFEST}; {REPREPARE}"
+                )
+
+
+def fingerprint(directory: str | os.PathLike) -> str:
+    """Short identity of the data: SHA-256 of the manifest (or, without one, of the shard
+    headers). A checkpoint can store it to notice that a resumed run's data changed."""
+    directory = Path(directory)
+    h = hashlib.sha256()
+    if has_manifest(directory):
+        h.update((directory / MANIFEST).read_bytes())
+    else:
+        for split in SPLITS:
+            for path, num_tokens in split_shards(directory, split):
+                h.update(f"{path.name}:{num_tokens};".encode())
+    return h.hexdigest()[:16]

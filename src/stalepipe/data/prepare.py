@@ -1,0 +1,310 @@
+"""Corpus -> tokenizer -> token shards + manifest, in one directory.
+
+    data_dir/
+      train_000000.bin ...   llm.c-format shards (a new shard past SHARD_TOKENS tokens)
+      val_000000.bin ...
+      tokenizer.json         only for tokenizers with files (bpe)
+      manifest.json          written last: its presence means the directory is complete
+
+Every document is preceded by the tokenizer's `eot` (the llm.c convention). The split is by
+document: the validation set is the `round(val_fraction * N)` documents (at least 1, at most
+N-1) whose SHA-256 of the name is smallest. It depends on document names only -- not on the
+data seed, the file order or the machine -- so one prepared directory serves every seed.
+
+Everything is written into a hidden staging directory beside the target and renamed into place
+at the end, so an interrupted or failed prepare never leaves a half-written data directory and
+never damages the previous one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from stalepipe.config import DataConfig
+from stalepipe.data.corpora import Corpus, load_corpus
+from stalepipe.data.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    SPLITS,
+    file_sha256,
+    has_manifest,
+    read_manifest,
+    split_shards,
+    write_manifest,
+)
+from stalepipe.data.registry import tokenizer_class
+from stalepipe.data.shards import ShardWriter, version_for_vocab
+from stalepipe.data.tokenizer import Tokenizer
+from stalepipe.errors import DataError
+
+SHARD_TOKENS = 100_000_000  # as modded-nanogpt's FineWeb shards: ~200 MB of uint16 each
+SPLIT_RULE = "val = round(val_fraction * N) documents (1..N-1) with the smallest sha256(name)"
+
+
+def val_mask(names: Sequence[str], val_fraction: float) -> list[bool]:
+    """Which documents go to validation (see the module docstring for the rule)."""
+    n = len(names)
+    if n < 2:
+        raise DataError(
+            f"the corpus has {n} non-empty document(s); a train/val split by document needs at "
+            "least 2 (split a large .txt into several files, or use .jsonl with one per line)"
+        )
+    num_val = min(n - 1, max(1, round(val_fraction * n)))
+    # Ties (duplicate names) break by position, so the count is exact.
+    order = sorted(range(n), key=lambda i: (hashlib.sha256(names[i].encode()).digest(), i))
+    val = set(order[:num_val])
+    return [i in val for i in range(n)]
+
+
+class _SplitWriter:
+    """Rolls one split's tokens over numbered shards of about SHARD_TOKENS tokens."""
+
+    def __init__(self, directory: Path, split: str, version: int, shard_tokens: int) -> None:
+        self.directory, self.split, self.version = directory, split, version
+        self.shard_tokens = shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self.num_documents = 0
+        self.text_bytes = 0
+        self._writer: ShardWriter | None = None
+
+    def add(self, tokens: np.ndarray, text_bytes: int) -> None:
+        # A document never straddles two shards: loader windows stay within one shard anyway.
+        if self._writer is not None and self._writer.num_tokens >= self.shard_tokens:
+            self._finish()
+        if self._writer is None:
+            name = f"{self.split}_{len(self.shards):06d}.bin"
+            self._writer = ShardWriter(self.directory / name, self.version)
+        self._writer.write(tokens)
+        self.num_documents += 1
+        self.text_bytes += text_bytes
+
+    def _finish(self) -> None:
+        assert self._writer is not None
+        path = self._writer.close()
+        self.shards.append({"file": path.name, "num_tokens": self._writer.num_tokens})
+        self._writer = None
+
+    def close(self) -> dict[str, Any]:
+        if self._writer is not None:
+            self._finish()
+        for shard in self.shards:
+            shard["sha256"] = file_sha256(self.directory / shard["file"])
+        return {
+            "num_documents": self.num_documents,
+            "num_tokens": sum(s["num_tokens"] for s in self.shards),
+            "text_bytes": self.text_bytes,
+            "shards": self.shards,
+        }
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+
+
+def _check_target(out: Path, force: bool) -> None:
+    """Refuse to touch `out` unless it is absent, empty, or (with force) prepared data."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise DataError(f"{out} exists and is not a directory; choose another output directory")
+    if has_manifest(out):
+        if not force:
+            raise DataError(f"{out} already holds prepared data; pass --force to rebuild it")
+        return
+    if any(out.iterdir()):
+        # Even with --force: a directory without our manifest may be anything of the user's.
+        raise DataError(
+            f"{out} exists and is not a stalepipe data directory (no {MANIFEST}); refusing to "
+            "replace it: choose another output directory"
+        )
+
+
+def _tokenize(
+    corpus: Corpus,
+    is_val: list[bool],
+    tokenizer: Tokenizer,
+    staging: Path,
+    shard_tokens: int,
+    progress: bool,
+) -> dict[str, dict[str, Any]]:
+    version = version_for_vocab(tokenizer.vocab_size)
+    writers = {s: _SplitWriter(staging, s, version, shard_tokens) for s in SPLITS}
+    try:
+        docs = tqdm(
+            corpus.documents(),
+            total=len(is_val),
+            desc="tokenizing",
+            unit="doc",
+            disable=not progress,
+            file=sys.stderr,
+        )
+        for i, (_, text) in enumerate(docs):
+            tokens = np.array([tokenizer.eot, *tokenizer.encode(text)], dtype=np.uint32)
+            writers["val" if is_val[i] else "train"].add(tokens, len(text.encode("utf-8")))
+        assert i + 1 == len(is_val), "corpus documents changed between passes"
+        return {s: w.close() for s, w in writers.items()}
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    old = None
+    if out.exists():
+        # Keep the old directory until the new one is in place; remove it afterwards.
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    try:
+        os.replace(staging, out)
+    except OSError:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def prepare_corpus(
+    cfg: DataConfig,
+    text_paths: Sequence[str | os.PathLike] | None = None,
+    force: bool = False,
+    progress: bool = True,
+    shard_tokens: int = SHARD_TOKENS,
+) -> Path:
+    """Tokenize `cfg.corpus` with `cfg.tokenizer` into shards in `cfg.resolved_dir()`.
+
+    `text_paths` are the files/directories of the `text` corpus. Refuses (DataError) to replace
+    an existing prepared directory unless `force`, and never replaces a directory that is not
+    one. Returns the directory. `shard_tokens` exists for tests; leave it at the default.
+    """
+    out = Path(cfg.resolved_dir())
+    _check_target(out, force)
+    tokenizer_cls = tokenizer_class(cfg.tokenizer)
+    corpus = load_corpus(cfg.corpus, [str(p) for p in text_paths or []], progress)
+    names = [name for name, _ in corpus.documents()]
+    is_val = val_mask(names, cfg.val_fraction)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+
+        def train_texts():
+            return (t for i, (_, t) in enumerate(corpus.documents()) if not is_val[i])
+
+        tokenizer = tokenizer_cls.build(train_texts, cfg.bpe_vocab_size, progress)
+        tokenizer_files = tokenizer.save(staging)
+        splits = _tokenize(corpus, is_val, tokenizer, staging, shard_tokens, progress)
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "corpus": corpus.name,
+            "origin": corpus.origin,
+            "license": corpus.license,
+            "tokenizer": {
+                "name": tokenizer.name,
+                "vocab_size": tokenizer.vocab_size,
+                "eot": tokenizer.eot,
+                "files": tokenizer_files,
+                **({"requested_vocab_size": cfg.bpe_vocab_size} if cfg.tokenizer == "bpe" else {}),
+            },
+            "shard_version": version_for_vocab(tokenizer.vocab_size),
+            "val_fraction": cfg.val_fraction,
+            "split_rule": SPLIT_RULE,
+            "splits": splits,
+            "val_documents": [n for n, v in zip(names, is_val) if v],
+            "sources": corpus.sources(),
+        }
+        write_manifest(staging, manifest)
+        _check_target(out, force)  # again: another process may have prepared it meanwhile
+        _move_into_place(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def ensure_prepared(cfg: DataConfig, progress: bool = True) -> Path:
+    """The data directory for `cfg`, preparing built-in corpora on first use.
+
+    A directory with a manifest is checked (corpus and tokenizer match `cfg`, shard headers
+    and sizes match the manifest) and returned. A directory of foreign shards (no manifest,
+    `*train*.bin` present, e.g. from llm.c) is returned as is. Otherwise `shakespeare` and
+    `excerpt` are prepared now; `text` needs an explicit `stalepipe data prepare`.
+    """
+    out = Path(cfg.resolved_dir())
+    if has_manifest(out):
+        manifest = read_manifest(out)
+        have = (manifest["corpus"], manifest["tokenizer"]["name"])
+        if have != (cfg.corpus, cfg.tokenizer):
+            raise DataError(
+                f"{out} holds corpus={have[0]} tokenizer={have[1]}, but the config asks for "
+                f"corpus={cfg.corpus} tokenizer={cfg.tokenizer}; set --data.data_dir to another "
+                "directory, or rebuild it with `stalepipe data prepare --force`"
+            )
+        for split in SPLITS:
+            split_shards(out, split)
+        return out
+    if out.is_dir() and any(out.glob("*train*.bin")):
+        return out
+    if cfg.corpus == "text":
+        raise DataError(
+            f"no prepared data in {out}; run `stalepipe data prepare --corpus text --text PATH"
+            + (f" --out {out}`" if cfg.data_dir else "`")
+        )
+    return prepare_corpus(cfg, progress=progress)
+
+
+def prepare_main(
+    corpus: str | None = None,
+    tokenizer: str = "byte",
+    text: Sequence[str] | None = None,
+    out: str | None = None,
+    bpe_vocab_size: int = 4096,
+    val_fraction: float = 0.05,
+    force: bool = False,
+    progress: bool = True,
+) -> Path:
+    """`stalepipe data prepare`: prepare a corpus and print a short summary to stdout.
+
+    `corpus=None` means `text` when `text` paths are given, else `shakespeare`. `out=None`
+    means the default `data_cache/<corpus>-<tokenizer>`. Bad input raises a UserError
+    (DataError / ConfigError) whose message is meant to be printed as one line.
+    """
+    corpus = corpus or ("text" if text else "shakespeare")
+    cfg = DataConfig(
+        corpus=corpus,
+        tokenizer=tokenizer,
+        data_dir=out or "",
+        bpe_vocab_size=bpe_vocab_size,
+        val_fraction=val_fraction,
+    )
+    directory = prepare_corpus(cfg, text_paths=text, force=force, progress=progress)
+    print(summary(directory))
+    return directory
+
+
+def summary(directory: str | os.PathLike) -> str:
+    """A few lines describing a prepared directory (corpus, tokenizer, docs/tokens per split)."""
+    m = read_manifest(directory)
+    tok = m["tokenizer"]
+    lines = [
+        f"prepared {m['corpus']} with the {tok['name']} tokenizer (vocab {tok['vocab_size']}, "
+        f"eot {tok['eot']}) in {directory}"
+    ]
+    for split in SPLITS:
+        s = m["splits"][split]
+        docs = f"{s['num_documents']} document{'s' * (s['num_documents'] != 1)}"
+        shards = f"{len(s['shards'])} shard{'s' * (len(s['shards']) != 1)}"
+        lines.append(f"  {split + ':':6} {docs}, {s['num_tokens']:,} tokens in {shards}")
+    return "\n".join(lines)
