@@ -164,6 +164,10 @@ class OptimConfig:
             f"optim.precond_freq must be >= 1, got {self.precond_freq}",
         )
         _check(
+            self.gamma is None or self.gamma >= 0,
+            f"optim.gamma must be >= 0, got {self.gamma}",
+        )
+        _check(
             self.muon_scale in (None, "original", "match_rms"),
             f"optim.muon_scale must be 'original' or 'match_rms', got {self.muon_scale!r}",
         )
@@ -178,8 +182,10 @@ class DelayConfig:
     taylor: float = _f(0.0, "DC-ASGD Taylor compensation lambda (0 = off)")
     taylor_adaptive: bool = _f(False, "adaptive lambda: taylor / sqrt(EMA of g^2)")
     taylor_ema: float = _f(0.95, "EMA coefficient of g^2 for adaptive Taylor")
+    taylor_eps: float = _f(1e-8, "adaptive Taylor: added to sqrt(EMA of g^2)")
     sync_start: int = _f(0, "first K steps run without delay")
     sync_cooldown: float = _f(0.0, "last K steps without delay: K if >= 1, else a fraction")
+    sync_cooldown_wsd: bool = _f(False, "cooldown = WSD's LR decay phase (overrides sync_cooldown)")
     mode: str = _f("fast", "emulator mode: fast (whole model) | exact (per stage, per microbatch)")
 
     def __post_init__(self) -> None:
@@ -203,6 +209,12 @@ class DelayConfig:
             f"delay.sync_cooldown must be >= 0 (steps, or a fraction < 1), got "
             f"{self.sync_cooldown}",
         )
+        _check(
+            self.sync_cooldown < 1 or float(self.sync_cooldown).is_integer(),
+            f"delay.sync_cooldown >= 1 is a step count and must be a whole number, got "
+            f"{self.sync_cooldown}",
+        )
+        _check(self.taylor_eps > 0, f"delay.taylor_eps must be > 0, got {self.taylor_eps}")
         _check(
             self.mode in ("fast", "exact"),
             f"delay.mode must be 'fast' or 'exact', got {self.mode!r}",
