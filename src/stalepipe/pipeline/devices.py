@@ -1,0 +1,82 @@
+"""Accelerator speeds for the analytic cost model of the timing simulator.
+
+Peak numbers are vendor datasheet figures (dense bf16, no sparsity); the simulator scales FLOP/s
+by a model FLOPs utilisation (MFU, default 0.4) because no real kernel reaches the peak.
+Link bandwidths are per GPU and per direction: pipeline p2p sends one way at a time.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+from stalepipe.config import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """One accelerator and its links. Bandwidths in bytes/s, latency in seconds."""
+
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    hbm_bandwidth: float  # memory bandwidth (the optimizer update is memory bound)
+    intra_node_bandwidth: float  # to a neighbour in the same node, one direction
+    inter_node_bandwidth: float  # to a neighbour in another node, one direction
+    p2p_latency: float
+    gpus_per_node: int = 8
+
+
+DEVICES: dict[str, Device] = {
+    # NVIDIA H100 SXM5 datasheet: 989 TFLOPS bf16 dense (1979 with sparsity), HBM3 3.35 TB/s,
+    # NVLink 4 900 GB/s bidirectional (450 GB/s one way); one ConnectX-7 NDR 400 Gb/s
+    # (50 GB/s) per GPU between nodes (DGX H100).
+    "h100": Device(
+        name="NVIDIA H100 SXM",
+        peak_flops=989e12,
+        hbm_bandwidth=3.35e12,
+        intra_node_bandwidth=450e9,
+        inter_node_bandwidth=50e9,
+        p2p_latency=10e-6,
+    ),
+    # NVIDIA H200 SXM datasheet: same Hopper compute (989 TFLOPS bf16 dense), HBM3e 4.8 TB/s,
+    # NVLink 900 GB/s bidirectional; NDR 400 Gb/s per GPU between nodes (DGX H200).
+    "h200": Device(
+        name="NVIDIA H200 SXM",
+        peak_flops=989e12,
+        hbm_bandwidth=4.8e12,
+        intra_node_bandwidth=450e9,
+        inter_node_bandwidth=50e9,
+        p2p_latency=10e-6,
+    ),
+    # NVIDIA A100 SXM4 80GB datasheet: 312 TFLOPS bf16 dense, HBM2e 2.039 TB/s, NVLink 3
+    # 600 GB/s bidirectional (300 GB/s one way); HDR 200 Gb/s (25 GB/s) per GPU (DGX A100).
+    "a100": Device(
+        name="NVIDIA A100 SXM 80GB",
+        peak_flops=312e12,
+        hbm_bandwidth=2.039e12,
+        intra_node_bandwidth=300e9,
+        inter_node_bandwidth=25e9,
+        p2p_latency=10e-6,
+    ),
+    # An order-of-magnitude CPU "device" (one socket of a recent server: ~2 TFLOP/s bf16 with
+    # AMX/AVX-512, ~300 GB/s DDR5); stages as processes on one host talk through shared
+    # memory (~10 GB/s via gloo), hosts over 100 GbE (12.5 GB/s). For sanity checks only.
+    "cpu": Device(
+        name="CPU socket (rough)",
+        peak_flops=2e12,
+        hbm_bandwidth=300e9,
+        intra_node_bandwidth=10e9,
+        inter_node_bandwidth=12.5e9,
+        p2p_latency=50e-6,
+        gpus_per_node=1,
+    ),
+}
+
+
+def get_device(name: str) -> Device:
+    """The device `name`; an unknown name raises ConfigError suggesting the closest one."""
+    if name not in DEVICES:
+        close = difflib.get_close_matches(name, list(DEVICES), n=1, cutoff=0.4)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown device {name!r} (choose from {', '.join(DEVICES)}){hint}")
+    return DEVICES[name]

@@ -1,0 +1,762 @@
+"""Pipeline schedules as data: one ordered list of actions per rank (GUIDE section 4, rule 8).
+
+The runtime executes these lists, the timing simulator times them, the tests diff them.
+
+Vocabulary (GUIDE rule 10):
+    rank       a process / device, 0..R-1.
+    stage      a contiguous model partition, 0..S-1 (0 = embedding side). S = R * num_chunks;
+               stage s runs on rank `s % R` as its chunk `s // R` (Megatron's interleaved
+               assignment). Without interleaving (num_chunks = 1) stage == rank.
+    step k     one optimizer update over m microbatches (GUIDE section 2).
+    version v  the weights of a stage after v updates. The version every action uses comes from
+               `stalepipe.delay.policies.version_used` (the one definition of staleness).
+
+Action kinds and the communication they imply:
+    F     forward of microbatch j of step k on stage s with version v. Receives the activation of
+          F on stage s-1 (from rank (s-1) % R, none on stage 0, which reads tokens); sends its
+          output to rank (s+1) % R (none on the last stage, which computes the loss). Stashes
+          what the backward needs.
+    B     full backward (input grad + weight grad) with the SAME version as its F (weight
+          stashing). Receives the output gradient from the backward (B or BI) of stage s+1 (none
+          on the last stage); sends the input gradient to rank (s-1) % R (none on stage 0).
+          Adds the weight gradient to step k's accumulator (microbatches in ascending order).
+    BI    input-gradient half of B (zero-bubble schedules): same communication as B.
+    BW    weight-gradient half of B: no communication; frees the stash.
+    STEP  optimizer update k of stage s: needs all m backwards of step k on s; turns the newest
+          weights W_k into W_{k+1}. Its `version` is the version it creates (k + 1).
+A stage in a rank's list with both s and s+1 hands over locally (no send).
+
+Execution rule for the runtime: sends are asynchronous (isend, buffered); a rank blocks only on
+its receives and on nothing else. Running each rank's list in order under this rule never
+deadlocks for a schedule that passes `validate` (the validator executes it abstractly). A stage
+may free weight version v after the last action in its rank's list that uses it (see
+`version_last_use`), except the newest version.
+
+Text form, one line per rank (`Schedule.to_text` / `Schedule.from_text`):
+    # stalepipe-schedule name=2bw ranks=2 chunks=1 microbatches=2 steps=2 policy=2bw ...
+    rank 0: F0.0@v0 F0.1@v0 B0.0@v0 ... STEP0@v1 ...
+Token: KIND step.microbatch @v version (STEP: KIND step @v created version), plus `:s<stage>`
+when a rank holds several stages.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import io
+import re
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from stalepipe.config import ConfigError
+from stalepipe.delay.policies import max_staleness, staleness, version_used
+from stalepipe.errors import UserError
+
+KINDS = ("F", "B", "BI", "BW", "STEP")
+COMPUTE_KINDS = ("F", "B", "BI", "BW")
+
+Key = tuple[str, int, int, int]  # (kind, stage, step, microbatch); microbatch -1 for STEP
+
+
+class ScheduleError(UserError):
+    """A schedule violates the IR's rules (missing/duplicate action, dependency, version)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One unit of work of a rank: see the module docstring for what each kind does."""
+
+    kind: str
+    stage: int
+    step: int
+    microbatch: int  # -1 for STEP
+    version: int  # weights used (F/B/BI/BW) or created (STEP)
+
+    @property
+    def key(self) -> Key:
+        return (self.kind, self.stage, self.step, self.microbatch)
+
+    def token(self, with_stage: bool = False) -> str:
+        """Compact text, e.g. `F0.3@v2`, `STEP1@v2`, `B2.0@v1:s5`."""
+        mid = f"{self.step}" if self.kind == "STEP" else f"{self.step}.{self.microbatch}"
+        tail = f":s{self.stage}" if with_stage else ""
+        return f"{self.kind}{mid}@v{self.version}{tail}"
+
+
+_TOKEN = re.compile(r"^(F|BI|BW|B)(\d+)\.(\d+)@v(\d+)(?::s(\d+))?$")
+_STEP_TOKEN = re.compile(r"^STEP(\d+)@v(\d+)(?::s(\d+))?$")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-rank ordered action lists plus what is needed to check and time them."""
+
+    name: str
+    num_ranks: int
+    num_chunks: int
+    num_microbatches: int
+    num_steps: int
+    policy: str
+    ranks: tuple[tuple[Action, ...], ...]
+    sync_start: int = 0
+    sync_cooldown: float = 0.0
+    _index: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_stages(self) -> int:
+        return self.num_ranks * self.num_chunks
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.num_ranks
+
+    def chunk_of(self, stage: int) -> int:
+        return stage // self.num_ranks
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [c * self.num_ranks + rank for c in range(self.num_chunks)]
+
+    def actions(self) -> Iterator[tuple[int, int, Action]]:
+        """(rank, position in the rank's list, action) for every action."""
+        for r, acts in enumerate(self.ranks):
+            for i, a in enumerate(acts):
+                yield r, i, a
+
+    def expected_version(self, stage: int, step: int) -> int:
+        """The version step `step` uses on `stage`, from the delay policy (GUIDE section 2)."""
+        return version_used(
+            self.policy,
+            stage,
+            step,
+            self.num_stages,
+            self.num_steps,
+            self.sync_start,
+            self.sync_cooldown,
+        )
+
+    def backward_kind(self, stage: int, step: int, microbatch: int) -> str:
+        """'BI' if this microbatch's backward on `stage` is split, else 'B'."""
+        if not self._index:
+            self._index.update({a.key: (r, i) for r, i, a in self.actions()})
+        return "BI" if ("BI", stage, step, microbatch) in self._index else "B"
+
+    # ---- text and CSV ------------------------------------------------------------------------
+
+    def header(self) -> str:
+        return (
+            f"# stalepipe-schedule name={self.name} ranks={self.num_ranks} "
+            f"chunks={self.num_chunks} microbatches={self.num_microbatches} "
+            f"steps={self.num_steps} policy={self.policy} sync_start={self.sync_start} "
+            f"sync_cooldown={self.sync_cooldown}"
+        )
+
+    def to_text(self) -> str:
+        """The compact text form (module docstring); `from_text` reads it back."""
+        many = self.num_chunks > 1
+        lines = [self.header()]
+        for r, acts in enumerate(self.ranks):
+            lines.append(f"rank {r}: " + " ".join(a.token(many) for a in acts))
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str) -> Schedule:
+        """Parse `to_text` output; raises ScheduleError naming the bad line or token."""
+        lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+        if not lines or not lines[0].startswith("# stalepipe-schedule "):
+            raise ScheduleError("schedule text must start with '# stalepipe-schedule ...'")
+        meta = dict(kv.split("=", 1) for kv in lines[0].split()[2:])
+        try:
+            num_ranks, num_chunks = int(meta["ranks"]), int(meta["chunks"])
+            sched_meta = dict(
+                name=meta["name"],
+                num_ranks=num_ranks,
+                num_chunks=num_chunks,
+                num_microbatches=int(meta["microbatches"]),
+                num_steps=int(meta["steps"]),
+                policy=meta["policy"],
+                sync_start=int(meta.get("sync_start", 0)),
+                sync_cooldown=float(meta.get("sync_cooldown", 0.0)),
+            )
+        except (KeyError, ValueError) as e:
+            raise ScheduleError(f"bad schedule header {lines[0]!r}: {e}") from None
+        ranks: list[tuple[Action, ...]] = []
+        for r, line in enumerate(lines[1:]):
+            prefix = f"rank {r}:"
+            if not line.startswith(prefix):
+                raise ScheduleError(f"expected line starting with {prefix!r}, got {line[:30]!r}")
+            ranks.append(tuple(_parse_token(t, r, num_ranks) for t in line[len(prefix) :].split()))
+        if len(ranks) != num_ranks:
+            raise ScheduleError(f"header says {num_ranks} ranks but {len(ranks)} rank lines")
+        return cls(ranks=tuple(ranks), **sched_meta)
+
+    def to_csv(self, path: str | None = None) -> str:
+        """One row per action: rank, index, kind, stage, chunk, step, microbatch, version."""
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(["rank", "index", "kind", "stage", "chunk", "step", "microbatch", "version"])
+        for r, i, a in self.actions():
+            w.writerow(
+                [r, i, a.kind, a.stage, self.chunk_of(a.stage), a.step, a.microbatch, a.version]
+            )
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(buf.getvalue())
+        return buf.getvalue()
+
+
+def _parse_token(tok: str, rank: int, num_ranks: int) -> Action:
+    if m := _TOKEN.match(tok):
+        kind, k, j, v, s = m.groups()
+        stage = int(s) if s is not None else rank
+        return Action(kind, stage, int(k), int(j), int(v))
+    if m := _STEP_TOKEN.match(tok):
+        k, v, s = m.groups()
+        stage = int(s) if s is not None else rank
+        return Action("STEP", stage, int(k), -1, int(v))
+    raise ScheduleError(f"bad action token {tok!r} on rank {rank} (e.g. F0.3@v2, STEP0@v1)")
+
+
+# --------------------------------------------------------------------------------------------
+# Dependencies, validation, order-based memory figures
+# --------------------------------------------------------------------------------------------
+
+
+def dependencies(sched: Schedule, a: Action) -> list[tuple[Key, str | None]]:
+    """What `a` waits for besides its predecessor in its rank's list: (key, message) pairs where
+    message is 'act' (activation received from another stage), 'grad' (gradient received), or
+    None (local: stash, weight version, accumulated gradients)."""
+    s, k, j = a.stage, a.step, a.microbatch
+    if a.kind == "F":
+        deps: list[tuple[Key, str | None]] = []
+        if s > 0:
+            deps.append((("F", s - 1, k, j), "act"))
+        if a.version > 0:  # the version it uses must exist: created by update version-1
+            deps.append((("STEP", s, a.version - 1, -1), None))
+        return deps
+    if a.kind in ("B", "BI"):
+        deps = [(("F", s, k, j), None)]
+        if s < sched.num_stages - 1:
+            deps.append(((sched.backward_kind(s + 1, k, j), s + 1, k, j), "grad"))
+        return deps
+    if a.kind == "BW":
+        return [(("BI", s, k, j), None)]
+    assert a.kind == "STEP", a
+    deps = [
+        ((("BW" if sched.backward_kind(s, k, jj) == "BI" else "B"), s, k, jj), None)
+        for jj in range(sched.num_microbatches)
+    ]
+    if k > 0:
+        deps.append((("STEP", s, k - 1, -1), None))
+    return deps
+
+
+def execution_order(sched: Schedule) -> list[tuple[int, Action]]:
+    """Execute the rank lists abstractly (any timing): a rank runs its next action once all its
+    dependencies ran. Returns the global order; raises ScheduleError on a deadlock, i.e. a
+    dependency that comes later in its own rank's list or a cycle between ranks."""
+    ptr = [0] * sched.num_ranks
+    done: set[Key] = set()
+    order: list[tuple[int, Action]] = []
+    total = sum(len(acts) for acts in sched.ranks)
+    while len(order) < total:
+        progressed = False
+        for r, acts in enumerate(sched.ranks):
+            while ptr[r] < len(acts):
+                a = acts[ptr[r]]
+                if any(key not in done for key, _ in dependencies(sched, a)):
+                    break
+                done.add(a.key)
+                order.append((r, a))
+                ptr[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = []
+            for r, acts in enumerate(sched.ranks):
+                if ptr[r] < len(acts):
+                    a = acts[ptr[r]]
+                    miss = [key for key, _ in dependencies(sched, a) if key not in done]
+                    stuck.append(f"rank {r} at {a.token(True)} waits for {miss[0]}")
+            raise ScheduleError("deadlock: " + "; ".join(stuck[:3]))
+    return order
+
+
+def validate(sched: Schedule) -> None:
+    """Raise ScheduleError unless: every (stage, step, microbatch) is forwarded once and
+    backwarded once (B, or BI and BW) on the rank owning the stage; every (stage, step) updated
+    once; versions are the delay policy's; the lists execute without deadlock (dependencies,
+    versions created before use); no stage keeps more weight versions than the policy needs."""
+    S, N, m = sched.num_stages, sched.num_steps, sched.num_microbatches
+    if len(sched.ranks) != sched.num_ranks:
+        raise ScheduleError(f"{len(sched.ranks)} rank lists for {sched.num_ranks} ranks")
+    seen: dict[Key, int] = {}
+    for r, _, a in sched.actions():
+        if a.kind not in KINDS:
+            raise ScheduleError(f"unknown action kind {a.kind!r}")
+        if not (0 <= a.stage < S and 0 <= a.step < N):
+            raise ScheduleError(f"{a.token(True)} out of range (stages {S}, steps {N})")
+        if a.kind != "STEP" and not 0 <= a.microbatch < m:
+            raise ScheduleError(f"{a.token(True)}: microbatch out of range ({m} per step)")
+        if sched.rank_of(a.stage) != r:
+            raise ScheduleError(
+                f"{a.token(True)} on rank {r}, but stage {a.stage} lives on "
+                f"rank {sched.rank_of(a.stage)}"
+            )
+        if a.key in seen:
+            raise ScheduleError(f"{a.token(True)} appears twice")
+        seen[a.key] = r
+        want = a.step + 1 if a.kind == "STEP" else sched.expected_version(a.stage, a.step)
+        if a.version != want:
+            raise ScheduleError(
+                f"{a.token(True)} uses version {a.version}; policy {sched.policy!r} says {want}"
+            )
+    for s in range(S):
+        for k in range(N):
+            if ("STEP", s, k, -1) not in seen:
+                raise ScheduleError(f"missing STEP{k} on stage {s}")
+            for j in range(m):
+                tok = f"{k}.{j} on stage {s}"
+                if ("F", s, k, j) not in seen:
+                    raise ScheduleError(f"missing forward F{tok}")
+                full, split = ("B", s, k, j) in seen, ("BI", s, k, j) in seen
+                if full == split or split != (("BW", s, k, j) in seen):
+                    raise ScheduleError(f"microbatch {tok} needs one B, or one BI and one BW")
+    execution_order(sched)
+    need = [t + 1 for t in max_staleness(sched.policy, S)]
+    for s, have in enumerate(peak_versions(sched)):
+        if have > need[s]:
+            raise ScheduleError(f"stage {s} keeps {have} weight versions; policy needs {need[s]}")
+
+
+def _stage_lists(sched: Schedule) -> dict[int, list[Action]]:
+    out: dict[int, list[Action]] = {s: [] for s in range(sched.num_stages)}
+    for _, _, a in sched.actions():
+        out[a.stage].append(a)
+    return out
+
+
+def version_last_use(sched: Schedule) -> dict[tuple[int, int], int]:
+    """(stage, version) -> position in the rank's list of the last action using that version;
+    the runtime may free the version right after it (unless it is the newest)."""
+    last: dict[tuple[int, int], int] = {}
+    for _, i, a in sched.actions():
+        if a.kind != "STEP":
+            last[(a.stage, a.version)] = i
+    return last
+
+
+def peak_versions(sched: Schedule) -> list[int]:
+    """Per stage, the most weight versions alive at once. A version lives from the update that
+    creates it until both its last use and the creation of the next version (the newest is
+    always kept); it follows from each rank's order alone, not from timing."""
+    out = []
+    for acts in _stage_lists(sched).values():
+        born: dict[int, int] = {0: -1}
+        last: dict[int, int] = {}
+        for i, a in enumerate(acts):
+            if a.kind == "STEP":
+                born[a.version] = i
+            else:
+                last[a.version] = i
+        end = {v: max(last.get(v, b) + 1, born.get(v + 1, len(acts) + 1)) for v, b in born.items()}
+        out.append(max(sum(born[v] <= p < end[v] for v in born) for p in born.values()))
+    return out
+
+
+def peak_activations(sched: Schedule) -> list[int]:
+    """Per stage, the most microbatches stashed at once (forwarded, final backward not done)."""
+    out = []
+    for acts in _stage_lists(sched).values():
+        live = peak = 0
+        for a in acts:
+            live += a.kind == "F"
+            live -= a.kind in ("B", "BW")
+            peak = max(peak, live)
+        out.append(peak)
+    return out
+
+
+def observed_staleness(sched: Schedule) -> list[int]:
+    """Per stage, the largest step - version over its forwards (clamping makes early steps
+    fresher than the policy's nominal tau)."""
+    out = [0] * sched.num_stages
+    for _, _, a in sched.actions():
+        if a.kind == "F":
+            out[a.stage] = max(out[a.stage], a.step - a.version)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Generators: (num_ranks, num_microbatches, num_steps) -> Schedule
+# --------------------------------------------------------------------------------------------
+
+Op = tuple[str, int, int, int]  # an action before its version is filled in: Key
+
+
+def _check_sizes(num_ranks: int, num_microbatches: int, num_steps: int) -> None:
+    if num_ranks < 1:
+        raise ConfigError(f"pipeline stages (--stages) must be >= 1, got {num_ranks}")
+    if num_microbatches < 1:
+        raise ConfigError(f"--microbatches must be >= 1, got {num_microbatches}")
+    if num_steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {num_steps}")
+
+
+def _build(
+    name: str,
+    policy: str,
+    num_ranks: int,
+    num_chunks: int,
+    num_microbatches: int,
+    num_steps: int,
+    orders: list[list[Op]],
+    sync_start: int = 0,
+    sync_cooldown: float = 0.0,
+) -> Schedule:
+    """Attach to each op the version the delay policy gives it (GUIDE section 2)."""
+    S = num_ranks * num_chunks
+
+    @functools.cache
+    def ver(s: int, k: int) -> int:
+        return version_used(policy, s, k, S, num_steps, sync_start, sync_cooldown)
+
+    ranks = tuple(
+        tuple(Action(kd, s, k, j, k + 1 if kd == "STEP" else ver(s, k)) for kd, s, k, j in ops)
+        for ops in orders
+    )
+    return Schedule(
+        name=name,
+        num_ranks=num_ranks,
+        num_chunks=num_chunks,
+        num_microbatches=num_microbatches,
+        num_steps=num_steps,
+        policy=policy,
+        ranks=ranks,
+        sync_start=sync_start,
+        sync_cooldown=sync_cooldown,
+    )
+
+
+def _stream(stage: int, items: list[tuple[int, int]], warmup: int, m: int) -> list[Op]:
+    """1F1B over a stream of (step, microbatch) items on one stage: `warmup` forwards, then
+    alternate one forward and one backward, then drain; STEP k right after step k's last
+    backward. Over one step this is PipeDream-Flush; over many it is the no-flush pipeline."""
+    w = min(warmup, len(items))
+    ops: list[Op] = [("F", stage, k, j) for k, j in items[:w]]
+
+    def backward(k: int, j: int) -> None:
+        ops.append(("B", stage, k, j))
+        if j == m - 1:
+            ops.append(("STEP", stage, k, -1))
+
+    for i in range(len(items) - w):
+        ops.append(("F", stage, *items[w + i]))
+        backward(*items[i])
+    for it in items[len(items) - w :]:
+        backward(*it)
+    return ops
+
+
+def _segments(
+    policy: str, S: int, N: int, sync_start: int, sync_cooldown: float
+) -> list[list[int]]:
+    """Runs of steps pipelined without a flush. A flush goes before step k when some stage must
+    see fresher weights than the no-flush pipeline gives (sync start / cooldown windows)."""
+    nominal = max_staleness(policy, S)
+    segs: list[list[int]] = []
+    for k in range(N):
+        fresher = any(
+            staleness(policy, s, k, S, N, sync_start, sync_cooldown) < nominal[s] for s in range(S)
+        )
+        if not segs or fresher:
+            segs.append([])
+        segs[-1].append(k)
+    return segs
+
+
+def gpipe(num_ranks: int, num_microbatches: int, num_steps: int = 1, **_: object) -> Schedule:
+    """GPipe (Huang et al. 2019): all m forwards, then all m backwards, then the update; a full
+    flush every step. Stashes m microbatches per stage."""
+    _check_sizes(num_ranks, num_microbatches, num_steps)
+    m, orders = num_microbatches, []
+    for s in range(num_ranks):
+        ops: list[Op] = []
+        for k in range(num_steps):
+            ops += [("F", s, k, j) for j in range(m)] + [("B", s, k, j) for j in range(m)]
+            ops.append(("STEP", s, k, -1))
+        orders.append(ops)
+    return _build("gpipe", "sync", num_ranks, 1, m, num_steps, orders)
+
+
+def one_f_one_b(num_ranks: int, num_microbatches: int, num_steps: int = 1, **_: object) -> Schedule:
+    """1F1B / PipeDream-Flush (Narayanan et al. 2021): stage s runs min(P-s-1, m) warm-up
+    forwards, then one forward / one backward; flush and update every step. Same bubble as
+    GPipe, stash min(P-s, m)."""
+    _check_sizes(num_ranks, num_microbatches, num_steps)
+    m, P = num_microbatches, num_ranks
+    orders = [
+        [
+            op
+            for k in range(num_steps)
+            for op in _stream(s, [(k, j) for j in range(m)], P - s - 1, m)
+        ]
+        for s in range(P)
+    ]
+    return _build("1f1b", "sync", P, 1, m, num_steps, orders)
+
+
+def interleaved_1f1b(
+    num_ranks: int, num_microbatches: int, num_steps: int = 1, *, num_chunks: int = 2, **_: object
+) -> Schedule:
+    """Interleaved 1F1B (Megatron-LM, Narayanan et al. SC'21): each rank holds `num_chunks`
+    stages (rank r: stages r, r+R, ...); microbatches go through in groups of R, so the
+    bubble shrinks by the number of chunks. Needs m divisible by R (as in Megatron)."""
+    _check_sizes(num_ranks, num_microbatches, num_steps)
+    R, v, m = num_ranks, num_chunks, num_microbatches
+    if v < 1:
+        raise ConfigError(f"--chunks must be >= 1, got {v}")
+    if m % R:
+        raise ConfigError(
+            f"interleaved-1f1b needs --microbatches divisible by --stages ({m} % {R} != 0)"
+        )
+    total = m * v
+    orders = []
+    for r in range(R):
+
+        def item(i: int, backward: bool, r: int = r) -> tuple[int, int]:
+            # Megatron's order: microbatches in groups of R, chunk by chunk (reversed backward)
+            chunk = (i // R) % v
+            return (v - 1 - chunk if backward else chunk) * R + r, (i // (R * v)) * R + i % R
+
+        warmup = min((R - r - 1) * 2 + (v - 1) * R, total)
+        ops: list[Op] = []
+        for k in range(num_steps):
+            seq: list[tuple[str, int, int]] = [("F", *item(i, False)) for i in range(warmup)]
+            for i in range(total - warmup):
+                seq += [("F", *item(warmup + i, False)), ("B", *item(i, True))]
+            seq += [("B", *item(i, True)) for i in range(total - warmup, total)]
+            for kind, s, j in seq:
+                ops.append((kind, s, k, j))
+                if kind == "B" and j == m - 1:  # last microbatch of this stage: update
+                    ops.append(("STEP", s, k, -1))
+        orders.append(ops)
+    return _build("interleaved-1f1b", "sync", R, v, m, num_steps, orders)
+
+
+def two_bw(
+    num_ranks: int,
+    num_microbatches: int,
+    num_steps: int = 1,
+    *,
+    sync_start: int = 0,
+    sync_cooldown: float = 0.0,
+    **_: object,
+) -> Schedule:
+    """PipeDream-2BW (Narayanan et al. ICML'21): 1F1B over all N*m microbatches without a
+    flush; step k uses version k-1 (double-buffered weights). Needs m >= P-1, else the version
+    a forward needs is not yet created. Sync start/cooldown steps get a flush before them."""
+    _check_sizes(num_ranks, num_microbatches, num_steps)
+    P, m = num_ranks, num_microbatches
+    if m < P - 1:
+        raise ConfigError(
+            f"2bw needs --microbatches >= stages - 1 = {P - 1} (got {m}): with fewer, a forward "
+            f"would need weights not yet updated; raise --microbatches or use fewer --stages"
+        )
+    segs = _segments("2bw", P, num_steps, sync_start, sync_cooldown)
+    orders = [
+        [
+            op
+            for seg in segs
+            for op in _stream(s, [(k, j) for k in seg for j in range(m)], P - s - 1, m)
+        ]
+        for s in range(P)
+    ]
+    return _build("2bw", "2bw", P, 1, m, num_steps, orders, sync_start, sync_cooldown)
+
+
+def pipedream(
+    num_ranks: int,
+    num_microbatches: int,
+    num_steps: int = 1,
+    *,
+    sync_start: int = 0,
+    sync_cooldown: float = 0.0,
+    **_: object,
+) -> Schedule:
+    """PipeDream (Narayanan et al. SOSP'19): weight stashing, one update per microbatch-sized
+    minibatch. The N*m microbatches become N*m steps of one microbatch (so the returned
+    schedule has num_steps = N*m, num_microbatches = 1); stage s keeps P-s versions and has
+    staleness P-1-s. Sync windows count in these minibatch steps."""
+    _check_sizes(num_ranks, num_microbatches, num_steps)
+    P, N = num_ranks, num_steps * num_microbatches
+    segs = _segments("pipedream", P, N, sync_start, sync_cooldown)
+    orders = [
+        [op for seg in segs for op in _stream(s, [(k, 0) for k in seg], P - s - 1, 1)]
+        for s in range(P)
+    ]
+    return _build("pipedream", "pipedream", P, 1, 1, N, orders, sync_start, sync_cooldown)
+
+
+def _list_schedule(
+    name: str,
+    policy: str,
+    R: int,
+    v: int,
+    m: int,
+    N: int,
+    *,
+    split: bool,
+    priority: Callable[[Op], tuple],
+    cap: list[int] | None = None,
+    sync_start: int = 0,
+    sync_cooldown: float = 0.0,
+) -> Schedule:
+    """Greedy list scheduling on unit costs (F = 1, B = 2, BI = BW = 1, STEP = 0): whenever a
+    rank is idle it starts its ready action of best `priority`; forwards only while the rank
+    stashes fewer than `cap[rank]` microbatches. The resulting order is the schedule (the
+    ZB paper builds its schedules the same way). Per stage, each kind runs in (step,
+    microbatch) order."""
+    S = R * v
+    cost = {"F": 1.0, "B": 2.0, "BI": 1.0, "BW": 1.0, "STEP": 0.0}
+    bk, final = ("BI", "BW") if split else ("B", "B")
+    items = [(k, j) for k in range(N) for j in range(m)]
+    fq = {s: deque(items) for s in range(S)}
+    bq = {s: deque(items) for s in range(S)}
+    wq = {s: deque(items if split else []) for s in range(S)}
+    sq = {s: deque(range(N)) for s in range(S)}
+    queue = {"F": fq, bk: bq, "BW": wq, "STEP": sq}
+    end: dict[Key, float] = {}
+    cap = cap or [10**9] * R
+    inflight, free = [0] * R, [0.0] * R
+    orders: list[list[Op]] = [[] for _ in range(R)]
+
+    def ok(key: Key, t: float) -> bool:
+        e = end.get(key)
+        return e is not None and e <= t
+
+    def candidates(r: int, t: float) -> Iterator[Op]:
+        for s in range(r, S, R):
+            if sq[s]:
+                k = sq[s][0]
+                if all(ok((final, s, k, j), t) for j in range(m)):
+                    yield ("STEP", s, k, -1)
+            if bq[s]:
+                k, j = bq[s][0]
+                if ok(("F", s, k, j), t) and (s == S - 1 or ok((bk, s + 1, k, j), t)):
+                    yield (bk, s, k, j)
+            if wq[s] and ok(("BI", s, *wq[s][0]), t):
+                yield ("BW", s, *wq[s][0])
+            if fq[s] and inflight[r] < cap[r]:
+                k, j = fq[s][0]
+                vv = version_used(policy, s, k, S, N, sync_start, sync_cooldown)
+                if (s == 0 or ok(("F", s - 1, k, j), t)) and (
+                    vv == 0 or ok(("STEP", s, vv - 1, -1), t)
+                ):
+                    yield ("F", s, k, j)
+
+    t, remaining = 0.0, S * (N * m * (3 if split else 2) + N)
+    while remaining:
+        progressed = False
+        for r in range(R):
+            if free[r] > t:
+                continue
+            best = min(candidates(r, t), key=priority, default=None)
+            if best is None:
+                continue
+            kind, s = best[0], best[1]
+            queue[kind][s].popleft()
+            end[best] = free[r] = t + cost[kind]
+            inflight[r] += (kind == "F") - (kind == final)
+            orders[r].append(best)
+            remaining -= 1
+            progressed = True
+        if not progressed:
+            later = [f for f in free if f > t]
+            assert later, f"{name}: list scheduler stuck at t={t}"
+            t = min(later)
+    return _build(name, policy, R, v, m, N, orders, sync_start, sync_cooldown)
+
+
+def zb_h1(num_ranks: int, num_microbatches: int, num_steps: int = 1, **_: object) -> Schedule:
+    """ZB-H1 (Qi et al. ICLR'24, "Zero Bubble Pipeline Parallelism"): the backward is split into
+    BI (input grad, on the critical path) and BW (weight grad, deferred into bubbles); rank r
+    stashes at most P-r microbatches, as 1F1B, and the bubble drops to about a third of 1F1B's
+    when F, BI and BW cost the same. Synchronous: flush and update every step."""
+    _check_sizes(num_ranks, num_microbatches, num_steps)
+    rank_pri = {"STEP": 0, "BI": 1, "F": 2, "BW": 3}
+    R = num_ranks
+    return _list_schedule(
+        "zb-h1",
+        "sync",
+        R,
+        1,
+        num_microbatches,
+        num_steps,
+        split=True,
+        priority=lambda op: (rank_pri[op[0]], op[2], op[3]),
+        cap=[R - r for r in range(R)],
+    )
+
+
+def wpipe(
+    num_ranks: int,
+    num_microbatches: int,
+    num_steps: int = 1,
+    *,
+    sync_start: int = 0,
+    sync_cooldown: float = 0.0,
+    **_: object,
+) -> Schedule:
+    """WPipe (Yang et al. ICLR'22): the model is cut into 2R stages in two groups; rank r holds
+    stage r (group 0) and stage R+r (group 1). Group 0 runs the next step's forwards ahead of
+    the current step's backwards (stale by one, two versions); group 1 updates before its
+    next forward (fresh, one version) -- the `wpipe` delay policy. Built by greedy list
+    scheduling (backwards first, oldest microbatch first)."""
+    _check_sizes(num_ranks, num_microbatches, num_steps)
+    rank_pri = {"STEP": 0, "B": 1, "F": 2}
+    return _list_schedule(
+        "wpipe",
+        "wpipe",
+        num_ranks,
+        2,
+        num_microbatches,
+        num_steps,
+        split=False,
+        priority=lambda op: (rank_pri[op[0]], op[2], op[3], -op[1]),
+        sync_start=sync_start,
+        sync_cooldown=sync_cooldown,
+    )
+
+
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved-1f1b": interleaved_1f1b,
+    "zb-h1": zb_h1,
+    "2bw": two_bw,
+    "pipedream": pipedream,
+    "wpipe": wpipe,
+}
+
+
+def make_schedule(
+    name: str,
+    num_ranks: int,
+    num_microbatches: int,
+    num_steps: int = 1,
+    *,
+    num_chunks: int = 2,
+    sync_start: int = 0,
+    sync_cooldown: float = 0.0,
+) -> Schedule:
+    """The schedule `name` from SCHEDULES; an unknown name raises ConfigError listing them.
+    `num_chunks` is used by interleaved-1f1b only; sync windows by 2bw, pipedream, wpipe."""
+    if name not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+    return SCHEDULES[name](
+        num_ranks,
+        num_microbatches,
+        num_steps,
+        num_chunks=num_chunks,
+        sync_start=sync_start,
+        sync_cooldown=sync_cooldown,
+    )
