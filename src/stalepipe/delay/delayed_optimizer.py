@@ -1,0 +1,366 @@
+"""`DelayedOptimizer`: any `torch.optim.Optimizer`, trained as an asynchronous pipeline would.
+
+It owns the weight versions a delay policy needs (per stage), swaps the stale ones in while the
+gradient is computed, and applies the base optimizer's update to the newest weights, followed by
+the mitigations (GUIDE section 2). Use it in a plain training loop:
+
+    opt = DelayedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4),
+                           [model.parameters()], DelayConfig(policy="2bw", ef=True), steps)
+    for step in range(steps):
+        with opt.stale_weights():          # forward AND backward inside
+            model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+Memory: a stage with staleness tau keeps tau stored copies besides its live weights (tau + 1
+versions); EF adds one buffer (U_{k-1}); adaptive Taylor one (EMA of g^2). The `sync` policy
+without mitigations stores nothing and calls `optimizer.step()` unchanged: bitwise identical to
+the bare optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stalepipe.config import ConfigError, DelayConfig
+from stalepipe.delay import mitigations
+from stalepipe.delay.policies import (
+    cooldown_steps,
+    max_staleness,
+    staleness,
+    versions_needed_after,
+)
+
+StageParams = Iterable[nn.Parameter] | Mapping[str, nn.Parameter]
+
+_UNBOUNDED = 2**62  # total_steps when the run length is unknown (no cooldown then)
+
+
+class DelayedOptimizer:
+    """Wraps `optimizer` so that step k's gradient is computed at the stale, per-stage weights
+    `W_{max(k - tau_s(k), 0)}` and the update goes to the newest weights.
+
+    Args:
+        optimizer: the base optimizer; its `.grad` is the stale gradient, its state sees the
+            stale sequence, `param_groups` are its own (set LRs there as usual).
+        stages: the parameters of each pipeline stage, first to last, as iterables or
+            name -> parameter mappings (names make checkpoints readable). Every parameter the
+            optimizer updates must belong to exactly one stage.
+        cfg: policy and mitigations. `cfg.mode` is ignored here (see `DelayEmulator`).
+        total_steps: run length T (sync cooldown and the last needed versions depend on it);
+            None when unknown, which forbids a cooldown.
+        shared_with: stage -> other stages that also read its weights (a tied embedding used by
+            the last stage); the owner then keeps the versions those stages read too.
+
+    Not for: gradients that must be computed at weights other than the current step's stale
+    point (only the versions the policy needs are kept).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        stages: Sequence[StageParams],
+        cfg: DelayConfig | None = None,
+        total_steps: int | None = None,
+        *,
+        shared_with: Mapping[int, Iterable[int]] | None = None,
+    ) -> None:
+        cfg = cfg or DelayConfig()
+        if cfg.sync_cooldown_wsd:
+            raise ConfigError(
+                "delay.sync_cooldown_wsd must be resolved to a step count first: pass "
+                "stalepipe.delay.resolve_delay_config(delay_cfg, train_cfg)"
+            )
+        if total_steps is None:
+            if cfg.sync_cooldown:
+                raise ConfigError("delay.sync_cooldown needs total_steps (the run length)")
+            total_steps = _UNBOUNDED
+        if total_steps < 1:
+            raise ConfigError(f"total_steps must be >= 1, got {total_steps}")
+        if not stages:
+            raise ConfigError("DelayedOptimizer needs at least one stage of parameters")
+        self.optimizer = optimizer
+        self.cfg = cfg
+        self.num_stages = len(stages)
+        self.total_steps = total_steps
+        self._names: list[list[str]] = []
+        self._params: list[list[nn.Parameter]] = []
+        seen: dict[int, str] = {}
+        for s, group in enumerate(stages):
+            items = (
+                list(group.items())
+                if isinstance(group, Mapping)
+                else [(f"{s}.{i}", p) for i, p in enumerate(group)]
+            )
+            for name, p in items:
+                if id(p) in seen:
+                    raise ConfigError(
+                        f"parameter {name} appears in two stages (also as {seen[id(p)]}); list "
+                        f"a shared parameter under its owner only and use shared_with"
+                    )
+                seen[id(p)] = name
+            self._names.append([n for n, _ in items])
+            self._params.append([p for _, p in items])
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    raise ConfigError(
+                        f"the optimizer updates a parameter of shape {tuple(p.shape)} that is in "
+                        f"no stage; pass every trained parameter in `stages`"
+                    )
+
+        # Validates the policy (and wpipe's even stage count) up front.
+        self._max_tau = max_staleness(cfg.policy, self.num_stages)
+        self._consumers = [{s} for s in range(self.num_stages)]
+        for owner, users in (shared_with or {}).items():
+            self._consumers[owner].update(users)
+        self._cooldown = cooldown_steps(cfg.sync_cooldown, total_steps)
+        if cfg.ef and max(self._max_tau) == 0:
+            warnings.warn(
+                f"delay.ef is on but delay.policy {cfg.policy!r} has no delay with "
+                f"{self.num_stages} stage(s): EF then only perturbs the optimizer's updates",
+                stacklevel=2,
+            )
+
+        self._step = 0
+        # history[s][v]: stored copy of stage s's weights W_v (v < current step); the live
+        # weights (v = current step) are the parameters themselves.
+        self._history: list[dict[int, list[torch.Tensor]]] = [{} for _ in stages]
+        self._spare: list[list[torch.Tensor] | None] = [None for _ in stages]
+        self._ef_prev: list[list[torch.Tensor]] | None = None  # U_{k-1}; None = U_{-1} = 0
+        self._taylor_ms: list[list[torch.Tensor]] | None = None  # EMA of g^2 (adaptive)
+        self._swapped: list[tuple[nn.Parameter, torch.Tensor]] | None = None
+
+    # ---------------------------------------------------------------------------------------
+    # The delay schedule
+    # ---------------------------------------------------------------------------------------
+
+    @property
+    def step_count(self) -> int:
+        """The step the next gradient belongs to (= number of updates applied so far)."""
+        return self._step
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def staleness(self, step: int | None = None) -> list[int]:
+        """tau_s(step) for every stage (default: the current step)."""
+        k = self._step if step is None else step
+        return [
+            staleness(
+                self.cfg.policy,
+                s,
+                k,
+                self.num_stages,
+                self.total_steps,
+                self.cfg.sync_start,
+                self._cooldown,
+            )
+            for s in range(self.num_stages)
+        ]
+
+    def versions(self, step: int | None = None) -> list[int]:
+        """The weight version each stage's gradient sees at `step`: max(step - tau_s, 0)."""
+        k = self._step if step is None else step
+        return [max(k - tau, 0) for tau in self.staleness(k)]
+
+    def kept_versions(self) -> list[list[int]]:
+        """Per stage, the versions held now: stored copies plus the live weights."""
+        return [sorted(h) + [self._step] for h in self._history]
+
+    def weights_at(self, stage: int, version: int) -> list[torch.Tensor]:
+        """Stage `stage`'s weights W_version (the live tensors for the current step), in the
+        stage's parameter order. Read-only by convention: do not modify them in place."""
+        if version == self._step:
+            if self._swapped is not None:
+                live = {id(p): t for p, t in self._swapped}
+                return [live.get(id(p), p.data) for p in self._params[stage]]
+            return [p.data for p in self._params[stage]]
+        if version not in self._history[stage]:
+            raise KeyError(
+                f"stage {stage} does not keep version {version} at step {self._step} "
+                f"(kept: {sorted(self._history[stage])})"
+            )
+        return self._history[stage][version]
+
+    def _check_step(self, step: int | None) -> int:
+        if step is not None and step != self._step:
+            raise ValueError(
+                f"the delayed optimizer is at step {self._step}, got step {step}: steps must run "
+                f"in order (resume through load_state_dict)"
+            )
+        if self._step >= self.total_steps:
+            raise ValueError(f"all total_steps={self.total_steps} steps have been run")
+        return self._step
+
+    @contextlib.contextmanager
+    def stale_weights(self, step: int | None = None) -> Iterator[list[int]]:
+        """Within this block every stage's parameters hold the weights step `step` (default:
+        the current one) reads; yields the version per stage. Run forward AND backward inside:
+        the live weights come back on exit, and a graph built inside cannot be backpropagated
+        afterwards (autograd raises instead of silently using the wrong weights)."""
+        k = self._check_step(step)
+        if self._swapped is not None:
+            raise RuntimeError("stale_weights() blocks cannot be nested")
+        versions = self.versions(k)
+        swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
+        for s, v in enumerate(versions):
+            if v == k:
+                continue
+            for param, old in zip(self._params[s], self.weights_at(s, v), strict=True):
+                swapped.append((param, param.data))
+                param.data = old
+        self._swapped = swapped
+        try:
+            yield versions
+        finally:
+            for p, live in swapped:
+                p.data = live
+                torch.autograd.graph.increment_version(p)
+            self._swapped = None
+
+    # ---------------------------------------------------------------------------------------
+    # The update
+    # ---------------------------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self) -> dict[str, Any]:
+        """Apply step k's update: Taylor compensation of the stale gradient, `optimizer.step()`
+        on the newest weights, error feedback, version bookkeeping. Returns {"tau": [per
+        stage]}, the staleness this step's gradient had."""
+        k = self._check_step(None)
+        cfg = self.cfg
+        taus = self.staleness(k)
+        used = [max(k - t, 0) for t in taus]
+
+        if cfg.taylor > 0:
+            self._taylor(k, used)
+
+        # Keep W_k if a later step reads it; recycle the buffers nobody reads any more.
+        w_k: list[list[torch.Tensor] | None] = [None] * self.num_stages
+        for s in range(self.num_stages):
+            needed = versions_needed_after(
+                cfg.policy,
+                self._consumers[s],
+                k,
+                self.num_stages,
+                self.total_steps,
+                cfg.sync_start,
+                self._cooldown,
+            )
+            hist = self._history[s]
+            for v in [v for v in hist if v not in needed]:
+                self._spare[s] = hist.pop(v)
+            if k in needed:
+                buf = self._spare[s]
+                self._spare[s] = None
+                if buf is None:
+                    buf = [p.detach().clone() for p in self._params[s]]
+                else:
+                    for b, p in zip(buf, self._params[s], strict=True):
+                        b.copy_(p.detach())
+                hist[k] = buf
+                w_k[s] = buf
+            if not hist:
+                self._spare[s] = None  # no delayed step ahead: free the memory
+
+        if cfg.ef:
+            w_k = [
+                w if w is not None else [p.detach().clone() for p in self._params[s]]
+                for s, w in enumerate(w_k)
+            ]
+
+        self.optimizer.step()
+
+        if cfg.ef:
+            if self._ef_prev is None:
+                self._ef_prev = [[torch.zeros_like(p) for p in ps] for ps in self._params]
+            for s, params in enumerate(self._params):
+                for i, p in enumerate(params):
+                    self._ef_prev[s][i] = mitigations.error_feedback_(
+                        p, w_k[s][i], self._ef_prev[s][i]
+                    )
+
+        self._step += 1
+        return {"tau": taus}
+
+    def _taylor(self, k: int, used: list[int]) -> None:
+        cfg = self.cfg
+        if cfg.taylor_adaptive and self._taylor_ms is None:
+            self._taylor_ms = [[torch.zeros_like(p) for p in ps] for ps in self._params]
+        for s, params in enumerate(self._params):
+            stale = self.weights_at(s, used[s]) if used[s] < k else None
+            for i, p in enumerate(params):
+                if p.grad is None:
+                    continue
+                if cfg.taylor_adaptive:
+                    ms = self._taylor_ms[s][i]
+                    mitigations.taylor_ema_update_(ms, p.grad, cfg.taylor_ema)
+                    if stale is not None:
+                        mitigations.taylor_compensate_adaptive_(
+                            p.grad, p.detach(), stale[i], cfg.taylor, ms, cfg.taylor_eps
+                        )
+                elif stale is not None:
+                    mitigations.taylor_compensate_(p.grad, p.detach(), stale[i], cfg.taylor)
+
+    # ---------------------------------------------------------------------------------------
+    # Checkpointing
+    # ---------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but the live weights (those are the model's): the base optimizer's state,
+        the stored weight versions, the EF buffer U_{k-1}, the Taylor EMA and the step."""
+        return {
+            "step": self._step,
+            "policy": self.cfg.policy,
+            "num_stages": self.num_stages,
+            "names": [list(n) for n in self._names],
+            "optimizer": self.optimizer.state_dict(),
+            "history": [{v: list(ts) for v, ts in h.items()} for h in self._history],
+            "ef_prev": self._ef_prev,
+            "taylor_ms": self._taylor_ms,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`'s output (load the model's weights separately)."""
+        if state["num_stages"] != self.num_stages or state["names"] != self._names:
+            raise ConfigError(
+                f"delay state was saved for {state['num_stages']} stages with other parameters; "
+                f"resume with the same pipeline.num_stages and model"
+            )
+        if state["policy"] != self.cfg.policy:
+            raise ConfigError(
+                f"delay state was saved under policy {state['policy']!r}, not "
+                f"{self.cfg.policy!r}; resume with the same --delay.policy"
+            )
+
+        def own(tensors: list[torch.Tensor], like: list[nn.Parameter]) -> list[torch.Tensor]:
+            return [t.detach().to(p.device, p.dtype).clone() for t, p in zip(tensors, like)]
+
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._step = int(state["step"])
+        self._history = [
+            {int(v): own(ts, self._params[s]) for v, ts in h.items()}
+            for s, h in enumerate(state["history"])
+        ]
+        self._spare = [None] * self.num_stages
+        self._ef_prev = (
+            None
+            if state["ef_prev"] is None
+            else [own(ts, self._params[s]) for s, ts in enumerate(state["ef_prev"])]
+        )
+        self._taylor_ms = (
+            None
+            if state["taylor_ms"] is None
+            else [own(ts, self._params[s]) for s, ts in enumerate(state["taylor_ms"])]
+        )

@@ -1,0 +1,271 @@
+"""`DelayEmulator`: the single-process delay engine the training loop drives.
+
+    engine = DelayEmulator(model, optimizer, delay_cfg, num_stages=P, total_steps=T)
+    loss = engine.forward_backward(step, microbatches)   # grads of step `step` at the stale point
+    engine.clip_grad_norm_(max_norm)                      # optional, on the stale gradient
+    metrics = engine.step(step)                           # update the newest weights; {"tau": ...}
+
+Two modes compute the same gradient:
+- fast: one whole-model forward/backward per microbatch with each stage's stale weights swapped
+  in (for sweeps);
+- exact: per stage, per microbatch, activations detached at stage boundaries, RNG seeded per
+  (stage, step, microbatch), tied weights used as separate per-stage copies whose gradients are
+  summed (first stage's, then last stage's): the order the real pipeline runtime reproduces, so
+  its weights match this mode bit for bit.
+
+Shared parameters (a tied embedding: owned by stage 0, read by the last stage's head) are never
+silently diverging: the reading stage gets the version *it* would see. In fast mode the head is
+untied for the step only when that version differs from the owner's (pipedream, wpipe), and its
+gradient is added to the owner's after all microbatches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from stalepipe.config import ConfigError, DelayConfig
+from stalepipe.delay.delayed_optimizer import DelayedOptimizer
+
+Microbatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+def microbatch_seed(seed: int, stage: int, step: int, microbatch: int) -> int:
+    """The RNG seed of (stage, step, microbatch): a pure function shared with the runtime, so
+    dropout-like randomness matches across engines whatever the schedule's order."""
+    return (((seed * 1_000_003 + step) * 1_009 + stage) * 65_537 + microbatch) % (2**63 - 1)
+
+
+@dataclass
+class _SharedUse:
+    """`module.<attr>` in stage `stage` reads parameter `param`, owned by stage `owner`."""
+
+    param: nn.Parameter
+    owner: int
+    owner_index: int  # position of `param` in the owner's parameter list
+    stage: int
+    module: nn.Module
+    attr: str
+
+
+class DelayEmulator:
+    """Trains `model` with `optimizer` exactly as a `num_stages`-stage asynchronous pipeline
+    under `delay_cfg` would, in one process (GUIDE section 2).
+
+    Args:
+        model: a `Transformer` (split with `models.partition`), or any module whose
+            `model(x, y)` returns the loss, together with `stages`.
+        optimizer: any `torch.optim.Optimizer` over the model's parameters.
+        delay_cfg: policy, mitigations and mode (resolve WSD-aligned cooldowns first with
+            `resolve_delay_config`).
+        num_stages, total_steps: P and T.
+        stages: for non-Transformer models, the pipeline stages as modules sharing the model's
+            parameters; stage s>0 takes stage s-1's output, the last `stage(h, y)` returns the
+            loss. A parameter listed by several stages is owned by the first.
+        seq_len: the sequence length the Transformer split balances for; pass what the
+            pipeline runtime uses so both engines assign layers to stages identically.
+        seed: base seed of the exact mode's per-(stage, step, microbatch) RNG.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        delay_cfg: DelayConfig,
+        num_stages: int,
+        total_steps: int,
+        *,
+        stages: Sequence[nn.Module] | None = None,
+        seq_len: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        if stages is None:
+            stages = _split_transformer(model, num_stages, delay_cfg.policy, seq_len)
+        if len(stages) != num_stages:
+            raise ConfigError(f"got {len(stages)} stage modules for num_stages={num_stages}")
+        self.model = model
+        self.cfg = delay_cfg
+        self.num_stages = num_stages
+        self.stages = list(stages)
+        self.seed = seed
+        owned, self._shared = _ownership(self.stages)
+        covered = {id(p) for ps in owned for p in ps.values()}
+        for name, p in model.named_parameters():
+            if id(p) not in covered:
+                raise ConfigError(f"model parameter {name} belongs to no stage")
+        shared_with: dict[int, set[int]] = {}
+        for use in self._shared:
+            shared_with.setdefault(use.owner, set()).add(use.stage)
+        self.delayed = DelayedOptimizer(
+            optimizer, owned, delay_cfg, total_steps, shared_with=shared_with
+        )
+        self._params = list(model.parameters())  # clip in the model's order, like a bare loop
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The base optimizer (set learning rates on its `param_groups`)."""
+        return self.delayed.optimizer
+
+    @property
+    def step_count(self) -> int:
+        return self.delayed.step_count
+
+    # ---------------------------------------------------------------------------------------
+
+    def forward_backward(self, step: int, microbatches: Microbatches) -> float:
+        """Gradients of step `step` at its stale point, summed over the microbatches in order
+        (each loss divided by their count). Returns the mean loss at the stale point, which is
+        what a real asynchronous pipeline observes."""
+        if step != self.delayed.step_count:
+            raise ValueError(
+                f"the engine is at step {self.delayed.step_count}, got forward_backward({step})"
+            )
+        if not microbatches:
+            raise ValueError("forward_backward needs at least one microbatch")
+        self.delayed.zero_grad(set_to_none=True)
+        versions = self.delayed.versions(step)
+        untie = [
+            u
+            for u in self._shared
+            if self.cfg.mode == "exact" or versions[u.stage] != versions[u.owner]
+        ]
+        with self._untied(untie, versions) as copies, self.delayed.stale_weights(step):
+            if self.cfg.mode == "exact":
+                loss = self._exact(step, microbatches)
+            else:
+                loss = self._fast(microbatches)
+        for use, copy in zip(untie, copies, strict=True):
+            if copy.grad is not None:
+                p = use.param
+                p.grad = copy.grad if p.grad is None else p.grad + copy.grad
+        return loss
+
+    def _fast(self, microbatches: Microbatches) -> float:
+        total = torch.zeros(())
+        for x, y in microbatches:
+            loss = self.model(x, y) / len(microbatches)
+            loss.backward()
+            total = total + loss.detach().float().cpu()
+        return total.item()
+
+    def _exact(self, step: int, microbatches: Microbatches) -> float:
+        """GPipe order per microbatch: forward stage 0..P-1, backward P-1..0; each stage's
+        parameters accumulate their gradients in microbatch order, as in every schedule."""
+        m = len(microbatches)
+        last = self.num_stages - 1
+        total = torch.zeros(())
+        for j, (x, y) in enumerate(microbatches):
+            inputs: list[torch.Tensor] = []
+            outputs: list[torch.Tensor] = []
+            h = x
+            for s, stage in enumerate(self.stages):
+                inp = h if s == 0 else h.detach().requires_grad_(h.is_floating_point())
+                with _seeded(microbatch_seed(self.seed, s, step, j), x.device):
+                    out = stage(inp, y) / m if s == last else stage(inp)
+                inputs.append(inp)
+                outputs.append(out)
+                h = out
+            outputs[last].backward()
+            for s in range(last - 1, -1, -1):
+                grad = inputs[s + 1].grad
+                if grad is not None:
+                    outputs[s].backward(grad)
+            total = total + outputs[last].detach().float().cpu()
+        return total.item()
+
+    @contextlib.contextmanager
+    def _untied(self, uses: list[_SharedUse], versions: list[int]) -> Iterator[list[nn.Parameter]]:
+        """Give each reading stage its own leaf holding the version that stage sees."""
+        copies = []
+        for u in uses:
+            w = self.delayed.weights_at(u.owner, versions[u.stage])[u.owner_index]
+            copy = nn.Parameter(w, requires_grad=u.param.requires_grad)
+            u.module._parameters[u.attr] = copy
+            copies.append(copy)
+        try:
+            yield copies
+        finally:
+            for u in uses:
+                u.module._parameters[u.attr] = u.param
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the stale gradient's global norm (as the bare loop would); returns the norm."""
+        return torch.nn.utils.clip_grad_norm_(self._params, max_norm).item()
+
+    def step(self, step: int) -> dict[str, Any]:
+        """Update the newest weights with step `step`'s stale gradient (Taylor, optimizer, EF,
+        versions), zero the gradients, and return {"tau": [staleness per stage]}."""
+        if step != self.delayed.step_count:
+            raise ValueError(f"the engine is at step {self.delayed.step_count}, got step({step})")
+        metrics = self.delayed.step()
+        self.delayed.zero_grad(set_to_none=True)
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer state, kept weight versions, EF buffer, Taylor EMA and step counter; the
+        live weights are `model.state_dict()`."""
+        return {"mode": self.cfg.mode, "delayed": self.delayed.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.delayed.load_state_dict(state["delayed"])
+
+
+# -------------------------------------------------------------------------------------------
+
+
+def _split_transformer(
+    model: nn.Module, num_stages: int, policy: str, seq_len: int | None
+) -> list[nn.Module]:
+    from stalepipe.models import Transformer, partition
+
+    if not isinstance(model, Transformer):
+        raise ConfigError(
+            f"DelayEmulator splits only stalepipe Transformers by itself; for a "
+            f"{type(model).__name__} pass stages=[...] (one module per pipeline stage)"
+        )
+    num_layers = model.cfg.num_layers
+    if not 1 <= num_stages <= num_layers:
+        raise ConfigError(
+            f"delay.policy {policy} with pipeline.num_stages={num_stages} needs 1 <= num_stages "
+            f"<= model.num_layers={num_layers} (each stage holds at least one block); lower "
+            f"--pipeline.num_stages"
+        )
+    return partition(model, num_stages, seq_len)
+
+
+def _ownership(
+    stages: Sequence[nn.Module],
+) -> tuple[list[dict[str, nn.Parameter]], list[_SharedUse]]:
+    """Per stage, the parameters it owns (first stage listing a parameter owns it), and every
+    place a later stage reads a parameter owned by another."""
+    owner: dict[int, tuple[int, int]] = {}
+    owned: list[dict[str, nn.Parameter]] = []
+    shared: list[_SharedUse] = []
+    for s, stage in enumerate(stages):
+        mine: dict[str, nn.Parameter] = {}
+        for mod_name, module in stage.named_modules():
+            for attr, p in module._parameters.items():
+                if p is None:
+                    continue
+                if id(p) in owner:
+                    o, idx = owner[id(p)]
+                    if o != s:
+                        shared.append(_SharedUse(p, o, idx, s, module, attr))
+                    continue
+                owner[id(p)] = (s, len(mine))
+                mine[f"{mod_name}.{attr}" if mod_name else attr] = p
+        owned.append(mine)
+    return owned, shared
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield

@@ -1,0 +1,80 @@
+"""Delay mitigations as pure tensor math (GUIDE section 2); the classes only own the buffers.
+
+- error feedback (EF), update level:       W_{k+1} = W_k - 2 U_k + U_{k-1},  U_{-1} = 0
+- Taylor / DC-ASGD compensation:           g <- g + lambda * g * g * (W_k - W_stale)
+- adaptive Taylor (DC-ASGD-a):             lambda = lambda_0 / (sqrt(EMA(g^2)) + eps)
+- synchronous start / cooldown windows:    tau = 0 inside (see `policies.in_sync_window`)
+
+All functions work in place on the tensors they are given and return what the caller keeps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from stalepipe.config import ConfigError, DelayConfig, TrainConfig
+
+
+@torch.no_grad()
+def error_feedback_(param: torch.Tensor, w_k: torch.Tensor, u_prev: torch.Tensor) -> torch.Tensor:
+    """Turn the base optimizer's result into the EF update, in place; return the raw U_k.
+
+    On entry `param` holds W_k - U_k (what `opt.step()` made of W_k = `w_k`); on exit it holds
+    W_k - 2 U_k + U_{k-1} (paper: x_{t+1} = x_t - 2 u_{t-1}(g_{t-1}) + u_{t-2}(g_{t-2})).
+    The raw U_k, not the corrected change, is what the next step subtracts.
+    """
+    u_k = w_k - param
+    param.copy_(w_k).sub_(u_k, alpha=2).add_(u_prev)
+    return u_k
+
+
+@torch.no_grad()
+def taylor_compensate_(
+    grad: torch.Tensor, w_new: torch.Tensor, w_stale: torch.Tensor, lam: float
+) -> None:
+    """DC-ASGD (Zheng et al., 2017, eq. 9), in place: g <- g + lambda * g * g * (W_k - W_stale)."""
+    grad.add_(grad * grad * (w_new - w_stale), alpha=lam)
+
+
+@torch.no_grad()
+def taylor_ema_update_(mean_square: torch.Tensor, grad: torch.Tensor, ema: float) -> None:
+    """DC-ASGD-a's MeanSquare(t) = m * MeanSquare(t-1) + (1 - m) * g_t^2, in place."""
+    mean_square.mul_(ema).add_((1.0 - ema) * (grad * grad))
+
+
+@torch.no_grad()
+def taylor_compensate_adaptive_(
+    grad: torch.Tensor,
+    w_new: torch.Tensor,
+    w_stale: torch.Tensor,
+    lam0: float,
+    mean_square: torch.Tensor,
+    eps: float,
+) -> None:
+    """DC-ASGD-a (Zheng et al., 2017, sec. 5), in place: lambda = lambda_0 / (sqrt(MS) + eps)
+    elementwise, then the constant-lambda rule."""
+    scale = lam0 / mean_square.sqrt().add_(eps)
+    grad.add_(scale * grad * grad * (w_new - w_stale))
+
+
+def resolve_delay_config(delay: DelayConfig, train: TrainConfig) -> DelayConfig:
+    """`delay` with the synchronous cooldown as a step count the engine can use directly.
+
+    With `sync_cooldown_wsd` the cooldown is exactly WSD's LR decay phase
+    (`optim.schedules.wsd_decay_steps`); the schedule must then be 'wsd'.
+    """
+    from stalepipe.optim.schedules import wsd_decay_steps
+
+    if not delay.sync_cooldown_wsd:
+        return delay
+    if train.lr_schedule != "wsd":
+        raise ConfigError(
+            f"delay.sync_cooldown_wsd aligns the cooldown with WSD's decay phase, but "
+            f"train.lr_schedule is {train.lr_schedule!r}; use --train.lr_schedule wsd or set "
+            f"--delay.sync_cooldown to a step count or fraction"
+        )
+    return dataclasses.replace(
+        delay, sync_cooldown=float(wsd_decay_steps(train)), sync_cooldown_wsd=False
+    )

@@ -1,0 +1,111 @@
+"""The slow, obvious delayed-training reference (GUIDE 4.6): every weight version is kept, the
+stale point is assembled name by name from `version_used`, and the gradient is taken with
+`torch.func.functional_call` on fresh leaves. Tests check `DelayEmulator` and
+`DelayedOptimizer` against it; never use it for real training (memory grows with the steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from stalepipe.config import DelayConfig
+from stalepipe.delay.policies import cooldown_steps, version_used
+
+Batch = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+def stage_of_uses(stages: Sequence[nn.Module], model: nn.Module) -> dict[str, tuple[str, int]]:
+    """Map every parameter *use* of `model` (names with duplicates, e.g. both `tok_emb.weight`
+    and a tied `lm_head.weight`) to (owning parameter's name, stage that reads it)."""
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    stage_of_module = {}
+    for s, stage in enumerate(stages):
+        for module in stage.modules():
+            stage_of_module.setdefault(id(module), s)
+    uses = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is not None and id(module) in stage_of_module:
+                name = f"{mod_name}.{attr}" if mod_name else attr
+                uses[name] = (canonical[id(p)], stage_of_module[id(module)])
+    return uses
+
+
+def reference_train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cfg: DelayConfig,
+    uses: Mapping[str, tuple[str, int]],
+    num_stages: int,
+    total_steps: int,
+    batches: Callable[[int], Batch],
+    steps: int | None = None,
+) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+    """Run `steps` (default all) delayed steps from the model's current weights; return every
+    weight version W_0..W_steps (name -> tensor) and the loss of each step."""
+    names = dict(model.named_parameters())
+    owner_stage = {}
+    for use, (pname, stage) in uses.items():
+        if use == pname:
+            owner_stage[pname] = stage
+    cool = cooldown_steps(cfg.sync_cooldown, total_steps)
+
+    def version(stage: int, k: int) -> int:
+        return version_used(cfg.policy, stage, k, num_stages, total_steps, cfg.sync_start, cool)
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in names.items()}
+
+    versions = [snapshot()]
+    losses = []
+    u_prev = {n: torch.zeros_like(p) for n, p in names.items()}
+    mean_sq = {n: torch.zeros_like(p) for n, p in names.items()}
+    for k in range(total_steps if steps is None else steps):
+        leaves = {
+            use: versions[version(stage, k)][pname].clone().requires_grad_(True)
+            for use, (pname, stage) in uses.items()
+        }
+        acc: dict[str, torch.Tensor] = {}
+        mbs = batches(k)
+        total = torch.zeros(())
+        for x, y in mbs:
+            loss = functional_call(model, leaves, (x, y), tie_weights=False) / len(mbs)
+            grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+            for use, g in zip(leaves, grads, strict=True):
+                if g is not None:
+                    acc[use] = g if use not in acc else acc[use] + g
+            total = total + loss.detach().float()
+        losses.append(total.item())
+
+        with torch.no_grad():
+            for p in names.values():
+                p.grad = None
+            for use, (pname, _) in uses.items():  # owner's use first: model order
+                if use in acc:
+                    p = names[pname]
+                    p.grad = acc[use].clone() if p.grad is None else p.grad + acc[use]
+            w_k = snapshot()
+            for n, p in names.items():
+                if p.grad is None:
+                    continue
+                g = p.grad
+                stale = versions[version(owner_stage[n], k)][n]
+                if cfg.taylor > 0 and cfg.taylor_adaptive:
+                    mean_sq[n] = cfg.taylor_ema * mean_sq[n] + (1.0 - cfg.taylor_ema) * (g * g)
+                    lam = cfg.taylor / (mean_sq[n].sqrt() + cfg.taylor_eps)
+                    p.grad = g + lam * g * g * (w_k[n] - stale)
+                elif cfg.taylor > 0:
+                    p.grad = g + cfg.taylor * (g * g * (w_k[n] - stale))
+            optimizer.step()
+            if cfg.ef:
+                for n, p in names.items():
+                    u = w_k[n] - p
+                    p.copy_(w_k[n] - 2 * u + u_prev[n])
+                    u_prev[n] = u
+            optimizer.zero_grad(set_to_none=True)
+        versions.append(snapshot())
+    return versions, losses
