@@ -6,8 +6,8 @@ Each optimizer module holds a pure `*_update` function and a thin `torch.optim.O
 See docs/optimizers.md.
 """
 
-from stalepipe.optim.adan import Adan, adan_update
 from stalepipe.optim.adamw import adamw_update
+from stalepipe.optim.adan import Adan, adan_update
 from stalepipe.optim.groups import ParamSplit, param_kind, split_params
 from stalepipe.optim.lion import Lion, lion_update
 from stalepipe.optim.mars import MARS, mars_update

@@ -1,0 +1,235 @@
+"""The registry as the rest of the package uses it: config resolution, parameter groups,
+checkpoint round trips, gradient safety and training the tiny preset."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+
+import pytest
+import torch
+
+from stalepipe.config import ConfigError, OptimConfig, cpu_tiny
+from stalepipe.models import build_model
+from stalepipe.optim import DEFAULTS, OPTIMIZERS, build_optimizer, resolve_config, split_params
+from stalepipe.optim.schedules import apply_lr
+
+NAMES = list(OPTIMIZERS)
+
+
+def tiny_model(seed: int = 0):
+    return build_model(cpu_tiny().model, seed=seed)
+
+
+def batch(step: int, size: int = 4, seq: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, 256, (size, seq + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def train_steps(model, opt, steps) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = batch(step)
+        loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+# ---- config resolution and errors ---------------------------------------------------------
+
+
+def test_registry_and_defaults_cover_the_same_names():
+    assert set(OPTIMIZERS) == set(DEFAULTS) == {"adamw", "muon", "soap", "adan", "lion", "mars"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_resolve_fills_defaults_and_is_idempotent(name):
+    cfg = resolve_config(OptimConfig(name=name))
+    assert cfg.lr is not None and cfg.lr > 0
+    assert resolve_config(cfg) == cfg
+    # an explicit value wins over the default
+    assert resolve_config(OptimConfig(name=name, lr=0.123)).lr == 0.123
+
+
+def test_muon_scale_selects_consistent_defaults():
+    original = resolve_config(OptimConfig(name="muon"))
+    assert (original.muon_scale, original.lr, original.adam_lr) == ("original", 0.02, 1e-3)
+    rms = resolve_config(OptimConfig(name="muon", muon_scale="match_rms"))
+    assert rms.lr == rms.adam_lr == DEFAULTS["adamw"]["lr"]
+    assert rms.weight_decay == DEFAULTS["adamw"]["weight_decay"]
+    assert resolve_config(OptimConfig(name="muon", muon_scale="match_rms", lr=2e-3)).adam_lr == 2e-3
+
+
+def test_unknown_name_suggests_the_closest():
+    with pytest.raises(ConfigError, match="did you mean 'adamw'"):
+        resolve_config(OptimConfig(name="adam"))
+    with pytest.raises(ConfigError, match="unknown optimizer"):
+        build_optimizer(OptimConfig(name="sgd-ish-thing"), tiny_model().named_parameters())
+
+
+def test_field_unused_by_the_optimizer_is_an_error():
+    with pytest.raises(ConfigError, match=r"optim.gamma is not used by optim.name='adamw'.*mars"):
+        resolve_config(OptimConfig(name="adamw", gamma=0.1))
+    with pytest.raises(ConfigError, match="optim.eps is not used"):
+        resolve_config(OptimConfig(name="lion", eps=1e-8))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "pattern"),
+    [
+        ("lr", -1e-3, r"optim.lr must be > 0"),
+        ("lr", 0.0, r"optim.lr must be > 0"),
+        ("beta1", 1.0, r"optim.beta1 must be in \[0, 1\)"),
+        ("beta2", -0.1, r"optim.beta2 must be in \[0, 1\)"),
+        ("beta3", 1.5, r"optim.beta3 must be in \[0, 1\)"),
+        ("weight_decay", -0.1, r"optim.weight_decay must be >= 0"),
+        ("eps", -1e-8, r"optim.eps must be >= 0"),
+        ("gamma", -0.5, r"optim.gamma must be >= 0"),
+        ("ns_steps", 0, r"optim.ns_steps must be >= 1"),
+        ("precond_freq", 0, r"optim.precond_freq must be >= 1"),
+        ("muon_scale", "spectral", r"optim.muon_scale must be"),
+    ],
+)
+def test_bad_hyperparameters_are_clear_errors(field, value, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        OptimConfig(**{field: value})
+
+
+# ---- parameter groups ---------------------------------------------------------------------
+
+
+def test_split_kinds_and_tied_embedding_once():
+    model = tiny_model()
+    split = split_params(model.named_parameters(remove_duplicate=False))
+    names = {k: [n for n, _ in ps] for k, ps in split.kinds()}
+    assert names["embed"] == ["tok_emb.weight"]  # lm_head.weight is the same tensor
+    assert all(n.endswith("norm.weight") for n in names["vector"])
+    assert "layers.0.attn.wq.weight" in names["matrix"]
+    total = sum(len(ps) for _, ps in split.kinds())
+    assert total == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_groups_weight_decay_names_and_peak_lr(name):
+    model = tiny_model()
+    opt = build_optimizer(OptimConfig(name=name), model.named_parameters())
+    seen = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert len(seen) == len(set(seen)) == len(list(model.parameters()))
+    for g in opt.param_groups:
+        assert g["kind"] in ("matrix", "embed", "vector")
+        assert len(g["param_names"]) == len(g["params"])
+        if g["kind"] == "vector":
+            assert g["weight_decay"] == 0.0
+        else:
+            assert g["weight_decay"] > 0.0
+        assert g["peak_lr"] == g["lr"]
+    apply_lr(opt, 0.5)
+    assert all(g["lr"] == 0.5 * g["peak_lr"] for g in opt.param_groups)
+
+
+def test_stage_subset_builds_its_own_optimizer():
+    model = tiny_model()
+    stage = [(n, p) for n, p in model.named_parameters() if n.startswith(("layers.2.", "norm."))]
+    opt = build_optimizer(OptimConfig(name="muon"), stage)
+    assert sorted(g["kind"] for g in opt.param_groups) == ["matrix", "vector"]
+
+
+# ---- behaviour as a torch optimizer -------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_step_never_touches_the_gradient(name):
+    """The delay emulator hands the same stale gradient object to several steps."""
+    model = tiny_model()
+    opt = build_optimizer(OptimConfig(name=name), model.named_parameters())
+    x, y = batch(0)
+    model(x, y).backward()
+    grads = {p: p.grad for p in model.parameters()}
+    saved = {p: g.clone() for p, g in grads.items()}
+    for _ in range(3):  # SOAP's first call differs from the rest; step at least twice
+        opt.step()
+    for p, g in grads.items():
+        assert p.grad is g, "p.grad was replaced or set to None"
+        assert torch.equal(g, saved[p]), "p.grad was modified in place"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_dict_round_trip_continues_bitwise(name):
+    cfg = OptimConfig(name=name)
+    model = tiny_model()
+    opt = build_optimizer(cfg, model.named_parameters())
+    train_steps(model, opt, range(7))
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    train_steps(model, opt, range(7, 15))  # SOAP refreshes its eigenbasis in here
+
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    resumed = tiny_model(seed=123)  # different init: everything must come from the checkpoint
+    resumed.load_state_dict(ckpt["model"])
+    opt2 = build_optimizer(cfg, resumed.named_parameters())
+    opt2.load_state_dict(ckpt["opt"])
+    train_steps(resumed, opt2, range(7, 15))
+
+    for (n, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), f"{name}: {n} differs after resume"
+    sd1, sd2 = opt.state_dict(), opt2.state_dict()
+    assert sd1["param_groups"] == sd2["param_groups"]
+    for k, st in sd1["state"].items():
+        for key, v in st.items():
+            w = sd2["state"][k][key]
+            assert torch.equal(v, w) if torch.is_tensor(v) else v == w, f"{name}: state {key}"
+
+
+def test_mars_previous_gradient_is_checkpointed():
+    model = tiny_model()
+    opt = build_optimizer(OptimConfig(name="mars"), model.named_parameters())
+    train_steps(model, opt, range(2))
+    wq = model.layers[0].attn.wq.weight
+    sd = opt.state_dict()
+    idx = next(i for g in sd["param_groups"] for i, n in zip(g["params"], g["param_names"])
+               if n == "layers.0.attn.wq.weight")  # fmt: skip
+    assert torch.equal(sd["state"][idx]["last_grad"], wq.grad)
+    assert sd["state"][idx]["last_grad"].data_ptr() != wq.grad.data_ptr()
+
+
+# ---- trains the tiny preset ---------------------------------------------------------------
+
+# Tiny CPU models tolerate larger LRs than the 100M-400M defaults (as the demo does).
+TINY_LR = {
+    "adamw": dict(lr=3e-3),
+    "muon": dict(lr=0.03, adam_lr=3e-3),
+    "soap": dict(lr=3e-3),
+    "adan": dict(lr=3e-3),
+    "lion": dict(lr=3e-4),
+    "mars": dict(lr=3e-3, adam_lr=3e-3),
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_trains_tiny_preset(name):
+    model = tiny_model()
+    opt = build_optimizer(OptimConfig(name=name, **TINY_LR[name]), model.named_parameters())
+    x, y = batch(0, size=8)
+    losses = []
+    for _ in range(30):
+        loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(map(torch.isfinite, torch.tensor(losses)))
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert sum(losses[-5:]) < sum(losses[:5]), losses
+
+
+def test_configs_are_frozen_dataclasses():
+    cfg = resolve_config(OptimConfig(name="soap"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lr = 1.0  # type: ignore[misc]
+    assert copy.deepcopy(cfg) == cfg
