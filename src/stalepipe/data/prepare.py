@@ -262,7 +262,12 @@ def ensure_prepared(cfg: DataConfig, progress: bool = True) -> Path:
             f"no prepared data in {out}; run `stalepipe data prepare --corpus text --text PATH"
             + (f" --out {out}`" if cfg.data_dir else "`")
         )
-    return prepare_corpus(cfg, progress=progress)
+    try:
+        return prepare_corpus(cfg, progress=progress)
+    except DataError:
+        if has_manifest(out):  # another process (e.g. another rank) prepared it meanwhile
+            return ensure_prepared(cfg, progress)
+        raise
 
 
 def prepare_main(
