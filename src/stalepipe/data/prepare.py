@@ -149,10 +149,14 @@ def _tokenize(
             disable=not progress,
             file=sys.stderr,
         )
-        for i, (_, text) in enumerate(docs):
+        count = 0
+        for count, (_, text) in enumerate(docs, start=1):
+            if count > len(is_val):
+                break
             tokens = np.array([tokenizer.eot, *tokenizer.encode(text)], dtype=np.uint32)
-            writers["val" if is_val[i] else "train"].add(tokens, len(text.encode("utf-8")))
-        assert i + 1 == len(is_val), "corpus documents changed between passes"
+            writers["val" if is_val[count - 1] else "train"].add(tokens, len(text.encode("utf-8")))
+        if count != len(is_val):
+            raise DataError("the input files changed while being prepared; run the command again")
         return {s: w.close() for s, w in writers.items()}
     except BaseException:
         for w in writers.values():
