@@ -606,15 +606,12 @@ def _list_schedule(
     *,
     split: bool,
     priority: Callable[[Op], tuple],
-    cap: list[int] | None = None,
     sync_start: int = 0,
     sync_cooldown: float = 0.0,
 ) -> Schedule:
     """Greedy list scheduling on unit costs (F = 1, B = 2, BI = BW = 1, STEP = 0): whenever a
-    rank is idle it starts its ready action of best `priority`; forwards only while the rank
-    stashes fewer than `cap[rank]` microbatches. The resulting order is the schedule (the
-    ZB paper builds its schedules the same way). Per stage, each kind runs in (step,
-    microbatch) order."""
+    rank is idle it starts its ready action of best `priority`. The resulting order is the
+    schedule. Per stage, each kind runs in (step, microbatch) order."""
     S = R * v
     cost = {"F": 1.0, "B": 2.0, "BI": 1.0, "BW": 1.0, "STEP": 0.0}
     bk, final = ("BI", "BW") if split else ("B", "B")
@@ -625,8 +622,7 @@ def _list_schedule(
     sq = {s: deque(range(N)) for s in range(S)}
     queue = {"F": fq, bk: bq, "BW": wq, "STEP": sq}
     end: dict[Key, float] = {}
-    cap = cap or [10**9] * R
-    inflight, free = [0] * R, [0.0] * R
+    free = [0.0] * R
     orders: list[list[Op]] = [[] for _ in range(R)]
 
     def ok(key: Key, t: float) -> bool:
@@ -645,7 +641,7 @@ def _list_schedule(
                     yield (bk, s, k, j)
             if wq[s] and ok(("BI", s, *wq[s][0]), t):
                 yield ("BW", s, *wq[s][0])
-            if fq[s] and inflight[r] < cap[r]:
+            if fq[s]:
                 k, j = fq[s][0]
                 vv = version_used(policy, s, k, S, N, sync_start, sync_cooldown)
                 if (s == 0 or ok(("F", s - 1, k, j), t)) and (
@@ -665,7 +661,6 @@ def _list_schedule(
             kind, s = best[0], best[1]
             queue[kind][s].popleft()
             end[best] = free[r] = t + cost[kind]
-            inflight[r] += (kind == "F") - (kind == final)
             orders[r].append(best)
             remaining -= 1
             progressed = True
@@ -678,23 +673,31 @@ def _list_schedule(
 
 def zb_h1(num_ranks: int, num_microbatches: int, num_steps: int = 1, **_: object) -> Schedule:
     """ZB-H1 (Qi et al. ICLR'24, "Zero Bubble Pipeline Parallelism"): the backward is split into
-    BI (input grad, on the critical path) and BW (weight grad, deferred into bubbles); rank r
-    stashes at most P-r microbatches, as 1F1B, and the bubble drops to about a third of 1F1B's
-    when F, BI and BW cost the same. Synchronous: flush and update every step."""
+    BI (input grad, on the critical path) and BW (weight grad, deferrable). Rank i runs 1F1B's
+    P-i-1 warm-up forwards, then F, BI and the BW of the microbatch i places back, so its
+    deferred BWs fill the drain; every rank stashes at most P microbatches, 1F1B's peak. With
+    F = BI = BW the bubble is (P-1)(F+BI-BW) instead of 1F1B's (P-1)(F+BI+BW). Synchronous:
+    flush and update every step."""
     _check_sizes(num_ranks, num_microbatches, num_steps)
-    rank_pri = {"STEP": 0, "BI": 1, "F": 2, "BW": 3}
-    R = num_ranks
-    return _list_schedule(
-        "zb-h1",
-        "sync",
-        R,
-        1,
-        num_microbatches,
-        num_steps,
-        split=True,
-        priority=lambda op: (rank_pri[op[0]], op[2], op[3]),
-        cap=[R - r for r in range(R)],
-    )
+    P, m = num_ranks, num_microbatches
+    orders = []
+    for i in range(P):
+        warmup, ops = min(P - i - 1, m), []
+        for k in range(num_steps):
+            seq = [("F", j) for j in range(warmup)]
+            for j in range(m - warmup):
+                seq += [("F", warmup + j), ("BI", j)]
+            seq += [("BI", j) for j in range(m - warmup, m)]
+            pending: deque[int] = deque()
+            for kind, j in seq:
+                ops.append((kind, i, k, j))
+                if kind == "BI":
+                    pending.append(j)
+                    if len(pending) > i:  # keep i weight-gradients deferred
+                        ops.append(("BW", i, k, pending.popleft()))
+            ops += [("BW", i, k, j) for j in pending] + [("STEP", i, k, -1)]
+        orders.append(ops)
+    return _build("zb-h1", "sync", P, 1, m, num_steps, orders)
 
 
 def wpipe(
@@ -709,8 +712,10 @@ def wpipe(
     """WPipe (Yang et al. ICLR'22): the model is cut into 2R stages in two groups; rank r holds
     stage r (group 0) and stage R+r (group 1). Group 0 runs the next step's forwards ahead of
     the current step's backwards (stale by one, two versions); group 1 updates before its
-    next forward (fresh, one version) -- the `wpipe` delay policy. Built by greedy list
-    scheduling (backwards first, oldest microbatch first)."""
+    next forward (fresh, one version) -- the `wpipe` delay policy. The order comes from greedy
+    list scheduling (backwards first, oldest microbatch first): it reaches 2BW's flush-free
+    throughput for m >= R but stashes more activations than 2BW (the paper's hand-made order
+    may stash fewer; its text does not pin one down)."""
     _check_sizes(num_ranks, num_microbatches, num_steps)
     rank_pri = {"STEP": 0, "B": 1, "F": 2}
     return _list_schedule(
