@@ -24,7 +24,10 @@ def make_problem(seed: int = 0, shapes=SHAPES, steps: int = STEPS):
     gen = torch.Generator().manual_seed(seed)
     params = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
     grads = [
-        [torch.randn(s, generator=gen, dtype=torch.float64) * (0.01 if (t // 4) % 2 else 1.0) for s in shapes]
+        [
+            torch.randn(s, generator=gen, dtype=torch.float64) * (0.01 if (t // 4) % 2 else 1.0)
+            for s in shapes
+        ]
         for t in range(steps)
     ]
     return params, grads
@@ -223,7 +226,9 @@ def ref_orthogonalise(u: torch.Tensor, steps: int) -> torch.Tensor:
     return x.T if transpose else x
 
 
-@pytest.mark.parametrize(("scale", "nesterov"), [("original", True), ("match_rms", True), ("original", False)])
+@pytest.mark.parametrize(
+    ("scale", "nesterov"), [("original", True), ("match_rms", True), ("original", False)]
+)
 def test_muon_matches_reference(scale, nesterov):
     params, grads = make_problem(5)
     lr, mu, wd, ns_steps = 0.02, 0.95, 0.01, 5
@@ -244,7 +249,11 @@ def test_muon_matches_reference(scale, nesterov):
     for i in mats:
         p, buf = params[i].clone(), torch.zeros_like(params[i])
         rows, cols = p.shape
-        mult = math.sqrt(max(1, rows / cols)) if scale == "original" else 0.2 * math.sqrt(max(rows, cols))
+        mult = (
+            math.sqrt(max(1, rows / cols))
+            if scale == "original"
+            else 0.2 * math.sqrt(max(rows, cols))
+        )
         for step_grads in grads:
             g = step_grads[i]
             buf = mu * buf + (1 - mu) * g
@@ -275,7 +284,10 @@ def ref_soap(params, grads, lr, b1, b2, eps, wd, freq, max_dim):
             if m_rot is None:  # first call: statistics only
                 m_rot, v = torch.zeros_like(g), torch.zeros_like(g)
                 if matrix:
-                    for side, size, outer in (("left", g.shape[0], g @ g.T), ("right", g.shape[1], g.T @ g)):
+                    for side, size, outer in (
+                        ("left", g.shape[0], g @ g.T),
+                        ("right", g.shape[1], g.T @ g),
+                    ):
                         if size <= max_dim:
                             gg[side] = (1 - b2) * outer
                             eye = torch.eye(size, dtype=g.dtype)
