@@ -55,6 +55,14 @@ class ModelConfig:
     norm_eps: float = _f(1e-5, "RMSNorm epsilon")
     tie_embeddings: bool = _f(True, "share the input embedding and the output head")
     init_std: float = _f(0.02, "std of the normal init of linear and embedding weights")
+    # Mixture of Experts (docs/moe.md); num_experts = 0 is a dense model and ignores the rest.
+    num_experts: int = _f(0, "routed experts per MoE layer (0 = dense SwiGLU MLPs)")
+    top_k: int = _f(2, "experts each token is routed to (1..num_experts)")
+    expert_ffn_dim: int = _f(0, "hidden width of one expert (0 = ffn_dim)")
+    num_shared_experts: int = _f(0, "always-on experts per MoE layer (DeepSeekMoE style)")
+    num_dense_layers: int = _f(0, "first N blocks keep a dense SwiGLU of width ffn_dim")
+    aux_loss_weight: float = _f(0.01, "load-balancing loss weight (Switch Transformer)")
+    z_loss_weight: float = _f(0.001, "router z-loss weight (ST-MoE)")
 
     def __post_init__(self) -> None:
         for name in (
@@ -85,10 +93,46 @@ class ModelConfig:
         _check(self.rope_theta > 0, f"model.rope_theta must be > 0, got {self.rope_theta}")
         _check(self.norm_eps > 0, f"model.norm_eps must be > 0, got {self.norm_eps}")
         _check(self.init_std > 0, f"model.init_std must be > 0, got {self.init_std}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        E = self.num_experts
+        _check(E >= 0, f"model.num_experts must be >= 0 (0 = dense), got {E}")
+        for name in ("expert_ffn_dim", "num_shared_experts", "num_dense_layers"):
+            v = getattr(self, name)
+            _check(v >= 0, f"model.{name} must be >= 0, got {v}")
+        for name in ("aux_loss_weight", "z_loss_weight"):
+            v = getattr(self, name)
+            _check(v >= 0, f"model.{name} must be >= 0, got {v}")
+        if E == 0:
+            for name in ("num_shared_experts", "num_dense_layers"):
+                _check(
+                    getattr(self, name) == 0,
+                    f"model.{name} needs an MoE model; set model.num_experts >= 1 or {name} 0",
+                )
+            return
+        _check(
+            1 <= self.top_k <= E,
+            f"model.top_k must be in [1, model.num_experts={E}], got {self.top_k}",
+        )
+        _check(
+            self.num_dense_layers < self.num_layers,
+            f"model.num_dense_layers must be in [0, model.num_layers={self.num_layers}), got "
+            f"{self.num_dense_layers}",
+        )
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.num_heads
+
+    @property
+    def expert_hidden_dim(self) -> int:
+        """Hidden width of one routed (or shared) expert."""
+        return self.expert_ffn_dim or self.ffn_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` has an MoE MLP (dense models and the first dense layers don't)."""
+        return self.num_experts > 0 and layer >= self.num_dense_layers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -573,11 +617,65 @@ def smollm_360m_run() -> ExperimentConfig:
     return _smollm_run(dataclasses.replace(smollm_360m(), vocab_size=50304), "smollm-360m")
 
 
+def cpu_moe() -> ExperimentConfig:
+    """~1.0M parameters, 0.33M active: cpu-tiny with 8 experts (top-2) per layer, for CPU."""
+    base = cpu_tiny()
+    # Each expert is half as wide as cpu-tiny's MLP, so a token's two experts have exactly
+    # cpu-tiny's MLP parameters: the two presets differ only by the routers (benchmarks compare).
+    model = dataclasses.replace(base.model, num_experts=8, top_k=2, expert_ffn_dim=128)
+    return dataclasses.replace(base, name="cpu-moe", model=model)
+
+
+def moe_10b() -> ExperimentConfig:
+    """10.2B parameters, 1.7B active: 24 layers, 64 experts (top-8), OLMoE/Mixtral style, GPUs.
+
+    Our own choice (the paper's 10B MoE configuration is not public): OLMoE-1B-7B's expert shape
+    (64 experts of width 1024, top-8, dim 2048, 16 heads; Muennighoff et al. 2024) at 24 instead
+    of 16 layers, GQA with 8 kv heads, untied embeddings, no shared expert and no dense layers,
+    so the checkpoint exports as Mixtral. 95k steps of 512 x 4096 tokens = 199B tokens.
+    """
+    return ExperimentConfig(
+        name="moe-10b",
+        model=ModelConfig(
+            vocab_size=50304,
+            dim=2048,
+            num_layers=24,
+            num_heads=16,
+            num_kv_heads=8,
+            ffn_dim=1024,
+            max_seq_len=4096,
+            rope_theta=10000.0,
+            tie_embeddings=False,
+            init_std=0.02,
+            num_experts=64,
+            top_k=8,
+            expert_ffn_dim=1024,
+            aux_loss_weight=0.01,
+            z_loss_weight=0.001,
+        ),
+        data=DataConfig(tokenizer="gpt2", seq_len=4096),
+        pipeline=PipelineConfig(num_stages=8, engine="distributed"),
+        train=TrainConfig(
+            steps=95000,
+            batch_size=512,
+            num_microbatches=32,
+            warmup_steps=2000,
+            lr_schedule="wsd",
+            eval_every=1000,
+            ckpt_every=1000,
+            device="cuda",
+            dtype="bfloat16",
+        ),
+    )
+
+
 PRESETS: dict[str, Callable[[], ExperimentConfig]] = {
     "cpu-tiny": cpu_tiny,
     "cpu-small": cpu_small,
+    "cpu-moe": cpu_moe,
     "smollm-135m": smollm_135m_run,
     "smollm-360m": smollm_360m_run,
+    "moe-10b": moe_10b,
 }
 
 

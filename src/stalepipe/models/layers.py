@@ -4,6 +4,7 @@ Shape legend:
     B  batch (sequences in a microbatch)     T  sequence length
     D  model width (dim)                     H  query heads, Hkv key/value heads
     Dh head width (D / H)                    F  SwiGLU hidden width (ffn_dim)
+The MLP of a block is a dense SwiGLU or, in Mixture-of-Experts layers, `moe.MoE` (see there).
 No biases anywhere, no dropout: pretraining at this scale does not use it, and without it the
 forward pass is a pure function of (weights, tokens), which exact delay emulation relies on.
 """
@@ -96,14 +97,18 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    `mlp` defaults to a dense SwiGLU of width ffn_dim; the Transformer passes an `moe.MoE`
+    (same call signature) for Mixture-of-Experts layers.
+    """
+
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.dim, cfg.ffn_dim)
+        self.mlp = mlp if mlp is not None else SwiGLU(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)

@@ -2,7 +2,7 @@
 
 Stage 0 owns the embedding, stage P-1 the final norm and output head; transformer blocks are
 assigned in contiguous runs that balance per-stage forward FLOPs (the head counts towards the
-last stage). With tied embeddings the shared matrix is *owned* by stage 0 (it appears in its
+last stage; MoE blocks count their active experts only). With tied embeddings the shared matrix is *owned* by stage 0 (it appears in its
 `named_parameters`) and *used* by stage P-1 too; the delay engine and the pipeline runtime treat
 that use explicitly (GUIDE section 2: never silently diverging).
 """
@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from stalepipe.config import ConfigError, ModelConfig
+from stalepipe.models.moe import router_stats, take_aux_loss
 from stalepipe.models.transformer import Transformer, block_flops, head_flops
 
 
@@ -45,11 +46,13 @@ def split_layers(cfg: ModelConfig, num_stages: int, seq_len: int | None = None) 
         raise ConfigError(
             f"pipeline.num_stages must be in [1, model.num_layers={L}], got {num_stages}"
         )
-    block = block_flops(cfg, seq_len or cfg.max_seq_len)
+    prefix = [0]  # prefix[i]: FLOPs of blocks 0..i-1 (blocks differ with dense first layers)
+    for i in range(L):
+        prefix.append(prefix[-1] + block_flops(cfg, seq_len or cfg.max_seq_len, i))
     extra_last = head_flops(cfg)
 
     def cost(lo: int, hi: int, last: bool) -> int:
-        return (hi - lo) * block + (extra_last if last else 0)
+        return prefix[hi] - prefix[lo] + (extra_last if last else 0)
 
     # best[p][i]: the lexicographically smallest (max stage cost, sum of squared stage costs)
     # over splits of the first i blocks into p stages; the second key spreads blocks evenly
@@ -86,6 +89,13 @@ class PipelineStage(nn.Module):
 
     forward(x, targets): stage 0 takes token ids, later stages hidden states (B, T, D); the last
     stage returns the loss when targets are given, logits otherwise; others return hidden states.
+
+    MoE: the router auxiliary losses of a stage's blocks belong to that stage's backward. Use
+    `forward_with_aux`, which also returns them, and backpropagate both, scaled like the loss:
+    `torch.autograd.backward([out, aux / m], [grad_out, None])` (last stage: `(out + aux) / m`).
+    Summed over stages this is exactly the whole model's training loss. Plain `forward` adds the
+    aux of the last stage to its loss, and refuses to drop a non-last stage's aux while gradients
+    are being recorded in training mode (it would silently change the gradient).
     """
 
     def __init__(self, model: Transformer, spec: StageSpec) -> None:
@@ -102,13 +112,36 @@ class PipelineStage(nn.Module):
         self.tied = model.cfg.tie_embeddings  # the head uses stage 0's embedding matrix
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        out, aux = self.forward_with_aux(x, targets)
+        if aux is None:
+            return out
+        if self.spec.is_last and targets is not None:
+            return out + aux
+        if torch.is_grad_enabled() and not self.spec.is_last:
+            raise RuntimeError(
+                f"stage {self.spec.stage} has MoE blocks whose auxiliary loss would be dropped; "
+                "call forward_with_aux and backpropagate the aux term too"
+            )
+        return out
+
+    def forward_with_aux(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output as in `forward` without any aux term, this stage's weighted MoE auxiliary
+        loss); the aux is None for dense stages and in eval mode (validation loss is CE only)."""
         if self.spec.is_first:
             x = self.tok_emb(x)
         for block in self.layers.values():
             x = block(x, self.rope)
-        if self.spec.is_last:
-            return self._head_fn(x, targets)
-        return x
+        aux = take_aux_loss(self.layers.values())  # None unless MoE blocks in training mode
+        out = self._head_fn(x, targets) if self.spec.is_last else x
+        return out, aux
+
+    def router_stats(self, *, per_expert: bool = True, reset: bool = True) -> dict[str, float]:
+        """MoE router metrics of this stage's blocks (see `moe.router_stats`), named by global
+        block index; {} for a dense stage."""
+        indexed = ((int(i), b) for i, b in self.layers.items())
+        return router_stats(indexed, per_expert=per_expert, reset=reset)
 
     def owned_parameters(self) -> dict[str, nn.Parameter]:
         """Parameters this stage owns; a tied head weight is owned by stage 0, not here."""

@@ -3,6 +3,11 @@
 Parameter names are flat and global (`tok_emb.weight`, `layers.3.attn.wq.weight`, `norm.weight`,
 `lm_head.weight`) so that a pipeline stage built by `models.partition` keeps them unchanged and a
 checkpoint does not depend on how the model was split.
+
+Mixture-of-Experts models (model.num_experts > 0) swap the MLP of their MoE blocks for
+`moe.MoE`; in training mode the loss then includes the weighted router auxiliary losses, and
+`router_stats()` returns what the training loop logs. Counters report total and active
+parameters; FLOPs count only the active (routed top-k) experts.
 """
 
 from __future__ import annotations
@@ -15,17 +20,25 @@ from torch import nn
 
 from stalepipe.config import ModelConfig
 from stalepipe.models.layers import Block, RMSNorm, Rotary
+from stalepipe.models.moe import MoE, router_stats, take_aux_loss
 
 
 class Transformer(nn.Module):
-    """Token ids (B, T) -> logits (B, T, V), or the mean cross-entropy when targets are given."""
+    """Token ids (B, T) -> logits (B, T, V), or the mean cross-entropy when targets are given.
+
+    For MoE models in training mode the loss is cross-entropy + the weighted router auxiliary
+    losses (load balancing, z-loss); in eval mode it is the cross-entropy alone, so validation
+    losses of dense and MoE models compare directly.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.rope = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            Block(cfg, MoE(cfg) if cfg.is_moe_layer(i) else None) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -59,7 +72,15 @@ class Transformer(nn.Module):
         x = self.embed(idx)  # (B, T, D)
         for block in self.layers:
             x = block(x, self.rope)
-        return self.head(x, targets)
+        out = self.head(x, targets)
+        aux = take_aux_loss(self.layers)  # None for dense models and in eval mode
+        if aux is not None and targets is not None:
+            out = out + aux
+        return out
+
+    def router_stats(self, *, per_expert: bool = True, reset: bool = True) -> dict[str, float]:
+        """MoE router metrics since the last call (see `moe.router_stats`); {} when dense."""
+        return router_stats(enumerate(self.layers), per_expert=per_expert, reset=reset)
 
 
 def build_model(
@@ -83,17 +104,30 @@ def build_model(
 # --------------------------------------------------------------------------------------------
 
 
-def block_params(cfg: ModelConfig) -> int:
-    """Parameters of one transformer block."""
+def mlp_params(cfg: ModelConfig, layer: int, *, active: bool = False) -> int:
+    """Parameters of block `layer`'s MLP; `active`: only those one token uses (router, its top-k
+    routed experts, the shared experts)."""
+    if not cfg.is_moe_layer(layer):
+        return 3 * cfg.dim * cfg.ffn_dim
+    routed = cfg.top_k if active else cfg.num_experts
+    expert = 3 * cfg.dim * cfg.expert_hidden_dim
+    return cfg.num_experts * cfg.dim + (routed + cfg.num_shared_experts) * expert
+
+
+def block_params(cfg: ModelConfig, layer: int | None = None, *, active: bool = False) -> int:
+    """Parameters of block `layer` (default: the last one, an MoE block in MoE models)."""
+    layer = cfg.num_layers - 1 if layer is None else layer
     attn = cfg.dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    return attn + 3 * cfg.dim * cfg.ffn_dim + 2 * cfg.dim
+    return attn + mlp_params(cfg, layer, active=active) + 2 * cfg.dim
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
-    """Analytic parameter counts: total, embedding, head (0 if tied), blocks, non-embedding."""
+    """Analytic parameter counts: total, embedding, head (0 if tied), blocks, non-embedding, and
+    active (what one token uses: total minus the routed experts it is not sent to)."""
     emb = cfg.vocab_size * cfg.dim
     head = 0 if cfg.tie_embeddings else emb
-    blocks = cfg.num_layers * block_params(cfg)
+    blocks = sum(block_params(cfg, i) for i in range(cfg.num_layers))
+    active_blocks = sum(block_params(cfg, i, active=True) for i in range(cfg.num_layers))
     total = emb + head + blocks + cfg.dim
     return {
         "total": total,
@@ -101,12 +135,14 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
         "head": head,
         "blocks": blocks,
         "non_embedding": total - emb - head,
+        "active": total - blocks + active_blocks,
     }
 
 
-def block_flops(cfg: ModelConfig, seq_len: int) -> int:
-    """Forward FLOPs per token of one block: 2 per matmul MAC, plus causal attention scores."""
-    matmuls = 2 * (block_params(cfg) - 2 * cfg.dim)
+def block_flops(cfg: ModelConfig, seq_len: int, layer: int | None = None) -> int:
+    """Forward FLOPs per token of block `layer` (default: the last): 2 per matmul MAC of the
+    active parameters (router and top-k experts for MoE), plus causal attention scores."""
+    matmuls = 2 * (block_params(cfg, layer, active=True) - 2 * cfg.dim)
     # QK^T and AV: 2 * 2 * T * D per token for full attention; causal masking halves the work.
     attention = 2 * seq_len * cfg.num_heads * cfg.head_dim
     return matmuls + attention
@@ -119,5 +155,5 @@ def head_flops(cfg: ModelConfig) -> int:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
     """Forward / backward / total training FLOPs per token (backward = 2x forward)."""
-    fwd = cfg.num_layers * block_flops(cfg, seq_len) + head_flops(cfg)
+    fwd = sum(block_flops(cfg, seq_len, i) for i in range(cfg.num_layers)) + head_flops(cfg)
     return {"forward": fwd, "backward": 2 * fwd, "total": 3 * fwd}
