@@ -1,0 +1,116 @@
+"""The one definition of staleness: hand-computed values, windows, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from stalepipe.config import ConfigError, DelayConfig, TrainConfig
+from stalepipe.delay import (
+    DELAY_POLICIES,
+    max_staleness,
+    resolve_delay_config,
+    staleness,
+    version_used,
+    versions_needed_after,
+)
+from stalepipe.delay.policies import cooldown_steps, in_sync_window, wpipe_group
+
+
+def taus(policy: str, P: int, step: int = 5, T: int = 100, **kw) -> list[int]:
+    return [staleness(policy, s, step, P, T, **kw) for s in range(P)]
+
+
+def test_policy_values_by_hand():
+    assert taus("sync", 4) == [0, 0, 0, 0]
+    assert taus("2bw", 4) == [1, 1, 1, 1]
+    assert taus("pipedream", 4) == [3, 2, 1, 0]  # first stage stalest
+    assert taus("fixed:3", 4) == [3, 3, 3, 3]
+    assert taus("fixed:0", 2) == [0, 0]
+    # WPipe: G0 = first half of the partitions, stale by one; G1 = second half, fresh.
+    assert taus("wpipe", 4) == [1, 1, 0, 0]
+    assert taus("wpipe", 2) == [1, 0]
+    assert taus("wpipe", 6) == [1, 1, 1, 0, 0, 0]
+    assert [wpipe_group(s, 4) for s in range(4)] == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("policy", [*DELAY_POLICIES, "fixed:2"])
+def test_every_policy_is_a_pure_bounded_function(policy):
+    P = 4
+    top = max_staleness(policy, P)
+    for step in range(12):
+        for s in range(P):
+            tau = staleness(policy, s, step, P, 12)
+            assert tau == staleness(policy, s, step, P, 12)  # pure
+            assert 0 <= tau <= top[s]
+            assert version_used(policy, s, step, P, 12) == max(step - tau, 0)
+
+
+def test_versions_clamp_at_zero():
+    # steps 0 and 1 of 2BW both read W_0, as in the PipeDream-2BW code
+    assert [version_used("2bw", 0, k, 1, 10) for k in range(4)] == [0, 0, 1, 2]
+    assert [version_used("pipedream", 0, k, 3, 10) for k in range(4)] == [0, 0, 0, 1]
+
+
+def test_sync_windows_switch_at_the_right_steps():
+    T = 10
+    got = [staleness("2bw", 0, k, 1, T, sync_start=3, sync_cooldown=2) for k in range(T)]
+    assert got == [0, 0, 0, 1, 1, 1, 1, 1, 0, 0]
+    got = [staleness("2bw", 0, k, 1, T, sync_cooldown=0.3) for k in range(T)]
+    assert got == [1] * 7 + [0] * 3
+    # no gradient skipped or reused: step 3 reads W_2, step 8 reads W_8
+    assert version_used("2bw", 0, 3, 1, T, sync_start=3) == 2
+    assert version_used("2bw", 0, 8, 1, T, sync_cooldown=2) == 8
+    assert cooldown_steps(0.25, 40) == 10 and cooldown_steps(7, 40) == 7
+    assert in_sync_window(0, 10, sync_start=1) and not in_sync_window(1, 10, sync_start=1)
+
+
+def test_versions_needed_never_exceed_max_tau():
+    for policy in ["2bw", "pipedream", "fixed:3", "wpipe"]:
+        P, T = 4, 20
+        for k in range(T):
+            for s in range(P):
+                need = versions_needed_after(policy, [s], k, P, T, 2, 3)
+                assert len(need) <= max_staleness(policy, P)[s]
+                assert all(v <= k for v in need)
+    # nothing kept inside a start window no delayed step follows soon
+    assert versions_needed_after("2bw", [0], 0, 1, 20, sync_start=5) == set()
+    assert versions_needed_after("2bw", [0], 4, 1, 20, sync_start=5) == {4}
+    assert versions_needed_after("2bw", [0], 17, 1, 20, sync_cooldown=2) == set()
+
+
+def test_bad_policies_get_clear_messages():
+    with pytest.raises(ConfigError, match="unknown delay policy 'async'"):
+        staleness("async", 0, 0, 2, 10)
+    with pytest.raises(ConfigError, match="fixed:N needs an integer N >= 0"):
+        staleness("fixed:-1", 0, 0, 2, 10)
+    with pytest.raises(ConfigError, match="wpipe needs an even pipeline.num_stages"):
+        staleness("wpipe", 0, 0, 3, 10)
+    with pytest.raises(ConfigError, match="sync_start must be >= 0"):
+        staleness("2bw", 0, 0, 2, 10, sync_start=-1)
+
+
+@pytest.mark.parametrize(
+    ("kw", "msg"),
+    [
+        ({"policy": "bogus"}, "delay.policy must be"),
+        ({"policy": "fixed:-2"}, "fixed:N needs an integer"),
+        ({"sync_start": -1}, "delay.sync_start must be >= 0"),
+        ({"sync_cooldown": -0.1}, "delay.sync_cooldown must be >= 0"),
+        ({"sync_cooldown": 2.5}, "whole number"),
+        ({"taylor": -1.0}, "delay.taylor must be >= 0"),
+        ({"mode": "slow"}, "delay.mode"),
+    ],
+)
+def test_delay_config_validation(kw, msg):
+    with pytest.raises(ConfigError, match=msg):
+        DelayConfig(**kw)
+
+
+def test_cooldown_aligned_with_wsd_decay():
+    train = TrainConfig(steps=100, lr_schedule="wsd", decay_frac=0.2)
+    cfg = resolve_delay_config(DelayConfig(policy="2bw", sync_cooldown_wsd=True), train)
+    assert cfg.sync_cooldown == 20 and not cfg.sync_cooldown_wsd
+    got = [staleness("2bw", 0, k, 1, 100, sync_cooldown=cfg.sync_cooldown) for k in (79, 80)]
+    assert got == [1, 0]
+    with pytest.raises(ConfigError, match="lr_schedule wsd"):
+        resolve_delay_config(DelayConfig(sync_cooldown_wsd=True), TrainConfig(steps=10))
