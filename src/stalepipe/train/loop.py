@@ -2,6 +2,9 @@
 
     lr -> forward/backward -> (delayed) step -> log -> eval -> checkpoint
 
+The delay engine (`delay.DelayEmulator`) computes each step's gradient at the weights an
+asynchronous pipeline would use (GUIDE section 2); with `delay.policy sync` it is the plain loop.
+
 The data position is the step itself: batch k is a pure function of (data.seed, k), so a resumed
 run reads exactly the batches an uninterrupted one would have read.
 """
@@ -18,7 +21,8 @@ from typing import Any
 import torch
 
 from stalepipe.config import ExperimentConfig
-from stalepipe.data import TokenLoader, check_vocab, ensure_prepared
+from stalepipe.data import EVAL_SEED, TokenLoader, check_vocab, ensure_prepared
+from stalepipe.delay import DelayEmulator, resolve_delay_config
 from stalepipe.errors import TrainingError
 from stalepipe.models import Transformer, build_model
 from stalepipe.optim import build_optimizer, resolve_config
@@ -51,17 +55,6 @@ class TrainResult:
 def split_microbatches(x: torch.Tensor, y: torch.Tensor, num_microbatches: int) -> Microbatches:
     """Split a global batch (B, T) into `num_microbatches` equal, ordered microbatches."""
     return list(zip(x.chunk(num_microbatches), y.chunk(num_microbatches), strict=True))
-
-
-def forward_backward(model: torch.nn.Module, microbatches: Microbatches) -> float:
-    """Accumulate gradients over the microbatches in order; each loss is divided by their count
-    so the summed gradient is that of the mean loss. Returns the mean loss."""
-    total = torch.zeros(())
-    for x, y in microbatches:
-        loss = model(x, y) / len(microbatches)
-        loss.backward()
-        total = total + loss.detach().float().cpu()
-    return total.item()
 
 
 @torch.no_grad()
@@ -105,10 +98,19 @@ def train(
     run_dir = open_run_dir(cfg, resume=resume, overwrite=overwrite)
 
     train_data = TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.data.seed)
-    val_data = TokenLoader(data_dir, "val", cfg.data.seq_len, cfg.data.seed)
+    val_data = TokenLoader(data_dir, "val", cfg.data.seq_len, EVAL_SEED)  # same val set for all
     model = build_model(cfg.model, tc.seed, device)
     optimizer = build_optimizer(cfg.optim, model.named_parameters())
     set_peak_lr(optimizer)
+    engine = DelayEmulator(
+        model,
+        optimizer,
+        resolve_delay_config(cfg.delay, tc),
+        cfg.pipeline.num_stages,
+        tc.steps,
+        seq_len=cfg.data.seq_len,
+        seed=tc.seed,
+    )
     autocast = _autocast(cfg, device)
 
     start = 0
@@ -116,7 +118,7 @@ def train(
     if ckpt is not None:
         state = load_checkpoint(ckpt)
         load_model_state(model, state["model"], ckpt)
-        optimizer.load_state_dict(state["optimizer"])
+        engine.load_state_dict(state["engine"])
         torch.set_rng_state(state["rng"])
         start = state["step"]
         if verbose:
@@ -131,43 +133,31 @@ def train(
     last_ckpt = ckpt
     try:
         for step in range(start, tc.steps):
-            # lr -> forward/backward -> step
+            # lr -> forward/backward (at the stale point) -> delayed step
             lr_mult = lr_multiplier(step, tc)
             apply_lr(optimizer, lr_mult)
             x, y = train_data.batch(step, tc.batch_size)
             micro = split_microbatches(x.to(device), y.to(device), tc.num_microbatches)
             with autocast:
-                loss = forward_backward(model, micro)
+                loss = engine.forward_backward(step, micro)
             if not math.isfinite(loss):
-                where = (
-                    f"last good checkpoint: {last_ckpt}"
-                    if last_ckpt
-                    else "no checkpoint was written"
-                )
-                raise TrainingError(
-                    f"non-finite loss ({loss}) at step {step}; {where}. Lower --optim.lr, enable "
-                    f"--train.grad_clip, or resume from the checkpoint with a smaller LR"
-                )
-            grad_norm = (
-                torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip).item()
-                if tc.grad_clip > 0
-                else math.nan
-            )
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+                _diverged(f"non-finite loss ({loss})", step, last_ckpt)
+            grad_norm = engine.clip_grad_norm_(tc.grad_clip) if tc.grad_clip > 0 else math.nan
+            delay = engine.step(step)
             losses.append(loss)
 
             # log -> eval -> checkpoint
             done = step + 1
+            tok_s = (done - start) * tokens_per_step / max(time.perf_counter() - t0, 1e-9)
             record: dict[str, Any] = {"step": step, "loss": loss}
             if done % tc.log_every == 0 or done == tc.steps:
-                elapsed = time.perf_counter() - t0
                 record.update(
                     lr=optimizer.param_groups[0]["lr"],
                     lr_mult=lr_mult,
                     grad_norm=grad_norm,
+                    tau=delay["tau"],
                     tokens=done * tokens_per_step,
-                    tokens_per_s=(done - start) * tokens_per_step / max(elapsed, 1e-9),
+                    tokens_per_s=tok_s,
                 )
             if (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps:
                 val_loss = evaluate(
@@ -175,19 +165,17 @@ def train(
                 )
                 record["val_loss"] = val_loss
             metrics.write(record)
-            progress.update(
-                loss=loss,
-                val_loss=val_loss,
-                tok_s=(done - start) * tokens_per_step / max(time.perf_counter() - t0, 1e-9),
-            )
+            progress.update(loss=loss, val_loss=val_loss, tok_s=tok_s)
             if (tc.ckpt_every and done % tc.ckpt_every == 0) or done == tc.steps:
+                if not all(torch.isfinite(p).all() for p in model.parameters()):
+                    _diverged("non-finite weights", step, last_ckpt)
                 last_ckpt = save_checkpoint(
                     run_dir,
                     done,
                     {
                         "config": cfg.to_dict(),
                         "model": model.state_dict(),
-                        "optimizer": optimizer.state_dict(),
+                        "engine": engine.state_dict(),
                         "rng": torch.get_rng_state(),
                     },
                     tc.keep_last,
@@ -204,6 +192,14 @@ def train(
         train_losses=losses,
         wall_time_s=wall,
         tokens_per_s=(tc.steps - start) * tokens_per_step / max(wall, 1e-9),
+    )
+
+
+def _diverged(what: str, step: int, last_ckpt: Path | None) -> None:
+    where = f"last good checkpoint: {last_ckpt}" if last_ckpt else "no checkpoint was written"
+    raise TrainingError(
+        f"{what} at step {step}; {where}. Lower --optim.lr or enable --train.grad_clip, then "
+        f"resume from that checkpoint (--resume) or start over"
     )
 
 
