@@ -1,0 +1,79 @@
+"""Time of one optimizer step for each registered optimizer, relative to AdamW, on cpu-small.
+
+One process, one model, one fixed set of gradients: every optimizer is timed on the same
+gradients, interleaved round-robin over several rounds (machines here are shared and noisy), and
+the median per-step time is reported. A forward+backward pass of one batch is timed too, to put
+the optimizer cost in proportion. Default hyperparameters; the numbers are step costs, not
+training quality.
+
+    OMP_NUM_THREADS=1 python benchmarks/optimizer_step.py [--rounds 5] [--steps 5] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from stalepipe.config import OptimConfig, cpu_small
+from stalepipe.models import build_model, count_params
+from stalepipe.optim import OPTIMIZERS, build_optimizer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5, help="round-robin rounds (median is kept)")
+    ap.add_argument("--steps", type=int, default=5, help="optimizer steps timed per round")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    cfg = cpu_small()
+    model = build_model(cfg.model, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(
+        0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.data.seq_len + 1), generator=gen
+    )
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    fwd_bwd = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        model(x, y).backward()
+        fwd_bwd.append(time.perf_counter() - t0)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    # one model copy per optimizer so that every one steps from the same weights and gradients
+    runs = {}
+    for name in OPTIMIZERS:
+        m = build_model(cfg.model, seed=0)
+        for n, p in m.named_parameters():
+            p.grad = grads[n].clone()
+        runs[name] = (m, build_optimizer(OptimConfig(name=name), m.named_parameters()))
+        runs[name][1].step()  # warm-up (allocates state; SOAP's first call only collects stats)
+
+    times: dict[str, list[float]] = {name: [] for name in OPTIMIZERS}
+    for _ in range(args.rounds):
+        for name, (_, opt) in runs.items():
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                opt.step()
+            times[name].append((time.perf_counter() - t0) / args.steps)
+
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    fb = statistics.median(fwd_bwd)
+    n_params = count_params(cfg.model)
+    print(
+        f"cpu-small: {n_params['total'] / 1e6:.2f}M params, batch {cfg.train.batch_size}x"
+        f"{cfg.data.seq_len}, {args.threads} thread(s); forward+backward {fb * 1e3:.1f} ms"
+    )
+    print(f"{'optimizer':<10} {'step ms':>9} {'vs adamw':>9} {'vs fwd+bwd':>11}")
+    for name, t in med.items():
+        print(f"{name:<10} {t * 1e3:>9.2f} {t / med['adamw']:>8.2f}x {t / fb:>10.2f}x")
+
+
+if __name__ == "__main__":
+    main()
