@@ -155,27 +155,46 @@ class DelayEmulator:
 
     def _exact(self, step: int, microbatches: Microbatches) -> float:
         """GPipe order per microbatch: forward stage 0..P-1, backward P-1..0; each stage's
-        parameters accumulate their gradients in microbatch order, as in every schedule."""
+        parameters accumulate their gradients in microbatch order, as in every schedule.
+        A stage's MoE auxiliary loss (`forward_with_aux`) is backpropagated with that stage."""
         m = len(microbatches)
         last = self.num_stages - 1
         total = torch.zeros(())
         for j, (x, y) in enumerate(microbatches):
             inputs: list[torch.Tensor] = []
             outputs: list[torch.Tensor] = []
+            auxes: list[torch.Tensor | None] = []
             h = x
             for s, stage in enumerate(self.stages):
                 inp = h if s == 0 else h.detach().requires_grad_(h.is_floating_point())
+                targets = y if s == last else None
                 with _seeded(microbatch_seed(self.seed, s, step, j), x.device):
-                    out = stage(inp, y) / m if s == last else stage(inp)
+                    if hasattr(stage, "forward_with_aux"):
+                        out, aux = stage.forward_with_aux(inp, targets)
+                    else:
+                        out, aux = (stage(inp, y) if s == last else stage(inp)), None
+                if s == last:
+                    out = (out if aux is None else out + aux) / m
+                    aux = None
                 inputs.append(inp)
                 outputs.append(out)
+                auxes.append(None if aux is None else aux / m)
                 h = out
             outputs[last].backward()
             for s in range(last - 1, -1, -1):
                 grad = inputs[s + 1].grad
-                if grad is not None:
-                    outputs[s].backward(grad)
-            total = total + outputs[last].detach().float().cpu()
+                tensors = [outputs[s]] if grad is not None else []
+                grads = [grad] if grad is not None else []
+                if auxes[s] is not None:
+                    tensors.append(auxes[s])
+                    grads.append(None)
+                if tensors:
+                    torch.autograd.backward(tensors, grads)
+            loss = outputs[last].detach()
+            for aux in auxes:  # the training loss includes every stage's aux, as the bare loop's
+                if aux is not None:
+                    loss = loss + aux.detach()
+            total = total + loss.float().cpu()
         return total.item()
 
     @contextlib.contextmanager
