@@ -233,3 +233,15 @@ def test_configs_are_frozen_dataclasses():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.lr = 1.0  # type: ignore[misc]
     assert copy.deepcopy(cfg) == cfg
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bfloat16_parameters_step(name):
+    """train.dtype=bfloat16 must work: SOAP keeps its factors and bases in float32."""
+    model = build_model(cpu_tiny().model, seed=0, dtype=torch.bfloat16)
+    opt = build_optimizer(OptimConfig(name=name), model.named_parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    train_steps(model, opt, range(3))
+    after = list(model.parameters())
+    assert all(torch.isfinite(p).all() for p in after)
+    assert any(not torch.equal(a, b) for a, b in zip(after, before))

@@ -78,7 +78,8 @@ class Adan(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: D102 - torch.optim.Optimizer.step
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient; `p.grad` is only read."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -45,7 +45,8 @@ class Lion(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: D102 - torch.optim.Optimizer.step
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient; `p.grad` is only read."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

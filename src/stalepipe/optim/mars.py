@@ -68,7 +68,8 @@ class MARS(torch.optim.Optimizer):
             assert group.get("algo") in ("mars", "adamw"), group.get("algo")
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: D102 - torch.optim.Optimizer.step
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient; `p.grad` is only read."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

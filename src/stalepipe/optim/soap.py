@@ -17,7 +17,8 @@ Like the reference: the first call only initialises L, R (from that gradient) an
 (by `eigh`) and does not move the parameter (so the projection never uses the gradient it was
 computed from); a side longer than `max_precond_dim` gets no rotation (identity), and 1-D
 parameters are not preconditioned at all (plain Adam, also with the skipped first call). Tensors
-with ndim > 2 are treated as `(shape[0], -1)` matrices. Storing m in the original space (rather
+with ndim > 2 are treated as `(shape[0], -1)` matrices. State and math are in at least float32
+(bfloat16 parameters keep float32 moments and bases). Storing m in the original space (rather
 than rotating it at every basis change, as the first reference version did) is the same algorithm.
 """
 
@@ -32,6 +33,11 @@ SIDES = ("left", "right")
 
 def _as_matrix(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.size(0), -1) if t.ndim >= 2 else t
+
+
+def _work_dtype(t: torch.Tensor) -> torch.dtype:
+    """State and math in at least float32 (`eigh`/`qr` have no bfloat16 kernels)."""
+    return torch.promote_types(t.dtype, torch.float32)
 
 
 def project(x: torch.Tensor, q_left: torch.Tensor | None, q_right: torch.Tensor | None):
@@ -60,6 +66,7 @@ def soap_init_state(
     grad: torch.Tensor, *, shampoo_beta: float, max_precond_dim: int
 ) -> dict[str, torch.Tensor | int]:
     """State after SOAP's first call: zero moments, factors from `grad`, eigenbases by `eigh`."""
+    grad = grad.to(_work_dtype(grad))
     state: dict[str, torch.Tensor | int] = {
         "step": 0,
         "exp_avg": torch.zeros_like(grad),
@@ -120,7 +127,7 @@ def soap_update(
         return
     state["step"] += 1
     t = state["step"]
-    g = _as_matrix(grad)
+    g = _as_matrix(grad.to(_work_dtype(grad)))
     q_left, q_right = state.get("q_left"), state.get("q_right")
     exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
     m, v = _as_matrix(exp_avg), _as_matrix(exp_avg_sq)
@@ -130,7 +137,7 @@ def soap_update(
     v.mul_(beta2).addcmul_(g_rot, g_rot, value=1.0 - beta2)
     direction = project_back(project(m, q_left, q_right) / (v.sqrt() + eps), q_left, q_right)
     step_size = lr * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)
-    p.add_(direction.view_as(p), alpha=-step_size)
+    p.add_(direction.reshape(p.shape).to(p.dtype), alpha=-step_size)
     p.add_(p, alpha=-lr * weight_decay)  # decay after the step, as in the reference
 
     for side in SIDES:
@@ -170,7 +177,8 @@ class SOAP(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: D102 - torch.optim.Optimizer.step
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient; `p.grad` is only read."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
