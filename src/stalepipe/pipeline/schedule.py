@@ -431,8 +431,8 @@ def _build(
         num_steps=num_steps,
         policy=policy,
         ranks=ranks,
-        sync_start=sync_start,
-        sync_cooldown=sync_cooldown,
+        sync_start=int(sync_start),
+        sync_cooldown=float(sync_cooldown),
     )
 
 

@@ -1,0 +1,80 @@
+"""`simulate_main` (the logic of `stalepipe simulate`) and the Gantt chart."""
+
+from __future__ import annotations
+
+import pytest
+
+from stalepipe.config import ConfigError
+from stalepipe.errors import UserError
+from stalepipe.pipeline.gantt import plot_timelines
+from stalepipe.pipeline.schedule import make_schedule
+from stalepipe.pipeline.simulate import parse_times, simulate_main
+from stalepipe.pipeline.timing import simulate, uniform_costs
+
+
+def test_single_schedule_table_and_files(tmp_path):
+    png, csv, txt = tmp_path / "g.png", tmp_path / "t.csv", tmp_path / "s.txt"
+    out = simulate_main(
+        schedule="2bw",
+        stages=4,
+        microbatches=4,
+        steps=3,
+        plot=str(png),
+        csv=str(csv),
+        text=str(txt),
+    )
+    assert "2bw" in out and "20.0%" in out  # (P-1)/(N*m+P-1) = 3/15
+    assert "stage  rank" in out  # per-stage detail for a single schedule
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert csv.read_text().startswith("schedule,rank,index,kind")
+    assert txt.read_text().startswith("# stalepipe-schedule name=2bw")
+
+
+def test_compare_with_model_and_a_refusal(tmp_path):
+    svg = tmp_path / "cmp.svg"
+    out = simulate_main(
+        compare="gpipe,1f1b,2bw",
+        stages=8,
+        microbatches=4,
+        steps=2,
+        model="smollm-135m",
+        device="a100",
+        plot=str(svg),
+    )
+    lines = out.splitlines()
+    assert any(ln.startswith("gpipe ") and "tok/s" in ln for ln in lines)
+    assert any(ln.startswith("2bw") and "refused: 2bw needs --microbatches" in ln for ln in lines)
+    assert "max mem GB" in out
+    assert svg.read_text().lstrip().startswith("<?xml")
+
+
+def test_given_times():
+    out = simulate_main(schedule="gpipe", stages=2, microbatches=1, times="f=1,b=2,comm=0.25")
+    assert " 6.50 " in out  # F 1 + send 0.25 + (F + B) 3 + send 0.25 + B 2
+    assert parse_times("f=1:2,bi=1") == {"f": [1.0, 2.0], "bi": [1.0]}
+    with pytest.raises(ConfigError, match="--times entry 'x=1'"):
+        parse_times("x=1")
+    with pytest.raises(ConfigError, match="has 2 stages"):
+        simulate_main(schedule="1f1b", stages=2, microbatches=2, times="f=1:2:3")
+
+
+def test_bad_input_writes_nothing(tmp_path):
+    png = tmp_path / "x.png"
+    with pytest.raises(ConfigError, match="unknown schedule 'zb'"):
+        simulate_main(compare="1f1b,zb", plot=str(png))
+    with pytest.raises(ConfigError, match="2bw needs"):
+        simulate_main(schedule="2bw", stages=8, microbatches=2, plot=str(png))
+    with pytest.raises(ConfigError, match="unknown --model"):
+        simulate_main(model="gpt5", plot=str(png))
+    with pytest.raises(UserError, match="must end in .png"):
+        simulate_main(plot=str(tmp_path / "x.jpg"))
+    with pytest.raises(UserError, match="does not exist"):
+        simulate_main(csv=str(tmp_path / "no" / "t.csv"))
+    assert not png.exists()
+
+
+def test_gantt_interleaved_png(tmp_path):
+    tl = simulate(make_schedule("interleaved-1f1b", 2, 2, 2), uniform_costs(4, 0.5, 0.5, 0.5))
+    path = tmp_path / "i.png"
+    plot_timelines([tl], str(path), title="interleaved")
+    assert path.stat().st_size > 5000
