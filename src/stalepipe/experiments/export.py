@@ -1,0 +1,326 @@
+"""`stalepipe export RUN --format hf`: a run's checkpoint as a Hugging Face model directory.
+
+Writes `config.json`, `model.safetensors` (or shards plus `model.safetensors.index.json`),
+`generation_config.json` and, where the tokenizer can be expressed, `tokenizer.json` +
+`tokenizer_config.json`, so that `AutoModelForCausalLM.from_pretrained(DIR)` loads
+`LlamaForCausalLM` (dense) or `MixtralForCausalLM` (MoE) with logits equal to ours, and
+`AutoTokenizer.from_pretrained(DIR)` gives the ids the run was trained on.
+
+The mapping needs no reshaping: our RoPE uses HF Llama's half-split (rotate_half) layout, our
+norms and SwiGLU compute what HF's do, and expert weights are written under the Mixtral checkpoint
+names (`block_sparse_moe.experts.{e}.w1/w2/w3`) that every transformers version loads (version 5
+fuses them into `gate_up_proj` / `down_proj` on load). Mixtral has no shared experts and no dense
+layers, so MoE configs with either are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stalepipe.config import ExperimentConfig, ModelConfig
+from stalepipe.errors import UserError
+from stalepipe.experiments.trained import load_trained
+
+FORMATS = ("hf",)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_SHARD_BYTES = 5 * 2**30  # the shard size Hugging Face uses for large models
+
+
+class ExportError(UserError):
+    """A run that cannot be exported as asked; the message names why and what to do."""
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    architecture: str
+    files: list[str]
+    tokenizer: str | None  # None when no tokenizer could be written (the reason is in `notes`)
+    notes: list[str]
+
+
+# --------------------------------------------------------------------------------------------
+# config.json and parameter names (pure functions of the config)
+# --------------------------------------------------------------------------------------------
+
+
+def hf_architecture(cfg: ModelConfig) -> str:
+    """'LlamaForCausalLM' or 'MixtralForCausalLM'; ExportError for what neither can express."""
+    if cfg.num_experts == 0:
+        return "LlamaForCausalLM"
+    unsupported = []
+    if cfg.num_shared_experts:
+        unsupported.append(f"model.num_shared_experts={cfg.num_shared_experts}")
+    if cfg.num_dense_layers:
+        unsupported.append(f"model.num_dense_layers={cfg.num_dense_layers}")
+    if unsupported:
+        raise ExportError(
+            f"Mixtral (the Hugging Face MoE architecture we export to) has no shared experts or "
+            f"dense layers, but this run uses {' and '.join(unsupported)}; only MoE runs with "
+            f"both 0 can be exported as HF"
+        )
+    return "MixtralForCausalLM"
+
+
+def hf_config(cfg: ExperimentConfig, dtype: torch.dtype, eos_token_id: int | None) -> dict:
+    """The `config.json` of the exported model."""
+    m = cfg.model
+    arch = hf_architecture(m)
+    out = {
+        "architectures": [arch],
+        "model_type": "llama" if arch == "LlamaForCausalLM" else "mixtral",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.dim,
+        "intermediate_size": m.ffn_dim if m.num_experts == 0 else m.expert_hidden_dim,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_kv_heads,
+        "head_dim": m.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": m.max_seq_len,
+        "rms_norm_eps": m.norm_eps,
+        # transformers < 5 reads rope_theta, >= 5 rope_parameters: write both
+        "rope_theta": m.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "tie_word_embeddings": m.tie_embeddings,
+        "initializer_range": m.init_std,
+        "attention_dropout": 0.0,
+        "bos_token_id": eos_token_id,  # documents start with eot (the llm.c convention)
+        "eos_token_id": eos_token_id,
+        "use_cache": True,
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch_dtype": str(dtype).removeprefix("torch."),  # the name before transformers 5
+    }
+    if arch == "LlamaForCausalLM":
+        out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    else:
+        out.update(
+            num_local_experts=m.num_experts,
+            num_experts_per_tok=m.top_k,
+            # HF's balance loss is top_k times ours (see moe.load_balancing_loss)
+            router_aux_loss_coef=m.aux_loss_weight / m.top_k,
+            output_router_logits=False,
+            router_jitter_noise=0.0,
+            sliding_window=None,
+        )
+    return out
+
+
+def hf_name(name: str, cfg: ModelConfig) -> str | None:
+    """The HF parameter name of our global parameter `name`; None for a tied head."""
+    if name == "lm_head.weight":
+        return None if cfg.tie_embeddings else "lm_head.weight"
+    if name == "tok_emb.weight":
+        return "model.embed_tokens.weight"
+    if name == "norm.weight":
+        return "model.norm.weight"
+    parts = name.split(".")
+    assert parts[0] == "layers", f"unexpected parameter {name}"
+    prefix, rest = f"model.layers.{parts[1]}", ".".join(parts[2:])
+    fixed = {
+        "attn_norm.weight": "input_layernorm.weight",
+        "mlp_norm.weight": "post_attention_layernorm.weight",
+        "attn.wq.weight": "self_attn.q_proj.weight",
+        "attn.wk.weight": "self_attn.k_proj.weight",
+        "attn.wv.weight": "self_attn.v_proj.weight",
+        "attn.wo.weight": "self_attn.o_proj.weight",
+        "mlp.w1.weight": "mlp.gate_proj.weight",
+        "mlp.w3.weight": "mlp.up_proj.weight",
+        "mlp.w2.weight": "mlp.down_proj.weight",
+        "mlp.router.weight": "block_sparse_moe.gate.weight",
+    }
+    if rest in fixed:
+        return f"{prefix}.{fixed[rest]}"
+    if rest.startswith("mlp.experts."):  # mlp.experts.{e}.w{1,2,3}.weight: Mixtral's own names
+        return f"{prefix}.block_sparse_moe.{rest.removeprefix('mlp.')}"
+    raise AssertionError(f"no Hugging Face name for parameter {name}")
+
+
+def hf_state_dict(
+    state_dict: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Our checkpoint's tensors under HF names, contiguous, in `dtype` (tied head dropped)."""
+    hf_architecture(cfg)
+    out = {}
+    for name, tensor in state_dict.items():
+        target = hf_name(name, cfg)
+        if target is not None:
+            out[target] = tensor.detach().to(dtype=dtype).contiguous()
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------
+
+
+def _byte_level_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]):
+    """A byte-level BPE `tokenizers.Tokenizer` with GPT-2's pre-tokenizer and decoder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _byte_tokenizer():
+    """Our byte tokenizer (id = UTF-8 byte) as a byte-level BPE with no merges: each byte is
+    one pre-token character of GPT-2's byte alphabet, so ids come out as the raw bytes."""
+    from tokenizers import pre_tokenizers
+
+    from stalepipe.data.gpt2 import _byte_alphabet  # GPT-2's byte <-> character table
+
+    vocab = {char: byte for char, byte in _byte_alphabet().items()}
+    tok = _byte_level_tokenizer(vocab, [])
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return tok
+
+
+def _gpt2_tokenizer():
+    """GPT-2's BPE from the same packaged files our gpt2 tokenizer reads (no download)."""
+    from stalepipe.data.gpt2 import EOT_TEXT, _read_package_file
+
+    vocab = json.loads(_read_package_file("encoder.json"))
+    lines = _read_package_file("vocab.bpe").decode("utf-8").split("\n")[1:-1]
+    tok = _byte_level_tokenizer(vocab, [tuple(line.split(" ")) for line in lines])
+    tok.add_special_tokens([EOT_TEXT])
+    return tok
+
+
+def write_tokenizer(cfg: ExperimentConfig, out_dir: Path) -> tuple[str | None, str]:
+    """Write `tokenizer.json` + `tokenizer_config.json` for the run's tokenizer.
+
+    Returns (name of the tokenizer written or None, a note for the user)."""
+    name = cfg.data.tokenizer
+    builders: dict[str, Callable] = {"byte": _byte_tokenizer, "gpt2": _gpt2_tokenizer}
+    if name in builders:
+        tok = builders[name]()
+    else:  # bpe: the trained tokenizer.json beside the run's token shards
+        src = Path(cfg.data.resolved_dir()) / "tokenizer.json"
+        if not src.is_file():
+            return None, (
+                f"no tokenizer written: the run's bpe tokenizer {src} is not here (run from the "
+                f"directory the run was trained in, or copy tokenizer.json into {out_dir})"
+            )
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(src))
+    tok.save(str(out_dir / "tokenizer.json"))
+    special = "<|endoftext|>" if name in ("gpt2", "bpe") else None
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": cfg.model.max_seq_len,
+        "clean_up_tokenization_spaces": False,
+        "add_prefix_space": False,
+    }
+    if special is not None:
+        tok_config.update(bos_token=special, eos_token=special)
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    return name, f"tokenizer: {name} (tokenizer.json)"
+
+
+def _eos_token_id(cfg: ExperimentConfig) -> int | None:
+    """The document separator id our shards use (byte: 0, gpt2: 50256, bpe: its eot)."""
+    name = cfg.data.tokenizer
+    if name == "byte":
+        return 0
+    if name == "gpt2":
+        return 50256
+    path = Path(cfg.data.resolved_dir()) / "tokenizer.json"
+    if path.is_file():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(path)).token_to_id("<|endoftext|>")
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+
+def save_safetensors(
+    tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int
+) -> list[str]:
+    """`model.safetensors`, or `model-0000i-of-0000n.safetensors` shards plus the index HF reads
+    when the weights exceed `max_shard_bytes`. Returns the file names."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fname, shard in zip(names, shards, strict=True):
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return [*names, "model.safetensors.index.json"]
+
+
+def export_hf(
+    run: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> ExportResult:
+    """Export the newest checkpoint of `run` (or the checkpoint file `run`) to `out_dir`.
+
+    `dtype`: float32 | bfloat16 | float16 (default: the run's training dtype). Refuses to write
+    into a non-empty `out_dir` unless `overwrite`; nothing is written when the run cannot be
+    exported. Writes into a temporary sibling directory that is renamed into place at the end.
+    """
+    trained = load_trained(run)
+    cfg = trained.config
+    if dtype is not None and dtype not in DTYPES:
+        raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    torch_dtype = DTYPES[dtype or cfg.train.dtype]
+    arch = hf_architecture(cfg.model)  # refuse before touching the file system
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+        raise ExportError(f"{out_dir} exists and is not empty; pass --overwrite to replace it")
+    tmp = out_dir.with_name(out_dir.name + ".tmp-export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        files = save_safetensors(
+            hf_state_dict(trained.state_dict, cfg.model, torch_dtype), tmp, max_shard_bytes
+        )
+        eos = _eos_token_id(cfg)
+        (tmp / "config.json").write_text(
+            json.dumps(hf_config(cfg, torch_dtype, eos), indent=2) + "\n"
+        )
+        generation = {"bos_token_id": eos, "eos_token_id": eos}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        files += ["config.json", "generation_config.json"]
+        tokenizer, note = write_tokenizer(cfg, tmp)
+        if tokenizer:
+            files += ["tokenizer.json", "tokenizer_config.json"]
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    notes = [f"from {trained.path} (step {trained.step})", note]
+    return ExportResult(out_dir, arch, files, tokenizer, notes)

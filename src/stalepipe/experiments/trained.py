@@ -1,0 +1,65 @@
+"""Load a trained model back from a run directory (or one checkpoint file), for export and eval.
+
+`RUN` on the command line is a run directory (`runs/<name>`), a run name under `runs/`, or a
+checkpoint file `ckpt_XXXXXXXX.pt`; a directory means its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stalepipe.config import ExperimentConfig
+from stalepipe.errors import CheckpointError
+from stalepipe.models import Transformer, build_model
+from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint, load_model_state
+
+
+@dataclass
+class TrainedRun:
+    """A checkpoint's config, weights (global names) and where it came from."""
+
+    path: Path
+    step: int
+    config: ExperimentConfig
+    state_dict: dict[str, torch.Tensor]
+
+    def model(self, device: str | torch.device = "cpu") -> Transformer:
+        """The model in eval mode, weights loaded strictly, float32 unless the run trained bf16."""
+        dtype = torch.bfloat16 if self.config.train.dtype == "bfloat16" else torch.float32
+        model = build_model(self.config.model, seed=0, device=device, dtype=dtype)
+        load_model_state(model, self.state_dict, self.path)
+        return model.eval()
+
+
+def resolve_checkpoint(run: str | Path) -> Path:
+    """The checkpoint file `run` names (see the module docstring); CheckpointError otherwise."""
+    p = Path(run)
+    if not p.exists() and not p.is_absolute() and (Path("runs") / p).exists():
+        p = Path("runs") / p
+    if p.is_file():
+        return p
+    if not p.is_dir():
+        raise CheckpointError(f"{run} is neither a run directory nor a checkpoint file")
+    ckpt = latest_checkpoint(p)
+    if ckpt is None:
+        raise CheckpointError(
+            f"run directory {p} has no checkpoint (ckpt_XXXXXXXX.pt); train it first, e.g. "
+            f"`stalepipe train --config {p / 'config.json'}`"
+        )
+    return ckpt
+
+
+def load_trained(run: str | Path) -> TrainedRun:
+    """Read the checkpoint `run` names with `weights_only=True`; weights stay on the CPU."""
+    path = resolve_checkpoint(run)
+    state: dict[str, Any] = load_checkpoint(path)
+    if "config" not in state:
+        raise CheckpointError(f"{path} has no config; it was not written by `stalepipe train`")
+    cfg = ExperimentConfig.from_dict(state["config"])
+    return TrainedRun(
+        path=path, step=int(state.get("step", 0)), config=cfg, state_dict=state["model"]
+    )

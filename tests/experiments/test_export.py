@@ -1,0 +1,107 @@
+"""HF export: dense -> LlamaForCausalLM, MoE -> MixtralForCausalLM, logits equal to ours."""
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+
+from stalepipe.config import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
+from stalepipe.experiments.export import ExportError, export_hf
+from stalepipe.models import build_model
+from stalepipe.train.checkpoint import save_checkpoint
+
+BASE = dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128,
+            max_seq_len=32, rope_theta=500.0, norm_eps=1e-6)  # fmt: skip
+DENSE = ModelConfig(**BASE)
+MOE = ModelConfig(**BASE, num_experts=4, top_k=2, expert_ffn_dim=32, tie_embeddings=False)
+
+
+def make_run(tmp_path, model_cfg, *, tokenizer="byte", dtype="float32", name="run"):
+    """A run directory holding one checkpoint of a freshly initialised model."""
+    cfg = ExperimentConfig(
+        name=name,
+        model=model_cfg,
+        data=DataConfig(tokenizer=tokenizer, seq_len=32),
+        train=TrainConfig(dtype=dtype),
+    )
+    model = build_model(model_cfg, seed=3)
+    with torch.no_grad():  # non-trivial norm gains, so a swapped norm would show
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    run_dir = tmp_path / name
+    os.makedirs(run_dir)
+    save_checkpoint(run_dir, 7, {"config": cfg.to_dict(), "model": model.state_dict()}, 1)
+    return run_dir, model.eval()
+
+
+@pytest.mark.parametrize(
+    ("model_cfg", "arch"),
+    [(DENSE, "LlamaForCausalLM"), (MOE, "MixtralForCausalLM")],
+    ids=["dense", "moe"],
+)
+def test_exported_checkpoint_loads_in_transformers_with_equal_logits(tmp_path, model_cfg, arch):
+    run_dir, model = make_run(tmp_path, model_cfg)
+    result = export_hf(run_dir, tmp_path / "hf")
+    assert result.architecture == arch
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(hf).__name__ == arch
+    x = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), rtol=1e-4, atol=1e-4)
+    # the byte tokenizer round-trips through AutoTokenizer: ids are the UTF-8 bytes
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "To be, or not to be — ¿qué?"
+    assert tok(text)["input_ids"] == list(text.encode("utf-8"))
+
+
+def test_gpt2_tokenizer_export_matches_ours(tmp_path):
+    from stalepipe.data.gpt2 import Gpt2Tokenizer
+
+    cfg = ModelConfig(**{**BASE, "vocab_size": 50304, "dim": 32, "ffn_dim": 32, "num_layers": 1})
+    run_dir, _ = make_run(tmp_path, cfg, tokenizer="gpt2")
+    export_hf(run_dir, tmp_path / "hf")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = (
+        "Now is the winter of our discontent\nMade glorious summer by this sun of York;  it's 42!"
+    )
+    assert tok(text)["input_ids"] == Gpt2Tokenizer().encode(text)
+    assert tok.eos_token_id == 50256
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 50256
+
+
+def test_sharded_bfloat16_export_loads(tmp_path):
+    run_dir, model = make_run(tmp_path, MOE)
+    result = export_hf(run_dir, tmp_path / "hf", dtype="bfloat16", max_shard_bytes=40_000)
+    assert "model.safetensors.index.json" in result.files and len(result.files) > 6
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    x = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        # bf16 weights: equal to ours up to bf16 rounding of the weights
+        torch.testing.assert_close(hf(x).logits, model(x), rtol=0.05, atol=0.05)
+
+
+def test_unexpressible_moe_is_refused_and_nothing_written(tmp_path):
+    for i, kw in enumerate(({"num_shared_experts": 1}, {"num_dense_layers": 1})):
+        run_dir, _ = make_run(tmp_path, ModelConfig(**{**MOE.__dict__, **kw}), name=f"run{i}")
+        with pytest.raises(ExportError, match="Mixtral"):
+            export_hf(run_dir, tmp_path / "hf")
+        assert not (tmp_path / "hf").exists()
+
+
+def test_refuses_to_overwrite_and_needs_a_checkpoint(tmp_path):
+    from stalepipe.errors import CheckpointError
+
+    run_dir, _ = make_run(tmp_path, DENSE)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="--overwrite"):
+        export_hf(run_dir, tmp_path / "hf")
+    assert (tmp_path / "hf" / "keep.txt").exists()
+    export_hf(run_dir, tmp_path / "hf", overwrite=True)
+    assert not (tmp_path / "hf" / "keep.txt").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        export_hf(tmp_path / "empty", tmp_path / "hf2")
