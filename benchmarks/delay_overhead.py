@@ -1,0 +1,148 @@
+"""Delay-engine overhead: step time and memory of sync vs 2bw vs 2bw+EF vs pipedream(P=4).
+
+Run: OMP_NUM_THREADS=1 python benchmarks/delay_overhead.py [--preset cpu-small] [--steps 12]
+
+Timing: all contenders live in one process and take turns step by step (round robin), so
+machine noise hits them alike; the median step time is reported as a ratio to sync.
+Memory: each contender also runs alone in a fresh subprocess; we report its peak RSS and the
+bytes the engine holds beyond the model and optimizer (stored weight versions, EF buffer),
+in units of one copy of the parameters. Goals (issue 4): 2bw <= 1.05x sync step time; extra
+memory ~ one parameter copy per stored version (+1 for EF), nothing more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+CONTENDERS = {
+    "sync": ({"policy": "sync"}, 4),
+    "2bw": ({"policy": "2bw"}, 4),
+    "2bw+ef": ({"policy": "2bw", "ef": True}, 4),
+    "pipedream": ({"policy": "pipedream"}, 4),
+}
+
+
+def build(name: str, preset: str):
+    from stalepipe.config import DelayConfig, get_preset
+    from stalepipe.delay import DelayEmulator
+    from stalepipe.models import build_model
+
+    cfg = get_preset(preset)
+    delay, P = CONTENDERS[name]
+    model = build_model(cfg.model, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    engine = DelayEmulator(model, opt, DelayConfig(**delay), P, 10**6, seq_len=cfg.data.seq_len)
+    return cfg, model, engine
+
+
+def batch(cfg, k: int):
+    g = torch.Generator().manual_seed(k)
+    x = torch.randint(
+        0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.data.seq_len + 1), generator=g
+    )
+    return [(x[:, :-1].contiguous(), x[:, 1:].contiguous())]
+
+
+def one_step(cfg, engine, k: int) -> float:
+    t = time.perf_counter()
+    engine.forward_backward(k, batch(cfg, k))
+    engine.clip_grad_norm_(1.0)
+    engine.step(k)
+    return time.perf_counter() - t
+
+
+def engine_bytes(engine) -> int:
+    d = engine.delayed
+    n = sum(t.numel() * t.element_size() for h in d._history for ts in h.values() for t in ts)
+    if d._ef_prev is not None:
+        n += sum(t.numel() * t.element_size() for ts in d._ef_prev for t in ts)
+    return n
+
+
+def peak_rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return 0
+
+
+def memory_child(name: str, preset: str, steps: int) -> None:
+    torch.set_num_threads(1)
+    cfg, model, engine = build(name, preset)
+    for k in range(steps):
+        one_step(cfg, engine, k)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(
+        json.dumps(
+            {"rss_kb": peak_rss_kb(), "engine_bytes": engine_bytes(engine), "param_bytes": params}
+        )
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="cpu-small")
+    ap.add_argument("--steps", type=int, default=12, help="timed steps per contender")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        memory_child(args.child, args.preset, args.warmup + 2)
+        return
+
+    torch.set_num_threads(1)
+    built = {name: build(name, args.preset) for name in CONTENDERS}
+    times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+    for k in range(args.warmup + args.steps):
+        for name, (cfg, _, engine) in built.items():
+            dt = one_step(cfg, engine, k)
+            if k >= args.warmup:
+                times[name].append(dt)
+    mem = {}
+    for name in CONTENDERS:
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--preset",
+                args.preset,
+                "--warmup",
+                str(args.warmup),
+                "--child",
+                name,
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        mem[name] = json.loads(out.stdout.strip().splitlines()[-1])
+
+    base_t = statistics.median(times["sync"])
+    base_rss = mem["sync"]["rss_kb"]
+    pb = mem["sync"]["param_bytes"]
+    print(
+        f"preset {args.preset}: {pb / 4 / 1e6:.2f}M params, {args.steps} timed steps each, 1 thread"
+    )
+    print(
+        f"{'contender':<11} {'P':>2} {'step ms':>8} {'time/sync':>9} {'peak RSS MB':>11} {'RSS-sync MB':>11} {'engine MB':>9} {'param copies':>12}"
+    )
+    for name, (_, P) in CONTENDERS.items():
+        t = statistics.median(times[name])
+        m = mem[name]
+        print(
+            f"{name:<11} {P:>2} {t * 1e3:>8.1f} {t / base_t:>8.3f}x {m['rss_kb'] / 1024:>11.1f} "
+            f"{(m['rss_kb'] - base_rss) / 1024:>11.1f} {m['engine_bytes'] / 2**20:>9.1f} "
+            f"{m['engine_bytes'] / pb:>12.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
