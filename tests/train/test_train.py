@@ -16,8 +16,10 @@ from stalepipe.train.rundir import read_metrics
 
 
 def _with(cfg, **sections):
-    changes = {k: dataclasses.replace(getattr(cfg, k), **v) if isinstance(v, dict) else v
-               for k, v in sections.items()}
+    changes = {
+        k: dataclasses.replace(getattr(cfg, k), **v) if isinstance(v, dict) else v
+        for k, v in sections.items()
+    }
     return dataclasses.replace(cfg, **changes)
 
 
@@ -50,13 +52,15 @@ def test_resume_equals_uninterrupted_bitwise(tiny_config, tmp_path):
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     assert resumed.train_losses == full.train_losses[10:]
-    assert read_metrics(full.run_dir) == _without_time(read_metrics(resumed.run_dir), read_metrics(full.run_dir))
+    assert read_metrics(full.run_dir) == _without_time(
+        read_metrics(resumed.run_dir), read_metrics(full.run_dir)
+    )
 
 
 def _without_time(resumed, full):
     # tokens/s and timing differ between runs; everything else must be identical
     def strip(r):
-        return {k: v for k, v in r.items() if k != "tokens_per_s"}
+        return {k: v for k, v in r.items() if k not in ("tokens_per_s", "model_flops_per_s")}
 
     assert [strip(r) for r in resumed] == [strip(r) for r in full]
     return full
@@ -93,7 +97,9 @@ def test_checkpoint_of_another_model_is_refused(tiny_config, tmp_path):
 
     run = train(_with(tiny_config, train={"steps": 2}), verbose=False).run_dir
     state = load_checkpoint(latest_checkpoint(run))
-    other = build_model(dataclasses.replace(tiny_config.model, dim=32, num_heads=2, num_kv_heads=1), 0)
+    other = build_model(
+        dataclasses.replace(tiny_config.model, dim=32, num_heads=2, num_kv_heads=1), 0
+    )
     with pytest.raises(CheckpointError, match="does not match the model config"):
         load_model_state(other, state["model"], latest_checkpoint(run))
     foreign = tmp_path / "foreign.pt"
@@ -113,7 +119,10 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_config, monkeypa
 
     monkeypatch.setattr(DelayEmulator, "forward_backward", nan_at_step_3)
     cfg = _with(tiny_config, train={"steps": 6, "ckpt_every": 2})
-    with pytest.raises(TrainingError, match=r"non-finite loss \(nan\) at step 3; last good checkpoint: .*ckpt_00000002.pt"):
+    with pytest.raises(
+        TrainingError,
+        match=r"non-finite loss \(nan\) at step 3; last good checkpoint: .*ckpt_00000002.pt",
+    ):
         train(cfg, verbose=False)
     ckpts = list_checkpoints(f"{tiny_config.out_dir}/tiny")
     assert [c.name for c in ckpts] == ["ckpt_00000002.pt"]
@@ -121,8 +130,12 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_config, monkeypa
 
 
 def test_diverging_weights_are_never_checkpointed(tiny_config):
-    cfg = _with(tiny_config, name="div", train={"steps": 6, "ckpt_every": 1, "grad_clip": 0.0},
-                optim={"lr": 1e30})
+    cfg = _with(
+        tiny_config,
+        name="div",
+        train={"steps": 6, "ckpt_every": 1, "grad_clip": 0.0},
+        optim={"lr": 1e30},
+    )
     with pytest.raises(TrainingError, match="non-finite (loss|weights)"):
         train(cfg, verbose=False)
     for c in list_checkpoints(f"{tiny_config.out_dir}/div"):
@@ -131,8 +144,12 @@ def test_diverging_weights_are_never_checkpointed(tiny_config):
 
 
 def test_microbatching_matches_one_big_batch(tiny_config):
-    a = train(_with(tiny_config, name="a", train={"steps": 3, "num_microbatches": 1}), verbose=False)
-    b = train(_with(tiny_config, name="b", train={"steps": 3, "num_microbatches": 4}), verbose=False)
+    a = train(
+        _with(tiny_config, name="a", train={"steps": 3, "num_microbatches": 1}), verbose=False
+    )
+    b = train(
+        _with(tiny_config, name="b", train={"steps": 3, "num_microbatches": 4}), verbose=False
+    )
     sa = load_checkpoint(latest_checkpoint(a.run_dir))["model"]
     sb = load_checkpoint(latest_checkpoint(b.run_dir))["model"]
     for k in sa:

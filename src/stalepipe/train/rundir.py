@@ -73,7 +73,13 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def open_run_dir(cfg: ExperimentConfig, *, resume: bool, overwrite: bool) -> Path:
+def open_run_dir(
+    cfg: ExperimentConfig,
+    *,
+    resume: bool,
+    overwrite: bool,
+    extra_meta: dict[str, Any] | None = None,
+) -> Path:
     """Create or reopen `cfg.out_dir/cfg.name` and write config.json and meta.json.
 
     - new directory: start fresh;
@@ -122,6 +128,7 @@ def open_run_dir(cfg: ExperimentConfig, *, resume: bool, overwrite: bool) -> Pat
         "argv": sys.argv,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "resumed": bool(resume),
+        **(extra_meta or {}),
     }
     write_json_atomic(run_dir / "meta.json", meta)
     return run_dir

@@ -1,0 +1,135 @@
+"""Data parallelism for the delay emulator under `torchrun` (gloo on CPU, NCCL on GPU).
+
+Every rank holds a full replica (weights, kept weight versions, EF buffers, optimizer state):
+they stay identical because every rank applies the same all-reduced stale gradient. Rank r of
+W reads rows [r*B/W, (r+1)*B/W) of the deterministic global batch k, so the run is the same
+whatever W is (up to float summation order), and a checkpoint written with W ranks resumes on
+any other number. Only rank 0 writes files.
+
+Not for the pipeline runtime (`pipeline.engine distributed`), which has its own process groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from stalepipe.config import ConfigError, ExperimentConfig
+from stalepipe.errors import UserError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits in a data-parallel job (rank 0 of 1 when not distributed)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+SINGLE_PROCESS = DistContext()
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init_data_parallel(cfg: ExperimentConfig) -> DistContext:
+    """Join the torchrun job described by the environment, or return a single-rank context.
+
+    The device becomes `cuda:<LOCAL_RANK>` for CUDA runs; CPU runs use gloo.
+    """
+    if not launched_by_torchrun():
+        return DistContext()
+    world = int(os.environ["WORLD_SIZE"])
+    tc = cfg.train
+    if tc.batch_size % world or tc.num_microbatches % world:
+        raise ConfigError(
+            f"train.batch_size ({tc.batch_size}) and train.num_microbatches "
+            f"({tc.num_microbatches}) must be divisible by the {world} data-parallel ranks"
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = cfg.pipeline.backend
+    if backend == "auto":
+        backend = "nccl" if tc.device.startswith("cuda") else "gloo"
+    if tc.device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.pipeline.timeout_s))
+    return DistContext(rank=dist.get_rank(), world_size=world, local_rank=local_rank)
+
+
+def local_device(cfg: ExperimentConfig, ctx: DistContext) -> torch.device:
+    """This rank's device: `cuda` becomes `cuda:<local_rank>` under torchrun."""
+    if cfg.train.device == "cuda" and ctx.enabled:
+        return torch.device("cuda", ctx.local_rank)
+    return torch.device(cfg.train.device)
+
+
+def shard_rows(x: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """This rank's contiguous slice of a global batch's rows."""
+    return x.chunk(ctx.world_size)[ctx.rank] if ctx.enabled else x
+
+
+@torch.no_grad()
+def allreduce_grads_(params: Iterable[torch.nn.Parameter], ctx: DistContext) -> None:
+    """Average gradients across ranks in one flat buffer (one collective per step)."""
+    if not ctx.enabled:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat.div_(ctx.world_size)
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset : offset + n].view_as(g))
+        offset += n
+
+
+def mean_across_ranks(value: float, ctx: DistContext, device: torch.device) -> float:
+    """The mean of a per-rank scalar (e.g. the loss of each rank's slice)."""
+    if not ctx.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return (t / ctx.world_size).item()
+
+
+def on_main(fn: Callable[[], T], ctx: DistContext) -> T:
+    """Run `fn` on rank 0 only and share its result; a UserError raised there is raised on
+    every rank, so no rank waits forever for one that gave up."""
+    if not ctx.enabled:
+        return fn()
+    payload: list[object] = [None]
+    if ctx.is_main:
+        try:
+            payload[0] = ("ok", fn())
+        except UserError as e:
+            payload[0] = ("error", e)
+    dist.broadcast_object_list(payload, src=0)
+    status, value = payload[0]  # type: ignore[misc]
+    if status == "error":
+        raise value  # type: ignore[misc]
+    return value  # type: ignore[return-value]
+
+
+def shutdown(ctx: DistContext) -> None:
+    if ctx.enabled and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,72 @@
+"""Data-parallel emulator under torchrun (2 gloo ranks) == one process with the same global batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint
+from stalepipe.train.loop import train
+
+
+def _torchrun(cfg, tmp_path, *extra: str, nproc: int = 2) -> None:
+    path = tmp_path / f"{cfg.name}.json"
+    path.write_text(cfg.to_json())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "stalepipe",
+        "train",
+        "--config",
+        str(path),
+        *extra,
+    ]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def _weights(run_dir):
+    return load_checkpoint(latest_checkpoint(run_dir))["model"]
+
+
+def _assert_close(a, b):
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def _cfg(tiny_config, name, policy, ef):
+    return dataclasses.replace(
+        tiny_config,
+        name=name,
+        delay=dataclasses.replace(tiny_config.delay, policy=policy, ef=ef),
+        pipeline=dataclasses.replace(tiny_config.pipeline, num_stages=2),
+        train=dataclasses.replace(tiny_config.train, steps=6, ckpt_every=3, keep_last=3),
+    )
+
+
+@pytest.mark.parametrize(("policy", "ef"), [("sync", False), ("2bw", True)])
+def test_two_ranks_equal_one_process(tiny_config, tmp_path, policy, ef):
+    single = train(_cfg(tiny_config, f"single-{policy}", policy, ef), verbose=False)
+    dp = _cfg(tiny_config, f"dp-{policy}", policy, ef)
+    _torchrun(dp, tmp_path)
+    run_dir = f"{dp.out_dir}/{dp.name}"
+    meta = json.loads(Path(run_dir, "meta.json").read_text())
+    assert meta["data_parallel_ranks"] == 2
+    _assert_close(_weights(single.run_dir), _weights(run_dir))
+
+    if policy == "2bw":  # resume the 2-rank run on 1 rank from its step-3 checkpoint
+        os.remove(f"{run_dir}/ckpt_00000006.pt")
+        resumed = train(dp, resume=True, verbose=False)
+        _assert_close(_weights(single.run_dir), _weights(resumed.run_dir))
