@@ -6,6 +6,7 @@ checkpoint file `ckpt_XXXXXXXX.pt`; a directory means its newest checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,11 +29,17 @@ class TrainedRun:
     state_dict: dict[str, torch.Tensor]
 
     def model(self, device: str | torch.device = "cpu") -> Transformer:
-        """The model in eval mode, weights loaded strictly, float32 unless the run trained bf16."""
-        dtype = torch.bfloat16 if self.config.train.dtype == "bfloat16" else torch.float32
-        model = build_model(self.config.model, seed=0, device=device, dtype=dtype)
+        """The model in eval mode with the checkpoint's (float32 master) weights, loaded strictly.
+        Runs with train.dtype=bfloat16 computed under bf16 autocast: use `autocast()` too."""
+        model = build_model(self.config.model, seed=0, device=device)
         load_model_state(model, self.state_dict, self.path)
         return model.eval()
+
+    def autocast(self, device: str | torch.device = "cpu") -> contextlib.AbstractContextManager:
+        """The autocast context the run computed in (bf16 matmuls, or none)."""
+        if self.config.train.dtype == "bfloat16":
+            return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
 
 def resolve_checkpoint(run: str | Path) -> Path:

@@ -1,0 +1,361 @@
+"""`stalepipe eval RUN`: validation loss / perplexity on any shard set, and multiple-choice tasks
+scored by log-likelihood, offline.
+
+Multiple-choice tasks are JSONL files, one item per line:
+    {"context": "...", "choices": ["...", "..."], "answer": 0}
+(`question` is accepted for `context`). An item is scored as lm-evaluation-harness scores its
+multiple-choice tasks: the log-probability of each choice's tokens given the context, `acc` takes
+the highest sum, `acc_norm` the highest sum per byte of the choice (removes the length bias).
+Every sequence starts with the tokenizer's `eot`, as documents do in our shards.
+
+The built-in task `shakespeare-cloze` is generated from the packaged Shakespeare excerpt, so the
+command works on a fresh machine without downloads: given two lines, which of four lines is the
+real next one? Items come from the excerpt's validation document only (the one the default
+`data.val_fraction` holds out), so a model trained on the excerpt has not seen them.
+For lm-evaluation-harness itself, see docs/moe.md ("Downstream evaluation").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from stalepipe.data import EVAL_SEED, Tokenizer, TokenLoader, check_vocab
+from stalepipe.errors import UserError
+from stalepipe.experiments.trained import load_trained
+
+BUILTIN_TASKS = ("shakespeare-cloze",)
+
+
+class EvalError(UserError):
+    """Bad eval input (task file, data directory); the message names the fix."""
+
+
+@dataclass(frozen=True)
+class MCItem:
+    """One multiple-choice item: `choices[answer]` is the right continuation of `context`."""
+
+    context: str
+    choices: tuple[str, ...]
+    answer: int
+
+
+# --------------------------------------------------------------------------------------------
+# Tasks
+# --------------------------------------------------------------------------------------------
+
+
+def load_task(path: str | Path) -> list[MCItem]:
+    """Read a JSONL multiple-choice task; EvalError naming the line for a malformed item."""
+    path = Path(path)
+    if not path.is_file():
+        raise EvalError(f"task file {path} does not exist")
+    items = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            context = d["context"] if "context" in d else d["question"]
+            choices, answer = tuple(str(c) for c in d["choices"]), int(d["answer"])
+            assert isinstance(context, str) and len(choices) >= 2 and 0 <= answer < len(choices)
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise EvalError(
+                f"{path}:{lineno} is not a task item; expected "
+                '{"context": str, "choices": [>= 2 str], "answer": index into choices}'
+            ) from None
+        items.append(MCItem(context, choices, answer))
+    if not items:
+        raise EvalError(f"task file {path} has no items")
+    return items
+
+
+def write_task(items: list[MCItem], path: str | Path) -> Path:
+    """Write `items` as JSONL (the format `load_task` reads)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for item in items:
+            d = {"context": item.context, "choices": list(item.choices), "answer": item.answer}
+            f.write(json.dumps(d, ensure_ascii=False) + "\n")
+    return path
+
+
+def shakespeare_cloze(
+    num_items: int = 200, seed: int = 0, num_choices: int = 4, context_lines: int = 2
+) -> list[MCItem]:
+    """ "Which line comes next?" from the excerpt's held-out document (deterministic in seed).
+
+    Context: `context_lines` consecutive lines, each ending in a newline. Choices: the real next
+    line and `num_choices - 1` other lines of the same document, in a seeded random order; only
+    lines of >= 20 characters are asked about or used as distractors.
+    """
+    from stalepipe.config import DataConfig
+    from stalepipe.data import load_corpus, val_mask
+
+    docs = list(load_corpus("excerpt", None, progress=False).documents())
+    mask = val_mask([name for name, _ in docs], DataConfig().val_fraction)
+    text = "\n".join(t for (_, t), is_val in zip(docs, mask, strict=True) if is_val)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    long = sorted({ln for ln in lines if len(ln) >= 20})
+    rng = random.Random(seed)
+    candidates = [i for i in range(context_lines, len(lines)) if len(lines[i]) >= 20]
+    # Spread the items over the document; never two items on the same line.
+    picks = sorted(rng.sample(candidates, min(num_items, len(candidates))))
+    items = []
+    for i in picks:
+        answer_text = lines[i]
+        distractors = rng.sample([ln for ln in long if ln != answer_text], num_choices - 1)
+        choices = [answer_text, *distractors]
+        rng.shuffle(choices)
+        context = "".join(ln + "\n" for ln in lines[i - context_lines : i])
+        items.append(MCItem(context, tuple(choices), choices.index(answer_text)))
+    return items
+
+
+def get_task(name_or_path: str, num_items: int = 200) -> list[MCItem]:
+    """A built-in task by name, or a JSONL file by path."""
+    if name_or_path == "shakespeare-cloze":
+        return shakespeare_cloze(num_items)
+    if not name_or_path.endswith(".jsonl") and not Path(name_or_path).exists():
+        raise EvalError(
+            f"unknown task {name_or_path!r}: give a built-in task ({', '.join(BUILTIN_TASKS)}) "
+            "or a .jsonl file"
+        )
+    return load_task(name_or_path)
+
+
+# --------------------------------------------------------------------------------------------
+# Scoring
+# --------------------------------------------------------------------------------------------
+
+
+def continuation_logprob(logits: torch.Tensor, tokens: torch.Tensor, start: int) -> float:
+    """Sum of log p(tokens[t] | tokens[:t]) for t >= start, from logits (T-1, V) of tokens[:-1].
+
+    The loop-free form of: sum(log_softmax(logits[t - 1])[tokens[t]] for t in range(start, T)).
+    """
+    logp = F.log_softmax(logits[start - 1 :].float(), dim=-1)  # (T - start, V)
+    return logp.gather(-1, tokens[start:].unsqueeze(-1)).sum().item()
+
+
+@torch.no_grad()
+def choice_logprobs(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    items: list[MCItem],
+    *,
+    max_len: int,
+    batch_size: int = 16,
+    device: str | torch.device = "cpu",
+) -> list[list[float]]:
+    """log p(choice | eot + context) for every choice of every item.
+
+    Sequences are cut from the left to `max_len + 1` tokens (the choice is always kept whole when
+    it fits), right-padded into batches: a causal model's logits at a position do not depend on
+    later (padding) tokens, so batching does not change the scores.
+    """
+    seqs: list[tuple[list[int], int]] = []  # (tokens, index of the first choice token)
+    for item in items:
+        ctx = [tokenizer.eot, *tokenizer.encode(item.context)]
+        for choice in item.choices:
+            cont = tokenizer.encode(choice)
+            if not cont:
+                raise EvalError(f"empty choice in item with context {item.context[:40]!r}")
+            toks = (ctx + cont)[-(max_len + 1) :]
+            seqs.append((toks, max(1, len(toks) - len(cont))))
+    scores: list[float] = []
+    for b in range(0, len(seqs), batch_size):
+        chunk = seqs[b : b + batch_size]
+        width = max(len(t) for t, _ in chunk) - 1
+        x = torch.zeros(len(chunk), width, dtype=torch.long)
+        for r, (toks, _) in enumerate(chunk):
+            x[r, : len(toks) - 1] = torch.tensor(toks[:-1])
+        logits = model(x.to(device)).float().cpu()  # (b, width, V)
+        for r, (toks, start) in enumerate(chunk):
+            scores.append(
+                continuation_logprob(logits[r, : len(toks) - 1], torch.tensor(toks), start)
+            )
+    out, k = [], 0
+    for item in items:
+        out.append(scores[k : k + len(item.choices)])
+        k += len(item.choices)
+    return out
+
+
+def multiple_choice_metrics(items: list[MCItem], logprobs: list[list[float]]) -> dict[str, float]:
+    """acc (argmax of the log-likelihood) and acc_norm (argmax per UTF-8 byte), lm-eval style."""
+    acc = acc_norm = 0
+    for item, lps in zip(items, logprobs, strict=True):
+        per_byte = [lp / max(1, len(c.encode("utf-8"))) for lp, c in zip(lps, item.choices)]
+        acc += max(range(len(lps)), key=lps.__getitem__) == item.answer
+        acc_norm += max(range(len(lps)), key=per_byte.__getitem__) == item.answer
+    n = len(items)
+    return {"acc": acc / n, "acc_norm": acc_norm / n, "num_items": n}
+
+
+@torch.no_grad()
+def validation_loss(
+    model: torch.nn.Module,
+    data_dir: str | Path,
+    *,
+    seq_len: int,
+    num_batches: int,
+    batch_size: int,
+    split: str = "val",
+    seed: int = EVAL_SEED,
+    device: str | torch.device = "cpu",
+) -> dict[str, float]:
+    """Mean next-token cross-entropy over batches 0..num_batches-1 of `split`, its perplexity,
+    and the number of tokens scored (the same batches every time for the same seed)."""
+    loader = TokenLoader(data_dir, split, seq_len, seed)
+    was_training = model.training
+    model.eval()  # MoE: CE only, no auxiliary losses
+    total = 0.0
+    for i in range(num_batches):
+        x, y = loader.batch(i, batch_size)
+        total += model(x.to(device), y.to(device)).item()
+    model.train(was_training)
+    loss = total / num_batches
+    return {
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "tokens": num_batches * batch_size * seq_len,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------------
+
+
+def run_tokenizer(tokenizer_name: str, data_dir: Path | None) -> Tokenizer:
+    """The run's tokenizer: byte and gpt2 need no files, bpe its data directory's tokenizer.json."""
+    from stalepipe.data import tokenizer_class
+
+    cls = tokenizer_class(tokenizer_name)
+    if tokenizer_name == "bpe":
+        if data_dir is None or not (data_dir / "tokenizer.json").is_file():
+            raise EvalError(
+                "the run's bpe tokenizer is in its data directory, which is not here; pass "
+                "--data-dir DIR (the directory with tokenizer.json)"
+            )
+        return cls.load(data_dir)
+    return cls()
+
+
+def evaluate_run(
+    run: str | Path,
+    *,
+    data_dir: str | Path | None = None,
+    split: str = "val",
+    num_batches: int | None = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    tasks: tuple[str, ...] = ("shakespeare-cloze",),
+    num_items: int = 200,
+    skip_loss: bool = False,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """Evaluate the newest checkpoint of `run`: {"checkpoint", "step", "val": {...} | None,
+    "tasks": {name: metrics}}. `data_dir` defaults to the run's own data directory (prepared
+    first when it is a built-in corpus); `seq_len`, `num_batches` and `batch_size` to the run's
+    (data.seq_len, train.eval_batches, train.batch_size), so the val loss of the defaults is the
+    one the training loop logged for that checkpoint."""
+    from stalepipe.data import ensure_prepared
+
+    trained = load_trained(run)
+    cfg = trained.config
+    model = trained.model(device)
+    seq_len = seq_len or cfg.data.seq_len
+    num_batches = num_batches or cfg.train.eval_batches
+    batch_size = batch_size or cfg.train.batch_size
+    if seq_len > cfg.model.max_seq_len:
+        raise EvalError(f"--seq-len must be <= model.max_seq_len={cfg.model.max_seq_len}")
+    if data_dir is not None:
+        data_path: Path | None = Path(data_dir)
+        if not data_path.is_dir():
+            raise EvalError(f"--data-dir {data_path} is not a directory")
+    elif not skip_loss or cfg.data.tokenizer == "bpe":
+        data_path = Path(ensure_prepared(cfg.data, progress=False))
+    else:
+        data_path = None
+    result: dict[str, Any] = {"checkpoint": str(trained.path), "step": trained.step, "val": None}
+    with trained.autocast(device):  # the precision the run trained (and validated) in
+        if not skip_loss:
+            assert data_path is not None
+            check_vocab(data_path, cfg.model.vocab_size)
+            val = validation_loss(
+                model,
+                data_path,
+                seq_len=seq_len,
+                num_batches=num_batches,
+                batch_size=batch_size,
+                split=split,
+                device=device,
+            )
+            result["val"] = {"data_dir": str(data_path), "split": split, **val}
+        result["tasks"] = {}
+        if tasks:
+            tokenizer = run_tokenizer(cfg.data.tokenizer, data_path)
+            for task in tasks:
+                items = get_task(task, num_items)
+                lps = choice_logprobs(
+                    model, tokenizer, items, max_len=cfg.model.max_seq_len, device=device
+                )
+                result["tasks"][task] = multiple_choice_metrics(items, lps)
+    return result
+
+
+def save_results(result: dict[str, Any], path: str | Path | None = None) -> Path:
+    """Write `result` as JSON; by default beside its checkpoint as `eval_<step>.json` (one file
+    per evaluated checkpoint, so sync and async runs compare step by step)."""
+    if path is None:
+        path = Path(result["checkpoint"]).parent / f"eval_{result['step']:08d}.json"
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def format_results(result: dict[str, Any]) -> str:
+    """The human-readable summary `stalepipe eval` prints."""
+    lines = [f"checkpoint {result['checkpoint']} (step {result['step']})"]
+    val = result.get("val")
+    if val:
+        lines.append(
+            f"{val['split']} loss {val['loss']:.4f}  perplexity {val['perplexity']:.2f}  "
+            f"({val['tokens']:,} tokens of {val['data_dir']})"
+        )
+    for name, m in result.get("tasks", {}).items():
+        lines.append(
+            f"{name}: acc {m['acc']:.3f}  acc_norm {m['acc_norm']:.3f}  ({m['num_items']} items)"
+        )
+    return "\n".join(lines)
+
+
+__all__ = [
+    "BUILTIN_TASKS",
+    "EvalError",
+    "MCItem",
+    "choice_logprobs",
+    "continuation_logprob",
+    "evaluate_run",
+    "format_results",
+    "get_task",
+    "load_task",
+    "multiple_choice_metrics",
+    "save_results",
+    "shakespeare_cloze",
+    "validation_loss",
+    "write_task",
+]
