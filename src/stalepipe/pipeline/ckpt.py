@@ -1,0 +1,202 @@
+"""Stage checkpoint parts and the stage-agnostic checkpoint they form.
+
+Each stage saves its part atomically (`parts/step_<k>/stage_<s>.pt`); rank 0 merges the parts
+into the ordinary `ckpt_<k>.pt` of single-process training (`train.checkpoint`), which holds:
+
+    model   the whole model's state_dict (global names; a tied head appears as in the model)
+    engine  `DelayEmulator.state_dict()` for P stages: {"mode", "delayed": {step, policy,
+            num_stages, names, optimizer, history, ef_prev, taylor_ms}}; the optimizer state is
+            the one a whole-model optimizer would hold (param ids of the whole model)
+
+so `stalepipe train` with the emulator resumes it, and a runtime with another number of stages
+re-splits it by parameter name (`stage_state`). Re-splitting needs the weight versions each new
+stage must keep to be in the checkpoint: always true for sync and 2bw (every stage keeps the
+same versions), not for pipedream across different P (refused with a message).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stalepipe.config import ConfigError
+
+PARTS_DIR = "parts"
+
+
+def part_path(run_dir: Path, step: int, stage: int) -> Path:
+    return Path(run_dir) / PARTS_DIR / f"step_{step:08d}" / f"stage_{stage:03d}.pt"
+
+
+def save_part(run_dir: Path, step: int, stage: int, part: dict[str, Any]) -> Path:
+    """Write one stage's part atomically (temporary file, fsync, rename)."""
+    path = part_path(run_dir, step, stage)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(part, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def _group_key(g: dict[str, Any], i: int) -> Any:
+    return g.get("kind", i)
+
+
+def merge_optimizer(skeleton: dict[str, Any], parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whole-model optimizer state_dict from per-stage ones, matched by parameter name.
+
+    `skeleton` is the state_dict of a whole-model optimizer built the same way (its groups give
+    the parameter ids and names); group hyperparameters come from the stages' groups."""
+    gid = {n: i for g in skeleton["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+    state: dict[int, Any] = {}
+    hyper: dict[Any, dict[str, Any]] = {}
+    for sd in parts:
+        for i, g in enumerate(sd["param_groups"]):
+            hyper.setdefault(_group_key(g, i), g)
+            for lid, name in zip(g["params"], g["param_names"], strict=True):
+                if lid in sd["state"]:
+                    state[gid[name]] = sd["state"][lid]
+    groups = []
+    for i, g in enumerate(skeleton["param_groups"]):
+        src = hyper.get(_group_key(g, i), g)
+        groups.append(
+            {
+                **{k: v for k, v in src.items() if k not in ("params", "param_names")},
+                "params": list(g["params"]),
+                "param_names": list(g["param_names"]),
+            }
+        )
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def split_optimizer(full: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """The part of a whole-model optimizer state_dict `full` for the optimizer whose own
+    (empty or current) state_dict is `own`, matched by parameter name."""
+    by_name = {
+        n: full["state"][i]
+        for g in full["param_groups"]
+        for i, n in zip(g["params"], g["param_names"])
+        if i in full["state"]
+    }
+    hyper = {_group_key(g, i): g for i, g in enumerate(full["param_groups"])}
+    groups, state = [], {}
+    for i, g in enumerate(own["param_groups"]):
+        src = hyper.get(_group_key(g, i), g)
+        groups.append(
+            {
+                **{k: v for k, v in src.items() if k not in ("params", "param_names")},
+                "params": list(g["params"]),
+                "param_names": list(g["param_names"]),
+            }
+        )
+        for lid, n in zip(g["params"], g["param_names"], strict=True):
+            if n in by_name:
+                state[lid] = by_name[n]
+    return {"state": state, "param_groups": groups}
+
+
+def merge_parts(
+    parts: list[dict[str, Any]], skeleton_optim: dict[str, Any], model_keys: list[str], tied: bool
+) -> dict[str, Any]:
+    """The stage-agnostic checkpoint body (`model`, `engine`, `rng`) from every stage's part,
+    first stage first."""
+    P = len(parts)
+    weights: dict[str, torch.Tensor] = {}
+    for part in parts:
+        weights.update(part["model"])
+    if tied and "lm_head.weight" in model_keys:
+        weights["lm_head.weight"] = weights["tok_emb.weight"]
+    missing = [k for k in model_keys if k not in weights]
+    assert not missing, f"parts miss {missing[:3]}"
+    model = {k: weights[k] for k in model_keys}
+    delayed = [p["delayed"] for p in parts]
+    d0 = delayed[0]
+
+    def per_stage(key: str) -> list | None:
+        vals = [d[key][s] if d[key] is not None else None for s, d in enumerate(delayed)]
+        return None if all(v is None for v in vals) else [v or [] for v in vals]
+
+    merged = {
+        "step": d0["step"],
+        "policy": d0["policy"],
+        "num_stages": P,
+        "names": [d["names"][s] for s, d in enumerate(delayed)],
+        "optimizer": merge_optimizer(skeleton_optim, [d["optimizer"] for d in delayed]),
+        "history": [d["history"][s] for s, d in enumerate(delayed)],
+        "ef_prev": per_stage("ef_prev"),
+        "taylor_ms": per_stage("taylor_ms"),
+    }
+    assert all(d["step"] == d0["step"] for d in delayed), [d["step"] for d in delayed]
+    return {
+        "model": model,
+        "engine": {"mode": "exact", "delayed": merged},
+        "rng": parts[0]["rng"],
+    }
+
+
+def stage_state(
+    ckpt: dict[str, Any],
+    stage: int,
+    names_per_stage: list[list[str]],
+    own_optim: dict[str, Any],
+    needed_versions: set[int],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, dict[int, torch.Tensor]]]:
+    """What stage `stage` of a (possibly different) split loads from a merged checkpoint:
+    (weights by name, `DelayedOptimizer` state for this process, per-parameter history).
+
+    Raises ConfigError when a weight version this stage must keep is not in the checkpoint."""
+    engine = ckpt.get("engine")
+    step = int(ckpt["step"])
+    names = names_per_stage[stage]
+    weights = {n: ckpt["model"][n] for n in names}
+    P = len(names_per_stage)
+    per_param: dict[str, dict[int, torch.Tensor]] = {}
+    ef: dict[str, torch.Tensor] = {}
+    ms: dict[str, torch.Tensor] = {}
+    if engine is not None:
+        d = engine["delayed"]
+        for s, old_names in enumerate(d["names"]):
+            for v, ts in d["history"][s].items():
+                for n, t in zip(old_names, ts, strict=True):
+                    per_param.setdefault(n, {})[int(v)] = t
+            for key, out in (("ef_prev", ef), ("taylor_ms", ms)):
+                if d[key] is not None and d[key][s]:
+                    out.update(zip(old_names, d[key][s], strict=True))
+        full_optim = d["optimizer"]
+        policy = d["policy"]
+    else:  # a checkpoint without delay state (plain optimizer)
+        full_optim = ckpt["optimizer"]
+        policy = None
+    history: dict[int, list[torch.Tensor]] = {}
+    for v in sorted(needed_versions):
+        if v == step:
+            continue
+        if not all(v in per_param.get(n, {}) for n in names):
+            raise ConfigError(
+                f"the checkpoint at step {step} lacks weight version {v} for stage {stage} of "
+                f"{P}; resume a {policy or 'plain'} run with the pipeline.num_stages it was "
+                f"saved with"
+            )
+        history[v] = [per_param[n][v] for n in names]
+    empty: list[list[torch.Tensor]] = [[] for _ in range(P)]
+    state = {
+        "step": step,
+        "policy": policy,
+        "num_stages": P,
+        "names": [list(ns) if s == stage else [] for s, ns in enumerate(names_per_stage)],
+        "optimizer": split_optimizer(full_optim, own_optim),
+        "history": [history if s == stage else {} for s in range(P)],
+        "ef_prev": None,
+        "taylor_ms": None,
+    }
+    for key, src in (("ef_prev", ef), ("taylor_ms", ms)):
+        if src:
+            lists = [list(x) for x in empty]
+            lists[stage] = [src[n] for n in names]
+            state[key] = lists
+    return weights, state, per_param

@@ -1,0 +1,416 @@
+"""The multi-process pipeline runtime: what each process runs (`run_worker`).
+
+One process per (stage, replica). Every process builds the same model from the seed, keeps
+its stage, builds the optimizer from the stage's named parameters, wraps it in the delay
+engine's `DelayedOptimizer` (so versions, Taylor and EF are the emulator's code), generates the
+schedule (`pipeline.schedule.make_schedule`, the lists the timing simulator times) and executes
+its own list with `StageExecutor`. Rank 0 writes metrics, prints progress and merges the stage
+checkpoint parts into the stage-agnostic checkpoint of single-process training.
+
+Launch with `torchrun ... -m stalepipe train --pipeline.engine distributed ...` or let
+`stalepipe train --pipeline.engine distributed` spawn the processes (`pipeline.launch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stalepipe.config import ConfigError, ExperimentConfig
+from stalepipe.data import TokenLoader, check_vocab, ensure_prepared
+from stalepipe.delay import DelayedOptimizer, resolve_delay_config, versions_needed_after
+from stalepipe.models import build_model, partition
+from stalepipe.optim import build_optimizer, resolve_config
+from stalepipe.optim.schedules import apply_lr, lr_multiplier, set_peak_lr
+from stalepipe.pipeline import ckpt as stage_ckpt
+from stalepipe.pipeline.comm import Comm, PeerError, Topology, init_from_env, resolve_backend
+from stalepipe.pipeline.schedule import make_schedule, validate
+from stalepipe.pipeline.stage import TIED_HEAD, TIED_NAME, StageExecutor
+from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from stalepipe.train.loop import TrainResult
+from stalepipe.train.rundir import MetricsWriter, open_run_dir
+
+# Schedules the runtime executes, and the delay policy each one realises.
+RUNTIME_SCHEDULES = {"gpipe": "sync", "1f1b": "sync", "2bw": "2bw", "pipedream": "pipedream"}
+PREPARED_ENV = "STALEPIPE_RUN_PREPARED"  # set by the spawning launcher: run dir already open
+
+
+def check_config(cfg: ExperimentConfig) -> None:
+    """Refuse configurations the runtime cannot run, with the fix in the message."""
+    pc, tc = cfg.pipeline, cfg.train
+    if pc.schedule not in RUNTIME_SCHEDULES:
+        raise ConfigError(
+            f"pipeline.schedule {pc.schedule!r} is not run by the distributed engine; choose "
+            f"from {', '.join(RUNTIME_SCHEDULES)} (others: `stalepipe simulate`)"
+        )
+    want = RUNTIME_SCHEDULES[pc.schedule]
+    if cfg.delay.policy != want:
+        raise ConfigError(
+            f"pipeline.schedule {pc.schedule} realises delay policy {want!r}, but delay.policy is "
+            f"{cfg.delay.policy!r}; pass --delay.policy {want}"
+        )
+    if pc.schedule == "pipedream" and tc.num_microbatches != 1:
+        raise ConfigError(
+            "pipeline.schedule pipedream updates after every microbatch-sized minibatch: set "
+            "--train.num_microbatches 1 (and --train.batch_size to the minibatch size)"
+        )
+    if tc.batch_size % (tc.num_microbatches * pc.data_parallel):
+        raise ConfigError(
+            f"train.batch_size ({tc.batch_size}) must be divisible by train.num_microbatches x "
+            f"pipeline.data_parallel ({tc.num_microbatches} x {pc.data_parallel})"
+        )
+    if cfg.delay.taylor > 0 and pc.num_stages > 1:
+        pass  # Taylor compensation is per stage in DelayedOptimizer: supported as is.
+
+
+def _tee(path: Path, console: bool) -> None:
+    """Send this process's stdout/stderr to `path` (and to the console for rank 0; stderr of
+    other ranks too, so failures show up)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+
+    class Tee:
+        def __init__(self, stream, show: bool) -> None:
+            self.stream, self.show = stream, show
+
+        def write(self, s: str) -> int:
+            f.write(s)
+            if self.show:
+                self.stream.write(s)
+            return len(s)
+
+        def flush(self) -> None:
+            f.flush()
+            if self.show:
+                self.stream.flush()
+
+        def isatty(self) -> bool:
+            return self.show and self.stream.isatty()
+
+        def fileno(self) -> int:
+            return self.stream.fileno()
+
+    sys.stdout = Tee(sys.__stdout__, console)
+    sys.stderr = Tee(sys.__stderr__, True)
+
+
+def run_worker(
+    cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False, verbose: bool = True
+) -> TrainResult | None:
+    """Run this process's stage of `cfg` (environment from torchrun or `launch.spawn`).
+    Returns the TrainResult on rank 0, None elsewhere. Any failure exits through an exception
+    whose message names the rank; `main_worker` turns it into a non-zero exit."""
+    check_config(cfg)
+    pc, tc = cfg.pipeline, cfg.train
+    topo = Topology(pc.num_stages, pc.data_parallel)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != topo.world_size:
+        raise ConfigError(
+            f"{world} processes for pipeline.num_stages x pipeline.data_parallel = "
+            f"{pc.num_stages} x {pc.data_parallel} = {topo.world_size}; start "
+            f"{topo.world_size} processes (torchrun --nproc-per-node {topo.world_size})"
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    device = torch.device(f"cuda:{local_rank}" if tc.device.startswith("cuda") else tc.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(tc.threads or 1)  # one thread per process unless asked
+    backend = resolve_backend(pc.backend, str(device))
+    rank, _, _ = init_from_env(backend, pc.timeout_s)
+    stage, replica = topo.stage_of(rank), topo.replica_of(rank)
+    cfg = dataclasses.replace(cfg, optim=resolve_config(cfg.optim))
+    run_dir = Path(cfg.out_dir) / cfg.name
+    if rank == 0 and not os.environ.get(PREPARED_ENV):
+        data_dir = ensure_prepared(cfg.data)
+        check_vocab(data_dir, cfg.model.vocab_size)
+        open_run_dir(cfg, resume=resume, overwrite=overwrite)
+    comm = Comm(topo, rank, backend, pc.timeout_s, device)
+    comm.barrier("start-up (data preparation on rank 0)", timeout_s=max(pc.timeout_s, 3600))
+    _tee(run_dir / "logs" / f"rank{rank}.log", console=rank == 0 and verbose)
+    data_dir = ensure_prepared(cfg.data)
+    t0 = time.perf_counter()
+
+    # Model, stage, optimizer, delay engine.
+    P, m, N = pc.num_stages, tc.num_microbatches, tc.steps
+    full = build_model(cfg.model, tc.seed)
+    stages = partition(full, P, cfg.data.seq_len)
+    module = stages[stage].to(device)
+    names_per_stage = [list(s.owned_parameters()) for s in stages]
+    owned = stages[stage].owned_parameters()
+    optimizer = build_optimizer(cfg.optim, list(owned.items()))
+    set_peak_lr(optimizer)
+    delay_cfg = resolve_delay_config(cfg.delay, tc)
+    delayed = DelayedOptimizer(
+        optimizer, [owned if s == stage else {} for s in range(P)], delay_cfg, N
+    )
+    skeleton = (
+        build_optimizer(cfg.optim, list(full.named_parameters())).state_dict()
+        if rank == 0
+        else None
+    )
+    model_keys = list(full.state_dict())
+    tied = cfg.model.tie_embeddings and P > 1
+
+    # Resume: the newest complete (merged) checkpoint, re-split for this stage.
+    start, tied_versions = 0, None
+    ckpt_path = latest_checkpoint(run_dir) if resume else None
+    if ckpt_path is not None:
+        state = load_checkpoint(ckpt_path)
+        start = int(state["step"])
+        needed = (
+            versions_needed_after(
+                delay_cfg.policy,
+                [stage],
+                start - 1,
+                P,
+                N,
+                delay_cfg.sync_start,
+                delay_cfg.sync_cooldown,
+            )
+            if start > 0
+            else set()
+        )
+        weights, dstate, per_param = stage_ckpt.stage_state(
+            state, stage, names_per_stage, optimizer.state_dict(), needed
+        )
+        dstate["policy"] = delay_cfg.policy
+        with torch.no_grad():
+            for n, p in owned.items():
+                p.copy_(weights[n])
+            if tied and stage == P - 1:
+                module.get_parameter(TIED_HEAD).copy_(state["model"][TIED_HEAD])
+                tied_versions = {v: t.to(device) for v, t in per_param.get(TIED_NAME, {}).items()}
+        delayed.load_state_dict(dstate)
+        if verbose and rank == 0:
+            print(f"resuming {run_dir} from step {start} ({ckpt_path.name})")
+
+    sched = make_schedule(
+        pc.schedule,
+        P,
+        m,
+        N,
+        sync_start=delay_cfg.sync_start,
+        sync_cooldown=delay_cfg.sync_cooldown,
+    )
+    if N * m * P <= 20000:
+        validate(sched)
+    actions = [a for a in sched.ranks[stage] if a.step >= start]
+
+    # Data: stage 0 reads inputs, the last stage targets; each replica its slice.
+    B, D = tc.batch_size, pc.data_parallel
+    rows = slice(replica * B // D, (replica + 1) * B // D)
+    loader = (
+        TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.data.seed)
+        if stage in (0, P - 1)
+        else None
+    )
+
+    def get_batch(step: int) -> tuple[list, list]:
+        x, y = loader.batch(step, B)
+        x, y = x[rows].to(device), y[rows].to(device)
+        return list(x.chunk(m)), list(y.chunk(m))
+
+    def set_lr(step: int) -> None:
+        apply_lr(optimizer, lr_multiplier(step, tc))
+
+    autocast = (
+        (lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16))
+        if tc.dtype == "bfloat16"
+        else contextlib.nullcontext
+    )
+    executor = StageExecutor(
+        module=module,
+        stage=stage,
+        delayed=delayed,
+        comm=comm,
+        sched=sched,
+        get_batch=get_batch,
+        grad_clip=tc.grad_clip,
+        seed=tc.seed,
+        lr_fn=set_lr,
+        param_counts=[len(n) for n in names_per_stage],
+        tied=tied,
+        act_shape=(B // D // m, cfg.data.seq_len, cfg.model.dim),
+        act_dtype=torch.float32,
+        tied_versions=tied_versions,
+        autocast=autocast,
+    )
+    del full, stages  # only this stage's modules stay referenced
+
+    logger = _RankZeroLog(cfg, run_dir, start, verbose) if rank == 0 else None
+    last_ckpt = [ckpt_path]
+
+    def on_step(k: int) -> None:
+        done = k + 1
+        if ((tc.ckpt_every and done % tc.ckpt_every == 0) or done == N) and replica == 0:
+            _save(done)
+        if logger is not None:
+            logger.drain(executor.results, optimizer)
+
+    def _save(done: int) -> None:
+        part = {
+            "stage": stage,
+            "num_stages": P,
+            "step": done,
+            "model": {n: p.detach().cpu() for n, p in owned.items()},
+            "delayed": delayed.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+        stage_ckpt.save_part(run_dir, done, stage, part)
+        if rank == 0:
+            parts = [_wait_part(run_dir, done, s, topo, pc.timeout_s) for s in range(P)]
+            body = stage_ckpt.merge_parts(parts, skeleton, model_keys, cfg.model.tie_embeddings)
+            last_ckpt[0] = save_checkpoint(
+                run_dir, done, {"config": cfg.to_dict(), **body}, tc.keep_last
+            )
+            shutil.rmtree(stage_ckpt.part_path(run_dir, done, 0).parent, ignore_errors=True)
+
+    executor.on_step = on_step
+    executor.eager_steps = {
+        k - 1 for k in range(1, N + 1) if (tc.ckpt_every and k % tc.ckpt_every == 0) or k == N
+    }
+    try:
+        executor.run(actions)
+    finally:
+        if logger is not None:
+            logger.drain(executor.results, optimizer)
+            logger.close()
+    comm.barrier("the end of training")
+    wall = time.perf_counter() - t0
+    _check_finite(executor, last_ckpt[0])
+    if os.environ.get("STALEPIPE_DUMP_DIR"):  # tests: every rank's final state
+        _dump(Path(os.environ["STALEPIPE_DUMP_DIR"]), rank, owned, executor)
+    dist.destroy_process_group()
+    if logger is None:
+        return None
+    losses = [r.loss for r in logger.results]
+    tokens = (N - start) * tc.batch_size * cfg.data.seq_len
+    return TrainResult(
+        run_dir=run_dir,
+        steps=N,
+        final_train_loss=losses[-1] if losses else math.nan,
+        final_val_loss=math.nan,
+        train_losses=losses,
+        wall_time_s=wall,
+        tokens_per_s=tokens / max(wall, 1e-9),
+    )
+
+
+def _check_finite(executor: StageExecutor, last_ckpt: Path | None) -> None:
+    bad = [r.step for r in executor.results if not math.isfinite(r.loss)]
+    if bad:
+        from stalepipe.train.loop import _diverged
+
+        _diverged("non-finite loss", bad[0], last_ckpt)
+
+
+def _wait_part(run_dir: Path, step: int, stage: int, topo: Topology, timeout_s: float) -> dict:
+    path = stage_ckpt.part_path(run_dir, step, stage)
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise PeerError(
+                f"rank 0: {topo.describe(topo.rank(stage))} did not write its checkpoint part "
+                f"{path} within {timeout_s:g}s"
+            )
+        time.sleep(0.02)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _dump(out: Path, rank: int, owned: dict, executor: StageExecutor) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(
+        {
+            "weights": {n: p.detach().cpu() for n, p in owned.items()},
+            "tied_head": None if executor.tied_live() is None else executor.tied_live().cpu(),
+            "peak_versions": executor.peak_versions,
+            "losses": [(r.step, r.loss) for r in executor.results],
+        },
+        out / f"rank{rank}.pt",
+    )
+
+
+class _RankZeroLog:
+    """Metrics lines and the progress bar, written by rank 0 as step results arrive."""
+
+    def __init__(self, cfg: ExperimentConfig, run_dir: Path, start: int, verbose: bool) -> None:
+        from stalepipe.train.progress import Progress
+
+        self.cfg, self.start = cfg, start
+        self.metrics = MetricsWriter(run_dir, start)
+        tc = cfg.train
+        self.progress = Progress(total=tc.steps, initial=start, enabled=tc.progress and verbose)
+        self.results: list = []
+        self.t0 = time.perf_counter()
+        self.tokens_per_step = tc.batch_size * cfg.data.seq_len
+
+    def drain(self, results: list, optimizer: torch.optim.Optimizer) -> None:
+        tc = self.cfg.train
+        while len(self.results) < len(results):
+            r = results[len(self.results)]
+            self.results.append(r)
+            done = r.step + 1
+            tok_s = (
+                (done - self.start)
+                * self.tokens_per_step
+                / max(time.perf_counter() - self.t0, 1e-9)
+            )
+            record: dict[str, Any] = {"step": r.step, "loss": r.loss}
+            if done % tc.log_every == 0 or done == tc.steps:
+                record.update(
+                    lr_mult=lr_multiplier(r.step, tc),
+                    grad_norm=r.grad_norm,
+                    tau_stage0=r.tau,
+                    tokens=done * self.tokens_per_step,
+                    tokens_per_s=tok_s,
+                )
+            self.metrics.write(record)
+            self.progress.update(loss=r.loss, tok_s=tok_s)
+
+    def close(self) -> None:
+        self.progress.close()
+        self.metrics.close()
+
+
+def main_worker(cfg: ExperimentConfig, resume: bool, overwrite: bool, verbose: bool = True) -> int:
+    """Process entry: run the worker; on any failure print one line naming the rank, record it
+    for the others, and exit non-zero without waiting for peers (no hang)."""
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        result = run_worker(cfg, resume=resume, overwrite=overwrite, verbose=verbose)
+    except BaseException as e:  # noqa: BLE001 - every failure must end the process
+        msg = str(e) if isinstance(e, PeerError) else f"rank {rank}: {type(e).__name__}: {e}"
+        from stalepipe.pipeline.comm import _default_store, first_failure, report_failure
+
+        store = _default_store() if dist.is_initialized() else None
+        root = first_failure(store)
+        report_failure(store, msg)
+        print(f"stalepipe: error: {msg}", file=sys.stderr, flush=True)
+        if root and root != msg:
+            print(f"stalepipe: first failure reported: {root}", file=sys.stderr, flush=True)
+        if not isinstance(e, PeerError | ConfigError):
+            import traceback
+
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2 if isinstance(e, ConfigError) else 1)
+    if result is not None and verbose:
+        print(
+            f"done: {result.steps} steps in {result.wall_time_s:.1f}s "
+            f"({result.tokens_per_s:,.0f} tok/s); final train loss {result.final_train_loss:.4f}; "
+            f"run directory {result.run_dir}",
+            flush=True,
+        )
+    return 0
