@@ -136,6 +136,42 @@ def cmd_presets(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.experiments.export import export_hf
+
+    result = export_hf(args.run, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"exported {result.architecture} to {result.out_dir}: {', '.join(result.files)}")
+    for note in result.notes:
+        print(note)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.experiments import evaluate as ev
+
+    if args.write_task:
+        path = ev.write_task(ev.shakespeare_cloze(args.num_items), args.write_task)
+        print(f"wrote {args.num_items} shakespeare-cloze items to {path}")
+        return 0
+    if not args.run:
+        raise ConfigError("stalepipe eval needs RUN (a run directory or checkpoint file)")
+    result = ev.evaluate_run(
+        args.run,
+        data_dir=args.data_dir,
+        split=args.split,
+        num_batches=args.batches,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        tasks=() if args.no_tasks else tuple(args.task or ev.BUILTIN_TASKS),
+        num_items=args.num_items,
+        skip_loss=args.no_loss,
+        device=args.device,
+    )
+    print(ev.format_results(result))
+    print(f"results written to {ev.save_results(result, args.out)}")
+    return 0
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help=f"start from a preset: {', '.join(PRESETS)}")
     p.add_argument("--config", help="start from a config.json (e.g. a run's own)")
@@ -210,6 +246,46 @@ def make_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("presets", help="list the built-in presets")
     p.set_defaults(fn=cmd_presets)
+
+    p = sub.add_parser(
+        "export",
+        help="export a run's checkpoint for Hugging Face transformers",
+        description="Write safetensors + config.json (+ tokenizer) that transformers loads as "
+        "LlamaForCausalLM (dense) or MixtralForCausalLM (MoE).",
+    )
+    p.add_argument("run", metavar="RUN", help="run directory, run name, or checkpoint file")
+    p.add_argument("--format", choices=["hf"], default="hf", help="output format (default hf)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: the run's dtype)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser(
+        "eval",
+        help="validation loss / perplexity and multiple-choice tasks of a run, offline",
+        description="Evaluate a run's newest checkpoint: loss and perplexity on a shard set, "
+        "and multiple-choice tasks (built-in shakespeare-cloze, or JSONL files of "
+        '{"context", "choices", "answer"}) scored by log-likelihood. Results go to '
+        "<run>/eval_<step>.json.",
+    )
+    p.add_argument("run", metavar="RUN", nargs="?", help="run directory, run name, or checkpoint")
+    p.add_argument("--data-dir", help="token shard directory (default: the run's data)")
+    p.add_argument("--split", default="val", help="shard split to score (default val)")
+    p.add_argument("--batches", type=int, help="batches to score (default train.eval_batches)")
+    p.add_argument("--batch-size", type=int, help="sequences per batch (default the run's)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default the run's)")
+    p.add_argument(
+        "--task", action="append", help="shakespeare-cloze or a .jsonl file (repeatable)"
+    )
+    p.add_argument("--num-items", type=int, default=200, help="items of built-in tasks")
+    p.add_argument("--no-tasks", action="store_true", help="only the loss")
+    p.add_argument("--no-loss", action="store_true", help="only the tasks")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--out", help="results JSON (default <run>/eval_<step>.json)")
+    p.add_argument(
+        "--write-task", metavar="PATH", help="write the shakespeare-cloze items as JSONL and exit"
+    )
+    p.set_defaults(fn=cmd_eval)
     return parser
 
 

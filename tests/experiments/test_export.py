@@ -105,3 +105,25 @@ def test_refuses_to_overwrite_and_needs_a_checkpoint(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="no checkpoint"):
         export_hf(tmp_path / "empty", tmp_path / "hf2")
+
+
+def test_cli_export_and_eval(tmp_path, capsys):
+    from stalepipe.cli import main
+
+    run_dir, _ = make_run(tmp_path, MOE)
+    assert main(["export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert "MixtralForCausalLM" in capsys.readouterr().out
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 2  # not empty
+    assert "--overwrite" in capsys.readouterr().err
+    args = [
+        "eval",
+        str(run_dir),
+        "--no-loss",
+        "--num-items",
+        "4",
+        "--out",
+        str(tmp_path / "e.json"),
+    ]
+    assert main(args) == 0
+    assert "shakespeare-cloze: acc" in capsys.readouterr().out
+    assert json.loads((tmp_path / "e.json").read_text())["tasks"]["shakespeare-cloze"]
