@@ -102,6 +102,33 @@ def cmd_data_prepare(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.pipeline.simulate import simulate_main
+
+    print(
+        simulate_main(
+            schedule=args.schedule,
+            stages=args.stages,
+            microbatches=args.microbatches,
+            steps=args.steps,
+            chunks=args.chunks,
+            compare=args.compare,
+            model=args.model,
+            device=args.device,
+            mfu=args.mfu,
+            seq_len=args.seq_len,
+            microbatch_size=args.microbatch_size,
+            times=args.times,
+            sync_start=args.sync_start,
+            sync_cooldown=args.sync_cooldown,
+            plot=args.plot,
+            csv=args.csv,
+            text=args.text,
+        )
+    )
+    return 0
+
+
 def cmd_info(args: argparse.Namespace, extra: list[str]) -> int:
     from stalepipe.models import count_params, flops_per_token, split_layers
 
@@ -151,7 +178,8 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
 
     if args.write_task:
         path = ev.write_task(ev.shakespeare_cloze(args.num_items), args.write_task)
-        print(f"wrote {args.num_items} shakespeare-cloze items to {path}")
+        yaml = ev.write_lm_eval_task(path)
+        print(f"wrote {args.num_items} shakespeare-cloze items to {path}, lm-eval task {yaml}")
         return 0
     if not args.run:
         raise ConfigError("stalepipe eval needs RUN (a run directory or checkpoint file)")
@@ -240,6 +268,37 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing prepared directory")
     p.set_defaults(fn=cmd_data_prepare)
 
+    p = sub.add_parser(
+        "simulate",
+        help="time pipeline schedules: bubbles, throughput, memory, staleness",
+        description="Discrete-event simulation of a pipeline schedule (per-rank action lists) "
+        "on an analytic (--model/--device) or given (--times) cost model.",
+    )
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        help="gpipe | 1f1b | interleaved-1f1b | zb-h1 | 2bw | pipedream | wpipe",
+    )
+    p.add_argument("--compare", help="comma-separated schedules to show side by side")
+    p.add_argument("--stages", type=int, default=4, help="pipeline ranks P")
+    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step m")
+    p.add_argument("--steps", type=int, default=1, help="optimizer steps N")
+    p.add_argument("--chunks", type=int, default=2, help="model chunks per rank (interleaved)")
+    p.add_argument("--model", help="preset (e.g. smollm-360m) or llama-10b: analytic costs")
+    p.add_argument("--device", default="h100", help="h100 | h200 | a100 | cpu")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--microbatch-size", type=int, default=1, help="sequences per microbatch")
+    p.add_argument("--times", help='given costs, e.g. "f=1,b=2,opt=0.1,comm=0.05"')
+    p.add_argument("--sync-start", type=int, default=0, help="first K steps synchronous")
+    p.add_argument(
+        "--sync-cooldown", type=float, default=0.0, help="last K steps (or fraction) synchronous"
+    )
+    p.add_argument("--plot", help="write a Gantt chart (.png / .svg / .pdf)")
+    p.add_argument("--csv", help="write the timed actions (.csv)")
+    p.add_argument("--text", help="write the schedules' compact text form (.txt)")
+    p.set_defaults(fn=cmd_simulate)
+
     p = sub.add_parser("info", help="parameter / FLOP counts and the stage split of a config")
     _add_config_args(p)
     p.set_defaults(fn=cmd_info)
@@ -283,7 +342,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--out", help="results JSON (default <run>/eval_<step>.json)")
     p.add_argument(
-        "--write-task", metavar="PATH", help="write the shakespeare-cloze items as JSONL and exit"
+        "--write-task",
+        metavar="PATH",
+        help="write the shakespeare-cloze items as JSONL (+ an lm-eval task .yaml) and exit",
     )
     p.set_defaults(fn=cmd_eval)
     return parser

@@ -88,6 +88,36 @@ def write_task(items: list[MCItem], path: str | Path) -> Path:
     return path
 
 
+def write_lm_eval_task(jsonl_path: str | Path, task_name: str | None = None) -> Path:
+    """Write an lm-evaluation-harness task config (`<stem>.yaml`) beside a JSONL task, so that
+    `lm_eval --include_path DIR --tasks NAME` scores it from the local file, offline.
+
+    Same scoring as ours (log-likelihood of each choice, acc and acc_norm), except that lm-eval
+    does not prepend `eot` to the context. `target_delimiter: ""` because our contexts end in the
+    separator (a newline) already.
+    """
+    jsonl_path = Path(jsonl_path).resolve()
+    name = task_name or "stalepipe_" + jsonl_path.stem.replace("-", "_")
+    yaml_path = jsonl_path.with_suffix(".yaml")
+    yaml_path.write_text(
+        f"task: {name}\n"
+        "dataset_path: json\n"
+        "dataset_kwargs:\n"
+        "  data_files:\n"
+        f"    test: {json.dumps(str(jsonl_path))}\n"
+        "test_split: test\n"
+        "output_type: multiple_choice\n"
+        'doc_to_text: "{{context}}"\n'
+        'doc_to_choice: "{{choices}}"\n'
+        'doc_to_target: "{{answer}}"\n'
+        'target_delimiter: ""\n'
+        "metric_list:\n"
+        "  - metric: acc\n"
+        "  - metric: acc_norm\n"
+    )
+    return yaml_path
+
+
 def shakespeare_cloze(
     num_items: int = 200, seed: int = 0, num_choices: int = 4, context_lines: int = 2
 ) -> list[MCItem]:
@@ -357,5 +387,6 @@ __all__ = [
     "save_results",
     "shakespeare_cloze",
     "validation_loss",
+    "write_lm_eval_task",
     "write_task",
 ]
