@@ -29,8 +29,9 @@ def hand_written(cfg, data_dir: str, steps: int) -> float:
     tc = cfg.train
     loader = TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.data.seed)
     model = build_model(cfg.model, tc.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr or 1e-3, betas=(0.9, 0.95),
-                            weight_decay=0.1)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.optim.lr or 1e-3, betas=(0.9, 0.95), weight_decay=0.1
+    )
     m = tc.num_microbatches
     t0 = time.perf_counter()
     for step in range(steps):
@@ -47,14 +48,23 @@ def stalepipe_loop(cfg, steps: int, out_dir: str, round_: int) -> float:
     """stalepipe's `train` with logging, the delay engine (sync) and metrics; returns tokens/s
     as the loop measures it before its final evaluation and checkpoint."""
     run = dataclasses.replace(cfg, name=f"bench{round_}", out_dir=out_dir)
-    run = apply_overrides(run, {"train.steps": str(steps), "train.log_every": str(steps),
-                                "train.eval_every": "0", "train.progress": "false"})
+    run = apply_overrides(
+        run,
+        {
+            "train.steps": str(steps),
+            "train.log_every": str(steps),
+            "train.eval_every": "0",
+            "train.progress": "false",
+        },
+    )
     train(run, verbose=False)
     return read_metrics(f"{out_dir}/bench{round_}")[-1]["tokens_per_s"]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--preset", default="cpu-small")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
@@ -70,8 +80,10 @@ def main() -> None:
             theirs.append(hand_written(cfg, data_dir, args.steps))
             ours.append(stalepipe_loop(cfg, args.steps, tmp, r))
     mo, mt = statistics.median(ours), statistics.median(theirs)
-    print(f"preset {args.preset}, {args.steps} steps x {args.rounds} rounds, "
-          f"batch {cfg.train.batch_size} x seq {cfg.data.seq_len}, threads {torch.get_num_threads()}")
+    print(
+        f"preset {args.preset}, {args.steps} steps x {args.rounds} rounds, "
+        f"batch {cfg.train.batch_size} x seq {cfg.data.seq_len}, threads {torch.get_num_threads()}"
+    )
     print(f"{'loop':<22}{'tokens/s (median)':>20}{'rounds':>40}")
     print(f"{'hand-written PyTorch':<22}{mt:>20,.0f}{str([round(t) for t in theirs]):>40}")
     print(f"{'stalepipe train':<22}{mo:>20,.0f}{str([round(t) for t in ours]):>40}")

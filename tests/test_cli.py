@@ -9,11 +9,30 @@ from stalepipe.cli import main
 
 def _train_args(tiny_config, *extra):
     m = tiny_config.model
-    return ["train", "--preset", "cpu-tiny", "--out_dir", tiny_config.out_dir,
-            "--data.corpus", "excerpt", "--data.data_dir", tiny_config.data.data_dir,
-            "--data.seq_len", "32", "--model.dim", str(m.dim), "--model.num_layers", "2",
-            "--train.batch_size", "4", "--train.eval_batches", "1", "--train.progress", "false",
-            *extra]
+    return [
+        "train",
+        "--preset",
+        "cpu-tiny",
+        "--out_dir",
+        tiny_config.out_dir,
+        "--data.corpus",
+        "excerpt",
+        "--data.data_dir",
+        tiny_config.data.data_dir,
+        "--data.seq_len",
+        "32",
+        "--model.dim",
+        str(m.dim),
+        "--model.num_layers",
+        "2",
+        "--train.batch_size",
+        "4",
+        "--train.eval_batches",
+        "1",
+        "--train.progress",
+        "false",
+        *extra,
+    ]
 
 
 def test_train_smoke(tiny_config, capsys):
@@ -22,14 +41,17 @@ def test_train_smoke(tiny_config, capsys):
     assert "done: 3 steps" in out and "val loss" in out
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["train", "--preset", "cpu-tinny"], "unknown preset 'cpu-tinny'"),
-    (["train", "--optim.lrr", "1"], "did you mean --optim.lr"),
-    (["train", "--optim.lr", "-1"], "optim.lr must be > 0"),
-    (["train", "--train.batch_size", "10", "--train.num_microbatches", "3"], "divisible"),
-    (["train", "--pipeline.num_stages", "99"], "num_stages"),
-    (["train", "--config", "/nonexistent/config.json"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", "--preset", "cpu-tinny"], "unknown preset 'cpu-tinny'"),
+        (["train", "--optim.lrr", "1"], "did you mean --optim.lr"),
+        (["train", "--optim.lr", "-1"], "optim.lr must be > 0"),
+        (["train", "--train.batch_size", "10", "--train.num_microbatches", "3"], "divisible"),
+        (["train", "--pipeline.num_stages", "99"], "num_stages"),
+        (["train", "--config", "/nonexistent/config.json"], "does not exist"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
@@ -56,3 +78,36 @@ def test_info_and_presets(capsys):
     assert main(["presets"]) == 0
     out = capsys.readouterr().out
     assert "4-stage split" in out and "cpu-tiny" in out
+
+
+def test_simulate_compare_and_refusal(tmp_path, capsys):
+    plot = tmp_path / "g.png"
+    assert (
+        main(
+            [
+                "simulate",
+                "--compare",
+                "gpipe,1f1b,2bw",
+                "--stages",
+                "4",
+                "--microbatches",
+                "8",
+                "--steps",
+                "4",
+                "--plot",
+                str(plot),
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "2bw" in out and "gpipe" in out and plot.stat().st_size > 0
+    assert main(["simulate", "--schedule", "2bw", "--stages", "8", "--microbatches", "4"]) == 2
+    assert "microbatches >= stages - 1" in capsys.readouterr().err
+
+
+def test_data_prepare_refuses_to_overwrite(tmp_path, capsys):
+    out = str(tmp_path / "d")
+    assert main(["data", "prepare", "--corpus", "excerpt", "--out", out]) == 0
+    assert main(["data", "prepare", "--corpus", "excerpt", "--out", out]) == 2
+    assert "--force" in capsys.readouterr().err

@@ -317,7 +317,9 @@ class TrainConfig:
     seed: int = _f(0, "model init and dropout seed")
     threads: int = _f(0, "torch intra-op threads (0 = leave torch's default)")
     device: str = _f("cpu", "cpu | cuda | cuda:N")
-    dtype: str = _f("float32", "parameter dtype: float32 | bfloat16")
+    dtype: str = _f("float32", "compute dtype: float32 | bfloat16 (autocast; fp32 master weights)")
+    compile: bool = _f(False, "torch.compile the model (first steps are slow while it compiles)")
+    tf32: bool = _f(True, "allow TF32 matmuls on CUDA (ignored on CPU)")
     progress: bool = _f(True, "show a progress bar")
 
     def __post_init__(self) -> None:

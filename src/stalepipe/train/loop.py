@@ -117,6 +117,9 @@ def _train(
 ) -> TrainResult:
     tc = cfg.train
     device = local_device(cfg, ctx)
+    if device.type == "cuda":  # explicit, not whatever the process happened to inherit
+        torch.backends.cuda.matmul.allow_tf32 = tc.tf32
+        torch.backends.cudnn.allow_tf32 = tc.tf32
     data_dir = on_main(lambda: ensure_prepared(cfg.data, progress=verbose), ctx)
     check_vocab(data_dir, cfg.model.vocab_size)
     cfg = _with_resolved_optim(cfg)
@@ -133,6 +136,8 @@ def _train(
     train_data = TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.data.seed)
     val_data = TokenLoader(data_dir, "val", cfg.data.seq_len, EVAL_SEED)  # same val set for all
     model = build_model(cfg.model, tc.seed, device)
+    if tc.compile:  # compiles forward only; the emulator's weight swaps keep the same graph
+        model.compile()
     optimizer = build_optimizer(cfg.optim, model.named_parameters())
     engine = DelayEmulator(
         model,
