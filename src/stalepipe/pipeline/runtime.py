@@ -44,6 +44,8 @@ from stalepipe.train.rundir import MetricsWriter, open_run_dir
 RUNTIME_SCHEDULES = {"gpipe": "sync", "1f1b": "sync", "2bw": "2bw", "pipedream": "pipedream"}
 PREPARED_ENV = "STALEPIPE_RUN_PREPARED"  # set by the spawning launcher: run dir already open
 
+last_report: dict[str, Any] | None = None  # this process's final state (see `worker_entry`)
+
 
 def check_config(cfg: ExperimentConfig) -> None:
     """Refuse configurations the runtime cannot run, with the fix in the message."""
@@ -73,7 +75,7 @@ def check_config(cfg: ExperimentConfig) -> None:
         pass  # Taylor compensation is per stage in DelayedOptimizer: supported as is.
 
 
-def _tee(path: Path, console: bool) -> None:
+def _tee(path: Path, console: bool):
     """Send this process's stdout/stderr to `path` (and to the console for rank 0; stderr of
     other ranks too, so failures show up)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -100,8 +102,15 @@ def _tee(path: Path, console: bool) -> None:
         def fileno(self) -> int:
             return self.stream.fileno()
 
-    sys.stdout = Tee(sys.__stdout__, console)
-    sys.stderr = Tee(sys.__stderr__, True)
+    saved = sys.stdout, sys.stderr
+    sys.stdout = Tee(saved[0], console)
+    sys.stderr = Tee(saved[1], True)
+
+    def restore() -> None:
+        sys.stdout, sys.stderr = saved
+        f.close()
+
+    return restore
 
 
 def run_worker(
@@ -128,7 +137,6 @@ def run_worker(
         torch.set_num_threads(tc.threads or 1)  # one thread per process unless asked
     backend = resolve_backend(pc.backend, str(device))
     rank, _, _ = init_from_env(backend, pc.timeout_s)
-    stage, replica = topo.stage_of(rank), topo.replica_of(rank)
     cfg = dataclasses.replace(cfg, optim=resolve_config(cfg.optim))
     run_dir = Path(cfg.out_dir) / cfg.name
     if rank == 0 and not os.environ.get(PREPARED_ENV):
@@ -137,7 +145,16 @@ def run_worker(
         open_run_dir(cfg, resume=resume, overwrite=overwrite)
     comm = Comm(topo, rank, backend, pc.timeout_s, device)
     comm.barrier("start-up (data preparation on rank 0)", timeout_s=max(pc.timeout_s, 3600))
-    _tee(run_dir / "logs" / f"rank{rank}.log", console=rank == 0 and verbose)
+    restore = _tee(run_dir / "logs" / f"rank{rank}.log", console=rank == 0 and verbose)
+    try:
+        return _run(cfg, comm, topo, rank, device, run_dir, resume, verbose)
+    finally:
+        restore()
+
+
+def _run(cfg, comm, topo, rank, device, run_dir, resume, verbose) -> TrainResult | None:
+    pc, tc = cfg.pipeline, cfg.train
+    stage, replica = topo.stage_of(rank), topo.replica_of(rank)
     data_dir = ensure_prepared(cfg.data)
     t0 = time.perf_counter()
 
@@ -289,8 +306,15 @@ def run_worker(
     comm.barrier("the end of training")
     wall = time.perf_counter() - t0
     _check_finite(executor, last_ckpt[0])
-    if os.environ.get("STALEPIPE_DUMP_DIR"):  # tests: every rank's final state
-        _dump(Path(os.environ["STALEPIPE_DUMP_DIR"]), rank, owned, executor)
+    global last_report
+    last_report = {
+        "rank": rank,
+        "stage": stage,
+        "weights": {n: p.detach().cpu().clone() for n, p in owned.items()},
+        "tied_head": None if executor.tied_live() is None else executor.tied_live().cpu(),
+        "peak_versions": executor.peak_versions,
+        "losses": [(r.step, r.loss) for r in executor.results],
+    }
     dist.destroy_process_group()
     if logger is None:
         return None
@@ -326,19 +350,6 @@ def _wait_part(run_dir: Path, step: int, stage: int, topo: Topology, timeout_s: 
             )
         time.sleep(0.02)
     return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def _dump(out: Path, rank: int, owned: dict, executor: StageExecutor) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    torch.save(
-        {
-            "weights": {n: p.detach().cpu() for n, p in owned.items()},
-            "tied_head": None if executor.tied_live() is None else executor.tied_live().cpu(),
-            "peak_versions": executor.peak_versions,
-            "losses": [(r.step, r.loss) for r in executor.results],
-        },
-        out / f"rank{rank}.pt",
-    )
 
 
 class _RankZeroLog:
@@ -381,6 +392,15 @@ class _RankZeroLog:
     def close(self) -> None:
         self.progress.close()
         self.metrics.close()
+
+
+def worker_entry(cfg: ExperimentConfig, resume: bool = False, overwrite: bool = False) -> dict:
+    """Run one worker quietly and return its report: rank, stage, final owned weights, the
+    last stage's copy of a tied matrix, peak weight versions kept, step losses (tests,
+    `WorkerPool`)."""
+    run_worker(cfg, resume=resume, overwrite=overwrite, verbose=False)
+    assert last_report is not None
+    return last_report
 
 
 def main_worker(cfg: ExperimentConfig, resume: bool, overwrite: bool, verbose: bool = True) -> int:

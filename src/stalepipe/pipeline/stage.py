@@ -192,6 +192,10 @@ class StageExecutor:
             else:  # pragma: no cover - validated schedules only
                 raise AssertionError(a)
         self.apply_all()
+        if self.tied_head:  # take the final version too: both copies end equal
+            while self.sched.num_steps not in self.tied_versions:
+                self._recv_tied_version()
+            self._drop_tied()
         self._drain_logged(all_=True)
         self.comm.flush_sends()
 
@@ -224,7 +228,10 @@ class StageExecutor:
         )
 
     def _all_tied_reads(self) -> set[int]:
-        return {self._read_version(k) for k in range(self.delayed.step_count, self.sched.num_steps)}
+        """Every version the last stage needs from now on: those its steps read, and the
+        final one (both copies end equal; evaluation and checkpoints read it)."""
+        N = self.sched.num_steps
+        return {self._read_version(k) for k in range(self.delayed.step_count, N)} | {N}
 
     def _tied_read_versions(self) -> list[int]:
         """Versions of the tied matrix the last stage will receive, ascending (newer than
@@ -410,7 +417,9 @@ class StageExecutor:
         vec[-1] = loss
         work, gathered = self.comm.all_gather(vec)
         self._posted.append(_Posted(step, work, gathered, grads))
-        if step in self.eager_steps:  # checkpoints: every stage updates before going on
+        # Apply at once where another rank waits for the result: checkpoints, and the tied
+        # matrix the last stage reads next (it may need it before this stage needs W_{k+1}).
+        if step in self.eager_steps or (self.tied_owner and step + 1 in self._owner_reads):
             self.apply_all()
 
     def _all_reduce(self, grads: dict[str, torch.Tensor], loss: torch.Tensor) -> None:

@@ -1,0 +1,124 @@
+"""Multi-process fixtures: one pool of 4 spawned workers (gloo, one thread each) for the whole
+session, and a tiny config builder. Every run has a short `pipeline.timeout_s`, so a broken
+run fails fast instead of hanging."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from stalepipe.config import (
+    DataConfig,
+    DelayConfig,
+    ExperimentConfig,
+    ModelConfig,
+    OptimConfig,
+    PipelineConfig,
+    TrainConfig,
+)
+from stalepipe.pipeline.launch import WorkerPool
+from stalepipe.pipeline.runtime import RUNTIME_SCHEDULES, worker_entry
+from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint
+from stalepipe.train.loop import train
+
+
+@pytest.fixture(scope="session")
+def pool():
+    p = WorkerPool(4)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def make_cfg(tmp_path, excerpt_data_dir):
+    def make(
+        schedule: str = "1f1b",
+        P: int = 2,
+        m: int = 2,
+        *,
+        steps: int = 4,
+        tied: bool = True,
+        optim: str = "adamw",
+        dp: int = 1,
+        name: str = "dist",
+        **train_kw,
+    ) -> ExperimentConfig:
+        train_kw = {
+            "batch_size": 2 * m * dp,
+            "warmup_steps": 1,
+            "eval_every": 0,
+            "eval_batches": 1,
+            "log_every": 1,
+            "progress": False,
+            "grad_clip": 1.0,
+            **train_kw,
+        }
+        return ExperimentConfig(
+            name=name,
+            out_dir=str(tmp_path / "runs"),
+            model=ModelConfig(
+                vocab_size=256,
+                dim=32,
+                num_layers=4,
+                num_heads=4,
+                num_kv_heads=2,
+                ffn_dim=64,
+                max_seq_len=16,
+                tie_embeddings=tied,
+            ),
+            data=DataConfig(corpus="excerpt", data_dir=excerpt_data_dir, seq_len=16),
+            optim=OptimConfig(name=optim),
+            delay=DelayConfig(policy=RUNTIME_SCHEDULES[schedule], mode="exact"),
+            pipeline=PipelineConfig(
+                num_stages=P,
+                engine="distributed",
+                schedule=schedule,
+                data_parallel=dp,
+                timeout_s=20,
+            ),
+            train=TrainConfig(steps=steps, num_microbatches=m, **train_kw),
+        )
+
+    return make
+
+
+@pytest.fixture
+def run_dist(pool):
+    def run(cfg: ExperimentConfig, resume: bool = False) -> list[dict]:
+        """Run `cfg` on the pool; returns every rank's report."""
+        world = cfg.pipeline.num_stages * cfg.pipeline.data_parallel
+        return pool.run(worker_entry, (cfg, resume, not resume), world, timeout_s=180)
+
+    return run
+
+
+@pytest.fixture
+def dist_utils():
+    return dict(reference=reference, final_model=final_model, assert_bitwise=assert_bitwise)
+
+
+def reference(cfg: ExperimentConfig, mode: str = "exact", name: str = "ref") -> dict:
+    """The single-process run of `cfg` (delay emulator in `mode`); returns its final weights."""
+    ref = dataclasses.replace(
+        cfg,
+        name=name,
+        pipeline=dataclasses.replace(cfg.pipeline, engine="emulate", data_parallel=1),
+        delay=dataclasses.replace(cfg.delay, mode=mode),
+    )
+    torch.set_num_threads(1)
+    result = train(ref, overwrite=True, verbose=False)
+    return load_checkpoint(latest_checkpoint(result.run_dir))["model"]
+
+
+def final_model(cfg: ExperimentConfig) -> dict:
+    return load_checkpoint(latest_checkpoint(f"{cfg.out_dir}/{cfg.name}"))["model"]
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not bad, f"{len(bad)} tensors differ, e.g. {bad[0]}: max |diff| " + str(
+        (a[bad[0]] - b[bad[0]]).abs().max().item()
+    )
