@@ -1,0 +1,178 @@
+"""Report plots (matplotlib, Agg): loss curves per baseline, and the gap against one axis.
+
+Each function takes the report's rows and returns a PNG as bytes, or None when the rows do not
+vary along that axis (a plot with one point says nothing).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable
+from typing import Any
+
+from stalepipe.delay.policies import max_staleness
+from stalepipe.experiments.results import Row
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig: Any) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    _plt().close(fig)
+    return buf.getvalue()
+
+
+def _smooth(ys: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= window:
+            acc -= ys[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def mean_curve(row: Row) -> tuple[list[int], list[float]]:
+    """Train loss averaged over the row's finished seeds, per step."""
+    curves = [dict(r.curve) for r in row.runs if r.status == "finished" and r.curve]
+    if not curves:
+        return [], []
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    return steps, [sum(c[s] for c in curves) / len(curves) for s in steps]
+
+
+def loss_curves(rows: list[Row], max_panels: int = 12) -> bytes | None:
+    """One panel per sync baseline: its train loss and that of every configuration compared
+    with it (mean over seeds, running mean over 1/20 of the run)."""
+    panels: dict[str, list[Row]] = {}
+    for r in rows:
+        if r.is_sync and r.values:
+            panels.setdefault(r.label, [r])
+    for r in rows:
+        if r.baseline is not None and r.values:
+            panels.setdefault(r.baseline.label, [r.baseline]).append(r)
+    if not panels:
+        return None
+    items = list(panels.items())[:max_panels]
+    plt = _plt()
+    cols = min(3, len(items))
+    nrows = math.ceil(len(items) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
+    for ax, (title, members) in zip(axes.flat, items):
+        lo = math.inf
+        for r in members:
+            steps, ys = mean_curve(r)
+            if not steps:
+                continue
+            ys = _smooth(ys, max(len(ys) // 20, 1))
+            ax.plot(steps, ys, label=r.label, lw=1.4 if r.is_sync else 1.1,
+                    color="black" if r.is_sync else None)  # fmt: skip
+            lo = min(lo, min(ys[len(ys) // 3 :]))
+        if math.isfinite(lo):
+            ax.set_ylim(lo - 0.05, lo + 1.0)
+        ax.set_title(f"baseline: {title}", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("train loss (smoothed)")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(items) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    return _png(fig)
+
+
+def _tokens(r: Row) -> float:
+    c = r.config
+    return c.get("train.steps", 0) * c.get("train.batch_size", 0) * c.get("data.seq_len", 0)
+
+
+def _delay(r: Row) -> float:
+    return max(max_staleness(r.policy, int(r.config.get("pipeline.num_stages", 1))))
+
+
+AXES: dict[str, tuple[str, Callable[[Row], float]]] = {
+    "momentum": ("beta1 (momentum)", lambda r: r.config.get("optim.beta1", math.nan)),
+    "depth": ("pipeline stages P", lambda r: r.config.get("pipeline.num_stages", 1)),
+    "delay": ("max staleness (steps)", _delay),
+    "tokens": ("training tokens", _tokens),
+}
+# Keys that define the x-axis of each plot (excluded from the series label).
+_AXIS_KEYS = {
+    "momentum": ("optim.beta1",),
+    "depth": ("pipeline.num_stages",),
+    "delay": ("delay.policy",),
+    "tokens": ("train.steps", "train.warmup_steps", "train.eval_every"),
+}
+
+
+_SHOWN = ("optim.lr", "optim.beta1", "optim.weight_decay", "pipeline.num_stages",
+          "train.batch_size", "train.steps")  # fmt: skip
+
+
+def gap_points(rows: list[Row], kind: str) -> dict[str, list[tuple[float, float, float]]]:
+    """Series name -> [(x, gap, std of the delayed runs)] for unmitigated delayed rows with a
+    gap, when x takes at least two values within a series. A series is a set of rows equal in
+    everything but the x-axis keys."""
+    from stalepipe.experiments.results import config_key
+
+    _, fx = AXES[kind]
+    cands = [
+        r
+        for r in rows
+        if not r.is_sync and not r.mitigations and math.isfinite(r.gap)
+        and (kind != "delay" or r.policy.startswith("fixed:"))
+    ]  # fmt: skip
+    drop = _AXIS_KEYS[kind]
+    shown = [k for k in _SHOWN if k not in drop and len({r.config.get(k) for r in cands}) > 1]
+    series: dict[tuple, list[tuple[float, float, float]]] = {}
+    names: dict[tuple, str] = {}
+    for r in cands:
+        x = fx(r)
+        if x is None or (isinstance(x, float) and math.isnan(x)):
+            continue
+        key = config_key(r.config, drop)
+        names[key] = " ".join(
+            [str(r.config.get("optim.name", ""))]
+            + ([r.policy] if kind != "delay" else [])
+            + [f"{k.split('.')[-1]}={r.config.get(k)}" for k in shown]
+        )
+        series.setdefault(key, []).append((float(x), r.gap, r.std))
+    out = {}
+    for k, pts in series.items():
+        pts.sort()
+        if len({p[0] for p in pts}) >= 2:
+            out[names[k]] = pts
+    return out
+
+
+def gap_plot(rows: list[Row], kind: str) -> bytes | None:
+    """The gap to sync (mean over seeds; bars: std of the delayed runs) against `kind`."""
+    series = gap_points(rows, kind)
+    if not series:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for name, pts in series.items():
+        xs, ys, es = zip(*pts)
+        es = [0.0 if not math.isfinite(e) else e for e in es]
+        ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=name)
+    ax.axhline(0.0, color="black", lw=0.8)
+    label = AXES[kind][0]
+    ax.set_xlabel(label)
+    if kind in ("depth", "delay", "tokens"):
+        ax.set_xscale("log", base=2 if kind != "tokens" else 10)
+    ax.set_ylabel("final val loss gap to sync")
+    ax.set_title(f"gap vs {kind}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _png(fig)

@@ -1,0 +1,299 @@
+"""`stalepipe report runs/STUDY`: tables, significance tests and plots from run directories.
+
+Writes into `<runs>/report/` (or `--out`): `report.md` (plots as PNG files next to it),
+`report.html` (one file, plots embedded as base64 PNG), `summary.csv` (one row per
+configuration) and `runs.csv` (one row per run). Reads only the run directories (see
+`results.py`); works on partial sweeps and lists what is missing.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from stalepipe.errors import UserError
+from stalepipe.experiments import plots, stats
+from stalepipe.experiments.results import Row, Run, build_rows, load_runs, missing_summary
+
+
+@dataclass
+class Block:
+    """One piece of a report: kind is 'h' (heading), 'p' (paragraph), 'ul' (list),
+    'table' (header + rows) or 'img' (PNG bytes + file name)."""
+
+    kind: str
+    text: str = ""
+    items: list[str] | None = None
+    header: list[str] | None = None
+    rows: list[list[str]] | None = None
+    png: bytes | None = None
+
+
+def fmt(x: float, digits: int = 4) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return f"{x:.{digits}f}"
+
+
+def fmt_p(p: float) -> str:
+    if not math.isfinite(p):
+        return "-"
+    return f"{p:.1e}" if p < 1e-3 else f"{p:.3f}"
+
+
+def fmt_share(x: float) -> str:
+    return "-" if not math.isfinite(x) else f"{100 * x:.0f}%"
+
+
+def summary_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
+    """Per configuration: seeds, final val loss mean +- std, gap to sync with its Welch p-value,
+    and for mitigations the share of the unmitigated gap recovered (with its p-value)."""
+    header = ["configuration", "seeds", "val loss (mean ± std)", "gap to sync", "p (gap)",
+              "recovered", "p (vs unmitigated)", "baseline"]  # fmt: skip
+    body = []
+    for r in rows:
+        body.append(
+            [
+                r.label,
+                f"{r.seeds_done}/{len(r.runs)}",
+                f"{fmt(r.mean)} ± {fmt(r.std)}" if r.values else "-",
+                "0 (baseline)" if r.is_sync else fmt(r.gap),
+                fmt_p(r.gap_p),
+                fmt_share(r.recovered),
+                fmt_p(r.recovered_p),
+                r.baseline.label if r.baseline else "-",
+            ]
+        )
+    return header, body
+
+
+def claims(rows: list[Row]) -> list[tuple[str, str, str]]:
+    """The paper's four qualitative claims, checked on whatever rows exist: (claim, verdict,
+    evidence). A claim whose configurations are absent is left out."""
+    out = []
+    plain = [r for r in rows if not r.is_sync and not r.mitigations and math.isfinite(r.gap)]
+
+    def pick(optimizer: str, policy: str, **eq: object) -> Row | None:
+        for r in plain:
+            c = r.config
+            if (
+                c.get("optim.name") == optimizer
+                and r.policy == policy
+                and all(c.get(k) == v for k, v in eq.items())
+            ):
+                return r
+        return None
+
+    adam = pick(
+        "adamw", "2bw", **{"pipeline.num_stages": 1, "optim.beta1": _default_beta1("adamw")}
+    )
+    muon = pick("muon", "2bw", **{"pipeline.num_stages": 1, "optim.beta1": _default_beta1("muon")})
+    if adam and muon:
+        ratio = adam.gap / muon.gap if muon.gap > 0 else math.inf
+        ok = adam.gap > 0 and ratio >= 2
+        out.append((
+            "AdamW's gap (2bw) is much larger than Muon's",
+            "reproduced" if ok else "not reproduced",
+            f"AdamW {fmt(adam.gap)} (p {fmt_p(adam.gap_p)}), Muon {fmt(muon.gap)} "
+            f"(p {fmt_p(muon.gap_p)}); ratio {ratio:.1f}x",
+        ))  # fmt: skip
+    ef = [r for r in rows if r.mitigations.keys() == {"delay.ef"} and math.isfinite(r.recovered)]
+    if ef:
+        ok = all(r.recovered > 0.5 for r in ef)
+        out.append((
+            "Error feedback recovers most of each gap",
+            "reproduced" if ok else "not reproduced",
+            "; ".join(f"{r.label}: {fmt_share(r.recovered)} of {fmt(r.unmitigated.gap)}"
+                      for r in ef),
+        ))  # fmt: skip
+    for optimizer in ("adamw", "muon"):
+        pts = sorted(
+            (r.config.get("optim.beta1"), r.gap, r)
+            for r in plain
+            if r.config.get("optim.name") == optimizer and r.policy == "2bw"
+            and r.config.get("pipeline.num_stages") == 1
+        )  # fmt: skip
+        if len({p[0] for p in pts}) >= 3:
+            rho = stats.spearman([p[0] for p in pts], [p[1] for p in pts])
+            out.append((
+                f"Higher momentum shrinks the gap ({optimizer}, 2bw)",
+                "reproduced" if rho <= -0.8 else ("partly" if rho < 0 else "not reproduced"),
+                ", ".join(f"beta1 {b}: {fmt(g)}" for b, g, _ in pts)
+                + f"; Spearman rho {rho:+.2f}",
+            ))  # fmt: skip
+    pd = plots.gap_points(rows, "depth")
+    pd_series = {k: v for k, v in pd.items() if " pipedream" in k}
+    bw_series = {k: v for k, v in pd.items() if " 2bw" in k}
+    for name, pts in pd_series.items():
+        rho = stats.spearman([p[0] for p in pts], [p[1] for p in pts])
+        growth = pts[-1][1] - pts[0][1]
+        bw = next((v for k, v in bw_series.items() if k.split()[0] == name.split()[0]), None)
+        if bw:
+            bw_gaps = [g for _, g, _ in bw]
+            flat = max(bw_gaps) - min(bw_gaps)
+        else:  # no 2bw depth series: 2bw's staleness is 1 at every depth (one run shows it)
+            flat = math.nan
+        ok = rho >= 0.8 and growth > 0 and (not math.isfinite(flat) or flat < growth / 3)
+        out.append((
+            f"PipeDream's gap grows with depth, 2bw's stays flat ({name.split()[0]})",
+            "reproduced" if ok else "not reproduced",
+            "pipedream: " + ", ".join(f"P={int(x)}: {fmt(g)}" for x, g, _ in pts)
+            + ("; 2bw: " + ", ".join(f"P={int(x)}: {fmt(g)}" for x, g, _ in bw) if bw else "")
+            + f"; Spearman rho {rho:+.2f}",
+        ))  # fmt: skip
+    return out
+
+
+def _default_beta1(optimizer: str) -> float | None:
+    from stalepipe.config import OptimConfig
+    from stalepipe.optim import resolve_config
+
+    return resolve_config(OptimConfig(name=optimizer)).beta1
+
+
+def build_report(root: Path, title: str | None = None) -> tuple[list[Block], list[Row], list[Run]]:
+    runs = load_runs(root)
+    if not runs:
+        raise UserError(
+            f"{root} holds no run directories (none with a config.json); run "
+            f"`stalepipe sweep STUDY --out {root}` first"
+        )
+    rows = build_rows(runs)
+    n_fin = sum(r.status == "finished" for r in runs)
+    blocks = [Block("h", title or f"Report: {root.name}")]
+    blocks.append(Block(
+        "p",
+        f"{n_fin} of {len(runs)} runs finished, {len(rows)} configurations. "
+        f"Generated {time.strftime('%Y-%m-%d %H:%M')} from the run directories in `{root}`. "
+        "Val loss: final validation loss (same held-out batches for every run); mean ± sample std "
+        "over seeds. Gap: mean minus the mean of the synchronous baseline (same config with "
+        "`delay.policy sync`, mitigations off). p: two-sided Welch t-test across seeds. "
+        "Recovered: (gap without − gap with the mitigation) / gap without.",
+    ))  # fmt: skip
+    missing = missing_summary(runs, rows)
+    if missing:
+        blocks += [Block("h", "Missing"), Block("ul", items=missing)]
+    header, body = summary_table(rows)
+    blocks += [Block("h", "Final validation loss by configuration"),
+               Block("table", header=header, rows=body)]  # fmt: skip
+    checked = claims(rows)
+    if checked:
+        blocks += [
+            Block("h", "The paper's qualitative claims"),
+            Block("table", header=["claim", "verdict", "evidence"],
+                  rows=[list(c) for c in checked]),
+        ]  # fmt: skip
+    png = plots.loss_curves(rows)
+    if png:
+        blocks += [Block("h", "Loss curves"), Block("img", text="loss_curves.png", png=png)]
+    for kind in plots.AXES:
+        png = plots.gap_plot(rows, kind)
+        if png:
+            blocks += [
+                Block("h", f"Gap vs {kind}"),
+                Block("img", text=f"gap_vs_{kind}.png", png=png),
+            ]
+    return blocks, rows, runs
+
+
+def to_markdown(blocks: list[Block]) -> str:
+    out, level = [], 1
+    for b in blocks:
+        if b.kind == "h":
+            out.append(("#" * level) + " " + b.text + "\n")
+            level = 2
+        elif b.kind == "p":
+            out.append(b.text + "\n")
+        elif b.kind == "ul":
+            out.append("\n".join(f"- {i}" for i in b.items or []) + "\n")
+        elif b.kind == "table":
+            out.append(md_table(b.header or [], b.rows or []))
+        elif b.kind == "img":
+            out.append(f"![{b.text}]({b.text})\n")
+    return "\n".join(out)
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    def cell(s: str) -> str:
+        return str(s).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(cell(h) for h in header) + " |",
+             "|" + "|".join("---" for _ in header) + "|"]  # fmt: skip
+    lines += ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def to_html(blocks: list[Block]) -> str:
+    parts, level = [], 1
+    title = next((b.text for b in blocks if b.kind == "h"), "report")
+    for b in blocks:
+        if b.kind == "h":
+            parts.append(f"<h{level}>{html.escape(b.text)}</h{level}>")
+            level = 2
+        elif b.kind == "p":
+            parts.append(f"<p>{html.escape(b.text)}</p>")
+        elif b.kind == "ul":
+            parts.append(
+                "<ul>" + "".join(f"<li>{html.escape(i)}</li>" for i in b.items or []) + "</ul>"
+            )
+        elif b.kind == "table":
+            head = "".join(f"<th>{html.escape(h)}</th>" for h in b.header or [])
+            body = "".join(
+                "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>"
+                for r in b.rows or []
+            )
+            parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        elif b.kind == "img" and b.png:
+            data = base64.b64encode(b.png).decode("ascii")
+            parts.append(f'<img alt="{html.escape(b.text)}" src="data:image/png;base64,{data}">')
+    style = (
+        "body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
+        "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 7px}"
+        "th{background:#f3f3f3}img{max-width:100%}"
+    )
+    return (
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{style}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n"
+    )
+
+
+def write_csvs(out: Path, rows: list[Row], runs: list[Run]) -> None:
+    with open(out / "summary.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["configuration", "seeds_finished", "seeds_total", "val_loss_mean",
+                    "val_loss_std", "values", "gap", "gap_p", "baseline", "recovered",
+                    "recovered_p", "unmitigated"])  # fmt: skip
+        for r in rows:
+            w.writerow([r.label, r.seeds_done, len(r.runs), r.mean, r.std,
+                        " ".join(f"{v:.6f}" for v in r.values), r.gap, r.gap_p,
+                        r.baseline.label if r.baseline else "", r.recovered, r.recovered_p,
+                        r.unmitigated.label if r.unmitigated else ""])  # fmt: skip
+    with open(out / "runs.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["run", "status", "seed", "steps_done", "final_val_loss", "group", "error"])
+        for r in runs:
+            w.writerow([r.name, r.status, r.seed, r.steps_done, r.final_val, r.group, r.error])
+
+
+def write_report(root: str | Path, out: str | Path | None = None, title: str | None = None) -> Path:
+    """Build and write the report of the run directories under `root`; returns its directory."""
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(
+            f"{root} is not a directory; pass the --out of a sweep (e.g. runs/paper-mini)"
+        )
+    blocks, rows, runs = build_report(root, title)
+    out_dir = Path(out) if out else root / "report"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for b in blocks:
+        if b.kind == "img" and b.png:
+            (out_dir / b.text).write_bytes(b.png)
+    (out_dir / "report.md").write_text(to_markdown(blocks))
+    (out_dir / "report.html").write_text(to_html(blocks))
+    write_csvs(out_dir, rows, runs)
+    return out_dir

@@ -1,0 +1,289 @@
+"""Read a sweep's run directories and reduce them to one row per configuration.
+
+Only files in the run directories are read (config.json, metrics.jsonl, sweep.json,
+error.json), never a model. Runs are grouped into *configurations* by their config.json with the
+seeds removed; for each configuration the table holds the final val loss over seeds, the gap to
+its synchronous baseline and, for mitigated runs, the share of the unmitigated gap recovered.
+
+Matching is done on the full config, not on names: the sync baseline of a configuration is the
+one whose config is equal after setting the delay policy to `sync` and every mitigation off
+(ignoring `pipeline.num_stages` when no sync run of the same depth exists, since synchronous
+training does not depend on the split); the unmitigated counterpart is equal after switching the
+mitigations off.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stalepipe.experiments import stats
+from stalepipe.experiments.sweep import ERROR_FILE, SPEC_FILE, run_status
+
+# Keys that do not define a configuration (the seed axis, names, logging and speed knobs).
+NON_CONFIG_KEYS = {
+    "name",
+    "out_dir",
+    "train.seed",
+    "data.seed",
+    "train.progress",
+    "train.log_every",
+    "train.ckpt_every",
+    "train.keep_last",
+    "train.threads",
+    "data.data_dir",
+}
+MITIGATION_DEFAULTS = {
+    "delay.ef": False,
+    "delay.taylor": 0.0,
+    "delay.taylor_adaptive": False,
+    "delay.sync_start": 0,
+    "delay.sync_cooldown": 0.0,
+    "delay.sync_cooldown_wsd": False,
+}
+# The Taylor knobs only matter when Taylor is on; ignored when matching.
+_TAYLOR_DETAILS = ("delay.taylor_ema", "delay.taylor_eps")
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+@dataclass
+class Run:
+    """One run directory as the report sees it."""
+
+    name: str
+    path: Path
+    status: str  # finished | partial | failed | missing
+    config: dict[str, Any]  # flattened config.json ({} if absent)
+    group: str = ""  # sweep.json's group label, or ""
+    seed: int | None = None
+    final_val: float = math.nan
+    steps_done: int = 0
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (step, train loss)
+    val_curve: list[tuple[int, float]] = field(default_factory=list)
+    error: str = ""
+
+
+def load_runs(root: str | Path) -> list[Run]:
+    """Every run directory directly under `root` (a directory holding a config.json or a
+    sweep.json), sorted by name."""
+    from stalepipe.train.rundir import read_metrics
+
+    root = Path(root)
+    runs = []
+    for d in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+        if not ((d / "config.json").exists() or (d / SPEC_FILE).exists()):
+            continue
+        config: dict[str, Any] = {}
+        if (d / "config.json").exists():
+            try:
+                config = flatten(json.loads((d / "config.json").read_text()))
+            except ValueError:
+                config = {}
+        spec = {}
+        if (d / SPEC_FILE).exists():
+            try:
+                spec = json.loads((d / SPEC_FILE).read_text())
+            except ValueError:
+                spec = {}
+        status = run_status(d)
+        if status == "partial" and not (d / "metrics.jsonl").exists():
+            status = "missing"  # planned by the sweep, not started
+        run = Run(d.name, d, status, config, spec.get("group", ""), spec.get("seed"))
+        if run.seed is None and config:
+            run.seed = config.get("train.seed")
+        records = read_metrics(d)
+        run.curve = [(r["step"], r["loss"]) for r in records if "loss" in r]
+        run.val_curve = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+        run.steps_done = records[-1]["step"] + 1 if records else 0
+        if status == "finished" and run.val_curve:
+            run.final_val = run.val_curve[-1][1]
+        if status == "failed":
+            try:
+                run.error = json.loads((d / ERROR_FILE).read_text()).get("error", "")
+            except (OSError, ValueError):
+                run.error = "unreadable error.json"
+        runs.append(run)
+    return runs
+
+
+def config_key(config: dict[str, Any], drop: tuple[str, ...] = ()) -> tuple:
+    """A hashable identity of a configuration (seeds and `drop` keys left out)."""
+    return tuple(
+        sorted(
+            (k, json.dumps(v))
+            for k, v in config.items()
+            if k not in NON_CONFIG_KEYS and k not in drop
+        )
+    )
+
+
+@dataclass
+class Row:
+    """One configuration: its runs over seeds and its statistics."""
+
+    label: str
+    config: dict[str, Any]
+    runs: list[Run]
+    values: list[float]  # final val losses of finished seeds
+    mean: float = math.nan
+    std: float = math.nan
+    baseline: Row | None = None  # the sync configuration it is compared with
+    gap: float = math.nan
+    gap_p: float = math.nan  # Welch t-test vs the baseline, two-sided
+    unmitigated: Row | None = None
+    recovered: float = math.nan  # share of the unmitigated gap this mitigation removes
+    recovered_p: float = math.nan  # Welch t-test vs the unmitigated configuration
+
+    @property
+    def policy(self) -> str:
+        return str(self.config.get("delay.policy", "sync"))
+
+    @property
+    def mitigations(self) -> dict[str, Any]:
+        return {
+            k: self.config.get(k, d)
+            for k, d in MITIGATION_DEFAULTS.items()
+            if self.config.get(k, d) != d
+        }
+
+    @property
+    def is_sync(self) -> bool:
+        return self.policy in ("sync", "fixed:0") and not self.mitigations
+
+    @property
+    def seeds_done(self) -> int:
+        return len(self.values)
+
+
+def _short(key: str) -> str:
+    return key.split(".")[-1]
+
+
+def _label(config: dict[str, Any], varying: list[str]) -> str:
+    parts = []
+    for k in varying:
+        v = config.get(k)
+        if k in ("optim.name", "delay.policy"):
+            parts.append(str(v))
+        elif isinstance(v, bool):
+            if v:
+                parts.append(_short(k))
+        else:
+            parts.append(f"{_short(k)}={v}")
+    return " ".join(parts) or "base"
+
+
+def build_rows(runs: list[Run]) -> list[Row]:
+    """Group runs into configurations and fill in every statistic."""
+    with_cfg = [r for r in runs if r.config]
+    groups: dict[tuple, list[Run]] = {}
+    for r in with_cfg:
+        groups.setdefault(config_key(r.config), []).append(r)
+    all_keys = sorted({k for r in with_cfg for k in r.config} - NON_CONFIG_KEYS)
+    varying = [k for k in all_keys if len({json.dumps(r.config.get(k)) for r in with_cfg}) > 1]
+    # optimizer-implied defaults vary with optim.name; keep them out of labels when a sweep
+    # label exists, and order the label: optimizer, policy, then the rest
+    varying.sort(key=lambda k: (k != "optim.name", k != "delay.policy", k))
+    rows = []
+    for members in groups.values():
+        members.sort(key=lambda r: (r.seed if r.seed is not None else 0, r.name))
+        labels = {r.group for r in members}
+        label = labels.pop() if len(labels) == 1 and "" not in labels else ""
+        config = members[0].config
+        vals = [
+            r.final_val for r in members if r.status == "finished" and math.isfinite(r.final_val)
+        ]
+        row = Row(label or _label(config, varying), config, members, vals)
+        row.mean, row.std = stats.mean(vals), stats.std(vals)
+        rows.append(row)
+    _link(rows)
+    rows.sort(key=lambda r: r.label)
+    return rows
+
+
+def _sync_version(config: dict[str, Any]) -> dict[str, Any]:
+    c = dict(config)
+    c["delay.policy"] = "sync"
+    c.update(MITIGATION_DEFAULTS)
+    return c
+
+
+def _link(rows: list[Row]) -> None:
+    """Find each row's sync baseline and unmitigated counterpart; compute gaps and shares."""
+    ignore = _TAYLOR_DETAILS + ("delay.mode",)
+    by_key = {config_key(r.config, ignore): r for r in rows}
+    by_key_any_depth = {}
+    for r in rows:
+        if r.is_sync:
+            by_key_any_depth.setdefault(config_key(r.config, ignore + ("pipeline.num_stages",)), r)
+    for r in rows:
+        if r.is_sync:
+            continue
+        target = _sync_version(r.config)
+        base = by_key.get(config_key(target, ignore))
+        if base is None or not base.is_sync:
+            base = by_key_any_depth.get(config_key(target, ignore + ("pipeline.num_stages",)))
+        if base is not None and base.values:
+            r.baseline = base
+            r.gap = stats.gap(r.values, base.values) if r.values else math.nan
+            r.gap_p = stats.welch_t_test(r.values, base.values).p
+        if r.mitigations:
+            plain = dict(r.config)
+            plain.update(MITIGATION_DEFAULTS)
+            un = by_key.get(config_key(plain, ignore))
+            if un is not None and un.values:
+                r.unmitigated = un
+                if un.baseline is None:
+                    _link_one_baseline(un, by_key, by_key_any_depth, ignore)
+                r.recovered = stats.recovered_share(r.gap, un.gap)
+                r.recovered_p = stats.welch_t_test(r.values, un.values).p if r.values else math.nan
+
+
+def _link_one_baseline(r: Row, by_key: dict, by_key_any_depth: dict, ignore: tuple) -> None:
+    target = _sync_version(r.config)
+    base = by_key.get(config_key(target, ignore)) or by_key_any_depth.get(
+        config_key(target, ignore + ("pipeline.num_stages",))
+    )
+    if base is not None and base.values and r.values:
+        r.baseline = base
+        r.gap = stats.gap(r.values, base.values)
+        r.gap_p = stats.welch_t_test(r.values, base.values).p
+
+
+def missing_summary(runs: list[Run], rows: list[Row]) -> list[str]:
+    """Human-readable lines on what is not finished yet (empty when everything is)."""
+    lines = []
+    by_status: dict[str, list[Run]] = {}
+    for r in runs:
+        by_status.setdefault(r.status, []).append(r)
+    if by_status.get("missing"):
+        lines.append(
+            f"{len(by_status['missing'])} planned run(s) not started: "
+            + ", ".join(r.name for r in by_status["missing"][:12])
+            + (" ..." if len(by_status["missing"]) > 12 else "")
+        )
+    if by_status.get("partial"):
+        lines.append(
+            f"{len(by_status['partial'])} run(s) unfinished: "
+            + ", ".join(f"{r.name} (step {r.steps_done})" for r in by_status["partial"][:12])
+        )
+    for r in by_status.get("failed", []):
+        lines.append(f"failed: {r.name}: {r.error}")
+    for row in rows:
+        if not row.is_sync and row.baseline is None and row.values:
+            lines.append(f"{row.label}: no finished sync baseline, so no gap")
+        if row.mitigations and row.unmitigated is None and row.values:
+            lines.append(f"{row.label}: no finished unmitigated counterpart, so no recovery share")
+    return lines

@@ -1,0 +1,331 @@
+"""The paper's studies as Python presets over sweep axes (`stalepipe sweep STUDY`).
+
+Each study is a function `(scale) -> list of grids`; a grid is a list of axes (see `sweep.axis`),
+and the study is the union of its grids' products times the seeds. Scales:
+
+    cpu     the `paper-mini` model below (8 layers so pipeline depths 2/4/8 exist), Shakespeare
+            bytes, a few hundred steps: minutes per run on one core
+    135m    SmolLM-135M on GPT-2 tokens (`smollm-135m` preset), GPUs
+    360m    SmolLM-360M (`smollm-360m` preset), GPUs
+
+Learning rates: at each scale every optimizer runs at its own LR (`LRS`): tuned on the sync
+baseline for `cpu` (docs/RESULTS.md says how), the optimizers' published defaults for the GPU
+scales (docs/optimizers.md), which you should retune for your data before a large sweep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from stalepipe.config import (
+    DataConfig,
+    ExperimentConfig,
+    ModelConfig,
+    TrainConfig,
+    get_preset,
+)
+from stalepipe.errors import UserError
+from stalepipe.experiments.sweep import Bundle, RunSpec, axis, dedupe, expand
+
+SCALES = ("cpu", "135m", "360m")
+OPTIMIZER_NAMES = ("adamw", "muon", "soap", "adan", "lion", "mars")
+
+
+def paper_mini_base() -> ExperimentConfig:
+    """The CPU study model: ~0.2M parameters, 4 blocks of width 64 (so P = 2, 4 exist),
+    byte-level Shakespeare, 16 x 64 tokens per step, 10% warmup + cosine to 10%."""
+    return ExperimentConfig(
+        name="paper-mini",
+        model=ModelConfig(
+            vocab_size=256,
+            dim=64,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            ffn_dim=176,
+            max_seq_len=64,
+        ),
+        data=DataConfig(seq_len=64),
+        train=TrainConfig(
+            steps=CPU_STEPS,
+            batch_size=16,
+            warmup_steps=CPU_STEPS // 10,
+            eval_every=CPU_STEPS // 4,
+            eval_batches=16,
+            log_every=10,
+            progress=False,
+            threads=1,
+        ),
+    )
+
+
+CPU_STEPS = 200
+
+# Per-optimizer peak LR by scale (matrix LR for muon; its AdamW part uses adam_lr = its default).
+LRS: dict[str, dict[str, str]] = {
+    "cpu": {
+        "adamw": "3e-3",
+        "muon": "0.05",
+        "soap": "3e-3",
+        "adan": "3e-3",
+        "lion": "3e-4",
+        "mars": "3e-3",
+    },  # fmt: skip
+    "135m": {},  # optimizers' defaults (docs/optimizers.md)
+    "360m": {},
+}
+
+
+def base_config(scale: str) -> ExperimentConfig:
+    """The base config every run of a study at `scale` starts from."""
+    if scale == "cpu":
+        return paper_mini_base()
+    if scale == "135m":
+        return get_preset("smollm-135m")
+    if scale == "360m":
+        return get_preset("smollm-360m")
+    raise UserError(f"--scale must be one of {', '.join(SCALES)}, got {scale!r}")
+
+
+def optimizer_axis(scale: str, names: tuple[str, ...] = OPTIMIZER_NAMES) -> list[Bundle]:
+    """Optimizers, each at its own LR for the scale."""
+    out = []
+    for name in names:
+        o = {"optim.name": name}
+        if name in LRS[scale]:
+            o["optim.lr"] = LRS[scale][name]
+        out.append((name, o))
+    return out
+
+
+SYNC: Bundle = ("sync", {"delay.policy": "sync"})
+TWO_BW: Bundle = ("2bw", {"delay.policy": "2bw"})
+TWO_BW_EF: Bundle = ("2bw+ef", {"delay.policy": "2bw", "delay.ef": "true"})
+
+
+def _max_depth(scale: str) -> int:
+    return base_config(scale).model.num_layers
+
+
+def study_optimizers(scale: str) -> list[list[list[Bundle]]]:
+    return [[optimizer_axis(scale), [SYNC, TWO_BW, TWO_BW_EF]]]
+
+
+MOMENTA = ("0.8", "0.9", "0.95", "0.98")
+
+
+def study_momentum(scale: str) -> list[list[list[Bundle]]]:
+    return [
+        [optimizer_axis(scale, ("adamw", "muon")), axis("optim.beta1", MOMENTA), [SYNC, TWO_BW]]
+    ]
+
+
+def study_mitigations(scale: str) -> list[list[list[Bundle]]]:
+    steps = base_config(scale).train.steps
+    variants: list[Bundle] = [
+        SYNC,
+        TWO_BW,
+        TWO_BW_EF,
+        ("2bw+taylor", {"delay.policy": "2bw", "delay.taylor": "0.1", "delay.taylor_adaptive": "true"}),
+        ("2bw+syncstart", {"delay.policy": "2bw", "delay.sync_start": str(max(steps // 10, 1))}),
+        ("2bw+synccool", {"delay.policy": "2bw", "delay.sync_cooldown": "0.2"}),
+        ("2bw+ef+synccool", {"delay.policy": "2bw", "delay.ef": "true", "delay.sync_cooldown": "0.2"}),
+    ]  # fmt: skip
+    return [[optimizer_axis(scale, ("adamw", "muon")), variants]]
+
+
+def _depths(scale: str) -> list[int]:
+    return [p for p in (2, 4, 8, 16) if p <= _max_depth(scale)]
+
+
+def study_depth(scale: str) -> list[list[list[Bundle]]]:
+    policies = [("pipedream", {"delay.policy": "pipedream"}), TWO_BW]
+    return [
+        [optimizer_axis(scale, ("adamw",)), [SYNC]],
+        [optimizer_axis(scale, ("adamw",)), policies, axis("pipeline.num_stages", _depths(scale))],
+    ]
+
+
+def study_hparams(scale: str) -> list[list[list[Bundle]]]:
+    base = base_config(scale)
+    bs = base.train.batch_size
+    lr = float(LRS[scale].get("adamw", "1e-3"))
+    adamw = optimizer_axis(scale, ("adamw",))
+    return [
+        [adamw, axis("train.batch_size", [bs // 2, bs, bs * 2]), [SYNC, TWO_BW]],
+        [adamw, axis("optim.lr", [f"{lr / 3:.3g}", f"{lr:.3g}", f"{lr * 3:.3g}"]), [SYNC, TWO_BW]],
+        [adamw, axis("optim.weight_decay", ["0", "0.1", "0.3"]), [SYNC, TWO_BW]],
+    ]
+
+
+def study_delay(scale: str) -> list[list[list[Bundle]]]:
+    delays = [(f"fixed{n}", {"delay.policy": f"fixed:{n}"}) for n in (1, 2, 4, 8)]
+    return [[optimizer_axis(scale, ("adamw", "muon")), [SYNC, *delays]]]
+
+
+def study_tokens(scale: str) -> list[list[list[Bundle]]]:
+    steps = base_config(scale).train.steps
+    lengths = [steps // 4, steps // 2, steps, steps * 2]
+    grid_steps = [
+        (f"steps{n}", {"train.steps": str(n), "train.warmup_steps": str(max(n // 10, 1)),
+                       "train.eval_every": str(max(n // 4, 1))})
+        for n in lengths
+    ]  # fmt: skip
+    return [[optimizer_axis(scale, ("adamw", "muon")), grid_steps, [SYNC, TWO_BW]]]
+
+
+def study_paper_mini(scale: str) -> list[list[list[Bundle]]]:
+    """The CPU subset that checks the paper's four qualitative claims (docs/RESULTS.md)."""
+    opt2 = optimizer_axis(scale, ("adamw", "muon"))
+    adamw = optimizer_axis(scale, ("adamw",))
+    return [
+        # AdamW's gap >> Muon's; EF recovers most of each gap
+        [opt2, [SYNC, TWO_BW, TWO_BW_EF]],
+        # higher momentum shrinks the gap (AdamW beta1; 0.9 is the default run above)
+        [adamw, axis("optim.beta1", ["0.8", "0.95", "0.98"]), [SYNC, TWO_BW]],
+        # pipedream's gap grows with depth, 2bw's stays flat
+        [adamw, [("pipedream", {"delay.policy": "pipedream"})], axis("pipeline.num_stages", [2, 4])],
+        # 2bw's staleness is 1 on every stage at any P: P = 4 next to adamw_2bw (P = 1) shows it
+        [adamw, [TWO_BW], axis("pipeline.num_stages", [4])],
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Study:
+    """A named study: its grids, what it answers, and which scales it supports."""
+
+    name: str
+    grids: Callable[[str], list[list[list[Bundle]]]]
+    about: str
+    scales: tuple[str, ...] = SCALES
+
+    def specs(self, scale: str, seeds: int) -> list[RunSpec]:
+        if scale not in self.scales:
+            raise UserError(
+                f"study {self.name} runs at --scale {', '.join(self.scales)}, not {scale!r}"
+            )
+        specs = dedupe(s for g in self.grids(scale) for s in expand(g, seeds))
+        # seed-major order: an interrupted sweep has every configuration at the first seeds
+        return sorted(specs, key=lambda s: s.seed)
+
+    def base(self, scale: str) -> ExperimentConfig:
+        return base_config(scale)
+
+
+STUDIES: dict[str, Study] = {
+    s.name: s
+    for s in [
+        Study("optimizers", study_optimizers, "6 optimizers x sync / 2bw / 2bw+EF"),
+        Study("momentum", study_momentum, "AdamW & Muon beta1 in 0.8-0.98 under sync and 2bw"),
+        Study("mitigations", study_mitigations, "EF, Taylor, sync start/cooldown, EF+cooldown"),
+        Study("depth", study_depth, "pipedream vs 2bw for P in 2, 4, 8 (, 16)"),
+        Study("hparams", study_hparams, "batch size, LR, weight decay (one at a time)"),
+        Study("delay", study_delay, "fixed:N for N in 0, 1, 2, 4, 8"),
+        Study("tokens", study_tokens, "the gap as the training length grows (x1/4 .. x2)"),
+        Study(
+            "paper-mini",
+            study_paper_mini,
+            "CPU check of the paper's 4 qualitative claims",
+            ("cpu",),
+        ),
+    ]
+}
+
+
+def get_study(name: str) -> Study:
+    if name not in STUDIES:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(STUDIES), n=1, cutoff=0.4)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise UserError(f"unknown study {name!r} (choose from {', '.join(STUDIES)}, toy){hint}")
+    return STUDIES[name]
+
+
+# Measured CPU cost of one step of `paper_mini_base` on one core of a shared 2-core machine,
+# used only for the time estimates in `stalepipe sweep --help` / --dry-run.
+CPU_SECONDS_PER_STEP = 0.25
+
+
+def estimate_cpu_seconds(specs: list[RunSpec], base: ExperimentConfig) -> float:
+    """Core-seconds of a CPU sweep (steps x per-step cost, scaled by depth-independent size)."""
+    total = 0.0
+    for spec in specs:
+        cfg = spec.config(base, "runs")
+        tokens_scale = cfg.train.batch_size * cfg.data.seq_len / (16 * 64)
+        total += cfg.train.steps * CPU_SECONDS_PER_STEP * tokens_scale
+    return total
+
+
+def study_table(seeds: int = 3) -> str:
+    """One line per study: runs at cpu scale, and the CPU core-hours they take."""
+    lines = []
+    for s in STUDIES.values():
+        specs = s.specs("cpu", seeds)
+        hours = estimate_cpu_seconds(specs, s.base("cpu")) / 3600
+        lines.append(f"  {s.name:<12} {len(specs):>4} runs  ~{hours:4.1f} CPU core-h   {s.about}")
+    lines.append(
+        "  toy          (seconds) delayed Muon +- EF on matrix least squares: theory check"
+    )
+    return "\n".join(lines)
+
+
+def sweep_main(
+    study: str | None,
+    *,
+    scale: str = "cpu",
+    seeds: int = 3,
+    workers: int = 1,
+    out: str | None = None,
+    grids: list[str] = (),  # type: ignore[assignment]
+    fixed: dict[str, str] | None = None,
+    retry_failed: bool = False,
+    dry_run: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> int:
+    """`stalepipe sweep`: run a named study or an ad-hoc grid (`--grid KEY=V1,V2` axes); returns
+    the number of failed runs. `fixed` overrides apply to every run (e.g. train.steps)."""
+    from stalepipe.config import apply_overrides
+    from stalepipe.experiments.sweep import (
+        check_overrides,
+        main_progress_stream,
+        parse_grid_arg,
+        run_sweep,
+    )
+
+    log = log or main_progress_stream()
+    if seeds < 1:
+        raise UserError(f"--seeds must be >= 1, got {seeds}")
+    if workers < 1:
+        raise UserError(f"--workers must be >= 1, got {workers}")
+    if study is None and not grids:
+        raise UserError("name a STUDY or give at least one --grid KEY=V1,V2 (see --help)")
+    if study is not None and grids:
+        raise UserError("--grid builds an ad-hoc sweep; drop the STUDY name to use it")
+    if study is not None:
+        st = get_study(study)
+        specs = st.specs(scale, seeds)
+        base = st.base(scale)
+    else:
+        specs = dedupe(expand([parse_grid_arg(g) for g in grids], seeds))
+        base = base_config(scale)
+    base = apply_overrides(base, fixed or {})
+    check_overrides(specs, base)
+    out_dir = out or f"runs/{study or 'grid'}"
+    if dry_run:
+        from stalepipe.experiments.sweep import run_status
+
+        for spec in specs:
+            cfg = spec.config(base, out_dir)
+            shown = " ".join(f"--{k} {v}" for k, v in spec.overrides.items())
+            log(f"{run_status(Path(out_dir) / spec.name, cfg.train.steps):<9} {spec.name}: {shown}")
+        if scale == "cpu":
+            cost = estimate_cpu_seconds(specs, base)
+            log(f"{len(specs)} runs, ~{cost / 3600:.1f} CPU core-hours "
+                f"(~{cost / 3600 / workers:.1f} h with {workers} worker(s) on idle cores)")  # fmt: skip
+        return 0
+    res = run_sweep(specs, base, out_dir, workers=workers, retry_failed=retry_failed, log=log)
+    log(f"next: stalepipe report {out_dir}")
+    return len(res.failed)

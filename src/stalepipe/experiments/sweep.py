@@ -1,0 +1,382 @@
+"""Sweeps: a grid of runs, each one run directory, executed by parallel worker processes.
+
+A sweep is a list of `RunSpec`s (a run name and dotted config overrides on a base config). The
+grid is a product of *axes*; an axis is a list of labelled override bundles, so one axis value
+can set several keys at once (`2bw+ef` = `delay.policy 2bw` + `delay.ef true`):
+
+    axes = [axis("optim.name", ["adamw", "muon"]), axis("delay.policy", ["sync", "2bw"])]
+    specs = expand(axes, seeds=3)      # 2 x 2 x 3 runs named e.g. "adamw_2bw_s0"
+
+Running it (`run_sweep`) is restartable: a finished run (its final val_loss is in metrics.jsonl,
+or its final checkpoint exists) is skipped; an interrupted one resumes from its last checkpoint;
+a failed one (an `error.json` in its directory) is reported and rerun only with
+`retry_failed=True`. Each run executes in its own spawned process with one torch thread, so a
+crash (even a segfault or an out-of-memory kill) loses that run only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import multiprocessing as mp
+import os
+import re
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stalepipe.config import ConfigError, ExperimentConfig, apply_overrides
+from stalepipe.errors import UserError
+
+ERROR_FILE = "error.json"
+SPEC_FILE = "sweep.json"
+
+Bundle = tuple[str, dict[str, str]]  # (label used in run names, dotted overrides)
+
+# Short names of common keys, for run names of ad-hoc grids.
+_SHORT = {
+    "optim.name": "",
+    "delay.policy": "",
+    "delay.ef": "ef",
+    "delay.taylor": "taylor",
+    "delay.sync_start": "sstart",
+    "delay.sync_cooldown": "scool",
+    "optim.lr": "lr",
+    "optim.beta1": "b1",
+    "optim.weight_decay": "wd",
+    "pipeline.num_stages": "P",
+    "train.steps": "steps",
+    "train.batch_size": "bs",
+}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.+=-]+", "-", text).strip("-")
+
+
+def axis(key: str, values: Iterable[Any], label: str | None = None) -> list[Bundle]:
+    """One single-key axis: `axis("optim.lr", [1e-3, 3e-3])`. Labels are `<short><value>`
+    (the optimizer and delay policy names stand for themselves)."""
+    short = _SHORT.get(key, key.split(".")[-1]) if label is None else label
+    return [(_slug(f"{short}{v}"), {key: str(v)}) for v in values]
+
+
+def parse_grid_arg(text: str) -> list[Bundle]:
+    """`optim.name=adamw,muon` (the `--grid` CLI syntax) -> an axis."""
+    if "=" not in text:
+        raise UserError(f"--grid expects KEY=V1,V2,... (e.g. optim.name=adamw,muon), got {text!r}")
+    key, values = text.split("=", 1)
+    vals = [v for v in values.split(",") if v]
+    if not key or not vals:
+        raise UserError(f"--grid expects KEY=V1,V2,... (e.g. optim.name=adamw,muon), got {text!r}")
+    return axis(key.strip(), vals)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of a sweep: its directory name, the overrides on the base config, its seed."""
+
+    name: str
+    overrides: dict[str, str]
+    seed: int
+    group: str = ""  # the run name without the seed: runs of one configuration share it
+
+    def config(self, base: ExperimentConfig, out_dir: str | Path) -> ExperimentConfig:
+        """The run's full config: `base` + overrides, named `name`, under `out_dir`."""
+        seeded = {"train.seed": str(self.seed), "data.seed": str(self.seed), **self.overrides}
+        cfg = apply_overrides(base, seeded)
+        return dataclasses.replace(cfg, name=self.name, out_dir=str(out_dir))
+
+
+def expand(
+    axes: Sequence[Sequence[Bundle]],
+    seeds: int | Sequence[int] = 1,
+    fixed: dict[str, str] | None = None,
+) -> list[RunSpec]:
+    """The product of `axes` times seeds, as RunSpecs. Later axes override earlier ones on a
+    shared key. `fixed` overrides apply to every run (they do not appear in names). Seeds set
+    both `train.seed` (init, dropout) and `data.seed` (batch order)."""
+    seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
+    out = []
+    for combo in itertools.product(*axes) if axes else [()]:
+        labels = [lab for lab, _ in combo if lab]
+        overrides = dict(fixed or {})
+        for _, o in combo:
+            overrides.update(o)
+        group = "_".join(labels) or "base"
+        for s in seed_list:
+            out.append(RunSpec(f"{group}_s{s}", overrides, s, group))
+    return out
+
+
+def dedupe(specs: Iterable[RunSpec]) -> list[RunSpec]:
+    """Drop repeated run names (the same configuration listed by two grids of a study); two
+    different override sets under one name are a bug in the study definition."""
+    seen: dict[str, RunSpec] = {}
+    for spec in specs:
+        if spec.name in seen:
+            assert seen[spec.name].overrides == spec.overrides, f"run name clash: {spec.name}"
+            continue
+        seen[spec.name] = spec
+    return list(seen.values())
+
+
+# ------------------------------------------------------------------------------------------
+# Run status
+# ------------------------------------------------------------------------------------------
+
+
+def run_status(run_dir: Path, steps: int | None = None) -> str:
+    """'finished', 'failed', 'partial' (started, resumable) or 'missing'.
+
+    Finished means the final step's val_loss is in metrics.jsonl or the final checkpoint
+    exists. `steps` defaults to the run's own config.json."""
+    from stalepipe.train.checkpoint import checkpoint_path
+    from stalepipe.train.rundir import read_metrics
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return "missing"
+    if (run_dir / ERROR_FILE).exists():
+        return "failed"
+    if steps is None:
+        try:
+            steps = int(json.loads((run_dir / "config.json").read_text())["train"]["steps"])
+        except (OSError, ValueError, KeyError):
+            return "partial" if any(run_dir.iterdir()) else "missing"
+    if checkpoint_path(run_dir, steps).exists():
+        return "finished"
+    records = read_metrics(run_dir)
+    if records and records[-1].get("step") == steps - 1 and "val_loss" in records[-1]:
+        return "finished"
+    return "partial" if any(run_dir.iterdir()) else "missing"
+
+
+def write_error(run_dir: Path, message: str, tb: str = "") -> None:
+    """Record a failed run: error.json holds the message and traceback."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    info = {"error": message, "traceback": tb, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    (run_dir / ERROR_FILE).write_text(json.dumps(info, indent=2) + "\n")
+
+
+# ------------------------------------------------------------------------------------------
+# Running
+# ------------------------------------------------------------------------------------------
+
+
+def _run_one(cfg_dict: dict[str, Any], threads: int) -> None:
+    """Worker body: train one run, resuming from its last checkpoint if it has one (a run
+    directory holding only sweep.json starts fresh); an exception goes to error.json."""
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    cfg = ExperimentConfig.from_dict(cfg_dict)
+    run_dir = Path(cfg.out_dir) / cfg.name
+    try:
+        from stalepipe.train.loop import train
+
+        train(cfg, resume=True, verbose=False)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - recorded, then the process exits non-zero
+        write_error(run_dir, f"{type(e).__name__}: {e}", traceback.format_exc())
+        raise SystemExit(1) from None
+
+
+@dataclass
+class SweepResult:
+    """Counts and names of a sweep's runs after `run_sweep`."""
+
+    finished: list[str] = field(default_factory=list)  # finished before or during this call
+    ran: list[str] = field(default_factory=list)  # trained (to the end) by this call
+    failed: dict[str, str] = field(default_factory=dict)  # name -> error message
+    skipped_failed: list[str] = field(default_factory=list)  # failed earlier, not retried
+    wall_s: float = 0.0
+
+
+def _read_error(run_dir: Path) -> str:
+    try:
+        return json.loads((run_dir / ERROR_FILE).read_text()).get("error", "unknown error")
+    except (OSError, ValueError):
+        return "unknown error"
+
+
+def _prepare_data(cfgs: list[ExperimentConfig]) -> None:
+    """Prepare each distinct corpus once, before the workers start (they would all wait)."""
+    from stalepipe.data import ensure_prepared
+
+    seen = set()
+    for cfg in cfgs:
+        key = (cfg.data.corpus, cfg.data.tokenizer, cfg.data.resolved_dir())
+        if key not in seen:
+            seen.add(key)
+            ensure_prepared(cfg.data)
+
+
+def run_sweep(
+    specs: Sequence[RunSpec],
+    base: ExperimentConfig,
+    out_dir: str | Path,
+    *,
+    workers: int = 1,
+    threads: int = 1,
+    retry_failed: bool = False,
+    log: Callable[[str], None] = print,
+) -> SweepResult:
+    """Run every spec not finished yet under `out_dir`, `workers` at a time.
+
+    `workers=1` runs in this process (no spawn cost; a hard crash stops the sweep, which a
+    rerun resumes); `workers>1` spawns one process per run. Never raises for a failed run:
+    failures are recorded in the run's error.json and returned in `SweepResult.failed`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    res = SweepResult()
+    t0 = time.perf_counter()
+    todo: list[tuple[RunSpec, ExperimentConfig]] = []
+    for spec in specs:
+        cfg = spec.config(base, out)
+        run_dir = out / spec.name
+        status = run_status(run_dir, cfg.train.steps)
+        if status == "finished":
+            res.finished.append(spec.name)
+        elif status == "failed" and not retry_failed:
+            res.skipped_failed.append(spec.name)
+            res.failed[spec.name] = _read_error(run_dir)
+        else:
+            if status == "failed":
+                shutil.rmtree(run_dir)
+            todo.append((spec, cfg))
+    log(
+        f"sweep {out}: {len(specs)} runs: {len(res.finished)} finished, "
+        f"{len(res.skipped_failed)} failed earlier"
+        + (" (rerun with --retry-failed)" if res.skipped_failed else "")
+        + f", {len(todo)} to run with {workers} worker(s)"
+    )
+    if todo:
+        _prepare_data([c for _, c in todo])
+    for spec in specs:  # the spec file lets the report label runs the way the sweep named them
+        d = out / spec.name
+        if d.is_dir() or any(s is spec for s, _ in todo):
+            d.mkdir(parents=True, exist_ok=True)
+            (d / SPEC_FILE).write_text(
+                json.dumps(dataclasses.asdict(spec), indent=2, sort_keys=True) + "\n"
+            )
+
+    durations: list[float] = []
+    count = [0]
+
+    def done(spec: RunSpec, exitcode: int, seconds: float) -> None:
+        run_dir = out / spec.name
+        count[0] += 1
+        if exitcode == 0 and run_status(run_dir) == "finished":
+            res.ran.append(spec.name)
+            res.finished.append(spec.name)
+            durations.append(seconds)
+            what = f"val {_final_val(run_dir):.4f}"
+        else:
+            if not (run_dir / ERROR_FILE).exists():
+                write_error(run_dir, f"worker exited without finishing (exit status {exitcode})")
+            res.failed[spec.name] = _read_error(run_dir)
+            what = "FAILED: " + res.failed[spec.name]
+        n = count[0]
+        left = len(todo) - n
+        eta = ""
+        if durations and left:
+            eta = f", ~{_fmt_s(sum(durations) / len(durations) * left / workers)} left"
+        log(f"[{n}/{len(todo)}] {spec.name}: {what} ({seconds:.0f}s){eta}")
+
+    if workers <= 1:
+        for spec, cfg in todo:
+            t = time.perf_counter()
+            try:
+                _run_one(cfg.to_dict(), threads)
+                exitcode = 0
+            except SystemExit:
+                exitcode = 1
+            done(spec, exitcode, time.perf_counter() - t)
+    else:
+        _run_parallel(todo, workers, threads, done)
+    res.wall_s = time.perf_counter() - t0
+    log(
+        f"sweep {out}: {len(res.finished)}/{len(specs)} finished, {len(res.failed)} failed "
+        f"({_fmt_s(res.wall_s)})"
+    )
+    return res
+
+
+def _run_parallel(
+    todo: list[tuple[RunSpec, ExperimentConfig]],
+    workers: int,
+    threads: int,
+    done: Callable[[RunSpec, int, float], None],
+) -> None:
+    import signal
+
+    ctx = mp.get_context("spawn")
+    queue = list(todo)
+    running: list[tuple[Any, RunSpec, float]] = []
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # `kill PID` stops the workers too (the finally below)
+
+    old_handler = signal.signal(signal.SIGTERM, on_term)
+    try:
+        while queue or running:
+            while queue and len(running) < workers:
+                spec, cfg = queue.pop(0)
+                p = ctx.Process(target=_run_one, args=(cfg.to_dict(), threads), daemon=True)
+                p.start()
+                running.append((p, spec, time.perf_counter()))
+            time.sleep(0.2)
+            for item in list(running):
+                p, spec, t = item
+                if not p.is_alive():
+                    p.join()
+                    running.remove(item)
+                    done(spec, p.exitcode, time.perf_counter() - t)
+    finally:
+        for p, _, _ in running:  # interrupted: stop our own workers; their runs resume later
+            p.terminate()
+            p.join()
+        signal.signal(signal.SIGTERM, old_handler)
+
+
+def _final_val(run_dir: Path) -> float:
+    from stalepipe.train.rundir import read_metrics
+
+    vals = [r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r]
+    return vals[-1] if vals else math.nan
+
+
+def _fmt_s(s: float) -> str:
+    if s < 90:
+        return f"{s:.0f}s"
+    if s < 5400:
+        return f"{s / 60:.0f}min"
+    return f"{s / 3600:.1f}h"
+
+
+def check_overrides(specs: Sequence[RunSpec], base: ExperimentConfig) -> None:
+    """Build every run's config once, so a bad grid value fails before anything runs."""
+    for spec in specs:
+        try:
+            spec.config(base, "runs")
+        except ConfigError as e:
+            raise ConfigError(f"run {spec.name}: {e}") from None
+
+
+def main_progress_stream() -> Callable[[str], None]:
+    """A logger that prints with a timestamp and flushes (sweeps run for hours under nohup)."""
+
+    def log(msg: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True, file=sys.stdout)
+
+    return log

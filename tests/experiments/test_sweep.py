@@ -1,0 +1,146 @@
+"""Sweeps: grid expansion, study presets, resume skips finished runs, failures are recorded,
+isolated, and rerun only on request."""
+
+import json
+
+import pytest
+
+from stalepipe.config import ConfigError
+from stalepipe.errors import UserError
+from stalepipe.experiments import studies
+from stalepipe.experiments.sweep import (
+    ERROR_FILE,
+    axis,
+    check_overrides,
+    dedupe,
+    expand,
+    parse_grid_arg,
+    run_status,
+    run_sweep,
+    write_error,
+)
+
+
+def test_expand_product_names_and_seeds():
+    specs = expand(
+        [parse_grid_arg("optim.name=adamw,muon"), [("sync", {"delay.policy": "sync"}),
+         ("2bw+ef", {"delay.policy": "2bw", "delay.ef": "true"})]],
+        seeds=2,
+    )  # fmt: skip
+    assert [s.name for s in specs] == [
+        "adamw_sync_s0", "adamw_sync_s1", "adamw_2bw+ef_s0", "adamw_2bw+ef_s1",
+        "muon_sync_s0", "muon_sync_s1", "muon_2bw+ef_s0", "muon_2bw+ef_s1",
+    ]  # fmt: skip
+    s = specs[3]
+    assert s.overrides == {"optim.name": "adamw", "delay.policy": "2bw", "delay.ef": "true"}
+    assert (s.seed, s.group) == (1, "adamw_2bw+ef")
+    assert [x.name for x in expand([axis("delay.policy", ["fixed:2"])])] == ["fixed-2_s0"]
+    assert [x.name for x in expand([axis("optim.lr", [1e-3])], seeds=[5])] == ["lr0.001_s5"]
+
+
+def test_spec_config_sets_seed_name_and_overrides(tiny_config):
+    spec = expand([axis("optim.beta1", ["0.8"])], seeds=[3])[0]
+    cfg = spec.config(tiny_config, "/tmp/x")
+    assert (cfg.name, cfg.out_dir, cfg.optim.beta1) == ("b10.8_s3", "/tmp/x", 0.8)
+    assert cfg.train.seed == cfg.data.seed == 3
+
+
+def test_grid_arg_and_bad_values(tiny_config):
+    with pytest.raises(UserError, match="KEY=V1"):
+        parse_grid_arg("optim.name")
+    with pytest.raises(ConfigError, match="run lr-1_s0: optim.lr must be > 0"):
+        check_overrides(expand([axis("optim.lr", ["-1"])]), tiny_config)
+    with pytest.raises(ConfigError, match="unknown config key"):
+        check_overrides(expand([axis("optim.lrr", ["1"])]), tiny_config)
+
+
+def test_dedupe_keeps_first_and_rejects_clashes():
+    a = expand([axis("delay.policy", ["sync", "2bw"])])
+    assert [s.name for s in dedupe(a + a)] == ["sync_s0", "2bw_s0"]
+    clash = expand([[("x", {"optim.lr": "1"})]]) + expand([[("x", {"optim.lr": "2"})]])
+    with pytest.raises(AssertionError, match="clash"):
+        dedupe(clash)
+
+
+@pytest.mark.parametrize("name", list(studies.STUDIES))
+def test_every_study_expands_to_valid_configs(name):
+    study = studies.STUDIES[name]
+    for scale in study.scales:
+        specs = study.specs(scale, seeds=2)
+        assert specs and len({s.name for s in specs}) == len(specs)
+        check_overrides(specs, study.base(scale))
+
+
+def test_paper_mini_contents():
+    specs = studies.STUDIES["paper-mini"].specs("cpu", seeds=3)
+    groups = {s.group for s in specs}
+    assert {"adamw_sync", "adamw_2bw", "adamw_2bw+ef", "muon_sync", "muon_2bw",
+            "muon_2bw+ef"} <= groups  # fmt: skip
+    assert {"adamw_pipedream_P2", "adamw_pipedream_P4"} <= groups
+    assert len(specs) == 3 * len(groups)
+    with pytest.raises(UserError, match="runs at --scale cpu"):
+        studies.STUDIES["paper-mini"].specs("135m", 1)
+    with pytest.raises(UserError, match="did you mean 'depth'"):
+        studies.get_study("deptj")
+    assert "paper-mini" in studies.study_table(seeds=3)
+
+
+def test_run_status(tmp_path):
+    d = tmp_path / "r"
+    assert run_status(d) == "missing"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"train": {"steps": 3}}))
+    (d / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
+    assert run_status(d) == "partial"
+    (d / "metrics.jsonl").write_text('{"step": 2, "loss": 1.0, "val_loss": 1.1}\n')
+    assert run_status(d) == "finished"
+    write_error(d, "boom")
+    assert run_status(d) == "failed"
+
+
+def test_sweep_resume_skip_and_retry(tiny_config, tmp_path):
+    """One tiny real sweep (2 runs x 3 steps, in-process): rerun skips finished runs; a
+    failed run is reported, kept, and rerun only with retry_failed."""
+    import dataclasses
+
+    base = dataclasses.replace(
+        tiny_config, train=dataclasses.replace(tiny_config.train, steps=3, eval_every=0)
+    )
+    specs = expand([axis("delay.policy", ["sync", "2bw"])])
+    out = tmp_path / "sweep"
+    logs = []
+    res = run_sweep(specs, base, out, log=logs.append)
+    assert sorted(res.ran) == ["2bw_s0", "sync_s0"] and not res.failed
+    assert all(run_status(out / s.name) == "finished" for s in specs)
+    assert json.loads((out / "sync_s0" / "sweep.json").read_text())["group"] == "sync"
+
+    res = run_sweep(specs, base, out, log=logs.append)
+    assert res.ran == [] and sorted(res.finished) == ["2bw_s0", "sync_s0"]
+    assert "2 finished" in logs[-2] or any("2 finished" in m for m in logs)
+
+    write_error(out / "2bw_s0", "RuntimeError: simulated crash")
+    res = run_sweep(specs, base, out, log=logs.append)
+    assert res.ran == [] and res.skipped_failed == ["2bw_s0"]
+    assert res.failed == {"2bw_s0": "RuntimeError: simulated crash"}
+    assert any("--retry-failed" in m for m in logs)
+
+    res = run_sweep(specs, base, out, retry_failed=True, log=logs.append)
+    assert res.ran == ["2bw_s0"] and not res.failed
+    assert not (out / "2bw_s0" / ERROR_FILE).exists()
+
+
+def test_parallel_failure_is_isolated(tiny_config, tmp_path):
+    """Two worker processes: a run that raises is recorded in its error.json; the other run
+    finishes."""
+    import dataclasses
+
+    base = dataclasses.replace(
+        tiny_config, train=dataclasses.replace(tiny_config.train, steps=2, eval_every=0)
+    )
+    # vocab 64 cannot hold byte tokens: train() raises a DataError inside the worker
+    specs = expand([[("ok", {}), ("bad", {"model.vocab_size": "64"})]])
+    res = run_sweep(specs, base, tmp_path / "s", workers=2, log=lambda m: None)
+    assert res.ran == ["ok_s0"]
+    assert list(res.failed) == ["bad_s0"] and "vocab" in res.failed["bad_s0"]
+    err = json.loads((tmp_path / "s" / "bad_s0" / ERROR_FILE).read_text())
+    assert "Traceback" in err["traceback"]
