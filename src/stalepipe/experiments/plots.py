@@ -149,6 +149,8 @@ def gap_points(rows: list[Row], kind: str) -> dict[str, list[tuple[float, float,
     out = {}
     for k, pts in series.items():
         pts.sort()
+        if kind == "depth" and " pipedream" in names[k] and pts[0][0] > 1:
+            pts.insert(0, (1.0, 0.0, 0.0))  # pipedream at P = 1 is sync: gap 0 by definition
         if len({p[0] for p in pts}) >= 2:
             out[names[k]] = pts
     return out

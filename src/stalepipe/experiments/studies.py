@@ -220,7 +220,7 @@ STUDIES: dict[str, Study] = {
         Study("optimizers", study_optimizers, "6 optimizers x sync / 2bw / 2bw+EF"),
         Study("momentum", study_momentum, "AdamW & Muon beta1 in 0.8-0.98 under sync and 2bw"),
         Study("mitigations", study_mitigations, "EF, Taylor, sync start/cooldown, EF+cooldown"),
-        Study("depth", study_depth, "pipedream vs 2bw for P in 2, 4, 8 (, 16)"),
+        Study("depth", study_depth, "pipedream vs 2bw for P in 2, 4, 8, 16 (up to num_layers)"),
         Study("hparams", study_hparams, "batch size, LR, weight decay (one at a time)"),
         Study("delay", study_delay, "fixed:N for N in 0, 1, 2, 4, 8"),
         Study("tokens", study_tokens, "the gap as the training length grows (x1/4 .. x2)"),

@@ -1,0 +1,162 @@
+"""Report tables from fixture run directories (fake config.json / metrics.jsonl) against
+hand-computed values; partial sweeps are reported with what is missing."""
+
+import csv
+import json
+import math
+
+import pytest
+
+from stalepipe.config import ExperimentConfig, apply_overrides
+from stalepipe.errors import UserError
+from stalepipe.experiments import stats
+from stalepipe.experiments.report import claims, write_report
+from stalepipe.experiments.results import build_rows, load_runs
+from stalepipe.experiments.sweep import SPEC_FILE, write_error
+
+STEPS = 4
+
+
+def make_run(root, name, overrides, seed, val, *, finished=True, group=None):
+    """A run directory as `train` writes it: config.json, metrics.jsonl (+ sweep.json)."""
+    cfg = apply_overrides(
+        ExperimentConfig(),
+        {"train.steps": str(STEPS), "train.seed": str(seed), "data.seed": str(seed), **overrides},
+    )
+    d = root / name
+    d.mkdir(parents=True)
+    d.joinpath("config.json").write_text(json.dumps(dict(cfg.to_dict(), name=name)))
+    last = STEPS if finished else 2
+    lines = [{"step": s, "loss": 3.0 - 0.1 * s} for s in range(last)]
+    if finished:
+        lines[-1]["val_loss"] = val
+    d.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    spec = {"name": name, "group": group or name.rsplit("_s", 1)[0], "seed": seed,
+            "overrides": overrides}  # fmt: skip
+    d.joinpath(SPEC_FILE).write_text(json.dumps(spec))
+    return d
+
+
+SYNC = {"delay.policy": "sync"}
+BW = {"delay.policy": "2bw"}
+EF = {"delay.policy": "2bw", "delay.ef": "true"}
+
+
+@pytest.fixture
+def sweep_dir(tmp_path):
+    root = tmp_path / "study"
+    for s, v in enumerate([2.0, 2.1, 2.2]):
+        make_run(root, f"adamw_sync_s{s}", SYNC, s, v)
+    for s, v in enumerate([2.5, 2.6, 2.7]):
+        make_run(root, f"adamw_2bw_s{s}", BW, s, v)
+    for s, v in enumerate([2.2, 2.2, 2.3]):
+        make_run(root, f"adamw_2bw+ef_s{s}", EF, s, v)
+    return root
+
+
+def rows_by_label(root):
+    return {r.label: r for r in build_rows(load_runs(root))}
+
+
+def test_tables_match_hand_computed(sweep_dir):
+    rows = rows_by_label(sweep_dir)
+    assert set(rows) == {"adamw_sync", "adamw_2bw", "adamw_2bw+ef"}
+    sync, bw, ef = rows["adamw_sync"], rows["adamw_2bw"], rows["adamw_2bw+ef"]
+    assert sync.is_sync and sync.mean == pytest.approx(2.1) and sync.std == pytest.approx(0.1)
+    # gap: 2.6 - 2.1; Welch with equal variances 0.01 and n = 3: t = 0.5 / sqrt(2 * 0.01 / 3),
+    # df = 4
+    assert bw.baseline is sync and bw.gap == pytest.approx(0.5)
+    t = 0.5 / math.sqrt(0.02 / 3)
+    assert bw.gap_p == pytest.approx(stats.t_sf_two_sided(t, 4.0), rel=1e-9)
+    assert bw.gap_p < 0.01
+    # EF: mean 6.7 / 3, gap 6.7/3 - 2.1 = 0.1333; recovered (0.5 - 0.1333) / 0.5 = 0.7333
+    assert ef.unmitigated is bw and ef.baseline is sync
+    assert ef.mean == pytest.approx(6.7 / 3)
+    assert ef.std == pytest.approx(math.sqrt(((2.2 - 6.7 / 3) ** 2 * 2 + (2.3 - 6.7 / 3) ** 2) / 2))
+    assert ef.gap == pytest.approx(6.7 / 3 - 2.1)
+    assert ef.recovered == pytest.approx((0.5 - (6.7 / 3 - 2.1)) / 0.5)
+    assert ef.recovered_p == pytest.approx(stats.welch_t_test(ef.values, bw.values).p)
+
+
+def test_report_files_and_claims(sweep_dir):
+    out = write_report(sweep_dir)
+    md = (out / "report.md").read_text()
+    assert "| adamw_2bw | 3/3 | 2.6000 ± 0.1000 | 0.5000 |" in md
+    assert "73%" in md  # EF's recovered share
+    assert "Missing" not in md
+    html = (out / "report.html").read_text()
+    assert html.startswith("<!DOCTYPE html>") and "data:image/png;base64," in html
+    assert (out / "loss_curves.png").stat().st_size > 1000
+    with open(out / "summary.csv") as f:
+        summary = {r["configuration"]: r for r in csv.DictReader(f)}
+    assert float(summary["adamw_2bw"]["gap"]) == pytest.approx(0.5)
+    assert summary["adamw_2bw+ef"]["unmitigated"] == "adamw_2bw"
+    with open(out / "runs.csv") as f:
+        assert len(list(csv.DictReader(f))) == 9
+    verdicts = {c[0]: c[1] for c in claims(build_rows(load_runs(sweep_dir)))}
+    assert verdicts == {"Error feedback recovers most of each gap": "reproduced"}
+
+
+def test_partial_sweep_says_what_is_missing(sweep_dir):
+    make_run(sweep_dir, "muon_sync_s0", {"optim.name": "muon", **SYNC}, 0, 2.0)
+    make_run(sweep_dir, "muon_sync_s1", {"optim.name": "muon", **SYNC}, 1, 0, finished=False)
+    d = make_run(sweep_dir, "muon_2bw_s0", {"optim.name": "muon", **BW}, 0, 0, finished=False)
+    write_error(d, "TrainingError: non-finite loss")
+    planned = sweep_dir / "muon_2bw_s1"  # planned by the sweep, never started
+    planned.mkdir()
+    planned.joinpath(SPEC_FILE).write_text(
+        json.dumps({"name": "muon_2bw_s1", "group": "muon_2bw", "seed": 1})
+    )
+    make_run(sweep_dir, "muon_2bw+ef_s0", {"optim.name": "muon", **EF}, 0, 2.1)
+
+    rows = rows_by_label(sweep_dir)
+    assert rows["muon_sync"].values == [2.0] and math.isnan(rows["muon_sync"].std)
+    assert rows["muon_2bw+ef"].gap == pytest.approx(0.1)
+    assert math.isnan(rows["muon_2bw+ef"].gap_p)  # one seed each: no test
+    assert rows["muon_2bw+ef"].unmitigated is None  # its 2bw run failed
+    md = (write_report(sweep_dir) / "report.md").read_text()
+    assert "## Missing" in md
+    assert "1 planned run(s) not started: muon_2bw_s1" in md
+    assert "1 run(s) unfinished: muon_sync_s1 (step 2)" in md
+    assert "failed: muon_2bw_s0: TrainingError: non-finite loss" in md
+    assert "muon_2bw+ef: no finished unmitigated counterpart" in md
+    assert "| muon_sync | 1/2 | 2.0000 ± - |" in md
+    # the adamw rows are unchanged by the muon runs
+    assert rows["adamw_2bw"].gap == pytest.approx(0.5)
+
+
+def test_labels_without_sweep_json_and_depth_matching(tmp_path):
+    """Plain `stalepipe train` run directories: labels come from the keys that vary; a
+    pipedream run at P stages is compared with the sync run (sync does not depend on P)."""
+    root = tmp_path / "adhoc"
+    for s in range(2):
+        make_run(root, f"a{s}", SYNC, s, 2.0 + 0.1 * s)
+        make_run(
+            root,
+            f"b{s}",
+            {"delay.policy": "pipedream", "pipeline.num_stages": "2"},
+            s,
+            2.3 + 0.1 * s,
+        )
+        make_run(
+            root,
+            f"c{s}",
+            {"delay.policy": "pipedream", "pipeline.num_stages": "3"},
+            s,
+            2.6 + 0.1 * s,
+        )
+    for p in root.glob("*/" + SPEC_FILE):
+        p.unlink()
+    rows = rows_by_label(root)
+    assert set(rows) == {"sync num_stages=1", "pipedream num_stages=2", "pipedream num_stages=3"}
+    assert rows["pipedream num_stages=3"].baseline is rows["sync num_stages=1"]
+    assert rows["pipedream num_stages=3"].gap == pytest.approx(0.6)
+    verdict = claims(list(rows.values()))
+    assert verdict[0][1] == "reproduced" and "P=3: 0.6000" in verdict[0][2]
+
+
+def test_report_errors(tmp_path):
+    with pytest.raises(UserError, match="not a directory"):
+        write_report(tmp_path / "nope")
+    with pytest.raises(UserError, match="no run directories"):
+        write_report(tmp_path)
