@@ -61,7 +61,7 @@ def test_2bw_grid(P, mult, optim, make_cfg, run_dist, dist_utils):
 @pytest.mark.slow
 @pytest.mark.parametrize("optim", ["adamw", "muon"])
 @pytest.mark.parametrize("P", [2, 3, 4])
-@pytest.mark.parametrize("steps_per_P", [1, 2])
+@pytest.mark.parametrize("steps_per_P", [2, 3])  # enough steps to reach P - s versions
 def test_pipedream_grid(P, steps_per_P, optim, make_cfg, run_dist, dist_utils):
     # PipeDream updates per microbatch: m microbatches of the IR = m steps of one microbatch.
     _async_case(

@@ -148,8 +148,17 @@ def run_worker(
     restore = _tee(run_dir / "logs" / f"rank{rank}.log", console=rank == 0 and verbose)
     try:
         return _run(cfg, comm, topo, rank, device, run_dir, resume, verbose)
+    except BaseException as e:
+        # Into this rank's log while stdout/stderr still go there; main_worker does the rest.
+        print(f"stalepipe: error: {_message(e, rank)}", file=sys.stderr, flush=True)
+        e.stalepipe_logged = True  # type: ignore[attr-defined]
+        raise
     finally:
         restore()
+
+
+def _message(e: BaseException, rank: int) -> str:
+    return str(e) if isinstance(e, PeerError) else f"rank {rank}: {type(e).__name__}: {e}"
 
 
 def _run(cfg, comm, topo, rank, device, run_dir, resume, verbose) -> TrainResult | None:
@@ -410,13 +419,14 @@ def main_worker(cfg: ExperimentConfig, resume: bool, overwrite: bool, verbose: b
     try:
         result = run_worker(cfg, resume=resume, overwrite=overwrite, verbose=verbose)
     except BaseException as e:  # noqa: BLE001 - every failure must end the process
-        msg = str(e) if isinstance(e, PeerError) else f"rank {rank}: {type(e).__name__}: {e}"
+        msg = _message(e, rank)
         from stalepipe.pipeline.comm import _default_store, first_failure, report_failure
 
         store = _default_store() if dist.is_initialized() else None
         root = first_failure(store)
         report_failure(store, msg)
-        print(f"stalepipe: error: {msg}", file=sys.stderr, flush=True)
+        if not getattr(e, "stalepipe_logged", False):
+            print(f"stalepipe: error: {msg}", file=sys.stderr, flush=True)
         if root and root != msg:
             print(f"stalepipe: first failure reported: {root}", file=sys.stderr, flush=True)
         if not isinstance(e, PeerError | ConfigError):

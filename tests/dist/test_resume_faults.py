@@ -1,0 +1,120 @@
+"""Checkpoints of the runtime (resume bitwise, re-split across stage counts), data parallel x
+pipeline parallel, and failures (a killed worker stops every rank within the timeout)."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stalepipe.config import ConfigError
+from stalepipe.errors import TrainingError
+from stalepipe.pipeline.launch import launch_train
+from stalepipe.pipeline.runtime import check_config
+from stalepipe.train.checkpoint import list_checkpoints, load_checkpoint
+
+
+def _ckpts(cfg) -> list[Path]:
+    return list_checkpoints(Path(cfg.out_dir) / cfg.name)
+
+
+def test_resume_equals_uninterrupted(make_cfg, run_dist, dist_utils):
+    cfg = make_cfg("2bw", 2, 2, steps=6, ckpt_every=3)
+    run_dist(cfg)
+    full = dist_utils["final_model"](cfg)
+    assert [p.name for p in _ckpts(cfg)] == ["ckpt_00000003.pt", "ckpt_00000006.pt"]
+    _ckpts(cfg)[-1].unlink()  # "crash" after step 3
+    run_dist(cfg, resume=True)
+    dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), full)
+
+
+def _restart_from(cfg, step: int, new_cfg) -> None:
+    """Put checkpoint `step` of `cfg` alone into `new_cfg`'s run directory (a different split
+    resumes there: the saved config.json would refuse the new pipeline fields)."""
+    src = Path(cfg.out_dir) / cfg.name / f"ckpt_{step:08d}.pt"
+    dst = Path(new_cfg.out_dir) / new_cfg.name
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    shutil.copy(src, dst / src.name)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "P_from", "P_to", "m", "tied"), [("1f1b", 4, 1, 2, False), ("2bw", 4, 2, 3, True)]
+)
+def test_checkpoint_is_stage_agnostic(
+    schedule, P_from, P_to, m, tied, make_cfg, run_dist, dist_utils
+):
+    # sync and 2bw trajectories do not depend on P (same tau on every stage; a tied matrix's
+    # two gradient halves are summed explicitly whenever P > 1), so a run that changes P half
+    # way equals one that never did, bit for bit.
+    cfg = make_cfg(schedule, P_from, m, steps=6, ckpt_every=3, name="from", tied=tied)
+    run_dist(cfg)
+    want = dist_utils["final_model"](cfg)
+    ckpt = load_checkpoint(_ckpts(cfg)[0])
+    assert ckpt["engine"]["delayed"]["num_stages"] == P_from and ckpt["step"] == 3
+    new = make_cfg(schedule, P_to, m, steps=6, ckpt_every=3, name="to", tied=tied)
+    _restart_from(cfg, 3, new)
+    run_dist(new, resume=True)
+    dist_utils["assert_bitwise"](dist_utils["final_model"](new), want)
+
+
+def test_data_parallel_x_pipeline_matches_single_process(make_cfg, run_dist, dist_utils):
+    cfg = make_cfg("1f1b", 2, 2, dp=2, tied=False)
+    run_dist(cfg)
+    ref = dist_utils["reference"](cfg, mode="fast")
+    got = dist_utils["final_model"](cfg)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5)
+
+
+def test_bad_configs_are_refused(make_cfg):
+    with pytest.raises(ConfigError, match="delay.policy 2bw"):
+        check_config(dataclasses.replace(make_cfg("2bw"), delay=make_cfg("1f1b").delay))
+    with pytest.raises(ConfigError, match="num_microbatches 1"):
+        check_config(make_cfg("pipedream", 2, 2))
+    with pytest.raises(ConfigError, match="not run by the distributed engine"):
+        cfg = make_cfg("1f1b")
+        check_config(
+            dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule="zb-h1"))
+        )
+
+
+def test_killed_worker_stops_every_rank(make_cfg):
+    cfg = make_cfg("1f1b", 3, 2, steps=100_000, ckpt_every=5, name="faulty")
+    cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, timeout_s=10))
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["rc"] = launch_train(cfg, overwrite=True, verbose=False)
+        except Exception as e:  # noqa: BLE001
+            box["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not _ckpts(cfg):
+        assert time.monotonic() < deadline, "no checkpoint within 120 s"
+        time.sleep(0.2)
+    victim = next(p for p in mp.active_children() if p.name == "stalepipe-rank1")
+    others = [p for p in mp.active_children() if re.match(r"stalepipe-rank[02]$", p.name)]
+    t0 = time.monotonic()
+    os.kill(victim.pid, signal.SIGKILL)
+    thread.join(cfg.pipeline.timeout_s + 30)
+    elapsed = time.monotonic() - t0
+    assert not thread.is_alive(), "launcher still waiting"
+    assert elapsed < cfg.pipeline.timeout_s + 15
+    assert isinstance(box.get("error"), TrainingError) and "rank 1" in str(box["error"])
+    assert all(p.exitcode not in (None, 0) for p in others)  # they failed, not hung
+    log0 = (Path(cfg.out_dir) / cfg.name / "logs" / "rank0.log").read_text()
+    assert "rank 1 (stage 1)" in log0
+    load_checkpoint(_ckpts(cfg)[-1])  # the last complete checkpoint stays loadable
