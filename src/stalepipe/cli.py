@@ -78,6 +78,10 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.print_config:
         print(cfg.to_json())
         return 0
+    if cfg.pipeline.engine == "distributed":  # one process per stage (docs/runtime.md)
+        from stalepipe.pipeline.launch import launch_train
+
+        return launch_train(cfg, resume=args.resume, overwrite=args.overwrite)
     result = train(cfg, resume=args.resume, overwrite=args.overwrite)
     print(
         f"done: {result.steps} steps in {result.wall_time_s:.1f}s ({result.tokens_per_s:,.0f} tok/s); "

@@ -300,7 +300,10 @@ def _run(cfg, comm, topo, rank, device, run_dir, resume, verbose) -> TrainResult
             last_ckpt[0] = save_checkpoint(
                 run_dir, done, {"config": cfg.to_dict(), **body}, tc.keep_last
             )
-            shutil.rmtree(stage_ckpt.part_path(run_dir, done, 0).parent, ignore_errors=True)
+            step_dir = stage_ckpt.part_path(run_dir, done, 0).parent
+            shutil.rmtree(step_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                step_dir.parent.rmdir()  # only when no other step's parts are left
 
     executor.on_step = on_step
     executor.eager_steps = {
