@@ -55,6 +55,7 @@ def test_exported_checkpoint_loads_in_transformers_with_equal_logits(tmp_path, m
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     text = "To be, or not to be — ¿qué?"
     assert tok(text)["input_ids"] == list(text.encode("utf-8"))
+    assert tok.eos_token_id == tok.bos_token_id == 0  # our eot: byte 0
 
 
 def test_gpt2_tokenizer_export_matches_ours(tmp_path):

@@ -172,13 +172,17 @@ def _byte_level_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]):
 
 def _byte_tokenizer():
     """Our byte tokenizer (id = UTF-8 byte) as a byte-level BPE with no merges: each byte is
-    one pre-token character of GPT-2's byte alphabet, so ids come out as the raw bytes."""
+    one character of GPT-2's byte alphabet, mapped to its byte value as id."""
     from tokenizers import pre_tokenizers
 
-    from stalepipe.data.gpt2 import _byte_alphabet  # GPT-2's byte <-> character table
+    from stalepipe.data.gpt2 import EOT_TEXT, _byte_alphabet  # GPT-2's byte <-> char table
 
-    vocab = {char: byte for char, byte in _byte_alphabet().items()}
+    vocab = {char: byte for char, byte in _byte_alphabet().items() if byte != 0}
+    # Byte 0 is our eot (corpora strip NUL from text): name it as the special token, so HF tools
+    # that need a bos/eos token (generation, lm-eval's prefix token) find it at id 0.
+    vocab[EOT_TEXT] = 0
     tok = _byte_level_tokenizer(vocab, [])
+    tok.add_special_tokens([EOT_TEXT])
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     return tok
 
@@ -213,15 +217,14 @@ def write_tokenizer(cfg: ExperimentConfig, out_dir: Path) -> tuple[str | None, s
 
         tok = Tokenizer.from_file(str(src))
     tok.save(str(out_dir / "tokenizer.json"))
-    special = "<|endoftext|>" if name in ("gpt2", "bpe") else None
+    special = "<|endoftext|>"
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": cfg.model.max_seq_len,
         "clean_up_tokenization_spaces": False,
         "add_prefix_space": False,
     }
-    if special is not None:
-        tok_config.update(bos_token=special, eos_token=special)
+    tok_config.update(bos_token=special, eos_token=special)
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     return name, f"tokenizer: {name} (tokenizer.json)"
 
