@@ -153,6 +153,11 @@ def cmd_info(args: argparse.Namespace, extra: list[str]) -> int:
         f"model: {m.num_layers} layers, dim {m.dim}, {m.num_heads} heads / {m.num_kv_heads} kv heads, "
         f"ffn {m.ffn_dim}, vocab {m.vocab_size}, tied={m.tie_embeddings}"
     )
+    if m.num_experts:
+        print(
+            f"MoE: {m.num_experts} experts of width {m.expert_hidden_dim}, top-{m.top_k}, "
+            f"{m.num_shared_experts} shared, first {m.num_dense_layers} layers dense"
+        )
     print("parameters: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
     print(
         f"training FLOPs per token at seq {cfg.data.seq_len}: {flops['total']:,} "

@@ -205,6 +205,9 @@ def _train(
                 )
                 if peak:
                     record["mfu"] = flops_s / peak
+                # MoE: router load/aux losses since the last log line ({} for dense models)
+                m = cfg.model
+                record.update(model.router_stats(per_expert=m.num_experts * m.num_layers <= 64))
             if (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps:
                 val_loss = evaluate(
                     model, val_data, tc.eval_batches, tc.batch_size, device, autocast, ctx
