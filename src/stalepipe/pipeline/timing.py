@@ -127,7 +127,7 @@ def stage_params(cfg: ModelConfig, layers: list[range]) -> list[int]:
     emb = cfg.vocab_size * cfg.dim
     out = []
     for s, r in enumerate(layers):
-        p = len(r) * block_params(cfg)
+        p = sum(block_params(cfg, i) for i in r)  # dense and MoE blocks may differ
         p += emb if s == 0 else 0
         if s == len(layers) - 1:
             p += cfg.dim + (0 if cfg.tie_embeddings else emb)
@@ -159,7 +159,8 @@ def analytic_costs(
     speed = device.peak_flops * mfu
     fwd = []
     for s, r in enumerate(layers):
-        flops = len(r) * block_flops(cfg, seq_len) + (head_flops(cfg) if s == num_stages - 1 else 0)
+        flops = sum(block_flops(cfg, seq_len, i) for i in r)
+        flops += head_flops(cfg) if s == num_stages - 1 else 0
         fwd.append(tokens * flops / speed)
     params = stage_params(cfg, layers)
     return CostModel(
