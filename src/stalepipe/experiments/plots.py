@@ -50,7 +50,7 @@ def mean_curve(row: Row) -> tuple[list[int], list[float]]:
     return steps, [sum(c[s] for c in curves) / len(curves) for s in steps]
 
 
-def loss_curves(rows: list[Row], max_panels: int = 12) -> bytes | None:
+def loss_curves(rows: list[Row], max_panels: int = 18) -> bytes | None:
     """One panel per sync baseline: its train loss and that of every configuration compared
     with it (mean over seeds, running mean over 1/20 of the run)."""
     panels: dict[str, list[Row]] = {}

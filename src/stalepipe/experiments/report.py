@@ -62,7 +62,7 @@ def summary_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
                 r.label,
                 f"{r.seeds_done}/{len(r.runs)}",
                 f"{fmt(r.mean)} ± {fmt(r.std)}" if r.values else "-",
-                "0 (baseline)" if r.is_sync else fmt(r.gap),
+                ("0 (baseline)" if r.values else "-") if r.is_sync else fmt(r.gap),
                 fmt_p(r.gap_p),
                 fmt_share(r.recovered),
                 fmt_p(r.recovered_p),
@@ -75,8 +75,13 @@ def summary_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
 def claims(rows: list[Row]) -> list[tuple[str, str, str]]:
     """The paper's four qualitative claims, checked on whatever rows exist: (claim, verdict,
     evidence). A claim whose configurations are absent is left out."""
+    from collections import Counter
+
     out = []
     plain = [r for r in rows if not r.is_sync and not r.mitigations and math.isfinite(r.gap)]
+    # claims are checked at the study's main training length (the most common one)
+    lengths = Counter(r.config.get("train.steps") for r in rows).most_common(1)
+    main_steps = lengths[0][0] if lengths else None
 
     def pick(optimizer: str, policy: str, **eq: object) -> Row | None:
         for r in plain:
@@ -89,10 +94,9 @@ def claims(rows: list[Row]) -> list[tuple[str, str, str]]:
                 return r
         return None
 
-    adam = pick(
-        "adamw", "2bw", **{"pipeline.num_stages": 1, "optim.beta1": _default_beta1("adamw")}
-    )
-    muon = pick("muon", "2bw", **{"pipeline.num_stages": 1, "optim.beta1": _default_beta1("muon")})
+    eq = {"pipeline.num_stages": 1, "train.steps": main_steps}
+    adam = pick("adamw", "2bw", **eq, **{"optim.beta1": _default_beta1("adamw")})
+    muon = pick("muon", "2bw", **eq, **{"optim.beta1": _default_beta1("muon")})
     if adam and muon:
         ratio = adam.gap / muon.gap if muon.gap > 0 else math.inf
         ok = adam.gap > 0 and ratio >= 2
@@ -117,6 +121,7 @@ def claims(rows: list[Row]) -> list[tuple[str, str, str]]:
             for r in plain
             if r.config.get("optim.name") == optimizer and r.policy == "2bw"
             and r.config.get("pipeline.num_stages") == 1
+            and r.config.get("train.steps") == main_steps
         )  # fmt: skip
         if len({p[0] for p in pts}) >= 3:
             rho = stats.spearman([p[0] for p in pts], [p[1] for p in pts])

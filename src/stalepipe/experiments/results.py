@@ -209,7 +209,8 @@ def build_rows(runs: list[Run]) -> list[Row]:
         row.mean, row.std = stats.mean(vals), stats.std(vals)
         rows.append(row)
     _link(rows)
-    rows.sort(key=lambda r: r.label)
+    # each sync baseline, then the configurations compared with it
+    rows.sort(key=lambda r: (r.baseline.label if r.baseline else r.label, not r.is_sync, r.label))
     return rows
 
 

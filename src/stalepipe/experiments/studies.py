@@ -165,14 +165,16 @@ def study_delay(scale: str) -> list[list[list[Bundle]]]:
     return [[optimizer_axis(scale, ("adamw", "muon")), [SYNC, *delays]]]
 
 
+def _length(n: int) -> Bundle:
+    """A training length of n steps (warmup 10%, four evaluations)."""
+    return (f"steps{n}", {"train.steps": str(n), "train.warmup_steps": str(max(n // 10, 1)),
+                          "train.eval_every": str(max(n // 4, 1))})  # fmt: skip
+
+
 def study_tokens(scale: str) -> list[list[list[Bundle]]]:
     steps = base_config(scale).train.steps
     lengths = [steps // 4, steps // 2, steps, steps * 2]
-    grid_steps = [
-        (f"steps{n}", {"train.steps": str(n), "train.warmup_steps": str(max(n // 10, 1)),
-                       "train.eval_every": str(max(n // 4, 1))})
-        for n in lengths
-    ]  # fmt: skip
+    grid_steps = [_length(n) for n in lengths]
     return [[optimizer_axis(scale, ("adamw", "muon")), grid_steps, [SYNC, TWO_BW]]]
 
 
@@ -183,8 +185,15 @@ def study_paper_mini(scale: str) -> list[list[list[Bundle]]]:
     return [
         # AdamW's gap >> Muon's; EF recovers most of each gap
         [opt2, [SYNC, TWO_BW, TWO_BW_EF]],
-        # higher momentum shrinks the gap (AdamW beta1; 0.9 is the default run above)
+        # higher momentum shrinks the gap (AdamW beta1; 0.9 is the default run above) ...
         [adamw, axis("optim.beta1", ["0.8", "0.95", "0.98"]), [SYNC, TWO_BW]],
+        # ... and Muon's (0.95 is the default run above)
+        [optimizer_axis(scale, ("muon",)), axis("optim.beta1", ["0.8", "0.9", "0.98"]),
+         [SYNC, TWO_BW]],
+        # (not a claim of the list: does the gap close as training gets longer?)
+        [opt2, [_length(CPU_STEPS * 2), _length(CPU_STEPS * 4)], [SYNC, TWO_BW, TWO_BW_EF]],
+        # (does EF recover more where the gap is smaller? AdamW at a third of its LR)
+        [[("adamw", {"optim.name": "adamw"})], axis("optim.lr", ["1e-3"]), [SYNC, TWO_BW, TWO_BW_EF]],
         # pipedream's gap grows with depth, 2bw's stays flat
         [adamw, [("pipedream", {"delay.policy": "pipedream"})], axis("pipeline.num_stages", [2, 4])],
         # 2bw's staleness is 1 on every stage at any P: P = 4 next to adamw_2bw (P = 1) shows it
