@@ -2,6 +2,7 @@
 hand-computed values; partial sweeps are reported with what is missing."""
 
 import csv
+import dataclasses
 import json
 import math
 
@@ -13,6 +14,7 @@ from stalepipe.experiments import stats
 from stalepipe.experiments.report import claims, write_report
 from stalepipe.experiments.results import build_rows, load_runs
 from stalepipe.experiments.sweep import SPEC_FILE, write_error
+from stalepipe.optim import resolve_config
 
 STEPS = 4
 
@@ -23,6 +25,7 @@ def make_run(root, name, overrides, seed, val, *, finished=True, group=None):
         ExperimentConfig(),
         {"train.steps": str(STEPS), "train.seed": str(seed), "data.seed": str(seed), **overrides},
     )
+    cfg = dataclasses.replace(cfg, optim=resolve_config(cfg.optim))  # as train() writes it
     d = root / name
     d.mkdir(parents=True)
     d.joinpath("config.json").write_text(json.dumps(dict(cfg.to_dict(), name=name)))
@@ -160,3 +163,23 @@ def test_report_errors(tmp_path):
         write_report(tmp_path / "nope")
     with pytest.raises(UserError, match="no run directories"):
         write_report(tmp_path)
+
+
+def test_claims_optimizer_ratio_and_momentum(tmp_path):
+    """AdamW-vs-Muon ratio at the default momentum; the momentum trend from beta1 rows."""
+    root = tmp_path / "claims"
+    for s in range(2):
+        make_run(root, f"adamw_sync_s{s}", SYNC, s, 2.0 + 0.01 * s)
+        make_run(root, f"adamw_2bw_s{s}", BW, s, 2.6 + 0.01 * s)
+        make_run(root, f"muon_sync_s{s}", {"optim.name": "muon", **SYNC}, s, 2.0 + 0.01 * s)
+        make_run(root, f"muon_2bw_s{s}", {"optim.name": "muon", **BW}, s, 2.1 + 0.01 * s)
+        for b1, gap in [("0.8", 0.8), ("0.95", 0.3), ("0.98", 0.1)]:
+            o = {"optim.beta1": b1}
+            make_run(root, f"adamw_b1{b1}_sync_s{s}", {**o, **SYNC}, s, 2.0 + 0.01 * s)
+            make_run(root, f"adamw_b1{b1}_2bw_s{s}", {**o, **BW}, s, 2.0 + gap + 0.01 * s)
+    checked = {c[0]: c for c in claims(build_rows(load_runs(root)))}
+    opt = checked["AdamW's gap (2bw) is much larger than Muon's"]
+    assert opt[1] == "reproduced" and "ratio 6.0x" in opt[2]  # 0.6 / 0.1
+    mom = checked["Higher momentum shrinks the gap (adamw, 2bw)"]
+    assert mom[1] == "reproduced" and "Spearman rho -1.00" in mom[2]
+    assert "beta1 0.9: 0.6000" in mom[2]

@@ -117,11 +117,12 @@ def claims(rows: list[Row]) -> list[tuple[str, str, str]]:
         ))  # fmt: skip
     for optimizer in ("adamw", "muon"):
         pts = sorted(
-            (r.config.get("optim.beta1"), r.gap, r)
-            for r in plain
-            if r.config.get("optim.name") == optimizer and r.policy == "2bw"
-            and r.config.get("pipeline.num_stages") == 1
-            and r.config.get("train.steps") == main_steps
+            ((r.config.get("optim.beta1"), r.gap, r) for r in plain
+             if r.config.get("optim.name") == optimizer and r.policy == "2bw"
+             and r.config.get("optim.beta1") is not None
+             and r.config.get("pipeline.num_stages") == 1
+             and r.config.get("train.steps") == main_steps),
+            key=lambda p: p[0],
         )  # fmt: skip
         if len({p[0] for p in pts}) >= 3:
             rho = stats.spearman([p[0] for p in pts], [p[1] for p in pts])
