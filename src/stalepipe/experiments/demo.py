@@ -188,15 +188,18 @@ def plot_curves(runs: Sequence[DemoRun], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(OPTIMIZERS), figsize=(5 * len(OPTIMIZERS), 3.6), sharey=True)
-    styles = {"sync": "-", "2bw": "--", "2bw+ef": ":"}
+    styles = {"sync": ("-", "C0"), "2bw": ("--", "C3"), "2bw+ef": (":", "C2")}
+    by = {(r.optimizer, r.variant): r for r in runs}
     for ax, opt in zip(axes, OPTIMIZERS, strict=True):
-        for r in runs:
-            if r.optimizer != opt:
+        for variant, (line, color) in styles.items():  # same order and colour in every panel
+            r = by.get((opt, variant))
+            if r is None:
                 continue
             ax.plot(
                 _ema(r.train_losses),
-                styles[r.variant],
-                label=f"{r.variant} (val {r.final_val_loss:.3f})",
+                line,
+                color=color,
+                label=f"{variant} (val {r.final_val_loss:.3f})",
             )
         ax.set_title(opt)
         ax.set_xlabel("step")
