@@ -180,6 +180,6 @@ def test_claims_optimizer_ratio_and_momentum(tmp_path):
     checked = {c[0]: c for c in claims(build_rows(load_runs(root)))}
     opt = checked["AdamW's gap (2bw) is much larger than Muon's"]
     assert opt[1] == "reproduced" and "ratio 6.0x" in opt[2]  # 0.6 / 0.1
-    mom = checked["Higher momentum shrinks the gap (adamw, 2bw)"]
+    mom = checked["Higher momentum shrinks the gap (adamw 2bw)"]
     assert mom[1] == "reproduced" and "Spearman rho -1.00" in mom[2]
     assert "beta1 0.9: 0.6000" in mom[2]

@@ -7,7 +7,9 @@ vary along that axis (a plot with one point says nothing).
 from __future__ import annotations
 
 import io
+import json
 import math
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -114,7 +116,7 @@ _AXIS_KEYS = {
 }
 
 
-_SHOWN = ("optim.lr", "optim.beta1", "optim.weight_decay", "pipeline.num_stages",
+_SHOWN = ("optim.lr", "optim.beta1", "optim.beta2", "optim.weight_decay", "pipeline.num_stages",
           "train.batch_size", "train.steps")  # fmt: skip
 
 
@@ -132,7 +134,13 @@ def gap_points(rows: list[Row], kind: str) -> dict[str, list[tuple[float, float,
         and (kind != "delay" or r.policy.startswith("fixed:"))
     ]  # fmt: skip
     drop = _AXIS_KEYS[kind]
-    shown = [k for k in _SHOWN if k not in drop and len({r.config.get(k) for r in cands}) > 1]
+    # a series is named by its optimizer, policy and the shown keys that differ from the value
+    # most of that optimizer's rows have (so the main runs are just "adamw 2bw")
+    usual: dict[tuple[str, str], Any] = {}
+    for opt in {r.config.get("optim.name") for r in cands}:
+        for k in _SHOWN:
+            vals = [json.dumps(r.config.get(k)) for r in cands if r.config.get("optim.name") == opt]
+            usual[(opt, k)] = Counter(vals).most_common(1)[0][0]
     series: dict[tuple, list[tuple[float, float, float]]] = {}
     names: dict[tuple, str] = {}
     for r in cands:
@@ -143,7 +151,12 @@ def gap_points(rows: list[Row], kind: str) -> dict[str, list[tuple[float, float,
         names[key] = " ".join(
             [str(r.config.get("optim.name", ""))]
             + ([r.policy] if kind != "delay" else [])
-            + [f"{k.split('.')[-1]}={r.config.get(k)}" for k in shown]
+            + [
+                f"{k.split('.')[-1]}={r.config.get(k)}"
+                for k in _SHOWN
+                if k not in drop
+                and json.dumps(r.config.get(k)) != usual[(r.config.get("optim.name"), k)]
+            ]
         )
         series.setdefault(key, []).append((float(x), r.gap, r.std))
     out = {}

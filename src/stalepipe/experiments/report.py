@@ -115,23 +115,15 @@ def claims(rows: list[Row]) -> list[tuple[str, str, str]]:
             "; ".join(f"{r.label}: {fmt_share(r.recovered)} of {fmt(r.unmitigated.gap)}"
                       for r in ef),
         ))  # fmt: skip
-    for optimizer in ("adamw", "muon"):
-        pts = sorted(
-            ((r.config.get("optim.beta1"), r.gap, r) for r in plain
-             if r.config.get("optim.name") == optimizer and r.policy == "2bw"
-             and r.config.get("optim.beta1") is not None
-             and r.config.get("pipeline.num_stages") == 1
-             and r.config.get("train.steps") == main_steps),
-            key=lambda p: p[0],
-        )  # fmt: skip
-        if len({p[0] for p in pts}) >= 3:
-            rho = stats.spearman([p[0] for p in pts], [p[1] for p in pts])
-            out.append((
-                f"Higher momentum shrinks the gap ({optimizer}, 2bw)",
-                "reproduced" if rho <= -0.8 else ("partly" if rho < 0 else "not reproduced"),
-                ", ".join(f"beta1 {b}: {fmt(g)}" for b, g, _ in pts)
-                + f"; Spearman rho {rho:+.2f}",
-            ))  # fmt: skip
+    for name, pts in plots.gap_points(rows, "momentum").items():
+        if len(pts) < 3:
+            continue
+        rho = stats.spearman([p[0] for p in pts], [p[1] for p in pts])
+        out.append((
+            f"Higher momentum shrinks the gap ({name})",
+            "reproduced" if rho <= -0.8 else ("partly" if rho < 0 else "not reproduced"),
+            ", ".join(f"beta1 {b:g}: {fmt(g)}" for b, g, _ in pts) + f"; Spearman rho {rho:+.2f}",
+        ))  # fmt: skip
     pd = plots.gap_points(rows, "depth")
     pd_series = {k: v for k, v in pd.items() if " pipedream" in k}
     bw_series = {k: v for k, v in pd.items() if " 2bw" in k}
