@@ -430,8 +430,8 @@ def make_parser() -> argparse.ArgumentParser:
         "under --out. Rerunning skips finished runs and resumes interrupted ones; failed runs "
         "(error.json in their directory) are rerun only with --retry-failed. Then: "
         "stalepipe report OUT.",
-        epilog="studies (run counts at --scale cpu and --seeds 3; CPU time on idle cores, "
-        "2-4x more on a busy machine):\n"
+        epilog="studies (run counts at --scale cpu and --seeds 3; CPU core-hours on a lightly "
+        "loaded machine, about twice that on a busy one; divide by --workers for wall time):\n"
         + study_table(seeds=3)
         + "\n\nexamples:\n  stalepipe sweep paper-mini --workers 2\n"
         "  stalepipe sweep --grid optim.name=adamw,muon --grid delay.policy=sync,2bw "
