@@ -5,6 +5,7 @@ run fails fast instead of hanging."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from stalepipe.pipeline.launch import WorkerPool
 from stalepipe.pipeline.runtime import RUNTIME_SCHEDULES, worker_entry
 from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint
 from stalepipe.train.loop import train
+from stalepipe.train.rundir import read_metrics
 
 
 @pytest.fixture(scope="session")
@@ -96,7 +98,12 @@ def run_dist(pool):
 
 @pytest.fixture
 def dist_utils():
-    return dict(reference=reference, final_model=final_model, assert_bitwise=assert_bitwise)
+    return dict(
+        reference=reference,
+        final_model=final_model,
+        assert_bitwise=assert_bitwise,
+        val_losses=val_losses,
+    )
 
 
 def reference(cfg: ExperimentConfig, mode: str = "exact", name: str = "ref") -> dict:
@@ -114,6 +121,12 @@ def reference(cfg: ExperimentConfig, mode: str = "exact", name: str = "ref") -> 
 
 def final_model(cfg: ExperimentConfig) -> dict:
     return load_checkpoint(latest_checkpoint(f"{cfg.out_dir}/{cfg.name}"))["model"]
+
+
+def val_losses(cfg: ExperimentConfig, name: str | None = None) -> dict[int, float]:
+    """step -> val_loss of the records of run `name` (default: cfg's) in metrics.jsonl."""
+    rows = read_metrics(Path(cfg.out_dir) / (name or cfg.name))
+    return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
 
 
 def assert_bitwise(a: dict, b: dict) -> None:

@@ -68,12 +68,17 @@ def test_checkpoint_is_stage_agnostic(
 
 
 def test_data_parallel_x_pipeline_matches_single_process(make_cfg, run_dist, dist_utils):
-    cfg = make_cfg("1f1b", 2, 2, dp=2, tied=False)
+    # 3 validation batches: replica 0 evaluates two, replica 1 one.
+    cfg = make_cfg("1f1b", 2, 2, dp=2, tied=False, eval_every=2, eval_batches=3)
     run_dist(cfg)
     ref = dist_utils["reference"](cfg, mode="fast")
     got = dist_utils["final_model"](cfg)
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5)
+    got_val, want_val = dist_utils["val_losses"](cfg), dist_utils["val_losses"](cfg, "ref")
+    assert sorted(got_val) == sorted(want_val) == [1, 3]
+    for k in got_val:
+        assert got_val[k] == pytest.approx(want_val[k], rel=1e-5), k
 
 
 def test_bad_configs_are_refused(make_cfg):

@@ -4,11 +4,15 @@
   a tied matrix's two gradient halves are summed in another order by a plain backward);
 - 2bw and pipedream == the delay emulator's exact mode, bit for bit, tied embeddings included,
   and the last stage's copy of the tied matrix == stage 0's;
-- weight versions kept per stage: 2 for 2bw, P - s for pipedream.
+- weight versions kept per stage: 2 for 2bw, P - s for pipedream;
+- the validation loss logged at the eval points equals the single-process run's (the runtime
+  evaluates in chunks of a microbatch: equal up to fp32 rounding), and the final one is finite.
 The full (P, m, optimizer) grid is marked slow; the default suite runs a corner of it.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -23,16 +27,29 @@ def _check_tied(reports: list[dict]) -> None:
 
 @pytest.mark.parametrize(("schedule", "P", "m"), [("1f1b", 2, 2), ("gpipe", 3, 2)])
 def test_sync_schedules_equal_gradient_accumulation(schedule, P, m, make_cfg, run_dist, dist_utils):
-    cfg = make_cfg(schedule, P, m, tied=False)
-    run_dist(cfg)
+    cfg = make_cfg(schedule, P, m, tied=False, eval_every=3, eval_batches=3)
+    reports = run_dist(cfg)
     ref = dist_utils["reference"](cfg, mode="fast")  # sync + fast = the plain loop
     dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), ref)
+    _check_val(cfg, reports, dist_utils, steps=[2, 3])
+
+
+def _check_val(cfg, reports, dist_utils, steps) -> None:
+    """val_loss logged at `steps` (eval points), equal to the single-process run's ("ref")."""
+    got, want = dist_utils["val_losses"](cfg), dist_utils["val_losses"](cfg, "ref")
+    assert sorted(got) == sorted(want) == steps
+    for k in steps:
+        assert got[k] == pytest.approx(want[k], rel=0, abs=1e-6), k
+    final = next(r for r in reports if r["rank"] == 0)["val_losses"]
+    assert final == got and math.isfinite(final[max(final)])
 
 
 def _async_case(schedule, P, m, optim, tied, make_cfg, run_dist, dist_utils, steps=4):
-    cfg = make_cfg(schedule, P, m, tied=tied, optim=optim, steps=steps)
+    # Evaluating after every step: the last stage needs tied versions no training step reads.
+    cfg = make_cfg(schedule, P, m, tied=tied, optim=optim, steps=steps, eval_every=1)
     reports = run_dist(cfg)
     dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), dist_utils["reference"](cfg))
+    _check_val(cfg, reports, dist_utils, steps=list(range(steps)))
     _check_tied(reports)
     peaks = {r["stage"]: r["peak_versions"] for r in reports}
     want = {s: (2 if schedule == "2bw" else P - s) for s in range(P)}

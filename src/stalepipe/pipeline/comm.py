@@ -191,13 +191,16 @@ class Comm:
         fn = dist.isend if op == "send" else dist.irecv
         return [fn(t, peer, tag=tag) for t in tensors]
 
-    def send(self, tensors: list[torch.Tensor], peer: int, channel: str, what: str) -> None:
-        """Asynchronous send; the tensors are kept alive until the send completed."""
+    def send(self, tensors: list[torch.Tensor], peer: int, channel: str, what: str) -> Pending:
+        """Asynchronous send; the tensors are kept alive until the send completed. The
+        returned `Pending` may be waited on (it is also waited by `flush_sends`)."""
         tensors = [t.detach().contiguous() for t in tensors]
         works = self._p2p("send", tensors, peer, channel)
-        self._sends.append(Pending(works, tensors, peer, f"the send of {what}", self))
+        pending = Pending(works, tensors, peer, f"the send of {what}", self)
+        self._sends.append(pending)
         while self._sends and self._sends[0].done():
             self._sends.popleft().wait()
+        return pending
 
     def recv(self, tensors: list[torch.Tensor], peer: int, channel: str, what: str) -> Pending:
         """Post asynchronous receives into `tensors`; `.wait()` returns them."""

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from stalepipe.config import ConfigError, ExperimentConfig
-from stalepipe.data import TokenLoader, check_vocab, ensure_prepared
+from stalepipe.data import EVAL_SEED, TokenLoader, check_vocab, ensure_prepared
 from stalepipe.delay import DelayedOptimizer, resolve_delay_config, versions_needed_after
 from stalepipe.models import build_model, partition
 from stalepipe.optim import build_optimizer, resolve_config
@@ -247,6 +247,20 @@ def _run(cfg, comm, topo, rank, device, run_dir, resume, verbose) -> TrainResult
         x, y = x[rows].to(device), y[rows].to(device)
         return list(x.chunk(m)), list(y.chunk(m))
 
+    # Validation: the batches train.loop.evaluate reads (whole batches of train.batch_size
+    # rows, replicas take turns), each run as chunks of the microbatch's size.
+    val_loader = (
+        TokenLoader(data_dir, "val", cfg.data.seq_len, EVAL_SEED) if stage in (0, P - 1) else None
+    )
+
+    def val_batch(i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        x, y = val_loader.batch(i, B)
+        return list(zip(x.to(device).chunk(m * D), y.to(device).chunk(m * D), strict=True))
+
+    eval_steps = {
+        k for k in range(start, N) if (tc.eval_every and (k + 1) % tc.eval_every == 0) or k + 1 == N
+    }
+
     def set_lr(step: int) -> None:
         apply_lr(optimizer, lr_multiplier(step, tc))
 
@@ -271,6 +285,9 @@ def _run(cfg, comm, topo, rank, device, run_dir, resume, verbose) -> TrainResult
         act_dtype=torch.float32,
         tied_versions=tied_versions,
         autocast=autocast,
+        val_batch=val_batch,
+        num_val_batches=tc.eval_batches,
+        eval_steps=eval_steps,
     )
     del full, stages  # only this stage's modules stay referenced
 
@@ -282,7 +299,7 @@ def _run(cfg, comm, topo, rank, device, run_dir, resume, verbose) -> TrainResult
         if ((tc.ckpt_every and done % tc.ckpt_every == 0) or done == N) and replica == 0:
             _save(done)
         if logger is not None:
-            logger.drain(executor.results, optimizer)
+            logger.drain(executor.results, executor.val_losses)
 
     def _save(done: int) -> None:
         part = {
@@ -313,7 +330,7 @@ def _run(cfg, comm, topo, rank, device, run_dir, resume, verbose) -> TrainResult
         executor.run(actions)
     finally:
         if logger is not None:
-            logger.drain(executor.results, optimizer)
+            logger.drain(executor.results, executor.val_losses)
             logger.close()
     comm.barrier("the end of training")
     wall = time.perf_counter() - t0
@@ -326,6 +343,7 @@ def _run(cfg, comm, topo, rank, device, run_dir, resume, verbose) -> TrainResult
         "tied_head": None if executor.tied_live() is None else executor.tied_live().cpu(),
         "peak_versions": executor.peak_versions,
         "losses": [(r.step, r.loss) for r in executor.results],
+        "val_losses": dict(executor.val_losses),
     }
     dist.destroy_process_group()
     if logger is None:
@@ -336,7 +354,7 @@ def _run(cfg, comm, topo, rank, device, run_dir, resume, verbose) -> TrainResult
         run_dir=run_dir,
         steps=N,
         final_train_loss=losses[-1] if losses else math.nan,
-        final_val_loss=math.nan,
+        final_val_loss=logger.val_loss,
         train_losses=losses,
         wall_time_s=wall,
         tokens_per_s=tokens / max(wall, 1e-9),
@@ -375,10 +393,13 @@ class _RankZeroLog:
         tc = cfg.train
         self.progress = Progress(total=tc.steps, initial=start, enabled=tc.progress and verbose)
         self.results: list = []
+        self.val_loss = math.nan  # the newest validation loss (shown in the progress bar)
         self.t0 = time.perf_counter()
         self.tokens_per_step = tc.batch_size * cfg.data.seq_len
 
-    def drain(self, results: list, optimizer: torch.optim.Optimizer) -> None:
+    def drain(self, results: list, val_losses: dict[int, float]) -> None:
+        """Write the records of steps whose results arrived since the last call (the
+        record format of `train.loop`, `val_loss` at evaluation steps)."""
         tc = self.cfg.train
         while len(self.results) < len(results):
             r = results[len(self.results)]
@@ -398,8 +419,10 @@ class _RankZeroLog:
                     tokens=done * self.tokens_per_step,
                     tokens_per_s=tok_s,
                 )
+            if r.step in val_losses:
+                self.val_loss = record["val_loss"] = val_losses[r.step]
             self.metrics.write(record)
-            self.progress.update(loss=r.loss, tok_s=tok_s)
+            self.progress.update(loss=r.loss, val_loss=self.val_loss, tok_s=tok_s)
 
     def close(self) -> None:
         self.progress.close()
@@ -442,7 +465,8 @@ def main_worker(cfg: ExperimentConfig, resume: bool, overwrite: bool, verbose: b
     if result is not None and verbose:
         print(
             f"done: {result.steps} steps in {result.wall_time_s:.1f}s "
-            f"({result.tokens_per_s:,.0f} tok/s); final train loss {result.final_train_loss:.4f}; "
+            f"({result.tokens_per_s:,.0f} tok/s); final train loss {result.final_train_loss:.4f}, "
+            f"val loss {result.final_val_loss:.4f}; "
             f"run directory {result.run_dir}",
             flush=True,
         )

@@ -10,6 +10,9 @@ What each action does (the schedule IR's contract, `pipeline.schedule`):
     STEP  finish step k's gradient (tied-head sum, data-parallel all-reduce, norm exchange)
           and apply the update through `delay.DelayedOptimizer` -- the emulator's own version
           bookkeeping, Taylor and error-feedback code, so both engines share one implementation.
+    EVAL  (not an IR action) after the update of an evaluation step: a forward-only pass of the
+          validation batches at the newest weights, model in eval mode, on the `eval` channel;
+          the last stage sends the mean loss to stage 0 (`evaluate`).
 
 Exactness with the emulator's exact mode (GUIDE section 2): the same per-stage forward (RNG
 seeded per (stage, step, microbatch)), the loss divided by m on the last stage, per-stage
@@ -97,6 +100,10 @@ class StageExecutor:
         param_counts: number of owned parameters of every stage (for the norm exchange).
         tied: whether the embedding is tied to the head across the first and last stage.
         autocast: context manager factory for the forward (bf16 on GPU).
+        val_batch, num_val_batches, eval_steps: validation (first/last stage: `val_batch(i)`
+            gives batch i as a list of (x, y) chunks of `act_shape[0]` rows); after the update
+            of every step in `eval_steps` all stages run `evaluate` and stage 0 records the
+            loss in `val_losses`.
     """
 
     LOOKAHEAD = 4
@@ -119,6 +126,9 @@ class StageExecutor:
         act_dtype: torch.dtype,
         tied_versions: dict[int, torch.Tensor] | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        val_batch: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None,
+        num_val_batches: int = 0,
+        eval_steps: set[int] | frozenset[int] = frozenset(),
     ) -> None:
         self.module, self.stage, self.delayed, self.comm, self.sched = (
             module,
@@ -136,6 +146,9 @@ class StageExecutor:
         self.act_shape, self.act_dtype = act_shape, act_dtype
         self.device = next(module.parameters()).device
         self._wrapped = _WithAux(module)
+        self.val_batch, self.num_val_batches = val_batch, num_val_batches
+        self.eval_steps = set(eval_steps)
+        self.val_losses: dict[int, float] = {}
         names = delayed._names[stage]
         params = dict(module.named_parameters())
         self.owned = {n: params[n] for n in names}
@@ -230,8 +243,9 @@ class StageExecutor:
     def _all_tied_reads(self) -> set[int]:
         """Every version the last stage needs from now on: those its steps read, and the
         final one (both copies end equal; evaluation and checkpoints read it)."""
-        N = self.sched.num_steps
-        return {self._read_version(k) for k in range(self.delayed.step_count, N)} | {N}
+        N, start = self.sched.num_steps, self.delayed.step_count
+        reads = {self._read_version(k) for k in range(start, N)} | {N}
+        return reads | {k + 1 for k in self.eval_steps if k >= start}
 
     def _tied_read_versions(self) -> list[int]:
         """Versions of the tied matrix the last stage will receive, ascending (newer than
@@ -419,7 +433,11 @@ class StageExecutor:
         self._posted.append(_Posted(step, work, gathered, grads))
         # Apply at once where another rank waits for the result: checkpoints, and the tied
         # matrix the last stage reads next (it may need it before this stage needs W_{k+1}).
-        if step in self.eager_steps or (self.tied_owner and step + 1 in self._owner_reads):
+        if (
+            step in self.eager_steps
+            or step in self.eval_steps
+            or (self.tied_owner and step + 1 in self._owner_reads)
+        ):
             self.apply_all()
 
     def _all_reduce(self, grads: dict[str, torch.Tensor], loss: torch.Tensor) -> None:
@@ -473,6 +491,10 @@ class StageExecutor:
             )
         if self.tied_head:
             self._drop_tied()
+        if k in self.eval_steps:
+            val = self.evaluate()
+            if val is not None:
+                self.val_losses[k] = val
         tau = info["tau"][self.stage]
         if self.grad_clip > 0:
             self.results.append(StepResult(k, _loss_of(post.gathered), grad_norm, tau))
@@ -496,6 +518,91 @@ class StageExecutor:
         floor = max(self.tied_versions) if k >= N else self._read_version(k)
         for v in [v for v in self.tied_versions if v < floor]:
             del self.tied_versions[v]
+
+    # ---------------------------------------------------------------------------------------
+    # Validation
+    # ---------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean validation loss over `num_val_batches` batches at the newest weights, model in
+        eval mode (an MoE model's loss is then cross-entropy only), as `train.loop.evaluate`
+        computes it. Every stage of every replica calls it at the same point (right after an
+        eager update, see `post_step`); replicas split the batches. Returns the loss on
+        stage 0, None elsewhere.
+
+        Each batch runs as chunks of the training microbatch's size (bounded memory, the same
+        receive buffers' shape); a batch's loss is the mean of its chunks' (equal-sized) means,
+        equal to the whole batch's up to fp32 rounding."""
+        topo = self.comm.topo
+        D, replica = topo.data_parallel, self.comm.replica
+        chunks = self.m * D  # an eval batch holds train.batch_size rows, like a training batch
+        keys = [(i, c) for i in range(replica, self.num_val_batches, D) for c in range(chunks)]
+        weights = _prefixed(self._weights(self.delayed.step_count))
+        recvs: deque[Pending] = deque()
+        sends: deque[Pending] = deque()
+        todo = iter(keys)
+
+        def post_recvs() -> None:
+            while not self.first and len(recvs) < self.LOOKAHEAD:
+                key = next(todo, None)
+                if key is None:
+                    return
+                buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+                what = f"the validation activation of batch {key[0]} chunk {key[1]}"
+                recvs.append(
+                    self.comm.recv([buf], self.comm.peer_rank(self.stage - 1), "eval", what)
+                )
+
+        was_training = self._wrapped.training
+        self._wrapped.eval()
+        total, batch_sum = 0.0, 0.0
+        try:
+            for i, c in keys:
+                post_recvs()
+                x = y = None
+                if self.first or self.last:
+                    if c == 0:
+                        batch = self.val_batch(i)
+                        assert len(batch) == chunks, (len(batch), chunks)
+                    x, y = batch[c]
+                inp = x if self.first else recvs.popleft().wait()[0]
+                with self.autocast():
+                    out, _ = functional_call(
+                        self._wrapped, weights, (inp, y if self.last else None)
+                    )
+                if self.last:
+                    batch_sum += out.float().item()
+                    if c == chunks - 1:
+                        total += batch_sum / chunks
+                        batch_sum = 0.0
+                else:
+                    sends.append(
+                        self.comm.send(
+                            [out.to(self.act_dtype)],
+                            self.comm.peer_rank(self.stage + 1),
+                            "eval",
+                            f"the validation activation of batch {i} chunk {c}",
+                        )
+                    )
+                    while len(sends) > self.LOOKAHEAD:  # bounded memory for long evaluations
+                        sends.popleft().wait()
+        finally:
+            self._wrapped.train(was_training)
+        for p in sends:
+            p.wait()
+        if not (self.first or self.last):
+            return None
+        result = torch.tensor([total], dtype=torch.float64, device=self.device)
+        if self.last and not self.first:
+            self.comm.send([result], self.comm.peer_rank(0), "eval_loss", "the validation loss")
+            return None
+        if not self.last:
+            (result,) = self.comm.recv(
+                [result], self.comm.peer_rank(self.P - 1), "eval_loss", "the validation loss"
+            ).wait()
+        self.comm.all_reduce_mean(result)  # data parallel: mean of the replicas' sums
+        return result.item() * D / self.num_val_batches
 
     def apply_all(self) -> None:
         while self._posted:
