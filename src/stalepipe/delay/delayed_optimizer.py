@@ -175,6 +175,25 @@ class DelayedOptimizer:
         """Per stage, the versions held now: stored copies plus the live weights."""
         return [sorted(h) + [self._step] for h in self._history]
 
+    def versions_to_keep(self, step: int) -> list[set[int]]:
+        """Per stage, the stored versions a state at `step` holds: the past versions that
+        steps >= `step` read on the stage or on stages sharing its weights (what `step()`
+        keeps; checkpoint re-splitting asks for exactly these)."""
+        if step == 0:
+            return [set() for _ in range(self.num_stages)]
+        return [
+            versions_needed_after(
+                self.cfg.policy,
+                self._consumers[s],
+                step - 1,
+                self.num_stages,
+                self.total_steps,
+                self.cfg.sync_start,
+                self._cooldown,
+            )
+            for s in range(self.num_stages)
+        ]
+
     def weights_at(self, stage: int, version: int) -> list[torch.Tensor]:
         """Stage `stage`'s weights W_version (the live tensors for the current step), in the
         stage's parameter order. Read-only by convention: do not modify them in place."""

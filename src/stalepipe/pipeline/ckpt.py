@@ -8,10 +8,11 @@ into the ordinary `ckpt_<k>.pt` of single-process training (`train.checkpoint`),
             num_stages, names, optimizer, history, ef_prev, taylor_ms}}; the optimizer state is
             the one a whole-model optimizer would hold (param ids of the whole model)
 
-so `stalepipe train` with the emulator resumes it, and a runtime with another number of stages
-re-splits it by parameter name (`stage_state`). Re-splitting needs the weight versions each new
-stage must keep to be in the checkpoint: always true for sync and 2bw (every stage keeps the
-same versions), not for pipedream across different P (refused with a message).
+so `stalepipe train` with the emulator resumes it, and either engine with another number of
+stages re-splits it by parameter name (`resplit_state`: `stage_state` for one runtime process,
+`emulator_state` for the emulator). Re-splitting is defined when every stage has the same delay
+(sync, 2bw, fixed:N: each stage keeps the same versions and the trajectory does not depend on
+the split); pipedream and wpipe across different splits are refused (`check_resplit`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any
 
 import torch
 
-from stalepipe.config import ConfigError
+from stalepipe.delay import DelayedOptimizer, max_staleness
+from stalepipe.errors import CheckpointError
 
 PARTS_DIR = "parts"
 
@@ -139,22 +141,45 @@ def merge_parts(
     }
 
 
-def stage_state(
+def check_resplit(engine: dict[str, Any] | None, names_per_stage: list[list[str]]) -> None:
+    """Refuse (CheckpointError) to re-split delay state whose policy delays stages differently
+    (pipedream, wpipe) onto another split: each parameter's delay, and with it the trajectory
+    and the weight versions it needs, would change."""
+    if engine is None:
+        return
+    d = engine["delayed"]
+    if [list(n) for n in d["names"]] == [list(n) for n in names_per_stage]:
+        return
+    old_p, new_p, policy = d["num_stages"], len(names_per_stage), d["policy"]
+    if any(len(set(max_staleness(policy, p))) > 1 for p in (old_p, new_p)):
+        raise CheckpointError(
+            f"the checkpoint at step {d['step']} was saved with pipeline.num_stages {old_p} "
+            f"under delay.policy {policy}, which delays each stage differently; resume with "
+            f"--pipeline.num_stages {old_p}"
+        )
+
+
+def resplit_state(
     ckpt: dict[str, Any],
-    stage: int,
     names_per_stage: list[list[str]],
     own_optim: dict[str, Any],
-    needed_versions: set[int],
-) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, dict[int, torch.Tensor]]]:
-    """What stage `stage` of a (possibly different) split loads from a merged checkpoint:
-    (weights by name, `DelayedOptimizer` state for this process, per-parameter history).
+    needed_versions: list[set[int]],
+    stages: list[int] | None = None,
+) -> tuple[dict[str, Any], dict[str, dict[int, torch.Tensor]]]:
+    """The `DelayedOptimizer` state for the split `names_per_stage` from a merged (or
+    single-process) checkpoint of any split, matched by global parameter name; stages not in
+    `stages` (default: all) are left empty, as a runtime process holds only its own.
 
-    Raises ConfigError when a weight version this stage must keep is not in the checkpoint."""
+    `needed_versions[s]`: the past versions stage s must keep (`DelayedOptimizer.
+    versions_to_keep`). `own_optim`: the state_dict of the optimizer the state is for (its
+    parameter ids). Returns (state, per-parameter history {name: {version: tensor}}).
+    Raises CheckpointError when the split cannot change (`check_resplit`) or a needed version
+    is not in the checkpoint."""
     engine = ckpt.get("engine")
+    check_resplit(engine, names_per_stage)
     step = int(ckpt["step"])
-    names = names_per_stage[stage]
-    weights = {n: ckpt["model"][n] for n in names}
     P = len(names_per_stage)
+    stages = list(range(P)) if stages is None else stages
     per_param: dict[str, dict[int, torch.Tensor]] = {}
     ef: dict[str, torch.Tensor] = {}
     ms: dict[str, torch.Tensor] = {}
@@ -172,31 +197,66 @@ def stage_state(
     else:  # a checkpoint without delay state (plain optimizer)
         full_optim = ckpt["optimizer"]
         policy = None
-    history: dict[int, list[torch.Tensor]] = {}
-    for v in sorted(needed_versions):
-        if v == step:
-            continue
-        if not all(v in per_param.get(n, {}) for n in names):
-            raise ConfigError(
-                f"the checkpoint at step {step} lacks weight version {v} for stage {stage} of "
-                f"{P}; resume a {policy or 'plain'} run with the pipeline.num_stages it was "
-                f"saved with"
-            )
-        history[v] = [per_param[n][v] for n in names]
-    empty: list[list[torch.Tensor]] = [[] for _ in range(P)]
+    history: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(P)]
+    for s in stages:
+        names = names_per_stage[s]
+        for v in sorted(needed_versions[s]):
+            if v == step:
+                continue
+            if not all(v in per_param.get(n, {}) for n in names):
+                raise CheckpointError(
+                    f"the checkpoint at step {step} lacks weight version {v} for stage {s} of "
+                    f"{P}; resume a {policy or 'plain'} run with the pipeline.num_stages it was "
+                    f"saved with"
+                )
+            history[s][v] = [per_param[n][v] for n in names]
     state = {
         "step": step,
         "policy": policy,
         "num_stages": P,
-        "names": [list(ns) if s == stage else [] for s, ns in enumerate(names_per_stage)],
+        "names": [list(ns) if s in stages else [] for s, ns in enumerate(names_per_stage)],
         "optimizer": split_optimizer(full_optim, own_optim),
-        "history": [history if s == stage else {} for s in range(P)],
+        "history": history,
         "ef_prev": None,
         "taylor_ms": None,
     }
     for key, src in (("ef_prev", ef), ("taylor_ms", ms)):
         if src:
-            lists = [list(x) for x in empty]
-            lists[stage] = [src[n] for n in names]
-            state[key] = lists
+            state[key] = [
+                [src[n] for n in ns] if s in stages else [] for s, ns in enumerate(names_per_stage)
+            ]
+    return state, per_param
+
+
+def stage_state(
+    ckpt: dict[str, Any],
+    stage: int,
+    names_per_stage: list[list[str]],
+    own_optim: dict[str, Any],
+    needed_versions: set[int],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, dict[int, torch.Tensor]]]:
+    """What stage `stage` of a (possibly different) split loads from a merged checkpoint:
+    (weights by name, `DelayedOptimizer` state for this process, per-parameter history).
+
+    Raises CheckpointError when the split cannot change or a weight version this stage must
+    keep is not in the checkpoint."""
+    weights = {n: ckpt["model"][n] for n in names_per_stage[stage]}
+    needed = [needed_versions if s == stage else set() for s in range(len(names_per_stage))]
+    state, per_param = resplit_state(ckpt, names_per_stage, own_optim, needed, [stage])
     return weights, state, per_param
+
+
+def emulator_state(ckpt: dict[str, Any], delayed: DelayedOptimizer) -> dict[str, Any]:
+    """`DelayEmulator.load_state_dict`'s argument for `delayed` (the emulator's delayed
+    optimizer) from a checkpoint of any engine and split: the checkpoint's own engine state
+    when the split is the same (bit for bit what was saved), else re-split by name."""
+    engine = ckpt["engine"]
+    own = delayed.state_dict()
+    if engine is not None and engine["delayed"]["names"] == own["names"]:
+        return engine
+    state, _ = resplit_state(
+        ckpt, own["names"], own["optimizer"], delayed.versions_to_keep(int(ckpt["step"]))
+    )
+    if state["policy"] is None:
+        state["policy"] = own["policy"]
+    return {"mode": engine["mode"] if engine else "exact", "delayed": state}

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from stalepipe.config import ConfigError, ExperimentConfig
 from stalepipe.data import EVAL_SEED, TokenLoader, check_vocab, ensure_prepared
-from stalepipe.delay import DelayedOptimizer, resolve_delay_config, versions_needed_after
+from stalepipe.delay import DelayedOptimizer, resolve_delay_config
+from stalepipe.errors import UserError
 from stalepipe.models import build_model, partition
 from stalepipe.optim import build_optimizer, resolve_config
 from stalepipe.optim.schedules import apply_lr, lr_multiplier, set_peak_lr
@@ -143,6 +144,8 @@ def run_worker(
         data_dir = ensure_prepared(cfg.data)
         check_vocab(data_dir, cfg.model.vocab_size)
         open_run_dir(cfg, resume=resume, overwrite=overwrite)
+    if rank == 0:  # parts of an interrupted save (maybe of another split): never merge them
+        shutil.rmtree(run_dir / stage_ckpt.PARTS_DIR, ignore_errors=True)
     comm = Comm(topo, rank, backend, pc.timeout_s, device)
     comm.barrier("start-up (data preparation on rank 0)", timeout_s=max(pc.timeout_s, 3600))
     restore = _tee(run_dir / "logs" / f"rank{rank}.log", console=rank == 0 and verbose)
@@ -194,23 +197,12 @@ def _run(cfg, comm, topo, rank, device, run_dir, resume, verbose) -> TrainResult
     if ckpt_path is not None:
         state = load_checkpoint(ckpt_path)
         start = int(state["step"])
-        needed = (
-            versions_needed_after(
-                delay_cfg.policy,
-                [stage],
-                start - 1,
-                P,
-                N,
-                delay_cfg.sync_start,
-                delay_cfg.sync_cooldown,
-            )
-            if start > 0
-            else set()
-        )
+        needed = delayed.versions_to_keep(start)[stage]
         weights, dstate, per_param = stage_ckpt.stage_state(
             state, stage, names_per_stage, optimizer.state_dict(), needed
         )
-        dstate["policy"] = delay_cfg.policy
+        if dstate["policy"] is None:  # a checkpoint without delay state
+            dstate["policy"] = delay_cfg.policy
         with torch.no_grad():
             for n, p in owned.items():
                 p.copy_(weights[n])
@@ -455,13 +447,13 @@ def main_worker(cfg: ExperimentConfig, resume: bool, overwrite: bool, verbose: b
             print(f"stalepipe: error: {msg}", file=sys.stderr, flush=True)
         if root and root != msg:
             print(f"stalepipe: first failure reported: {root}", file=sys.stderr, flush=True)
-        if not isinstance(e, PeerError | ConfigError):
+        if not isinstance(e, PeerError | UserError):
             import traceback
 
             traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(2 if isinstance(e, ConfigError) else 1)
+        os._exit(2 if isinstance(e, UserError) else 1)
     if result is not None and verbose:
         print(
             f"done: {result.steps} steps in {result.wall_time_s:.1f}s "

@@ -27,6 +27,7 @@ from stalepipe.errors import TrainingError
 from stalepipe.models import Transformer, build_model, flops_per_token
 from stalepipe.optim import build_optimizer, resolve_config
 from stalepipe.optim.schedules import apply_lr, lr_multiplier
+from stalepipe.pipeline.ckpt import emulator_state
 from stalepipe.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -155,7 +156,7 @@ def _train(
     if ckpt is not None:
         state = load_checkpoint(ckpt)
         load_model_state(model, state["model"], ckpt)
-        engine.load_state_dict(state["engine"])
+        engine.load_state_dict(emulator_state(state, engine.delayed))  # any engine, any split
         torch.set_rng_state(state["rng"])
         start = state["step"]
         if verbose:

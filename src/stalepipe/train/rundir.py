@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 import stalepipe
-from stalepipe.config import ExperimentConfig
+from stalepipe.config import ConfigError, ExperimentConfig
+from stalepipe.delay.policies import max_staleness
 from stalepipe.errors import UserError
 
 # Fields that may differ between a run and its resumption without changing the trajectory.
@@ -33,7 +34,18 @@ RESUMABLE_CHANGES = {
     "train.eval_every",
     "train.eval_batches",
     "out_dir",
+    # Which engine runs the delay, and how: the trajectory is fixed by the delay policy
+    # (docs/runtime.md, "Checkpoints and resume"); data parallelism changes fp32 rounding only.
+    "pipeline.engine",
+    "pipeline.schedule",
+    "pipeline.data_parallel",
+    "pipeline.backend",
+    "pipeline.timeout_s",
 }
+# Resumable when the delay policy gives every stage the same delay (sync, 2bw, fixed:N):
+# the checkpoint is then re-split by parameter name. Pipedream's and WPipe's delays depend on
+# the split, so changing it would change the trajectory.
+SPLIT_CHANGES = {"pipeline.num_stages"}
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -47,10 +59,25 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Dotted keys whose values differ, ignoring fields in RESUMABLE_CHANGES."""
+    """Dotted keys whose values differ, ignoring fields in RESUMABLE_CHANGES (and SPLIT_CHANGES
+    when the delay policy delays every stage alike)."""
     a, b = _flatten(saved), _flatten(current)
     keys = sorted(set(a) | set(b))
-    return [k for k in keys if k not in RESUMABLE_CHANGES and a.get(k) != b.get(k)]
+    diff = [k for k in keys if k not in RESUMABLE_CHANGES and a.get(k) != b.get(k)]
+    if a.get("delay.policy") == b.get("delay.policy") and all(
+        _same_delay_per_stage(b.get("delay.policy"), p.get(k))
+        for p in (a, b)
+        for k in SPLIT_CHANGES
+    ):
+        diff = [k for k in diff if k not in SPLIT_CHANGES]
+    return diff
+
+
+def _same_delay_per_stage(policy: Any, num_stages: Any) -> bool:
+    try:
+        return len(set(max_staleness(str(policy), int(num_stages)))) == 1
+    except (ConfigError, TypeError, ValueError):
+        return False
 
 
 def git_commit() -> str | None:
