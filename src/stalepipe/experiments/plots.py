@@ -26,9 +26,9 @@ def _plt() -> Any:
     return plt
 
 
-def _png(fig: Any) -> bytes:
+def _png(fig: Any, dpi: int = 110) -> bytes:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
     _plt().close(fig)
     return buf.getvalue()
 
@@ -89,7 +89,7 @@ def loss_curves(rows: list[Row], max_panels: int = 18) -> bytes | None:
     for ax in list(axes.flat)[len(items) :]:
         ax.axis("off")
     fig.tight_layout()
-    return _png(fig)
+    return _png(fig, dpi=80)
 
 
 def _tokens(r: Row) -> float:
