@@ -152,3 +152,26 @@ def test_parallel_failure_is_isolated(tiny_config, tmp_path):
     assert list(res.failed) == ["bad_s0"] and "vocab" in res.failed["bad_s0"]
     err = json.loads((tmp_path / "s" / "bad_s0" / ERROR_FILE).read_text())
     assert "Traceback" in err["traceback"]
+
+
+def test_cli_sweep_and_report_errors(tmp_path, capsys):
+    from stalepipe.cli import main
+
+    assert main(["sweep", "paper-mini", "--dry-run", "--out", str(tmp_path / "pm")]) == 0
+    out = capsys.readouterr().out
+    assert "missing   adamw_2bw+ef_s0: --optim.name adamw" in out and "132 runs" in out
+    assert not (tmp_path / "pm").exists()  # a dry run writes nothing
+    bad = [
+        (["sweep"], "name a STUDY or give at least one --grid"),
+        (["sweep", "paper-mini", "--scale", "135m", "--dry-run"], "runs at --scale cpu"),
+        (["sweep", "--grid", "optim.lr=-1", "--dry-run"], "optim.lr must be > 0"),
+        (["sweep", "depth", "--grid", "optim.lr=1"], "drop the STUDY name"),
+        (
+            ["sweep", "--grid", "optim.name=adamw", "--set", "train.steps"],
+            "--set expects KEY=VALUE",
+        ),
+        (["report", str(tmp_path / "nope")], "is not a directory"),
+    ]
+    for argv, msg in bad:
+        assert main(argv) == 2, argv
+        assert msg in capsys.readouterr().err, argv

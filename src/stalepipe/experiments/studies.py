@@ -3,8 +3,8 @@
 Each study is a function `(scale) -> list of grids`; a grid is a list of axes (see `sweep.axis`),
 and the study is the union of its grids' products times the seeds. Scales:
 
-    cpu     the `paper-mini` model below (8 layers so pipeline depths 2/4/8 exist), Shakespeare
-            bytes, a few hundred steps: minutes per run on one core
+    cpu     the `paper-mini` model below (4 blocks, so pipeline depths 2 and 4 exist), Shakespeare
+            bytes, 200 steps: 20-40 s per run on one core
     135m    SmolLM-135M on GPT-2 tokens (`smollm-135m` preset), GPUs
     360m    SmolLM-360M (`smollm-360m` preset), GPUs
 
@@ -263,12 +263,15 @@ CPU_SECONDS_PER_STEP = 0.1
 
 
 def estimate_cpu_seconds(specs: list[RunSpec], base: ExperimentConfig) -> float:
-    """Core-seconds of a CPU sweep (steps x per-step cost, scaled by depth-independent size)."""
+    """Core-seconds of a CPU sweep: steps x per-step cost, scaled by tokens per step (read from
+    the overrides, so no config is built: `stalepipe --help` stays fast)."""
     total = 0.0
     for spec in specs:
-        cfg = spec.config(base, "runs")
-        tokens_scale = cfg.train.batch_size * cfg.data.seq_len / (16 * 64)
-        total += cfg.train.steps * CPU_SECONDS_PER_STEP * tokens_scale
+        o = spec.overrides
+        steps = int(o.get("train.steps", base.train.steps))
+        batch = int(o.get("train.batch_size", base.train.batch_size))
+        seq = int(o.get("data.seq_len", base.data.seq_len))
+        total += steps * CPU_SECONDS_PER_STEP * batch * seq / (16 * 64)
     return total
 
 
@@ -337,7 +340,7 @@ def sweep_main(
         if scale == "cpu":
             cost = estimate_cpu_seconds(specs, base)
             log(f"{len(specs)} runs, ~{cost / 3600:.1f} CPU core-hours "
-                f"(~{cost / 3600 / workers:.1f} h with {workers} worker(s) on idle cores)")  # fmt: skip
+                f"(~{cost / 3600 / workers:.1f} h with {workers} worker(s) on a lightly loaded machine)")  # fmt: skip
         return 0
     res = run_sweep(specs, base, out_dir, workers=workers, retry_failed=retry_failed, log=log)
     log(f"next: stalepipe report {out_dir}")
