@@ -127,6 +127,14 @@ def test_sweep_resume_skip_and_retry(tiny_config, tmp_path):
     assert res.skipped_failed == ["bad_s0"] and "vocab" in res.failed["bad_s0"]
     assert "2 finished, 1 failed earlier (rerun with --retry-failed), 0 to run" in logs[0]
 
+    # changing the study's config does not silently rerun or relabel finished runs: it warns
+    logs.clear()
+    lr_base = dataclasses.replace(base, optim=dataclasses.replace(base.optim, lr=0.5))
+    res = run_sweep(specs[:1], lr_base, out, log=logs.append)
+    assert res.ran == [] and res.changed == {"sync_s0": ["optim.lr"]}
+    assert "warning: 1 finished run(s) were made with a different config" in logs[1]
+    assert run_sweep(specs[:1], base, out, log=logs.append).changed == {}
+
     # a finished run whose error.json appears (say, a crash after its last step) is failed
     write_error(out / "2bw_s0", "RuntimeError: simulated crash")
     good = [s for s in specs if s.name != "bad_s0"]

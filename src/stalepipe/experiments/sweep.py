@@ -199,7 +199,34 @@ class SweepResult:
     ran: list[str] = field(default_factory=list)  # trained (to the end) by this call
     failed: dict[str, str] = field(default_factory=dict)  # name -> error message
     skipped_failed: list[str] = field(default_factory=list)  # failed earlier, not retried
+    changed: dict[str, list[str]] = field(default_factory=dict)  # finished with another config
     wall_s: float = 0.0
+
+
+def _changed_keys(run_dir: Path, cfg: ExperimentConfig) -> list[str]:
+    """Config keys whose saved value (config.json) differs from `cfg` (optimizer defaults
+    resolved as train() records them; keys the saved file lacks, e.g. added later, and fields
+    that do not change the trajectory are ignored)."""
+    from stalepipe.optim import resolve_config
+    from stalepipe.train.rundir import RESUMABLE_CHANGES
+
+    try:
+        saved = _flat(json.loads((run_dir / "config.json").read_text()))
+    except (OSError, ValueError):
+        return []
+    now = _flat(dataclasses.replace(cfg, optim=resolve_config(cfg.optim)).to_dict())
+    skip = RESUMABLE_CHANGES | {"name", "out_dir", "data.data_dir"}
+    return sorted(k for k in saved if k in now and k not in skip and saved[k] != now[k])
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
 
 
 def _read_error(run_dir: Path) -> str:
@@ -247,6 +274,9 @@ def run_sweep(
         status = run_status(run_dir, cfg.train.steps)
         if status == "finished":
             res.finished.append(spec.name)
+            changed = _changed_keys(run_dir, cfg)
+            if changed:
+                res.changed[spec.name] = changed
         elif status == "failed" and not retry_failed:
             res.skipped_failed.append(spec.name)
             res.failed[spec.name] = _read_error(run_dir)
@@ -260,6 +290,13 @@ def run_sweep(
         + (" (rerun with --retry-failed)" if res.skipped_failed else "")
         + f", {len(todo)} to run with {workers} worker(s)"
     )
+    if res.changed:
+        name, keys = next(iter(res.changed.items()))
+        log(
+            f"warning: {len(res.changed)} finished run(s) were made with a different config than "
+            f"the sweep's now (e.g. {name}: {', '.join(keys[:3])}); they are kept as they are: "
+            f"delete their directories to rerun them"
+        )
     if todo:
         _prepare_data([c for _, c in todo])
     for spec in specs:  # the spec file lets the report label runs the way the sweep named them
