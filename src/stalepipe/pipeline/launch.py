@@ -23,6 +23,7 @@ from stalepipe.config import ExperimentConfig
 from stalepipe.errors import TrainingError
 
 GRACE_S = 10.0
+PEER_EXIT = 3  # a worker's exit status when it stopped because a peer failed (not the cause)
 
 
 def under_torchrun() -> bool:
@@ -86,18 +87,23 @@ def launch_train(
 def supervise(procs: list, run_dir: Path, timeout_s: float) -> int:
     """Wait for the workers; after the first failure give the rest timeout_s + GRACE_S to exit
     on their own (they notice a dead peer at once, a hung one after timeout_s), then kill
-    them. Raises TrainingError naming the first failed rank."""
+    them. Raises TrainingError naming the failed rank: the first one that failed by itself
+    (killed, crashed) rather than because a peer did (exit status PEER_EXIT), when any did."""
     first: tuple[int, int] | None = None
     deadline = None
     try:
         while True:
             alive = [p for p in procs if p.exitcode is None]
-            if first is None:
-                for r, p in enumerate(procs):
-                    if p.exitcode not in (None, 0):
-                        first = (r, p.exitcode)
-                        deadline = time.monotonic() + timeout_s + GRACE_S
-                        break
+            if first is None or first[1] == PEER_EXIT:
+                failed = [
+                    (r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                ]
+                # A dead rank's neighbours notice at once and may be reaped in the same poll.
+                causes = [f for f in failed if f[1] != PEER_EXIT]
+                if causes or (failed and first is None):
+                    first = (causes or failed)[0]
+                if failed and deadline is None:
+                    deadline = time.monotonic() + timeout_s + GRACE_S
             if not alive:
                 break
             if deadline is not None and time.monotonic() > deadline:

@@ -432,13 +432,15 @@ def worker_entry(cfg: ExperimentConfig, resume: bool = False, overwrite: bool = 
 
 def main_worker(cfg: ExperimentConfig, resume: bool, overwrite: bool, verbose: bool = True) -> int:
     """Process entry: run the worker; on any failure print one line naming the rank, record it
-    for the others, and exit non-zero without waiting for peers (no hang)."""
+    for the others, and exit non-zero without waiting for peers (no hang): 2 for bad input,
+    `launch.PEER_EXIT` when a peer failed, 1 otherwise."""
     rank = int(os.environ.get("RANK", "0"))
     try:
         result = run_worker(cfg, resume=resume, overwrite=overwrite, verbose=verbose)
     except BaseException as e:  # noqa: BLE001 - every failure must end the process
         msg = _message(e, rank)
         from stalepipe.pipeline.comm import _default_store, first_failure, report_failure
+        from stalepipe.pipeline.launch import PEER_EXIT
 
         store = _default_store() if dist.is_initialized() else None
         root = first_failure(store)
@@ -453,7 +455,7 @@ def main_worker(cfg: ExperimentConfig, resume: bool, overwrite: bool, verbose: b
             traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(2 if isinstance(e, UserError) else 1)
+        os._exit(2 if isinstance(e, UserError) else PEER_EXIT if isinstance(e, PeerError) else 1)
     if result is not None and verbose:
         print(
             f"done: {result.steps} steps in {result.wall_time_s:.1f}s "
