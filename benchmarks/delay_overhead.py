@@ -30,9 +30,10 @@ CONTENDERS = {
 
 
 def build(name: str, preset: str):
-    from stalepipe.config import DelayConfig, get_preset
+    from stalepipe.config import DelayConfig
     from stalepipe.delay import DelayEmulator
     from stalepipe.models import build_model
+    from stalepipe.presets import get_preset
 
     cfg = get_preset(preset)
     delay, P = CONTENDERS[name]

@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
-from stalepipe.config import DelayConfig, get_preset
+from stalepipe.config import DelayConfig
 from stalepipe.data import TokenLoader, ensure_prepared
 from stalepipe.delay import DelayEmulator
 from stalepipe.models import build_model
 from stalepipe.optim import build_optimizer
+from stalepipe.presets import get_preset
 
 
 def emulator_tps(cfg, data_dir: str, steps: int, warmup: int, compile_: bool) -> float:

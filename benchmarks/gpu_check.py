@@ -14,7 +14,8 @@ import tempfile
 
 import torch
 
-from stalepipe.config import apply_overrides, get_preset
+from stalepipe.config import apply_overrides
+from stalepipe.presets import get_preset
 from stalepipe.train.loop import train
 from stalepipe.train.rundir import read_metrics
 

@@ -22,8 +22,8 @@ import torch
 
 
 def build(preset: str, device: str):
-    from stalepipe.config import get_preset
     from stalepipe.models import build_model
+    from stalepipe.presets import get_preset
 
     cfg = get_preset(preset)
     model = build_model(cfg.model, seed=0, device=device)

@@ -17,9 +17,10 @@ import time
 
 import torch
 
-from stalepipe.config import OptimConfig, cpu_small
+from stalepipe.config import OptimConfig
 from stalepipe.models import build_model, count_params
 from stalepipe.optim import OPTIMIZERS, build_optimizer
+from stalepipe.presets import cpu_small
 
 
 def main() -> None:

@@ -1,13 +1,15 @@
 """Throughput of the pipeline runtime vs torch.distributed.pipelining, side by side.
 
-    python benchmarks/pipeline_throughput.py [--microbatches 2 4 8] [--steps 8] [--dim 256]
+    python benchmarks/pipeline_throughput.py [--microbatches 2 4 8] [--steps 14] [--repeats 3]
 
 Same model, P=2 processes (gloo, one CPU thread each), m microbatches per step, AdamW, no
 clipping. For each m: tokens/s of our gpipe, 1f1b and 2bw (executing the schedule IR) and of
 torch's ScheduleGPipe and Schedule1F1B; the measured bubble fraction of our schedules
 (1 - busy compute / wall, per rank, averaged) next to the timing simulator's prediction from
 the measured forward/backward times. Goals (issue 6): 2bw / our 1f1b >= 0.95 (m+P-1)/m;
-our 1f1b >= 0.95x torch's Schedule1F1B. Machines here are shared: read ratios, not absolutes.
+our 1f1b >= 0.95x torch's Schedule1F1B. Machines here are shared: the contenders run
+interleaved, `--repeats` rounds, and the table shows medians (ratios: medians of the per-round
+ratios); read ratios, not absolutes.
 """
 
 from __future__ import annotations
@@ -172,6 +174,9 @@ def theirs(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps
     return {"wall": time.perf_counter() - t0, "tokens": (steps - warm) * m * mb * T}
 
 
+CONTENDERS = ("gpipe", "1f1b", "2bw", "torch-gpipe", "torch-1f1b")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
@@ -181,6 +186,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--mb", type=int, default=4, help="sequences per microbatch")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="rounds of all contenders (interleaved; medians)"
+    )
     args = ap.parse_args()
     cfg = ModelConfig(
         vocab_size=256,
@@ -193,23 +201,29 @@ def main() -> None:
         tie_embeddings=False,
     )
     pool = WorkerPool(P)
-    rows = []
     try:
         for m in args.microbatches:
             common = (m, args.mb, args.seq, args.steps, args.warmup)
-            res = {}
-            for name in ("gpipe", "1f1b", "2bw"):
-                out = pool.run(ours, (cfg, name, *common), P, timeout_s=900)
-                res[name] = out
-            for name in ("gpipe", "1f1b"):
-                res["torch-" + name] = pool.run(theirs, (cfg, name, *common), P, timeout_s=900)
-            rows.append((m, res))
-            _print_row(m, res, args)
+            rounds = []
+            for r in range(args.repeats):
+                # Interleaved, and each round starts with another contender: the shared
+                # machine's slow phases hit every contender alike.
+                order = CONTENDERS[r % len(CONTENDERS) :] + CONTENDERS[: r % len(CONTENDERS)]
+                res = {}
+                for name in order:
+                    if name.startswith("torch-"):
+                        fn, sched = theirs, name.removeprefix("torch-")
+                    else:
+                        fn, sched = ours, name
+                    res[name] = pool.run(fn, (cfg, sched, *common), P, timeout_s=900)
+                rounds.append(res)
+            _print_row(m, rounds, args)
     finally:
         pool.close()
 
 
-def _print_row(m: int, res: dict, args) -> None:
+def _measure(res: dict) -> tuple[dict, dict]:
+    """tokens/s of every contender and the measured bubble of ours, for one round."""
     tok, bubble = {}, {}
     for k, reports in res.items():
         if k.startswith("torch-"):
@@ -218,24 +232,45 @@ def _print_row(m: int, res: dict, args) -> None:
         t0, t1 = _window(reports)
         tok[k] = reports[0]["tokens"] / (t1 - t0)
         bubble[k] = sum(1 - _busy(r, t0, t1) / (t1 - t0) for r in reports) / P
-    f = [_mean(r, "F") for r in res["1f1b"]]
-    b = [_mean(r, "B") for r in res["1f1b"]]
+    return tok, bubble
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def _print_row(m: int, rounds: list[dict], args) -> None:
+    measured = [_measure(res) for res in rounds]
+    tok = {k: _median([t[k] for t, _ in measured]) for k in CONTENDERS}
+    bubble = {k: _median([b[k] for _, b in measured]) for k in measured[0][1]}
+
+    def ratio(a: str, b: str) -> float:  # median of the per-round (paired) ratios
+        return _median([t[a] / t[b] for t, _ in measured])
+
+    last = rounds[-1]
+    f = [_mean(r, "F") for r in last["1f1b"]]
+    b = [_mean(r, "B") for r in last["1f1b"]]
     costs = uniform_costs(P, forward=f, backward_input=b, backward_weight=0.0)
     steps = args.steps - args.warmup
     pred = {}
     for name in ("gpipe", "1f1b", "2bw"):
         s = summarize(simulate(make_schedule(name, P, m, steps), costs))
         pred[name] = s.bubble
-    print(f"\nm={m}  (P={P}, {args.mb}x{args.seq} tokens per microbatch, {steps} timed steps)")
+    print(
+        f"\nm={m}  (P={P}, {args.mb}x{args.seq} tokens per microbatch, {steps} timed steps, "
+        f"medians of {len(rounds)} interleaved rounds)"
+    )
     print(f"  {'schedule':<14}{'tokens/s':>10}{'bubble':>9}{'simulated':>11}")
-    for k in ("gpipe", "1f1b", "2bw", "torch-gpipe", "torch-1f1b"):
+    for k in CONTENDERS:
         extra = f"{bubble[k]:>9.3f}{pred[k]:>11.3f}" if k in bubble else ""
         print(f"  {k:<14}{tok[k]:>10.0f}{extra}")
     goal = 0.95 * (m + P - 1) / m
     print(
-        f"  2bw / 1f1b = {tok['2bw'] / tok['1f1b']:.3f} (goal >= {goal:.3f}); "
-        f"1f1b / torch-1f1b = {tok['1f1b'] / tok['torch-1f1b']:.3f} (goal >= 0.95); "
-        f"gpipe / torch-gpipe = {tok['gpipe'] / tok['torch-gpipe']:.3f}",
+        f"  2bw / 1f1b = {ratio('2bw', '1f1b'):.3f} (goal >= {goal:.3f}); "
+        f"1f1b / torch-1f1b = {ratio('1f1b', 'torch-1f1b'):.3f} (goal >= 0.95); "
+        f"gpipe / torch-gpipe = {ratio('gpipe', 'torch-gpipe'):.3f}",
         flush=True,
     )
 

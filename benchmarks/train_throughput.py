@@ -17,9 +17,10 @@ import time
 
 import torch
 
-from stalepipe.config import apply_overrides, get_preset
+from stalepipe.config import apply_overrides
 from stalepipe.data import TokenLoader, ensure_prepared
 from stalepipe.models import build_model
+from stalepipe.presets import get_preset
 from stalepipe.train.loop import train
 from stalepipe.train.rundir import read_metrics
 

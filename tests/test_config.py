@@ -2,14 +2,8 @@
 
 import pytest
 
-from stalepipe.config import (
-    PRESETS,
-    ConfigError,
-    ExperimentConfig,
-    apply_overrides,
-    config_help,
-    get_preset,
-)
+from stalepipe.config import ConfigError, ExperimentConfig, apply_overrides, config_help
+from stalepipe.presets import PRESETS, get_preset
 
 
 def test_overrides_are_typed():

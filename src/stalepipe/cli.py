@@ -10,15 +10,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from stalepipe.config import (
-    PRESETS,
-    ConfigError,
-    ExperimentConfig,
-    apply_overrides,
-    config_help,
-    get_preset,
-)
+from stalepipe.config import ConfigError, ExperimentConfig, apply_overrides, config_help
 from stalepipe.errors import UserError
+from stalepipe.presets import PRESETS, get_preset
 
 
 def parse_overrides(tokens: Sequence[str]) -> dict[str, str]:

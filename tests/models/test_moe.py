@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from stalepipe.config import ConfigError, ModelConfig, cpu_moe, cpu_tiny, moe_10b
+from stalepipe.config import ConfigError, ModelConfig
 from stalepipe.models import Transformer, build_model, count_params, flops_per_token, partition
 from stalepipe.models.layers import SwiGLU
 from stalepipe.models.moe import (
@@ -19,6 +19,7 @@ from stalepipe.models.moe import (
 )
 from stalepipe.models.partition import split_layers
 from stalepipe.models.transformer import block_flops
+from stalepipe.presets import cpu_moe, cpu_tiny, moe_10b
 
 MOE = ModelConfig(
     vocab_size=128,

@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stalepipe.config import ModelConfig, cpu_small, cpu_tiny, smollm_135m, smollm_360m
+from stalepipe.config import ModelConfig
 from stalepipe.models import Transformer, build_model, count_params, flops_per_token
 from stalepipe.models.layers import Attention, Rotary
+from stalepipe.presets import cpu_small, cpu_tiny, smollm_135m, smollm_360m
 
 TINY = ModelConfig(
     vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128, max_seq_len=32

@@ -10,10 +10,11 @@ import io
 import pytest
 import torch
 
-from stalepipe.config import ConfigError, OptimConfig, cpu_tiny
+from stalepipe.config import ConfigError, OptimConfig
 from stalepipe.models import build_model
 from stalepipe.optim import DEFAULTS, OPTIMIZERS, build_optimizer, resolve_config, split_params
 from stalepipe.optim.schedules import apply_lr
+from stalepipe.presets import cpu_tiny
 
 NAMES = list(OPTIMIZERS)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stalepipe.config import ConfigError, smollm_360m
+from stalepipe.config import ConfigError
 from stalepipe.models.transformer import flops_per_token
 from stalepipe.pipeline.devices import DEVICES, get_device
 from stalepipe.pipeline.schedule import make_schedule
@@ -14,6 +14,7 @@ from stalepipe.pipeline.timing import (
     summarize,
     uniform_costs,
 )
+from stalepipe.presets import smollm_360m
 
 
 def run(name: str, P: int, m: int, N: int = 1, **kw):

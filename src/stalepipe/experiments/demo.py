@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from stalepipe.config import DelayConfig, ExperimentConfig, OptimConfig, PipelineConfig, cpu_tiny
+from stalepipe.config import DelayConfig, ExperimentConfig, OptimConfig, PipelineConfig
+from stalepipe.presets import cpu_tiny
 
 VARIANTS: dict[str, DelayConfig] = {
     "sync": DelayConfig(policy="sync"),

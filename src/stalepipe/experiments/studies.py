@@ -19,15 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from stalepipe.config import (
-    DataConfig,
-    ExperimentConfig,
-    ModelConfig,
-    TrainConfig,
-    get_preset,
-)
+from stalepipe.config import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
 from stalepipe.errors import UserError
 from stalepipe.experiments.sweep import Bundle, RunSpec, axis, dedupe, expand
+from stalepipe.presets import get_preset
 
 SCALES = ("cpu", "135m", "360m")
 OPTIMIZER_NAMES = ("adamw", "muon", "soap", "adan", "lion", "mars")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from stalepipe.config import PRESETS, ConfigError, ModelConfig
+from stalepipe.config import ConfigError, ModelConfig
 from stalepipe.errors import UserError
 from stalepipe.pipeline.devices import get_device
 from stalepipe.pipeline.schedule import SCHEDULES, Schedule, make_schedule, validate
@@ -25,9 +25,10 @@ from stalepipe.pipeline.timing import (
     summarize,
     uniform_costs,
 )
+from stalepipe.presets import PRESETS
 
 # Shapes for what-if simulations only (too large to train here); training presets live in
-# config.PRESETS and are accepted too.
+# presets.PRESETS and are accepted too.
 SIM_MODELS: dict[str, ModelConfig] = {
     # ~10.9B parameters: a LLaMA-3-8B-style block (GQA 32/8 heads, SwiGLU 14336) at 48 layers,
     # GPT-2 vocabulary padded to 50304, untied head, 4096-token context.
@@ -48,7 +49,7 @@ TIME_KEYS = ("f", "b", "bi", "bw", "opt", "comm")
 
 
 def model_config(name: str) -> ModelConfig:
-    """A model shape by name: SIM_MODELS or a training preset of config.PRESETS."""
+    """A model shape by name: SIM_MODELS or a training preset of presets.PRESETS."""
     if name in SIM_MODELS:
         return SIM_MODELS[name]
     if name in PRESETS:
