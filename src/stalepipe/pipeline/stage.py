@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from stalepipe.delay import DelayedOptimizer, microbatch_seed, version_used
 from stalepipe.pipeline.comm import Comm, Pending
@@ -145,7 +144,7 @@ class StageExecutor:
         self.autocast = autocast
         self.act_shape, self.act_dtype = act_shape, act_dtype
         self.device = next(module.parameters()).device
-        self._wrapped = _WithAux(module)
+        self._run_at = _Reparametrized(module)
         self.val_batch, self.num_val_batches = val_batch, num_val_batches
         self.eval_steps = set(eval_steps)
         self.val_losses: dict[int, float] = {}
@@ -318,7 +317,7 @@ class StageExecutor:
         targets = ys[microbatch] if self.last else None
         with _seeded(microbatch_seed(self.seed, self.stage, step, microbatch), self.device):
             with self.autocast():
-                out, aux = functional_call(self._wrapped, _prefixed(weights), (inp, targets))
+                out, aux = self._run_at(weights, inp, targets)
             if self.last:
                 out = (out if aux is None else out + aux) / self.m
                 aux = None
@@ -385,14 +384,19 @@ class StageExecutor:
 
     def _accumulate(self, step: int, leaves: dict, grads) -> None:
         acc = self._grads.setdefault(step, {})
+        # Same arithmetic as autograd's AccumulateGrad: first gradient kept, then += (one
+        # foreach call: elementwise, so bit for bit the per-tensor +=).
+        into, add = [], []
         for name, g in zip(leaves, grads, strict=True):
             if g is None:
                 continue
-            # Same arithmetic as autograd's AccumulateGrad: first gradient kept, then +=.
             if name in acc:
-                acc[name] += g
+                into.append(acc[name])
+                add.append(g)
             else:
                 acc[name] = g
+        if into:
+            torch._foreach_add_(into, add)
 
     # ---------------------------------------------------------------------------------------
     # The update
@@ -538,7 +542,7 @@ class StageExecutor:
         D, replica = topo.data_parallel, self.comm.replica
         chunks = self.m * D  # an eval batch holds train.batch_size rows, like a training batch
         keys = [(i, c) for i in range(replica, self.num_val_batches, D) for c in range(chunks)]
-        weights = _prefixed(self._weights(self.delayed.step_count))
+        weights = self._weights(self.delayed.step_count)
         recvs: deque[Pending] = deque()
         sends: deque[Pending] = deque()
         todo = iter(keys)
@@ -554,8 +558,8 @@ class StageExecutor:
                     self.comm.recv([buf], self.comm.peer_rank(self.stage - 1), "eval", what)
                 )
 
-        was_training = self._wrapped.training
-        self._wrapped.eval()
+        was_training = self.module.training
+        self.module.eval()
         total, batch_sum = 0.0, 0.0
         try:
             for i, c in keys:
@@ -568,9 +572,7 @@ class StageExecutor:
                     x, y = batch[c]
                 inp = x if self.first else recvs.popleft().wait()[0]
                 with self.autocast():
-                    out, _ = functional_call(
-                        self._wrapped, weights, (inp, y if self.last else None)
-                    )
+                    out, _ = self._run_at(weights, inp, y if self.last else None)
                 if self.last:
                     batch_sum += out.float().item()
                     if c == chunks - 1:
@@ -588,7 +590,7 @@ class StageExecutor:
                     while len(sends) > self.LOOKAHEAD:  # bounded memory for long evaluations
                         sends.popleft().wait()
         finally:
-            self._wrapped.train(was_training)
+            self.module.train(was_training)
         for p in sends:
             p.wait()
         if not (self.first or self.last):
@@ -615,27 +617,50 @@ class StageExecutor:
         return self.tied_versions[max(self.tied_versions)]
 
 
-class _WithAux(nn.Module):
-    """Calls a stage as the emulator does: `forward_with_aux` when the stage has one (MoE),
-    returning (output, auxiliary loss or None)."""
+class _Reparametrized:
+    """Calls a stage with given tensors in place of its parameters, by global name, as the
+    emulator calls it (`forward_with_aux` when the stage has one: MoE), returning (output,
+    auxiliary loss or None).
 
-    def __init__(self, stage: nn.Module) -> None:
-        super().__init__()
-        self.stage = stage
+    What `torch.func.functional_call` does, minus its per-call generality (name parsing,
+    tie detection, buffer handling): the slots are resolved once, and a call sets and restores
+    one dict entry per parameter. The runtime calls it for every microbatch. A parameter that
+    appears under several names (a tied embedding when one stage holds both ends) is swapped
+    everywhere under its first name, as `functional_call`'s `tie_weights` does."""
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
-        if hasattr(self.stage, "forward_with_aux"):
-            return self.stage.forward_with_aux(x, targets)
-        return (self.stage(x, targets) if targets is not None else self.stage(x)), None
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.slots: dict[str, list[tuple[nn.Module, str]]] = {}
+        first: dict[int, str] = {}
+        seen: set[tuple[int, str]] = set()
+        for mod_name, mod in module.named_modules(remove_duplicate=False):
+            for attr, p in mod._parameters.items():
+                if p is None or (id(mod), attr) in seen:
+                    continue
+                seen.add((id(mod), attr))
+                name = first.setdefault(id(p), f"{mod_name}.{attr}" if mod_name else attr)
+                self.slots.setdefault(name, []).append((mod, attr))
+        self.fn = getattr(module, "forward_with_aux", None)
+
+    def __call__(self, weights: dict[str, torch.Tensor], x: torch.Tensor, targets=None):
+        saved = []
+        try:
+            for name, t in weights.items():
+                for mod, attr in self.slots[name]:
+                    saved.append((mod, attr, mod._parameters[attr]))
+                    mod._parameters[attr] = t
+            if self.fn is not None:
+                return self.fn(x, targets)
+            m = self.module
+            return (m(x, targets) if targets is not None else m(x)), None
+        finally:
+            for mod, attr, p in reversed(saved):
+                mod._parameters[attr] = p
 
 
 def _loss_of(gathered: list[torch.Tensor]) -> float:
     """The step's loss: the last stage's, plus the other stages' auxiliary losses."""
     return sum(float(g[-1]) for g in gathered[::-1])
-
-
-def _prefixed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {f"stage.{n}": t for n, t in weights.items()}
 
 
 def _outputs(st: _Stash, grad_out: torch.Tensor | None) -> tuple[list, list]:
@@ -649,7 +674,18 @@ def _outputs(st: _Stash, grad_out: torch.Tensor | None) -> tuple[list, list]:
 
 @contextlib.contextmanager
 def _seeded(seed: int, device: torch.device):
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
+    """Run the block with the device's generator seeded by `seed`, then restore it: what the
+    emulator's `torch.random.fork_rng` + `torch.manual_seed` do to the generator this stage
+    draws from (same state, same numbers), without their per-call cost (manual_seed also queues
+    lazy seeding of every other accelerator type; about 1 ms a call)."""
+    gens = [torch.default_generator]
+    if device.type == "cuda":
+        gens.append(torch.cuda.default_generators[device.index or 0])
+    states = [g.get_state() for g in gens]
+    for g in gens:
+        g.manual_seed(seed)
+    try:
         yield
+    finally:
+        for g, st in zip(gens, states, strict=True):
+            g.set_state(st)
