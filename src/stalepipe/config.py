@@ -320,6 +320,7 @@ class TrainConfig:
     compile: bool = _f(False, "torch.compile the model (first steps are slow while it compiles)")
     tf32: bool = _f(True, "allow TF32 matmuls on CUDA (ignored on CPU)")
     progress: bool = _f(True, "show a progress bar")
+    tensorboard: bool = _f(False, "also write metrics for TensorBoard to <run>/tensorboard")
 
     def __post_init__(self) -> None:
         _check(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")

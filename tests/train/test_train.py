@@ -154,3 +154,15 @@ def test_microbatching_matches_one_big_batch(tiny_config):
     sb = load_checkpoint(latest_checkpoint(b.run_dir))["model"]
     for k in sa:
         torch.testing.assert_close(sa[k], sb[k], rtol=1e-4, atol=1e-6)
+
+
+def test_tensorboard_scalars_mirror_the_metrics(tiny_config):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = train(_with(tiny_config, train={"steps": 4, "tensorboard": True}), verbose=False).run_dir
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    losses = [e.value for e in events.Scalars("loss")]
+    assert losses == pytest.approx([r["loss"] for r in read_metrics(run)])
+    assert "tau/0" in events.Tags()["scalars"]

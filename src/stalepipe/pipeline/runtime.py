@@ -381,7 +381,7 @@ class _RankZeroLog:
         from stalepipe.train.progress import Progress
 
         self.cfg, self.start = cfg, start
-        self.metrics = MetricsWriter(run_dir, start)
+        self.metrics = MetricsWriter(run_dir, start, cfg.train.tensorboard)
         tc = cfg.train
         self.progress = Progress(total=tc.steps, initial=start, enabled=tc.progress and verbose)
         self.results: list = []

@@ -162,7 +162,7 @@ def _train(
         if verbose:
             print(f"resuming {run_dir} from step {start} ({ckpt.name})")
 
-    metrics = MetricsWriter(run_dir, start) if ctx.is_main else None
+    metrics = MetricsWriter(run_dir, start, tc.tensorboard) if ctx.is_main else None
     tokens_per_step = tc.batch_size * cfg.data.seq_len
     flops_per_step = flops_per_token(cfg.model, cfg.data.seq_len)["total"] * tokens_per_step
     peak = peak_flops(device) * ctx.world_size
