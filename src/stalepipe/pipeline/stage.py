@@ -309,11 +309,14 @@ class StageExecutor:
     def forward(self, step: int, microbatch: int, version: int) -> None:
         """F: run microbatch `microbatch` of step `step` through this stage at `version`."""
         xs, ys = self._batch(step) if (self.first or self.last) else ([], [])
+        # Weights first: a pending update is applied while the activation is still on its
+        # way, not after it arrived (at the start of a step the optimizer step of a later
+        # stage then overlaps the earlier stages' work instead of adding to the critical path).
+        weights = self._weights(version)
         if self.first:
             inp = xs[microbatch]
         else:
             inp = self._take(self._act, (step, microbatch)).requires_grad_()
-        weights = self._weights(version)
         targets = ys[microbatch] if self.last else None
         with _seeded(microbatch_seed(self.seed, self.stage, step, microbatch), self.device):
             with self.autocast():
