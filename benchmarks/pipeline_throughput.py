@@ -27,8 +27,8 @@ from stalepipe.models import build_model, partition
 from stalepipe.optim import build_optimizer, resolve_config
 from stalepipe.optim.schedules import set_peak_lr
 from stalepipe.pipeline.comm import Comm, Topology, init_from_env
+from stalepipe.pipeline.generators import make_schedule
 from stalepipe.pipeline.launch import WorkerPool
-from stalepipe.pipeline.schedule import make_schedule
 from stalepipe.pipeline.stage import StageExecutor
 from stalepipe.pipeline.timing import simulate, summarize, uniform_costs
 

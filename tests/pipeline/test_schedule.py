@@ -11,13 +11,12 @@ import pytest
 
 from stalepipe.config import ConfigError
 from stalepipe.delay.policies import version_used
+from stalepipe.pipeline.generators import SCHEDULES, make_schedule
 from stalepipe.pipeline.schedule import (
-    SCHEDULES,
     Action,
     Schedule,
     ScheduleError,
     execution_order,
-    make_schedule,
     peak_activations,
     peak_versions,
     validate,

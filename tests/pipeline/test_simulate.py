@@ -7,7 +7,7 @@ import pytest
 from stalepipe.config import ConfigError
 from stalepipe.errors import UserError
 from stalepipe.pipeline.gantt import plot_timelines
-from stalepipe.pipeline.schedule import make_schedule
+from stalepipe.pipeline.generators import make_schedule
 from stalepipe.pipeline.simulate import parse_times, simulate_main
 from stalepipe.pipeline.timing import simulate, uniform_costs
 

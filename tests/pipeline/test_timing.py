@@ -7,7 +7,7 @@ import pytest
 from stalepipe.config import ConfigError
 from stalepipe.models.transformer import flops_per_token
 from stalepipe.pipeline.devices import DEVICES, get_device
-from stalepipe.pipeline.schedule import make_schedule
+from stalepipe.pipeline.generators import make_schedule
 from stalepipe.pipeline.timing import (
     analytic_costs,
     simulate,

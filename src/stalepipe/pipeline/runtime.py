@@ -3,7 +3,7 @@
 One process per (stage, replica). Every process builds the same model from the seed, keeps
 its stage, builds the optimizer from the stage's named parameters, wraps it in the delay
 engine's `DelayedOptimizer` (so versions, Taylor and EF are the emulator's code), generates the
-schedule (`pipeline.schedule.make_schedule`, the lists the timing simulator times) and executes
+schedule (`pipeline.generators.make_schedule`, the lists the timing simulator times) and executes
 its own list with `StageExecutor`. Rank 0 writes metrics, prints progress and merges the stage
 checkpoint parts into the stage-agnostic checkpoint of single-process training.
 
@@ -35,7 +35,8 @@ from stalepipe.optim import build_optimizer, resolve_config
 from stalepipe.optim.schedules import apply_lr, lr_multiplier, set_peak_lr
 from stalepipe.pipeline import ckpt as stage_ckpt
 from stalepipe.pipeline.comm import Comm, PeerError, Topology, init_from_env, resolve_backend
-from stalepipe.pipeline.schedule import make_schedule, validate
+from stalepipe.pipeline.generators import make_schedule
+from stalepipe.pipeline.schedule import validate
 from stalepipe.pipeline.stage import TIED_HEAD, TIED_NAME, StageExecutor
 from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from stalepipe.train.loop import TrainResult

@@ -15,7 +15,8 @@ import os
 from stalepipe.config import ConfigError, ModelConfig
 from stalepipe.errors import UserError
 from stalepipe.pipeline.devices import get_device
-from stalepipe.pipeline.schedule import SCHEDULES, Schedule, make_schedule, validate
+from stalepipe.pipeline.generators import SCHEDULES, make_schedule
+from stalepipe.pipeline.schedule import Schedule, validate
 from stalepipe.pipeline.timing import (
     CostModel,
     SimResult,

@@ -1,0 +1,393 @@
+"""Schedule generators: (num_ranks, num_microbatches, num_steps) -> `Schedule`.
+
+GPipe, 1F1B (PipeDream-Flush), interleaved 1F1B, ZB-H1, PipeDream-2BW, PipeDream (weight
+stashing) and WPipe, behind the `SCHEDULES` registry and `make_schedule`. The IR, the validator
+and the schedule analyses live in `pipeline.schedule`; see its docstring for the vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from stalepipe.config import ConfigError
+from stalepipe.delay.policies import max_staleness, staleness, version_used
+from stalepipe.pipeline.schedule import Action, Key, Schedule
+
+Op = tuple[str, int, int, int]  # an action before its version is filled in: Key
+
+
+def _check_sizes(num_ranks: int, num_microbatches: int, num_steps: int) -> None:
+    if num_ranks < 1:
+        raise ConfigError(f"pipeline stages (--stages) must be >= 1, got {num_ranks}")
+    if num_microbatches < 1:
+        raise ConfigError(f"--microbatches must be >= 1, got {num_microbatches}")
+    if num_steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {num_steps}")
+
+
+def _build(
+    name: str,
+    policy: str,
+    num_ranks: int,
+    num_chunks: int,
+    num_microbatches: int,
+    num_steps: int,
+    orders: list[list[Op]],
+    sync_start: int = 0,
+    sync_cooldown: float = 0.0,
+) -> Schedule:
+    """Attach to each op the version the delay policy gives it (GUIDE section 2)."""
+    S = num_ranks * num_chunks
+
+    @functools.cache
+    def ver(s: int, k: int) -> int:
+        return version_used(policy, s, k, S, num_steps, sync_start, sync_cooldown)
+
+    ranks = tuple(
+        tuple(Action(kd, s, k, j, k + 1 if kd == "STEP" else ver(s, k)) for kd, s, k, j in ops)
+        for ops in orders
+    )
+    return Schedule(
+        name=name,
+        num_ranks=num_ranks,
+        num_chunks=num_chunks,
+        num_microbatches=num_microbatches,
+        num_steps=num_steps,
+        policy=policy,
+        ranks=ranks,
+        sync_start=int(sync_start),
+        sync_cooldown=float(sync_cooldown),
+    )
+
+
+def _stream(stage: int, items: list[tuple[int, int]], warmup: int, m: int) -> list[Op]:
+    """1F1B over a stream of (step, microbatch) items on one stage: `warmup` forwards, then
+    alternate one forward and one backward, then drain; STEP k right after step k's last
+    backward. Over one step this is PipeDream-Flush; over many it is the no-flush pipeline."""
+    w = min(warmup, len(items))
+    ops: list[Op] = [("F", stage, k, j) for k, j in items[:w]]
+
+    def backward(k: int, j: int) -> None:
+        ops.append(("B", stage, k, j))
+        if j == m - 1:
+            ops.append(("STEP", stage, k, -1))
+
+    for i in range(len(items) - w):
+        ops.append(("F", stage, *items[w + i]))
+        backward(*items[i])
+    for it in items[len(items) - w :]:
+        backward(*it)
+    return ops
+
+
+def _segments(
+    policy: str, S: int, N: int, sync_start: int, sync_cooldown: float
+) -> list[list[int]]:
+    """Runs of steps pipelined without a flush. A flush goes before step k when some stage must
+    see fresher weights than the no-flush pipeline gives (sync start / cooldown windows)."""
+    nominal = max_staleness(policy, S)
+    segs: list[list[int]] = []
+    for k in range(N):
+        fresher = any(
+            staleness(policy, s, k, S, N, sync_start, sync_cooldown) < nominal[s] for s in range(S)
+        )
+        if not segs or fresher:
+            segs.append([])
+        segs[-1].append(k)
+    return segs
+
+
+def gpipe(num_ranks: int, num_microbatches: int, num_steps: int = 1, **_: object) -> Schedule:
+    """GPipe (Huang et al. 2019): all m forwards, then all m backwards, then the update; a full
+    flush every step. Stashes m microbatches per stage."""
+    _check_sizes(num_ranks, num_microbatches, num_steps)
+    m, orders = num_microbatches, []
+    for s in range(num_ranks):
+        ops: list[Op] = []
+        for k in range(num_steps):
+            ops += [("F", s, k, j) for j in range(m)] + [("B", s, k, j) for j in range(m)]
+            ops.append(("STEP", s, k, -1))
+        orders.append(ops)
+    return _build("gpipe", "sync", num_ranks, 1, m, num_steps, orders)
+
+
+def one_f_one_b(num_ranks: int, num_microbatches: int, num_steps: int = 1, **_: object) -> Schedule:
+    """1F1B / PipeDream-Flush (Narayanan et al. 2021): stage s runs min(P-s-1, m) warm-up
+    forwards, then one forward / one backward; flush and update every step. Same bubble as
+    GPipe, stash min(P-s, m)."""
+    _check_sizes(num_ranks, num_microbatches, num_steps)
+    m, P = num_microbatches, num_ranks
+    orders = [
+        [
+            op
+            for k in range(num_steps)
+            for op in _stream(s, [(k, j) for j in range(m)], P - s - 1, m)
+        ]
+        for s in range(P)
+    ]
+    return _build("1f1b", "sync", P, 1, m, num_steps, orders)
+
+
+def interleaved_1f1b(
+    num_ranks: int, num_microbatches: int, num_steps: int = 1, *, num_chunks: int = 2, **_: object
+) -> Schedule:
+    """Interleaved 1F1B (Megatron-LM, Narayanan et al. SC'21): each rank holds `num_chunks`
+    stages (rank r: stages r, r+R, ...); microbatches go through in groups of R, so the
+    bubble shrinks by the number of chunks. Needs m divisible by R (as in Megatron)."""
+    _check_sizes(num_ranks, num_microbatches, num_steps)
+    R, v, m = num_ranks, num_chunks, num_microbatches
+    if v < 1:
+        raise ConfigError(f"--chunks must be >= 1, got {v}")
+    if m % R:
+        raise ConfigError(
+            f"interleaved-1f1b needs --microbatches divisible by --stages ({m} % {R} != 0)"
+        )
+    total = m * v
+    orders = []
+    for r in range(R):
+
+        def item(i: int, backward: bool, r: int = r) -> tuple[int, int]:
+            # Megatron's order: microbatches in groups of R, chunk by chunk (reversed backward)
+            chunk = (i // R) % v
+            return (v - 1 - chunk if backward else chunk) * R + r, (i // (R * v)) * R + i % R
+
+        warmup = min((R - r - 1) * 2 + (v - 1) * R, total)
+        ops: list[Op] = []
+        for k in range(num_steps):
+            seq: list[tuple[str, int, int]] = [("F", *item(i, False)) for i in range(warmup)]
+            for i in range(total - warmup):
+                seq += [("F", *item(warmup + i, False)), ("B", *item(i, True))]
+            seq += [("B", *item(i, True)) for i in range(total - warmup, total)]
+            for kind, s, j in seq:
+                ops.append((kind, s, k, j))
+                if kind == "B" and j == m - 1:  # last microbatch of this stage: update
+                    ops.append(("STEP", s, k, -1))
+        orders.append(ops)
+    return _build("interleaved-1f1b", "sync", R, v, m, num_steps, orders)
+
+
+def two_bw(
+    num_ranks: int,
+    num_microbatches: int,
+    num_steps: int = 1,
+    *,
+    sync_start: int = 0,
+    sync_cooldown: float = 0.0,
+    **_: object,
+) -> Schedule:
+    """PipeDream-2BW (Narayanan et al. ICML'21): 1F1B over all N*m microbatches without a
+    flush; step k uses version k-1 (double-buffered weights). Needs m >= P-1, else the version
+    a forward needs is not yet created. Sync start/cooldown steps get a flush before them."""
+    _check_sizes(num_ranks, num_microbatches, num_steps)
+    P, m = num_ranks, num_microbatches
+    if m < P - 1:
+        raise ConfigError(
+            f"2bw needs --microbatches >= stages - 1 = {P - 1} (got {m}): with fewer, a forward "
+            f"would need weights not yet updated; raise --microbatches or use fewer --stages"
+        )
+    segs = _segments("2bw", P, num_steps, sync_start, sync_cooldown)
+    orders = [
+        [
+            op
+            for seg in segs
+            for op in _stream(s, [(k, j) for k in seg for j in range(m)], P - s - 1, m)
+        ]
+        for s in range(P)
+    ]
+    return _build("2bw", "2bw", P, 1, m, num_steps, orders, sync_start, sync_cooldown)
+
+
+def pipedream(
+    num_ranks: int,
+    num_microbatches: int,
+    num_steps: int = 1,
+    *,
+    sync_start: int = 0,
+    sync_cooldown: float = 0.0,
+    **_: object,
+) -> Schedule:
+    """PipeDream (Narayanan et al. SOSP'19): weight stashing, one update per microbatch-sized
+    minibatch. The N*m microbatches become N*m steps of one microbatch (so the returned
+    schedule has num_steps = N*m, num_microbatches = 1); stage s keeps P-s versions and has
+    staleness P-1-s. Sync windows count in these minibatch steps."""
+    _check_sizes(num_ranks, num_microbatches, num_steps)
+    P, N = num_ranks, num_steps * num_microbatches
+    segs = _segments("pipedream", P, N, sync_start, sync_cooldown)
+    orders = [
+        [op for seg in segs for op in _stream(s, [(k, 0) for k in seg], P - s - 1, 1)]
+        for s in range(P)
+    ]
+    return _build("pipedream", "pipedream", P, 1, 1, N, orders, sync_start, sync_cooldown)
+
+
+def _list_schedule(
+    name: str,
+    policy: str,
+    R: int,
+    v: int,
+    m: int,
+    N: int,
+    *,
+    split: bool,
+    priority: Callable[[Op], tuple],
+    sync_start: int = 0,
+    sync_cooldown: float = 0.0,
+) -> Schedule:
+    """Greedy list scheduling on unit costs (F = 1, B = 2, BI = BW = 1, STEP = 0): whenever a
+    rank is idle it starts its ready action of best `priority`. The resulting order is the
+    schedule. Per stage, each kind runs in (step, microbatch) order."""
+    S = R * v
+    cost = {"F": 1.0, "B": 2.0, "BI": 1.0, "BW": 1.0, "STEP": 0.0}
+    bk, final = ("BI", "BW") if split else ("B", "B")
+    items = [(k, j) for k in range(N) for j in range(m)]
+    fq = {s: deque(items) for s in range(S)}
+    bq = {s: deque(items) for s in range(S)}
+    wq = {s: deque(items if split else []) for s in range(S)}
+    sq = {s: deque(range(N)) for s in range(S)}
+    queue = {"F": fq, bk: bq, "BW": wq, "STEP": sq}
+    end: dict[Key, float] = {}
+    free = [0.0] * R
+    orders: list[list[Op]] = [[] for _ in range(R)]
+
+    def ok(key: Key, t: float) -> bool:
+        e = end.get(key)
+        return e is not None and e <= t
+
+    def candidates(r: int, t: float) -> Iterator[Op]:
+        for s in range(r, S, R):
+            if sq[s]:
+                k = sq[s][0]
+                if all(ok((final, s, k, j), t) for j in range(m)):
+                    yield ("STEP", s, k, -1)
+            if bq[s]:
+                k, j = bq[s][0]
+                if ok(("F", s, k, j), t) and (s == S - 1 or ok((bk, s + 1, k, j), t)):
+                    yield (bk, s, k, j)
+            if wq[s] and ok(("BI", s, *wq[s][0]), t):
+                yield ("BW", s, *wq[s][0])
+            if fq[s]:
+                k, j = fq[s][0]
+                vv = version_used(policy, s, k, S, N, sync_start, sync_cooldown)
+                if (s == 0 or ok(("F", s - 1, k, j), t)) and (
+                    vv == 0 or ok(("STEP", s, vv - 1, -1), t)
+                ):
+                    yield ("F", s, k, j)
+
+    t, remaining = 0.0, S * (N * m * (3 if split else 2) + N)
+    while remaining:
+        progressed = False
+        for r in range(R):
+            if free[r] > t:
+                continue
+            best = min(candidates(r, t), key=priority, default=None)
+            if best is None:
+                continue
+            kind, s = best[0], best[1]
+            queue[kind][s].popleft()
+            end[best] = free[r] = t + cost[kind]
+            orders[r].append(best)
+            remaining -= 1
+            progressed = True
+        if not progressed:
+            later = [f for f in free if f > t]
+            assert later, f"{name}: list scheduler stuck at t={t}"
+            t = min(later)
+    return _build(name, policy, R, v, m, N, orders, sync_start, sync_cooldown)
+
+
+def zb_h1(num_ranks: int, num_microbatches: int, num_steps: int = 1, **_: object) -> Schedule:
+    """ZB-H1 (Qi et al. ICLR'24, "Zero Bubble Pipeline Parallelism"): the backward is split into
+    BI (input grad, on the critical path) and BW (weight grad, deferrable). Rank i runs 1F1B's
+    P-i-1 warm-up forwards, then F, BI and the BW of the microbatch i places back, so its
+    deferred BWs fill the drain; every rank stashes at most P microbatches, 1F1B's peak. With
+    F = BI = BW the bubble is (P-1)(F+BI-BW) instead of 1F1B's (P-1)(F+BI+BW). Synchronous:
+    flush and update every step."""
+    _check_sizes(num_ranks, num_microbatches, num_steps)
+    P, m = num_ranks, num_microbatches
+    orders = []
+    for i in range(P):
+        warmup, ops = min(P - i - 1, m), []
+        for k in range(num_steps):
+            seq = [("F", j) for j in range(warmup)]
+            for j in range(m - warmup):
+                seq += [("F", warmup + j), ("BI", j)]
+            seq += [("BI", j) for j in range(m - warmup, m)]
+            pending: deque[int] = deque()
+            for kind, j in seq:
+                ops.append((kind, i, k, j))
+                if kind == "BI":
+                    pending.append(j)
+                    if len(pending) > i:  # keep i weight-gradients deferred
+                        ops.append(("BW", i, k, pending.popleft()))
+            ops += [("BW", i, k, j) for j in pending] + [("STEP", i, k, -1)]
+        orders.append(ops)
+    return _build("zb-h1", "sync", P, 1, m, num_steps, orders)
+
+
+def wpipe(
+    num_ranks: int,
+    num_microbatches: int,
+    num_steps: int = 1,
+    *,
+    sync_start: int = 0,
+    sync_cooldown: float = 0.0,
+    **_: object,
+) -> Schedule:
+    """WPipe (Yang et al. ICLR'22): the model is cut into 2R stages in two groups; rank r holds
+    stage r (group 0) and stage R+r (group 1). Group 0 runs the next step's forwards ahead of
+    the current step's backwards (stale by one, two versions); group 1 updates before its
+    next forward (fresh, one version) -- the `wpipe` delay policy. The order comes from greedy
+    list scheduling (backwards first, oldest microbatch first): it reaches 2BW's flush-free
+    throughput for m >= R but stashes more activations than 2BW (the paper's hand-made order
+    may stash fewer; its text does not pin one down)."""
+    _check_sizes(num_ranks, num_microbatches, num_steps)
+    rank_pri = {"STEP": 0, "B": 1, "F": 2}
+    return _list_schedule(
+        "wpipe",
+        "wpipe",
+        num_ranks,
+        2,
+        num_microbatches,
+        num_steps,
+        split=False,
+        priority=lambda op: (rank_pri[op[0]], op[2], op[3], -op[1]),
+        sync_start=sync_start,
+        sync_cooldown=sync_cooldown,
+    )
+
+
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved-1f1b": interleaved_1f1b,
+    "zb-h1": zb_h1,
+    "2bw": two_bw,
+    "pipedream": pipedream,
+    "wpipe": wpipe,
+}
+
+
+def make_schedule(
+    name: str,
+    num_ranks: int,
+    num_microbatches: int,
+    num_steps: int = 1,
+    *,
+    num_chunks: int = 2,
+    sync_start: int = 0,
+    sync_cooldown: float = 0.0,
+) -> Schedule:
+    """The schedule `name` from SCHEDULES; an unknown name raises ConfigError listing them.
+    `num_chunks` is used by interleaved-1f1b only; sync windows by 2bw, pipedream, wpipe."""
+    if name not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+    return SCHEDULES[name](
+        num_ranks,
+        num_microbatches,
+        num_steps,
+        num_chunks=num_chunks,
+        sync_start=sync_start,
+        sync_cooldown=sync_cooldown,
+    )
