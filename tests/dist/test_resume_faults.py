@@ -91,5 +91,7 @@ def test_killed_worker_stops_every_rank(make_cfg):
     assert isinstance(box.get("error"), TrainingError) and "rank 1" in str(box["error"])
     assert all(p.exitcode not in (None, 0) for p in others)  # they failed, not hung
     log0 = (Path(cfg.out_dir) / cfg.name / "logs" / "rank0.log").read_text()
-    assert "rank 1 (stage 1)" in log0
+    # A p2p wait knows which neighbour died; a collective (the gradient-norm exchange) only
+    # knows that one did. The launcher's error above always names the dead rank.
+    assert "rank 1 (stage 1)" in log0 or "a peer failed" in log0
     load_checkpoint(_ckpts(cfg)[-1])  # the last complete checkpoint stays loadable

@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from stalepipe.config import ConfigError, ExperimentConfig
 from stalepipe.data import EVAL_SEED, TokenLoader, check_vocab, ensure_prepared
-from stalepipe.delay import DelayedOptimizer, resolve_delay_config
+from stalepipe.delay import DelayedOptimizer, resolve_delay_config, staleness
 from stalepipe.errors import UserError
-from stalepipe.models import build_model, partition
+from stalepipe.models import build_model, flops_per_token, partition
 from stalepipe.optim import build_optimizer, resolve_config
 from stalepipe.optim.schedules import apply_lr, lr_multiplier, set_peak_lr
 from stalepipe.pipeline import ckpt as stage_ckpt
@@ -389,11 +389,15 @@ class _RankZeroLog:
         self.val_loss = math.nan  # the newest validation loss (shown in the progress bar)
         self.t0 = time.perf_counter()
         self.tokens_per_step = tc.batch_size * cfg.data.seq_len
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)["total"]
+        self.num_stages = cfg.pipeline.num_stages
+        self.delay = resolve_delay_config(cfg.delay, tc)
 
     def drain(self, results: list, val_losses: dict[int, float]) -> None:
         """Write the records of steps whose results arrived since the last call (the
         record format of `train.loop`, `val_loss` at evaluation steps)."""
         tc = self.cfg.train
+        d = self.delay
         while len(self.results) < len(results):
             r = results[len(self.results)]
             self.results.append(r)
@@ -408,9 +412,21 @@ class _RankZeroLog:
                 record.update(
                     lr_mult=lr_multiplier(r.step, tc),
                     grad_norm=r.grad_norm,
-                    tau_stage0=r.tau,
+                    tau=[  # per stage, as train.loop logs it (one definition: delay.policies)
+                        staleness(
+                            d.policy,
+                            s,
+                            r.step,
+                            self.num_stages,
+                            tc.steps,
+                            d.sync_start,
+                            d.sync_cooldown,
+                        )
+                        for s in range(self.num_stages)
+                    ],
                     tokens=done * self.tokens_per_step,
                     tokens_per_s=tok_s,
+                    model_flops_per_s=tok_s * self.flops_per_token,
                 )
             if r.step in val_losses:
                 self.val_loss = record["val_loss"] = val_losses[r.step]
