@@ -74,3 +74,33 @@ def adamw_group_step(group: dict, state: dict) -> None:
             eps=group["eps"],
             weight_decay=group["weight_decay"],
         )
+
+
+class CompositeOptimizer(torch.optim.Optimizer):
+    """An optimizer whose groups run either its own algorithm (`algo == self.algo`) or AdamW
+    (`algo == 'adamw'`: embeddings, head, norms), as Muon and MARS are used for LLMs. One
+    object, one state dict. Subclasses implement `_step_group`; `p.grad` is only read."""
+
+    algo: str
+
+    def __init__(self, param_groups: list[dict]) -> None:
+        super().__init__(param_groups, defaults={})
+        for group in self.param_groups:
+            assert group.get("algo") in (self.algo, "adamw"), group.get("algo")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient; `p.grad` is only read."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["algo"] == "adamw":
+                adamw_group_step(group, self.state)
+            else:
+                self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict) -> None:
+        raise NotImplementedError

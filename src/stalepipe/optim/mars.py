@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from stalepipe.optim.adamw import adamw_group_step
+from stalepipe.optim.adamw import CompositeOptimizer
 
 
 @torch.no_grad()
@@ -58,49 +58,35 @@ def mars_update(
     last_grad.copy_(grad)
 
 
-class MARS(torch.optim.Optimizer):
+class MARS(CompositeOptimizer):
     """MARS-AdamW for groups with `algo='mars'` (`lr, betas, eps, weight_decay, gamma`), AdamW for
     groups with `algo='adamw'` (`lr, betas, eps, weight_decay`). Never modifies `p.grad`."""
 
-    def __init__(self, param_groups: list[dict]) -> None:
-        super().__init__(param_groups, defaults={})
-        for group in self.param_groups:
-            assert group.get("algo") in ("mars", "adamw"), group.get("algo")
+    algo = "mars"
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One update of every parameter that has a gradient; `p.grad` is only read."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            if group["algo"] == "adamw":
-                adamw_group_step(group, self.state)
+    def _step_group(self, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
                 continue
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                    state["last_grad"] = torch.zeros_like(p)
-                state["step"] += 1
-                mars_update(
-                    p,
-                    p.grad,
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
-                    state["last_grad"],
-                    step=state["step"],
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    gamma=group["gamma"],
-                )
-        return loss
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+                state["last_grad"] = torch.zeros_like(p)
+            state["step"] += 1
+            mars_update(
+                p,
+                p.grad,
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                state["last_grad"],
+                step=state["step"],
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                gamma=group["gamma"],
+            )

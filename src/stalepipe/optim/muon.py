@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from stalepipe.optim.adamw import adamw_group_step
+from stalepipe.optim.adamw import CompositeOptimizer
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic coefficients of Jordan's reference
 NS_EPS = 1e-7
@@ -87,7 +87,7 @@ def muon_update(
     p.add_(ortho.view_as(p), alpha=-lr * lr_scale(mat.size(0), mat.size(1), scale))
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(CompositeOptimizer):
     """Muon for groups with `algo='muon'`, AdamW for groups with `algo='adamw'`.
 
     Muon groups need `lr, weight_decay, momentum, nesterov, ns_steps, scale`; AdamW groups need
@@ -95,38 +95,24 @@ class Muon(torch.optim.Optimizer):
     directly only for custom groupings. Never modifies `p.grad`.
     """
 
-    def __init__(self, param_groups: list[dict]) -> None:
-        super().__init__(param_groups, defaults={})
-        for group in self.param_groups:
-            assert group.get("algo") in ("muon", "adamw"), group.get("algo")
+    algo = "muon"
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One update of every parameter that has a gradient; `p.grad` is only read."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            if group["algo"] == "adamw":
-                adamw_group_step(group, self.state)
+    def _step_group(self, group: dict) -> None:
+        for p in group["params"]:
+            if p.grad is None:
                 continue
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                assert p.ndim >= 2, "Muon groups hold matrices only"
-                state = self.state[p]
-                if not state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                muon_update(
-                    p,
-                    p.grad,
-                    state["momentum_buffer"],
-                    lr=group["lr"],
-                    weight_decay=group["weight_decay"],
-                    momentum=group["momentum"],
-                    nesterov=group["nesterov"],
-                    ns_steps=group["ns_steps"],
-                    scale=group["scale"],
-                )
-        return loss
+            assert p.ndim >= 2, "Muon groups hold matrices only"
+            state = self.state[p]
+            if not state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            muon_update(
+                p,
+                p.grad,
+                state["momentum_buffer"],
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                momentum=group["momentum"],
+                nesterov=group["nesterov"],
+                ns_steps=group["ns_steps"],
+                scale=group["scale"],
+            )
