@@ -30,9 +30,24 @@ def tiny_config(tmp_path, excerpt_data_dir) -> ExperimentConfig:
     return ExperimentConfig(
         name="tiny",
         out_dir=str(tmp_path / "runs"),
-        model=ModelConfig(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                          ffn_dim=128, max_seq_len=32),
+        model=ModelConfig(
+            vocab_size=256,
+            dim=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            ffn_dim=128,
+            max_seq_len=32,
+        ),
         data=DataConfig(corpus="excerpt", data_dir=excerpt_data_dir, seq_len=32),
-        train=TrainConfig(steps=12, batch_size=4, num_microbatches=2, warmup_steps=2,
-                          eval_every=6, eval_batches=2, log_every=1, progress=False),
+        train=TrainConfig(
+            steps=12,
+            batch_size=4,
+            num_microbatches=2,
+            warmup_steps=2,
+            eval_every=6,
+            eval_batches=2,
+            log_every=1,
+            progress=False,
+        ),
     )
