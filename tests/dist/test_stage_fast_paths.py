@@ -1,5 +1,5 @@
 """The runtime's fast paths against the obvious references they replace (GUIDE 4.6):
-`_Reparametrized` vs `torch.func.functional_call`, `_seeded` vs `fork_rng` + `manual_seed`.
+`Reparametrized` vs `torch.func.functional_call`, `seeded` vs `fork_rng` + `manual_seed`.
 In-process; the multi-process tests check the whole runtime bit for bit on top."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from torch.func import functional_call
 
 from stalepipe.config import ModelConfig
 from stalepipe.models import build_model, partition
-from stalepipe.pipeline.stage import _Reparametrized, _seeded
+from stalepipe.delay.rng import seeded
+from stalepipe.pipeline.reparam import Reparametrized
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -39,7 +40,7 @@ def test_reparametrized_equals_functional_call(P, tied):
         weights = {n: (p.detach() * 1.01).requires_grad_() for n, p in params.items()}
         inp = h if stage.spec.is_first else h.detach().requires_grad_()
         targets = y if last else None
-        out, aux = _Reparametrized(stage)(weights, inp, targets)
+        out, aux = Reparametrized(stage)(weights, inp, targets)
         ref = functional_call(stage, weights, (inp, targets) if last else (inp,))
         assert aux is None and torch.equal(out, ref)
         leaves = list(weights.values())
@@ -52,10 +53,10 @@ def test_reparametrized_equals_functional_call(P, tied):
         h = out
 
 
-def test_seeded_equals_fork_rng_manual_seed():
+def testseeded_equals_fork_rng_manual_seed():
     torch.manual_seed(123)
     outer = torch.get_rng_state()
-    with _seeded(42, torch.device("cpu")):
+    with seeded(42, torch.device("cpu")):
         fast = torch.rand(5)
     assert torch.equal(torch.get_rng_state(), outer)
     with torch.random.fork_rng(devices=[]):

@@ -31,6 +31,7 @@ from torch import nn
 
 from stalepipe.config import ConfigError, DelayConfig
 from stalepipe.delay.delayed_optimizer import DelayedOptimizer
+from stalepipe.delay.rng import seeded
 
 Microbatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -168,7 +169,7 @@ class DelayEmulator:
             for s, stage in enumerate(self.stages):
                 inp = h if s == 0 else h.detach().requires_grad_(h.is_floating_point())
                 targets = y if s == last else None
-                with _seeded(microbatch_seed(self.seed, s, step, j), x.device):
+                with seeded(microbatch_seed(self.seed, s, step, j), x.device):
                     if hasattr(stage, "forward_with_aux"):
                         out, aux = stage.forward_with_aux(inp, targets)
                     else:
@@ -280,11 +281,3 @@ def _ownership(
                 mine[f"{mod_name}.{attr}" if mod_name else attr] = p
         owned.append(mine)
     return owned, shared
-
-
-@contextlib.contextmanager
-def _seeded(seed: int, device: torch.device) -> Iterator[None]:
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield

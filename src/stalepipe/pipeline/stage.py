@@ -39,7 +39,9 @@ import torch
 from torch import nn
 
 from stalepipe.delay import DelayedOptimizer, microbatch_seed, version_used
+from stalepipe.delay.rng import seeded
 from stalepipe.pipeline.comm import Comm, Pending
+from stalepipe.pipeline.reparam import Reparametrized
 from stalepipe.pipeline.schedule import Action, Schedule
 
 TIED_NAME = "tok_emb.weight"  # owned by stage 0
@@ -144,7 +146,7 @@ class StageExecutor:
         self.autocast = autocast
         self.act_shape, self.act_dtype = act_shape, act_dtype
         self.device = next(module.parameters()).device
-        self._run_at = _Reparametrized(module)
+        self._run_at = Reparametrized(module)
         self.val_batch, self.num_val_batches = val_batch, num_val_batches
         self.eval_steps = set(eval_steps)
         self.val_losses: dict[int, float] = {}
@@ -318,7 +320,7 @@ class StageExecutor:
         else:
             inp = self._take(self._act, (step, microbatch)).requires_grad_()
         targets = ys[microbatch] if self.last else None
-        with _seeded(microbatch_seed(self.seed, self.stage, step, microbatch), self.device):
+        with seeded(microbatch_seed(self.seed, self.stage, step, microbatch), self.device):
             with self.autocast():
                 out, aux = self._run_at(weights, inp, targets)
             if self.last:
@@ -620,47 +622,6 @@ class StageExecutor:
         return self.tied_versions[max(self.tied_versions)]
 
 
-class _Reparametrized:
-    """Calls a stage with given tensors in place of its parameters, by global name, as the
-    emulator calls it (`forward_with_aux` when the stage has one: MoE), returning (output,
-    auxiliary loss or None).
-
-    What `torch.func.functional_call` does, minus its per-call generality (name parsing,
-    tie detection, buffer handling): the slots are resolved once, and a call sets and restores
-    one dict entry per parameter. The runtime calls it for every microbatch. A parameter that
-    appears under several names (a tied embedding when one stage holds both ends) is swapped
-    everywhere under its first name, as `functional_call`'s `tie_weights` does."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.slots: dict[str, list[tuple[nn.Module, str]]] = {}
-        first: dict[int, str] = {}
-        seen: set[tuple[int, str]] = set()
-        for mod_name, mod in module.named_modules(remove_duplicate=False):
-            for attr, p in mod._parameters.items():
-                if p is None or (id(mod), attr) in seen:
-                    continue
-                seen.add((id(mod), attr))
-                name = first.setdefault(id(p), f"{mod_name}.{attr}" if mod_name else attr)
-                self.slots.setdefault(name, []).append((mod, attr))
-        self.fn = getattr(module, "forward_with_aux", None)
-
-    def __call__(self, weights: dict[str, torch.Tensor], x: torch.Tensor, targets=None):
-        saved = []
-        try:
-            for name, t in weights.items():
-                for mod, attr in self.slots[name]:
-                    saved.append((mod, attr, mod._parameters[attr]))
-                    mod._parameters[attr] = t
-            if self.fn is not None:
-                return self.fn(x, targets)
-            m = self.module
-            return (m(x, targets) if targets is not None else m(x)), None
-        finally:
-            for mod, attr, p in reversed(saved):
-                mod._parameters[attr] = p
-
-
 def _loss_of(gathered: list[torch.Tensor]) -> float:
     """The step's loss: the last stage's, plus the other stages' auxiliary losses."""
     return sum(float(g[-1]) for g in gathered[::-1])
@@ -673,22 +634,3 @@ def _outputs(st: _Stash, grad_out: torch.Tensor | None) -> tuple[list, list]:
         outs.append(st.aux)
         gouts.append(None)
     return outs, gouts
-
-
-@contextlib.contextmanager
-def _seeded(seed: int, device: torch.device):
-    """Run the block with the device's generator seeded by `seed`, then restore it: what the
-    emulator's `torch.random.fork_rng` + `torch.manual_seed` do to the generator this stage
-    draws from (same state, same numbers), without their per-call cost (manual_seed also queues
-    lazy seeding of every other accelerator type; about 1 ms a call)."""
-    gens = [torch.default_generator]
-    if device.type == "cuda":
-        gens.append(torch.cuda.default_generators[device.index or 0])
-    states = [g.get_state() for g in gens]
-    for g in gens:
-        g.manual_seed(seed)
-    try:
-        yield
-    finally:
-        for g, st in zip(gens, states, strict=True):
-            g.set_state(st)
