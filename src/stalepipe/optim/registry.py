@@ -103,8 +103,17 @@ def _named_group(params: list[tuple[str, nn.Parameter]], kind: str, **hyper: Any
 
 
 def _build_adamw(cfg: OptimConfig, split: ParamSplit) -> torch.optim.Optimizer:
+    groups = _decay_groups(cfg, split)
+    # torch's fused kernel: one pass over each tensor, about twice as fast as the foreach path
+    # on CPU (benchmarks/optimizer_step.py) and faster on GPU. Both engines build their AdamW
+    # here, so they stay bitwise equal to each other.
+    fused = all(
+        p.is_floating_point() and p.device.type in ("cpu", "cuda")
+        for g in groups
+        for _, p in g["params"]
+    )
     return torch.optim.AdamW(
-        _decay_groups(cfg, split), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None
     )
 
 
