@@ -5,8 +5,8 @@
 Same model, P=2 processes (gloo, one CPU thread each), m microbatches per step, AdamW, no
 clipping. For each m: tokens/s of our gpipe, 1f1b and 2bw (executing the schedule IR) and of
 torch's ScheduleGPipe and Schedule1F1B; the measured bubble fraction of our schedules
-(1 - busy compute / wall, per rank, averaged) next to the timing simulator's prediction from
-the measured forward/backward times. Goals (issue 6): 2bw / our 1f1b >= 0.95 (m+P-1)/m;
+(1 - busy / wall, per rank, averaged; busy = forward, backward and the update) next to the
+timing simulator's prediction from that run's measured forward, backward and optimizer times. Goals (issue 6): 2bw / our 1f1b >= 0.95 (m+P-1)/m;
 our 1f1b >= 0.95x torch's Schedule1F1B. Machines here are shared: the contenders run
 interleaved, `--repeats` rounds, and the table shows medians (ratios: medians of the per-round
 ratios); read ratios, not absolutes.
@@ -98,7 +98,11 @@ def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: 
         return run
 
     ex.forward, ex.backward = timed(ex.forward, "F"), timed(ex.backward, "B")
-    spans["W"] = []
+    # The update is work too: STEP (post_step) and the optimizer step (apply_next, which runs
+    # inside a forward or a STEP) count as busy, as the simulator's optimizer cost does.
+    spans["S"], spans["A"], spans["W"] = [], [], []
+    for attr, kind in (("post_step", "S"), ("apply_next", "A")):
+        setattr(ex, attr, _timed_call(getattr(ex, attr), spans[kind]))
     take = ex._take
 
     def timed_take(*a):  # waiting for a peer inside F/B is bubble, not work
@@ -120,18 +124,38 @@ def _window(reports: list[dict]) -> tuple[float, float]:
     return reports[0]["marks"]["start"], max(r["marks"]["end"] for r in reports)
 
 
-def _busy(report: dict, t0: float, t1: float) -> float:
-    def total(kind: str) -> float:
-        return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in report["spans"][kind])
+def _timed_call(fn, out: list):
+    def run(*a, **kw):
+        t = time.perf_counter()
+        r = fn(*a, **kw)
+        out.append((t, time.perf_counter()))
+        return r
 
-    return total("F") + total("B") - total("W")
+    return run
+
+
+def _union(spans: list[tuple[float, float]], t0: float, t1: float) -> float:
+    """Length of the union of `spans` clipped to [t0, t1] (apply spans nest in F and STEP)."""
+    total, end = 0.0, t0
+    for a, b in sorted(spans):
+        a, b = max(a, end), min(b, t1)
+        if b > a:
+            total += b - a
+            end = b
+    return total
+
+
+def _busy(report: dict, t0: float, t1: float) -> float:
+    sp = report["spans"]
+    return _union(sp["F"] + sp["B"] + sp["S"] + sp["A"], t0, t1) - _union(sp["W"], t0, t1)
 
 
 def _mean(report: dict, kind: str) -> float:
-    waits = sorted(report["spans"]["W"])
+    """Median duration of `kind` spans, minus the waits and the updates nested inside."""
+    inner = sorted(report["spans"]["W"] + (report["spans"]["A"] if kind != "A" else []))
     xs = []
-    for a, b in report["spans"][kind]:  # compute time: minus the waits inside
-        xs.append(b - a - sum(min(y, b) - max(x, a) for x, y in waits if x < b and y > a))
+    for a, b in report["spans"][kind]:
+        xs.append(b - a - sum(min(y, b) - max(x, a) for x, y in inner if x < b and y > a))
     return sorted(xs)[len(xs) // 2]  # median: robust to the shared machine's hiccups
 
 
@@ -249,15 +273,17 @@ def _print_row(m: int, rounds: list[dict], args) -> None:
     def ratio(a: str, b: str) -> float:  # median of the per-round (paired) ratios
         return _median([t[a] / t[b] for t, _ in measured])
 
-    last = rounds[-1]
-    f = [_mean(r, "F") for r in last["1f1b"]]
-    b = [_mean(r, "B") for r in last["1f1b"]]
-    costs = uniform_costs(P, forward=f, backward_input=b, backward_weight=0.0)
     steps = args.steps - args.warmup
     pred = {}
-    for name in ("gpipe", "1f1b", "2bw"):
-        s = summarize(simulate(make_schedule(name, P, m, steps), costs))
-        pred[name] = s.bubble
+    for name in ("gpipe", "1f1b", "2bw"):  # each from its own measured costs (last round)
+        costs = uniform_costs(
+            P,
+            forward=[_mean(r, "F") for r in rounds[-1][name]],
+            backward_input=[_mean(r, "B") for r in rounds[-1][name]],
+            backward_weight=0.0,
+            optimizer=[_mean(r, "A") for r in rounds[-1][name]],
+        )
+        pred[name] = summarize(simulate(make_schedule(name, P, m, steps), costs)).bubble
     print(
         f"\nm={m}  (P={P}, {args.mb}x{args.seq} tokens per microbatch, {steps} timed steps, "
         f"medians of {len(rounds)} interleaved rounds)"

@@ -263,3 +263,30 @@ def test_state_dict_roundtrip_mid_run_is_bitwise():
         dopt2.step()
         dopt2.zero_grad()
     assert all(torch.equal(a, b) for a, b in zip(ws2, full[-1], strict=True))
+
+
+@pytest.mark.parametrize(
+    "cfg", [DelayConfig(policy="2bw"), DelayConfig(policy="pipedream", ef=True), DelayConfig()]
+)
+def test_live_in_use_keeps_held_tensors_and_the_trajectory(cfg):
+    """step(live_in_use=True) (the runtime's forwards in flight hold the live tensors): what
+    was held before the step is unchanged after it, the stored W_k is that very storage, and
+    the trajectory is bitwise the one of plain steps."""
+    T = 6
+    ref, _, _ = run(cfg, T, opt_fn=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9))
+    ws = init()
+    opt = torch.optim.SGD(ws, lr=LR, momentum=0.9)
+    dopt = DelayedOptimizer(opt, [[w] for w in ws], cfg, T)
+    for k in range(T):
+        with dopt.stale_weights():
+            loss_fn(ws).backward()
+        held = [w.detach() for w in ws]  # what a graph in flight would hold
+        values = [h.clone() for h in held]
+        dopt.step(live_in_use=True)
+        dopt.zero_grad()
+        for s, (h, v) in enumerate(zip(held, values, strict=True)):
+            assert torch.equal(h, v), (k, s)
+            assert h.data_ptr() != ws[s].data_ptr(), (k, s)
+            if k in dopt.kept_versions()[s][:-1]:
+                assert dopt.weights_at(s, k)[0].data_ptr() == h.data_ptr(), (k, s)
+        assert_traj_equal(ref[k + 1 : k + 2], [[w.detach() for w in ws]])

@@ -253,10 +253,15 @@ class DelayedOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
-    def step(self) -> dict[str, Any]:
+    def step(self, *, live_in_use: bool = False) -> dict[str, Any]:
         """Apply step k's update: Taylor compensation of the stale gradient, `optimizer.step()`
         on the newest weights, error feedback, version bookkeeping. Returns {"tau": [per
-        stage]}, the staleness this step's gradient had."""
+        stage]}, the staleness this step's gradient had.
+
+        `live_in_use`: autograd graphs still hold the live tensors (the pipeline runtime's
+        forwards in flight), so they must not change: the parameters move to new storage and
+        the old storage becomes the stored W_k (one copy, where clone-then-store makes two).
+        """
         k = self._check_step(None)
         cfg = self.cfg
         taus = self.staleness(k)
@@ -280,7 +285,7 @@ class DelayedOptimizer:
             hist = self._history[s]
             for v in [v for v in hist if v not in needed]:
                 self._spare[s] = hist.pop(v)
-            if k in needed:
+            if k in needed or live_in_use:
                 buf = self._spare[s]
                 self._spare[s] = None
                 if buf is None:
@@ -288,8 +293,14 @@ class DelayedOptimizer:
                 else:
                     for b, p in zip(buf, self._params[s], strict=True):
                         b.copy_(p.detach())
-                hist[k] = buf
-                w_k[s] = buf
+                if live_in_use:  # the copy becomes the live weights; the original is W_k
+                    held = [p.data for p in self._params[s]]
+                    for b, p in zip(buf, self._params[s], strict=True):
+                        p.data = b
+                    buf = held
+                if k in needed:
+                    hist[k] = buf
+                    w_k[s] = buf
             if not hist:
                 self._spare[s] = None  # no delayed step ahead: free the memory
 

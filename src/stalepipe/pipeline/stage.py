@@ -482,13 +482,10 @@ class StageExecutor(StageEvaluation):
         else:
             for n, p in self.owned.items():
                 p.grad = post.grads.get(n)
-        # Graphs still waiting for their backward hold the live tensors: give the optimizer
-        # fresh storage so the in-place update cannot reach them.
-        if self._live_inflight.get(self.delayed.step_count):
-            for p in self.owned.values():
-                p.data = p.data.clone()
         self.lr_fn(k)
-        info = self.delayed.step()
+        # Graphs still waiting for their backward hold the live tensors: the update must go
+        # to new storage so that it cannot reach them.
+        info = self.delayed.step(live_in_use=bool(self._live_inflight.get(k)))
         self.delayed.zero_grad(set_to_none=True)
         kept = len(self.delayed.kept_versions()[self.stage])
         self.peak_versions = max(self.peak_versions, kept)
