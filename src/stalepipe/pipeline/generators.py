@@ -7,6 +7,7 @@ and the schedule analyses live in `pipeline.schedule`; see its docstring for the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -367,6 +368,25 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "pipedream": pipedream,
     "wpipe": wpipe,
 }
+
+
+def one_stage_per_rank(sched: Schedule) -> Schedule:
+    """`sched` with every stage on a rank of its own (num_chunks 1, rank = stage): each stage
+    keeps its actions in its rank's order, so an interleaved schedule runs on one process per
+    stage. Dropping the order between the stages of a rank adds no dependency, so a schedule
+    that executes without deadlock still does. Schedules without chunks come back unchanged."""
+    if sched.num_chunks == 1:
+        return sched
+    lists: list[list[Action]] = [[] for _ in range(sched.num_stages)]
+    for _, _, a in sched.actions():
+        lists[a.stage].append(a)
+    return dataclasses.replace(
+        sched,
+        num_ranks=sched.num_stages,
+        num_chunks=1,
+        ranks=tuple(tuple(acts) for acts in lists),
+        _index={},
+    )
 
 
 def make_schedule(

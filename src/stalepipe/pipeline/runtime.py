@@ -35,15 +35,22 @@ from stalepipe.optim import build_optimizer, resolve_config
 from stalepipe.optim.schedules import apply_lr, lr_multiplier, set_peak_lr
 from stalepipe.pipeline import ckpt as stage_ckpt
 from stalepipe.pipeline.comm import Comm, PeerError, Topology, init_from_env, resolve_backend
-from stalepipe.pipeline.generators import make_schedule
-from stalepipe.pipeline.schedule import validate
+from stalepipe.pipeline.generators import make_schedule, one_stage_per_rank
+from stalepipe.pipeline.schedule import Schedule, validate
 from stalepipe.pipeline.stage import TIED_HEAD, TIED_NAME, StageExecutor
 from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from stalepipe.train.loop import TrainResult
 from stalepipe.train.rundir import MetricsWriter, open_run_dir
 
 # Schedules the runtime executes, and the delay policy each one realises.
-RUNTIME_SCHEDULES = {"gpipe": "sync", "1f1b": "sync", "2bw": "2bw", "pipedream": "pipedream"}
+RUNTIME_SCHEDULES = {
+    "gpipe": "sync",
+    "1f1b": "sync",
+    "zb-h1": "sync",
+    "2bw": "2bw",
+    "pipedream": "pipedream",
+    "wpipe": "wpipe",
+}
 PREPARED_ENV = "STALEPIPE_RUN_PREPARED"  # set by the spawning launcher: run dir already open
 
 last_report: dict[str, Any] | None = None  # this process's final state (see `worker_entry`)
@@ -68,6 +75,19 @@ def check_config(cfg: ExperimentConfig) -> None:
             "pipeline.schedule pipedream updates after every microbatch-sized minibatch: set "
             "--train.num_microbatches 1 (and --train.batch_size to the minibatch size)"
         )
+    if pc.schedule == "wpipe" and pc.num_stages % 2:
+        raise ConfigError(
+            f"pipeline.schedule wpipe splits the model into two equal groups of stages (two per "
+            f"WPipe worker), so pipeline.num_stages must be even, got {pc.num_stages}; pass "
+            f"--pipeline.num_stages {pc.num_stages + 1}"
+        )
+    if pc.schedule == "2bw" and tc.num_microbatches < pc.num_stages - 1:
+        raise ConfigError(
+            f"pipeline.schedule 2bw needs train.num_microbatches >= pipeline.num_stages - 1 = "
+            f"{pc.num_stages - 1} (a forward would need weights not yet updated), got "
+            f"{tc.num_microbatches}; raise --train.num_microbatches or lower "
+            f"--pipeline.num_stages"
+        )
     if tc.batch_size % (tc.num_microbatches * pc.data_parallel):
         raise ConfigError(
             f"train.batch_size ({tc.batch_size}) must be divisible by train.num_microbatches x "
@@ -75,6 +95,33 @@ def check_config(cfg: ExperimentConfig) -> None:
         )
     if cfg.delay.taylor > 0 and pc.num_stages > 1:
         pass  # Taylor compensation is per stage in DelayedOptimizer: supported as is.
+    try:  # whatever else the generator refuses, in the runtime's own option names
+        runtime_schedule(cfg, num_steps=min(tc.steps, 2))
+    except ConfigError as e:
+        raise ConfigError(
+            f"pipeline.schedule {pc.schedule} with pipeline.num_stages {pc.num_stages} and "
+            f"train.num_microbatches {tc.num_microbatches} is refused by its generator: {e}"
+        ) from None
+
+
+def runtime_schedule(cfg: ExperimentConfig, num_steps: int | None = None) -> Schedule:
+    """The schedule the runtime executes for `cfg`: one rank per stage. WPipe's generator puts
+    two stages (one of each group) on each of num_stages / 2 ranks; the runtime runs every
+    stage in its own process, each in its rank's order (`one_stage_per_rank`)."""
+    pc, tc = cfg.pipeline, cfg.train
+    delay_cfg = resolve_delay_config(cfg.delay, tc)
+    interleaved = pc.schedule == "wpipe"
+    sched = make_schedule(
+        pc.schedule,
+        pc.num_stages // 2 if interleaved else pc.num_stages,
+        tc.num_microbatches,
+        tc.steps if num_steps is None else num_steps,
+        sync_start=delay_cfg.sync_start,
+        sync_cooldown=delay_cfg.sync_cooldown,
+    )
+    sched = one_stage_per_rank(sched)
+    assert sched.num_stages == pc.num_stages, (sched.num_stages, pc.num_stages)
+    return sched
 
 
 def _tee(path: Path, console: bool):
@@ -214,14 +261,7 @@ def _run(cfg, comm, topo, rank, device, run_dir, resume, verbose) -> TrainResult
         if verbose and rank == 0:
             print(f"resuming {run_dir} from step {start} ({ckpt_path.name})")
 
-    sched = make_schedule(
-        pc.schedule,
-        P,
-        m,
-        N,
-        sync_start=delay_cfg.sync_start,
-        sync_cooldown=delay_cfg.sync_cooldown,
-    )
+    sched = runtime_schedule(cfg)
     if N * m * P <= 20000:
         validate(sched)
     actions = [a for a in sched.ranks[stage] if a.step >= start]

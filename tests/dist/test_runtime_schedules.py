@@ -1,0 +1,245 @@
+"""The runtime's zb-h1 and wpipe schedules, and MoE models on the runtime, against the
+single-process engines (gloo, spawn, one thread each; fixtures in tests/dist/conftest.py).
+
+- zb-h1 (sync, backward split into BI and BW) == plain gradient accumulation, bit for bit;
+- wpipe (first half of the stages stale by one, second half fresh; each of WPipe's 2R
+  partitions in a process of its own) == the emulator's exact mode, bit for bit, tied
+  embeddings included; weight versions kept: 2 in the first half, 1 in the second;
+- MoE with its auxiliary losses on: 2bw == the emulator's exact mode and 1f1b == the plain
+  loop, bit for bit, and the logged loss adds the auxiliary losses as the loop's does;
+- `stalepipe train --pipeline.engine distributed --pipeline.schedule wpipe` end to end;
+- what the runtime refuses for these schedules: one-line ConfigErrors naming the fix.
+The model has no dropout (models/layers.py), so no test here can exercise per-microbatch RNG.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from stalepipe.cli import main
+from stalepipe.config import ConfigError
+from stalepipe.data import TokenLoader
+from stalepipe.models import build_model
+from stalepipe.pipeline.generators import make_schedule, one_stage_per_rank
+from stalepipe.pipeline.runtime import check_config, runtime_schedule
+from stalepipe.pipeline.schedule import peak_versions, validate
+from stalepipe.presets import PRESETS
+from stalepipe.train.rundir import read_metrics
+
+
+def _moe(cfg, **model_kw):
+    """`cfg` with cpu-moe's router (8 experts, top-2), experts as wide as the fixture's MLP."""
+    moe = PRESETS["cpu-moe"]().model
+    model = dataclasses.replace(
+        cfg.model,
+        num_experts=moe.num_experts,
+        top_k=moe.top_k,
+        expert_ffn_dim=cfg.model.ffn_dim // 2,
+        aux_loss_weight=0.01,
+        z_loss_weight=0.001,
+        **model_kw,
+    )
+    return dataclasses.replace(cfg, model=model)
+
+
+def _losses(cfg, name: str | None = None) -> list[float]:
+    return [r["loss"] for r in read_metrics(Path(cfg.out_dir) / (name or cfg.name))]
+
+
+def _rank0(reports: list[dict]) -> dict:
+    return next(r for r in reports if r["rank"] == 0)
+
+
+# --------------------------------------------------------------------------------------------
+# zb-h1
+# --------------------------------------------------------------------------------------------
+
+
+# StageExecutor.backward calls autograd.grad with no inputs for a BI on stage 0 (it wants no
+# input gradient there, and a BI computes no weight gradient): the fix belongs in
+# pipeline/stage.py, see the reason below. The short timeout makes the failing run end soon.
+ZB_STAGE0_BI = pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="pipeline/stage.py StageExecutor.backward: a BI on the first stage has no gradient "
+    "to compute (autograd.grad raises '`inputs` argument to `grad()` cannot be empty'); it "
+    "should only keep grad_out for its BW",
+)
+
+
+def _zb_h1_case(P, m, make_cfg, run_dist, dist_utils) -> None:
+    cfg = make_cfg("zb-h1", P, m, tied=False)
+    cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, timeout_s=3))
+    assert any(a.kind == "BW" for a in runtime_schedule(cfg).ranks[0])  # the split backward
+    run_dist(cfg)
+    ref = dist_utils["reference"](cfg, mode="fast")  # sync + fast = the plain loop
+    dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), ref)
+    assert _losses(cfg) == pytest.approx(_losses(cfg, "ref"), rel=1e-6)
+
+
+@ZB_STAGE0_BI
+def test_zb_h1_equals_gradient_accumulation(make_cfg, run_dist, dist_utils):
+    _zb_h1_case(2, 3, make_cfg, run_dist, dist_utils)
+
+
+@pytest.mark.slow
+@ZB_STAGE0_BI
+def test_zb_h1_equals_gradient_accumulation_p4(make_cfg, run_dist, dist_utils):
+    _zb_h1_case(4, 4, make_cfg, run_dist, dist_utils)
+
+
+# --------------------------------------------------------------------------------------------
+# wpipe
+# --------------------------------------------------------------------------------------------
+
+
+def _wpipe_case(P, m, make_cfg, run_dist, dist_utils, **kw) -> None:
+    cfg = make_cfg("wpipe", P, m, tied=True, steps=5, **kw)
+    sched = runtime_schedule(cfg)
+    validate(sched)
+    want = [2] * (P // 2) + [1] * (P // 2)  # group 0 double-buffered, group 1 fresh
+    assert peak_versions(sched) == want
+    reports = run_dist(cfg)
+    dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), dist_utils["reference"](cfg))
+    assert {r["stage"]: r["peak_versions"] for r in reports} == dict(enumerate(want))
+    first, last = (next(r for r in reports if r["stage"] == s) for s in (0, P - 1))
+    assert torch.equal(last["tied_head"], first["weights"]["tok_emb.weight"])
+    tau = [r["tau"] for r in read_metrics(Path(cfg.out_dir) / cfg.name)]
+    assert tau[-1] == [1] * (P // 2) + [0] * (P // 2)
+    assert _losses(cfg) == pytest.approx(_losses(cfg, "ref"), rel=1e-6)
+
+
+def test_wpipe_equals_emulator_exact(make_cfg, run_dist, dist_utils):
+    _wpipe_case(2, 2, make_cfg, run_dist, dist_utils)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("m", [2, 4])
+def test_wpipe_equals_emulator_exact_p4(m, make_cfg, run_dist, dist_utils):
+    _wpipe_case(4, m, make_cfg, run_dist, dist_utils)
+
+
+@pytest.mark.slow
+def test_wpipe_sync_windows_equal_emulator_exact(make_cfg, run_dist, dist_utils):
+    cfg = make_cfg("wpipe", 2, 2, steps=6)
+    cfg = dataclasses.replace(
+        cfg, delay=dataclasses.replace(cfg.delay, sync_start=2, sync_cooldown=1)
+    )
+    run_dist(cfg)
+    dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), dist_utils["reference"](cfg))
+
+
+# --------------------------------------------------------------------------------------------
+# MoE
+# --------------------------------------------------------------------------------------------
+
+
+def _step0_losses(cfg) -> tuple[float, float]:
+    """(training loss with the auxiliary losses, cross-entropy only) of step 0 at W_0, as the
+    plain loop computes them: mean over the microbatches of the whole model."""
+    model = build_model(cfg.model, cfg.train.seed)
+    loader = TokenLoader(cfg.data.data_dir, "train", cfg.data.seq_len, cfg.data.seed)
+    x, y = loader.batch(0, cfg.train.batch_size)
+    micro = list(zip(x.chunk(cfg.train.num_microbatches), y.chunk(cfg.train.num_microbatches)))
+    out = []
+    for train_mode in (True, False):
+        model.train(train_mode)
+        with torch.no_grad():
+            out.append(sum(model(a, b).item() for a, b in micro) / len(micro))
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize(("schedule", "mode"), [("2bw", "exact"), ("1f1b", "fast")])
+def test_moe_equals_single_process(schedule, mode, make_cfg, run_dist, dist_utils):
+    # 1f1b against the plain loop: untied (a plain backward sums a tied matrix's two halves in
+    # another order, see test_runtime.py).
+    cfg = _moe(make_cfg(schedule, 2, 2, tied=schedule != "1f1b"))
+    run_dist(cfg)
+    dist_utils["assert_bitwise"](
+        dist_utils["final_model"](cfg), dist_utils["reference"](cfg, mode=mode)
+    )
+    # Every stage's aux loss is in the logged loss, as in the single-process loop's.
+    got, want = _losses(cfg), _losses(cfg, "ref")
+    assert got == pytest.approx(want, rel=1e-6)
+    with_aux, ce_only = _step0_losses(cfg)
+    assert got[0] == pytest.approx(with_aux, rel=1e-6)
+    assert abs(with_aux - ce_only) > 100 * 1e-6 * with_aux  # the aux term is visible
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the runtime's metrics.jsonl has no MoE router statistics (moe/*); only the "
+    "single-process loop logs model.router_stats()",
+)
+def test_moe_router_stats_logged_like_the_loop(make_cfg, run_dist, dist_utils):
+    cfg = _moe(make_cfg("1f1b", 2, 2, steps=2, tied=False))
+    run_dist(cfg)
+    dist_utils["reference"](cfg, mode="fast")
+    want = {k for r in read_metrics(Path(cfg.out_dir) / "ref") for k in r if k.startswith("moe/")}
+    got = {k for r in read_metrics(Path(cfg.out_dir) / cfg.name) for k in r if k in want}
+    assert want and got == want
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration and CLI
+# --------------------------------------------------------------------------------------------
+
+
+def test_wpipe_runs_one_stage_per_process(make_cfg):
+    """The runtime's wpipe lists: each stage's actions in its WPipe rank's order."""
+    cfg = make_cfg("wpipe", 4, 3, steps=3)
+    wp = make_schedule("wpipe", 2, 3, 3)  # two stages (one per group) on each of 2 ranks
+    got = runtime_schedule(cfg)
+    assert (got.num_ranks, got.num_chunks, wp.num_stages) == (4, 1, 4)
+    for s in range(4):
+        assert list(got.ranks[s]) == [a for a in wp.ranks[wp.rank_of(s)] if a.stage == s]
+    validate(got)
+    one = make_schedule("2bw", 2, 2, 3)
+    assert one_stage_per_rank(one) is one
+
+
+def test_refusals_name_the_fix(make_cfg):
+    check_config(make_cfg("zb-h1", 3, 1))  # ZB-H1 runs with any P and m
+    check_config(make_cfg("wpipe", 4, 1))
+    refused = [
+        (make_cfg("wpipe", 3, 2), "even.*--pipeline.num_stages 4"),
+        (
+            dataclasses.replace(make_cfg("wpipe"), delay=make_cfg("2bw").delay),
+            "--delay.policy wpipe",
+        ),
+        (
+            dataclasses.replace(make_cfg("zb-h1"), delay=make_cfg("2bw").delay),
+            "--delay.policy sync",
+        ),
+        (make_cfg("2bw", 4, 2), "raise --train.num_microbatches"),
+    ]
+    for cfg, fix in refused:
+        with pytest.raises(ConfigError, match=fix) as e:
+            check_config(cfg)
+        assert "\n" not in str(e.value)
+
+
+def test_cli_wpipe_end_to_end(make_cfg, capfd):
+    cfg = make_cfg("wpipe", 2, 2)
+    args = [
+        *("train", "--preset", "cpu-tiny", "--name", "cli-wpipe", "--out_dir", cfg.out_dir),
+        *("--data.corpus", "excerpt", "--data.data_dir", cfg.data.data_dir),
+        *("--data.seq_len", "16", "--model.dim", "32", "--model.num_layers", "2"),
+        *("--model.ffn_dim", "64", "--model.max_seq_len", "16"),
+        *("--train.steps", "3", "--train.batch_size", "4", "--train.num_microbatches", "2"),
+        *("--train.eval_batches", "1", "--train.progress", "false"),
+        *("--pipeline.engine", "distributed", "--pipeline.num_stages", "2"),
+        *("--pipeline.schedule", "wpipe", "--delay.policy", "wpipe", "--pipeline.timeout_s", "30"),
+    ]
+    assert main(args) == 0  # spawns the two stage processes itself
+    assert "done: 3 steps" in capfd.readouterr().out
+    run = Path(cfg.out_dir) / "cli-wpipe"
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[-1]["tau"] == [1, 0] and "val_loss" in rows[-1]
+    assert json.loads((run / "config.json").read_text())["pipeline"]["schedule"] == "wpipe"
