@@ -98,8 +98,8 @@ def test_zb_h1_equals_gradient_accumulation_p4(make_cfg, run_dist, dist_utils):
 # --------------------------------------------------------------------------------------------
 
 
-def _wpipe_case(P, m, make_cfg, run_dist, dist_utils, **kw) -> None:
-    cfg = make_cfg("wpipe", P, m, tied=True, steps=5, **kw)
+def _wpipe_case(P, m, make_cfg, run_dist, dist_utils) -> None:
+    cfg = make_cfg("wpipe", P, m, tied=True, steps=5)
     sched = runtime_schedule(cfg)
     validate(sched)
     want = [2] * (P // 2) + [1] * (P // 2)  # group 0 double-buffered, group 1 fresh
@@ -114,14 +114,9 @@ def _wpipe_case(P, m, make_cfg, run_dist, dist_utils, **kw) -> None:
     assert _losses(cfg) == pytest.approx(_losses(cfg, "ref"), rel=1e-6)
 
 
-def test_wpipe_equals_emulator_exact(make_cfg, run_dist, dist_utils):
-    _wpipe_case(2, 2, make_cfg, run_dist, dist_utils)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("m", [2, 4])
-def test_wpipe_equals_emulator_exact_p4(m, make_cfg, run_dist, dist_utils):
-    _wpipe_case(4, m, make_cfg, run_dist, dist_utils)
+@pytest.mark.parametrize(("P", "m"), [(2, 2), (4, 2), pytest.param(4, 4, marks=pytest.mark.slow)])
+def test_wpipe_equals_emulator_exact(P, m, make_cfg, run_dist, dist_utils):
+    _wpipe_case(P, m, make_cfg, run_dist, dist_utils)
 
 
 @pytest.mark.slow
