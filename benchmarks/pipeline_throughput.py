@@ -275,22 +275,26 @@ def _print_row(m: int, rounds: list[dict], args) -> None:
 
     steps = args.steps - args.warmup
     pred = {}
+    cost_ms = {}  # per rank, averaged: median F + B of one microbatch, median update
     for name in ("gpipe", "1f1b", "2bw"):  # each from its own measured costs (last round)
-        costs = uniform_costs(
-            P,
-            forward=[_mean(r, "F") for r in rounds[-1][name]],
-            backward_input=[_mean(r, "B") for r in rounds[-1][name]],
-            backward_weight=0.0,
-            optimizer=[_mean(r, "A") for r in rounds[-1][name]],
-        )
+        reports = rounds[-1][name]
+        f, b, u = ([_mean(r, kind) for r in reports] for kind in "FBA")
+        costs = uniform_costs(P, forward=f, backward_input=b, backward_weight=0.0, optimizer=u)
         pred[name] = summarize(simulate(make_schedule(name, P, m, steps), costs)).bubble
+        cost_ms[name] = (1e3 * (sum(f) + sum(b)) / P, 1e3 * sum(u) / P)
     print(
         f"\nm={m}  (P={P}, {args.mb}x{args.seq} tokens per microbatch, {steps} timed steps, "
         f"medians of {len(rounds)} interleaved rounds)"
     )
-    print(f"  {'schedule':<14}{'tokens/s':>10}{'bubble':>9}{'simulated':>11}")
+    print(
+        f"  {'schedule':<14}{'tokens/s':>10}{'bubble':>9}{'simulated':>11}"
+        f"{'F+B ms':>9}{'update ms':>11}"
+    )
     for k in CONTENDERS:
-        extra = f"{bubble[k]:>9.3f}{pred[k]:>11.3f}" if k in bubble else ""
+        extra = ""
+        if k in bubble:
+            fb, upd = cost_ms[k]
+            extra = f"{bubble[k]:>9.3f}{pred[k]:>11.3f}{fb:>9.1f}{upd:>11.1f}"
         print(f"  {k:<14}{tok[k]:>10.0f}{extra}")
     goal = 0.95 * (m + P - 1) / m
     print(
