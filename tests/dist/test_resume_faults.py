@@ -59,7 +59,9 @@ def test_bad_configs_are_refused(make_cfg):
     with pytest.raises(ConfigError, match="not run by the distributed engine"):
         cfg = make_cfg("1f1b")
         check_config(
-            dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule="zb-h1"))
+            dataclasses.replace(
+                cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule="interleaved-1f1b")
+            )
         )
 
 

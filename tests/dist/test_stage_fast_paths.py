@@ -9,8 +9,8 @@ import torch
 from torch.func import functional_call
 
 from stalepipe.config import ModelConfig
-from stalepipe.models import build_model, partition
 from stalepipe.delay.rng import seeded
+from stalepipe.models import build_model, partition
 from stalepipe.pipeline.reparam import Reparametrized
 
 

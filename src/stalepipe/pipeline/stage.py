@@ -355,6 +355,9 @@ class StageExecutor(StageEvaluation):
         grad_out = None if self.last else self._take(self._grad, (step, microbatch))
         wants_input = not self.first
         targets = (list(st.leaves.values()) if weights else []) + ([st.inp] if wants_input else [])
+        if not targets:  # BI on the first stage: no input gradient to send; BW does the work
+            st.grad_out = grad_out
+            return
         outs, gouts = _outputs(st, grad_out)
         grads = torch.autograd.grad(
             outs, targets, grad_outputs=gouts, allow_unused=True, retain_graph=not weights
