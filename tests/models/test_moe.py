@@ -16,6 +16,7 @@ from stalepipe.models.moe import (
     load_balancing_loss,
     route,
     router_z_loss,
+    summarize_router_stats,
 )
 from stalepipe.models.partition import split_layers
 from stalepipe.models.transformer import block_flops
@@ -193,6 +194,27 @@ def test_router_stats():
     assert model.router_stats() == {}  # reset on read
     model(x, x)
     assert "moe/load/L0/E0" not in model.router_stats(per_expert=False)
+
+
+def test_stage_raw_router_stats_combine_to_the_model_s():
+    """What each pipeline stage sends (raw sums) gives, concatenated, the whole model's metrics."""
+    cfg = dataclasses.replace(MOE, num_layers=3)
+    model = build_model(cfg, seed=0)
+    stages = partition(build_model(cfg, seed=0), 2)
+    x = torch.randint(0, 128, (2, 16))
+    for _ in range(2):
+        model(x, x)
+        h, _ = stages[0].forward_with_aux(x)
+        stages[1].forward_with_aux(h, x)
+    want = model.router_stats()
+    parts = [s.raw_router_stats() for s in stages]
+    layers = [layer for ls, _ in parts for layer in ls]
+    assert [i for i, _ in layers] == [0, 1, 2] and all(len(ls) for ls, _ in parts)
+    got = summarize_router_stats(layers, torch.cat([raw.float() for _, raw in parts]))
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-6), k
+    assert stages[0].raw_router_stats()[1].abs().sum() == 0  # read resets
 
 
 def test_param_counter_total_and_active():

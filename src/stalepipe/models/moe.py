@@ -210,26 +210,62 @@ def router_stats(
 
     Empty for a dense model or before the first forward.
     """
+    layers, raw = raw_router_stats(indexed_blocks, reset=reset)
+    return summarize_router_stats(layers, raw, per_expert=per_expert)
+
+
+def raw_router_stats(
+    indexed_blocks: Iterable[tuple[int, nn.Module]], *, reset: bool = True
+) -> tuple[list[tuple[int, int]], torch.Tensor]:
+    """The running sums behind `router_stats`, flat, so that pipeline stages can send them to
+    one rank: the (block index, number of experts) of each MoE layer among the blocks, and one
+    float64 CPU vector holding, per layer, [forwards, aux, balance, z, count of each expert]
+    (`raw_stats_width` numbers). Concatenate several stages' layers and vectors, in order, and
+    `summarize_router_stats` gives the whole model's metrics."""
     layers = [(i, b.mlp) for i, b in indexed_blocks if isinstance(getattr(b, "mlp", None), MoE)]
-    layers = [(i, m) for i, m in layers if m.stats.num_forwards > 0]
-    if not layers:
-        return {}
+    parts = []
+    for _, moe in layers:
+        s = moe.stats
+        sums = [s.num_forwards, float(s.aux), float(s.balance), float(s.z)]
+        parts += [torch.tensor(sums, dtype=torch.float64), s.counts.double().cpu()]
+        if reset:
+            s.reset()
+    raw = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+    return [(i, moe.num_experts) for i, moe in layers], raw
+
+
+def raw_stats_width(layers: Iterable[tuple[int, int]]) -> int:
+    """Length of `raw_router_stats`' vector for these (block index, number of experts)."""
+    return sum(4 + num_experts for _, num_experts in layers)
+
+
+def summarize_router_stats(
+    layers: list[tuple[int, int]], raw: torch.Tensor, *, per_expert: bool = True
+) -> dict[str, float]:
+    """The metrics of `router_stats` from `raw_router_stats`' output (layers without a forward
+    since the last reset are left out; {} when none has one)."""
+    raw = raw.double().cpu()
     out: dict[str, float] = {"moe/aux_loss": 0.0}
     balance, z, load_max, load_min = [], [], [], []
-    for i, moe in layers:
-        s = moe.stats
-        n = s.num_forwards
-        out["moe/aux_loss"] += float(s.aux) / n
-        balance.append(float(s.balance) / n)
-        z.append(float(s.z) / n)
-        share = s.counts.double().cpu() / max(int(s.counts.sum()), 1)
-        load_max.append(float(share.max()) * moe.num_experts)
-        load_min.append(float(share.min()) * moe.num_experts)
+    off = 0
+    for i, num_experts in layers:
+        n, aux, bal, zl = raw[off : off + 4].tolist()
+        counts = raw[off + 4 : off + 4 + num_experts]
+        off += 4 + num_experts
+        if n <= 0:
+            continue
+        out["moe/aux_loss"] += aux / n
+        balance.append(bal / n)
+        z.append(zl / n)
+        share = counts / max(float(counts.sum()), 1.0)
+        load_max.append(float(share.max()) * num_experts)
+        load_min.append(float(share.min()) * num_experts)
         if per_expert:
             for e, v in enumerate(share.tolist()):
                 out[f"moe/load/L{i}/E{e}"] = v
-        if reset:
-            s.reset()
+    assert off == raw.numel(), (off, raw.numel())
+    if not balance:
+        return {}
     out["moe/balance_loss"] = sum(balance) / len(balance)
     out["moe/z_loss"] = sum(z) / len(z)
     out["moe/load_max"] = max(load_max)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from stalepipe.config import ConfigError, ModelConfig
-from stalepipe.models.moe import router_stats, take_aux_loss
+from stalepipe.models.moe import raw_router_stats, router_stats, take_aux_loss
 from stalepipe.models.transformer import Transformer, block_flops, head_flops
 
 
@@ -142,6 +142,11 @@ class PipelineStage(nn.Module):
         block index; {} for a dense stage."""
         indexed = ((int(i), b) for i, b in self.layers.items())
         return router_stats(indexed, per_expert=per_expert, reset=reset)
+
+    def raw_router_stats(self, *, reset: bool = True) -> tuple[list[tuple[int, int]], torch.Tensor]:
+        """This stage's part of the router statistics, to send to the rank that logs them (see
+        `moe.raw_router_stats`); ([], empty) for a dense stage."""
+        return raw_router_stats(((int(i), b) for i, b in self.layers.items()), reset=reset)
 
     def owned_parameters(self) -> dict[str, nn.Parameter]:
         """Parameters this stage owns; a tied head weight is owned by stage 0, not here."""

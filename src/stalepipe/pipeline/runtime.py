@@ -321,6 +321,9 @@ def _run(cfg, comm, topo, rank, device, run_dir, resume, verbose) -> TrainResult
         val_batch=val_batch,
         num_val_batches=tc.eval_batches,
         eval_steps=eval_steps,
+        router_layers=[s.raw_router_stats(reset=False)[0] for s in stages],
+        stats_steps={k for k in range(start, N) if (k + 1) % tc.log_every == 0 or k + 1 == N},
+        per_expert=cfg.model.num_experts * cfg.model.num_layers <= 64,  # as train.loop
     )
     del full, stages  # only this stage's modules stay referenced
 
@@ -468,6 +471,7 @@ class _RankZeroLog:
                     tokens_per_s=tok_s,
                     model_flops_per_s=tok_s * self.flops_per_token,
                 )
+                record.update(r.router)  # MoE router metrics ({} for dense models)
             if r.step in val_losses:
                 self.val_loss = record["val_loss"] = val_losses[r.step]
             self.metrics.write(record)

@@ -40,6 +40,7 @@ from torch import nn
 
 from stalepipe.delay import DelayedOptimizer, microbatch_seed, version_used
 from stalepipe.delay.rng import seeded
+from stalepipe.models.moe import raw_stats_width, summarize_router_stats
 from stalepipe.pipeline.comm import Comm, Pending
 from stalepipe.pipeline.reparam import Reparametrized
 from stalepipe.pipeline.schedule import Action, Schedule
@@ -57,6 +58,7 @@ class StepResult:
     loss: float
     grad_norm: float
     tau: int
+    router: dict[str, float] = field(default_factory=dict)  # MoE metrics at `stats_steps`
 
 
 @dataclass
@@ -131,6 +133,9 @@ class StageExecutor(StageEvaluation):
         val_batch: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None,
         num_val_batches: int = 0,
         eval_steps: set[int] | frozenset[int] = frozenset(),
+        router_layers: list[list[tuple[int, int]]] | None = None,
+        stats_steps: set[int] | frozenset[int] = frozenset(),
+        per_expert: bool = True,
     ) -> None:
         self.module, self.stage, self.delayed, self.comm, self.sched = (
             module,
@@ -150,6 +155,12 @@ class StageExecutor(StageEvaluation):
         self._run_at = Reparametrized(module)
         self.val_batch, self.num_val_batches = val_batch, num_val_batches
         self.eval_steps = set(eval_steps)
+        # MoE router statistics: every stage's (block, experts) layout; at `stats_steps` each
+        # stage adds its raw sums to the STEP exchange and every rank gets the model's metrics.
+        self.router_layers = router_layers or [[] for _ in range(self.P)]
+        self.stats_steps, self.per_expert = set(stats_steps), per_expert
+        self._norm_width = max(param_counts)
+        self._stats_width = max(raw_stats_width(layers) for layers in self.router_layers)
         self.val_losses: dict[int, float] = {}
         names = delayed._names[stage]
         params = dict(module.named_parameters())
@@ -435,12 +446,17 @@ class StageExecutor(StageEvaluation):
         if self.comm.dp_group is not None:
             self._all_reduce(grads, loss)
         # Per-parameter norms in the model's order (what clip_grad_norm_ stacks).
-        width = max(self.param_counts) + 1
-        vec = torch.zeros(width, device=self.device, dtype=torch.float32)
+        # [per-parameter norms | raw router sums | loss]
+        vec = torch.zeros(
+            self._norm_width + self._stats_width + 1, device=self.device, dtype=torch.float32
+        )
         names = [n for n in self.owned if n in grads]
         if self.grad_clip > 0 and names:
             norms = torch._foreach_norm([grads[n] for n in names], 2.0)
             vec[: len(names)] = torch.stack([n.float() for n in norms])
+        if self._stats_width and step in self.stats_steps:
+            _, raw = self.module.raw_router_stats(reset=True)
+            vec[self._norm_width : self._norm_width + raw.numel()] = raw.to(vec)
         vec[-1] = loss
         work, gathered = self.comm.all_gather(vec)
         self._posted.append(_Posted(step, work, gathered, grads))
@@ -507,7 +523,7 @@ class StageExecutor(StageEvaluation):
                 self.val_losses[k] = val
         tau = info["tau"][self.stage]
         if self.grad_clip > 0:
-            self.results.append(StepResult(k, _loss_of(post.gathered), grad_norm, tau))
+            self._result(k, post.gathered, grad_norm, tau)
         else:
             self._logged.append((k, tau, post.work, post.gathered))
             self._drain_logged(all_=False)
@@ -520,7 +536,19 @@ class StageExecutor(StageEvaluation):
         while self._logged and (all_ or len(self._logged) > self.P + 1):
             k, tau, work, gathered = self._logged.popleft()
             self.comm.wait_work(work, f"the loss exchange of step {k}", None)
-            self.results.append(StepResult(k, _loss_of(gathered), math.nan, tau))
+            self._result(k, gathered, math.nan, tau)
+
+    def _result(self, k: int, gathered: list[torch.Tensor], grad_norm: float, tau: int) -> None:
+        router: dict[str, float] = {}
+        if self._stats_width and k in self.stats_steps:
+            lo = self._norm_width
+            raws = [
+                g[lo : lo + raw_stats_width(layers)]
+                for g, layers in zip(gathered, self.router_layers, strict=True)
+            ]
+            layers = [layer for stage in self.router_layers for layer in stage]
+            router = summarize_router_stats(layers, torch.cat(raws), per_expert=self.per_expert)
+        self.results.append(StepResult(k, _loss_of(gathered), grad_norm, tau, router))
 
     def _drop_tied(self) -> None:
         """Forget tied versions no later step reads (stashed graphs keep their own leaves)."""
