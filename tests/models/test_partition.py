@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from stalepipe.config import ConfigError, ModelConfig
-from stalepipe.models import build_model, partition, split_layers
+from stalepipe.models import build_model, build_stage, partition, split_layers
 from stalepipe.presets import smollm_135m
 
 CFG = ModelConfig(
@@ -37,6 +37,37 @@ def test_stages_compose_to_the_model(P):
     for stage in partition(model, P):
         h = stage(h, x if stage.spec.is_last else None)
     torch.testing.assert_close(h, model(x, x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("P", [1, 2, 4])
+def test_build_stage_equals_the_stage_of_the_whole_model(P, tied):
+    """A runtime process builds only its stage: bit for bit the whole model's part, tied
+    matrices tied where the stage holds both ends, and the RoPE tables computed."""
+    moe = {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32, "num_dense_layers": 1}
+    for cfg in (CFG, ModelConfig(**{**CFG.__dict__, **moe})):
+        cfg = ModelConfig(**{**cfg.__dict__, "tie_embeddings": tied})
+        whole = partition(build_model(cfg, seed=7), P)
+        for s in range(P):
+            alone = build_stage(cfg, 7, P, s)
+            want, got = dict(whole[s].named_parameters()), dict(alone.named_parameters())
+            assert got.keys() == want.keys()
+            for name, p in got.items():
+                assert torch.equal(p, want[name]), (s, name)
+            assert torch.equal(alone.rope.cos, whole[s].rope.cos)
+            if tied and P == 1:
+                assert alone.lm_head.weight is alone.tok_emb.weight
+    assert not torch.equal(build_model(CFG, 7).tok_emb.weight, build_model(CFG, 8).tok_emb.weight)
+
+
+def test_init_is_the_documented_distribution():
+    cfg = ModelConfig(**{**CFG.__dict__, "dim": 256, "ffn_dim": 512, "vocab_size": 512})
+    params = dict(build_model(cfg, seed=0).named_parameters())
+    assert params["tok_emb.weight"].std().item() == pytest.approx(cfg.init_std, rel=0.02)
+    out_proj = params["layers.0.mlp.w2.weight"].std().item()
+    assert out_proj == pytest.approx(cfg.init_std / (2 * cfg.num_layers) ** 0.5, rel=0.02)
+    assert torch.equal(params["norm.weight"], torch.ones(256))
+    assert not torch.equal(params["layers.0.attn.wq.weight"], params["layers.1.attn.wq.weight"])
 
 
 def test_blocks_contiguous_and_balanced():

@@ -3,6 +3,7 @@
 from stalepipe.models.partition import (
     PipelineStage,
     StageSpec,
+    build_stage,
     partition,
     split_layers,
     stage_specs,
@@ -14,6 +15,7 @@ __all__ = [
     "StageSpec",
     "Transformer",
     "build_model",
+    "build_stage",
     "count_params",
     "flops_per_token",
     "partition",

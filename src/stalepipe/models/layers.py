@@ -40,11 +40,22 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        t = torch.arange(max_seq_len, dtype=torch.float64)
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        self.register_buffer("cos", torch.empty(max_seq_len, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, head_dim // 2), persistent=False)
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Compute the tables (again: after `to_empty` from the meta device)."""
+        if self.cos.is_meta:
+            return
+        Dh = self.head_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, Dh, 2, dtype=torch.float64) / Dh))
+        t = torch.arange(self.max_seq_len, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)  # (T_max, Dh/2)
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)
-        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        self.cos.copy_(freqs.cos().float())
+        self.sin.copy_(freqs.sin().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate x of shape (B, heads, T, Dh)."""

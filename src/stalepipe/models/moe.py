@@ -161,7 +161,8 @@ class RouterStats:
         self.reset()
 
     def reset(self) -> None:
-        self.counts = torch.zeros(self.num_experts, dtype=torch.long)
+        # On the CPU even when the model is built on the meta device (`record` moves it).
+        self.counts = torch.zeros(self.num_experts, dtype=torch.long, device="cpu")
         self.balance = self.z = self.aux = 0.0
         self.num_forwards = 0
 
@@ -222,7 +223,7 @@ def raw_router_stats(
     float64 CPU vector holding, per layer, [forwards, aux, balance, z, count of each expert]
     (`raw_stats_width` numbers). Concatenate several stages' layers and vectors, in order, and
     `summarize_router_stats` gives the whole model's metrics."""
-    layers = [(i, b.mlp) for i, b in indexed_blocks if isinstance(getattr(b, "mlp", None), MoE)]
+    layers = _moe_blocks(indexed_blocks)
     parts = []
     for _, moe in layers:
         s = moe.stats
@@ -232,6 +233,16 @@ def raw_router_stats(
             s.reset()
     raw = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
     return [(i, moe.num_experts) for i, moe in layers], raw
+
+
+def router_layers(indexed_blocks: Iterable[tuple[int, nn.Module]]) -> list[tuple[int, int]]:
+    """The (block index, number of experts) of the MoE layers among the blocks: the layout of
+    `raw_router_stats`' vector (any device, meta included)."""
+    return [(i, moe.num_experts) for i, moe in _moe_blocks(indexed_blocks)]
+
+
+def _moe_blocks(indexed_blocks: Iterable[tuple[int, nn.Module]]) -> list[tuple[int, MoE]]:
+    return [(i, b.mlp) for i, b in indexed_blocks if isinstance(getattr(b, "mlp", None), MoE)]
 
 
 def raw_stats_width(layers: Iterable[tuple[int, int]]) -> int:

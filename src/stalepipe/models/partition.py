@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from stalepipe.config import ConfigError, ModelConfig
-from stalepipe.models.moe import raw_router_stats, router_stats, take_aux_loss
-from stalepipe.models.transformer import Transformer, block_flops, head_flops
+from stalepipe.models.moe import raw_router_stats, router_layers, router_stats, take_aux_loss
+from stalepipe.models.transformer import Transformer, block_flops, head_flops, materialize
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,10 @@ class PipelineStage(nn.Module):
         indexed = ((int(i), b) for i, b in self.layers.items())
         return router_stats(indexed, per_expert=per_expert, reset=reset)
 
+    def router_layers(self) -> list[tuple[int, int]]:
+        """(global block index, number of experts) of this stage's MoE layers."""
+        return router_layers((int(i), b) for i, b in self.layers.items())
+
     def raw_router_stats(self, *, reset: bool = True) -> tuple[list[tuple[int, int]], torch.Tensor]:
         """This stage's part of the router statistics, to send to the rank that logs them (see
         `moe.raw_router_stats`); ([], empty) for a dense stage."""
@@ -162,6 +166,24 @@ def partition(
     """Split `model` into `num_stages` stages sharing its modules. Every parameter is owned by
     exactly one stage under its original name."""
     return [PipelineStage(model, spec) for spec in stage_specs(model.cfg, num_stages, seq_len)]
+
+
+def build_stage(
+    cfg: ModelConfig,
+    seed: int,
+    num_stages: int,
+    stage: int,
+    seq_len: int | None = None,
+    device: str | torch.device = "cpu",
+) -> PipelineStage:
+    """Stage `stage` of `partition(build_model(cfg, seed), num_stages, seq_len)`, bit for bit,
+    without building the rest: the pipeline runtime's processes hold only their own part of the
+    model, from the start."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    part = partition(model, num_stages, seq_len)[stage]
+    materialize(part, cfg, seed, device)
+    return part
 
 
 def stage_of_parameters(model: Transformer, num_stages: int) -> dict[str, int]:

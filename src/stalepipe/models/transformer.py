@@ -13,6 +13,7 @@ parameters; FLOPs count only the active (routed top-k) experts.
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -43,21 +44,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Normal(0, init_std) for matrices; output projections scaled by 1/sqrt(2L) (GPT-2)."""
-        std = self.cfg.init_std
-        for name, p in self.named_parameters():
-            if p.ndim < 2:
-                continue  # norm gains stay at 1
-            scale = (
-                1.0 / math.sqrt(2 * self.cfg.num_layers)
-                if name.endswith(("wo.weight", "w2.weight"))
-                else 1.0
-            )
-            nn.init.normal_(p, mean=0.0, std=std * scale)
+        init_weights(self, cfg, seed=0)  # build_model(cfg, seed) chooses the seed
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         return self.tok_emb(idx)
@@ -83,20 +70,60 @@ class Transformer(nn.Module):
         return router_stats(enumerate(self.layers), per_expert=per_expert, reset=reset)
 
 
+def param_seed(seed: int, name: str) -> int:
+    """The seed of the initial values of the parameter called `name` (its global name)."""
+    return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63
+
+
+@torch.no_grad()
+def init_weights(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
+    """Initialise the parameters of `module` (a `Transformer` or a part of one that keeps the
+    global names, e.g. a pipeline stage): Normal(0, init_std) for matrices, output projections
+    scaled by 1/sqrt(2L) (GPT-2), norm gains 1; then the RoPE tables.
+
+    Each matrix draws from its own generator, seeded by (seed, global name) on the CPU, so a
+    process can initialise its pipeline stage alone and get exactly the values the whole
+    model has (`models.build_stage`), on any device. Parameters on the meta device are skipped.
+    """
+    for name, p in module.named_parameters():
+        if p.is_meta:
+            continue
+        if p.ndim < 2:
+            p.fill_(1.0)  # norm gains
+            continue
+        if cfg.tie_embeddings and name == "lm_head.weight":
+            name = "tok_emb.weight"  # a stage's view of the tied matrix
+        out_proj = name.endswith(("wo.weight", "w2.weight"))
+        std = cfg.init_std / (math.sqrt(2 * cfg.num_layers) if out_proj else 1.0)
+        g = torch.Generator().manual_seed(param_seed(seed, name))
+        p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=g))
+    for m in module.modules():
+        if isinstance(m, Rotary):
+            m.reset_buffers()
+
+
 def build_model(
     cfg: ModelConfig,
     seed: int,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> Transformer:
-    """A freshly initialised model; the same (cfg, seed) always gives the same weights."""
-    gen_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
+    """A freshly initialised model; the same (cfg, seed) always gives the same weights, on any
+    device and in any process (`init_weights`). Built on the meta device first, so no memory is
+    spent on throw-away initial values."""
+    with torch.device("meta"):
         model = Transformer(cfg)
-    finally:
-        torch.random.set_rng_state(gen_state)
-    return model.to(device=device, dtype=dtype)
+    materialize(model, cfg, seed, device)
+    return model.to(dtype=dtype)
+
+
+def materialize(module: nn.Module, cfg: ModelConfig, seed: int, device: str | torch.device) -> None:
+    """Give `module` (built on the meta device: a model or a stage of one) real storage on
+    `device` and its initial values (`init_weights`)."""
+    module.to_empty(device=device)
+    if cfg.tie_embeddings and hasattr(module, "tok_emb") and hasattr(module, "lm_head"):
+        module.lm_head.weight = module.tok_emb.weight  # to_empty makes two matrices of one
+    init_weights(module, cfg, seed)
 
 
 # --------------------------------------------------------------------------------------------

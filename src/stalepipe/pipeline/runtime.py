@@ -30,7 +30,7 @@ from stalepipe.config import ConfigError, ExperimentConfig
 from stalepipe.data import EVAL_SEED, TokenLoader, check_vocab, ensure_prepared
 from stalepipe.delay import DelayedOptimizer, resolve_delay_config, staleness
 from stalepipe.errors import UserError
-from stalepipe.models import build_model, flops_per_token, partition
+from stalepipe.models import Transformer, build_stage, flops_per_token, partition
 from stalepipe.optim import build_optimizer, resolve_config
 from stalepipe.optim.schedules import apply_lr, lr_multiplier, set_peak_lr
 from stalepipe.pipeline import ckpt as stage_ckpt
@@ -220,11 +220,14 @@ def _run(cfg, comm, topo, rank, device, run_dir, resume, verbose) -> TrainResult
 
     # Model, stage, optimizer, delay engine.
     P, m, N = pc.num_stages, tc.num_microbatches, tc.steps
-    full = build_model(cfg.model, tc.seed)
+    # The whole model only as shapes and names (meta device); this process materialises and
+    # initialises its own stage, with the values the whole model would have.
+    with torch.device("meta"):
+        full = Transformer(cfg.model)
     stages = partition(full, P, cfg.data.seq_len)
-    module = stages[stage].to(device)
+    module = build_stage(cfg.model, tc.seed, P, stage, cfg.data.seq_len, device)
     names_per_stage = [list(s.owned_parameters()) for s in stages]
-    owned = stages[stage].owned_parameters()
+    owned = module.owned_parameters()
     optimizer = build_optimizer(cfg.optim, list(owned.items()))
     set_peak_lr(optimizer)
     delay_cfg = resolve_delay_config(cfg.delay, tc)
@@ -321,7 +324,7 @@ def _run(cfg, comm, topo, rank, device, run_dir, resume, verbose) -> TrainResult
         val_batch=val_batch,
         num_val_batches=tc.eval_batches,
         eval_steps=eval_steps,
-        router_layers=[s.raw_router_stats(reset=False)[0] for s in stages],
+        router_layers=[s.router_layers() for s in stages],
         stats_steps={k for k in range(start, N) if (k + 1) % tc.log_every == 0 or k + 1 == N},
         per_expert=cfg.model.num_experts * cfg.model.num_layers <= 64,  # as train.loop
     )
