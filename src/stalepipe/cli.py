@@ -73,7 +73,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         print(cfg.to_json())
         return 0
     if cfg.pipeline.engine == "distributed":  # one process per stage (docs/runtime.md)
-        from stalepipe.pipeline.launch import launch_train
+        from stalepipe.train.launch import launch_train
 
         return launch_train(cfg, resume=args.resume, overwrite=args.overwrite)
     result = train(cfg, resume=args.resume, overwrite=args.overwrite)

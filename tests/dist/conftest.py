@@ -20,7 +20,7 @@ from stalepipe.config import (
     TrainConfig,
 )
 from stalepipe.pipeline.launch import WorkerPool
-from stalepipe.pipeline.runtime import RUNTIME_SCHEDULES, worker_entry
+from stalepipe.train.pipelined import RUNTIME_SCHEDULES, worker_entry
 from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint
 from stalepipe.train.loop import train
 from stalepipe.train.rundir import read_metrics

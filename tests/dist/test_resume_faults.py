@@ -18,8 +18,8 @@ import torch
 
 from stalepipe.config import ConfigError
 from stalepipe.errors import TrainingError
-from stalepipe.pipeline.launch import launch_train
-from stalepipe.pipeline.runtime import check_config
+from stalepipe.train.launch import launch_train
+from stalepipe.train.pipelined import check_config
 from stalepipe.train.checkpoint import list_checkpoints, load_checkpoint
 
 

@@ -26,7 +26,7 @@ from stalepipe.config import ConfigError
 from stalepipe.data import TokenLoader
 from stalepipe.models import build_model
 from stalepipe.pipeline.generators import make_schedule, one_stage_per_rank
-from stalepipe.pipeline.runtime import check_config, runtime_schedule
+from stalepipe.train.pipelined import check_config, runtime_schedule
 from stalepipe.pipeline.schedule import peak_versions, validate
 from stalepipe.presets import PRESETS
 from stalepipe.train.rundir import read_metrics

@@ -1,13 +1,10 @@
-"""Start the pipeline runtime's processes on this machine, or join a torchrun launch.
+"""Processes of the pipeline runtime: detect torchrun, pick a port, supervise spawned workers.
 
-`stalepipe train --pipeline.engine distributed` calls `launch_train`:
-- under torchrun (RANK and WORLD_SIZE in the environment) this process is one worker;
-- otherwise it prepares the data and the run directory, picks a free port, spawns
-  num_stages x data_parallel workers with the `spawn` start method (never fork: torch and
-  threads), one CPU thread each, and supervises them: if one exits non-zero, the others get
-  `pipeline.timeout_s` (+ a grace period) to notice and exit themselves, then are killed; the
-  launcher exits non-zero naming the first rank that failed and its log file
-  (`<run dir>/logs/rank<r>.log`).
+`supervise` waits for workers started with the `spawn` method (never fork: torch and threads):
+if one exits non-zero, the others get `pipeline.timeout_s` (+ a grace period) to notice and
+exit themselves, then are killed, and the error names the first rank that failed and its log
+file (`<run dir>/logs/rank<r>.log`). `WorkerPool` keeps spawned workers alive across runs
+(tests, benchmarks). `train.launch.launch_train` starts a training run with them.
 """
 
 from __future__ import annotations
@@ -15,11 +12,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 
-from stalepipe.config import ExperimentConfig
 from stalepipe.errors import TrainingError
 
 GRACE_S = 10.0
@@ -36,52 +31,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _child(cfg: ExperimentConfig, rank: int, env: dict[str, str], resume: bool, verbose: bool):
-    os.environ.update(env)
-    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
-    from stalepipe.pipeline.runtime import main_worker
-
-    sys.exit(main_worker(cfg, resume=resume, overwrite=False, verbose=verbose))
-
-
-def launch_train(
-    cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False, verbose: bool = True
-) -> int:
-    """Run `cfg` on the distributed engine; returns the exit status (0 = success)."""
-    from stalepipe.pipeline.runtime import PREPARED_ENV, check_config, main_worker
-
-    if under_torchrun():
-        return main_worker(cfg, resume=resume, overwrite=overwrite, verbose=verbose)
-    check_config(cfg)
-    import dataclasses
-
-    from stalepipe.data import check_vocab, ensure_prepared
-    from stalepipe.optim import resolve_config
-    from stalepipe.train.rundir import open_run_dir
-
-    data_dir = ensure_prepared(cfg.data)
-    check_vocab(data_dir, cfg.model.vocab_size)
-    cfg = dataclasses.replace(cfg, optim=resolve_config(cfg.optim))
-    run_dir = open_run_dir(cfg, resume=resume, overwrite=overwrite)
-    world = cfg.pipeline.num_stages * cfg.pipeline.data_parallel
-    env = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        PREPARED_ENV: "1",
-    }
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_child, args=(cfg, r, env, resume, verbose), name=f"stalepipe-rank{r}")
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    return supervise(procs, run_dir, cfg.pipeline.timeout_s)
 
 
 def supervise(procs: list, run_dir: Path, timeout_s: float) -> int:

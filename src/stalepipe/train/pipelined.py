@@ -1,14 +1,15 @@
-"""The multi-process pipeline runtime: what each process runs (`run_worker`).
+"""Pipelined training on the multi-process runtime: what each process runs (`run_worker`).
 
-One process per (stage, replica). Every process builds the same model from the seed, keeps
-its stage, builds the optimizer from the stage's named parameters, wraps it in the delay
-engine's `DelayedOptimizer` (so versions, Taylor and EF are the emulator's code), generates the
-schedule (`pipeline.generators.make_schedule`, the lists the timing simulator times) and executes
-its own list with `StageExecutor`. Rank 0 writes metrics, prints progress and merges the stage
-checkpoint parts into the stage-agnostic checkpoint of single-process training.
+One process per (stage, replica). Every process builds only its own stage
+(`models.build_stage`, the values the whole model would have), builds the optimizer from the
+stage's named parameters, wraps it in the delay engine's `DelayedOptimizer` (so versions,
+Taylor and EF are the emulator's code), generates the schedule (`pipeline.generators`, the
+lists the timing simulator times) and executes its own list with `pipeline.stage
+.StageExecutor`. Rank 0 writes metrics, prints progress and merges the stage checkpoint parts
+into the stage-agnostic checkpoint of single-process training.
 
 Launch with `torchrun ... -m stalepipe train --pipeline.engine distributed ...` or let
-`stalepipe train --pipeline.engine distributed` spawn the processes (`pipeline.launch`).
+`stalepipe train --pipeline.engine distributed` spawn the processes (`train.launch`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from stalepipe.pipeline.generators import make_schedule, one_stage_per_rank
 from stalepipe.pipeline.schedule import Schedule, validate
 from stalepipe.pipeline.stage import TIED_HEAD, TIED_NAME, StageExecutor
 from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from stalepipe.train.loop import TrainResult
+from stalepipe.train.loop import TrainResult, _diverged
 from stalepipe.train.rundir import MetricsWriter, open_run_dir
 
 # Schedules the runtime executes, and the delay policy each one realises.
@@ -403,8 +404,6 @@ def _run(cfg, comm, topo, rank, device, run_dir, resume, verbose) -> TrainResult
 def _check_finite(executor: StageExecutor, last_ckpt: Path | None) -> None:
     bad = [r.step for r in executor.results if not math.isfinite(r.loss)]
     if bad:
-        from stalepipe.train.loop import _diverged
-
         _diverged("non-finite loss", bad[0], last_ckpt)
 
 
