@@ -7,9 +7,10 @@ What each action does (the schedule IR's contract, `pipeline.schedule`):
     B     receive the output gradient (last stage: none), `autograd.grad` for the weights and the
           input, send the input gradient, add the weight gradient to step k's accumulator;
     BI/BW the two halves of B (zero-bubble schedules);
-    STEP  finish step k's gradient (tied-head sum, data-parallel all-reduce, norm exchange)
-          and apply the update through `delay.DelayedOptimizer` -- the emulator's own version
-          bookkeeping, Taylor and error-feedback code, so both engines share one implementation.
+    STEP  finish step k's gradient (tied-head sum, data-parallel all-reduce, one exchange of
+          gradient norms, loss and, at logged steps, MoE router sums) and apply the update
+          through `delay.DelayedOptimizer` -- the emulator's own version bookkeeping, Taylor
+          and error-feedback code, so both engines share one implementation.
     EVAL  (not an IR action) after the update of an evaluation step: a forward-only pass of the
           validation batches at the newest weights, model in eval mode, on the `eval` channel;
           the last stage sends the mean loss to stage 0 (`evaluate`).
