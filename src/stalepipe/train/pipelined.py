@@ -94,8 +94,6 @@ def check_config(cfg: ExperimentConfig) -> None:
             f"train.batch_size ({tc.batch_size}) must be divisible by train.num_microbatches x "
             f"pipeline.data_parallel ({tc.num_microbatches} x {pc.data_parallel})"
         )
-    if cfg.delay.taylor > 0 and pc.num_stages > 1:
-        pass  # Taylor compensation is per stage in DelayedOptimizer: supported as is.
     try:  # whatever else the generator refuses, in the runtime's own option names
         runtime_schedule(cfg, num_steps=min(tc.steps, 2))
     except ConfigError as e:
