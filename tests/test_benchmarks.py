@@ -20,3 +20,21 @@ def test_gpu_check_reduced_mode_prints_its_table():
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split()[0] for line in out.stdout.splitlines()[2:]]
     assert rows == ["sync", "2bw", "2bw+EF"]
+
+
+def test_pipeline_throughput_runs_every_contender():
+    """A tiny run of the runtime-vs-torch benchmark: it must not rot between benchmark runs."""
+    args = ["--microbatches", "2", "--steps", "4", "--warmup", "1", "--repeats", "1"]
+    args += ["--dim", "32", "--layers", "2", "--seq", "16", "--mb", "2"]
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "pipeline_throughput.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ")}
+    assert {"gpipe", "1f1b", "2bw", "torch-gpipe", "torch-1f1b"} <= rows
+    assert "2bw / 1f1b = " in out.stdout and "with both computing" in out.stdout
