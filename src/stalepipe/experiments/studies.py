@@ -63,10 +63,10 @@ LRS: dict[str, dict[str, str]] = {
     "cpu": {
         "adamw": "3e-3",
         "muon": "0.05",
-        "soap": "3e-3",
-        "adan": "3e-3",
-        "lion": "3e-4",
-        "mars": "3e-3",
+        "soap": "1e-2",
+        "adan": "3e-2",
+        "lion": "3e-3",
+        "mars": "3e-2",
     },  # fmt: skip
     "135m": {},  # optimizers' defaults (docs/optimizers.md)
     "360m": {},
