@@ -29,6 +29,7 @@ def test_overrides_are_typed():
         ({"delay.policy": "3bw"}, "delay.policy must be"),
         ({"model.dim": "90", "model.num_heads": "6"}, "even for RoPE"),
         ({"data.seq_len": "4096"}, "max_seq_len"),
+        ({"model.dropout": "1"}, r"model.dropout must be in \[0, 1\)"),
     ],
 )
 def test_bad_values_name_the_field(overrides, match):

@@ -54,6 +54,9 @@ class ModelConfig:
     norm_eps: float = _f(1e-5, "RMSNorm epsilon")
     tie_embeddings: bool = _f(True, "share the input embedding and the output head")
     init_std: float = _f(0.02, "std of the normal init of linear and embedding weights")
+    dropout: float = _f(
+        0.0, "dropout on attention probabilities and both residual branches (0 = off)"
+    )
     # Mixture of Experts (docs/moe.md); num_experts = 0 is a dense model and ignores the rest.
     num_experts: int = _f(0, "routed experts per MoE layer (0 = dense SwiGLU MLPs)")
     top_k: int = _f(2, "experts each token is routed to (1..num_experts)")
@@ -92,6 +95,7 @@ class ModelConfig:
         _check(self.rope_theta > 0, f"model.rope_theta must be > 0, got {self.rope_theta}")
         _check(self.norm_eps > 0, f"model.norm_eps must be > 0, got {self.norm_eps}")
         _check(self.init_std > 0, f"model.init_std must be > 0, got {self.init_std}")
+        _check(0 <= self.dropout < 1, f"model.dropout must be in [0, 1), got {self.dropout}")
         self._check_moe()
 
     def _check_moe(self) -> None:

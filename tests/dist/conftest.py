@@ -44,6 +44,7 @@ def make_cfg(tmp_path, excerpt_data_dir):
         tied: bool = True,
         optim: str = "adamw",
         dp: int = 1,
+        dropout: float = 0.0,
         name: str = "dist",
         **train_kw,
     ) -> ExperimentConfig:
@@ -69,6 +70,7 @@ def make_cfg(tmp_path, excerpt_data_dir):
                 ffn_dim=64,
                 max_seq_len=16,
                 tie_embeddings=tied,
+                dropout=dropout,
             ),
             data=DataConfig(corpus="excerpt", data_dir=excerpt_data_dir, seq_len=16),
             optim=OptimConfig(name=optim),

@@ -2,8 +2,10 @@
 
 - sync schedules (gpipe, 1f1b) == plain gradient accumulation, bit for bit (untied embeddings:
   a tied matrix's two gradient halves are summed in another order by a plain backward);
-- 2bw and pipedream == the delay emulator's exact mode, bit for bit, tied embeddings included,
-  and the last stage's copy of the tied matrix == stage 0's;
+- 2bw and pipedream == the delay emulator's exact mode, bit for bit, dropout on (masks seeded
+  per (stage, step, microbatch) in both engines), tied embeddings included, and the last
+  stage's copy of the tied matrix == stage 0's;
+- with dropout on, 1f1b == the exact mode too (the plain loop draws other masks);
 - weight versions kept per stage: 2 for 2bw, P - s for pipedream;
 - the validation loss logged at the eval points equals the single-process run's (the runtime
   evaluates in chunks of a microbatch: equal up to fp32 rounding), and the final one is finite.
@@ -34,6 +36,15 @@ def test_sync_schedules_equal_gradient_accumulation(schedule, P, m, make_cfg, ru
     _check_val(cfg, reports, dist_utils, steps=[2, 3])
 
 
+def test_sync_with_dropout_equals_exact_mode(make_cfg, run_dist, dist_utils):
+    cfg = make_cfg("1f1b", 3, 2, dropout=0.1)
+    run_dist(cfg)
+    got = dist_utils["final_model"](cfg)
+    dist_utils["assert_bitwise"](got, dist_utils["reference"](cfg))
+    plain = dist_utils["reference"](cfg, mode="fast", name="plain")  # other masks: differs
+    assert any(not torch.equal(got[k], plain[k]) for k in got)
+
+
 def _check_val(cfg, reports, dist_utils, steps) -> None:
     """val_loss logged at `steps` (eval points), equal to the single-process run's ("ref")."""
     got, want = dist_utils["val_losses"](cfg), dist_utils["val_losses"](cfg, "ref")
@@ -46,7 +57,7 @@ def _check_val(cfg, reports, dist_utils, steps) -> None:
 
 def _async_case(schedule, P, m, optim, tied, make_cfg, run_dist, dist_utils, steps=4):
     # Evaluating after every step: the last stage needs tied versions no training step reads.
-    cfg = make_cfg(schedule, P, m, tied=tied, optim=optim, steps=steps, eval_every=1)
+    cfg = make_cfg(schedule, P, m, tied=tied, optim=optim, steps=steps, eval_every=1, dropout=0.1)
     reports = run_dist(cfg)
     dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), dist_utils["reference"](cfg))
     _check_val(cfg, reports, dist_utils, steps=list(range(steps)))

@@ -88,6 +88,25 @@ def test_same_seed_same_weights_and_rng_untouched():
     assert not torch.equal(a.layers[0].attn.wq.weight, c.layers[0].attn.wq.weight)
 
 
+def test_dropout_in_training_mode_only_and_seeded():
+    from stalepipe.delay.rng import seeded
+
+    drop = build_model(ModelConfig(**{**TINY.__dict__, "dropout": 0.2}), seed=0)
+    plain = build_model(TINY, seed=0)
+    x = torch.randint(0, 256, (2, 16))
+    drop.eval()
+    assert torch.equal(drop(x, x), plain(x, x))  # eval: no dropout
+    drop.train()
+    cpu = torch.device("cpu")
+    with seeded(1, cpu):
+        a = drop(x, x)
+    with seeded(1, cpu):
+        b = drop(x, x)
+    with seeded(2, cpu):
+        c = drop(x, x)
+    assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a, plain(x, x))
+
+
 def test_no_biases():
     model = build_model(TINY, seed=0)
     assert not any(name.endswith(".bias") for name, _ in model.named_parameters())

@@ -37,8 +37,9 @@ def test_loss_falls_and_run_directory_is_complete(tiny_config):
     assert latest_checkpoint(run).name == "ckpt_00000030.pt"
 
 
-def test_resume_equals_uninterrupted_bitwise(tiny_config, tmp_path):
-    cfg = _with(tiny_config, train={"ckpt_every": 5, "keep_last": 5})
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_resume_equals_uninterrupted_bitwise(tiny_config, tmp_path, dropout):
+    cfg = _with(tiny_config, train={"ckpt_every": 5, "keep_last": 5}, model={"dropout": dropout})
     full = train(cfg, verbose=False)
     # Simulate a crash right after the step-10 checkpoint: drop what came later, then resume.
     crashed = tmp_path / "crashed"

@@ -36,10 +36,16 @@ from stalepipe.delay.rng import seeded
 Microbatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
-def microbatch_seed(seed: int, stage: int, step: int, microbatch: int) -> int:
-    """The RNG seed of (stage, step, microbatch): a pure function shared with the runtime, so
-    dropout-like randomness matches across engines whatever the schedule's order."""
-    return (((seed * 1_000_003 + step) * 1_009 + stage) * 65_537 + microbatch) % (2**63 - 1)
+WHOLE_MODEL = -1  # the `stage` of the fast mode's seeds: all stages in one forward
+
+
+def microbatch_seed(seed: int, stage: int, step: int, microbatch: int, replica: int = 0) -> int:
+    """The RNG seed (dropout masks) of (stage, step, microbatch) on data-parallel `replica`: a
+    pure function shared with the runtime, so randomness matches across engines whatever the
+    schedule's order, and a resumed run needs no RNG state. Replicas draw different masks for
+    their different rows."""
+    mixed = (((seed * 1_000_003 + step) * 1_009 + stage) * 65_537 + microbatch) * 257 + replica
+    return mixed % (2**63 - 1)
 
 
 @dataclass
@@ -70,7 +76,9 @@ class DelayEmulator:
             loss. A parameter listed by several stages is owned by the first.
         seq_len: the sequence length the Transformer split balances for; pass what the
             pipeline runtime uses so both engines assign layers to stages identically.
-        seed: base seed of the exact mode's per-(stage, step, microbatch) RNG.
+        seed: base seed of the per-(stage, step, microbatch) RNG (`microbatch_seed`; the
+            fast mode seeds per (step, microbatch), its stage being `WHOLE_MODEL`).
+        replica: this process's data-parallel replica (its rows get their own masks).
     """
 
     def __init__(
@@ -84,6 +92,7 @@ class DelayEmulator:
         stages: Sequence[nn.Module] | None = None,
         seq_len: int | None = None,
         seed: int = 0,
+        replica: int = 0,
     ) -> None:
         if stages is None:
             stages = _split_transformer(model, num_stages, delay_cfg.policy, seq_len)
@@ -93,7 +102,7 @@ class DelayEmulator:
         self.cfg = delay_cfg
         self.num_stages = num_stages
         self.stages = list(stages)
-        self.seed = seed
+        self.seed, self.replica = seed, replica
         owned, self._shared = _ownership(self.stages)
         covered = {id(p) for ps in owned for p in ps.values()}
         for name, p in model.named_parameters():
@@ -139,18 +148,20 @@ class DelayEmulator:
             if self.cfg.mode == "exact":
                 loss = self._exact(step, microbatches)
             else:
-                loss = self._fast(microbatches)
+                loss = self._fast(step, microbatches)
         for use, copy in zip(untie, copies, strict=True):
             if copy.grad is not None:
                 p = use.param
                 p.grad = copy.grad if p.grad is None else p.grad + copy.grad
         return loss
 
-    def _fast(self, microbatches: Microbatches) -> float:
+    def _fast(self, step: int, microbatches: Microbatches) -> float:
         total = torch.zeros(())
-        for x, y in microbatches:
-            loss = self.model(x, y) / len(microbatches)
-            loss.backward()
+        for j, (x, y) in enumerate(microbatches):
+            seed = microbatch_seed(self.seed, WHOLE_MODEL, step, j, self.replica)
+            with seeded(seed, x.device):
+                loss = self.model(x, y) / len(microbatches)
+                loss.backward()
             total = total + loss.detach().float().cpu()
         return total.item()
 
@@ -169,7 +180,7 @@ class DelayEmulator:
             for s, stage in enumerate(self.stages):
                 inp = h if s == 0 else h.detach().requires_grad_(h.is_floating_point())
                 targets = y if s == last else None
-                with seeded(microbatch_seed(self.seed, s, step, j), x.device):
+                with seeded(microbatch_seed(self.seed, s, step, j, self.replica), x.device):
                     if hasattr(stage, "forward_with_aux"):
                         out, aux = stage.forward_with_aux(inp, targets)
                     else:

@@ -90,7 +90,7 @@ def hf_config(cfg: ExperimentConfig, dtype: torch.dtype, eos_token_id: int | Non
         "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
         "tie_word_embeddings": m.tie_embeddings,
         "initializer_range": m.init_std,
-        "attention_dropout": 0.0,
+        "attention_dropout": m.dropout,  # HF Llama has no residual dropout (inference: none)
         "bos_token_id": eos_token_id,  # documents start with eot (the llm.c convention)
         "eos_token_id": eos_token_id,
         "use_cache": True,

@@ -5,8 +5,10 @@ Shape legend:
     D  model width (dim)                     H  query heads, Hkv key/value heads
     Dh head width (D / H)                    F  SwiGLU hidden width (ffn_dim)
 The MLP of a block is a dense SwiGLU or, in Mixture-of-Experts layers, `moe.MoE` (see there).
-No biases anywhere, no dropout: pretraining at this scale does not use it, and without it the
-forward pass is a pure function of (weights, tokens), which exact delay emulation relies on.
+No biases. Dropout (`model.dropout`, default 0 as in LLM pretraining; nanoGPT's small
+Shakespeare models use 0.2) acts on the attention probabilities and on both residual branches,
+in training mode only. Its masks come from the default generator, which both engines seed per
+(stage, step, microbatch), so delayed training stays exactly reproducible with it on.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
         B, T, _ = x.shape
@@ -89,7 +92,12 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = rope(q), rope(k)
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads
+            q,
+            k,
+            v,
+            is_causal=True,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.num_kv_heads != self.num_heads,
         )  # (B, H, T, Dh)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
@@ -120,7 +128,8 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = mlp if mlp is not None else SwiGLU(cfg.dim, cfg.ffn_dim)
+        self.drop = nn.Dropout(cfg.dropout)  # on each residual branch (identity when 0)
 
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.drop(self.attn(self.attn_norm(x), rope))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))

@@ -102,6 +102,7 @@ class StageExecutor(StageEvaluation):
         sched: the schedule being run (for the policy and the step count).
         get_batch: step -> (x, y) microbatch lists of this replica (first/last stage only).
         grad_clip, seed, lr_fn: as in the training loop (`lr_fn(step)` sets the LR).
+        replica: the data-parallel replica (`microbatch_seed`: its own dropout masks).
         param_counts: number of owned parameters of every stage (for the norm exchange).
         tied: whether the embedding is tied to the head across the first and last stage.
         autocast: context manager factory for the forward (bf16 on GPU).
@@ -134,6 +135,7 @@ class StageExecutor(StageEvaluation):
         val_batch: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None,
         num_val_batches: int = 0,
         eval_steps: set[int] | frozenset[int] = frozenset(),
+        replica: int = 0,
         router_layers: list[list[tuple[int, int]]] | None = None,
         stats_steps: set[int] | frozenset[int] = frozenset(),
         per_expert: bool = True,
@@ -149,6 +151,7 @@ class StageExecutor(StageEvaluation):
         self.m = sched.num_microbatches
         self.first, self.last = stage == 0, stage == self.P - 1
         self.get_batch, self.grad_clip, self.seed, self.lr_fn = get_batch, grad_clip, seed, lr_fn
+        self.replica = replica  # data-parallel replica: its own dropout masks
         self.param_counts = param_counts
         self.autocast = autocast
         self.act_shape, self.act_dtype = act_shape, act_dtype
@@ -333,7 +336,8 @@ class StageExecutor(StageEvaluation):
         else:
             inp = self._take(self._act, (step, microbatch)).requires_grad_()
         targets = ys[microbatch] if self.last else None
-        with seeded(microbatch_seed(self.seed, self.stage, step, microbatch), self.device):
+        seed = microbatch_seed(self.seed, self.stage, step, microbatch, self.replica)
+        with seeded(seed, self.device):
             with self.autocast():
                 out, aux = self._run_at(weights, inp, targets)
             if self.last:

@@ -148,6 +148,7 @@ def _train(
         tc.steps,
         seq_len=cfg.data.seq_len,
         seed=tc.seed,
+        replica=ctx.rank,
     )
     autocast = _autocast(cfg, device)
 

@@ -323,6 +323,7 @@ def _run(cfg, comm, topo, rank, device, run_dir, resume, verbose) -> TrainResult
         val_batch=val_batch,
         num_val_batches=tc.eval_batches,
         eval_steps=eval_steps,
+        replica=replica,
         router_layers=[s.router_layers() for s in stages],
         stats_steps={k for k in range(start, N) if (k + 1) % tc.log_every == 0 or k + 1 == N},
         per_expert=cfg.model.num_experts * cfg.model.num_layers <= 64,  # as train.loop
