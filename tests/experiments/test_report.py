@@ -183,3 +183,16 @@ def test_claims_optimizer_ratio_and_momentum(tmp_path):
     mom = checked["Higher momentum shrinks the gap (adamw 2bw)"]
     assert mom[1] == "reproduced" and "Spearman rho -1.00" in mom[2]
     assert "beta1 0.9: 0.6000" in mom[2]
+
+
+def test_optimizer_ratio_needs_a_significant_adamw_gap(tmp_path):
+    """A large ratio built on an AdamW gap the seeds do not support is only 'partly'."""
+    root = tmp_path / "noisy"
+    for s, (sync, bw) in enumerate([(2.0, 2.7), (3.0, 3.3)]):  # gap 0.5, seeds disagree
+        make_run(root, f"adamw_sync_s{s}", SYNC, s, sync)
+        make_run(root, f"adamw_2bw_s{s}", BW, s, bw)
+        make_run(root, f"muon_sync_s{s}", {"optim.name": "muon", **SYNC}, s, 2.0 + 0.01 * s)
+        make_run(root, f"muon_2bw_s{s}", {"optim.name": "muon", **BW}, s, 2.1 + 0.01 * s)
+    checked = {c[0]: c for c in claims(build_rows(load_runs(root)))}
+    verdict, evidence = checked["AdamW's gap (2bw) is much larger than Muon's"][1:]
+    assert verdict == "partly" and "ratio 5.0x" in evidence

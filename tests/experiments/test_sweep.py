@@ -167,8 +167,15 @@ def test_cli_sweep_and_report_errors(tmp_path, capsys):
 
     assert main(["sweep", "paper-mini", "--dry-run", "--out", str(tmp_path / "pm")]) == 0
     out = capsys.readouterr().out
-    assert "missing   adamw_2bw+ef_s0: --optim.name adamw" in out and "132 runs" in out
+    assert "missing   adamw_2bw+ef_s0: --optim.name adamw" in out
+    assert "132 runs, 132 to run: ~" in out and "of CPU core time" in out
     assert not (tmp_path / "pm").exists()  # a dry run writes nothing
+    done = tmp_path / "pm" / "adamw_2bw+ef_s0"  # a finished run is not counted again
+    done.mkdir(parents=True)
+    (done / "ckpt_00000200.pt").touch()
+    assert main(["sweep", "paper-mini", "--dry-run", "--out", str(tmp_path / "pm")]) == 0
+    out = capsys.readouterr().out
+    assert "finished  adamw_2bw+ef_s0" in out and "132 runs, 131 to run" in out
     bad = [
         (["sweep"], "name a STUDY or give at least one --grid"),
         (["sweep", "paper-mini", "--scale", "135m", "--dry-run"], "runs at --scale cpu"),

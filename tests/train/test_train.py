@@ -53,6 +53,9 @@ def test_resume_equals_uninterrupted_bitwise(tiny_config, tmp_path, dropout):
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     assert resumed.train_losses == full.train_losses[10:]
+    meta = [json.loads((r.run_dir / "meta.json").read_text()) for r in (full, resumed)]
+    assert [m["resumed"] for m in meta] == [False, True]
+    assert meta[0]["git_dirty"] in (True, False, None)
     assert read_metrics(full.run_dir) == _without_time(
         read_metrics(resumed.run_dir), read_metrics(full.run_dir)
     )

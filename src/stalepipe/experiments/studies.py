@@ -257,6 +257,10 @@ def get_study(name: str) -> Study:
 CPU_SECONDS_PER_STEP = 0.1
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{max(seconds / 60, 1):.0f} min"
+
+
 def estimate_cpu_seconds(specs: list[RunSpec], base: ExperimentConfig) -> float:
     """Core-seconds of a CPU sweep: steps x per-step cost, scaled by tokens per step (read from
     the overrides, so no config is built: `stalepipe --help` stays fast)."""
@@ -328,14 +332,20 @@ def sweep_main(
     if dry_run:
         from stalepipe.experiments.sweep import run_status
 
+        todo = []
         for spec in specs:
             cfg = spec.config(base, out_dir)
             shown = " ".join(f"--{k} {v}" for k, v in spec.overrides.items())
-            log(f"{run_status(Path(out_dir) / spec.name, cfg.train.steps):<9} {spec.name}: {shown}")
-        if scale == "cpu":
-            cost = estimate_cpu_seconds(specs, base)
-            log(f"{len(specs)} runs, ~{cost / 3600:.1f} CPU core-hours "
-                f"(~{cost / 3600 / workers:.1f} h with {workers} worker(s) on a lightly loaded machine)")  # fmt: skip
+            status = run_status(Path(out_dir) / spec.name, cfg.train.steps)
+            log(f"{status:<9} {spec.name}: {shown}")
+            if status != "finished" and (status != "failed" or retry_failed):
+                todo.append(spec)
+        msg = f"{len(specs)} runs, {len(todo)} to run"
+        if scale == "cpu" and todo:
+            cost = estimate_cpu_seconds(todo, base)
+            msg += (f": ~{_duration(cost)} of CPU core time (~{_duration(cost / workers)} with "
+                    f"{workers} worker(s) on a lightly loaded machine)")  # fmt: skip
+        log(msg)
         return 0
     res = run_sweep(specs, base, out_dir, workers=workers, retry_failed=retry_failed, log=log)
     log(f"next: stalepipe report {out_dir}")

@@ -23,6 +23,7 @@ import stalepipe
 from stalepipe.config import ConfigError, ExperimentConfig
 from stalepipe.delay.policies import max_staleness
 from stalepipe.errors import UserError
+from stalepipe.train.checkpoint import latest_checkpoint
 
 # Fields that may differ between a run and its resumption without changing the trajectory.
 RESUMABLE_CHANGES = {
@@ -81,18 +82,30 @@ def _same_delay_per_stage(policy: Any, num_stages: Any) -> bool:
         return False
 
 
-def git_commit() -> str | None:
+def _git(*args: str) -> subprocess.CompletedProcess | None:
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
+        return subprocess.run(
+            ["git", *args],
             capture_output=True,
             text=True,
             timeout=5,
             cwd=Path(stalepipe.__file__).parent,
         )
-        return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def git_commit() -> str | None:
+    """The commit of the installed stalepipe's checkout (None outside a git checkout)."""
+    out = _git("rev-parse", "HEAD")
+    return (out.stdout.strip() or None) if out is not None and out.returncode == 0 else None
+
+
+def git_dirty() -> bool | None:
+    """Whether the checkout has uncommitted changes to tracked files, i.e. whether
+    `git_commit` alone does not describe the code that ran (None outside a git checkout)."""
+    out = _git("status", "--porcelain", "--untracked-files=no")
+    return bool(out.stdout.strip()) if out is not None and out.returncode == 0 else None
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -149,13 +162,15 @@ def open_run_dir(
     meta = {
         "stalepipe": stalepipe.__version__,
         "git_commit": git_commit(),
+        "git_dirty": git_dirty(),
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "host": socket.gethostname(),
         "argv": sys.argv,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "resumed": bool(resume),
+        # resumed from a checkpoint (--resume on a run without one simply starts)
+        "resumed": bool(resume) and latest_checkpoint(run_dir) is not None,
         **(extra_meta or {}),
     }
     write_json_atomic(run_dir / "meta.json", meta)
