@@ -97,3 +97,26 @@ def test_killed_worker_stops_every_rank(make_cfg):
     # knows that one did. The launcher's error above always names the dead rank.
     assert "rank 1 (stage 1)" in log0 or "a peer failed" in log0
     load_checkpoint(_ckpts(cfg)[-1])  # the last complete checkpoint stays loadable
+
+
+def test_divergence_stops_every_rank_and_keeps_the_last_good_checkpoint(make_cfg):
+    """A learning rate that blows the weights up: the run stops with a one-line error naming
+    the step and the last good checkpoint, and no checkpoint with non-finite weights exists."""
+    cfg = make_cfg("2bw", 2, 2, steps=40, ckpt_every=1, keep_last=3, grad_clip=0.0, name="blowup")
+    cfg = dataclasses.replace(
+        cfg,
+        optim=dataclasses.replace(cfg.optim, lr=1e12),
+        pipeline=dataclasses.replace(cfg.pipeline, timeout_s=10),
+    )
+    t0 = time.monotonic()
+    with pytest.raises(TrainingError, match="rank") as err:
+        launch_train(cfg, overwrite=True, verbose=False)
+    assert time.monotonic() - t0 < 90
+    logs = "".join(p.read_text() for p in (Path(cfg.out_dir) / cfg.name / "logs").glob("rank*.log"))
+    assert re.search(
+        r"non-finite (loss|weights).* at step \d+; (last good checkpoint|no chec)", logs
+    )
+    assert "Lower --optim.lr" in logs, err.value
+    for path in _ckpts(cfg):
+        state = load_checkpoint(path)
+        assert all(torch.isfinite(t).all() for t in state["model"].values()), path

@@ -335,10 +335,14 @@ def _run(cfg, comm, topo, rank, device, run_dir, resume, verbose) -> TrainResult
 
     def on_step(k: int) -> None:
         done = k + 1
-        if ((tc.ckpt_every and done % tc.ckpt_every == 0) or done == N) and replica == 0:
-            _save(done)
-        if logger is not None:
+        if logger is not None:  # stops at a non-finite loss, as train.loop does
             logger.drain(executor.results, executor.val_losses)
+        if ((tc.ckpt_every and done % tc.ckpt_every == 0) or done == N) and replica == 0:
+            # Non-finite weights are never checkpointed: this rank stops (its peers follow
+            # within the timeout) and the newest complete checkpoint stays the last good one.
+            if not all(bool(torch.isfinite(p).all()) for p in owned.values()):
+                _diverged(f"non-finite weights on stage {stage}", k, latest_checkpoint(run_dir))
+            _save(done)
 
     def _save(done: int) -> None:
         part = {
@@ -401,9 +405,9 @@ def _run(cfg, comm, topo, rank, device, run_dir, resume, verbose) -> TrainResult
 
 
 def _check_finite(executor: StageExecutor, last_ckpt: Path | None) -> None:
-    bad = [r.step for r in executor.results if not math.isfinite(r.loss)]
+    bad = [r for r in executor.results if not math.isfinite(r.loss)]
     if bad:
-        _diverged("non-finite loss", bad[0], last_ckpt)
+        _diverged(f"non-finite loss ({bad[0].loss})", bad[0].step, last_ckpt)
 
 
 def _wait_part(run_dir: Path, step: int, stage: int, topo: Topology, timeout_s: float) -> dict:
@@ -425,7 +429,7 @@ class _RankZeroLog:
     def __init__(self, cfg: ExperimentConfig, run_dir: Path, start: int, verbose: bool) -> None:
         from stalepipe.train.progress import Progress
 
-        self.cfg, self.start = cfg, start
+        self.cfg, self.start, self.run_dir = cfg, start, run_dir
         self.metrics = MetricsWriter(run_dir, start, cfg.train.tensorboard)
         tc = cfg.train
         self.progress = Progress(total=tc.steps, initial=start, enabled=tc.progress and verbose)
@@ -477,6 +481,8 @@ class _RankZeroLog:
                 self.val_loss = record["val_loss"] = val_losses[r.step]
             self.metrics.write(record)
             self.progress.update(loss=r.loss, val_loss=self.val_loss, tok_s=tok_s)
+            if not math.isfinite(r.loss):
+                _diverged(f"non-finite loss ({r.loss})", r.step, latest_checkpoint(self.run_dir))
 
     def close(self) -> None:
         self.progress.close()
