@@ -86,34 +86,21 @@ def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: 
         act_shape=(mb, T, model_cfg.dim),
         act_dtype=torch.float32,
     )
-    spans: dict[str, list[tuple[float, float]]] = {"F": [], "B": []}
+    spans: dict[str, list[tuple[float, float]]] = {k: [] for k in "FBSAW"}
     marks: dict[str, float] = {}
+    forward = ex.forward
 
-    def timed(fn, kind):
-        def run(step, microbatch, *a, **kw):
-            t = time.perf_counter()  # CLOCK_MONOTONIC: one clock for all processes
-            if kind == "F" and step == warm and microbatch == 0:
-                marks["start"] = t
-            fn(step, microbatch, *a, **kw)
-            spans[kind].append((t, time.perf_counter()))
+    def forward_marked(step, microbatch, *a, **kw):
+        if step == warm and microbatch == 0:
+            marks["start"] = time.perf_counter()  # CLOCK_MONOTONIC: one clock for all processes
+        return forward(step, microbatch, *a, **kw)
 
-        return run
-
-    ex.forward, ex.backward = timed(ex.forward, "F"), timed(ex.backward, "B")
+    ex.forward = _timed_call(forward_marked, spans["F"])
     # The update is work too: STEP (post_step) and the optimizer step (apply_next, which runs
     # inside a forward or a STEP) count as busy, as the simulator's optimizer cost does.
-    spans["S"], spans["A"], spans["W"] = [], [], []
-    for attr, kind in (("post_step", "S"), ("apply_next", "A")):
+    # Waiting for a peer inside F/B (_take) is bubble, not work.
+    for attr, kind in (("backward", "B"), ("post_step", "S"), ("apply_next", "A"), ("_take", "W")):
         setattr(ex, attr, _timed_call(getattr(ex, attr), spans[kind]))
-    take = ex._take
-
-    def timed_take(*a):  # waiting for a peer inside F/B is bubble, not work
-        t = time.perf_counter()
-        out = take(*a)
-        spans["W"].append((t, time.perf_counter()))
-        return out
-
-    ex._take = timed_take
     comm.barrier("benchmark start")
     ex.run(list(sched.ranks[rank]))
     marks["end"] = time.perf_counter()
