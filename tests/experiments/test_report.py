@@ -196,3 +196,16 @@ def test_optimizer_ratio_needs_a_significant_adamw_gap(tmp_path):
     checked = {c[0]: c for c in claims(build_rows(load_runs(root)))}
     verdict, evidence = checked["AdamW's gap (2bw) is much larger than Muon's"][1:]
     assert verdict == "partly" and "ratio 5.0x" in evidence
+
+
+def test_momentum_verdict_sees_a_drifting_baseline(tmp_path):
+    """Gaps that shrink because the synchronous baseline gets worse are only 'partly'."""
+    root = tmp_path / "drift"
+    for s in range(2):
+        for b1, sync, gap in [("0.9", 2.0, 0.6), ("0.95", 2.5, 0.3), ("0.98", 3.0, 0.1)]:
+            o = {"optim.beta1": b1}
+            make_run(root, f"adamw_b1{b1}_sync_s{s}", {**o, **SYNC}, s, sync + 0.01 * s)
+            make_run(root, f"adamw_b1{b1}_2bw_s{s}", {**o, **BW}, s, sync + gap + 0.01 * s)
+    checked = {c[0]: c for c in claims(build_rows(load_runs(root)))}
+    verdict, evidence = checked["Higher momentum shrinks the gap (adamw 2bw)"][1:]
+    assert verdict == "partly" and "sync 2.0050-3.0050" in evidence

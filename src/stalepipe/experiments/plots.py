@@ -121,9 +121,17 @@ _SHOWN = ("optim.lr", "optim.beta1", "optim.beta2", "optim.weight_decay", "pipel
 
 
 def gap_points(rows: list[Row], kind: str) -> dict[str, list[tuple[float, float, float]]]:
-    """Series name -> [(x, gap, std of the delayed runs)] for unmitigated delayed rows with a
-    gap, when x takes at least two values within a series. A series is a set of rows equal in
-    everything but the x-axis keys."""
+    """Series name -> [(x, gap, std of the delayed runs)] (see `gap_series`)."""
+    return {
+        name: [(x, r.gap, r.std) if r is not None else (x, 0.0, 0.0) for x, r in pts]
+        for name, pts in gap_series(rows, kind).items()
+    }
+
+
+def gap_series(rows: list[Row], kind: str) -> dict[str, list[tuple[float, Row | None]]]:
+    """Series name -> [(x, row)] for unmitigated delayed rows with a gap, when x takes at least
+    two values within a series. A series is a set of rows equal in everything but the x-axis
+    keys. Depth series of pipedream start at P = 1 (sync by definition: row None, gap 0)."""
     from stalepipe.experiments.results import config_key
 
     _, fx = AXES[kind]
@@ -141,7 +149,7 @@ def gap_points(rows: list[Row], kind: str) -> dict[str, list[tuple[float, float,
         for k in _SHOWN:
             vals = [json.dumps(r.config.get(k)) for r in cands if r.config.get("optim.name") == opt]
             usual[(opt, k)] = Counter(vals).most_common(1)[0][0]
-    series: dict[tuple, list[tuple[float, float, float]]] = {}
+    series: dict[tuple, list[tuple[float, Row | None]]] = {}
     names: dict[tuple, str] = {}
     for r in cands:
         x = fx(r)
@@ -158,12 +166,12 @@ def gap_points(rows: list[Row], kind: str) -> dict[str, list[tuple[float, float,
                 and json.dumps(r.config.get(k)) != usual[(r.config.get("optim.name"), k)]
             ]
         )
-        series.setdefault(key, []).append((float(x), r.gap, r.std))
+        series.setdefault(key, []).append((float(x), r))
     out = {}
     for k, pts in series.items():
-        pts.sort()
+        pts.sort(key=lambda p: p[0])
         if kind == "depth" and " pipedream" in names[k] and pts[0][0] > 1:
-            pts.insert(0, (1.0, 0.0, 0.0))  # pipedream at P = 1 is sync: gap 0 by definition
+            pts.insert(0, (1.0, None))  # pipedream at P = 1 is sync: gap 0 by definition
         if len({p[0] for p in pts}) >= 2:
             out[names[k]] = pts
     return out
