@@ -13,6 +13,7 @@ PACKAGE = Path(stalepipe.__file__).parent
 LAYER = {
     "config": 0,
     "errors": 0,
+    "fileio": 0,
     "presets": 0,
     "models": 1,
     "optim": 1,
