@@ -6,8 +6,12 @@ import pytest
 import torch
 
 from stalepipe.config import ConfigError, DelayConfig
-from stalepipe.delay import DelayedOptimizer, max_staleness, version_used
-from stalepipe.delay.policies import cooldown_steps
+from stalepipe.delay import DelayedOptimizer, DelaySchedule
+
+
+def version_used(policy: str, stage: int, step: int, P: int, T: int) -> int:
+    return DelaySchedule.build(policy, P, T).version(stage, step)
+
 
 P = 3
 LR = 0.1
@@ -47,12 +51,10 @@ def run(cfg: DelayConfig, T: int, n: int = P, opt_fn=None):
 
 def closed_form(cfg: DelayConfig, T: int, n: int = P):
     """W_{k+1} = W_k - lr * grad(W^0_{v_0(k)}, ..., W^{n-1}_{v_{n-1}(k)}), v_s = version_used."""
-    cool = cooldown_steps(cfg.sync_cooldown, T)
+    delay = DelaySchedule.from_config(cfg, n, T)
     traj = [[w.detach().clone() for w in init(n)]]
     for k in range(T):
-        point = [
-            traj[version_used(cfg.policy, s, k, n, T, cfg.sync_start, cool)][s] for s in range(n)
-        ]
+        point = [traj[delay.version(s, k)][s] for s in range(n)]
         g = grad_at(point)
         # SGD's own arithmetic for W_k - lr * g (p.add_(g, alpha=-lr)), so equality is bitwise
         traj.append([w.add(gi, alpha=-LR) for w, gi in zip(traj[k], g, strict=True)])
@@ -123,7 +125,7 @@ def test_at_most_tau_plus_one_versions_per_stage():
         T = 10
         ws = init()
         dopt = DelayedOptimizer(torch.optim.SGD(ws, lr=LR), [[w] for w in ws], cfg, T)
-        top = max_staleness(cfg.policy, P)
+        top = DelaySchedule.build(cfg.policy, P).max_tau
         for k in range(T):
             kept = dopt.kept_versions()
             for s in range(P):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from stalepipe.config import ConfigError, DelayConfig, OptimConfig
-from stalepipe.delay import DelayEmulator, version_used
+from stalepipe.delay import DelayEmulator, DelaySchedule
 from stalepipe.delay.reference import reference_train, stage_of_uses
 from stalepipe.models import build_model, partition
 
@@ -138,7 +138,7 @@ def test_pipedream_trace_per_stage_and_tied_head(mode):
         tau = engine.step(k)["tau"]
         assert tau == [P - 1 - s for s in range(P)]
         for s in range(P):
-            v = version_used("pipedream", s, k, P, T)
+            v = DelaySchedule.build("pipedream", P, T).version(s, k)
             assert v == max(k - (P - 1 - s), 0)
             assert torch.equal(seen[f"stage{s}"], history[v][names[s]]), (k, s)
         assert torch.equal(seen["head"], history[k]["tok_emb.weight"])  # last stage: fresh

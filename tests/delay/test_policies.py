@@ -5,15 +5,28 @@ from __future__ import annotations
 import pytest
 
 from stalepipe.config import ConfigError, DelayConfig, TrainConfig
-from stalepipe.delay import (
-    DELAY_POLICIES,
-    max_staleness,
-    resolve_delay_config,
-    staleness,
-    version_used,
-    versions_needed_after,
-)
-from stalepipe.delay.policies import cooldown_steps, in_sync_window, wpipe_group
+from stalepipe.delay import DELAY_POLICIES, DelaySchedule, resolve_delay_config
+from stalepipe.delay.policies import cooldown_steps, wpipe_group
+
+
+def sched(policy: str, P: int, T: int, sync_start: int = 0, sync_cooldown: float = 0.0):
+    return DelaySchedule.build(policy, P, T, sync_start, sync_cooldown)
+
+
+def staleness(policy, stage, step, P, T, **kw) -> int:
+    return sched(policy, P, T, **kw).tau(stage, step)
+
+
+def version_used(policy, stage, step, P, T, **kw) -> int:
+    return sched(policy, P, T, **kw).version(stage, step)
+
+
+def max_staleness(policy, P) -> list[int]:
+    return list(DelaySchedule.build(policy, P).max_tau)
+
+
+def versions_needed_after(policy, stages, step, P, T, sync_start=0, sync_cooldown=0.0):
+    return sched(policy, P, T, sync_start, sync_cooldown).versions_needed_after(stages, step)
 
 
 def taus(policy: str, P: int, step: int = 5, T: int = 100, **kw) -> list[int]:
@@ -61,7 +74,8 @@ def test_sync_windows_switch_at_the_right_steps():
     assert version_used("2bw", 0, 3, 1, T, sync_start=3) == 2
     assert version_used("2bw", 0, 8, 1, T, sync_cooldown=2) == 8
     assert cooldown_steps(0.25, 40) == 10 and cooldown_steps(7, 40) == 7
-    assert in_sync_window(0, 10, sync_start=1) and not in_sync_window(1, 10, sync_start=1)
+    assert sched("2bw", 1, 10, sync_start=1).in_sync_window(0)
+    assert not sched("2bw", 1, 10, sync_start=1).in_sync_window(1)
 
 
 def test_versions_needed_never_exceed_max_tau():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from stalepipe.config import ConfigError
-from stalepipe.delay.policies import version_used
+from stalepipe.delay import DelaySchedule
 from stalepipe.pipeline.generators import SCHEDULES, make_schedule
 from stalepipe.pipeline.schedule import (
     Action,
@@ -57,17 +57,17 @@ def test_versions_come_from_the_delay_policy(name):
     S, N = sched.num_stages, sched.num_steps
     for _, _, a in sched.actions():
         if a.kind == "STEP":
-            assert a.version == a.step + 1
+            assert (a.reads, a.makes) == (-1, a.step + 1)
         else:
-            want = version_used(sched.policy, a.stage, a.step, S, N, 1, 1)
-            assert a.version == want, a
+            want = DelaySchedule.build(sched.policy, S, N, 1, 1).version(a.stage, a.step)
+            assert (a.reads, a.makes) == (want, -1), a
 
 
 def test_2bw_versions_trace():
     sched = make_schedule("2bw", 3, 4, 5)
     for _, _, a in sched.actions():
         if a.kind == "F":  # steps 0 and 1 both see W_0, then step k sees W_{k-1}
-            assert a.version == max(a.step - 1, 0)
+            assert a.reads == max(a.step - 1, 0)
 
 
 def test_pipedream_is_one_update_per_microbatch_with_stage_staleness():
@@ -76,7 +76,7 @@ def test_pipedream_is_one_update_per_microbatch_with_stage_staleness():
     assert (sched.num_steps, sched.num_microbatches) == (12, 1)
     for _, _, a in sched.actions():
         if a.kind == "F":
-            assert a.version == max(a.step - (P - 1 - a.stage), 0)
+            assert a.reads == max(a.step - (P - 1 - a.stage), 0)
     assert peak_versions(sched) == [P - s for s in range(P)]
 
 
@@ -123,7 +123,7 @@ def test_bad_sizes_and_names_are_refused():
 def test_sync_windows_flush_the_async_pipeline():
     sched = make_schedule("2bw", 4, 4, 8, sync_start=2, sync_cooldown=2)
     validate(sched)
-    fwd = {(a.step, a.stage): a.version for _, _, a in sched.actions() if a.kind == "F"}
+    fwd = {(a.step, a.stage): a.reads for _, _, a in sched.actions() if a.kind == "F"}
     assert [fwd[(k, 0)] for k in range(8)] == [0, 1, 1, 2, 3, 4, 6, 7]
 
 
@@ -188,12 +188,12 @@ def test_validator_catches_wrong_versions_duplicates_and_misplaced_actions():
     sched = make_schedule("2bw", 2, 2, 3)
     acts = list(sched.ranks[0])
     stale = next(i for i, a in enumerate(acts) if a.kind == "F" and a.step == 2)
-    bad = acts[:stale] + [dataclasses.replace(acts[stale], version=0)] + acts[stale + 1 :]
-    with pytest.raises(ScheduleError, match="policy '2bw' says 1"):
+    bad = acts[:stale] + [dataclasses.replace(acts[stale], reads=0)] + acts[stale + 1 :]
+    with pytest.raises(ScheduleError, match="reads version 0; policy '2bw' says 1"):
         validate(_replace_rank(sched, 0, bad))
     with pytest.raises(ScheduleError, match="appears twice"):
         validate(_replace_rank(sched, 0, acts + [acts[0]]))
-    moved = acts + [Action("F", 1, 0, 0, 0)]
+    moved = acts + [Action("F", 1, 0, 0, reads=0)]
     with pytest.raises(ScheduleError, match="stage 1 lives on rank 1"):
         validate(_replace_rank(sched, 0, moved))
 

@@ -1,6 +1,6 @@
 """Gradient-delay policies, mitigations and the single-process delay emulator.
 
-- `policies`: tau_s(k), the one definition of staleness (GUIDE section 2);
+- `policies`: tau_s(k) and `DelaySchedule`, the one definition of staleness (GUIDE section 2);
 - `mitigations`: error feedback, Taylor compensation, sync-window resolution (pure math);
 - `DelayedOptimizer`: wraps any optimizer for a plain training loop;
 - `DelayEmulator`: the engine the training loop drives (fast and exact modes);
@@ -10,26 +10,15 @@
 from stalepipe.delay.delayed_optimizer import DelayedOptimizer
 from stalepipe.delay.emulator import DelayEmulator, microbatch_seed
 from stalepipe.delay.mitigations import resolve_delay_config
-from stalepipe.delay.policies import (
-    DELAY_POLICIES,
-    cooldown_steps,
-    in_sync_window,
-    max_staleness,
-    staleness,
-    version_used,
-    versions_needed_after,
-)
+from stalepipe.delay.policies import DELAY_POLICIES, DelaySchedule, Policy, wpipe_group
 
 __all__ = [
     "DELAY_POLICIES",
     "DelayEmulator",
+    "DelaySchedule",
     "DelayedOptimizer",
-    "cooldown_steps",
-    "in_sync_window",
-    "max_staleness",
+    "Policy",
     "microbatch_seed",
     "resolve_delay_config",
-    "staleness",
-    "version_used",
-    "versions_needed_after",
+    "wpipe_group",
 ]

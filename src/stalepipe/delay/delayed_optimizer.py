@@ -30,16 +30,9 @@ from torch import nn
 
 from stalepipe.config import ConfigError, DelayConfig
 from stalepipe.delay import mitigations
-from stalepipe.delay.policies import (
-    cooldown_steps,
-    max_staleness,
-    staleness,
-    versions_needed_after,
-)
+from stalepipe.delay.policies import DelaySchedule
 
 StageParams = Iterable[nn.Parameter] | Mapping[str, nn.Parameter]
-
-_UNBOUNDED = 2**62  # total_steps when the run length is unknown (no cooldown then)
 
 
 class DelayedOptimizer:
@@ -55,6 +48,8 @@ class DelayedOptimizer:
         cfg: policy and mitigations. `cfg.mode` is ignored here (see `DelayEmulator`).
         total_steps: run length T (sync cooldown and the last needed versions depend on it);
             None when unknown, which forbids a cooldown.
+        schedule: the run's `DelaySchedule` instead of (cfg's windows, total_steps), when the
+            caller built it already (the engines do); cfg then supplies the mitigations.
         shared_with: stage -> other stages that also read its weights (a tied embedding used by
             the last stage); the owner then keeps the versions those stages read too.
 
@@ -69,26 +64,29 @@ class DelayedOptimizer:
         cfg: DelayConfig | None = None,
         total_steps: int | None = None,
         *,
+        schedule: DelaySchedule | None = None,
         shared_with: Mapping[int, Iterable[int]] | None = None,
     ) -> None:
         cfg = cfg or DelayConfig()
-        if cfg.sync_cooldown_wsd:
-            raise ConfigError(
-                "delay.sync_cooldown_wsd must be resolved to a step count first: pass "
-                "stalepipe.delay.resolve_delay_config(delay_cfg, train_cfg)"
-            )
-        if total_steps is None:
-            if cfg.sync_cooldown:
-                raise ConfigError("delay.sync_cooldown needs total_steps (the run length)")
-            total_steps = _UNBOUNDED
-        if total_steps < 1:
-            raise ConfigError(f"total_steps must be >= 1, got {total_steps}")
         if not stages:
             raise ConfigError("DelayedOptimizer needs at least one stage of parameters")
+        if schedule is None:
+            if cfg.sync_cooldown_wsd:
+                raise ConfigError(
+                    "delay.sync_cooldown_wsd must be resolved to a step count first: pass "
+                    "schedule=DelaySchedule.from_config(delay_cfg, num_stages, steps, train_cfg)"
+                )
+            schedule = DelaySchedule.from_config(cfg, len(stages), total_steps)
+        if schedule.num_stages != len(stages) or schedule.policy != cfg.policy:
+            raise ConfigError(
+                f"the delay schedule ({schedule.policy}, {schedule.num_stages} stages) does not "
+                f"match delay.policy {cfg.policy} with {len(stages)} stages of parameters"
+            )
         self.optimizer = optimizer
         self.cfg = cfg
+        self.schedule = schedule
         self.num_stages = len(stages)
-        self.total_steps = total_steps
+        self.total_steps = schedule.total_steps
         self._names: list[list[str]] = []
         self._params: list[list[nn.Parameter]] = []
         seen: dict[int, str] = {}
@@ -115,13 +113,10 @@ class DelayedOptimizer:
                         f"no stage; pass every trained parameter in `stages`"
                     )
 
-        # Validates the policy (and wpipe's even stage count) up front.
-        self._max_tau = max_staleness(cfg.policy, self.num_stages)
         self._consumers = [{s} for s in range(self.num_stages)]
         for owner, users in (shared_with or {}).items():
             self._consumers[owner].update(users)
-        self._cooldown = cooldown_steps(cfg.sync_cooldown, total_steps)
-        if cfg.ef and max(self._max_tau) == 0:
+        if cfg.ef and not schedule.delayed:
             warnings.warn(
                 f"delay.ef is on but delay.policy {cfg.policy!r} has no delay with "
                 f"{self.num_stages} stage(s): EF then only perturbs the optimizer's updates",
@@ -152,24 +147,11 @@ class DelayedOptimizer:
 
     def staleness(self, step: int | None = None) -> list[int]:
         """tau_s(step) for every stage (default: the current step)."""
-        k = self._step if step is None else step
-        return [
-            staleness(
-                self.cfg.policy,
-                s,
-                k,
-                self.num_stages,
-                self.total_steps,
-                self.cfg.sync_start,
-                self._cooldown,
-            )
-            for s in range(self.num_stages)
-        ]
+        return self.schedule.taus(self._step if step is None else step)
 
     def versions(self, step: int | None = None) -> list[int]:
         """The weight version each stage's gradient sees at `step`: max(step - tau_s, 0)."""
-        k = self._step if step is None else step
-        return [max(k - tau, 0) for tau in self.staleness(k)]
+        return self.schedule.versions(self._step if step is None else step)
 
     def kept_versions(self) -> list[list[int]]:
         """Per stage, the versions held now: stored copies plus the live weights."""
@@ -179,19 +161,8 @@ class DelayedOptimizer:
         """Per stage, the stored versions a state at `step` holds: the past versions that
         steps >= `step` read on the stage or on stages sharing its weights (what `step()`
         keeps; checkpoint re-splitting asks for exactly these)."""
-        if step == 0:
-            return [set() for _ in range(self.num_stages)]
         return [
-            versions_needed_after(
-                self.cfg.policy,
-                self._consumers[s],
-                step - 1,
-                self.num_stages,
-                self.total_steps,
-                self.cfg.sync_start,
-                self._cooldown,
-            )
-            for s in range(self.num_stages)
+            self.schedule.versions_held_at(self._consumers[s], step) for s in range(self.num_stages)
         ]
 
     def weights_at(self, stage: int, version: int) -> list[torch.Tensor]:
@@ -273,15 +244,7 @@ class DelayedOptimizer:
         # Keep W_k if a later step reads it; recycle the buffers nobody reads any more.
         w_k: list[list[torch.Tensor] | None] = [None] * self.num_stages
         for s in range(self.num_stages):
-            needed = versions_needed_after(
-                cfg.policy,
-                self._consumers[s],
-                k,
-                self.num_stages,
-                self.total_steps,
-                cfg.sync_start,
-                self._cooldown,
-            )
+            needed = self.schedule.versions_needed_after(self._consumers[s], k)
             hist = self._history[s]
             for v in [v for v in hist if v not in needed]:
                 self._spare[s] = hist.pop(v)

@@ -31,6 +31,7 @@ from torch import nn
 
 from stalepipe.config import ConfigError, DelayConfig
 from stalepipe.delay.delayed_optimizer import DelayedOptimizer
+from stalepipe.delay.policies import DelaySchedule
 from stalepipe.delay.rng import seeded
 
 Microbatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -70,7 +71,8 @@ class DelayEmulator:
         optimizer: any `torch.optim.Optimizer` over the model's parameters.
         delay_cfg: policy, mitigations and mode (resolve WSD-aligned cooldowns first with
             `resolve_delay_config`).
-        num_stages, total_steps: P and T.
+        num_stages, total_steps: P and T (or `schedule`, the run's `DelaySchedule`, built once
+            by the caller and shared with the rest of the run).
         stages: for non-Transformer models, the pipeline stages as modules sharing the model's
             parameters; stage s>0 takes stage s-1's output, the last `stage(h, y)` returns the
             loss. A parameter listed by several stages is owned by the first.
@@ -86,14 +88,20 @@ class DelayEmulator:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         delay_cfg: DelayConfig,
-        num_stages: int,
-        total_steps: int,
+        num_stages: int | None = None,
+        total_steps: int | None = None,
         *,
+        schedule: DelaySchedule | None = None,
         stages: Sequence[nn.Module] | None = None,
         seq_len: int | None = None,
         seed: int = 0,
         replica: int = 0,
     ) -> None:
+        if schedule is None:
+            if num_stages is None:
+                raise ConfigError("DelayEmulator needs num_stages (or a DelaySchedule)")
+            schedule = DelaySchedule.from_config(delay_cfg, num_stages, total_steps)
+        num_stages = schedule.num_stages
         if stages is None:
             stages = _split_transformer(model, num_stages, delay_cfg.policy, seq_len)
         if len(stages) != num_stages:
@@ -112,7 +120,7 @@ class DelayEmulator:
         for use in self._shared:
             shared_with.setdefault(use.owner, set()).add(use.stage)
         self.delayed = DelayedOptimizer(
-            optimizer, owned, delay_cfg, total_steps, shared_with=shared_with
+            optimizer, owned, delay_cfg, schedule=schedule, shared_with=shared_with
         )
         self._params = list(model.parameters())  # clip in the model's order, like a bare loop
 

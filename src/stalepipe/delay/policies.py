@@ -1,8 +1,13 @@
-"""Delay policies: the one definition of gradient staleness (GUIDE section 2).
+"""Delay policies and the delay schedule: the one definition of gradient staleness (GUIDE 2).
 
-`staleness(policy, stage, step, num_stages, total_steps)` is a pure function that the emulator,
-the pipeline runtime, the schedule generators, the timing simulator and the reports all call.
-The gradient of step k is taken at the weights of stage s from step `max(k - tau_s(k), 0)`.
+A `Policy` says how stale each stage's weights are outside synchronous windows, as a pure
+function of (stage, step, num_stages). A `DelaySchedule` is that policy bound, once, to a run:
+the number of stages, the run length and the sync windows. It answers every question the
+engines ask (tau, the version a stage reads, the versions still needed after a step, the
+largest staleness, whether a step is synchronous); the emulator, the pipeline runtime, the
+schedule generators, the timing simulator and the reports all take one instead of loose
+arguments. The gradient of step k is taken at the weights of stage s from step
+`max(k - tau_s(k), 0)` (so steps 0 and 1 of 2bw both see W_0).
 
 Policies (tau_s(k) outside sync windows):
     sync        0                     GPipe / 1F1B with a flush every step
@@ -21,23 +26,29 @@ Sync windows (mitigations): tau = 0 for the first `sync_start` steps and the las
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from stalepipe.config import ConfigError
 
-PolicyFn = Callable[[int, int], int]  # (stage, num_stages) -> tau outside sync windows
+UNBOUNDED = 2**62  # total_steps of a run whose length is unknown (no cooldown then)
 
 
-def _sync(stage: int, num_stages: int) -> int:
-    return 0
+@dataclass(frozen=True)
+class Policy:
+    """A delay policy: `tau(stage, step, num_stages)` outside sync windows, and its bound
+    `max_tau(stage, num_stages)` over all steps (how many versions a stage keeps, minus one).
+    A policy may depend on the step; `max_tau` must bound it."""
+
+    name: str
+    tau: Callable[[int, int, int], int]
+    max_tau: Callable[[int, int], int]
+    stage_rule: Callable[[int], None] = lambda num_stages: None  # raises for a bad stage count
 
 
-def _2bw(stage: int, num_stages: int) -> int:
-    return 1
-
-
-def _pipedream(stage: int, num_stages: int) -> int:
-    return num_stages - 1 - stage
+def _constant(name: str, fn: Callable[[int, int], int], **kw) -> Policy:
+    return Policy(name, lambda s, k, P: fn(s, P), fn, **kw)
 
 
 def wpipe_group(stage: int, num_stages: int) -> int:
@@ -47,35 +58,37 @@ def wpipe_group(stage: int, num_stages: int) -> int:
     group; the reference code chains the workers twice (`g = g + g`) and calls position
     i < L // 2 group G0. Only an even number of partitions has that structure.
     """
+    _wpipe_stages(num_stages)
+    return 0 if stage < num_stages // 2 else 1
+
+
+def _wpipe_stages(num_stages: int) -> None:
     if num_stages % 2:
         raise ConfigError(
             f"delay.policy wpipe needs an even pipeline.num_stages (WPipe splits the model into "
             f"two equal groups of partitions, two per worker), got {num_stages}"
         )
-    return 0 if stage < num_stages // 2 else 1
 
 
-def _wpipe(stage: int, num_stages: int) -> int:
+DELAY_POLICIES: dict[str, Policy] = {
+    "sync": _constant("sync", lambda s, P: 0),
+    "2bw": _constant("2bw", lambda s, P: 1),
+    "pipedream": _constant("pipedream", lambda s, P: P - 1 - s),
     # G0 is double-buffered: W_{t+1} = W_t - lr * grad(W_{t-1}) on G0; G1 is always fresh.
-    return 1 if wpipe_group(stage, num_stages) == 0 else 0
-
-
-DELAY_POLICIES: dict[str, PolicyFn] = {
-    "sync": _sync,
-    "2bw": _2bw,
-    "pipedream": _pipedream,
-    "wpipe": _wpipe,
+    "wpipe": _constant(
+        "wpipe", lambda s, P: 1 if wpipe_group(s, P) == 0 else 0, stage_rule=_wpipe_stages
+    ),
 }
 
 
-def parse_policy(policy: str) -> PolicyFn:
-    """The per-stage delay function of `policy` (a registry name or `fixed:N`)."""
+def parse_policy(policy: str) -> Policy:
+    """The `Policy` named `policy` (a registry name or `fixed:N`)."""
     if policy.startswith("fixed:"):
         n = policy.split(":", 1)[1]
         if not n.isdigit():
             raise ConfigError(f"delay.policy fixed:N needs an integer N >= 0, got {policy!r}")
         delay = int(n)
-        return lambda stage, num_stages: delay
+        return _constant(policy, lambda s, P: delay)
     if policy not in DELAY_POLICIES:
         raise ConfigError(
             f"unknown delay policy {policy!r}; choose from {', '.join(DELAY_POLICIES)} or fixed:N"
@@ -92,77 +105,140 @@ def cooldown_steps(sync_cooldown: float, total_steps: int) -> int:
     return int(round(sync_cooldown * total_steps))
 
 
-def in_sync_window(
-    step: int, total_steps: int, sync_start: int = 0, sync_cooldown: float = 0.0
-) -> bool:
-    """True when `step` lies in the synchronous start or the synchronous cooldown."""
-    if sync_start < 0:
-        raise ConfigError(f"delay.sync_start must be >= 0, got {sync_start}")
-    return step < sync_start or step >= total_steps - cooldown_steps(sync_cooldown, total_steps)
+@dataclass(frozen=True)
+class DelaySchedule:
+    """`policy` bound to a run of `total_steps` steps on `num_stages` stages, with its sync
+    windows: the first `sync_start` steps and the last `sync_cooldown` steps (a count if >= 1,
+    else a fraction of the run) have tau = 0. Built once (`DelaySchedule.build`, or
+    `delay.schedule_for` from the configs); every engine and report asks it.
 
-
-def staleness(
-    policy: str,
-    stage: int,
-    step: int,
-    num_stages: int,
-    total_steps: int,
-    sync_start: int = 0,
-    sync_cooldown: float = 0.0,
-) -> int:
-    """tau_s(k): how many steps old the weights of `stage` are when step `step`'s gradient is
-    computed. Pure; the version used is `max(step - tau, 0)` (see `version_used`)."""
-    assert 0 <= stage < num_stages, (stage, num_stages)
-    fn = parse_policy(policy)  # validates the policy even inside a sync window
-    tau = fn(stage, num_stages)
-    if in_sync_window(step, total_steps, sync_start, sync_cooldown):
-        return 0
-    return tau
-
-
-def version_used(
-    policy: str,
-    stage: int,
-    step: int,
-    num_stages: int,
-    total_steps: int,
-    sync_start: int = 0,
-    sync_cooldown: float = 0.0,
-) -> int:
-    """Index of the weight version (W_v, v = number of updates applied) that step `step`'s
-    gradient sees on `stage`; clamped at 0 so the first steps of a delayed run see W_0."""
-    tau = staleness(policy, stage, step, num_stages, total_steps, sync_start, sync_cooldown)
-    return max(step - tau, 0)
-
-
-def max_staleness(policy: str, num_stages: int) -> list[int]:
-    """Per-stage largest tau outside sync windows: a stage keeps tau + 1 weight versions."""
-    fn = parse_policy(policy)
-    return [fn(s, num_stages) for s in range(num_stages)]
-
-
-def versions_needed_after(
-    policy: str,
-    stages: Iterable[int],
-    step: int,
-    num_stages: int,
-    total_steps: int,
-    sync_start: int = 0,
-    sync_cooldown: float = 0.0,
-) -> set[int]:
-    """Past versions (v <= `step`) that some later step j > `step` reads on any of `stages`.
-
-    After update `step` the newest weights are W_{step+1}; a version is worth keeping only if a
-    future gradient is computed at it. Steps beyond step + max tau read W_{step+1} or newer, so
-    the set has at most max tau elements: a stage keeps at most tau + 1 versions in all, and
-    none inside sync windows that no delayed step follows.
+    Not for: a run whose length is unknown and has a cooldown (`total_steps=None` refuses one).
     """
-    stages = list(stages)
-    depth = max((max_staleness(policy, num_stages)[s] for s in stages), default=0)
-    needed = set()
-    for j in range(step + 1, min(step + depth, total_steps - 1) + 1):
-        for s in stages:
-            v = version_used(policy, s, j, num_stages, total_steps, sync_start, sync_cooldown)
-            if v <= step:
-                needed.add(v)
-    return needed
+
+    policy: str
+    num_stages: int
+    total_steps: int = UNBOUNDED
+    sync_start: int = 0
+    sync_cooldown: float = 0.0
+    # Derived in __post_init__: the parsed policy, the cooldown's length, the per-stage bound.
+    _policy: Policy = field(init=False, repr=False, compare=False)
+    cooldown: int = field(init=False, compare=False)
+    max_tau: tuple[int, ...] = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1:
+            raise ConfigError(f"pipeline.num_stages must be >= 1, got {self.num_stages}")
+        if self.total_steps < 1:
+            raise ConfigError(f"train.steps must be >= 1, got {self.total_steps}")
+        if self.sync_start < 0:
+            raise ConfigError(f"delay.sync_start must be >= 0, got {self.sync_start}")
+        if self.total_steps == UNBOUNDED and self.sync_cooldown:
+            raise ConfigError("delay.sync_cooldown needs total_steps (the run length)")
+        pol = parse_policy(self.policy)
+        pol.stage_rule(self.num_stages)
+        set_ = object.__setattr__  # frozen: derived fields are set once, here
+        set_(self, "_policy", pol)
+        set_(self, "cooldown", cooldown_steps(self.sync_cooldown, self.total_steps))
+        set_(self, "max_tau", tuple(pol.max_tau(s, self.num_stages) for s in self.stages))
+
+    @classmethod
+    def build(
+        cls,
+        policy: str,
+        num_stages: int,
+        total_steps: int | None = None,
+        sync_start: int = 0,
+        sync_cooldown: float = 0.0,
+    ) -> DelaySchedule:
+        """The schedule of a run; `total_steps=None` for a run of unknown length."""
+        return cls(
+            policy, num_stages, UNBOUNDED if total_steps is None else total_steps,
+            int(sync_start), float(sync_cooldown),
+        )  # fmt: skip
+
+    def with_total_steps(self, total_steps: int) -> DelaySchedule:
+        """The same policy and windows over `total_steps` steps (a fractional cooldown scales)."""
+        return dataclasses.replace(self, total_steps=total_steps)
+
+    @property
+    def stages(self) -> range:
+        return range(self.num_stages)
+
+    @property
+    def delayed(self) -> bool:
+        """Whether some stage is ever stale (False: the run is synchronous throughout)."""
+        return max(self.max_tau) > 0
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every stage has the same staleness (sync, 2bw, fixed:N): the trajectory
+        then does not depend on where the stages are cut."""
+        return len(set(self.max_tau)) == 1
+
+    def in_sync_window(self, step: int) -> bool:
+        """True when `step` lies in the synchronous start or the synchronous cooldown."""
+        return step < self.sync_start or step >= self.total_steps - self.cooldown
+
+    def tau(self, stage: int, step: int) -> int:
+        """tau_s(k): how many steps old the weights of `stage` are when step `step`'s
+        gradient is computed."""
+        assert 0 <= stage < self.num_stages, (stage, self.num_stages)
+        if self.in_sync_window(step):
+            return 0
+        return self._policy.tau(stage, step, self.num_stages)
+
+    def taus(self, step: int) -> list[int]:
+        """tau_s(step) for every stage."""
+        if self.in_sync_window(step):
+            return [0] * self.num_stages
+        return [self._policy.tau(s, step, self.num_stages) for s in self.stages]
+
+    def version(self, stage: int, step: int) -> int:
+        """The weight version (W_v, v = updates applied) step `step`'s gradient sees on
+        `stage`: max(step - tau, 0), so the first steps of a delayed run see W_0."""
+        return max(step - self.tau(stage, step), 0)
+
+    def versions(self, step: int) -> list[int]:
+        """`version(s, step)` for every stage."""
+        return [max(step - t, 0) for t in self.taus(step)]
+
+    def versions_needed_after(self, stages: Iterable[int], step: int) -> set[int]:
+        """Past versions (v <= `step`) that some later step j > `step` reads on any of `stages`.
+
+        After update `step` the newest weights are W_{step+1}; a version is worth keeping only
+        if a future gradient is computed at it. Steps beyond step + max tau read W_{step+1} or
+        newer, so the set has at most max tau elements: a stage keeps at most tau + 1 versions
+        in all, and none inside sync windows that no delayed step follows.
+        """
+        stages = list(stages)
+        depth = max((self.max_tau[s] for s in stages), default=0)
+        needed = set()
+        for j in range(step + 1, min(step + depth, self.total_steps - 1) + 1):
+            for s in stages:
+                v = self.version(s, j)
+                if v <= step:
+                    needed.add(v)
+        return needed
+
+    def versions_held_at(self, stages: Iterable[int], step: int) -> set[int]:
+        """The stored versions a state at the start of `step` holds for `stages` (those steps
+        >= `step` still read): what a checkpoint at `step` must carry."""
+        return set() if step == 0 else self.versions_needed_after(stages, step - 1)
+
+    @classmethod
+    def from_config(cls, delay, num_stages: int, total_steps: int | None, train=None):
+        """The schedule of `delay` (a `DelayConfig`) on `num_stages` stages over `total_steps`
+        steps. A cooldown aligned with WSD's decay (`delay.sync_cooldown_wsd`) needs `train`
+        (a `TrainConfig`) to resolve it."""
+        if delay.sync_cooldown_wsd:
+            if train is None:
+                raise ConfigError(
+                    "delay.sync_cooldown_wsd needs the train config (its WSD decay phase) to "
+                    "resolve the cooldown: pass train=..."
+                )
+            from stalepipe.delay.mitigations import resolve_delay_config
+
+            delay = resolve_delay_config(delay, train)
+        return cls.build(
+            delay.policy, num_stages, total_steps, delay.sync_start, delay.sync_cooldown
+        )

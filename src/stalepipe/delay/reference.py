@@ -1,5 +1,5 @@
 """The slow, obvious delayed-training reference (GUIDE 4.6): every weight version is kept, the
-stale point is assembled name by name from `version_used`, and the gradient is taken with
+stale point is assembled name by name from `DelaySchedule.version`, and the gradient is taken with
 `torch.func.functional_call` on fresh leaves. Tests check `DelayEmulator` and
 `DelayedOptimizer` against it; never use it for real training (memory grows with the steps).
 """
@@ -13,7 +13,7 @@ from torch import nn
 from torch.func import functional_call
 
 from stalepipe.config import DelayConfig
-from stalepipe.delay.policies import cooldown_steps, version_used
+from stalepipe.delay.policies import DelaySchedule
 
 Batch = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -52,10 +52,8 @@ def reference_train(
     for use, (pname, stage) in uses.items():
         if use == pname:
             owner_stage[pname] = stage
-    cool = cooldown_steps(cfg.sync_cooldown, total_steps)
-
-    def version(stage: int, k: int) -> int:
-        return version_used(cfg.policy, stage, k, num_stages, total_steps, cfg.sync_start, cool)
+    delay = DelaySchedule.from_config(cfg, num_stages, total_steps)
+    version = delay.version
 
     def snapshot() -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in names.items()}

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from stalepipe.delay import DelayedOptimizer, max_staleness
+from stalepipe.delay import DelayedOptimizer, DelaySchedule
 from stalepipe.errors import CheckpointError
 
 PARTS_DIR = "parts"
@@ -151,7 +151,7 @@ def check_resplit(engine: dict[str, Any] | None, names_per_stage: list[list[str]
     if [list(n) for n in d["names"]] == [list(n) for n in names_per_stage]:
         return
     old_p, new_p, policy = d["num_stages"], len(names_per_stage), d["policy"]
-    if any(len(set(max_staleness(policy, p))) > 1 for p in (old_p, new_p)):
+    if not all(DelaySchedule.build(policy, p).uniform for p in (old_p, new_p)):
         raise CheckpointError(
             f"the checkpoint at step {d['step']} was saved with pipeline.num_stages {old_p} "
             f"under delay.policy {policy}, which delays each stage differently; resume with "

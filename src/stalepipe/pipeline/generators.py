@@ -1,4 +1,4 @@
-"""Schedule generators: (num_ranks, num_microbatches, num_steps) -> `Schedule`.
+"""Schedule generators: (delay schedule, num_microbatches) -> `Schedule`.
 
 GPipe, 1F1B (PipeDream-Flush), interleaved 1F1B, ZB-H1, PipeDream-2BW, PipeDream (weight
 stashing) and WPipe, behind the `SCHEDULES` registry and `make_schedule`. The IR, the validator
@@ -13,53 +13,44 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 from stalepipe.config import ConfigError
-from stalepipe.delay.policies import max_staleness, staleness, version_used
+from stalepipe.delay.policies import DelaySchedule
 from stalepipe.pipeline.schedule import Action, Key, Schedule
 
 Op = tuple[str, int, int, int]  # an action before its version is filled in: Key
 
 
-def _check_sizes(num_ranks: int, num_microbatches: int, num_steps: int) -> None:
-    if num_ranks < 1:
-        raise ConfigError(f"pipeline stages (--stages) must be >= 1, got {num_ranks}")
+def _check_sizes(delay: DelaySchedule, num_microbatches: int, num_chunks: int = 1) -> int:
+    """The number of ranks of a schedule of `delay.num_stages` stages in `num_chunks` chunks."""
     if num_microbatches < 1:
         raise ConfigError(f"--microbatches must be >= 1, got {num_microbatches}")
-    if num_steps < 1:
-        raise ConfigError(f"--steps must be >= 1, got {num_steps}")
+    assert delay.num_stages % num_chunks == 0, (delay.num_stages, num_chunks)
+    return delay.num_stages // num_chunks
 
 
 def _build(
     name: str,
-    policy: str,
-    num_ranks: int,
+    delay: DelaySchedule,
     num_chunks: int,
     num_microbatches: int,
-    num_steps: int,
     orders: list[list[Op]],
-    sync_start: int = 0,
-    sync_cooldown: float = 0.0,
 ) -> Schedule:
-    """Attach to each op the version the delay policy gives it (GUIDE section 2)."""
-    S = num_ranks * num_chunks
-
-    @functools.cache
-    def ver(s: int, k: int) -> int:
-        return version_used(policy, s, k, S, num_steps, sync_start, sync_cooldown)
-
+    """Attach to each op the version the delay schedule gives it (GUIDE section 2)."""
+    ver = functools.cache(delay.version)
     ranks = tuple(
-        tuple(Action(kd, s, k, j, k + 1 if kd == "STEP" else ver(s, k)) for kd, s, k, j in ops)
+        tuple(
+            Action.step_of(s, k) if kd == "STEP" else Action(kd, s, k, j, reads=ver(s, k))
+            for kd, s, k, j in ops
+        )
         for ops in orders
     )
     return Schedule(
         name=name,
-        num_ranks=num_ranks,
+        num_ranks=len(orders),
         num_chunks=num_chunks,
         num_microbatches=num_microbatches,
-        num_steps=num_steps,
-        policy=policy,
+        num_steps=delay.total_steps,
+        delay=delay,
         ranks=ranks,
-        sync_start=int(sync_start),
-        sync_cooldown=float(sync_cooldown),
     )
 
 
@@ -83,64 +74,56 @@ def _stream(stage: int, items: list[tuple[int, int]], warmup: int, m: int) -> li
     return ops
 
 
-def _segments(
-    policy: str, S: int, N: int, sync_start: int, sync_cooldown: float
-) -> list[list[int]]:
+def _segments(delay: DelaySchedule) -> list[list[int]]:
     """Runs of steps pipelined without a flush. A flush goes before step k when some stage must
     see fresher weights than the no-flush pipeline gives (sync start / cooldown windows)."""
-    nominal = max_staleness(policy, S)
     segs: list[list[int]] = []
-    for k in range(N):
-        fresher = any(
-            staleness(policy, s, k, S, N, sync_start, sync_cooldown) < nominal[s] for s in range(S)
-        )
+    for k in range(delay.total_steps):
+        fresher = any(t < top for t, top in zip(delay.taus(k), delay.max_tau, strict=True))
         if not segs or fresher:
             segs.append([])
         segs[-1].append(k)
     return segs
 
 
-def gpipe(num_ranks: int, num_microbatches: int, num_steps: int = 1, **_: object) -> Schedule:
+def gpipe(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
     """GPipe (Huang et al. 2019): all m forwards, then all m backwards, then the update; a full
     flush every step. Stashes m microbatches per stage."""
-    _check_sizes(num_ranks, num_microbatches, num_steps)
-    m, orders = num_microbatches, []
+    num_ranks = _check_sizes(delay, num_microbatches)
+    m, num_steps, orders = num_microbatches, delay.total_steps, []
     for s in range(num_ranks):
         ops: list[Op] = []
         for k in range(num_steps):
             ops += [("F", s, k, j) for j in range(m)] + [("B", s, k, j) for j in range(m)]
             ops.append(("STEP", s, k, -1))
         orders.append(ops)
-    return _build("gpipe", "sync", num_ranks, 1, m, num_steps, orders)
+    return _build("gpipe", delay, 1, m, orders)
 
 
-def one_f_one_b(num_ranks: int, num_microbatches: int, num_steps: int = 1, **_: object) -> Schedule:
+def one_f_one_b(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
     """1F1B / PipeDream-Flush (Narayanan et al. 2021): stage s runs min(P-s-1, m) warm-up
     forwards, then one forward / one backward; flush and update every step. Same bubble as
     GPipe, stash min(P-s, m)."""
-    _check_sizes(num_ranks, num_microbatches, num_steps)
-    m, P = num_microbatches, num_ranks
+    P, m = _check_sizes(delay, num_microbatches), num_microbatches
     orders = [
         [
             op
-            for k in range(num_steps)
+            for k in range(delay.total_steps)
             for op in _stream(s, [(k, j) for j in range(m)], P - s - 1, m)
         ]
         for s in range(P)
     ]
-    return _build("1f1b", "sync", P, 1, m, num_steps, orders)
+    return _build("1f1b", delay, 1, m, orders)
 
 
 def interleaved_1f1b(
-    num_ranks: int, num_microbatches: int, num_steps: int = 1, *, num_chunks: int = 2, **_: object
+    delay: DelaySchedule, num_microbatches: int, *, num_chunks: int = 2, **_: object
 ) -> Schedule:
     """Interleaved 1F1B (Megatron-LM, Narayanan et al. SC'21): each rank holds `num_chunks`
     stages (rank r: stages r, r+R, ...); microbatches go through in groups of R, so the
     bubble shrinks by the number of chunks. Needs m divisible by R (as in Megatron)."""
-    _check_sizes(num_ranks, num_microbatches, num_steps)
-    R, v, m = num_ranks, num_chunks, num_microbatches
-    if v < 1:
-        raise ConfigError(f"--chunks must be >= 1, got {v}")
+    R, v, m = _check_sizes(delay, num_microbatches, num_chunks), num_chunks, num_microbatches
+    num_steps = delay.total_steps
     if m % R:
         raise ConfigError(
             f"interleaved-1f1b needs --microbatches divisible by --stages ({m} % {R} != 0)"
@@ -166,29 +149,20 @@ def interleaved_1f1b(
                 if kind == "B" and j == m - 1:  # last microbatch of this stage: update
                     ops.append(("STEP", s, k, -1))
         orders.append(ops)
-    return _build("interleaved-1f1b", "sync", R, v, m, num_steps, orders)
+    return _build("interleaved-1f1b", delay, v, m, orders)
 
 
-def two_bw(
-    num_ranks: int,
-    num_microbatches: int,
-    num_steps: int = 1,
-    *,
-    sync_start: int = 0,
-    sync_cooldown: float = 0.0,
-    **_: object,
-) -> Schedule:
+def two_bw(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
     """PipeDream-2BW (Narayanan et al. ICML'21): 1F1B over all N*m microbatches without a
     flush; step k uses version k-1 (double-buffered weights). Needs m >= P-1, else the version
     a forward needs is not yet created. Sync start/cooldown steps get a flush before them."""
-    _check_sizes(num_ranks, num_microbatches, num_steps)
-    P, m = num_ranks, num_microbatches
+    P, m = _check_sizes(delay, num_microbatches), num_microbatches
     if m < P - 1:
         raise ConfigError(
             f"2bw needs --microbatches >= stages - 1 = {P - 1} (got {m}): with fewer, a forward "
             f"would need weights not yet updated; raise --microbatches or use fewer --stages"
         )
-    segs = _segments("2bw", P, num_steps, sync_start, sync_cooldown)
+    segs = _segments(delay)
     orders = [
         [
             op
@@ -197,49 +171,38 @@ def two_bw(
         ]
         for s in range(P)
     ]
-    return _build("2bw", "2bw", P, 1, m, num_steps, orders, sync_start, sync_cooldown)
+    return _build("2bw", delay, 1, m, orders)
 
 
-def pipedream(
-    num_ranks: int,
-    num_microbatches: int,
-    num_steps: int = 1,
-    *,
-    sync_start: int = 0,
-    sync_cooldown: float = 0.0,
-    **_: object,
-) -> Schedule:
+def pipedream(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
     """PipeDream (Narayanan et al. SOSP'19): weight stashing, one update per microbatch-sized
     minibatch. The N*m microbatches become N*m steps of one microbatch (so the returned
     schedule has num_steps = N*m, num_microbatches = 1); stage s keeps P-s versions and has
     staleness P-1-s. Sync windows count in these minibatch steps."""
-    _check_sizes(num_ranks, num_microbatches, num_steps)
-    P, N = num_ranks, num_steps * num_microbatches
-    segs = _segments("pipedream", P, N, sync_start, sync_cooldown)
+    P = _check_sizes(delay, num_microbatches)
+    delay = delay.with_total_steps(delay.total_steps * num_microbatches)
+    segs = _segments(delay)
     orders = [
         [op for seg in segs for op in _stream(s, [(k, 0) for k in seg], P - s - 1, 1)]
         for s in range(P)
     ]
-    return _build("pipedream", "pipedream", P, 1, 1, N, orders, sync_start, sync_cooldown)
+    return _build("pipedream", delay, 1, 1, orders)
 
 
 def _list_schedule(
     name: str,
-    policy: str,
-    R: int,
+    delay: DelaySchedule,
     v: int,
     m: int,
-    N: int,
     *,
     split: bool,
     priority: Callable[[Op], tuple],
-    sync_start: int = 0,
-    sync_cooldown: float = 0.0,
 ) -> Schedule:
     """Greedy list scheduling on unit costs (F = 1, B = 2, BI = BW = 1, STEP = 0): whenever a
     rank is idle it starts its ready action of best `priority`. The resulting order is the
     schedule. Per stage, each kind runs in (step, microbatch) order."""
-    S = R * v
+    S, N = delay.num_stages, delay.total_steps
+    R = S // v
     cost = {"F": 1.0, "B": 2.0, "BI": 1.0, "BW": 1.0, "STEP": 0.0}
     bk, final = ("BI", "BW") if split else ("B", "B")
     items = [(k, j) for k in range(N) for j in range(m)]
@@ -270,7 +233,7 @@ def _list_schedule(
                 yield ("BW", s, *wq[s][0])
             if fq[s]:
                 k, j = fq[s][0]
-                vv = version_used(policy, s, k, S, N, sync_start, sync_cooldown)
+                vv = delay.version(s, k)
                 if (s == 0 or ok(("F", s - 1, k, j), t)) and (
                     vv == 0 or ok(("STEP", s, vv - 1, -1), t)
                 ):
@@ -295,22 +258,21 @@ def _list_schedule(
             later = [f for f in free if f > t]
             assert later, f"{name}: list scheduler stuck at t={t}"
             t = min(later)
-    return _build(name, policy, R, v, m, N, orders, sync_start, sync_cooldown)
+    return _build(name, delay, v, m, orders)
 
 
-def zb_h1(num_ranks: int, num_microbatches: int, num_steps: int = 1, **_: object) -> Schedule:
+def zb_h1(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
     """ZB-H1 (Qi et al. ICLR'24, "Zero Bubble Pipeline Parallelism"): the backward is split into
     BI (input grad, on the critical path) and BW (weight grad, deferrable). Rank i runs 1F1B's
     P-i-1 warm-up forwards, then F, BI and the BW of the microbatch i places back, so its
     deferred BWs fill the drain; every rank stashes at most P microbatches, 1F1B's peak. With
     F = BI = BW the bubble is (P-1)(F+BI-BW) instead of 1F1B's (P-1)(F+BI+BW). Synchronous:
     flush and update every step."""
-    _check_sizes(num_ranks, num_microbatches, num_steps)
-    P, m = num_ranks, num_microbatches
+    P, m = _check_sizes(delay, num_microbatches), num_microbatches
     orders = []
     for i in range(P):
         warmup, ops = min(P - i - 1, m), []
-        for k in range(num_steps):
+        for k in range(delay.total_steps):
             seq = [("F", j) for j in range(warmup)]
             for j in range(m - warmup):
                 seq += [("F", warmup + j), ("BI", j)]
@@ -324,18 +286,10 @@ def zb_h1(num_ranks: int, num_microbatches: int, num_steps: int = 1, **_: object
                         ops.append(("BW", i, k, pending.popleft()))
             ops += [("BW", i, k, j) for j in pending] + [("STEP", i, k, -1)]
         orders.append(ops)
-    return _build("zb-h1", "sync", P, 1, m, num_steps, orders)
+    return _build("zb-h1", delay, 1, m, orders)
 
 
-def wpipe(
-    num_ranks: int,
-    num_microbatches: int,
-    num_steps: int = 1,
-    *,
-    sync_start: int = 0,
-    sync_cooldown: float = 0.0,
-    **_: object,
-) -> Schedule:
+def wpipe(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
     """WPipe (Yang et al. ICLR'22): the model is cut into 2R stages in two groups; rank r holds
     stage r (group 0) and stage R+r (group 1). Group 0 runs the next step's forwards ahead of
     the current step's backwards (stale by one, two versions); group 1 updates before its
@@ -343,21 +297,28 @@ def wpipe(
     list scheduling (backwards first, oldest microbatch first): it reaches 2BW's flush-free
     throughput for m >= R but stashes more activations than 2BW (the paper's hand-made order
     may stash fewer; its text does not pin one down)."""
-    _check_sizes(num_ranks, num_microbatches, num_steps)
+    _check_sizes(delay, num_microbatches, 2)
     rank_pri = {"STEP": 0, "B": 1, "F": 2}
     return _list_schedule(
         "wpipe",
-        "wpipe",
-        num_ranks,
+        delay,
         2,
         num_microbatches,
-        num_steps,
         split=False,
         priority=lambda op: (rank_pri[op[0]], op[2], op[3], -op[1]),
-        sync_start=sync_start,
-        sync_cooldown=sync_cooldown,
     )
 
+
+# The delay policy each schedule realises (GUIDE section 2).
+SCHEDULE_POLICY = {
+    "gpipe": "sync",
+    "1f1b": "sync",
+    "interleaved-1f1b": "sync",
+    "zb-h1": "sync",
+    "2bw": "2bw",
+    "pipedream": "pipedream",
+    "wpipe": "wpipe",
+}
 
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
@@ -389,6 +350,12 @@ def one_stage_per_rank(sched: Schedule) -> Schedule:
     )
 
 
+def schedule_stages(name: str, num_ranks: int, num_chunks: int = 2) -> int:
+    """How many stages schedule `name` runs on `num_ranks` ranks (interleaved-1f1b puts
+    `num_chunks` stages on each rank, wpipe two)."""
+    return num_ranks * {"interleaved-1f1b": num_chunks, "wpipe": 2}.get(name, 1)
+
+
 def make_schedule(
     name: str,
     num_ranks: int,
@@ -399,15 +366,33 @@ def make_schedule(
     sync_start: int = 0,
     sync_cooldown: float = 0.0,
 ) -> Schedule:
-    """The schedule `name` from SCHEDULES; an unknown name raises ConfigError listing them.
-    `num_chunks` is used by interleaved-1f1b only; sync windows by 2bw, pipedream, wpipe."""
+    """The schedule `name` from SCHEDULES on `num_ranks` ranks, its delay policy
+    (`SCHEDULE_POLICY`) with these sync windows; an unknown name raises ConfigError listing
+    them. `num_chunks` is used by interleaved-1f1b only; sync windows by 2bw, pipedream, wpipe
+    (a synchronous schedule has no delay to lift, so `--compare` may pass them to all). The entry point of the
+    simulator and its CLI; an engine that has its `DelaySchedule` calls `schedule_for`."""
     if name not in SCHEDULES:
         raise ConfigError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
-    return SCHEDULES[name](
-        num_ranks,
-        num_microbatches,
-        num_steps,
-        num_chunks=num_chunks,
-        sync_start=sync_start,
-        sync_cooldown=sync_cooldown,
-    )
+    if num_ranks < 1:
+        raise ConfigError(f"pipeline stages (--stages) must be >= 1, got {num_ranks}")
+    if num_steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {num_steps}")
+    if num_chunks < 1:
+        raise ConfigError(f"--chunks must be >= 1, got {num_chunks}")
+    policy = SCHEDULE_POLICY[name]
+    if policy == "sync":
+        sync_start, sync_cooldown = 0, 0.0  # every step is synchronous already
+    num_stages = schedule_stages(name, num_ranks, num_chunks)
+    delay = DelaySchedule.build(policy, num_stages, num_steps, sync_start, sync_cooldown)
+    return schedule_for(name, delay, num_microbatches, num_chunks=num_chunks)
+
+
+def schedule_for(
+    name: str, delay: DelaySchedule, num_microbatches: int, *, num_chunks: int = 2
+) -> Schedule:
+    """The schedule `name` realising `delay` (its policy must be `SCHEDULE_POLICY[name]`) over
+    `delay.total_steps` steps of `num_microbatches` microbatches."""
+    if name not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+    assert delay.policy == SCHEDULE_POLICY[name], (name, delay.policy)
+    return SCHEDULES[name](delay, num_microbatches, num_chunks=num_chunks)

@@ -8,8 +8,9 @@ Vocabulary (GUIDE rule 10):
                stage s runs on rank `s % R` as its chunk `s // R` (Megatron's interleaved
                assignment). Without interleaving (num_chunks = 1) stage == rank.
     step k     one optimizer update over m microbatches (GUIDE section 2).
-    version v  the weights of a stage after v updates. The version every action uses comes from
-               `stalepipe.delay.policies.version_used` (the one definition of staleness).
+    version v  the weights of a stage after v updates. The version every action reads comes from
+               the schedule's `delay.DelaySchedule` (the one definition of staleness); a STEP
+               makes the next one.
 
 Action kinds and the communication they imply:
     F     forward of microbatch j of step k on stage s with version v. Receives the activation of
@@ -23,7 +24,8 @@ Action kinds and the communication they imply:
     BI    input-gradient half of B (zero-bubble schedules): same communication as B.
     BW    weight-gradient half of B: no communication; frees the stash.
     STEP  optimizer update k of stage s: needs all m backwards of step k on s; turns the newest
-          weights W_k into W_{k+1}. Its `version` is the version it creates (k + 1).
+          weights W_k into W_{k+1}. It reads no version (`reads` is -1) and `makes` k + 1;
+          every other kind `reads` the version it computes with and makes none.
 A stage in a rank's list with both s and s+1 hands over locally (no send).
 
 Execution rule for the runtime: sends are asynchronous (isend, buffered); a rank blocks only on
@@ -47,7 +49,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from stalepipe.delay.policies import max_staleness, version_used
+from stalepipe.delay.policies import DelaySchedule
 from stalepipe.errors import UserError
 
 KINDS = ("F", "B", "BI", "BW", "STEP")
@@ -68,17 +70,28 @@ class Action:
     stage: int
     step: int
     microbatch: int  # -1 for STEP
-    version: int  # weights used (F/B/BI/BW) or created (STEP)
+    reads: int = -1  # the weight version F/B/BI/BW compute with; -1 for STEP
+    makes: int = -1  # the weight version STEP creates (step + 1); -1 for the other kinds
+
+    @classmethod
+    def step_of(cls, stage: int, step: int) -> Action:
+        """STEP `step` on `stage`: makes version step + 1."""
+        return cls("STEP", stage, step, -1, makes=step + 1)
 
     @property
     def key(self) -> Key:
         return (self.kind, self.stage, self.step, self.microbatch)
 
+    @property
+    def shown(self) -> int:
+        """The version the text and CSV forms show: made by a STEP, read by the others."""
+        return self.makes if self.kind == "STEP" else self.reads
+
     def token(self, with_stage: bool = False) -> str:
-        """Compact text, e.g. `F0.3@v2`, `STEP1@v2`, `B2.0@v1:s5`."""
+        """Compact text, e.g. `F0.3@v2` (reads v2), `STEP1@v2` (makes v2), `B2.0@v1:s5`."""
         mid = f"{self.step}" if self.kind == "STEP" else f"{self.step}.{self.microbatch}"
         tail = f":s{self.stage}" if with_stage else ""
-        return f"{self.kind}{mid}@v{self.version}{tail}"
+        return f"{self.kind}{mid}@v{self.shown}{tail}"
 
 
 _TOKEN = re.compile(r"^(F|BI|BW|B)(\d+)\.(\d+)@v(\d+)(?::s(\d+))?$")
@@ -94,24 +107,27 @@ class Schedule:
     num_chunks: int
     num_microbatches: int
     num_steps: int
-    policy: str
+    delay: DelaySchedule  # the staleness the versions follow (num_stages, num_steps its own)
     ranks: tuple[tuple[Action, ...], ...]
-    sync_start: int = 0
-    sync_cooldown: float = 0.0
     _index: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        d = self.delay
+        assert (d.num_stages, d.total_steps) == (self.num_stages, self.num_steps), (d, self.name)
 
     @property
     def num_stages(self) -> int:
         return self.num_ranks * self.num_chunks
+
+    @property
+    def policy(self) -> str:
+        return self.delay.policy
 
     def rank_of(self, stage: int) -> int:
         return stage % self.num_ranks
 
     def chunk_of(self, stage: int) -> int:
         return stage // self.num_ranks
-
-    def stages_of(self, rank: int) -> list[int]:
-        return [c * self.num_ranks + rank for c in range(self.num_chunks)]
 
     def actions(self) -> Iterator[tuple[int, int, Action]]:
         """(rank, position in the rank's list, action) for every action."""
@@ -120,16 +136,8 @@ class Schedule:
                 yield r, i, a
 
     def expected_version(self, stage: int, step: int) -> int:
-        """The version step `step` uses on `stage`, from the delay policy (GUIDE section 2)."""
-        return version_used(
-            self.policy,
-            stage,
-            step,
-            self.num_stages,
-            self.num_steps,
-            self.sync_start,
-            self.sync_cooldown,
-        )
+        """The version step `step` reads on `stage`, from the delay policy (GUIDE section 2)."""
+        return self.delay.version(stage, step)
 
     def backward_kind(self, stage: int, step: int, microbatch: int) -> str:
         """'BI' if this microbatch's backward on `stage` is split, else 'B'."""
@@ -143,8 +151,8 @@ class Schedule:
         return (
             f"# stalepipe-schedule name={self.name} ranks={self.num_ranks} "
             f"chunks={self.num_chunks} microbatches={self.num_microbatches} "
-            f"steps={self.num_steps} policy={self.policy} sync_start={self.sync_start} "
-            f"sync_cooldown={self.sync_cooldown}"
+            f"steps={self.num_steps} policy={self.policy} sync_start={self.delay.sync_start} "
+            f"sync_cooldown={self.delay.sync_cooldown}"
         )
 
     def to_text(self) -> str:
@@ -164,15 +172,20 @@ class Schedule:
         meta = dict(kv.split("=", 1) for kv in lines[0].split()[2:])
         try:
             num_ranks, num_chunks = int(meta["ranks"]), int(meta["chunks"])
+            num_steps = int(meta["steps"])
             sched_meta = dict(
                 name=meta["name"],
                 num_ranks=num_ranks,
                 num_chunks=num_chunks,
                 num_microbatches=int(meta["microbatches"]),
-                num_steps=int(meta["steps"]),
-                policy=meta["policy"],
-                sync_start=int(meta.get("sync_start", 0)),
-                sync_cooldown=float(meta.get("sync_cooldown", 0.0)),
+                num_steps=num_steps,
+                delay=DelaySchedule.build(
+                    meta["policy"],
+                    num_ranks * num_chunks,
+                    num_steps,
+                    int(meta.get("sync_start", 0)),
+                    float(meta.get("sync_cooldown", 0.0)),
+                ),
             )
         except (KeyError, ValueError) as e:
             raise ScheduleError(f"bad schedule header {lines[0]!r}: {e}") from None
@@ -187,13 +200,14 @@ class Schedule:
         return cls(ranks=tuple(ranks), **sched_meta)
 
     def to_csv(self, path: str | None = None) -> str:
-        """One row per action: rank, index, kind, stage, chunk, step, microbatch, version."""
+        """One row per action: rank, index, kind, stage, chunk, step, microbatch, version (the
+        one it reads; for STEP the one it makes, as in the text form)."""
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
         w.writerow(["rank", "index", "kind", "stage", "chunk", "step", "microbatch", "version"])
         for r, i, a in self.actions():
             w.writerow(
-                [r, i, a.kind, a.stage, self.chunk_of(a.stage), a.step, a.microbatch, a.version]
+                [r, i, a.kind, a.stage, self.chunk_of(a.stage), a.step, a.microbatch, a.shown]
             )
         if path is not None:
             with open(path, "w") as f:
@@ -205,11 +219,11 @@ def _parse_token(tok: str, rank: int, num_ranks: int) -> Action:
     if m := _TOKEN.match(tok):
         kind, k, j, v, s = m.groups()
         stage = int(s) if s is not None else rank
-        return Action(kind, stage, int(k), int(j), int(v))
+        return Action(kind, stage, int(k), int(j), reads=int(v))
     if m := _STEP_TOKEN.match(tok):
         k, v, s = m.groups()
         stage = int(s) if s is not None else rank
-        return Action("STEP", stage, int(k), -1, int(v))
+        return Action("STEP", stage, int(k), -1, makes=int(v))
     raise ScheduleError(f"bad action token {tok!r} on rank {rank} (e.g. F0.3@v2, STEP0@v1)")
 
 
@@ -227,8 +241,8 @@ def dependencies(sched: Schedule, a: Action) -> list[tuple[Key, str | None]]:
         deps: list[tuple[Key, str | None]] = []
         if s > 0:
             deps.append((("F", s - 1, k, j), "act"))
-        if a.version > 0:  # the version it uses must exist: created by update version-1
-            deps.append((("STEP", s, a.version - 1, -1), None))
+        if a.reads > 0:  # the version it reads must exist: made by update `reads` - 1
+            deps.append((("STEP", s, a.reads - 1, -1), None))
         return deps
     if a.kind in ("B", "BI"):
         deps = [(("F", s, k, j), None)]
@@ -301,10 +315,13 @@ def validate(sched: Schedule) -> None:
         if a.key in seen:
             raise ScheduleError(f"{a.token(True)} appears twice")
         seen[a.key] = r
-        want = a.step + 1 if a.kind == "STEP" else sched.expected_version(a.stage, a.step)
-        if a.version != want:
+        if a.kind == "STEP":
+            if (a.reads, a.makes) != (-1, a.step + 1):
+                raise ScheduleError(f"{a.token(True)} must make version {a.step + 1}")
+        elif a.makes != -1 or a.reads != sched.expected_version(a.stage, a.step):
+            want = sched.expected_version(a.stage, a.step)
             raise ScheduleError(
-                f"{a.token(True)} uses version {a.version}; policy {sched.policy!r} says {want}"
+                f"{a.token(True)} reads version {a.reads}; policy {sched.policy!r} says {want}"
             )
     for s in range(S):
         for k in range(N):
@@ -318,7 +335,7 @@ def validate(sched: Schedule) -> None:
                 if full == split or split != (("BW", s, k, j) in seen):
                     raise ScheduleError(f"microbatch {tok} needs one B, or one BI and one BW")
     execution_order(sched)
-    need = [t + 1 for t in max_staleness(sched.policy, S)]
+    need = [t + 1 for t in sched.delay.max_tau]
     for s, have in enumerate(peak_versions(sched)):
         if have > need[s]:
             raise ScheduleError(f"stage {s} keeps {have} weight versions; policy needs {need[s]}")
@@ -337,7 +354,7 @@ def version_last_use(sched: Schedule) -> dict[tuple[int, int], int]:
     last: dict[tuple[int, int], int] = {}
     for _, i, a in sched.actions():
         if a.kind != "STEP":
-            last[(a.stage, a.version)] = i
+            last[(a.stage, a.reads)] = i
     return last
 
 
@@ -351,9 +368,9 @@ def peak_versions(sched: Schedule) -> list[int]:
         last: dict[int, int] = {}
         for i, a in enumerate(acts):
             if a.kind == "STEP":
-                born[a.version] = i
+                born[a.makes] = i
             else:
-                last[a.version] = i
+                last[a.reads] = i
         end = {v: max(last.get(v, b) + 1, born.get(v + 1, len(acts) + 1)) for v, b in born.items()}
         out.append(max(sum(born[v] <= p < end[v] for v in born) for p in born.values()))
     return out
@@ -378,5 +395,5 @@ def observed_staleness(sched: Schedule) -> list[int]:
     out = [0] * sched.num_stages
     for _, _, a in sched.actions():
         if a.kind == "F":
-            out[a.stage] = max(out[a.stage], a.step - a.version)
+            out[a.stage] = max(out[a.stage], a.step - a.reads)
     return out

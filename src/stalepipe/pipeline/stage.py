@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stalepipe.delay import DelayedOptimizer, microbatch_seed, version_used
+from stalepipe.delay import DelayedOptimizer, microbatch_seed
 from stalepipe.delay.rng import seeded
 from stalepipe.models.moe import raw_stats_width, summarize_router_stats
 from stalepipe.pipeline.comm import Comm, Pending
@@ -212,7 +212,7 @@ class StageExecutor(StageEvaluation):
             assert a.stage == self.stage, a
             self._prefetch()
             if a.kind == "F":
-                self.forward(a.step, a.microbatch, a.version)
+                self.forward(a.step, a.microbatch, a.reads)
             elif a.kind in ("B", "BI"):
                 self.backward(a.step, a.microbatch, weights=a.kind == "B")
             elif a.kind == "BW":
@@ -252,10 +252,7 @@ class StageExecutor(StageEvaluation):
     def _read_version(self, step: int) -> int:
         """The version of the tied matrix the last stage's head reads at `step` (the version
         the last stage sees, as in the emulator)."""
-        sc = self.sched
-        return version_used(
-            sc.policy, self.P - 1, step, self.P, sc.num_steps, sc.sync_start, sc.sync_cooldown
-        )
+        return self.sched.delay.version(self.P - 1, step)
 
     def _all_tied_reads(self) -> set[int]:
         """Every version the last stage needs from now on: those its steps read, and the

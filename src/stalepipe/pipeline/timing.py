@@ -231,7 +231,7 @@ class Timeline:
             a = e.action
             w.writerow(
                 [sched.name, e.rank, e.index, a.kind, a.stage, sched.chunk_of(a.stage), a.step]
-                + [a.microbatch, a.version, f"{e.start:.9g}", f"{e.end:.9g}"]
+                + [a.microbatch, a.shown, f"{e.start:.9g}", f"{e.end:.9g}"]
             )
         if path is not None:
             with open(path, "w") as f:

@@ -29,14 +29,14 @@ import torch.distributed as dist
 
 from stalepipe.config import ConfigError, ExperimentConfig
 from stalepipe.data import EVAL_SEED, TokenLoader, check_vocab, ensure_prepared
-from stalepipe.delay import DelayedOptimizer, resolve_delay_config, staleness
+from stalepipe.delay import DelayedOptimizer, DelaySchedule, resolve_delay_config
 from stalepipe.errors import UserError
 from stalepipe.models import Transformer, build_stage, flops_per_token, partition
 from stalepipe.optim import build_optimizer, resolve_config
 from stalepipe.optim.schedules import apply_lr, lr_multiplier, set_peak_lr
 from stalepipe.pipeline import ckpt as stage_ckpt
 from stalepipe.pipeline.comm import Comm, PeerError, Topology, init_from_env, resolve_backend
-from stalepipe.pipeline.generators import make_schedule, one_stage_per_rank
+from stalepipe.pipeline.generators import one_stage_per_rank, schedule_for
 from stalepipe.pipeline.schedule import Schedule, validate
 from stalepipe.pipeline.stage import TIED_HEAD, TIED_NAME, StageExecutor
 from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -108,16 +108,9 @@ def runtime_schedule(cfg: ExperimentConfig, num_steps: int | None = None) -> Sch
     two stages (one of each group) on each of num_stages / 2 ranks; the runtime runs every
     stage in its own process, each in its rank's order (`one_stage_per_rank`)."""
     pc, tc = cfg.pipeline, cfg.train
-    delay_cfg = resolve_delay_config(cfg.delay, tc)
-    interleaved = pc.schedule == "wpipe"
-    sched = make_schedule(
-        pc.schedule,
-        pc.num_stages // 2 if interleaved else pc.num_stages,
-        tc.num_microbatches,
-        tc.steps if num_steps is None else num_steps,
-        sync_start=delay_cfg.sync_start,
-        sync_cooldown=delay_cfg.sync_cooldown,
-    )
+    steps = tc.steps if num_steps is None else num_steps
+    delay = DelaySchedule.from_config(cfg.delay, pc.num_stages, steps, tc)
+    sched = schedule_for(pc.schedule, delay, tc.num_microbatches)
     sched = one_stage_per_rank(sched)
     assert sched.num_stages == pc.num_stages, (sched.num_stages, pc.num_stages)
     return sched
@@ -439,7 +432,7 @@ class _RankZeroLog:
         self.tokens_per_step = tc.batch_size * cfg.data.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)["total"]
         self.num_stages = cfg.pipeline.num_stages
-        self.delay = resolve_delay_config(cfg.delay, tc)
+        self.delay = DelaySchedule.from_config(cfg.delay, self.num_stages, tc.steps, tc)
 
     def drain(self, results: list, val_losses: dict[int, float]) -> None:
         """Write the records of steps whose results arrived since the last call (the
@@ -460,18 +453,7 @@ class _RankZeroLog:
                 record.update(
                     lr_mult=lr_multiplier(r.step, tc),
                     grad_norm=r.grad_norm,
-                    tau=[  # per stage, as train.loop logs it (one definition: delay.policies)
-                        staleness(
-                            d.policy,
-                            s,
-                            r.step,
-                            self.num_stages,
-                            tc.steps,
-                            d.sync_start,
-                            d.sync_cooldown,
-                        )
-                        for s in range(self.num_stages)
-                    ],
+                    tau=self.delay.taus(r.step),
                     tokens=done * self.tokens_per_step,
                     tokens_per_s=tok_s,
                     model_flops_per_s=tok_s * self.flops_per_token,

@@ -21,7 +21,7 @@ import torch
 
 import stalepipe
 from stalepipe.config import ConfigError, ExperimentConfig
-from stalepipe.delay.policies import max_staleness
+from stalepipe.delay import DelaySchedule
 from stalepipe.errors import UserError
 from stalepipe.train.checkpoint import latest_checkpoint
 
@@ -77,7 +77,7 @@ def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
 
 def _same_delay_per_stage(policy: Any, num_stages: Any) -> bool:
     try:
-        return len(set(max_staleness(str(policy), int(num_stages)))) == 1
+        return DelaySchedule.build(str(policy), int(num_stages)).uniform
     except (ConfigError, TypeError, ValueError):
         return False
 
