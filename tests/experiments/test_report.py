@@ -13,6 +13,7 @@ from stalepipe.errors import UserError
 from stalepipe.experiments import stats
 from stalepipe.experiments.report import claims, write_report
 from stalepipe.experiments.results import build_rows, load_runs
+from stalepipe.experiments.studies import STUDIES, declared_claims
 from stalepipe.experiments.sweep import SPEC_FILE, write_error
 from stalepipe.optim import resolve_config
 
@@ -209,3 +210,20 @@ def test_momentum_verdict_sees_a_drifting_baseline(tmp_path):
     checked = {c[0]: c for c in claims(build_rows(load_runs(root)))}
     verdict, evidence = checked["Higher momentum shrinks the gap (adamw 2bw)"][1:]
     assert verdict == "partly" and "sync 2.0050-3.0050" in evidence
+
+
+def test_report_checks_every_claim_a_study_declares_in_order():
+    """The claims table runs each declared claim once, in the order studies declare them;
+    paper-mini tests all of them."""
+    names = [check.__name__ for check in declared_claims()]
+    assert names == ["claim_adamw_gap_exceeds_muon", "claim_ef_recovers_gap",
+                     "claim_momentum_shrinks_gap", "claim_pipedream_gap_grows_with_depth"]  # fmt: skip
+    assert set(STUDIES["paper-mini"].claims) == set(declared_claims())
+
+
+@pytest.mark.parametrize("check", declared_claims(), ids=lambda f: f.__name__)
+def test_a_claim_without_its_configurations_is_left_out(check, sweep_dir):
+    assert check([]) == []
+    rows = build_rows(load_runs(sweep_dir))  # adamw only: no Muon, momentum or depth series
+    expected = 1 if check.__name__ == "claim_ef_recovers_gap" else 0
+    assert len(check(rows)) == expected

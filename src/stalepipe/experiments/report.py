@@ -11,15 +11,15 @@ from __future__ import annotations
 import base64
 import csv
 import html
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from stalepipe.errors import UserError
-from stalepipe.experiments import plots, stats
+from stalepipe.experiments import plots
+from stalepipe.experiments.claims import Claim, fmt, fmt_p, fmt_share
 from stalepipe.experiments.results import Row, Run, build_rows, load_runs, missing_summary
+from stalepipe.experiments.studies import declared_claims
 
 
 @dataclass
@@ -33,22 +33,6 @@ class Block:
     header: list[str] | None = None
     rows: list[list[str]] | None = None
     png: bytes | None = None
-
-
-def fmt(x: float, digits: int = 4) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "-"
-    return f"{x:.{digits}f}"
-
-
-def fmt_p(p: float) -> str:
-    if not math.isfinite(p):
-        return "-"
-    return f"{p:.1e}" if p < 1e-3 else f"{p:.3f}"
-
-
-def fmt_share(x: float) -> str:
-    return "-" if not math.isfinite(x) else f"{100 * x:.0f}%"
 
 
 def summary_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
@@ -73,118 +57,11 @@ def summary_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
-def claims(rows: list[Row]) -> list[tuple[str, str, str]]:
-    """The paper's four qualitative claims, checked on whatever rows exist: (claim, verdict,
-    evidence). A claim whose configurations are absent is left out."""
-    from collections import Counter
-
-    out = []
-    plain = [r for r in rows if not r.is_sync and not r.mitigations and math.isfinite(r.gap)]
-    # claims are checked at the study's main training length (the most common one)
-    lengths = Counter(r.config.get("train.steps") for r in rows).most_common(1)
-    main_steps = lengths[0][0] if lengths else None
-
-    def pick(optimizer: str, policy: str, **eq: object) -> Row | None:
-        for r in plain:
-            c = r.config
-            if (
-                c.get("optim.name") == optimizer
-                and r.policy == policy
-                and all(c.get(k) == v for k, v in eq.items())
-            ):
-                return r
-        return None
-
-    def main_row(optimizer: str) -> Row | None:
-        # the optimizer's own defaults except the LR, which is the one most of its runs use
-        d = _defaults(optimizer)
-        lrs = Counter(
-            r.config.get("optim.lr") for r in rows if r.config.get("optim.name") == optimizer
-        )
-        eq = {"pipeline.num_stages": 1, "train.steps": main_steps, "optim.beta1": d.beta1,
-              "optim.beta2": d.beta2, "optim.weight_decay": d.weight_decay}  # fmt: skip
-        top = [lr for lr, n in lrs.items() if n == max(lrs.values())]
-
-        def sync_loss(lr: object) -> float:  # ties (an even LR grid): the best-tuned LR
-            c = {**eq, "optim.name": optimizer, "optim.lr": lr}
-            return min(
-                (r.mean for r in rows if r.is_sync and r.values
-                 and all(r.config.get(k) == v for k, v in c.items())),
-                default=math.inf,
-            )  # fmt: skip
-
-        lr = min(top, key=lambda v: (sync_loss(v), str(v))) if top else None
-        return pick(optimizer, "2bw", **eq, **{"optim.lr": lr})
-
-    adam, muon = main_row("adamw"), main_row("muon")
-    if adam and muon:
-        ratio = adam.gap / muon.gap if muon.gap > 0 else math.inf
-        larger = adam.gap > 0 and ratio >= 2
-        significant = adam.gap_p < 0.05  # NaN (one seed) is not significant
-        out.append((
-            "AdamW's gap (2bw) is much larger than Muon's",
-            ("reproduced" if significant else "partly") if larger else "not reproduced",
-            f"AdamW {fmt(adam.gap)} (p {fmt_p(adam.gap_p)}), Muon {fmt(muon.gap)} "
-            f"(p {fmt_p(muon.gap_p)}); ratio {ratio:.1f}x",
-        ))  # fmt: skip
-    ef = [r for r in rows if r.mitigations.keys() == {"delay.ef"} and math.isfinite(r.recovered)]
-    if ef:
-        most = [r.recovered > 0.5 for r in ef]
-        verdict = "reproduced" if all(most) else ("partly" if any(most) else "not reproduced")
-        out.append((
-            "Error feedback recovers most of each gap",
-            verdict,
-            "; ".join(f"{r.label}: {fmt_share(r.recovered)} of {fmt(r.unmitigated.gap)}"
-                      for r in ef),
-        ))  # fmt: skip
-    for name, pts in plots.gap_series(rows, "momentum").items():
-        if len(pts) < 3:
-            continue
-        gaps = [r.gap for _, r in pts]
-        rho = stats.spearman([b for b, _ in pts], gaps)
-        # Shrinking counts only if every gap is real and the synchronous baseline moves less
-        # than the gap does (a baseline that gets worse shrinks the gap without helping).
-        significant = all(r.gap_p < 0.05 for _, r in pts)
-        syncs = [r.baseline.mean for _, r in pts if r.baseline is not None]
-        drift = max(syncs) - min(syncs) if syncs else math.inf
-        clean = significant and drift < gaps[0] - gaps[-1]
-        verdict = ("reproduced" if clean else "partly") if rho <= -0.8 else "not reproduced"
-        out.append((
-            f"Higher momentum shrinks the gap ({name})",
-            verdict,
-            ", ".join(f"beta1 {b:g}: {fmt(r.gap)} (p {fmt_p(r.gap_p)})" for b, r in pts)
-            + f"; Spearman rho {rho:+.2f}; sync {fmt(min(syncs, default=math.nan))}"
-            f"-{fmt(max(syncs, default=math.nan))}",
-        ))  # fmt: skip
-    pd = plots.gap_points(rows, "depth")
-    pd_series = {k: v for k, v in pd.items() if " pipedream" in k}
-    bw_series = {k: v for k, v in pd.items() if " 2bw" in k}
-    for name, pts in pd_series.items():
-        rho = stats.spearman([p[0] for p in pts], [p[1] for p in pts])
-        growth = pts[-1][1] - pts[0][1]
-        bw = next((v for k, v in bw_series.items() if k.split()[0] == name.split()[0]), None)
-        if bw:
-            bw_gaps = [g for _, g, _ in bw]
-            flat = max(bw_gaps) - min(bw_gaps)
-        else:  # no 2bw depth series: 2bw's staleness is 1 at every depth (one run shows it)
-            flat = math.nan
-        ok = rho >= 0.8 and growth > 0 and (not math.isfinite(flat) or flat < growth / 3)
-        out.append((
-            f"PipeDream's gap grows with depth, 2bw's stays flat ({name.split()[0]})",
-            "reproduced" if ok else "not reproduced",
-            "pipedream: " + ", ".join(f"P={int(x)}: {fmt(g)}" for x, g, _ in pts)
-            + ("; 2bw: " + ", ".join(f"P={int(x)}: {fmt(g)}" for x, g, _ in bw) if bw else "")
-            + f"; Spearman rho {rho:+.2f}",
-        ))  # fmt: skip
-    return out
-
-
-def _defaults(optimizer: str) -> Any:
-    """The optimizer's resolved default OptimConfig."""
-    from stalepipe.config import OptimConfig
-    from stalepipe.optim import resolve_config
-
-    return resolve_config(OptimConfig(name=optimizer))
+def claims(rows: list[Row]) -> list[Claim]:
+    """The paper's qualitative claims, checked on whatever rows exist: (claim, verdict,
+    evidence). Every claim function a study declares runs once, in declaration order; a claim
+    whose configurations are absent is left out."""
+    return [c for check in declared_claims() for c in check(rows)]
 
 
 def build_report(root: Path, title: str | None = None) -> tuple[list[Block], list[Row], list[Run]]:

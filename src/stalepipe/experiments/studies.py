@@ -21,6 +21,13 @@ from pathlib import Path
 
 from stalepipe.config import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
 from stalepipe.errors import UserError
+from stalepipe.experiments.claims import (
+    ClaimCheck,
+    claim_adamw_gap_exceeds_muon,
+    claim_ef_recovers_gap,
+    claim_momentum_shrinks_gap,
+    claim_pipedream_gap_grows_with_depth,
+)
 from stalepipe.experiments.sweep import Bundle, RunSpec, axis, dedupe, expand
 from stalepipe.presets import get_preset
 
@@ -201,12 +208,14 @@ def study_paper_mini(scale: str) -> list[list[list[Bundle]]]:
 
 @dataclass(frozen=True)
 class Study:
-    """A named study: its grids, what it answers, and which scales it supports."""
+    """A named study: its grids, what it answers, which scales it supports, and the claim
+    functions (`claims.py`) its runs test, which `stalepipe report` checks."""
 
     name: str
     grids: Callable[[str], list[list[list[Bundle]]]]
     about: str
     scales: tuple[str, ...] = SCALES
+    claims: tuple[ClaimCheck, ...] = ()
 
     def specs(self, scale: str, seeds: int) -> list[RunSpec]:
         if scale not in self.scales:
@@ -224,21 +233,29 @@ class Study:
 STUDIES: dict[str, Study] = {
     s.name: s
     for s in [
-        Study("optimizers", study_optimizers, "6 optimizers x sync / 2bw / 2bw+EF"),
-        Study("momentum", study_momentum, "AdamW & Muon beta1 in 0.8-0.98 under sync and 2bw"),
-        Study("mitigations", study_mitigations, "EF, Taylor, sync start/cooldown, EF+cooldown"),
-        Study("depth", study_depth, "pipedream vs 2bw for P in 2, 4, 8, 16 (up to num_layers)"),
+        Study("optimizers", study_optimizers, "6 optimizers x sync / 2bw / 2bw+EF",
+              claims=(claim_adamw_gap_exceeds_muon, claim_ef_recovers_gap)),
+        Study("momentum", study_momentum, "AdamW & Muon beta1 in 0.8-0.98 under sync and 2bw",
+              claims=(claim_momentum_shrinks_gap,)),
+        Study("mitigations", study_mitigations, "EF, Taylor, sync start/cooldown, EF+cooldown",
+              claims=(claim_ef_recovers_gap,)),
+        Study("depth", study_depth, "pipedream vs 2bw for P in 2, 4, 8, 16 (up to num_layers)",
+              claims=(claim_pipedream_gap_grows_with_depth,)),
         Study("hparams", study_hparams, "batch size, LR, weight decay (one at a time)"),
         Study("delay", study_delay, "fixed:N for N in 0, 1, 2, 4, 8"),
         Study("tokens", study_tokens, "the gap as the training length grows (x1/4 .. x2)"),
-        Study(
-            "paper-mini",
-            study_paper_mini,
-            "CPU check of the paper's 4 qualitative claims",
-            ("cpu",),
-        ),
+        Study("paper-mini", study_paper_mini, "CPU check of the paper's 4 qualitative claims",
+              scales=("cpu",),
+              claims=(claim_adamw_gap_exceeds_muon, claim_ef_recovers_gap,
+                      claim_momentum_shrinks_gap, claim_pipedream_gap_grows_with_depth)),
     ]
-}
+}  # fmt: skip
+
+
+def declared_claims() -> list[ClaimCheck]:
+    """Every claim function some study declares, each once, in the order of first declaration
+    (the report's claims table follows it)."""
+    return list(dict.fromkeys(c for s in STUDIES.values() for c in s.claims))
 
 
 def get_study(name: str) -> Study:
