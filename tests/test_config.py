@@ -55,3 +55,124 @@ def test_help_lists_every_field_with_default():
     for key in ("--optim.lr", "--train.steps", "--delay.policy", "--model.dim", "--data.tokenizer"):
         assert key in text
     assert "default 200" in text  # train.steps
+
+
+# ---- rules that join sections, each with a fix that works -----------------------------------
+
+
+def _cfg(**overrides: str) -> ExperimentConfig:
+    return apply_overrides(get_preset("cpu-tiny"), overrides)  # 3 layers, batch 16
+
+
+DIST = {"pipeline.engine": "distributed"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match", "fixes"),
+    [
+        (
+            {"delay.policy": "wpipe", "pipeline.num_stages": "3"},
+            r"delay.policy wpipe needs an even pipeline.num_stages.*got 3; set "
+            r"pipeline.num_stages to 2$",
+            [{"pipeline.num_stages": "2"}],
+        ),
+        (
+            {"delay.policy": "wpipe"},  # 1 stage: 2 is the only even count <= 3 layers
+            r"got 1; set pipeline.num_stages to 2$",
+            [{"pipeline.num_stages": "2"}],
+        ),
+        (
+            {**DIST, "pipeline.schedule": "2bw", "delay.policy": "2bw",
+             "pipeline.num_stages": "3", "train.num_microbatches": "1"},
+            r"pipeline.schedule 2bw needs train.num_microbatches >= pipeline.num_stages - 1 = 2 "
+            r".*got 1; set train.num_microbatches to 2 or pipeline.num_stages to 2$",
+            [{"train.num_microbatches": "2"}, {"pipeline.num_stages": "2"}],
+        ),
+        (
+            {**DIST, "pipeline.data_parallel": "3", "train.num_microbatches": "2"},
+            r"train.batch_size \(16\) must be divisible by train.num_microbatches x "
+            r"pipeline.data_parallel \(2 x 3\); set train.batch_size to 12 or 18$",
+            [{"train.batch_size": "12"}, {"train.batch_size": "18"}],
+        ),
+        (
+            {"train.batch_size": "10", "train.num_microbatches": "4"},
+            r"divisible by train.num_microbatches \(4\); set train.batch_size to 8 or 12$",
+            [{"train.batch_size": "8"}, {"train.batch_size": "12"}],
+        ),
+        (
+            {"delay.sync_cooldown_wsd": "true"},
+            r"delay.sync_cooldown_wsd .* train.lr_schedule is 'cosine'; set train.lr_schedule "
+            r"wsd, or delay.sync_cooldown_wsd false",
+            [{"train.lr_schedule": "wsd"}, {"delay.sync_cooldown_wsd": "false"}],
+        ),
+    ],
+)  # fmt: skip
+def test_cross_section_refusals_name_a_fix_that_works(overrides, match, fixes):
+    with pytest.raises(ConfigError, match=match) as e:
+        _cfg(**overrides)
+    assert "\n" not in str(e.value) and "--" not in str(e.value)  # config terms, no CLI flags
+    for fix in fixes:
+        _cfg(**{**overrides, **fix})
+
+
+def test_distributed_engine_rules_apply_to_it_alone():
+    # the emulator has no schedule: 2bw runs with any microbatch count, replicas are torchrun's
+    _cfg(**{"delay.policy": "2bw", "pipeline.schedule": "2bw", "pipeline.num_stages": "3"})
+    _cfg(**{"pipeline.data_parallel": "3", "train.num_microbatches": "2"})
+    _cfg(**{**DIST, "pipeline.schedule": "2bw", "pipeline.num_stages": "3",
+            "train.num_microbatches": "2"})  # fmt: skip
+
+
+def test_delay_policy_names_are_the_implemented_ones():
+    from stalepipe.config import POLICY_NAMES
+    from stalepipe.delay.policies import DELAY_POLICIES
+
+    assert set(POLICY_NAMES) == set(DELAY_POLICIES)
+
+
+# ---- optimizer fields --------------------------------------------------------------------
+
+
+def test_a_field_the_optimizer_does_not_read_is_refused():
+    with pytest.raises(ConfigError) as e:
+        _cfg(**{"optim.name": "muon", "optim.eps": "1e-6"})
+    msg = str(e.value)
+    assert msg.startswith("optim.eps is not used by optim.name='muon' (muon fixes optim.eps at")
+    assert "which reads optim.lr, optim.beta1, optim.weight_decay, optim.nesterov" in msg
+    assert msg.endswith("set optim.eps to none (used by adamw, soap, adan, mars)")
+    with pytest.raises(
+        ConfigError, match=r"^optim.beta3, optim.eps are not used by optim.name='lion'"
+    ):
+        _cfg(
+            **{
+                "optim.name": "lion",
+                "optim.beta2": "0.9",
+                "optim.eps": "1e-6",
+                "optim.beta3": "0.9",
+            }
+        )
+    # the fix works; so does repeating the value muon fixes (every muon config.json so far has it)
+    _cfg(**{"optim.name": "muon", "optim.eps": "none"})
+    _cfg(**{"optim.name": "muon", "optim.eps": "1e-8"})
+
+
+def test_stored_configs_of_every_optimizer_load():
+    """config.json holds the resolved optimizer config; reading it back must not be refused."""
+    import dataclasses
+    import json
+
+    from stalepipe.config import OPTIMIZER_FIELDS
+    from stalepipe.optim import resolve_config
+
+    for name in OPTIMIZER_FIELDS:
+        for scale in ("original", "match_rms") if name == "muon" else (None,):
+            cfg = _cfg(**{"optim.name": name})
+            if scale:
+                cfg = apply_overrides(cfg, {"optim.muon_scale": scale})
+            cfg = dataclasses.replace(cfg, optim=resolve_config(cfg.optim))
+            assert ExperimentConfig.from_dict(json.loads(cfg.to_json())) == cfg
+    # a muon record as train() wrote it before optim.eps was refused for muon
+    old = {"name": "muon", "lr": 0.02, "beta1": 0.95, "beta2": None, "beta3": None, "eps": 1e-08,
+           "weight_decay": 0.01, "nesterov": True, "ns_steps": 5, "muon_scale": "original",
+           "adam_lr": 0.001, "precond_freq": None, "gamma": None}  # fmt: skip
+    assert ExperimentConfig.from_dict({"optim": old}).optim.eps == 1e-8

@@ -5,7 +5,10 @@ Every field carries a one-line help text in its metadata; `stalepipe train --hel
 with their defaults. Overrides use dotted keys: `--optim.lr 3e-4 --train.steps 200`.
 
 Validation happens in `__post_init__` and raises `ConfigError` (a `ValueError`) whose message
-names the field and its allowed range, so the CLI can print it as one line.
+names the field, its allowed range and the fix, so the CLI can print it as one line. Each rule is
+checked here once: a section's own rules in its `__post_init__`, rules that join sections (stages
+vs layers, the delay policy vs the stage count, the distributed engine's limits) in
+`ExperimentConfig.__post_init__`. Lower layers may rely on a config they receive being valid.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import difflib
 import json
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +36,27 @@ def _f(default: Any, help: str) -> Any:
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+def _multiples_near(n: int, d: int) -> str:
+    """The multiples of `d` next to `n` (>= 1), as 'a or b', for a divisibility fix."""
+    below = n // d * d
+    return f"{below} or {below + d}" if below else str(d)
+
+
+def unknown_choice(
+    what: str, name: str, choices: Iterable[str], key: str | None = None
+) -> ConfigError:
+    """The error for a name missing from a registry: lists the choices, suggests the closest.
+
+    'unknown {what} {name!r}', or 'unknown {what} {key}={name!r}' when `key` is the config
+    field the name came from.
+    """
+    choices = list(choices)
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.4)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    given = f"{key}={name!r}" if key else repr(name)
+    return ConfigError(f"unknown {what} {given} (choose from {', '.join(choices)}){hint}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,12 +194,29 @@ class DataConfig:
         return self.data_dir or f"data_cache/{self.corpus}-{self.tokenizer}"
 
 
+# The OptimConfig fields each optimizer reads; optim/registry.py holds their defaults (and a test
+# checks that each optimizer's build changes with every field listed here).
+OPTIMIZER_FIELDS: dict[str, tuple[str, ...]] = {
+    "adamw": ("lr", "beta1", "beta2", "eps", "weight_decay"),
+    "muon": ("lr", "beta1", "weight_decay", "nesterov", "ns_steps", "muon_scale", "adam_lr"),
+    "soap": ("lr", "beta1", "beta2", "eps", "weight_decay", "precond_freq"),
+    "adan": ("lr", "beta1", "beta2", "beta3", "eps", "weight_decay"),
+    "lion": ("lr", "beta1", "beta2", "weight_decay"),
+    "mars": ("lr", "beta1", "beta2", "eps", "weight_decay", "gamma", "adam_lr"),
+}
+# Fields an optimizer does not let a config change but records at the value it uses (config.json
+# of every muon run so far has optim.eps 1e-8, the fixed eps of Muon's AdamW part); a config may
+# repeat that value.
+FIXED_OPTIM_FIELDS: dict[str, dict[str, Any]] = {"muon": {"eps": 1e-8}}
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
     """Optimizer choice and hyperparameters. `None` means "the optimizer's own default"
-    (see docs/optimizers.md); the resolved values are written to the run's config.json."""
+    (see docs/optimizers.md); the resolved values are written to the run's config.json.
+    A field the chosen optimizer does not read (`OPTIMIZER_FIELDS`) must stay `None`."""
 
-    name: str = _f("adamw", "optimizer: adamw | muon | soap | adan | lion | mars")
+    name: str = _f("adamw", f"optimizer: {' | '.join(OPTIMIZER_FIELDS)}")
     lr: float | None = _f(None, "peak learning rate (matrix params for muon)")
     beta1: float | None = _f(None, "first-moment / momentum coefficient")
     beta2: float | None = _f(None, "second-moment coefficient")
@@ -189,6 +231,8 @@ class OptimConfig:
     gamma: float | None = _f(None, "variance-reduction scale (mars)")
 
     def __post_init__(self) -> None:
+        if self.name not in OPTIMIZER_FIELDS:
+            raise unknown_choice("optimizer", self.name, OPTIMIZER_FIELDS, key="optim.name")
         _check(self.lr is None or self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
         for b in ("beta1", "beta2", "beta3"):
             v = getattr(self, b)
@@ -218,6 +262,36 @@ class OptimConfig:
             self.muon_scale in (None, "original", "match_rms"),
             f"optim.muon_scale must be 'original' or 'match_rms', got {self.muon_scale!r}",
         )
+        self._check_fields_read()
+
+    def _check_fields_read(self) -> None:
+        """Refuse a value in a field the optimizer does not read (it would be ignored)."""
+        reads = OPTIMIZER_FIELDS[self.name]
+        fixed = FIXED_OPTIM_FIELDS.get(self.name, {})
+        unused = [
+            f
+            for f in _OPTIM_HYPER_FIELDS
+            if f not in reads and getattr(self, f) is not None and getattr(self, f) != fixed.get(f)
+        ]
+        if not unused:
+            return
+        names = ", ".join(f"optim.{f}" for f in unused)
+        why = "".join(
+            f" ({self.name} fixes optim.{f} at {fixed[f]!r})" for f in unused if f in fixed
+        )
+        users = [n for n, fs in OPTIMIZER_FIELDS.items() if set(unused) & set(fs)]
+        raise ConfigError(
+            f"{names} {'is' if len(unused) == 1 else 'are'} not used by optim.name="
+            f"{self.name!r}{why}, which reads {', '.join(f'optim.{f}' for f in reads)}; set "
+            f"{names} to none (used by {', '.join(users) or 'no optimizer'})"
+        )
+
+
+_OPTIM_HYPER_FIELDS = tuple(f.name for f in dataclasses.fields(OptimConfig) if f.name != "name")
+
+
+# The delay policies by name (besides fixed:N); delay/policies.py implements each one.
+POLICY_NAMES = ("sync", "2bw", "pipedream", "wpipe")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,8 +316,9 @@ class DelayConfig:
             _check(n.isdigit(), f"delay.policy fixed:N needs an integer N >= 0, got {policy!r}")
         else:
             _check(
-                policy in ("sync", "2bw", "pipedream", "wpipe"),
-                f"delay.policy must be sync, 2bw, pipedream, wpipe or fixed:N; got {policy!r}",
+                policy in POLICY_NAMES,
+                f"delay.policy must be {', '.join(POLICY_NAMES)} or fixed:N (N >= 0 steps); "
+                f"got {policy!r}",
             )
         _check(self.taylor >= 0, f"delay.taylor must be >= 0, got {self.taylor}")
         _check(
@@ -335,8 +410,9 @@ class TrainConfig:
         )
         _check(
             self.batch_size % self.num_microbatches == 0,
-            f"train.batch_size ({self.batch_size}) must be divisible by "
-            f"train.num_microbatches ({self.num_microbatches})",
+            f"train.batch_size ({self.batch_size}) must be divisible by train.num_microbatches "
+            f"({self.num_microbatches}); set train.batch_size to "
+            f"{_multiples_near(self.batch_size, self.num_microbatches)}",
         )
         _check(
             self.lr_schedule in ("cosine", "wsd", "constant"),
@@ -398,6 +474,52 @@ class ExperimentConfig:
             f"data.seq_len ({self.data.seq_len}) must be <= model.max_seq_len "
             f"({self.model.max_seq_len})",
         )
+        self._check_delay()
+        if self.pipeline.engine == "distributed":
+            self._check_distributed()
+
+    def _check_delay(self) -> None:
+        """Rules of the delay config that depend on the pipeline and the training loop."""
+        P, L = self.pipeline.num_stages, self.model.num_layers
+        if self.delay.policy == "wpipe":
+            even = [p for p in (P - 1, P + 1) if 2 <= p <= L and p % 2 == 0]
+            fix = (
+                f"set pipeline.num_stages to {' or '.join(map(str, even))}"
+                if even
+                else "it needs model.num_layers >= 2"
+            )
+            _check(
+                P % 2 == 0,
+                f"delay.policy wpipe needs an even pipeline.num_stages (WPipe splits the model "
+                f"into two equal groups of stages, two per worker), got {P}; {fix}",
+            )
+        if self.delay.sync_cooldown_wsd:
+            _check(
+                self.train.lr_schedule == "wsd",
+                f"delay.sync_cooldown_wsd aligns the cooldown with WSD's decay phase, but "
+                f"train.lr_schedule is {self.train.lr_schedule!r}; set train.lr_schedule wsd, "
+                f"or delay.sync_cooldown_wsd false and the cooldown in delay.sync_cooldown",
+            )
+
+    def _check_distributed(self) -> None:
+        """Rules of the distributed engine (pipeline.engine distributed) alone."""
+        pc, tc = self.pipeline, self.train
+        P, m, B, D = pc.num_stages, tc.num_microbatches, tc.batch_size, pc.data_parallel
+        _check(
+            B % (m * D) == 0,
+            f"train.batch_size ({B}) must be divisible by train.num_microbatches x "
+            f"pipeline.data_parallel ({m} x {D}); set train.batch_size to "
+            f"{_multiples_near(B, m * D)}",
+        )
+        if pc.schedule == "2bw" and m < P - 1:
+            # the fix: the smallest count that works with this batch, or fewer stages
+            ok = [n for n in range(P - 1, B // D + 1) if B % (n * D) == 0]
+            more = f"train.num_microbatches to {ok[0]} or " if ok else ""
+            raise ConfigError(
+                f"pipeline.schedule 2bw needs train.num_microbatches >= pipeline.num_stages - 1 "
+                f"= {P - 1} (a forward would need weights not yet updated), got {m}; "
+                f"set {more}pipeline.num_stages to {m + 1}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -10,9 +10,10 @@ import io
 import pytest
 import torch
 
-from stalepipe.config import ConfigError, OptimConfig
+from stalepipe.config import FIXED_OPTIM_FIELDS, OPTIMIZER_FIELDS, ConfigError, OptimConfig
 from stalepipe.models import build_model
 from stalepipe.optim import DEFAULTS, OPTIMIZERS, build_optimizer, resolve_config, split_params
+from stalepipe.optim.registry import AUX_ADAMW_EPS
 from stalepipe.optim.schedules import apply_lr
 from stalepipe.presets import cpu_tiny
 
@@ -45,7 +46,49 @@ def train_steps(model, opt, steps) -> list[float]:
 
 
 def test_registry_and_defaults_cover_the_same_names():
-    assert set(OPTIMIZERS) == set(DEFAULTS) == {"adamw", "muon", "soap", "adan", "lion", "mars"}
+    names = {"adamw", "muon", "soap", "adan", "lion", "mars"}
+    assert set(OPTIMIZERS) == set(DEFAULTS) == set(OPTIMIZER_FIELDS) == names
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("scale", ["original", "match_rms"])
+def test_resolve_fills_exactly_the_fields_the_optimizer_reads(name, scale):
+    cfg = OptimConfig(name=name, muon_scale=scale) if name == "muon" else OptimConfig(name=name)
+    resolved = resolve_config(cfg)
+    filled = {f for f in OptimConfig.__dataclass_fields__ if getattr(resolved, f) is not None}
+    assert filled == {"name", *OPTIMIZER_FIELDS[name], *FIXED_OPTIM_FIELDS.get(name, {})}
+    for f, v in FIXED_OPTIM_FIELDS.get(name, {}).items():
+        assert getattr(resolved, f) == v
+
+
+def test_muon_records_the_eps_its_adamw_part_uses():
+    assert FIXED_OPTIM_FIELDS == {"muon": {"eps": AUX_ADAMW_EPS}}
+
+
+def _hyper(opt: torch.optim.Optimizer) -> str:
+    groups = [
+        {k: v for k, v in g.items() if k not in ("params", "param_names")} for g in opt.param_groups
+    ]
+    return repr((opt.defaults, groups))
+
+
+def _other(field: str, value):
+    if field == "muon_scale":
+        return "match_rms" if value == "original" else "original"
+    if isinstance(value, bool):
+        return not value
+    return value + 1 if isinstance(value, int) else value / 2
+
+
+@pytest.mark.parametrize(
+    ("name", "field"), [(n, f) for n, fs in OPTIMIZER_FIELDS.items() for f in fs]
+)
+def test_every_field_an_optimizer_reads_changes_what_it_builds(name, field):
+    """OPTIMIZER_FIELDS lists no field the optimizer would ignore (the others are refused)."""
+    cfg = resolve_config(OptimConfig(name=name))
+    changed = dataclasses.replace(cfg, **{field: _other(field, getattr(cfg, field))})
+    params = list(tiny_model().named_parameters())
+    assert _hyper(build_optimizer(cfg, params)) != _hyper(build_optimizer(changed, params))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -78,6 +121,9 @@ def test_field_unused_by_the_optimizer_is_an_error():
         resolve_config(OptimConfig(name="adamw", gamma=0.1))
     with pytest.raises(ConfigError, match="optim.eps is not used"):
         resolve_config(OptimConfig(name="lion", eps=1e-8))
+    with pytest.raises(ConfigError, match=r"optim.eps is not used by optim.name='muon'"):
+        OptimConfig(name="muon", eps=1e-6)  # its AdamW part's eps is fixed
+    assert resolve_config(OptimConfig(name="muon", eps=AUX_ADAMW_EPS)).eps == AUX_ADAMW_EPS
 
 
 @pytest.mark.parametrize(

@@ -1,23 +1,22 @@
 """The optimizer registry: defaults per optimizer, config resolution, and construction.
 
 `resolve_config` turns an `OptimConfig` whose fields may be `None` ("the optimizer's default")
-into a fully specified one; fields the chosen optimizer does not use must stay `None` (setting
-one is an error rather than a silent no-op). `build_optimizer` builds the optimizer for a set of
-named parameters (a whole model, or one pipeline stage). Defaults and their sources are in
-docs/optimizers.md.
+into a fully specified one. Which fields each optimizer reads is `config.OPTIMIZER_FIELDS`;
+`OptimConfig` itself refuses an unknown name or a value in a field the optimizer does not read.
+`build_optimizer` builds the optimizer for a set of named parameters (a whole model, or one
+pipeline stage). Defaults and their sources are in docs/optimizers.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from stalepipe.config import ConfigError, OptimConfig
+from stalepipe.config import FIXED_OPTIM_FIELDS, ConfigError, OptimConfig
 from stalepipe.optim import schedules
 from stalepipe.optim.adan import Adan
 from stalepipe.optim.groups import ParamSplit, split_params
@@ -27,18 +26,16 @@ from stalepipe.optim.muon import Muon
 from stalepipe.optim.soap import SOAP
 
 # Betas/eps of the AdamW part inside Muon and MARS (Jordan's MuonWithAuxAdam and MARS's
-# `betas_1d` both use (0.9, 0.95)); not separately configurable.
+# `betas_1d` both use (0.9, 0.95)); not configurable (muon records its eps: FIXED_OPTIM_FIELDS).
 AUX_ADAMW_BETAS = (0.9, 0.95)
 AUX_ADAMW_EPS = 1e-8
 # SOAP: sides longer than this get no rotation (the reference's default; excludes vocab sizes).
 SOAP_MAX_PRECOND_DIM = 10000
 
-_HYPER_FIELDS = tuple(f.name for f in dataclasses.fields(OptimConfig) if f.name != "name")
-
 DEFAULTS: dict[str, dict[str, Any]] = {
     "adamw": dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1),
-    # muon: lr / weight_decay depend on muon_scale, see _muon_defaults
-    "muon": dict(beta1=0.95, eps=AUX_ADAMW_EPS, nesterov=True, ns_steps=5, muon_scale="original"),
+    # muon: lr / weight_decay / adam_lr depend on muon_scale, see _MUON_BY_SCALE
+    "muon": dict(beta1=0.95, nesterov=True, ns_steps=5, muon_scale="original"),
     "soap": dict(lr=3e-3, beta1=0.95, beta2=0.95, eps=1e-8, weight_decay=0.01, precond_freq=10),
     "adan": dict(lr=3e-3, beta1=0.98, beta2=0.92, beta3=0.99, eps=1e-8, weight_decay=0.02),
     "lion": dict(lr=1e-4, beta1=0.95, beta2=0.98, weight_decay=1.0),
@@ -47,7 +44,6 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     ),
 }
 
-_MUON_FIELDS = ("lr", "weight_decay", "adam_lr")
 _MUON_BY_SCALE = {
     # Jordan's MuonWithAuxAdam example: matrices lr 0.02 / wd 0.01; the AdamW part uses the
     # AdamW baseline's LR so that only the matrix rule differs from the baseline.
@@ -61,38 +57,13 @@ _MUON_BY_SCALE = {
 }
 
 
-def _closest_name_error(name: str) -> ConfigError:
-    close = difflib.get_close_matches(name, list(OPTIMIZERS), n=1, cutoff=0.4)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return ConfigError(
-        f"unknown optimizer optim.name={name!r} (choose from {', '.join(OPTIMIZERS)}){hint}"
-    )
-
-
 def resolve_config(cfg: OptimConfig) -> OptimConfig:
-    """`cfg` with every `None` field the optimizer uses replaced by its default.
-
-    Raises ConfigError for an unknown name (suggesting the closest) or for a field set that the
-    optimizer does not use.
-    """
-    if cfg.name not in OPTIMIZERS:
-        raise _closest_name_error(cfg.name)
-    defaults = dict(DEFAULTS[cfg.name])
+    """`cfg` with every `None` field the optimizer reads replaced by its default, and the fields
+    it fixes (`FIXED_OPTIM_FIELDS`) at their values: what the run's config.json records."""
+    defaults = {**DEFAULTS[cfg.name], **FIXED_OPTIM_FIELDS.get(cfg.name, {})}
     if cfg.name == "muon":
-        scale = cfg.muon_scale or defaults["muon_scale"]
-        defaults.update(_MUON_BY_SCALE[scale])
-    used = set(defaults)
-    for f in _HYPER_FIELDS:
-        if f not in used and getattr(cfg, f) is not None:
-            users = [
-                n for n, d in DEFAULTS.items() if f in d or (n == "muon" and f in _MUON_FIELDS)
-            ]
-            raise ConfigError(
-                f"optim.{f} is not used by optim.name={cfg.name!r} (used by: "
-                f"{', '.join(users) or 'none'}); remove it"
-            )
-    filled = {f: defaults[f] for f in used if getattr(cfg, f) is None}
-    out = dataclasses.replace(cfg, **filled)
+        defaults.update(_MUON_BY_SCALE[cfg.muon_scale or defaults["muon_scale"]])
+    out = dataclasses.replace(cfg, **{f: v for f, v in defaults.items() if getattr(cfg, f) is None})
     if out.name == "muon" and out.adam_lr is None:
         out = dataclasses.replace(out, adam_lr=out.lr)
     return out
@@ -100,6 +71,44 @@ def resolve_config(cfg: OptimConfig) -> OptimConfig:
 
 def _named_group(params: list[tuple[str, nn.Parameter]], kind: str, **hyper: Any) -> dict:
     return {"params": params, "kind": kind, **hyper}
+
+
+def _decay(kind: str, weight_decay: float) -> float:
+    """1-D parameters (norm gains, biases) are never weight-decayed."""
+    return 0.0 if kind == "vector" else weight_decay
+
+
+def _decay_groups(cfg: OptimConfig, split: ParamSplit) -> list[dict]:
+    return [
+        _named_group(ps, kind, weight_decay=_decay(kind, cfg.weight_decay))
+        for kind, ps in split.kinds()
+    ]
+
+
+def _aux_adamw_group(cfg: OptimConfig, ps: list, kind: str) -> dict:
+    """A group of the AdamW part of Muon and MARS: fixed betas and eps, `cfg.adam_lr`."""
+    return _named_group(
+        ps,
+        kind,
+        algo="adamw",
+        lr=cfg.adam_lr,
+        betas=AUX_ADAMW_BETAS,
+        eps=AUX_ADAMW_EPS,
+        weight_decay=_decay(kind, cfg.weight_decay),
+    )
+
+
+def _composite_groups(
+    cfg: OptimConfig, split: ParamSplit, algo: str, **matrix_hyper: Any
+) -> list[dict]:
+    """Hidden matrices run `algo` with `matrix_hyper`; embeddings, head and 1-D parameters run
+    the AdamW part."""
+    return [
+        _named_group(ps, kind, algo=algo, **matrix_hyper)
+        if kind == "matrix"
+        else _aux_adamw_group(cfg, ps, kind)
+        for kind, ps in split.kinds()
+    ]
 
 
 def _build_adamw(cfg: OptimConfig, split: ParamSplit) -> torch.optim.Optimizer:
@@ -117,66 +126,35 @@ def _build_adamw(cfg: OptimConfig, split: ParamSplit) -> torch.optim.Optimizer:
     )
 
 
-def _aux_adamw_group(ps: list, kind: str, lr: float, weight_decay: float) -> dict:
-    return _named_group(
-        ps,
-        kind,
-        algo="adamw",
-        lr=lr,
-        betas=AUX_ADAMW_BETAS,
-        eps=AUX_ADAMW_EPS,
-        weight_decay=0.0 if kind == "vector" else weight_decay,
+def _build_muon(cfg: OptimConfig, split: ParamSplit) -> torch.optim.Optimizer:
+    return Muon(
+        _composite_groups(
+            cfg,
+            split,
+            "muon",
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            momentum=cfg.beta1,
+            nesterov=cfg.nesterov,
+            ns_steps=cfg.ns_steps,
+            scale=cfg.muon_scale,
+        )
     )
 
 
-def _build_muon(cfg: OptimConfig, split: ParamSplit) -> torch.optim.Optimizer:
-    groups = []
-    for kind, ps in split.kinds():
-        if kind == "matrix":
-            groups.append(
-                _named_group(
-                    ps,
-                    kind,
-                    algo="muon",
-                    lr=cfg.lr,
-                    weight_decay=cfg.weight_decay,
-                    momentum=cfg.beta1,
-                    nesterov=cfg.nesterov,
-                    ns_steps=cfg.ns_steps,
-                    scale=cfg.muon_scale,
-                )
-            )
-        else:
-            groups.append(_aux_adamw_group(ps, kind, cfg.adam_lr, cfg.weight_decay))
-    return Muon(groups)
-
-
 def _build_mars(cfg: OptimConfig, split: ParamSplit) -> torch.optim.Optimizer:
-    groups = []
-    for kind, ps in split.kinds():
-        if kind == "matrix":
-            groups.append(
-                _named_group(
-                    ps,
-                    kind,
-                    algo="mars",
-                    lr=cfg.lr,
-                    betas=(cfg.beta1, cfg.beta2),
-                    eps=cfg.eps,
-                    weight_decay=cfg.weight_decay,
-                    gamma=cfg.gamma,
-                )
-            )
-        else:
-            groups.append(_aux_adamw_group(ps, kind, cfg.adam_lr, cfg.weight_decay))
-    return MARS(groups)
-
-
-def _decay_groups(cfg: OptimConfig, split: ParamSplit) -> list[dict]:
-    return [
-        _named_group(ps, kind, weight_decay=0.0 if kind == "vector" else cfg.weight_decay)
-        for kind, ps in split.kinds()
-    ]
+    return MARS(
+        _composite_groups(
+            cfg,
+            split,
+            "mars",
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            gamma=cfg.gamma,
+        )
+    )
 
 
 def _build_soap(cfg: OptimConfig, split: ParamSplit) -> torch.optim.Optimizer:
