@@ -1,96 +1,106 @@
 """The validation pass of a pipeline stage: forward-only, newest weights, eval mode.
 
-A mixin of `pipeline.stage.StageExecutor` (it uses the executor's channels, weights and batches);
-kept apart because evaluation is its own concern and its own message flow ("eval" channel).
+Its own concern and its own message flow (the "eval" channel): every stage of every replica
+calls `evaluate_stage` at the same point of the run (right after a sync point's update).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from stalepipe.pipeline.comm import Pending
 
+LOOKAHEAD = 4  # receives posted ahead, sends in flight
 
-class StageEvaluation:
-    """`evaluate()` for `StageExecutor`; see there for the attributes it reads."""
 
-    @torch.no_grad()
-    def evaluate(self) -> float | None:
-        """Mean validation loss over `num_val_batches` batches at the newest weights, model in
-        eval mode (an MoE model's loss is then cross-entropy only), as `train.loop.evaluate`
-        computes it. Every stage of every replica calls it at the same point (right after an
-        eager update, see `post_step`); replicas split the batches. Returns the loss on
-        stage 0, None elsewhere.
+@dataclass(frozen=True)
+class EvalData:
+    """The validation batches: `batch(i)` gives batch i (first and last stage only) as a list
+    of (x, y) chunks of one microbatch's rows; `num_batches` of them are evaluated."""
 
-        Each batch runs as chunks of the training microbatch's size (bounded memory, the same
-        receive buffers' shape); a batch's loss is the mean of its chunks' (equal-sized) means,
-        equal to the whole batch's up to fp32 rounding."""
-        topo = self.comm.topo
-        D, replica = topo.data_parallel, self.comm.replica
-        chunks = self.m * D  # an eval batch holds train.batch_size rows, like a training batch
-        keys = [(i, c) for i in range(replica, self.num_val_batches, D) for c in range(chunks)]
-        weights = self._weights(self.delayed.step_count)
-        recvs: deque[Pending] = deque()
-        sends: deque[Pending] = deque()
-        todo = iter(keys)
+    batch: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]] | None
+    num_batches: int
 
-        def post_recvs() -> None:
-            while not self.first and len(recvs) < self.LOOKAHEAD:
-                key = next(todo, None)
-                if key is None:
-                    return
-                buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
-                what = f"the validation activation of batch {key[0]} chunk {key[1]}"
-                recvs.append(
-                    self.comm.recv([buf], self.comm.peer_rank(self.stage - 1), "eval", what)
-                )
 
-        was_training = self.module.training
-        self.module.eval()
-        total, batch_sum = 0.0, 0.0
-        try:
-            for i, c in keys:
-                post_recvs()
-                x = y = None
-                if self.first or self.last:
-                    if c == 0:
-                        batch = self.val_batch(i)
-                        assert len(batch) == chunks, (len(batch), chunks)
-                    x, y = batch[c]
-                inp = x if self.first else recvs.popleft().wait()[0]
-                with self.autocast():
-                    out, _ = self._run_at(weights, inp, y if self.last else None)
-                if self.last:
-                    batch_sum += out.float().item()
-                    if c == chunks - 1:
-                        total += batch_sum / chunks
-                        batch_sum = 0.0
-                else:
-                    sends.append(
-                        self.comm.send(
-                            [out.to(self.act_dtype)],
-                            self.comm.peer_rank(self.stage + 1),
-                            "eval",
-                            f"the validation activation of batch {i} chunk {c}",
-                        )
+@torch.no_grad()
+def evaluate_stage(io, run_at, weights: dict[str, torch.Tensor], data: EvalData, m: int):
+    """Mean validation loss over `data.num_batches` batches at `weights` (this stage's newest),
+    model in eval mode (an MoE model's loss is then cross-entropy only), as
+    `train.emulated.evaluate` computes it; replicas split the batches. Returns the loss on
+    stage 0, None elsewhere.
+
+    `io` is the stage's `StageIO`, `run_at` its `Reparametrized` forward, `m` the microbatches
+    per training batch. Each batch runs as m x data_parallel chunks of the microbatch's size
+    (bounded memory, the same receive buffers' shape); a batch's loss is the mean of its
+    chunks' (equal-sized) means, equal to the whole batch's up to fp32 rounding."""
+    comm, module, stage = io.comm, io.module, io.stage
+    num_stages = comm.topo.num_stages
+    first, last = stage == 0, stage == num_stages - 1
+    device = next(module.parameters()).device
+    D, replica = comm.topo.data_parallel, comm.replica
+    chunks = m * D  # an eval batch holds train.batch_size rows, like a training batch
+    keys = [(i, c) for i in range(replica, data.num_batches, D) for c in range(chunks)]
+    recvs: deque[Pending] = deque()
+    sends: deque[Pending] = deque()
+    todo = iter(keys)
+
+    def post_recvs() -> None:
+        while not first and len(recvs) < LOOKAHEAD:
+            key = next(todo, None)
+            if key is None:
+                return
+            buf = torch.empty(io.act_shape, dtype=io.act_dtype, device=device)
+            what = f"the validation activation of batch {key[0]} chunk {key[1]}"
+            recvs.append(comm.recv([buf], comm.peer_rank(stage - 1), "eval", what))
+
+    was_training = module.training
+    module.eval()
+    total, batch_sum = 0.0, 0.0
+    try:
+        for i, c in keys:
+            post_recvs()
+            x = y = None
+            if first or last:
+                if c == 0:
+                    batch = data.batch(i)
+                    assert len(batch) == chunks, (len(batch), chunks)
+                x, y = batch[c]
+            inp = x if first else recvs.popleft().wait()[0]
+            with io.autocast():
+                out, _ = run_at(weights, inp, y if last else None)
+            if last:
+                batch_sum += out.float().item()
+                if c == chunks - 1:
+                    total += batch_sum / chunks
+                    batch_sum = 0.0
+            else:
+                sends.append(
+                    comm.send(
+                        [out.to(io.act_dtype)],
+                        comm.peer_rank(stage + 1),
+                        "eval",
+                        f"the validation activation of batch {i} chunk {c}",
                     )
-                    while len(sends) > self.LOOKAHEAD:  # bounded memory for long evaluations
-                        sends.popleft().wait()
-        finally:
-            self.module.train(was_training)
-        for p in sends:
-            p.wait()
-        if not (self.first or self.last):
-            return None
-        result = torch.tensor([total], dtype=torch.float64, device=self.device)
-        if self.last and not self.first:
-            self.comm.send([result], self.comm.peer_rank(0), "eval_loss", "the validation loss")
-            return None
-        if not self.last:
-            (result,) = self.comm.recv(
-                [result], self.comm.peer_rank(self.P - 1), "eval_loss", "the validation loss"
-            ).wait()
-        self.comm.all_reduce_mean(result)  # data parallel: mean of the replicas' sums
-        return result.item() * D / self.num_val_batches
+                )
+                while len(sends) > LOOKAHEAD:  # bounded memory for long evaluations
+                    sends.popleft().wait()
+    finally:
+        module.train(was_training)
+    for p in sends:
+        p.wait()
+    if not (first or last):
+        return None
+    result = torch.tensor([total], dtype=torch.float64, device=device)
+    if last and not first:
+        comm.send([result], comm.peer_rank(0), "eval_loss", "the validation loss")
+        return None
+    if not last:
+        (result,) = comm.recv(
+            [result], comm.peer_rank(num_stages - 1), "eval_loss", "the validation loss"
+        ).wait()
+    comm.all_reduce_mean(result)  # data parallel: mean of the replicas' sums
+    return result.item() * D / data.num_batches

@@ -21,6 +21,8 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +31,22 @@ import torch.distributed as dist
 
 from stalepipe.config import ConfigError, ExperimentConfig
 from stalepipe.data import EVAL_SEED, TokenLoader, check_vocab, ensure_prepared
-from stalepipe.delay import DelayedOptimizer, DelaySchedule, resolve_delay_config
+from stalepipe.delay import DelayedOptimizer, DelaySchedule
 from stalepipe.errors import UserError
-from stalepipe.models import Transformer, build_stage, flops_per_token, partition
-from stalepipe.optim import build_optimizer, resolve_config
-from stalepipe.optim.schedules import apply_lr, lr_multiplier, set_peak_lr
+from stalepipe.models import Transformer, build_stage, partition
+from stalepipe.optim import build_optimizer
+from stalepipe.optim.schedules import set_peak_lr
 from stalepipe.pipeline import ckpt as stage_ckpt
 from stalepipe.pipeline.comm import Comm, PeerError, Topology, init_from_env, resolve_backend
 from stalepipe.pipeline.generators import one_stage_per_rank, schedule_for
 from stalepipe.pipeline.schedule import Schedule, validate
-from stalepipe.pipeline.stage import TIED_HEAD, TIED_NAME, StageExecutor
+from stalepipe.pipeline.stage import ModelLayout, StageExecutor, StageIO
+from stalepipe.pipeline.stage_eval import EvalData
+from stalepipe.pipeline.tied import TIED_HEAD, TIED_NAME
 from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from stalepipe.train.loop import TrainResult, _diverged
-from stalepipe.train.rundir import MetricsWriter, open_run_dir
+from stalepipe.train.engine import StepPlan, StepResult
+from stalepipe.train.loop import TrainResult, run_loop, with_resolved_optim
+from stalepipe.train.rundir import open_run_dir
 
 # Schedules the runtime executes, and the delay policy each one realises.
 RUNTIME_SCHEDULES = {
@@ -53,8 +58,6 @@ RUNTIME_SCHEDULES = {
     "wpipe": "wpipe",
 }
 PREPARED_ENV = "STALEPIPE_RUN_PREPARED"  # set by the spawning launcher: run dir already open
-
-last_report: dict[str, Any] | None = None  # this process's final state (see `worker_entry`)
 
 
 def check_config(cfg: ExperimentConfig) -> None:
@@ -156,10 +159,10 @@ def _tee(path: Path, console: bool):
 
 def run_worker(
     cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False, verbose: bool = True
-) -> TrainResult | None:
-    """Run this process's stage of `cfg` (environment from torchrun or `launch.spawn`).
-    Returns the TrainResult on rank 0, None elsewhere. Any failure exits through an exception
-    whose message names the rank; `main_worker` turns it into a non-zero exit."""
+) -> WorkerResult:
+    """Run this process's stage of `cfg` (environment from torchrun or `launch.spawn`) through
+    the training loop. Any failure exits through an exception whose message names the rank;
+    `main_worker` turns it into a non-zero exit."""
     check_config(cfg)
     pc, tc = cfg.pipeline, cfg.train
     topo = Topology(pc.num_stages, pc.data_parallel)
@@ -178,7 +181,7 @@ def run_worker(
         torch.set_num_threads(tc.threads or 1)  # one thread per process unless asked
     backend = resolve_backend(pc.backend, str(device))
     rank, _, _ = init_from_env(backend, pc.timeout_s)
-    cfg = dataclasses.replace(cfg, optim=resolve_config(cfg.optim))
+    cfg = with_resolved_optim(cfg)
     run_dir = Path(cfg.out_dir) / cfg.name
     if rank == 0 and not os.environ.get(PREPARED_ENV):
         data_dir = ensure_prepared(cfg.data)
@@ -190,7 +193,11 @@ def run_worker(
     comm.barrier("start-up (data preparation on rank 0)", timeout_s=max(pc.timeout_s, 3600))
     restore = _tee(run_dir / "logs" / f"rank{rank}.log", console=rank == 0 and verbose)
     try:
-        return _run(cfg, comm, topo, rank, device, run_dir, resume, verbose)
+        engine = PipelineEngine(cfg, comm, device, run_dir, resume)
+        result = run_loop(engine, cfg, run_dir, is_main=rank == 0, verbose=verbose)
+        comm.barrier("the end of training")
+        dist.destroy_process_group()
+        return engine.worker_result(result if rank == 0 else None)
     except BaseException as e:
         # Into this rank's log while stdout/stderr still go there; main_worker does the rest.
         print(f"stalepipe: error: {_message(e, rank)}", file=sys.stderr, flush=True)
@@ -204,203 +211,236 @@ def _message(e: BaseException, rank: int) -> str:
     return str(e) if isinstance(e, PeerError) else f"rank {rank}: {type(e).__name__}: {e}"
 
 
-def _run(cfg, comm, topo, rank, device, run_dir, resume, verbose) -> TrainResult | None:
-    pc, tc = cfg.pipeline, cfg.train
-    stage, replica = topo.stage_of(rank), topo.replica_of(rank)
-    data_dir = ensure_prepared(cfg.data)
-    t0 = time.perf_counter()
+@dataclass
+class WorkerResult:
+    """What one runtime process ends with: its final owned weights, the last stage's copy of a
+    tied matrix, the most weight versions it kept, and (rank 0) the run's `TrainResult`."""
 
-    # Model, stage, optimizer, delay engine.
-    P, m, N = pc.num_stages, tc.num_microbatches, tc.steps
-    # The whole model only as shapes and names (meta device); this process materialises and
-    # initialises its own stage, with the values the whole model would have.
-    with torch.device("meta"):
-        full = Transformer(cfg.model)
-    stages = partition(full, P, cfg.data.seq_len)
-    module = build_stage(cfg.model, tc.seed, P, stage, cfg.data.seq_len, device)
-    names_per_stage = [list(s.owned_parameters()) for s in stages]
-    owned = module.owned_parameters()
-    optimizer = build_optimizer(cfg.optim, list(owned.items()))
-    set_peak_lr(optimizer)
-    delay_cfg = resolve_delay_config(cfg.delay, tc)
-    delayed = DelayedOptimizer(
-        optimizer, [owned if s == stage else {} for s in range(P)], delay_cfg, N
-    )
-    skeleton = (
-        build_optimizer(cfg.optim, list(full.named_parameters())).state_dict()
-        if rank == 0
-        else None
-    )
-    model_keys = list(full.state_dict())
-    tied = cfg.model.tie_embeddings and P > 1
+    rank: int
+    stage: int
+    weights: dict[str, torch.Tensor]
+    tied_head: torch.Tensor | None
+    peak_versions: int
+    losses: list[tuple[int, float]]
+    val_losses: dict[int, float]
+    result: TrainResult | None = None
 
-    # Resume: the newest complete (merged) checkpoint, re-split for this stage.
-    start, tied_versions = 0, None
-    ckpt_path = latest_checkpoint(run_dir) if resume else None
-    if ckpt_path is not None:
-        state = load_checkpoint(ckpt_path)
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class PipelineEngine:
+    """One stage of the pipeline runtime as a training engine (`train.engine.Engine`).
+
+    Builds only its own stage (`models.build_stage`, the values the whole model would have),
+    the optimizer over the stage's named parameters, wrapped in the delay engine's
+    `DelayedOptimizer` (so versions, Taylor and EF are the emulator's code), and the schedule
+    (`pipeline.generators`, the lists the timing simulator times); `steps` executes this rank's
+    list with `pipeline.stage.StageExecutor`. Checkpoints: every stage writes its part, rank 0
+    merges them into the stage-agnostic checkpoint of single-process training."""
+
+    def __init__(
+        self, cfg: ExperimentConfig, comm: Comm, device: torch.device, run_dir: Path, resume: bool
+    ) -> None:
+        pc, tc = cfg.pipeline, cfg.train
+        self.cfg, self.comm, self.device, self.run_dir = cfg, comm, device, run_dir
+        self.rank, topo = comm.rank, comm.topo
+        self.stage, self.replica = topo.stage_of(self.rank), topo.replica_of(self.rank)
+        P = pc.num_stages
+        # The whole model only as shapes and names (meta device); this process materialises and
+        # initialises its own stage, with the values the whole model would have.
+        with torch.device("meta"):
+            full = Transformer(cfg.model)
+        stages = partition(full, P, cfg.data.seq_len)
+        self.module = build_stage(cfg.model, tc.seed, P, self.stage, cfg.data.seq_len, device)
+        self.names_per_stage = [list(s.owned_parameters()) for s in stages]
+        self.router_layers = [s.router_layers() for s in stages]
+        self.owned = self.module.owned_parameters()
+        self.optimizer = build_optimizer(cfg.optim, list(self.owned.items()))
+        set_peak_lr(self.optimizer)
+        self.sched = runtime_schedule(cfg)
+        self.delayed = DelayedOptimizer(
+            self.optimizer,
+            [self.owned if s == self.stage else {} for s in range(P)],
+            cfg.delay,
+            schedule=self.sched.delay,
+        )
+        self.skeleton = (
+            build_optimizer(cfg.optim, list(full.named_parameters())).state_dict()
+            if self.rank == 0
+            else None
+        )
+        self.model_keys = list(full.state_dict())
+        self.start_step, self.resumed_from, self.tied_versions = 0, None, None
+        if resume and (ckpt := latest_checkpoint(run_dir)) is not None:
+            self._resume(ckpt)
+        if len(self.sched.ranks[0]) * P <= 20000:
+            validate(self.sched)
+        self.executor: StageExecutor | None = None
+        self.val_losses: dict[int, float] = {}
+        self.losses: list[tuple[int, float]] = []
+
+    def _resume(self, ckpt: Path) -> None:
+        """The newest complete (merged) checkpoint, re-split for this stage."""
+        state = load_checkpoint(ckpt)
         start = int(state["step"])
-        needed = delayed.versions_to_keep(start)[stage]
+        needed = self.delayed.versions_to_keep(start)[self.stage]
         weights, dstate, per_param = stage_ckpt.stage_state(
-            state, stage, names_per_stage, optimizer.state_dict(), needed
+            state, self.stage, self.names_per_stage, self.optimizer.state_dict(), needed
         )
         if dstate["policy"] is None:  # a checkpoint without delay state
-            dstate["policy"] = delay_cfg.policy
+            dstate["policy"] = self.cfg.delay.policy
         with torch.no_grad():
-            for n, p in owned.items():
+            for n, p in self.owned.items():
                 p.copy_(weights[n])
-            if tied and stage == P - 1:
-                module.get_parameter(TIED_HEAD).copy_(state["model"][TIED_HEAD])
-                tied_versions = {v: t.to(device) for v, t in per_param.get(TIED_NAME, {}).items()}
-        delayed.load_state_dict(dstate)
-        if verbose and rank == 0:
-            print(f"resuming {run_dir} from step {start} ({ckpt_path.name})")
+            if self._tied_role() == "head":
+                self.module.get_parameter(TIED_HEAD).copy_(state["model"][TIED_HEAD])
+                self.tied_versions = {
+                    v: t.to(self.device) for v, t in per_param.get(TIED_NAME, {}).items()
+                }
+        self.delayed.load_state_dict(dstate)
+        self.start_step, self.resumed_from = start, ckpt
 
-    sched = runtime_schedule(cfg)
-    if N * m * P <= 20000:
-        validate(sched)
-    actions = [a for a in sched.ranks[stage] if a.step >= start]
+    def _tied_role(self) -> str | None:
+        P = self.cfg.pipeline.num_stages
+        if not (self.cfg.model.tie_embeddings and P > 1):
+            return None
+        return "owner" if self.stage == 0 else "head" if self.stage == P - 1 else None
 
-    # Data: stage 0 reads inputs, the last stage targets; each replica its slice.
-    B, D = tc.batch_size, pc.data_parallel
-    rows = slice(replica * B // D, (replica + 1) * B // D)
-    loader = (
-        TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.data.seed)
-        if stage in (0, P - 1)
-        else None
-    )
+    def _executor(self, plan: StepPlan) -> StageExecutor:
+        cfg, tc, P = self.cfg, self.cfg.train, self.cfg.pipeline.num_stages
+        B, D, m = tc.batch_size, cfg.pipeline.data_parallel, tc.num_microbatches
+        io = StageIO(
+            module=self.module,
+            stage=self.stage,
+            comm=self.comm,
+            get_batch=self._batch_reader(),
+            act_shape=(B // D // m, cfg.data.seq_len, cfg.model.dim),
+            act_dtype=torch.float32,
+            seed=tc.seed,
+            autocast=(
+                (lambda: torch.autocast(device_type=self.device.type, dtype=torch.bfloat16))
+                if tc.dtype == "bfloat16"
+                else contextlib.nullcontext
+            ),
+        )
+        layout = ModelLayout(
+            param_counts=[len(n) for n in self.names_per_stage],
+            router_layers=self.router_layers,
+            tied=cfg.model.tie_embeddings and P > 1,
+            grad_clip=tc.grad_clip,
+            per_expert=cfg.model.num_experts * cfg.model.num_layers <= 64,
+        )
+        return StageExecutor(
+            io, layout, self.delayed, self.sched, plan, self._eval_data(), self.tied_versions
+        )
 
-    def get_batch(step: int) -> tuple[list, list]:
-        x, y = loader.batch(step, B)
-        x, y = x[rows].to(device), y[rows].to(device)
-        return list(x.chunk(m)), list(y.chunk(m))
+    def _batch_reader(self):
+        """step -> this replica's microbatches (first and last stage only: inputs, targets)."""
+        cfg, tc = self.cfg, self.cfg.train
+        if self.stage not in (0, cfg.pipeline.num_stages - 1):
+            return None
+        loader = TokenLoader(self._data_dir(), "train", cfg.data.seq_len, cfg.data.seed)
+        B, D, m = tc.batch_size, cfg.pipeline.data_parallel, tc.num_microbatches
+        rows = slice(self.replica * B // D, (self.replica + 1) * B // D)
 
-    # Validation: the batches train.loop.evaluate reads (whole batches of train.batch_size
-    # rows, replicas take turns), each run as chunks of the microbatch's size.
-    val_loader = (
-        TokenLoader(data_dir, "val", cfg.data.seq_len, EVAL_SEED) if stage in (0, P - 1) else None
-    )
+        def get_batch(step: int) -> tuple[list, list]:
+            x, y = loader.batch(step, B)
+            x, y = x[rows].to(self.device), y[rows].to(self.device)
+            return list(x.chunk(m)), list(y.chunk(m))
 
-    def val_batch(i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        x, y = val_loader.batch(i, B)
-        return list(zip(x.to(device).chunk(m * D), y.to(device).chunk(m * D), strict=True))
+        return get_batch
 
-    eval_steps = {
-        k for k in range(start, N) if (tc.eval_every and (k + 1) % tc.eval_every == 0) or k + 1 == N
-    }
+    def _eval_data(self) -> EvalData:
+        """The batches `train.emulated.evaluate` reads (whole batches of train.batch_size
+        rows, replicas take turns), each run as chunks of the microbatch's size."""
+        cfg, tc = self.cfg, self.cfg.train
+        chunks = tc.num_microbatches * cfg.pipeline.data_parallel
+        if self.stage not in (0, cfg.pipeline.num_stages - 1):
+            return EvalData(None, tc.eval_batches)
+        loader = TokenLoader(self._data_dir(), "val", cfg.data.seq_len, EVAL_SEED)
 
-    def set_lr(step: int) -> None:
-        apply_lr(optimizer, lr_multiplier(step, tc))
+        def batch(i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            x, y = loader.batch(i, tc.batch_size)
+            x, y = x.to(self.device).chunk(chunks), y.to(self.device).chunk(chunks)
+            return list(zip(x, y, strict=True))
 
-    autocast = (
-        (lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16))
-        if tc.dtype == "bfloat16"
-        else contextlib.nullcontext
-    )
-    executor = StageExecutor(
-        module=module,
-        stage=stage,
-        delayed=delayed,
-        comm=comm,
-        sched=sched,
-        get_batch=get_batch,
-        grad_clip=tc.grad_clip,
-        seed=tc.seed,
-        lr_fn=set_lr,
-        param_counts=[len(n) for n in names_per_stage],
-        tied=tied,
-        act_shape=(B // D // m, cfg.data.seq_len, cfg.model.dim),
-        act_dtype=torch.float32,
-        tied_versions=tied_versions,
-        autocast=autocast,
-        val_batch=val_batch,
-        num_val_batches=tc.eval_batches,
-        eval_steps=eval_steps,
-        replica=replica,
-        router_layers=[s.router_layers() for s in stages],
-        stats_steps={k for k in range(start, N) if (k + 1) % tc.log_every == 0 or k + 1 == N},
-        per_expert=cfg.model.num_experts * cfg.model.num_layers <= 64,  # as train.loop
-    )
-    del full, stages  # only this stage's modules stay referenced
+        return EvalData(batch, tc.eval_batches)
 
-    logger = _RankZeroLog(cfg, run_dir, start, verbose) if rank == 0 else None
-    last_ckpt = [ckpt_path]
+    def _data_dir(self) -> Path:
+        return ensure_prepared(self.cfg.data)
 
-    def on_step(k: int) -> None:
-        done = k + 1
-        if logger is not None:  # stops at a non-finite loss, as train.loop does
-            logger.drain(executor.results, executor.val_losses)
-        if ((tc.ckpt_every and done % tc.ckpt_every == 0) or done == N) and replica == 0:
-            # Non-finite weights are never checkpointed: this rank stops (its peers follow
-            # within the timeout) and the newest complete checkpoint stays the last good one.
-            if not all(bool(torch.isfinite(p).all()) for p in owned.values()):
-                _diverged(f"non-finite weights on stage {stage}", k, latest_checkpoint(run_dir))
-            _save(done)
+    # ---- the Engine interface ------------------------------------------------------------
 
-    def _save(done: int) -> None:
+    def steps(self, plan: StepPlan) -> Iterator[StepResult]:
+        self.executor = self._executor(plan)
+        actions = [a for a in self.sched.ranks[self.stage] if a.step >= self.start_step]
+        for r in self.executor.run(actions):
+            self.losses.append((r.step, r.loss))
+            tau = self.sched.delay.taus(r.step)
+            yield StepResult(r.step, r.loss, r.grad_norm, tau, r.lr, r.router)
+
+    def evaluate(self) -> float:
+        assert self.executor is not None
+        val = self.executor.evaluate()
+        val = math.nan if val is None else val
+        self.val_losses[self.delayed.step_count - 1] = val
+        return val
+
+    def nonfinite_weights(self) -> str | None:
+        # Non-finite weights are never checkpointed: this rank stops (its peers follow within
+        # the timeout) and the newest complete checkpoint stays the last good one.
+        ok = all(bool(torch.isfinite(p).all()) for p in self.owned.values())
+        return None if ok else f"non-finite weights on stage {self.stage}"
+
+    def checkpoint(self, step: int) -> Path | None:
+        if self.replica != 0:
+            return None
         part = {
-            "stage": stage,
-            "num_stages": P,
-            "step": done,
-            "model": {n: p.detach().cpu() for n, p in owned.items()},
-            "delayed": delayed.state_dict(),
+            "stage": self.stage,
+            "num_stages": self.cfg.pipeline.num_stages,
+            "step": step,
+            "model": {n: p.detach().cpu() for n, p in self.owned.items()},
+            "delayed": self.delayed.state_dict(),
             "rng": torch.get_rng_state(),
         }
-        stage_ckpt.save_part(run_dir, done, stage, part)
-        if rank == 0:
-            parts = [_wait_part(run_dir, done, s, topo, pc.timeout_s) for s in range(P)]
-            body = stage_ckpt.merge_parts(parts, skeleton, model_keys, cfg.model.tie_embeddings)
-            last_ckpt[0] = save_checkpoint(
-                run_dir, done, {"config": cfg.to_dict(), **body}, tc.keep_last
-            )
-            step_dir = stage_ckpt.part_path(run_dir, done, 0).parent
-            shutil.rmtree(step_dir, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                step_dir.parent.rmdir()  # only when no other step's parts are left
+        stage_ckpt.save_part(self.run_dir, step, self.stage, part)
+        if self.rank != 0:
+            return None
+        return self._merge(step)
 
-    executor.on_step = on_step
-    executor.eager_steps = {
-        k - 1 for k in range(1, N + 1) if (tc.ckpt_every and k % tc.ckpt_every == 0) or k == N
-    }
-    try:
-        executor.run(actions)
-    finally:
-        if logger is not None:
-            logger.drain(executor.results, executor.val_losses)
-            logger.close()
-    comm.barrier("the end of training")
-    wall = time.perf_counter() - t0
-    _check_finite(executor, last_ckpt[0])
-    global last_report
-    last_report = {
-        "rank": rank,
-        "stage": stage,
-        "weights": {n: p.detach().cpu().clone() for n, p in owned.items()},
-        "tied_head": None if executor.tied_live() is None else executor.tied_live().cpu(),
-        "peak_versions": executor.peak_versions,
-        "losses": [(r.step, r.loss) for r in executor.results],
-        "val_losses": dict(executor.val_losses),
-    }
-    dist.destroy_process_group()
-    if logger is None:
-        return None
-    losses = [r.loss for r in logger.results]
-    tokens = (N - start) * tc.batch_size * cfg.data.seq_len
-    return TrainResult(
-        run_dir=run_dir,
-        steps=N,
-        final_train_loss=losses[-1] if losses else math.nan,
-        final_val_loss=logger.val_loss,
-        train_losses=losses,
-        wall_time_s=wall,
-        tokens_per_s=tokens / max(wall, 1e-9),
-    )
+    def _merge(self, step: int) -> Path:
+        cfg, topo = self.cfg, self.comm.topo
+        P, timeout = cfg.pipeline.num_stages, cfg.pipeline.timeout_s
+        parts = [_wait_part(self.run_dir, step, s, topo, timeout) for s in range(P)]
+        body = stage_ckpt.merge_parts(
+            parts, self.skeleton, self.model_keys, cfg.model.tie_embeddings
+        )
+        path = save_checkpoint(
+            self.run_dir, step, {"config": cfg.to_dict(), **body}, cfg.train.keep_last
+        )
+        step_dir = stage_ckpt.part_path(self.run_dir, step, 0).parent
+        shutil.rmtree(step_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            step_dir.parent.rmdir()  # only when no other step's parts are left
+        return path
 
+    def close(self) -> None:
+        pass
 
-def _check_finite(executor: StageExecutor, last_ckpt: Path | None) -> None:
-    bad = [r for r in executor.results if not math.isfinite(r.loss)]
-    if bad:
-        _diverged(f"non-finite loss ({bad[0].loss})", bad[0].step, last_ckpt)
+    def worker_result(self, result: TrainResult | None) -> WorkerResult:
+        ex = self.executor
+        tied = None if ex is None or ex.tied_live() is None else ex.tied_live().cpu()
+        return WorkerResult(
+            rank=self.rank,
+            stage=self.stage,
+            weights={n: p.detach().cpu().clone() for n, p in self.owned.items()},
+            tied_head=tied,
+            peak_versions=0 if ex is None else ex.peak_versions,
+            losses=list(self.losses),
+            val_losses={k: v for k, v in self.val_losses.items() if not math.isnan(v)},
+            result=result,
+        )
 
 
 def _wait_part(run_dir: Path, step: int, stage: int, topo: Topology, timeout_s: float) -> dict:
@@ -416,68 +456,10 @@ def _wait_part(run_dir: Path, step: int, stage: int, topo: Topology, timeout_s: 
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-class _RankZeroLog:
-    """Metrics lines and the progress bar, written by rank 0 as step results arrive."""
-
-    def __init__(self, cfg: ExperimentConfig, run_dir: Path, start: int, verbose: bool) -> None:
-        from stalepipe.train.progress import Progress
-
-        self.cfg, self.start, self.run_dir = cfg, start, run_dir
-        self.metrics = MetricsWriter(run_dir, start, cfg.train.tensorboard)
-        tc = cfg.train
-        self.progress = Progress(total=tc.steps, initial=start, enabled=tc.progress and verbose)
-        self.results: list = []
-        self.val_loss = math.nan  # the newest validation loss (shown in the progress bar)
-        self.t0 = time.perf_counter()
-        self.tokens_per_step = tc.batch_size * cfg.data.seq_len
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)["total"]
-        self.num_stages = cfg.pipeline.num_stages
-        self.delay = DelaySchedule.from_config(cfg.delay, self.num_stages, tc.steps, tc)
-
-    def drain(self, results: list, val_losses: dict[int, float]) -> None:
-        """Write the records of steps whose results arrived since the last call (the
-        record format of `train.loop`, `val_loss` at evaluation steps)."""
-        tc = self.cfg.train
-        d = self.delay
-        while len(self.results) < len(results):
-            r = results[len(self.results)]
-            self.results.append(r)
-            done = r.step + 1
-            tok_s = (
-                (done - self.start)
-                * self.tokens_per_step
-                / max(time.perf_counter() - self.t0, 1e-9)
-            )
-            record: dict[str, Any] = {"step": r.step, "loss": r.loss}
-            if done % tc.log_every == 0 or done == tc.steps:
-                record.update(
-                    lr_mult=lr_multiplier(r.step, tc),
-                    grad_norm=r.grad_norm,
-                    tau=self.delay.taus(r.step),
-                    tokens=done * self.tokens_per_step,
-                    tokens_per_s=tok_s,
-                    model_flops_per_s=tok_s * self.flops_per_token,
-                )
-                record.update(r.router)  # MoE router metrics ({} for dense models)
-            if r.step in val_losses:
-                self.val_loss = record["val_loss"] = val_losses[r.step]
-            self.metrics.write(record)
-            self.progress.update(loss=r.loss, val_loss=self.val_loss, tok_s=tok_s)
-            if not math.isfinite(r.loss):
-                _diverged(f"non-finite loss ({r.loss})", r.step, latest_checkpoint(self.run_dir))
-
-    def close(self) -> None:
-        self.progress.close()
-        self.metrics.close()
-
-
 def worker_entry(cfg: ExperimentConfig, resume: bool = False, overwrite: bool = False) -> dict:
-    """Run one worker quietly and return its report: rank, stage, final owned weights, the
-    last stage's copy of a tied matrix, peak weight versions kept, step losses (tests,
-    `WorkerPool`)."""
-    run_worker(cfg, resume=resume, overwrite=overwrite, verbose=False)
-    assert last_report is not None
-    return last_report
+    """Run one worker quietly and return its `WorkerResult` as a dict (for
+    `pipeline.launch.WorkerPool`, which tests and benchmarks use to reuse processes)."""
+    return run_worker(cfg, resume=resume, overwrite=overwrite, verbose=False).as_dict()
 
 
 def main_worker(cfg: ExperimentConfig, resume: bool, overwrite: bool, verbose: bool = True) -> int:
@@ -506,12 +488,6 @@ def main_worker(cfg: ExperimentConfig, resume: bool, overwrite: bool, verbose: b
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(2 if isinstance(e, UserError) else PEER_EXIT if isinstance(e, PeerError) else 1)
-    if result is not None and verbose:
-        print(
-            f"done: {result.steps} steps in {result.wall_time_s:.1f}s "
-            f"({result.tokens_per_s:,.0f} tok/s); final train loss {result.final_train_loss:.4f}, "
-            f"val loss {result.final_val_loss:.4f}; "
-            f"run directory {result.run_dir}",
-            flush=True,
-        )
+    if result.result is not None and verbose:
+        print(result.result.summary(), flush=True)
     return 0

@@ -1,0 +1,175 @@
+"""`EmulatorEngine`: the delay emulator as a training engine (`train.engine.Engine`).
+
+One process trains the whole model; the delay engine (`delay.DelayEmulator`) computes each
+step's gradient at the weights an asynchronous pipeline would use (GUIDE section 2); with
+`delay.policy sync` it is the plain training step. Under `torchrun` every process is one
+data-parallel replica: it reads its rows of each batch, gradients and losses are averaged
+across replicas, the main process writes the checkpoint.
+
+The data position is the step itself: batch k is a pure function of (data.seed, k), so a
+resumed run reads exactly the batches an uninterrupted one would have read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from stalepipe.config import ExperimentConfig
+from stalepipe.data import EVAL_SEED, TokenLoader
+from stalepipe.delay import DelayEmulator, DelaySchedule
+from stalepipe.models import Transformer, build_model
+from stalepipe.optim import build_optimizer
+from stalepipe.optim.schedules import apply_lr
+from stalepipe.pipeline.ckpt import emulator_state
+from stalepipe.train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    load_model_state,
+    save_checkpoint,
+)
+from stalepipe.train.distributed import (
+    SINGLE_PROCESS,
+    DistContext,
+    allreduce_grads_,
+    mean_across_ranks,
+    on_main,
+    shard_rows,
+)
+from stalepipe.train.engine import StepPlan, StepResult
+
+Microbatches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def split_microbatches(x: torch.Tensor, y: torch.Tensor, num_microbatches: int) -> Microbatches:
+    """Split a global batch (B, T) into `num_microbatches` equal, ordered microbatches."""
+    return list(zip(x.chunk(num_microbatches), y.chunk(num_microbatches), strict=True))
+
+
+def autocast_for(cfg: ExperimentConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast for `train.dtype bfloat16` (fp32 master weights and optimizer state)."""
+    if cfg.train.dtype == "bfloat16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(
+    model: Transformer,
+    loader: TokenLoader,
+    num_batches: int,
+    batch_size: int,
+    device: torch.device,
+    autocast: contextlib.AbstractContextManager,
+    ctx: DistContext = SINGLE_PROCESS,
+) -> float:
+    """Mean loss over the first `num_batches` validation batches (the same ones every time);
+    data-parallel ranks split the batches between them."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for i in range(ctx.rank, num_batches, ctx.world_size):
+        x, y = loader.batch(i, batch_size)
+        with autocast:
+            total += model(x.to(device), y.to(device)).item()
+    model.train(was_training)
+    return mean_across_ranks(total * ctx.world_size / num_batches, ctx, device)
+
+
+class EmulatorEngine:
+    """The delay emulator over the whole model in this process (one data-parallel replica).
+
+    Build it after the run directory is open; with `resume` it continues from the newest
+    checkpoint in `run_dir` (of either engine, any stage split the policy allows)."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        ctx: DistContext,
+        device: torch.device,
+        data_dir: Path,
+        run_dir: Path,
+        resume: bool,
+    ) -> None:
+        tc = cfg.train
+        self.cfg, self.ctx, self.device, self.run_dir = cfg, ctx, device, run_dir
+        self.train_data = TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.data.seed)
+        self.val_data = TokenLoader(data_dir, "val", cfg.data.seq_len, EVAL_SEED)
+        self.model = build_model(cfg.model, tc.seed, device)
+        if tc.compile:  # compiles forward only; the emulator's weight swaps keep the same graph
+            self.model.compile()
+        self.optimizer = build_optimizer(cfg.optim, self.model.named_parameters())
+        self.delay = DelaySchedule.from_config(cfg.delay, cfg.pipeline.num_stages, tc.steps, tc)
+        self.emulator = DelayEmulator(
+            self.model,
+            self.optimizer,
+            cfg.delay,
+            schedule=self.delay,
+            seq_len=cfg.data.seq_len,
+            seed=tc.seed,
+            replica=ctx.rank,
+        )
+        self.autocast = autocast_for(cfg, device)
+        self.start_step, self.resumed_from = 0, None
+        if resume and (ckpt := latest_checkpoint(run_dir)) is not None:
+            state = load_checkpoint(ckpt)
+            load_model_state(self.model, state["model"], ckpt)
+            # any engine's checkpoint, any split
+            self.emulator.load_state_dict(emulator_state(state, self.emulator.delayed))
+            torch.set_rng_state(state["rng"])
+            self.start_step, self.resumed_from = int(state["step"]), ckpt
+
+    def steps(self, plan: StepPlan) -> Iterator[StepResult]:
+        """lr -> forward/backward at the stale point -> (clip) -> delayed update, per step."""
+        tc, ctx, m = self.cfg.train, self.ctx, self.cfg.model
+        per_expert = m.num_experts * m.num_layers <= 64
+        for step in range(self.start_step, plan.total_steps):
+            apply_lr(self.optimizer, plan.lr_multiplier(step))
+            x, y = self.train_data.batch(step, tc.batch_size)
+            x, y = shard_rows(x, ctx).to(self.device), shard_rows(y, ctx).to(self.device)
+            micro = split_microbatches(x, y, tc.num_microbatches // ctx.world_size)
+            with self.autocast:
+                loss = self.emulator.forward_backward(step, micro)
+            allreduce_grads_(self.model.parameters(), ctx)
+            loss = mean_across_ranks(loss, ctx, self.device)
+            grad_norm = math.nan
+            if tc.grad_clip > 0:
+                grad_norm = self.emulator.clip_grad_norm_(tc.grad_clip)
+            tau = self.emulator.step(step)["tau"]
+            # MoE: router load / aux losses since the last log line ({} for dense models)
+            router = self.model.router_stats(per_expert=per_expert) if plan.logs(step) else {}
+            lr = self.optimizer.param_groups[0]["lr"]
+            yield StepResult(step, loss, grad_norm, tau, lr, router)
+
+    def evaluate(self) -> float:
+        tc = self.cfg.train
+        return evaluate(
+            self.model,
+            self.val_data,
+            tc.eval_batches,
+            tc.batch_size,
+            self.device,
+            self.autocast,
+            self.ctx,
+        )
+
+    def nonfinite_weights(self) -> str | None:
+        ok = all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+        return None if ok else "non-finite weights"
+
+    def checkpoint(self, step: int) -> Path | None:
+        state = lambda: {  # noqa: E731 - built on the main process only
+            "config": self.cfg.to_dict(),
+            "model": self.model.state_dict(),
+            "engine": self.emulator.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+        keep = self.cfg.train.keep_last
+        return on_main(lambda: save_checkpoint(self.run_dir, step, state(), keep), self.ctx)
+
+    def close(self) -> None:
+        pass

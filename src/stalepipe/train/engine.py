@@ -1,0 +1,103 @@
+"""The engine interface the one training loop (`train.loop.run_loop`) drives, and its plan.
+
+Two engines implement it: `train.emulated.EmulatorEngine` (one process, the delay emulator;
+data parallel under torchrun) and `train.pipelined.PipelineEngine` (one stage of the pipeline
+runtime per process). The loop never asks which one it has.
+
+    engine.start_step                      # 0, or the step a resumed checkpoint holds
+    for result in engine.steps(plan):      # one StepResult per update, in order, once applied
+        ...                                # at plan.is_sync_point(step) the engine is paused
+        engine.evaluate()                  #   right after that update: evaluate and
+        engine.checkpoint(step + 1)        #   checkpoint see W_{step+1} and nothing newer
+
+Every process of a run drives the same loop over its own engine (evaluation and checkpoints
+are collective); only the main process writes metrics and shows progress.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from stalepipe.config import TrainConfig
+from stalepipe.optim.schedules import lr_multiplier
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What happens at each step of a run: the LR multiplier and the log, eval and checkpoint
+    cadence (the last step always logs, evaluates and checkpoints). A pure function of the
+    train config, so every process of a run knows it without asking."""
+
+    train: TrainConfig
+
+    @property
+    def total_steps(self) -> int:
+        return self.train.steps
+
+    def lr_multiplier(self, step: int) -> float:
+        return lr_multiplier(step, self.train)
+
+    def _every(self, n: int, step: int) -> bool:
+        done = step + 1
+        return bool(n and done % n == 0) or done == self.train.steps
+
+    def logs(self, step: int) -> bool:
+        return self._every(self.train.log_every, step)
+
+    def evaluates(self, step: int) -> bool:
+        return self._every(self.train.eval_every, step)
+
+    def checkpoints(self, step: int) -> bool:
+        return self._every(self.train.ckpt_every, step)
+
+    def is_sync_point(self, step: int) -> bool:
+        """Whether the engine must pause right after update `step` (an eval or a checkpoint
+        reads the weights there): asynchronous engines apply such an update at once."""
+        return self.evaluates(step) or self.checkpoints(step)
+
+
+@dataclass
+class StepResult:
+    """What one applied update reports (the same on every process of the run)."""
+
+    step: int
+    loss: float  # mean training loss at the point the gradient was taken (the stale one)
+    grad_norm: float  # before clipping; NaN without clipping
+    tau: list[int]  # staleness per stage of this step's gradient
+    lr: float  # the LR of the first parameter group at this update
+    router: dict[str, float] = field(default_factory=dict)  # MoE metrics at log steps
+
+
+class Engine(Protocol):
+    """A training engine: see the module docstring."""
+
+    start_step: int
+    resumed_from: Path | None  # the checkpoint the engine resumed from
+
+    def steps(self, plan: StepPlan) -> Iterator[StepResult]:
+        """Run steps start_step .. plan.total_steps - 1, yielding each result once applied."""
+        ...
+
+    def evaluate(self) -> float:
+        """Validation loss at the newest weights (collective; NaN where not known)."""
+        ...
+
+    def nonfinite_weights(self) -> str | None:
+        """What is not finite in this process's weights (None: all finite)."""
+        ...
+
+    def checkpoint(self, step: int) -> Path | None:
+        """Write the checkpoint of `step` updates (collective); its path on the main process."""
+        ...
+
+    def close(self) -> None:
+        """Release processes, groups and files (also after a failure)."""
+        ...
+
+
+def nan_if_none(x: float | None) -> float:
+    return math.nan if x is None else x
