@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from stalepipe.optim.base import ParamwiseOptimizer, count_step, group_hyper
+
 
 @torch.no_grad()
 def adamw_update(
@@ -40,46 +42,19 @@ def adamw_update(
     p.addcdiv_(exp_avg, denom, value=-lr / bias1)  # p -= lr m_hat / (sqrt(v_hat) + eps)
 
 
-def adamw_state(p: torch.Tensor) -> dict[str, torch.Tensor | int]:
-    """Fresh AdamW state for `p`."""
-    return {
-        "step": 0,
-        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-    }
+def adamw_step(p: torch.Tensor, state: dict, group: dict) -> None:
+    """`adamw_update` of `p` with the hyperparameters of a composite's AdamW `group`
+    (`lr, betas, eps, weight_decay`); `state` is created on the first call."""
+    step = count_step(state, p, "exp_avg", "exp_avg_sq")
+    adamw_update(
+        p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=step, **group_hyper(group, "eps")
+    )
 
 
-def adamw_group_step(group: dict, state: dict) -> None:
-    """Apply `adamw_update` to every parameter with a gradient in a composite's AdamW `group`.
-
-    `state` is the optimizer's per-parameter state mapping.
-    """
-    beta1, beta2 = group["betas"]
-    for p in group["params"]:
-        if p.grad is None:
-            continue
-        st = state[p]
-        if not st:
-            st.update(adamw_state(p))
-        st["step"] += 1
-        adamw_update(
-            p,
-            p.grad,
-            st["exp_avg"],
-            st["exp_avg_sq"],
-            step=st["step"],
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-        )
-
-
-class CompositeOptimizer(torch.optim.Optimizer):
+class CompositeOptimizer(ParamwiseOptimizer):
     """An optimizer whose groups run either its own algorithm (`algo == self.algo`) or AdamW
     (`algo == 'adamw'`: embeddings, head, norms), as Muon and MARS are used for LLMs. One
-    object, one state dict. Subclasses implement `_step_group`; `p.grad` is only read."""
+    object, one state dict. Subclasses implement `_algo_update`; `p.grad` is only read."""
 
     algo: str
 
@@ -88,19 +63,11 @@ class CompositeOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             assert group.get("algo") in (self.algo, "adamw"), group.get("algo")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One update of every parameter that has a gradient; `p.grad` is only read."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            if group["algo"] == "adamw":
-                adamw_group_step(group, self.state)
-            else:
-                self._step_group(group)
-        return loss
+    def _update(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        if group["algo"] == "adamw":
+            adamw_step(p, state, group)
+        else:
+            self._algo_update(p, state, group)
 
-    def _step_group(self, group: dict) -> None:
+    def _algo_update(self, p: torch.Tensor, state: dict, group: dict) -> None:
         raise NotImplementedError

@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from stalepipe.optim.base import ParamwiseOptimizer, count_step, group_hyper
+
 
 @torch.no_grad()
 def adan_update(
@@ -61,7 +63,7 @@ def adan_update(
     prev_grad.copy_(grad)
 
 
-class Adan(torch.optim.Optimizer):
+class Adan(ParamwiseOptimizer):
     """Adan for every parameter (see module docstring). Never modifies `p.grad`."""
 
     def __init__(
@@ -77,40 +79,18 @@ class Adan(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, no_prox=no_prox)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One update of every parameter that has a gradient; `p.grad` is only read."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2, beta3 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_diff"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                    state["prev_grad"] = p.grad.detach().clone()  # d_1 = 0
-                state["step"] += 1
-                adan_update(
-                    p,
-                    p.grad,
-                    state["exp_avg"],
-                    state["exp_avg_diff"],
-                    state["exp_avg_sq"],
-                    state["prev_grad"],
-                    step=state["step"],
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    beta3=beta3,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    no_prox=group["no_prox"],
-                )
-        return loss
+    def _update(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        fresh = not state
+        step = count_step(state, p, "exp_avg", "exp_avg_diff", "exp_avg_sq")
+        if fresh:
+            state["prev_grad"] = p.grad.detach().clone()  # d_1 = 0
+        adan_update(
+            p,
+            p.grad,
+            state["exp_avg"],
+            state["exp_avg_diff"],
+            state["exp_avg_sq"],
+            state["prev_grad"],
+            step=step,
+            **group_hyper(group, "eps", "no_prox"),
+        )

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from stalepipe.optim.base import ParamwiseOptimizer, group_hyper, zero_state
+
 
 @torch.no_grad()
 def lion_update(
@@ -31,7 +33,7 @@ def lion_update(
     exp_avg.lerp_(grad, 1.0 - beta2)  # m <- b2 m + (1 - b2) g
 
 
-class Lion(torch.optim.Optimizer):
+class Lion(ParamwiseOptimizer):
     """Lion for every parameter (see module docstring). Never modifies `p.grad`."""
 
     def __init__(
@@ -44,28 +46,6 @@ class Lion(torch.optim.Optimizer):
     ) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One update of every parameter that has a gradient; `p.grad` is only read."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                lion_update(
-                    p,
-                    p.grad,
-                    state["exp_avg"],
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    weight_decay=group["weight_decay"],
-                )
-        return loss
+    def _update(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        zero_state(state, p, "exp_avg")
+        lion_update(p, p.grad, state["exp_avg"], **group_hyper(group))

@@ -28,6 +28,7 @@ import math
 import torch
 
 from stalepipe.optim.adamw import CompositeOptimizer
+from stalepipe.optim.base import count_step, group_hyper
 
 
 @torch.no_grad()
@@ -64,29 +65,14 @@ class MARS(CompositeOptimizer):
 
     algo = "mars"
 
-    def _step_group(self, group: dict) -> None:
-        beta1, beta2 = group["betas"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if not state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-                state["last_grad"] = torch.zeros_like(p)
-            state["step"] += 1
-            mars_update(
-                p,
-                p.grad,
-                state["exp_avg"],
-                state["exp_avg_sq"],
-                state["last_grad"],
-                step=state["step"],
-                lr=group["lr"],
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                gamma=group["gamma"],
-            )
+    def _algo_update(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        step = count_step(state, p, "exp_avg", "exp_avg_sq", "last_grad")
+        mars_update(
+            p,
+            p.grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            state["last_grad"],
+            step=step,
+            **group_hyper(group, "eps", "gamma"),
+        )

@@ -26,6 +26,7 @@ import math
 import torch
 
 from stalepipe.optim.adamw import CompositeOptimizer
+from stalepipe.optim.base import group_hyper, zero_state
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic coefficients of Jordan's reference
 NS_EPS = 1e-7
@@ -97,22 +98,12 @@ class Muon(CompositeOptimizer):
 
     algo = "muon"
 
-    def _step_group(self, group: dict) -> None:
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            assert p.ndim >= 2, "Muon groups hold matrices only"
-            state = self.state[p]
-            if not state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            muon_update(
-                p,
-                p.grad,
-                state["momentum_buffer"],
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                momentum=group["momentum"],
-                nesterov=group["nesterov"],
-                ns_steps=group["ns_steps"],
-                scale=group["scale"],
-            )
+    def _algo_update(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        assert p.ndim >= 2, "Muon groups hold matrices only"
+        zero_state(state, p, "momentum_buffer")
+        muon_update(
+            p,
+            p.grad,
+            state["momentum_buffer"],
+            **group_hyper(group, "momentum", "nesterov", "ns_steps", "scale"),
+        )

@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from stalepipe.optim.base import ParamwiseOptimizer, group_hyper
+
 SIDES = ("left", "right")
 
 
@@ -147,7 +149,7 @@ def soap_update(
         state["exp_avg_sq"] = _refresh_eigenbasis(state, v).view_as(exp_avg_sq)
 
 
-class SOAP(torch.optim.Optimizer):
+class SOAP(ParamwiseOptimizer):
     """SOAP for every parameter (see module docstring). Never modifies `p.grad`.
 
     `shampoo_beta=None` uses beta2 for the factor EMA (the reference's default).
@@ -176,30 +178,12 @@ class SOAP(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One update of every parameter that has a gradient; `p.grad` is only read."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            shampoo_beta = group["shampoo_beta"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                soap_update(
-                    p,
-                    p.grad,
-                    self.state[p],
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    precond_freq=group["precond_freq"],
-                    shampoo_beta=beta2 if shampoo_beta is None else shampoo_beta,
-                    max_precond_dim=group["max_precond_dim"],
-                )
-        return loss
+    def _update(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        shampoo_beta = group["shampoo_beta"]
+        soap_update(
+            p,
+            p.grad,
+            state,
+            shampoo_beta=group["betas"][1] if shampoo_beta is None else shampoo_beta,
+            **group_hyper(group, "eps", "precond_freq", "max_precond_dim"),
+        )
