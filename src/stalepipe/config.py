@@ -233,31 +233,15 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZER_FIELDS:
             raise unknown_choice("optimizer", self.name, OPTIMIZER_FIELDS, key="optim.name")
-        _check(self.lr is None or self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
-        for b in ("beta1", "beta2", "beta3"):
-            v = getattr(self, b)
-            _check(v is None or 0.0 <= v < 1.0, f"optim.{b} must be in [0, 1), got {v}")
-        _check(self.eps is None or self.eps >= 0, f"optim.eps must be >= 0, got {self.eps}")
-        _check(
-            self.weight_decay is None or self.weight_decay >= 0,
-            f"optim.weight_decay must be >= 0, got {self.weight_decay}",
-        )
-        _check(
-            self.adam_lr is None or self.adam_lr > 0,
-            f"optim.adam_lr must be > 0, got {self.adam_lr}",
-        )
-        _check(
-            self.ns_steps is None or self.ns_steps >= 1,
-            f"optim.ns_steps must be >= 1, got {self.ns_steps}",
-        )
-        _check(
-            self.precond_freq is None or self.precond_freq >= 1,
-            f"optim.precond_freq must be >= 1, got {self.precond_freq}",
-        )
-        _check(
-            self.gamma is None or self.gamma >= 0,
-            f"optim.gamma must be >= 0, got {self.gamma}",
-        )
+        for names, ok, allowed in (
+            (("lr", "adam_lr"), lambda v: v > 0, "> 0"),
+            (("beta1", "beta2", "beta3"), lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+            (("eps", "weight_decay", "gamma"), lambda v: v >= 0, ">= 0"),
+            (("ns_steps", "precond_freq"), lambda v: v >= 1, ">= 1"),
+        ):
+            for name in names:
+                v = getattr(self, name)
+                _check(v is None or ok(v), f"optim.{name} must be {allowed}, got {v}")
         _check(
             self.muon_scale in (None, "original", "match_rms"),
             f"optim.muon_scale must be 'original' or 'match_rms', got {self.muon_scale!r}",

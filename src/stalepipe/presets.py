@@ -7,114 +7,120 @@ presets (`smollm_135m()`, `smollm_360m()`) return the published shapes for reuse
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Callable
+from typing import Any
 
 from stalepipe.config import (
-    ConfigError,
     DataConfig,
     ExperimentConfig,
     ModelConfig,
     PipelineConfig,
     TrainConfig,
+    unknown_choice,
 )
+
+# The GPT-2 tokenizer's 50257 ids, padded to a multiple of 64 for the matmuls.
+GPT2_VOCAB_SIZE = 50304
+
+
+def _smollm(**shape: int) -> ModelConfig:
+    """A SmolLM shape (HuggingFaceTB): the family shares its vocab, context, RoPE and tied head."""
+    return ModelConfig(
+        vocab_size=49152,
+        max_seq_len=2048,
+        rope_theta=10000.0,
+        tie_embeddings=True,
+        init_std=0.02,
+        **shape,
+    )
 
 
 def smollm_135m() -> ModelConfig:
     """SmolLM-135M (HuggingFaceTB): 30 layers, 576 dim, 9 heads, 3 kv heads, ffn 1536, tied."""
-    return ModelConfig(
-        vocab_size=49152,
-        dim=576,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        ffn_dim=1536,
-        max_seq_len=2048,
-        rope_theta=10000.0,
-        tie_embeddings=True,
-        init_std=0.02,
-    )
+    return _smollm(dim=576, num_layers=30, num_heads=9, num_kv_heads=3, ffn_dim=1536)
 
 
 def smollm_360m() -> ModelConfig:
     """SmolLM-360M: 32 layers, 960 dim, 15 heads, 5 kv heads, ffn 2560, tied."""
-    return ModelConfig(
-        vocab_size=49152,
-        dim=960,
-        num_layers=32,
-        num_heads=15,
-        num_kv_heads=5,
-        ffn_dim=2560,
-        max_seq_len=2048,
-        rope_theta=10000.0,
-        tie_embeddings=True,
-        init_std=0.02,
+    return _smollm(dim=960, num_layers=32, num_heads=15, num_kv_heads=5, ffn_dim=2560)
+
+
+def byte_model(**shape: Any) -> ModelConfig:
+    """A model over the byte tokenizer's 256 ids; `shape` gives the other ModelConfig fields."""
+    return ModelConfig(vocab_size=256, **shape)
+
+
+def cpu_byte_run(
+    name: str, model: ModelConfig, *, seq_len: int, steps: int, **train: Any
+) -> ExperimentConfig:
+    """A CPU run on byte-level Shakespeare: 16 sequences of `seq_len` per step, 10% linear
+    warmup; `train` gives the other TrainConfig fields."""
+    return ExperimentConfig(
+        name=name,
+        model=model,
+        data=DataConfig(seq_len=seq_len),
+        train=TrainConfig(steps=steps, batch_size=16, warmup_steps=steps // 10, **train),
     )
 
 
 def cpu_tiny() -> ExperimentConfig:
     """~0.33M parameters, byte tokenizer: for tests and the CPU demo (a step takes ~10 ms)."""
-    return ExperimentConfig(
-        name="cpu-tiny",
-        model=ModelConfig(
-            vocab_size=256,
-            dim=96,
-            num_layers=3,
-            num_heads=4,
-            num_kv_heads=2,
-            ffn_dim=256,
-            max_seq_len=128,
-        ),
-        data=DataConfig(seq_len=64),
-        train=TrainConfig(steps=300, batch_size=16, warmup_steps=30, eval_every=50),
+    model = byte_model(
+        dim=96, num_layers=3, num_heads=4, num_kv_heads=2, ffn_dim=256, max_seq_len=128
     )
+    return cpu_byte_run("cpu-tiny", model, seq_len=64, steps=300, eval_every=50)
 
 
 def cpu_small() -> ExperimentConfig:
     """~3M parameters, byte tokenizer: the largest model that trains usefully on 2 CPU cores."""
+    model = byte_model(
+        dim=256, num_layers=4, num_heads=8, num_kv_heads=4, ffn_dim=688, max_seq_len=256
+    )
+    return cpu_byte_run("cpu-small", model, seq_len=128, steps=500, eval_every=100)
+
+
+def _gpu_run(
+    name: str,
+    model: ModelConfig,
+    *,
+    seq_len: int,
+    pipeline: PipelineConfig | None = None,
+    **train: Any,
+) -> ExperimentConfig:
+    """A GPU run on GPT-2 tokens: WSD schedule, bfloat16 autocast, a checkpoint every 1000
+    steps; `train` gives the other TrainConfig fields."""
     return ExperimentConfig(
-        name="cpu-small",
-        model=ModelConfig(
-            vocab_size=256,
-            dim=256,
-            num_layers=4,
-            num_heads=8,
-            num_kv_heads=4,
-            ffn_dim=688,
-            max_seq_len=256,
+        name=name,
+        model=model,
+        data=DataConfig(tokenizer="gpt2", seq_len=seq_len),
+        pipeline=pipeline or PipelineConfig(),
+        train=TrainConfig(
+            lr_schedule="wsd", ckpt_every=1000, device="cuda", dtype="bfloat16", **train
         ),
-        data=DataConfig(seq_len=128),
-        train=TrainConfig(steps=500, batch_size=16, warmup_steps=50, eval_every=100),
     )
 
 
 def _smollm_run(model: ModelConfig, name: str) -> ExperimentConfig:
-    return ExperimentConfig(
-        name=name,
-        model=model,
-        data=DataConfig(tokenizer="gpt2", seq_len=1024),
-        train=TrainConfig(
-            steps=10000,
-            batch_size=256,
-            num_microbatches=8,
-            warmup_steps=500,
-            lr_schedule="wsd",
-            eval_every=500,
-            ckpt_every=1000,
-            device="cuda",
-            dtype="bfloat16",
-        ),
+    return _gpu_run(
+        name,
+        dataclasses.replace(model, vocab_size=GPT2_VOCAB_SIZE),
+        seq_len=1024,
+        steps=10000,
+        batch_size=256,
+        num_microbatches=8,
+        warmup_steps=500,
+        eval_every=500,
     )
 
 
 def smollm_135m_run() -> ExperimentConfig:
     """SmolLM-135M on GPT-2 tokens (vocab padded to 50304), WSD schedule, for GPUs."""
-    return _smollm_run(dataclasses.replace(smollm_135m(), vocab_size=50304), "smollm-135m")
+    return _smollm_run(smollm_135m(), "smollm-135m")
 
 
 def smollm_360m_run() -> ExperimentConfig:
     """SmolLM-360M on GPT-2 tokens (vocab padded to 50304), WSD schedule, for GPUs."""
-    return _smollm_run(dataclasses.replace(smollm_360m(), vocab_size=50304), "smollm-360m")
+    return _smollm_run(smollm_360m(), "smollm-360m")
 
 
 def cpu_moe() -> ExperimentConfig:
@@ -134,10 +140,10 @@ def moe_10b() -> ExperimentConfig:
     of 16 layers, GQA with 8 kv heads, untied embeddings, no shared expert and no dense layers,
     so the checkpoint exports as Mixtral. 95k steps of 512 x 4096 tokens = 199B tokens.
     """
-    return ExperimentConfig(
-        name="moe-10b",
-        model=ModelConfig(
-            vocab_size=50304,
+    return _gpu_run(
+        "moe-10b",
+        ModelConfig(
+            vocab_size=GPT2_VOCAB_SIZE,
             dim=2048,
             num_layers=24,
             num_heads=16,
@@ -153,19 +159,13 @@ def moe_10b() -> ExperimentConfig:
             aux_loss_weight=0.01,
             z_loss_weight=0.001,
         ),
-        data=DataConfig(tokenizer="gpt2", seq_len=4096),
+        seq_len=4096,
         pipeline=PipelineConfig(num_stages=8, engine="distributed"),
-        train=TrainConfig(
-            steps=95000,
-            batch_size=512,
-            num_microbatches=32,
-            warmup_steps=2000,
-            lr_schedule="wsd",
-            eval_every=1000,
-            ckpt_every=1000,
-            device="cuda",
-            dtype="bfloat16",
-        ),
+        steps=95000,
+        batch_size=512,
+        num_microbatches=32,
+        warmup_steps=2000,
+        eval_every=1000,
     )
 
 
@@ -182,7 +182,5 @@ PRESETS: dict[str, Callable[[], ExperimentConfig]] = {
 def get_preset(name: str) -> ExperimentConfig:
     """The preset `name`; an unknown name raises ConfigError suggesting the closest one."""
     if name not in PRESETS:
-        close = difflib.get_close_matches(name, list(PRESETS), n=1, cutoff=0.4)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)}){hint}")
+        raise unknown_choice("preset", name, PRESETS)
     return PRESETS[name]()

@@ -7,10 +7,10 @@ Link bandwidths are per GPU and per direction: pipeline p2p sends one way at a t
 
 from __future__ import annotations
 
-import difflib
+import dataclasses
 from dataclasses import dataclass
 
-from stalepipe.config import ConfigError
+from stalepipe.config import unknown_choice
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,32 +22,26 @@ class Device:
     hbm_bandwidth: float  # memory bandwidth (the optimizer update is memory bound)
     intra_node_bandwidth: float  # to a neighbour in the same node, one direction
     inter_node_bandwidth: float  # to a neighbour in another node, one direction
-    p2p_latency: float
+    p2p_latency: float = 10e-6  # one GPU-to-GPU message (NVLink / InfiniBand class)
     gpus_per_node: int = 8
 
 
+# NVIDIA H100 SXM5 datasheet: 989 TFLOPS bf16 dense (1979 with sparsity), HBM3 3.35 TB/s,
+# NVLink 4 900 GB/s bidirectional (450 GB/s one way); one ConnectX-7 NDR 400 Gb/s (50 GB/s)
+# per GPU between nodes (DGX H100).
+_H100 = Device(
+    name="NVIDIA H100 SXM",
+    peak_flops=989e12,
+    hbm_bandwidth=3.35e12,
+    intra_node_bandwidth=450e9,
+    inter_node_bandwidth=50e9,
+)
+
 DEVICES: dict[str, Device] = {
-    # NVIDIA H100 SXM5 datasheet: 989 TFLOPS bf16 dense (1979 with sparsity), HBM3 3.35 TB/s,
-    # NVLink 4 900 GB/s bidirectional (450 GB/s one way); one ConnectX-7 NDR 400 Gb/s
-    # (50 GB/s) per GPU between nodes (DGX H100).
-    "h100": Device(
-        name="NVIDIA H100 SXM",
-        peak_flops=989e12,
-        hbm_bandwidth=3.35e12,
-        intra_node_bandwidth=450e9,
-        inter_node_bandwidth=50e9,
-        p2p_latency=10e-6,
-    ),
-    # NVIDIA H200 SXM datasheet: same Hopper compute (989 TFLOPS bf16 dense), HBM3e 4.8 TB/s,
-    # NVLink 900 GB/s bidirectional; NDR 400 Gb/s per GPU between nodes (DGX H200).
-    "h200": Device(
-        name="NVIDIA H200 SXM",
-        peak_flops=989e12,
-        hbm_bandwidth=4.8e12,
-        intra_node_bandwidth=450e9,
-        inter_node_bandwidth=50e9,
-        p2p_latency=10e-6,
-    ),
+    "h100": _H100,
+    # NVIDIA H200 SXM datasheet: the H100's Hopper compute (989 TFLOPS bf16 dense) and links
+    # (NVLink 900 GB/s bidirectional; NDR 400 Gb/s per GPU in a DGX H200), HBM3e 4.8 TB/s.
+    "h200": dataclasses.replace(_H100, name="NVIDIA H200 SXM", hbm_bandwidth=4.8e12),
     # NVIDIA A100 SXM4 80GB datasheet: 312 TFLOPS bf16 dense, HBM2e 2.039 TB/s, NVLink 3
     # 600 GB/s bidirectional (300 GB/s one way); HDR 200 Gb/s (25 GB/s) per GPU (DGX A100).
     "a100": Device(
@@ -56,7 +50,6 @@ DEVICES: dict[str, Device] = {
         hbm_bandwidth=2.039e12,
         intra_node_bandwidth=300e9,
         inter_node_bandwidth=25e9,
-        p2p_latency=10e-6,
     ),
     # An order-of-magnitude CPU "device" (one socket of a recent server: ~2 TFLOP/s bf16 with
     # AMX/AVX-512, ~300 GB/s DDR5); stages as processes on one host talk through shared
@@ -76,7 +69,5 @@ DEVICES: dict[str, Device] = {
 def get_device(name: str) -> Device:
     """The device `name`; an unknown name raises ConfigError suggesting the closest one."""
     if name not in DEVICES:
-        close = difflib.get_close_matches(name, list(DEVICES), n=1, cutoff=0.4)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"unknown device {name!r} (choose from {', '.join(DEVICES)}){hint}")
+        raise unknown_choice("device", name, DEVICES)
     return DEVICES[name]
