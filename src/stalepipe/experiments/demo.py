@@ -10,17 +10,17 @@ the delay opens over sync, and the share of that gap EF recovers, and writes
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
-import multiprocessing as mp
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from stalepipe.config import DelayConfig, ExperimentConfig, OptimConfig, PipelineConfig
+from stalepipe.errors import TrainingError
+from stalepipe.experiments.workers import Finished, run_spawned
 from stalepipe.presets import cpu_tiny
 
 VARIANTS: dict[str, DelayConfig] = {
@@ -118,19 +118,7 @@ def run_demo(
             f"{', '.join(VARIANTS)}) on {workers} worker(s) -> {out}/"
         )
     if workers > 1:
-        pool = mp.get_context("spawn").Pool(workers)
-        runs = []
-        try:
-            for run in pool.imap_unordered(_run_one, configs):
-                runs.append(run)
-                if verbose:
-                    print(
-                        f"  {run.optimizer:>6} {run.variant:<7} val {run.final_val_loss:.4f} "
-                        f"({run.wall_time_s:.0f} s)"
-                    )
-        finally:  # close + join (not terminate) so workers exit cleanly
-            pool.close()
-            pool.join()
+        runs = _run_parallel(configs, workers, verbose)
     else:
         runs = [_run_one(c) for c in configs]
     summary = summarize(runs)
@@ -144,6 +132,29 @@ def run_demo(
         print(format_table(summary))
         print(f"\nloss curves: {plot_path}; wall time {summary['wall_time_s']:.0f} s")
     return summary
+
+
+def _run_parallel(configs: list[ExperimentConfig], workers: int, verbose: bool) -> list[DemoRun]:
+    """The runs in spawned processes, `workers` at a time; the first failure stops the demo."""
+    runs = []
+
+    def done(f: Finished) -> None:
+        if f.error is not None:
+            raise f.error
+        if f.exitcode != 0:
+            raise TrainingError(
+                f"demo run {f.key} died (exit status {f.exitcode}); rerun `stalepipe demo`"
+            )
+        run = f.result
+        runs.append(run)
+        if verbose:
+            print(
+                f"  {run.optimizer:>6} {run.variant:<7} val {run.final_val_loss:.4f} "
+                f"({run.wall_time_s:.0f} s)"
+            )
+
+    run_spawned(_run_one, [(cfg.name, (cfg,)) for cfg in configs], workers, done)
+    return runs
 
 
 def summarize(runs: Sequence[DemoRun]) -> dict:
@@ -220,14 +231,3 @@ def _ema(xs: Sequence[float], beta: float = 0.9) -> list[float]:
         m = x if m is None else beta * m + (1 - beta) * x
         out.append(m)
     return out
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `stalepipe demo`."""
-    ap = argparse.ArgumentParser(prog="stalepipe demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--out-dir", default="runs/demo", help="parent of the six run directories")
-    ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="steps per run")
-    ap.add_argument("--workers", type=int, default=2, help="parallel runs (1 thread each)")
-    args = ap.parse_args(argv)
-    run_demo(args.out_dir, args.steps, args.workers)
-    return 0

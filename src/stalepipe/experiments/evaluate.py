@@ -27,9 +27,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stalepipe.data import EVAL_SEED, Tokenizer, TokenLoader, check_vocab
+from stalepipe.config import ExperimentConfig
+from stalepipe.data import EVAL_SEED, Tokenizer, TokenLoader, check_vocab, ensure_prepared
 from stalepipe.errors import UserError
 from stalepipe.experiments.trained import load_trained
+from stalepipe.fileio import write_json_atomic
 
 BUILTIN_TASKS = ("shakespeare-cloze",)
 
@@ -281,6 +283,17 @@ def run_tokenizer(tokenizer_name: str, data_dir: Path | None) -> Tokenizer:
     return cls()
 
 
+def _eval_data_dir(data_dir: str | Path | None, cfg: ExperimentConfig, needed: bool) -> Path | None:
+    """`--data-dir` if given, else the run's own data (prepared first when it is a built-in
+    corpus) when the loss or a bpe tokenizer needs it, else None."""
+    if data_dir is not None:
+        path = Path(data_dir)
+        if not path.is_dir():
+            raise EvalError(f"--data-dir {path} is not a directory")
+        return path
+    return Path(ensure_prepared(cfg.data, progress=False)) if needed else None
+
+
 def evaluate_run(
     run: str | Path,
     *,
@@ -299,8 +312,6 @@ def evaluate_run(
     first when it is a built-in corpus); `seq_len`, `num_batches` and `batch_size` to the run's
     (data.seq_len, train.eval_batches, train.batch_size), so the val loss of the defaults is the
     one the training loop logged for that checkpoint."""
-    from stalepipe.data import ensure_prepared
-
     trained = load_trained(run)
     cfg = trained.config
     model = trained.model(device)
@@ -309,14 +320,7 @@ def evaluate_run(
     batch_size = batch_size or cfg.train.batch_size
     if seq_len > cfg.model.max_seq_len:
         raise EvalError(f"--seq-len must be <= model.max_seq_len={cfg.model.max_seq_len}")
-    if data_dir is not None:
-        data_path: Path | None = Path(data_dir)
-        if not data_path.is_dir():
-            raise EvalError(f"--data-dir {data_path} is not a directory")
-    elif not skip_loss or cfg.data.tokenizer == "bpe":
-        data_path = Path(ensure_prepared(cfg.data, progress=False))
-    else:
-        data_path = None
+    data_path = _eval_data_dir(data_dir, cfg, needed=not skip_loss or cfg.data.tokenizer == "bpe")
     result: dict[str, Any] = {"checkpoint": str(trained.path), "step": trained.step, "val": None}
     with trained.autocast(device):  # the precision the run trained (and validated) in
         if not skip_loss:
@@ -351,10 +355,7 @@ def save_results(result: dict[str, Any], path: str | Path | None = None) -> Path
         path = Path(result["checkpoint"]).parent / f"eval_{result['step']:08d}.json"
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
-    return path
+    return write_json_atomic(path, result)
 
 
 def format_results(result: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 
 from stalepipe.experiments import stats
 from stalepipe.experiments.sweep import ERROR_FILE, SPEC_FILE, run_status
+from stalepipe.fileio import flatten_dict
 
 # Keys that do not define a configuration (the seed axis, names, logging and speed knobs).
 NON_CONFIG_KEYS = {
@@ -46,16 +47,6 @@ MITIGATION_DEFAULTS = {
 }
 # The Taylor knobs only matter when Taylor is on; ignored when matching.
 _TAYLOR_DETAILS = ("delay.taylor_ema", "delay.taylor_eps")
-
-
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
 
 
 @dataclass
@@ -88,7 +79,7 @@ def load_runs(root: str | Path) -> list[Run]:
         config: dict[str, Any] = {}
         if (d / "config.json").exists():
             try:
-                config = flatten(json.loads((d / "config.json").read_text()))
+                config = flatten_dict(json.loads((d / "config.json").read_text()))
             except ValueError:
                 config = {}
         spec = {}

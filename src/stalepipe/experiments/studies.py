@@ -33,6 +33,7 @@ from stalepipe.presets import get_preset
 
 SCALES = ("cpu", "135m", "360m")
 OPTIMIZER_NAMES = ("adamw", "muon", "soap", "adan", "lion", "mars")
+CPU_STEPS = 200
 
 
 def paper_mini_base() -> ExperimentConfig:
@@ -62,8 +63,6 @@ def paper_mini_base() -> ExperimentConfig:
         ),
     )
 
-
-CPU_STEPS = 200
 
 # Per-optimizer peak LR by scale (matrix LR for muon; its AdamW part uses adam_lr = its default).
 LRS: dict[str, dict[str, str]] = {
@@ -347,23 +346,36 @@ def sweep_main(
     check_overrides(specs, base)
     out_dir = out or f"runs/{study or 'grid'}"
     if dry_run:
-        from stalepipe.experiments.sweep import run_status
-
-        todo = []
-        for spec in specs:
-            cfg = spec.config(base, out_dir)
-            shown = " ".join(f"--{k} {v}" for k, v in spec.overrides.items())
-            status = run_status(Path(out_dir) / spec.name, cfg.train.steps)
-            log(f"{status:<9} {spec.name}: {shown}")
-            if status != "finished" and (status != "failed" or retry_failed):
-                todo.append(spec)
-        msg = f"{len(specs)} runs, {len(todo)} to run"
-        if scale == "cpu" and todo:
-            cost = estimate_cpu_seconds(todo, base)
-            msg += (f": ~{_duration(cost)} of CPU core time (~{_duration(cost / workers)} with "
-                    f"{workers} worker(s) on a lightly loaded machine)")  # fmt: skip
-        log(msg)
+        _dry_run(specs, base, out_dir, scale, workers, retry_failed, log)
         return 0
     res = run_sweep(specs, base, out_dir, workers=workers, retry_failed=retry_failed, log=log)
     log(f"next: stalepipe report {out_dir}")
     return len(res.failed)
+
+
+def _dry_run(
+    specs: list[RunSpec],
+    base: ExperimentConfig,
+    out_dir: str,
+    scale: str,
+    workers: int,
+    retry_failed: bool,
+    log: Callable[[str], None],
+) -> None:
+    """`stalepipe sweep --dry-run`: each run's status and overrides, and the CPU time left."""
+    from stalepipe.experiments.sweep import run_status
+
+    todo = []
+    for spec in specs:
+        cfg = spec.config(base, out_dir)
+        shown = " ".join(f"--{k} {v}" for k, v in spec.overrides.items())
+        status = run_status(Path(out_dir) / spec.name, cfg.train.steps)
+        log(f"{status:<9} {spec.name}: {shown}")
+        if status != "finished" and (status != "failed" or retry_failed):
+            todo.append(spec)
+    msg = f"{len(specs)} runs, {len(todo)} to run"
+    if scale == "cpu" and todo:
+        cost = estimate_cpu_seconds(todo, base)
+        msg += (f": ~{_duration(cost)} of CPU core time (~{_duration(cost / workers)} with "
+                f"{workers} worker(s) on a lightly loaded machine)")  # fmt: skip
+    log(msg)

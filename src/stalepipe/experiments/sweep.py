@@ -20,7 +20,6 @@ import dataclasses
 import itertools
 import json
 import math
-import multiprocessing as mp
 import os
 import re
 import shutil
@@ -34,6 +33,7 @@ from typing import Any
 
 from stalepipe.config import ConfigError, ExperimentConfig, apply_overrides
 from stalepipe.errors import UserError
+from stalepipe.experiments.workers import run_spawned
 
 ERROR_FILE = "error.json"
 SPEC_FILE = "sweep.json"
@@ -77,6 +77,17 @@ def parse_grid_arg(text: str) -> list[Bundle]:
     if not key or not vals:
         raise UserError(f"--grid expects KEY=V1,V2,... (e.g. optim.name=adamw,muon), got {text!r}")
     return axis(key.strip(), vals)
+
+
+def parse_set_args(items: Sequence[str]) -> dict[str, str]:
+    """`["train.steps=100", ...]` (the `--set` CLI syntax) -> overrides for every run."""
+    fixed = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set expects KEY=VALUE (e.g. train.steps=100), got {item!r}")
+        key, value = item.split("=", 1)
+        fixed[key] = value
+    return fixed
 
 
 @dataclass(frozen=True)
@@ -207,26 +218,17 @@ def _changed_keys(run_dir: Path, cfg: ExperimentConfig) -> list[str]:
     """Config keys whose saved value (config.json) differs from `cfg` (optimizer defaults
     resolved as train() records them; keys the saved file lacks, e.g. added later, and fields
     that do not change the trajectory are ignored)."""
+    from stalepipe.fileio import flatten_dict  # here, not at the top: it imports torch
     from stalepipe.optim import resolve_config
     from stalepipe.train.rundir import RESUMABLE_CHANGES
 
     try:
-        saved = _flat(json.loads((run_dir / "config.json").read_text()))
+        saved = flatten_dict(json.loads((run_dir / "config.json").read_text()))
     except (OSError, ValueError):
         return []
-    now = _flat(dataclasses.replace(cfg, optim=resolve_config(cfg.optim)).to_dict())
+    now = flatten_dict(dataclasses.replace(cfg, optim=resolve_config(cfg.optim)).to_dict())
     skip = RESUMABLE_CHANGES | {"name", "out_dir", "data.data_dir"}
     return sorted(k for k in saved if k in now and k not in skip and saved[k] != now[k])
-
-
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
 
 
 def _read_error(run_dir: Path) -> str:
@@ -267,7 +269,54 @@ def run_sweep(
     out.mkdir(parents=True, exist_ok=True)
     res = SweepResult()
     t0 = time.perf_counter()
-    todo: list[tuple[RunSpec, ExperimentConfig]] = []
+    todo = _plan(specs, base, out, retry_failed, res)
+    log(
+        f"sweep {out}: {len(specs)} runs: {len(res.finished)} finished, "
+        f"{len(res.skipped_failed)} failed earlier"
+        + (" (rerun with --retry-failed)" if res.skipped_failed else "")
+        + f", {len(todo)} to run with {workers} worker(s)"
+    )
+    if res.changed:
+        name, keys = next(iter(res.changed.items()))
+        log(
+            f"warning: {len(res.changed)} finished run(s) were made with a different config than "
+            f"the sweep's now (e.g. {name}: {', '.join(keys[:3])}); they are kept as they are: "
+            f"delete their directories to rerun them"
+        )
+    if todo:
+        _prepare_data([c for _, c in todo])
+    _write_spec_files(out, specs, [s for s, _ in todo])
+    progress = _Progress(out, res, len(todo), workers, log)
+    if workers <= 1:
+        for spec, cfg in todo:
+            t = time.perf_counter()
+            try:
+                _run_one(cfg.to_dict(), threads)
+                exitcode = 0
+            except SystemExit:
+                exitcode = 1
+            progress.done(spec, exitcode, time.perf_counter() - t)
+    else:
+        jobs = [(spec, (cfg.to_dict(), threads)) for spec, cfg in todo]
+        run_spawned(_run_one, jobs, workers, lambda f: progress.done(f.key, f.exitcode, f.seconds))
+    res.wall_s = time.perf_counter() - t0
+    log(
+        f"sweep {out}: {len(res.finished)}/{len(specs)} finished, {len(res.failed)} failed "
+        f"({_fmt_s(res.wall_s)})"
+    )
+    return res
+
+
+def _plan(
+    specs: Sequence[RunSpec],
+    base: ExperimentConfig,
+    out: Path,
+    retry_failed: bool,
+    res: SweepResult,
+) -> list[tuple[RunSpec, ExperimentConfig]]:
+    """The runs still to do, with their configs; finished runs (and those made with another
+    config) and failed ones not retried go into `res`. A failed run to retry is deleted."""
+    todo = []
     for spec in specs:
         cfg = spec.config(base, out)
         run_dir = out / spec.name
@@ -284,106 +333,52 @@ def run_sweep(
             if status == "failed":
                 shutil.rmtree(run_dir)
             todo.append((spec, cfg))
-    log(
-        f"sweep {out}: {len(specs)} runs: {len(res.finished)} finished, "
-        f"{len(res.skipped_failed)} failed earlier"
-        + (" (rerun with --retry-failed)" if res.skipped_failed else "")
-        + f", {len(todo)} to run with {workers} worker(s)"
-    )
-    if res.changed:
-        name, keys = next(iter(res.changed.items()))
-        log(
-            f"warning: {len(res.changed)} finished run(s) were made with a different config than "
-            f"the sweep's now (e.g. {name}: {', '.join(keys[:3])}); they are kept as they are: "
-            f"delete their directories to rerun them"
-        )
-    if todo:
-        _prepare_data([c for _, c in todo])
-    for spec in specs:  # the spec file lets the report label runs the way the sweep named them
+    return todo
+
+
+def _write_spec_files(out: Path, specs: Sequence[RunSpec], todo: list[RunSpec]) -> None:
+    """sweep.json in every run directory that exists or is about to: it lets the report label
+    runs the way the sweep named them, and list planned runs not started yet."""
+    for spec in specs:
         d = out / spec.name
-        if d.is_dir() or any(s is spec for s, _ in todo):
+        if d.is_dir() or any(s is spec for s in todo):
             d.mkdir(parents=True, exist_ok=True)
             (d / SPEC_FILE).write_text(
                 json.dumps(dataclasses.asdict(spec), indent=2, sort_keys=True) + "\n"
             )
 
-    durations: list[float] = []
-    count = [0]
 
-    def done(spec: RunSpec, exitcode: int, seconds: float) -> None:
-        run_dir = out / spec.name
-        count[0] += 1
+@dataclass
+class _Progress:
+    """Records each run as it ends into the SweepResult and logs one line with an ETA."""
+
+    out: Path
+    res: SweepResult
+    total: int
+    workers: int
+    log: Callable[[str], None]
+    count: int = 0
+    durations: list[float] = field(default_factory=list)
+
+    def done(self, spec: RunSpec, exitcode: int, seconds: float) -> None:
+        run_dir, res = self.out / spec.name, self.res
+        self.count += 1
         if exitcode == 0 and run_status(run_dir) == "finished":
             res.ran.append(spec.name)
             res.finished.append(spec.name)
-            durations.append(seconds)
+            self.durations.append(seconds)
             what = f"val {_final_val(run_dir):.4f}"
         else:
             if not (run_dir / ERROR_FILE).exists():
                 write_error(run_dir, f"worker exited without finishing (exit status {exitcode})")
             res.failed[spec.name] = _read_error(run_dir)
             what = "FAILED: " + res.failed[spec.name]
-        n = count[0]
-        left = len(todo) - n
+        left = self.total - self.count
         eta = ""
-        if durations and left:
-            eta = f", ~{_fmt_s(sum(durations) / len(durations) * left / workers)} left"
-        log(f"[{n}/{len(todo)}] {spec.name}: {what} ({seconds:.0f}s){eta}")
-
-    if workers <= 1:
-        for spec, cfg in todo:
-            t = time.perf_counter()
-            try:
-                _run_one(cfg.to_dict(), threads)
-                exitcode = 0
-            except SystemExit:
-                exitcode = 1
-            done(spec, exitcode, time.perf_counter() - t)
-    else:
-        _run_parallel(todo, workers, threads, done)
-    res.wall_s = time.perf_counter() - t0
-    log(
-        f"sweep {out}: {len(res.finished)}/{len(specs)} finished, {len(res.failed)} failed "
-        f"({_fmt_s(res.wall_s)})"
-    )
-    return res
-
-
-def _run_parallel(
-    todo: list[tuple[RunSpec, ExperimentConfig]],
-    workers: int,
-    threads: int,
-    done: Callable[[RunSpec, int, float], None],
-) -> None:
-    import signal
-
-    ctx = mp.get_context("spawn")
-    queue = list(todo)
-    running: list[tuple[Any, RunSpec, float]] = []
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt  # `kill PID` stops the workers too (the finally below)
-
-    old_handler = signal.signal(signal.SIGTERM, on_term)
-    try:
-        while queue or running:
-            while queue and len(running) < workers:
-                spec, cfg = queue.pop(0)
-                p = ctx.Process(target=_run_one, args=(cfg.to_dict(), threads), daemon=True)
-                p.start()
-                running.append((p, spec, time.perf_counter()))
-            time.sleep(0.2)
-            for item in list(running):
-                p, spec, t = item
-                if not p.is_alive():
-                    p.join()
-                    running.remove(item)
-                    done(spec, p.exitcode, time.perf_counter() - t)
-    finally:
-        for p, _, _ in running:  # interrupted: stop our own workers; their runs resume later
-            p.terminate()
-            p.join()
-        signal.signal(signal.SIGTERM, old_handler)
+        if self.durations and left:
+            mean = sum(self.durations) / len(self.durations)
+            eta = f", ~{_fmt_s(mean * left / self.workers)} left"
+        self.log(f"[{self.count}/{self.total}] {spec.name}: {what} ({seconds:.0f}s){eta}")
 
 
 def _final_val(run_dir: Path) -> float:
