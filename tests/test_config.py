@@ -102,7 +102,7 @@ DIST = {"pipeline.engine": "distributed"}
         (
             {"delay.sync_cooldown_wsd": "true"},
             r"delay.sync_cooldown_wsd .* train.lr_schedule is 'cosine'; set train.lr_schedule "
-            r"wsd, or delay.sync_cooldown_wsd false",
+            r"to wsd, or delay.sync_cooldown_wsd to false",
             [{"train.lr_schedule": "wsd"}, {"delay.sync_cooldown_wsd": "false"}],
         ),
     ],

@@ -481,8 +481,8 @@ class ExperimentConfig:
             _check(
                 self.train.lr_schedule == "wsd",
                 f"delay.sync_cooldown_wsd aligns the cooldown with WSD's decay phase, but "
-                f"train.lr_schedule is {self.train.lr_schedule!r}; set train.lr_schedule wsd, "
-                f"or delay.sync_cooldown_wsd false and the cooldown in delay.sync_cooldown",
+                f"train.lr_schedule is {self.train.lr_schedule!r}; set train.lr_schedule to wsd, "
+                f"or delay.sync_cooldown_wsd to false and the cooldown in delay.sync_cooldown",
             )
 
     def _check_distributed(self) -> None:
