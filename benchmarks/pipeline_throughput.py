@@ -30,8 +30,8 @@ from stalepipe.optim import build_optimizer, resolve_config
 from stalepipe.optim.schedules import set_peak_lr
 from stalepipe.pipeline.comm import Comm, Topology, init_from_env
 from stalepipe.pipeline.generators import make_schedule
-from stalepipe.pipeline.launch import WorkerPool
-from stalepipe.pipeline.stage import StageExecutor
+from stalepipe.pipeline.processes import WorkerPool
+from stalepipe.pipeline.stage import ModelLayout, StageExecutor, StageIO
 from stalepipe.pipeline.timing import simulate, summarize, uniform_costs
 
 P = 2
@@ -47,6 +47,18 @@ def _setup(model_cfg: ModelConfig):
     opt = build_optimizer(resolve_config(OptimConfig(name="adamw")), list(owned.items()))
     set_peak_lr(opt)
     return rank, stage, owned, opt
+
+
+class _NoCadence:
+    """The peak LR throughout; no logs, evaluations or checkpoints (a pure throughput run)."""
+
+    def lr_multiplier(self, step: int) -> float:
+        return 1.0
+
+    def logs(self, step: int) -> bool:
+        return False
+
+    evaluates = is_sync_point = logs
 
 
 def _batch(step: int, m: int, mb: int, T: int, V: int):
@@ -71,21 +83,19 @@ def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: 
         x, y = _batch(k, m, mb, T, model_cfg.vocab_size)
         return list(x.chunk(m)), list(y.chunk(m))
 
-    ex = StageExecutor(
+    io = StageIO(
         module=stage,
         stage=rank,
-        delayed=delayed,
         comm=comm,
-        sched=sched,
         get_batch=get_batch,
-        grad_clip=0.0,
-        seed=0,
-        lr_fn=lambda k: None,
-        param_counts=[1] * P,
-        tied=model_cfg.tie_embeddings,
         act_shape=(mb, T, model_cfg.dim),
         act_dtype=torch.float32,
+        seed=0,
     )
+    layout = ModelLayout(
+        param_counts=[1] * P, router_layers=[[]] * P, tied=model_cfg.tie_embeddings, grad_clip=0.0
+    )
+    ex = StageExecutor(io, layout, delayed, sched, _NoCadence())
     spans: dict[str, list[tuple[float, float]]] = {k: [] for k in "FBSAW"}
     marks: dict[str, float] = {}
     forward = ex.forward
@@ -102,7 +112,8 @@ def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: 
     for attr, kind in (("backward", "B"), ("post_step", "S"), ("apply_next", "A"), ("_take", "W")):
         setattr(ex, attr, _timed_call(getattr(ex, attr), spans[kind]))
     comm.barrier("benchmark start")
-    ex.run(list(sched.ranks[rank]))
+    for _ in ex.run(list(sched.ranks[rank])):
+        pass
     marks["end"] = time.perf_counter()
     comm.barrier("benchmark end")
     return {"spans": spans, "marks": marks, "tokens": (steps - warm) * m * mb * T}

@@ -19,7 +19,7 @@ from stalepipe.config import (
     PipelineConfig,
     TrainConfig,
 )
-from stalepipe.pipeline.launch import WorkerPool
+from stalepipe.pipeline.processes import WorkerPool
 from stalepipe.train.pipelined import RUNTIME_SCHEDULES, worker_entry
 from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint
 from stalepipe.train.loop import train

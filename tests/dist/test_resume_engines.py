@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from stalepipe.errors import CheckpointError, UserError
-from stalepipe.pipeline import ckpt as stage_ckpt
+from stalepipe.pipeline import checkpoint_parts as stage_ckpt
 from stalepipe.train.checkpoint import list_checkpoints, load_checkpoint
 from stalepipe.train.loop import train
 from stalepipe.train.rundir import config_diff

@@ -20,6 +20,7 @@ from typing import Any
 
 from stalepipe.data.shards import REPREPARE, read_header
 from stalepipe.errors import DataError
+from stalepipe.fileio import write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = "stalepipe-token-shards"
@@ -39,10 +40,7 @@ def file_sha256(path: str | os.PathLike) -> str:
 def write_manifest(directory: str | os.PathLike, manifest: dict[str, Any]) -> Path:
     """Write `manifest.json` atomically (temp file + rename)."""
     path = Path(directory) / MANIFEST
-    tmp = path.with_name(MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_json_atomic(path, manifest, sort_keys=False)
 
 
 def has_manifest(directory: str | os.PathLike) -> bool:

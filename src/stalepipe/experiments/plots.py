@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from stalepipe.delay.policies import max_staleness
+from stalepipe.delay import DelaySchedule
 from stalepipe.experiments.results import Row
 
 
@@ -98,7 +98,7 @@ def _tokens(r: Row) -> float:
 
 
 def _delay(r: Row) -> float:
-    return max(max_staleness(r.policy, int(r.config.get("pipeline.num_stages", 1))))
+    return max(DelaySchedule.build(r.policy, int(r.config.get("pipeline.num_stages", 1))).max_tau)
 
 
 AXES: dict[str, tuple[str, Callable[[Row], float]]] = {

@@ -184,12 +184,3 @@ def build_stage(
     part = partition(model, num_stages, seq_len)[stage]
     materialize(part, cfg, seed, device)
     return part
-
-
-def stage_of_parameters(model: Transformer, num_stages: int) -> dict[str, int]:
-    """Map each global parameter name to the stage that owns it."""
-    owner: dict[str, int] = {}
-    for stage in partition(model, num_stages):
-        for name in stage.owned_parameters():
-            owner.setdefault(name, stage.spec.stage)
-    return owner

@@ -75,7 +75,7 @@ def resolve_backend(backend: str, device: str) -> str:
 
 
 def init_from_env(backend: str, timeout_s: float) -> tuple[int, int, int]:
-    """Join the process group torchrun (or `launch.spawn`) describes in the environment
+    """Join the process group torchrun (or `train.launch.launch_train`) describes in the environment
     (env:// rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE). Returns
     (rank, world_size, local_rank)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -152,7 +152,6 @@ class Comm:
                         if self.rank in (ra, rb):
                             self._groups[(ch, ra, rb)] = g
         self._sends: deque[Pending] = deque()
-        self._store = _default_store()
 
     @staticmethod
     def _pairs(P: int) -> list[tuple[int, int, tuple[str, ...]]]:
@@ -261,13 +260,6 @@ class Comm:
             raise self._group_error(what, e, None) from None
 
     # ---- failure reporting -------------------------------------------------------------------
-
-    def report_failure(self, message: str) -> None:
-        """Record the first failure in the rendezvous store (best effort, never blocks long)."""
-        report_failure(self._store, message)
-
-    def first_failure(self) -> str | None:
-        return first_failure(self._store)
 
 
 def _default_store() -> Any:

@@ -10,7 +10,6 @@ leaves a half-written checkpoint under the final name.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from stalepipe.errors import CheckpointError
+from stalepipe.fileio import torch_save_atomic
 
 FORMAT = 1
 _NAME = re.compile(r"^ckpt_(\d{8})\.pt$")
@@ -40,11 +40,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep_last: 
     """Write `state` atomically as the checkpoint of `step`, then delete all but the newest
     `keep_last` checkpoints."""
     path = checkpoint_path(run_dir, step)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save({"format": FORMAT, "step": step, **state}, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    torch_save_atomic(path, {"format": FORMAT, "step": step, **state})
     for old in list_checkpoints(run_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
     return path

@@ -25,7 +25,7 @@ from stalepipe.delay import DelayEmulator, DelaySchedule
 from stalepipe.models import Transformer, build_model
 from stalepipe.optim import build_optimizer
 from stalepipe.optim.schedules import apply_lr
-from stalepipe.pipeline.ckpt import emulator_state
+from stalepipe.pipeline.checkpoint_parts import emulator_state
 from stalepipe.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,

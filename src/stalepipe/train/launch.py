@@ -1,5 +1,5 @@
 """`stalepipe train --pipeline.engine distributed` on one machine: open the run directory,
-spawn one process per (stage, replica) and supervise them (`pipeline.launch.supervise`). Under
+spawn one process per (stage, replica) and supervise them (`pipeline.processes.supervise`). Under
 torchrun the process is already one of the workers and runs it directly."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 from stalepipe.config import ExperimentConfig
 from stalepipe.data import check_vocab, ensure_prepared
 from stalepipe.optim import resolve_config
-from stalepipe.pipeline.launch import free_port, supervise, under_torchrun
+from stalepipe.pipeline.processes import free_port, supervise, under_torchrun
 from stalepipe.train.pipelined import PREPARED_ENV, check_config, main_worker
 from stalepipe.train.rundir import open_run_dir
 

@@ -36,7 +36,7 @@ from stalepipe.errors import UserError
 from stalepipe.models import Transformer, build_stage, partition
 from stalepipe.optim import build_optimizer
 from stalepipe.optim.schedules import set_peak_lr
-from stalepipe.pipeline import ckpt as stage_ckpt
+from stalepipe.pipeline import checkpoint_parts as stage_ckpt
 from stalepipe.pipeline.comm import Comm, PeerError, Topology, init_from_env, resolve_backend
 from stalepipe.pipeline.generators import one_stage_per_rank, schedule_for
 from stalepipe.pipeline.schedule import Schedule, validate
@@ -160,7 +160,7 @@ def _tee(path: Path, console: bool):
 def run_worker(
     cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False, verbose: bool = True
 ) -> WorkerResult:
-    """Run this process's stage of `cfg` (environment from torchrun or `launch.spawn`) through
+    """Run this process's stage of `cfg` (environment from torchrun or `train.launch.launch_train`) through
     the training loop. Any failure exits through an exception whose message names the rank;
     `main_worker` turns it into a non-zero exit."""
     check_config(cfg)
@@ -458,7 +458,7 @@ def _wait_part(run_dir: Path, step: int, stage: int, topo: Topology, timeout_s: 
 
 def worker_entry(cfg: ExperimentConfig, resume: bool = False, overwrite: bool = False) -> dict:
     """Run one worker quietly and return its `WorkerResult` as a dict (for
-    `pipeline.launch.WorkerPool`, which tests and benchmarks use to reuse processes)."""
+    `pipeline.processes.WorkerPool`, which tests and benchmarks use to reuse processes)."""
     return run_worker(cfg, resume=resume, overwrite=overwrite, verbose=False).as_dict()
 
 
@@ -472,7 +472,7 @@ def main_worker(cfg: ExperimentConfig, resume: bool, overwrite: bool, verbose: b
     except BaseException as e:  # noqa: BLE001 - every failure must end the process
         msg = _message(e, rank)
         from stalepipe.pipeline.comm import _default_store, first_failure, report_failure
-        from stalepipe.pipeline.launch import PEER_EXIT
+        from stalepipe.pipeline.processes import PEER_EXIT
 
         store = _default_store() if dist.is_initialized() else None
         root = first_failure(store)

@@ -7,7 +7,6 @@ and a refusal, so that nothing already saved is ever overwritten by accident.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import shutil
 import socket
@@ -23,6 +22,7 @@ import stalepipe
 from stalepipe.config import ConfigError, ExperimentConfig
 from stalepipe.delay import DelaySchedule
 from stalepipe.errors import UserError
+from stalepipe.fileio import flatten_dict, write_json_atomic, write_text_atomic
 from stalepipe.train.checkpoint import latest_checkpoint
 
 # Fields that may differ between a run and its resumption without changing the trajectory.
@@ -50,20 +50,10 @@ RESUMABLE_CHANGES = {
 SPLIT_CHANGES = {"pipeline.num_stages"}
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
-
-
 def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Dotted keys whose values differ, ignoring fields in RESUMABLE_CHANGES (and SPLIT_CHANGES
     when the delay policy delays every stage alike)."""
-    a, b = _flatten(saved), _flatten(current)
+    a, b = flatten_dict(saved), flatten_dict(current)
     keys = sorted(set(a) | set(b))
     diff = [k for k in keys if k not in RESUMABLE_CHANGES and a.get(k) != b.get(k)]
     if a.get("delay.policy") == b.get("delay.policy") and all(
@@ -108,12 +98,6 @@ def git_dirty() -> bool | None:
     return bool(out.stdout.strip()) if out is not None and out.returncode == 0 else None
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
 def open_run_dir(
     cfg: ExperimentConfig,
     *,
@@ -150,7 +134,7 @@ def open_run_dir(
             diff = config_diff(saved, cfg.to_dict())
             if diff:
                 shown = ", ".join(
-                    f"{k}: {_flatten(saved).get(k)!r} -> {_flatten(cfg.to_dict()).get(k)!r}"
+                    f"{k}: {flatten_dict(saved).get(k)!r} -> {flatten_dict(cfg.to_dict()).get(k)!r}"
                     for k in diff[:3]
                 )
                 raise UserError(
@@ -231,12 +215,6 @@ def _step_of(line: str) -> int:
         return int(json.loads(line).get("step", -1))
     except (json.JSONDecodeError, TypeError, ValueError):
         return 1 << 62  # a torn last line from a crash: drop it
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

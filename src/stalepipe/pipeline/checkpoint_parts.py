@@ -17,7 +17,6 @@ the split); pipedream and wpipe across different splits are refused (`check_resp
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 
 from stalepipe.delay import DelayedOptimizer, DelaySchedule
 from stalepipe.errors import CheckpointError
+from stalepipe.fileio import torch_save_atomic
 
 PARTS_DIR = "parts"
 
@@ -37,12 +37,7 @@ def save_part(run_dir: Path, step: int, stage: int, part: dict[str, Any]) -> Pat
     """Write one stage's part atomically (temporary file, fsync, rename)."""
     path = part_path(run_dir, step, stage)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(part, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    return torch_save_atomic(path, part)
 
 
 def _group_key(g: dict[str, Any], i: int) -> Any:
