@@ -16,7 +16,6 @@ are collective); only the main process writes metrics and shows progress.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,7 +96,3 @@ class Engine(Protocol):
     def close(self) -> None:
         """Release processes, groups and files (also after a failure)."""
         ...
-
-
-def nan_if_none(x: float | None) -> float:
-    return math.nan if x is None else x

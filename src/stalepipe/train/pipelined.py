@@ -32,7 +32,6 @@ import torch.distributed as dist
 from stalepipe.config import ConfigError, ExperimentConfig
 from stalepipe.data import EVAL_SEED, TokenLoader, check_vocab, ensure_prepared
 from stalepipe.delay import DelayedOptimizer, DelaySchedule
-from stalepipe.errors import UserError
 from stalepipe.models import Transformer, build_stage, partition
 from stalepipe.optim import build_optimizer
 from stalepipe.optim.schedules import set_peak_lr
@@ -46,7 +45,7 @@ from stalepipe.pipeline.tied import TIED_HEAD, TIED_NAME
 from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from stalepipe.train.engine import StepPlan, StepResult
 from stalepipe.train.loop import TrainResult, run_loop, with_resolved_optim
-from stalepipe.train.rundir import open_run_dir
+from stalepipe.train.rundir import open_run_dir, tee_rank_log
 
 # Schedules the runtime executes, and the delay policy each one realises.
 RUNTIME_SCHEDULES = {
@@ -119,44 +118,6 @@ def runtime_schedule(cfg: ExperimentConfig, num_steps: int | None = None) -> Sch
     return sched
 
 
-def _tee(path: Path, console: bool):
-    """Send this process's stdout/stderr to `path` (and to the console for rank 0; stderr of
-    other ranks too, so failures show up)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
-
-    class Tee:
-        def __init__(self, stream, show: bool) -> None:
-            self.stream, self.show = stream, show
-
-        def write(self, s: str) -> int:
-            f.write(s)
-            if self.show:
-                self.stream.write(s)
-            return len(s)
-
-        def flush(self) -> None:
-            f.flush()
-            if self.show:
-                self.stream.flush()
-
-        def isatty(self) -> bool:
-            return self.show and self.stream.isatty()
-
-        def fileno(self) -> int:
-            return self.stream.fileno()
-
-    saved = sys.stdout, sys.stderr
-    sys.stdout = Tee(saved[0], console)
-    sys.stderr = Tee(saved[1], True)
-
-    def restore() -> None:
-        sys.stdout, sys.stderr = saved
-        f.close()
-
-    return restore
-
-
 def run_worker(
     cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False, verbose: bool = True
 ) -> WorkerResult:
@@ -191,7 +152,7 @@ def run_worker(
         shutil.rmtree(run_dir / stage_ckpt.PARTS_DIR, ignore_errors=True)
     comm = Comm(topo, rank, backend, pc.timeout_s, device)
     comm.barrier("start-up (data preparation on rank 0)", timeout_s=max(pc.timeout_s, 3600))
-    restore = _tee(run_dir / "logs" / f"rank{rank}.log", console=rank == 0 and verbose)
+    restore = tee_rank_log(run_dir / "logs" / f"rank{rank}.log", console=rank == 0 and verbose)
     try:
         engine = PipelineEngine(cfg, comm, device, run_dir, resume)
         result = run_loop(engine, cfg, run_dir, is_main=rank == 0, verbose=verbose)
@@ -200,14 +161,15 @@ def run_worker(
         return engine.worker_result(result if rank == 0 else None)
     except BaseException as e:
         # Into this rank's log while stdout/stderr still go there; main_worker does the rest.
-        print(f"stalepipe: error: {_message(e, rank)}", file=sys.stderr, flush=True)
+        print(f"stalepipe: error: {error_line(e, rank)}", file=sys.stderr, flush=True)
         e.stalepipe_logged = True  # type: ignore[attr-defined]
         raise
     finally:
         restore()
 
 
-def _message(e: BaseException, rank: int) -> str:
+def error_line(e: BaseException, rank: int) -> str:
+    """The one line a failed rank prints: a peer error as is, anything else with its rank."""
     return str(e) if isinstance(e, PeerError) else f"rank {rank}: {type(e).__name__}: {e}"
 
 
@@ -460,34 +422,3 @@ def worker_entry(cfg: ExperimentConfig, resume: bool = False, overwrite: bool = 
     """Run one worker quietly and return its `WorkerResult` as a dict (for
     `pipeline.processes.WorkerPool`, which tests and benchmarks use to reuse processes)."""
     return run_worker(cfg, resume=resume, overwrite=overwrite, verbose=False).as_dict()
-
-
-def main_worker(cfg: ExperimentConfig, resume: bool, overwrite: bool, verbose: bool = True) -> int:
-    """Process entry: run the worker; on any failure print one line naming the rank, record it
-    for the others, and exit non-zero without waiting for peers (no hang): 2 for bad input,
-    `launch.PEER_EXIT` when a peer failed, 1 otherwise."""
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        result = run_worker(cfg, resume=resume, overwrite=overwrite, verbose=verbose)
-    except BaseException as e:  # noqa: BLE001 - every failure must end the process
-        msg = _message(e, rank)
-        from stalepipe.pipeline.comm import _default_store, first_failure, report_failure
-        from stalepipe.pipeline.processes import PEER_EXIT
-
-        store = _default_store() if dist.is_initialized() else None
-        root = first_failure(store)
-        report_failure(store, msg)
-        if not getattr(e, "stalepipe_logged", False):
-            print(f"stalepipe: error: {msg}", file=sys.stderr, flush=True)
-        if root and root != msg:
-            print(f"stalepipe: first failure reported: {root}", file=sys.stderr, flush=True)
-        if not isinstance(e, PeerError | UserError):
-            import traceback
-
-            traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(2 if isinstance(e, UserError) else PEER_EXIT if isinstance(e, PeerError) else 1)
-    if result.result is not None and verbose:
-        print(result.result.summary(), flush=True)
-    return 0
