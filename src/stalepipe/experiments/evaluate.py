@@ -358,6 +358,50 @@ def save_results(result: dict[str, Any], path: str | Path | None = None) -> Path
     return write_json_atomic(path, result)
 
 
+def eval_main(
+    run: str | None,
+    *,
+    data_dir: str | None = None,
+    split: str = "val",
+    batches: int | None = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    task: list[str] | None = None,
+    num_items: int = 200,
+    no_tasks: bool = False,
+    no_loss: bool = False,
+    device: str = "cpu",
+    out: str | None = None,
+    write_task: str | None = None,
+) -> str:
+    """`stalepipe eval` (its flags as keywords): evaluate `run` and save the results, or with
+    `write_task` only write the shakespeare-cloze items; returns the text to print."""
+    if write_task:
+        path, yaml = write_cloze_task(write_task, num_items)
+        return f"wrote {num_items} shakespeare-cloze items to {path}, lm-eval task {yaml}"
+    if not run:
+        raise EvalError("stalepipe eval needs RUN (a run directory or checkpoint file)")
+    result = evaluate_run(
+        run,
+        data_dir=data_dir,
+        split=split,
+        num_batches=batches,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        tasks=() if no_tasks else tuple(task or BUILTIN_TASKS),
+        num_items=num_items,
+        skip_loss=no_loss,
+        device=device,
+    )
+    return f"{format_results(result)}\nresults written to {save_results(result, out)}"
+
+
+def write_cloze_task(path: str | Path, num_items: int) -> tuple[Path, Path]:
+    """The built-in shakespeare-cloze items as JSONL at `path`, and its lm-eval task .yaml."""
+    jsonl = write_task(shakespeare_cloze(num_items), path)
+    return jsonl, write_lm_eval_task(jsonl)
+
+
 def format_results(result: dict[str, Any]) -> str:
     """The human-readable summary `stalepipe eval` prints."""
     lines = [f"checkpoint {result['checkpoint']} (step {result['step']})"]
@@ -380,6 +424,7 @@ __all__ = [
     "MCItem",
     "choice_logprobs",
     "continuation_logprob",
+    "eval_main",
     "evaluate_run",
     "format_results",
     "get_task",
@@ -388,6 +433,7 @@ __all__ = [
     "save_results",
     "shakespeare_cloze",
     "validation_loss",
+    "write_cloze_task",
     "write_lm_eval_task",
     "write_task",
 ]

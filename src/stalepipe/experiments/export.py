@@ -27,7 +27,6 @@ from stalepipe.config import ExperimentConfig, ModelConfig
 from stalepipe.errors import UserError
 from stalepipe.experiments.trained import load_trained
 
-FORMATS = ("hf",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_SHARD_BYTES = 5 * 2**30  # the shard size Hugging Face uses for large models
 
@@ -327,3 +326,19 @@ def export_hf(
     tmp.rename(out_dir)
     notes = [f"from {trained.path} (step {trained.step})", note]
     return ExportResult(out_dir, arch, files, tokenizer, notes)
+
+
+# `stalepipe export --format NAME`: the function that writes each format.
+EXPORTERS: dict[str, Callable[..., ExportResult]] = {"hf": export_hf}
+
+
+def export_main(
+    run: str, *, out: str, format: str = "hf", dtype: str | None = None, overwrite: bool = False
+) -> str:
+    """`stalepipe export` (its flags as keywords): export `run` to `out` in `format`; returns
+    the text to print."""
+    result = EXPORTERS[format](run, out, dtype=dtype, overwrite=overwrite)
+    files = ", ".join(result.files)
+    return "\n".join(
+        [f"exported {result.architecture} to {result.out_dir}: {files}", *result.notes]
+    )
