@@ -11,10 +11,11 @@ messages are free: the textbook setting where GPipe's bubble is (P-1)/(m+P-1).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from stalepipe.config import ConfigError, ModelConfig
 from stalepipe.errors import UserError
-from stalepipe.pipeline.devices import get_device
+from stalepipe.pipeline.devices import Device, get_device
 from stalepipe.pipeline.generators import SCHEDULES, make_schedule
 from stalepipe.pipeline.schedule import Schedule, validate
 from stalepipe.pipeline.timing import (
@@ -47,6 +48,11 @@ SIM_MODELS: dict[str, ModelConfig] = {
 }
 
 TIME_KEYS = ("f", "b", "bi", "bw", "opt", "comm")
+UNIT_COSTS = "costs: uniform F = BI = BW = 1 time unit per rank, free updates and messages"
+LEGEND = (
+    "bubble: idle share of P x makespan; steady: per step once the pipeline is full; "
+    "stash/versions/staleness: range over stages"
+)
 
 
 def model_config(name: str) -> ModelConfig:
@@ -243,6 +249,72 @@ def simulate_main(
     _check_out(text, (".txt",), "--text")
     if model is not None and times is not None:
         raise ConfigError("give --model (analytic costs) or --times (given costs), not both")
+    names = _schedule_names(schedule, compare)
+    cfg = model_config(model) if model is not None else None
+    dev = get_device(device) if cfg is not None else None
+    given = parse_times(times) if times else {}
+
+    def build(name: str) -> tuple[Schedule, CostModel]:
+        sched = make_schedule(
+            name,
+            stages,
+            microbatches,
+            steps,
+            num_chunks=chunks,
+            sync_start=sync_start,
+            sync_cooldown=sync_cooldown,
+        )
+        costs = _costs(sched, cfg, dev, given, mfu=mfu, seq_len=seq_len, mb_size=microbatch_size)
+        return sched, costs
+
+    rows, timelines, costs = _simulate_each(names, build)
+    if cfg is not None:
+        tokens = costs.tokens_per_microbatch
+        what = (
+            f"costs: {model} on {device} at MFU {mfu:.2f}, microbatch = {microbatch_size} x "
+            f"{tokens // microbatch_size} = {tokens} tokens, global batch = "
+            f"{microbatches * tokens} tokens; BI = BW = F; optimizer memory-bound"
+        )
+    else:
+        what = f"costs: given ({times}), in time units" if given else UNIT_COSTS
+    out = [
+        f"stages (ranks) P={stages}, microbatches m={microbatches}, steps N={steps}",
+        what,
+        "",
+        format_table(rows, costs),
+    ]
+    if len(names) == 1:
+        out += ["", format_stages(timelines[0], summarize(timelines[0]))]
+    out += ["", LEGEND]
+    out += _write_outputs(timelines, plot, csv, text)
+    return "\n".join(out)
+
+
+def _costs(
+    sched: Schedule,
+    cfg: ModelConfig | None,
+    dev: Device | None,
+    given: dict[str, list[float]],
+    *,
+    mfu: float,
+    seq_len: int | None,
+    mb_size: int,
+) -> CostModel:
+    """Analytic costs of the model `cfg` on `dev`, else the given (--times) or unit costs."""
+    if cfg is not None:
+        return analytic_costs(
+            cfg,
+            sched.num_stages,
+            dev,  # type: ignore[arg-type]
+            mfu=mfu,
+            seq_len=seq_len,
+            microbatch_size=mb_size,
+        )
+    return _given_costs(given, sched)
+
+
+def _schedule_names(schedule: str, compare: str | list[str] | None) -> list[str]:
+    """The schedules to simulate: `compare` (comma-separated or a list), else `schedule`."""
     names = (
         (compare.split(",") if isinstance(compare, str) else list(compare))
         if compare
@@ -252,35 +324,21 @@ def simulate_main(
     for n in names:
         if n not in SCHEDULES:
             raise ConfigError(f"unknown schedule {n!r}; choose from {', '.join(SCHEDULES)}")
-    cfg = model_config(model) if model is not None else None
-    dev = get_device(device) if cfg is not None else None
-    given = parse_times(times) if times else {}
+    return names
 
+
+def _simulate_each(
+    names: list[str], build: Callable[[str], tuple[Schedule, CostModel]]
+) -> tuple[list[tuple[str, SimResult | str]], list[Timeline], CostModel]:
+    """Build and time each schedule: its table rows, the timelines, and the first schedule's
+    costs (shown in the header). In a comparison, a schedule that refuses the sizes gets a row
+    saying why; alone, it raises."""
     rows: list[tuple[str, SimResult | str]] = []
     timelines: list[Timeline] = []
     costs_shown: CostModel | None = None
     for n in names:
         try:
-            sched = make_schedule(
-                n,
-                stages,
-                microbatches,
-                steps,
-                num_chunks=chunks,
-                sync_start=sync_start,
-                sync_cooldown=sync_cooldown,
-            )
-            if cfg is not None:
-                costs = analytic_costs(
-                    cfg,
-                    sched.num_stages,
-                    dev,  # type: ignore[arg-type]
-                    mfu=mfu,
-                    seq_len=seq_len,
-                    microbatch_size=microbatch_size,
-                )
-            else:
-                costs = _given_costs(given, sched)
+            sched, costs = build(n)
         except ConfigError as e:
             if len(names) == 1:
                 raise
@@ -296,44 +354,27 @@ def simulate_main(
             "no schedule could be built for these sizes: " + "; ".join(f"{n}: {r}" for n, r in rows)
         )
     assert costs_shown is not None
+    return rows, timelines, costs_shown
 
-    if cfg is not None:
-        tokens = costs_shown.tokens_per_microbatch
-        what = (
-            f"costs: {model} on {device} at MFU {mfu:.2f}, microbatch = {microbatch_size} x "
-            f"{tokens // microbatch_size} = {tokens} tokens, global batch = "
-            f"{microbatches * tokens} tokens; BI = BW = F; optimizer memory-bound"
-        )
-    elif given:
-        what = f"costs: given ({times}), in time units"
-    else:
-        what = "costs: uniform F = BI = BW = 1 time unit per rank, free updates and messages"
-    out = [
-        f"stages (ranks) P={stages}, microbatches m={microbatches}, steps N={steps}",
-        what,
-        "",
-        format_table(rows, costs_shown),
-    ]
-    if len(names) == 1:
-        out += ["", format_stages(timelines[0], summarize(timelines[0]))]
-    out += [
-        "",
-        "bubble: idle share of P x makespan; steady: per step once the pipeline is full; "
-        "stash/versions/staleness: range over stages",
-    ]
 
+def _write_outputs(
+    timelines: list[Timeline], plot: str | None, csv: str | None, text: str | None
+) -> list[str]:
+    """The Gantt chart, the timed actions and the schedules' text form, each where asked;
+    returns the 'wrote ...' lines."""
+    wrote = []
     if plot:
         from stalepipe.pipeline.gantt import plot_timelines
 
         plot_timelines(timelines, plot)
-        out.append(f"wrote {plot}")
+        wrote.append(f"wrote {plot}")
     if csv:
         with open(csv, "w") as f:
             for i, tl in enumerate(timelines):
                 f.write(tl.to_csv(header=i == 0))
-        out.append(f"wrote {csv}")
+        wrote.append(f"wrote {csv}")
     if text:
         with open(text, "w") as f:
             f.write("".join(tl.schedule.to_text() for tl in timelines))
-        out.append(f"wrote {text}")
-    return "\n".join(out)
+        wrote.append(f"wrote {text}")
+    return wrote
