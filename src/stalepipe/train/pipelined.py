@@ -139,7 +139,7 @@ def run_worker(
     restore = tee_rank_log(run_dir / "logs" / f"rank{rank}.log", console=rank == 0 and verbose)
     try:
         engine = PipelineEngine(cfg, comm, device, run_dir, resume)
-        result = run_loop(engine, cfg, run_dir, is_main=rank == 0, verbose=verbose)
+        result = run_loop(engine, cfg, run_dir, is_main=rank == 0, verbose=verbose and rank == 0)
         comm.barrier("the end of training")
         dist.destroy_process_group()
         return engine.worker_result(result if rank == 0 else None)
