@@ -136,6 +136,7 @@ def test_every_command_has_help(capsys):
 @pytest.mark.parametrize(
     ("argv", "target"),
     [
+        (["data", "prepare"], "stalepipe.data:prepare_main"),
         (["simulate"], "stalepipe.pipeline.simulate:simulate_main"),
         (["eval", "RUN"], "stalepipe.experiments.evaluate:eval_main"),
         (["export", "RUN", "--out", "hf"], "stalepipe.experiments.export:export_main"),

@@ -64,7 +64,7 @@ Subparsers = argparse._SubParsersAction
 
 def _flags(args: argparse.Namespace) -> dict[str, object]:
     """The command's flags as keywords, for a command whose `*_main` takes exactly its flags."""
-    return {k: v for k, v in vars(args).items() if k not in ("command", "fn")}
+    return {k: v for k, v in vars(args).items() if k not in ("command", "data_command", "fn")}
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -139,15 +139,7 @@ def _add_data(sub: Subparsers) -> None:
 def cmd_data_prepare(args: argparse.Namespace, extra: list[str]) -> int:
     from stalepipe.data import prepare_main
 
-    prepare_main(
-        corpus=args.corpus,
-        tokenizer=args.tokenizer,
-        text=args.text,
-        out=args.out,
-        bpe_vocab_size=args.bpe_vocab_size,
-        val_fraction=args.val_fraction,
-        force=args.force,
-    )
+    prepare_main(**_flags(args))
     return 0
 
 
