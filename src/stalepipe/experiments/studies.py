@@ -19,7 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from stalepipe.config import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
+from stalepipe.config import (
+    DataConfig,
+    ExperimentConfig,
+    ModelConfig,
+    TrainConfig,
+    unknown_choice,
+)
 from stalepipe.errors import UserError
 from stalepipe.experiments.claims import (
     ClaimCheck,
@@ -258,12 +264,10 @@ def declared_claims() -> list[ClaimCheck]:
 
 
 def get_study(name: str) -> Study:
+    """The study `name`; an unknown name raises ConfigError suggesting the closest one (`toy`
+    is not a study here: `stalepipe sweep toy` runs the `stalepipe toy` command)."""
     if name not in STUDIES:
-        import difflib
-
-        close = difflib.get_close_matches(name, list(STUDIES), n=1, cutoff=0.4)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise UserError(f"unknown study {name!r} (choose from {', '.join(STUDIES)}, toy){hint}")
+        raise unknown_choice("study", name, STUDIES)
     return STUDIES[name]
 
 
