@@ -170,6 +170,3 @@ class EmulatorEngine:
         }
         keep = self.cfg.train.keep_last
         return on_main(lambda: save_checkpoint(self.run_dir, step, state(), keep), self.ctx)
-
-    def close(self) -> None:
-        pass

@@ -92,7 +92,3 @@ class Engine(Protocol):
     def checkpoint(self, step: int) -> Path | None:
         """Write the checkpoint of `step` updates (collective); its path on the main process."""
         ...
-
-    def close(self) -> None:
-        """Release processes, groups and files (also after a failure)."""
-        ...

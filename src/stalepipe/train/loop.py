@@ -117,7 +117,6 @@ def run_loop(
         progress.close()
         if metrics:
             metrics.close()
-        engine.close()
     return TrainResult(
         run_dir=run_dir,
         steps=tc.steps,

@@ -371,9 +371,6 @@ class PipelineEngine:
             step_dir.parent.rmdir()  # only when no other step's parts are left
         return path
 
-    def close(self) -> None:
-        pass
-
     def worker_result(self, result: TrainResult | None) -> WorkerResult:
         ex = self.executor
         tied = None if ex is None or ex.tied_live() is None else ex.tied_live().cpu()
