@@ -79,7 +79,7 @@ def check_config(cfg: ExperimentConfig) -> None:
             "--train.num_microbatches 1 (and --train.batch_size to the minibatch size)"
         )
     # wpipe's even stage count, 2bw's microbatches and the batch split are ExperimentConfig's
-    # own checks (config.py), so a config that reaches here already passed them.
+    # own checks (stalepipe.config), so a config that reaches here already passed them.
     try:  # whatever else the generator refuses, in the runtime's own option names
         runtime_schedule(cfg, num_steps=min(tc.steps, 2))
     except ConfigError as e:

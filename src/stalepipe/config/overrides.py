@@ -1,0 +1,131 @@
+"""Dotted-key overrides (`--optim.lr 3e-4`) and dict round trips for a tree of frozen dataclasses.
+
+Generic over the root class (`ExperimentConfig` in practice): a leaf is addressed as
+'section.field', its string is parsed into the field's annotated type, and an unknown key gets
+the closest known one as a hint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, TypeVar
+
+from stalepipe.config.base import ConfigError
+
+T = TypeVar("T")
+
+
+def from_dict(cls: type, d: dict[str, Any], *, prefix: str = "", root: type | None = None) -> Any:
+    """Build dataclass `cls` from nested dicts (a parsed config.json); an unknown key is a
+    ConfigError that suggests the closest key of `root` (the top-level class, default `cls`)."""
+    root = root or cls
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key, value in d.items():
+        if key not in names:
+            raise ConfigError(_unknown_key_msg(prefix + key, _all_keys(root)))
+        if dataclasses.is_dataclass(hints[key]):
+            kwargs[key] = from_dict(hints[key], value, prefix=prefix + key + ".", root=root)
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _all_keys(cls: type, prefix: str = "") -> dict[str, dataclasses.Field]:
+    """Flat map 'section.field' -> Field for every leaf field."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, dataclasses.Field] = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(_all_keys(hints[f.name], prefix + f.name + "."))
+        else:
+            out[prefix + f.name] = f
+    return out
+
+
+def _leaf_type(cls: type, dotted: str) -> Any:
+    *path, leaf = dotted.split(".")
+    for part in path:
+        cls = typing.get_type_hints(cls)[part]
+    return typing.get_type_hints(cls)[leaf]
+
+
+def _unknown_key_msg(key: str, keys: dict[str, Any]) -> str:
+    close = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.5)
+    hint = f"; did you mean --{close[0]}?" if close else "; see `stalepipe train --help`"
+    return f"unknown config key --{key}{hint}"
+
+
+def parse_value(text: str, tp: Any, key: str) -> Any:
+    """Parse a CLI string into the field's annotated type (handles `X | None`)."""
+    args = typing.get_args(tp)
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        if text.lower() in ("none", "null"):
+            return None
+        tp = next(a for a in args if a is not type(None))
+    try:
+        if tp is bool:
+            low = text.lower()
+            if low in ("true", "1", "yes", "on"):
+                return True
+            if low in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if tp is int:
+            return int(text)
+        if tp is float:
+            return float(text)
+        if tp is str:
+            return text
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"unsupported field type {tp} for {key}")
+    raise ConfigError(f"--{key} expects a {tp.__name__}, got {text!r}")
+
+
+def apply_overrides(cfg: T, overrides: dict[str, str]) -> T:
+    """Return `cfg` with dotted-key string overrides applied (validated, typed)."""
+    root = type(cfg)
+    keys = _all_keys(root)
+    nested: dict[str, dict[str, Any]] = {}
+    top: dict[str, Any] = {}
+    for key, text in overrides.items():
+        if key not in keys:
+            raise ConfigError(_unknown_key_msg(key, keys))
+        value = parse_value(text, _leaf_type(root, key), key)
+        if "." in key:
+            section, leaf = key.split(".", 1)
+            nested.setdefault(section, {})[leaf] = value
+        else:
+            top[key] = value
+    changes = {s: dataclasses.replace(getattr(cfg, s), **v) for s, v in nested.items()}
+    return dataclasses.replace(cfg, **changes, **top)
+
+
+def config_help(root: type) -> str:
+    """Every overridable key of `root` with its type, default and help text, by section."""
+    lines = []
+    section = None
+    default_cfg = root()
+    for key, f in _all_keys(root).items():
+        sec = key.split(".")[0] if "." in key else ""
+        if sec != section:
+            section = sec
+            lines.append(f"\n[{sec or 'run'}]")
+        obj = default_cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        tp = _leaf_type(root, key)
+        tname = getattr(tp, "__name__", str(tp)).replace("NoneType", "None")
+        if isinstance(tp, types.UnionType):
+            tname = " | ".join(a.__name__ for a in typing.get_args(tp)).replace("NoneType", "None")
+        lines.append(f"  --{key:<26} {tname:<12} default {obj!r}: {f.metadata.get('help', '')}")
+    return "\n".join(lines)

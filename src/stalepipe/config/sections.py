@@ -1,0 +1,385 @@
+"""The component configs: one frozen dataclass per component, each validating its own fields.
+
+A component receives only its section. Rules that join sections (stages vs layers, the delay
+policy vs the stage count, the distributed engine's limits) live in `experiment.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from stalepipe.config.base import ConfigError, check, multiples_near, option, unknown_choice
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """LLaMA-style decoder shape. `num_kv_heads < num_heads` gives grouped-query attention."""
+
+    vocab_size: int = option(256, "vocabulary size (must cover the tokenizer's ids)")
+    dim: int = option(96, "residual stream width")
+    num_layers: int = option(3, "number of transformer blocks")
+    num_heads: int = option(4, "attention heads (dim must be divisible by it)")
+    num_kv_heads: int = option(2, "key/value heads for GQA (divides num_heads)")
+    ffn_dim: int = option(256, "SwiGLU hidden width")
+    max_seq_len: int = option(128, "longest sequence RoPE is precomputed for")
+    rope_theta: float = option(10000.0, "RoPE base frequency")
+    norm_eps: float = option(1e-5, "RMSNorm epsilon")
+    tie_embeddings: bool = option(True, "share the input embedding and the output head")
+    init_std: float = option(0.02, "std of the normal init of linear and embedding weights")
+    dropout: float = option(
+        0.0, "dropout on attention probabilities and both residual branches (0 = off)"
+    )
+    # Mixture of Experts (docs/moe.md); num_experts = 0 is a dense model and ignores the rest.
+    num_experts: int = option(0, "routed experts per MoE layer (0 = dense SwiGLU MLPs)")
+    top_k: int = option(2, "experts each token is routed to (1..num_experts)")
+    expert_ffn_dim: int = option(0, "hidden width of one expert (0 = ffn_dim)")
+    num_shared_experts: int = option(0, "always-on experts per MoE layer (DeepSeekMoE style)")
+    num_dense_layers: int = option(0, "first N blocks keep a dense SwiGLU of width ffn_dim")
+    aux_loss_weight: float = option(0.01, "load-balancing loss weight (Switch Transformer)")
+    z_loss_weight: float = option(0.001, "router z-loss weight (ST-MoE)")
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "dim",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "ffn_dim",
+            "max_seq_len",
+        ):
+            check(getattr(self, name) >= 1, f"model.{name} must be >= 1, got {getattr(self, name)}")
+        check(
+            self.dim % self.num_heads == 0,
+            f"model.dim ({self.dim}) must be divisible by model.num_heads ({self.num_heads})",
+        )
+        check(
+            (self.dim // self.num_heads) % 2 == 0,
+            f"model.dim / model.num_heads must be even for RoPE, got {self.dim // self.num_heads}",
+        )
+        check(
+            self.num_heads % self.num_kv_heads == 0,
+            f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads "
+            f"({self.num_kv_heads})",
+        )
+        check(self.rope_theta > 0, f"model.rope_theta must be > 0, got {self.rope_theta}")
+        check(self.norm_eps > 0, f"model.norm_eps must be > 0, got {self.norm_eps}")
+        check(self.init_std > 0, f"model.init_std must be > 0, got {self.init_std}")
+        check(0 <= self.dropout < 1, f"model.dropout must be in [0, 1), got {self.dropout}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        E = self.num_experts
+        check(E >= 0, f"model.num_experts must be >= 0 (0 = dense), got {E}")
+        for name in ("expert_ffn_dim", "num_shared_experts", "num_dense_layers"):
+            v = getattr(self, name)
+            check(v >= 0, f"model.{name} must be >= 0, got {v}")
+        for name in ("aux_loss_weight", "z_loss_weight"):
+            v = getattr(self, name)
+            check(v >= 0, f"model.{name} must be >= 0, got {v}")
+        if E == 0:
+            for name in ("num_shared_experts", "num_dense_layers"):
+                check(
+                    getattr(self, name) == 0,
+                    f"model.{name} needs an MoE model; set model.num_experts >= 1 or {name} 0",
+                )
+            return
+        check(
+            1 <= self.top_k <= E,
+            f"model.top_k must be in [1, model.num_experts={E}], got {self.top_k}",
+        )
+        check(
+            self.num_dense_layers < self.num_layers,
+            f"model.num_dense_layers must be in [0, model.num_layers={self.num_layers}), got "
+            f"{self.num_dense_layers}",
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def expert_hidden_dim(self) -> int:
+        """Hidden width of one routed (or shared) expert."""
+        return self.expert_ffn_dim or self.ffn_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` has an MoE MLP (dense models and the first dense layers don't)."""
+        return self.num_experts > 0 and layer >= self.num_dense_layers
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where tokens come from. `stalepipe data prepare` writes shards into `data_dir`."""
+
+    corpus: str = option("shakespeare", "built-in corpus name, or 'text' for --text files")
+    tokenizer: str = option("byte", "tokenizer: byte | gpt2 | bpe")
+    bpe_vocab_size: int = option(4096, "vocab size when training the 'bpe' tokenizer")
+    data_dir: str = option("", "token shard directory ('' = data_cache/<corpus>-<tokenizer>)")
+    seq_len: int = option(64, "tokens per training sequence")
+    val_fraction: float = option(0.05, "share of documents held out for validation")
+    seed: int = option(0, "data order seed; batch k is a pure function of (seed, k)")
+
+    def __post_init__(self) -> None:
+        check(
+            self.tokenizer in ("byte", "gpt2", "bpe"),
+            f"data.tokenizer must be one of byte, gpt2, bpe; got {self.tokenizer!r}",
+        )
+        check(self.seq_len >= 2, f"data.seq_len must be >= 2, got {self.seq_len}")
+        check(
+            0.0 < self.val_fraction < 1.0,
+            f"data.val_fraction must be in (0, 1), got {self.val_fraction}",
+        )
+        check(
+            self.bpe_vocab_size >= 257,
+            f"data.bpe_vocab_size must be >= 257, got {self.bpe_vocab_size}",
+        )
+
+    def resolved_dir(self) -> str:
+        return self.data_dir or f"data_cache/{self.corpus}-{self.tokenizer}"
+
+
+# The OptimConfig fields each optimizer reads; optim/registry.py holds their defaults (and a test
+# checks that each optimizer's build changes with every field listed here).
+OPTIMIZER_FIELDS: dict[str, tuple[str, ...]] = {
+    "adamw": ("lr", "beta1", "beta2", "eps", "weight_decay"),
+    "muon": ("lr", "beta1", "weight_decay", "nesterov", "ns_steps", "muon_scale", "adam_lr"),
+    "soap": ("lr", "beta1", "beta2", "eps", "weight_decay", "precond_freq"),
+    "adan": ("lr", "beta1", "beta2", "beta3", "eps", "weight_decay"),
+    "lion": ("lr", "beta1", "beta2", "weight_decay"),
+    "mars": ("lr", "beta1", "beta2", "eps", "weight_decay", "gamma", "adam_lr"),
+}
+# Fields an optimizer does not let a config change but records at the value it uses (config.json
+# of every muon run so far has optim.eps 1e-8, the fixed eps of Muon's AdamW part); a config may
+# repeat that value.
+FIXED_OPTIM_FIELDS: dict[str, dict[str, Any]] = {"muon": {"eps": 1e-8}}
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """Optimizer choice and hyperparameters. `None` means "the optimizer's own default"
+    (see docs/optimizers.md); the resolved values are written to the run's config.json.
+    A field the chosen optimizer does not read (`OPTIMIZER_FIELDS`) must stay `None`."""
+
+    name: str = option("adamw", f"optimizer: {' | '.join(OPTIMIZER_FIELDS)}")
+    lr: float | None = option(None, "peak learning rate (matrix params for muon)")
+    beta1: float | None = option(None, "first-moment / momentum coefficient")
+    beta2: float | None = option(None, "second-moment coefficient")
+    beta3: float | None = option(None, "third coefficient (adan: gradient-difference EMA)")
+    eps: float | None = option(None, "denominator epsilon")
+    weight_decay: float | None = option(
+        None, "decoupled weight decay (not applied to norms/biases)"
+    )
+    nesterov: bool | None = option(None, "Nesterov momentum (muon)")
+    ns_steps: int | None = option(None, "Newton-Schulz iterations (muon)")
+    muon_scale: str | None = option(None, "muon LR scaling: 'original' | 'match_rms'")
+    adam_lr: float | None = option(
+        None, "LR of the AdamW part of composite optimizers (muon, mars)"
+    )
+    precond_freq: int | None = option(None, "preconditioner update frequency (soap)")
+    gamma: float | None = option(None, "variance-reduction scale (mars)")
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZER_FIELDS:
+            raise unknown_choice("optimizer", self.name, OPTIMIZER_FIELDS, key="optim.name")
+        for names, ok, allowed in (
+            (("lr", "adam_lr"), lambda v: v > 0, "> 0"),
+            (("beta1", "beta2", "beta3"), lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+            (("eps", "weight_decay", "gamma"), lambda v: v >= 0, ">= 0"),
+            (("ns_steps", "precond_freq"), lambda v: v >= 1, ">= 1"),
+        ):
+            for name in names:
+                v = getattr(self, name)
+                check(v is None or ok(v), f"optim.{name} must be {allowed}, got {v}")
+        check(
+            self.muon_scale in (None, "original", "match_rms"),
+            f"optim.muon_scale must be 'original' or 'match_rms', got {self.muon_scale!r}",
+        )
+        self._check_fields_read()
+
+    def _check_fields_read(self) -> None:
+        """Refuse a value in a field the optimizer does not read (it would be ignored)."""
+        reads = OPTIMIZER_FIELDS[self.name]
+        fixed = FIXED_OPTIM_FIELDS.get(self.name, {})
+        unused = [
+            f
+            for f in _OPTIM_HYPER_FIELDS
+            if f not in reads and getattr(self, f) is not None and getattr(self, f) != fixed.get(f)
+        ]
+        if not unused:
+            return
+        names = ", ".join(f"optim.{f}" for f in unused)
+        why = "".join(
+            f" ({self.name} fixes optim.{f} at {fixed[f]!r})" for f in unused if f in fixed
+        )
+        users = [n for n, fs in OPTIMIZER_FIELDS.items() if set(unused) & set(fs)]
+        raise ConfigError(
+            f"{names} {'is' if len(unused) == 1 else 'are'} not used by optim.name="
+            f"{self.name!r}{why}, which reads {', '.join(f'optim.{f}' for f in reads)}; set "
+            f"{names} to none (used by {', '.join(users) or 'no optimizer'})"
+        )
+
+
+_OPTIM_HYPER_FIELDS = tuple(f.name for f in dataclasses.fields(OptimConfig) if f.name != "name")
+
+
+# The delay policies by name (besides fixed:N); delay/policies.py implements each one.
+POLICY_NAMES = ("sync", "2bw", "pipedream", "wpipe")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DelayConfig:
+    """Gradient-delay policy and mitigations (GUIDE section 2)."""
+
+    policy: str = option("sync", "delay policy: sync | 2bw | pipedream | wpipe | fixed:N")
+    ef: bool = option(False, "update-level error feedback W+ = W - 2U_k + U_{k-1}")
+    taylor: float = option(0.0, "DC-ASGD Taylor compensation lambda (0 = off)")
+    taylor_adaptive: bool = option(False, "adaptive lambda: taylor / sqrt(EMA of g^2)")
+    taylor_ema: float = option(0.95, "EMA coefficient of g^2 for adaptive Taylor")
+    taylor_eps: float = option(1e-8, "adaptive Taylor: added to sqrt(EMA of g^2)")
+    sync_start: int = option(0, "first K steps run without delay")
+    sync_cooldown: float = option(0.0, "last K steps without delay: K if >= 1, else a fraction")
+    sync_cooldown_wsd: bool = option(
+        False, "cooldown = WSD's LR decay phase (overrides sync_cooldown)"
+    )
+    mode: str = option(
+        "fast", "emulator mode: fast (whole model) | exact (per stage, per microbatch)"
+    )
+
+    def __post_init__(self) -> None:
+        policy = self.policy
+        if policy.startswith("fixed:"):
+            n = policy.split(":", 1)[1]
+            check(n.isdigit(), f"delay.policy fixed:N needs an integer N >= 0, got {policy!r}")
+        else:
+            check(
+                policy in POLICY_NAMES,
+                f"delay.policy must be {', '.join(POLICY_NAMES)} or fixed:N (N >= 0 steps); "
+                f"got {policy!r}",
+            )
+        check(self.taylor >= 0, f"delay.taylor must be >= 0, got {self.taylor}")
+        check(
+            0.0 <= self.taylor_ema < 1.0,
+            f"delay.taylor_ema must be in [0, 1), got {self.taylor_ema}",
+        )
+        check(self.sync_start >= 0, f"delay.sync_start must be >= 0, got {self.sync_start}")
+        check(
+            self.sync_cooldown >= 0,
+            f"delay.sync_cooldown must be >= 0 (steps, or a fraction < 1), got "
+            f"{self.sync_cooldown}",
+        )
+        check(
+            self.sync_cooldown < 1 or float(self.sync_cooldown).is_integer(),
+            f"delay.sync_cooldown >= 1 is a step count and must be a whole number, got "
+            f"{self.sync_cooldown}",
+        )
+        check(self.taylor_eps > 0, f"delay.taylor_eps must be > 0, got {self.taylor_eps}")
+        check(
+            self.mode in ("fast", "exact"),
+            f"delay.mode must be 'fast' or 'exact', got {self.mode!r}",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """How the model is split into stages, and which engine runs them.
+
+    The emulator (engine=emulate) uses `num_stages` for per-stage staleness in one process; the
+    distributed runtime (engine=distributed) runs one process per stage (times `data_parallel`).
+    """
+
+    num_stages: int = option(1, "pipeline stages P (<= model.num_layers)")
+    engine: str = option("emulate", "emulate (one process) | distributed (one process per stage)")
+    schedule: str = option("1f1b", "runtime schedule: gpipe | 1f1b | 2bw | pipedream")
+    data_parallel: int = option(1, "data-parallel replicas of each stage (distributed engine)")
+    backend: str = option("auto", "torch.distributed backend: auto | gloo | nccl")
+    timeout_s: float = option(120.0, "seconds a rank waits for a peer before failing the run")
+
+    def __post_init__(self) -> None:
+        check(self.num_stages >= 1, f"pipeline.num_stages must be >= 1, got {self.num_stages}")
+        check(
+            self.engine in ("emulate", "distributed"),
+            f"pipeline.engine must be emulate or distributed; got {self.engine!r}",
+        )
+        check(
+            self.data_parallel >= 1,
+            f"pipeline.data_parallel must be >= 1, got {self.data_parallel}",
+        )
+        check(
+            self.backend in ("auto", "gloo", "nccl"),
+            f"pipeline.backend must be auto, gloo or nccl; got {self.backend!r}",
+        )
+        check(self.timeout_s > 0, f"pipeline.timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The training loop: steps, batch, LR schedule, eval, checkpoints."""
+
+    steps: int = option(200, "optimizer steps")
+    batch_size: int = option(16, "sequences per global batch (split into microbatches)")
+    num_microbatches: int = option(1, "microbatches per step; gradients are summed, loss averaged")
+    lr_schedule: str = option("cosine", "LR schedule: cosine (warmup + cosine) | wsd | constant")
+    warmup_steps: int = option(20, "linear warmup steps")
+    decay_frac: float = option(0.2, "WSD: fraction of steps in the final decay phase")
+    min_lr_ratio: float = option(0.1, "final LR as a fraction of the peak")
+    grad_clip: float = option(1.0, "global grad-norm clip (0 = off)")
+    eval_every: int = option(50, "evaluate val loss every N steps (0 = only at the end)")
+    eval_batches: int = option(8, "val batches per evaluation")
+    log_every: int = option(10, "write a metrics line every N steps")
+    ckpt_every: int = option(0, "checkpoint every N steps (0 = only at the end)")
+    keep_last: int = option(2, "checkpoints kept on disk")
+    seed: int = option(0, "model init and dropout seed")
+    threads: int = option(0, "torch intra-op threads (0 = leave torch's default)")
+    device: str = option("cpu", "cpu | cuda | cuda:N")
+    dtype: str = option(
+        "float32", "compute dtype: float32 | bfloat16 (autocast; fp32 master weights)"
+    )
+    compile: bool = option(
+        False, "torch.compile the model (first steps are slow while it compiles)"
+    )
+    tf32: bool = option(True, "allow TF32 matmuls on CUDA (ignored on CPU)")
+    progress: bool = option(True, "show a progress bar")
+    tensorboard: bool = option(False, "also write metrics for TensorBoard to <run>/tensorboard")
+
+    def __post_init__(self) -> None:
+        check(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
+        check(self.batch_size >= 1, f"train.batch_size must be >= 1, got {self.batch_size}")
+        check(
+            self.num_microbatches >= 1,
+            f"train.num_microbatches must be >= 1, got {self.num_microbatches}",
+        )
+        check(
+            self.batch_size % self.num_microbatches == 0,
+            f"train.batch_size ({self.batch_size}) must be divisible by train.num_microbatches "
+            f"({self.num_microbatches}); set train.batch_size to "
+            f"{multiples_near(self.batch_size, self.num_microbatches)}",
+        )
+        check(
+            self.lr_schedule in ("cosine", "wsd", "constant"),
+            f"train.lr_schedule must be cosine, wsd or constant; got {self.lr_schedule!r}",
+        )
+        check(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        check(
+            0.0 <= self.decay_frac <= 1.0,
+            f"train.decay_frac must be in [0, 1], got {self.decay_frac}",
+        )
+        check(
+            0.0 <= self.min_lr_ratio <= 1.0,
+            f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}",
+        )
+        check(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
+        for name in ("eval_every", "ckpt_every", "threads"):
+            check(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("eval_batches", "log_every", "keep_last"):
+            check(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")
+        check(
+            self.dtype in ("float32", "bfloat16"),
+            f"train.dtype must be float32 or bfloat16, got {self.dtype!r}",
+        )
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch_size // self.num_microbatches
