@@ -17,7 +17,7 @@ from stalepipe.errors import CheckpointError, UserError
 from stalepipe.pipeline import checkpoint_parts as stage_ckpt
 from stalepipe.train.checkpoint import list_checkpoints, load_checkpoint
 from stalepipe.train.loop import train
-from stalepipe.train.rundir import config_diff
+from stalepipe.train.resume import config_diff
 
 
 def _on(cfg, engine: str, P: int):

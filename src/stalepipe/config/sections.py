@@ -330,6 +330,9 @@ class TrainConfig:
     eval_batches: int = option(8, "val batches per evaluation")
     log_every: int = option(10, "write a metrics line every N steps")
     ckpt_every: int = option(0, "checkpoint every N steps (0 = only at the end)")
+    ckpt_every_s: float = option(
+        300.0, "also checkpoint once this many seconds passed since the last one (0 = off)"
+    )
     keep_last: int = option(2, "checkpoints kept on disk")
     seed: int = option(0, "model init and dropout seed")
     threads: int = option(0, "torch intra-op threads (0 = leave torch's default)")
@@ -371,7 +374,7 @@ class TrainConfig:
             f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}",
         )
         check(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
-        for name in ("eval_every", "ckpt_every", "threads"):
+        for name in ("eval_every", "ckpt_every", "ckpt_every_s", "threads"):
             check(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("eval_batches", "log_every", "keep_last"):
             check(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")

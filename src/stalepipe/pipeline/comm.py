@@ -67,6 +67,12 @@ class Topology:
         return f"rank {rank} (stage {s}" + (f", replica {d})" if self.data_parallel > 1 else ")")
 
 
+def under_torchrun() -> bool:
+    """True when torchrun (or another env:// launcher, `train.launch.launch_train` included)
+    started this process: RANK and WORLD_SIZE are set. The one test for it in stalepipe."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def resolve_backend(backend: str, device: str) -> str:
     """'auto' -> NCCL for CUDA devices, gloo otherwise."""
     if backend != "auto":

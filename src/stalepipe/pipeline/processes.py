@@ -1,4 +1,4 @@
-"""Processes of the pipeline runtime: detect torchrun, pick a port, supervise spawned workers.
+"""Processes of the pipeline runtime: pick a port, supervise spawned workers.
 
 `supervise` waits for workers started with the `spawn` method (never fork: torch and threads):
 if one exits non-zero, the others get `pipeline.timeout_s` (+ a grace period) to notice and
@@ -19,11 +19,6 @@ from stalepipe.errors import TrainingError
 
 GRACE_S = 10.0
 PEER_EXIT = 3  # a worker's exit status when it stopped because a peer failed (not the cause)
-
-
-def under_torchrun() -> bool:
-    """True when torchrun (or another env:// launcher) started this process."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def free_port() -> int:

@@ -11,7 +11,6 @@ Not for the pipeline runtime (`pipeline.engine distributed`), which has its own 
 
 from __future__ import annotations
 
-import datetime
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch.distributed as dist
 
 from stalepipe.config import ConfigError, ExperimentConfig
 from stalepipe.errors import UserError
+from stalepipe.pipeline.comm import init_from_env, resolve_backend, under_torchrun
 
 T = TypeVar("T")
 
@@ -46,16 +46,12 @@ class DistContext:
 SINGLE_PROCESS = DistContext()
 
 
-def launched_by_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
 def init_data_parallel(cfg: ExperimentConfig) -> DistContext:
     """Join the torchrun job described by the environment, or return a single-rank context.
 
     The device becomes `cuda:<LOCAL_RANK>` for CUDA runs; CPU runs use gloo.
     """
-    if not launched_by_torchrun():
+    if not under_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
         return DistContext()
     world = int(os.environ["WORLD_SIZE"])
     tc = cfg.train
@@ -64,15 +60,11 @@ def init_data_parallel(cfg: ExperimentConfig) -> DistContext:
             f"train.batch_size ({tc.batch_size}) and train.num_microbatches "
             f"({tc.num_microbatches}) must be divisible by the {world} data-parallel ranks"
         )
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    backend = cfg.pipeline.backend
-    if backend == "auto":
-        backend = "nccl" if tc.device.startswith("cuda") else "gloo"
+    backend = resolve_backend(cfg.pipeline.backend, tc.device)
+    rank, world, local_rank = init_from_env(backend, cfg.pipeline.timeout_s)
     if tc.device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.pipeline.timeout_s))
-    return DistContext(rank=dist.get_rank(), world_size=world, local_rank=local_rank)
+    return DistContext(rank=rank, world_size=world, local_rank=local_rank)
 
 
 def local_device(cfg: ExperimentConfig, ctx: DistContext) -> torch.device:

@@ -15,8 +15,8 @@ from stalepipe.config import ExperimentConfig
 from stalepipe.data import check_vocab, ensure_prepared
 from stalepipe.errors import UserError
 from stalepipe.optim import resolve_config
-from stalepipe.pipeline.comm import PeerError
-from stalepipe.pipeline.processes import free_port, supervise, under_torchrun
+from stalepipe.pipeline.comm import PeerError, under_torchrun
+from stalepipe.pipeline.processes import free_port, supervise
 from stalepipe.train.pipelined import PREPARED_ENV, check_config, error_line, run_worker
 from stalepipe.train.rundir import open_run_dir
 

@@ -45,7 +45,8 @@ from stalepipe.pipeline.tied import TIED_HEAD, TIED_NAME
 from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from stalepipe.train.engine import StepPlan, StepResult
 from stalepipe.train.loop import TrainResult, run_loop, with_resolved_optim
-from stalepipe.train.rundir import open_run_dir, tee_rank_log
+from stalepipe.train.ranklog import tee_rank_log
+from stalepipe.train.rundir import open_run_dir
 
 # Schedules the runtime executes, and the delay policy each one realises.
 RUNTIME_SCHEDULES = {

@@ -19,57 +19,11 @@ from typing import Any
 import torch
 
 import stalepipe
-from stalepipe.config import ConfigError, ExperimentConfig
-from stalepipe.delay import DelaySchedule
+from stalepipe.config import ExperimentConfig
 from stalepipe.errors import UserError
 from stalepipe.fileio import flatten_dict, write_json_atomic, write_text_atomic
 from stalepipe.train.checkpoint import latest_checkpoint
-
-# Fields that may differ between a run and its resumption without changing the trajectory.
-RESUMABLE_CHANGES = {
-    "train.progress",
-    "train.log_every",
-    "train.ckpt_every",
-    "train.keep_last",
-    "train.threads",
-    "train.eval_every",
-    "train.eval_batches",
-    "train.tensorboard",
-    "out_dir",
-    # Which engine runs the delay, and how: the trajectory is fixed by the delay policy
-    # (docs/runtime.md, "Checkpoints and resume"); data parallelism changes fp32 rounding only.
-    "pipeline.engine",
-    "pipeline.schedule",
-    "pipeline.data_parallel",
-    "pipeline.backend",
-    "pipeline.timeout_s",
-}
-# Resumable when the delay policy gives every stage the same delay (sync, 2bw, fixed:N):
-# the checkpoint is then re-split by parameter name. Pipedream's and WPipe's delays depend on
-# the split, so changing it would change the trajectory.
-SPLIT_CHANGES = {"pipeline.num_stages"}
-
-
-def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Dotted keys whose values differ, ignoring fields in RESUMABLE_CHANGES (and SPLIT_CHANGES
-    when the delay policy delays every stage alike)."""
-    a, b = flatten_dict(saved), flatten_dict(current)
-    keys = sorted(set(a) | set(b))
-    diff = [k for k in keys if k not in RESUMABLE_CHANGES and a.get(k) != b.get(k)]
-    if a.get("delay.policy") == b.get("delay.policy") and all(
-        _same_delay_per_stage(b.get("delay.policy"), p.get(k))
-        for p in (a, b)
-        for k in SPLIT_CHANGES
-    ):
-        diff = [k for k in diff if k not in SPLIT_CHANGES]
-    return diff
-
-
-def _same_delay_per_stage(policy: Any, num_stages: Any) -> bool:
-    try:
-        return DelaySchedule.build(str(policy), int(num_stages)).uniform
-    except (ConfigError, TypeError, ValueError):
-        return False
+from stalepipe.train.resume import config_diff
 
 
 def _git(*args: str) -> subprocess.CompletedProcess | None:
@@ -228,41 +182,3 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
     return out
-
-
-def tee_rank_log(path: Path, console: bool):
-    """Send this process's stdout/stderr to `path` (and to the console for rank 0; stderr of
-    other ranks too, so failures show up)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
-
-    class Tee:
-        def __init__(self, stream, show: bool) -> None:
-            self.stream, self.show = stream, show
-
-        def write(self, s: str) -> int:
-            f.write(s)
-            if self.show:
-                self.stream.write(s)
-            return len(s)
-
-        def flush(self) -> None:
-            f.flush()
-            if self.show:
-                self.stream.flush()
-
-        def isatty(self) -> bool:
-            return self.show and self.stream.isatty()
-
-        def fileno(self) -> int:
-            return self.stream.fileno()
-
-    saved = sys.stdout, sys.stderr
-    sys.stdout = Tee(saved[0], console)
-    sys.stderr = Tee(saved[1], True)
-
-    def restore() -> None:
-        sys.stdout, sys.stderr = saved
-        f.close()
-
-    return restore
