@@ -1,6 +1,7 @@
 """`stalepipe <command>`: the command-line interface. Every command has --help.
 
 Bad input prints one line (`stalepipe: error: ...`) and exits with status 2; nothing is written.
+The exit codes: `stalepipe.errors` and docs/failures.md.
 """
 
 from __future__ import annotations
@@ -434,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.fn(args, extra) or 0
     except UserError as e:
         print(f"stalepipe: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         print("stalepipe: interrupted; the last checkpoint is kept", file=sys.stderr)
         return 130
