@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from stalepipe.config import ConfigError, ExperimentConfig, apply_overrides, config_help
-from stalepipe.errors import UserError
+from stalepipe.errors import Preempted, UserError
 from stalepipe.presets import PRESETS, get_preset
 
 
@@ -433,9 +433,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.fn(args, extra) or 0
+    except Preempted as e:  # not an error: the checkpoint is written, --resume continues
+        print(f"stalepipe: {e}", file=sys.stderr)
+        return e.exit_code
     except UserError as e:
         print(f"stalepipe: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print("stalepipe: interrupted; the last checkpoint is kept", file=sys.stderr)
+        print(
+            "stalepipe: interrupted at once; checkpoints already written are kept", file=sys.stderr
+        )
         return 130

@@ -42,6 +42,7 @@ from stalepipe.pipeline.schedule import Action, Schedule
 from stalepipe.pipeline.stage_eval import EvalData, evaluate_stage
 from stalepipe.pipeline.stage_update import StageUpdates, UpdateReport
 from stalepipe.pipeline.tied import TIED_HEAD, TIED_NAME, TiedWeights
+from stalepipe.pipeline.votes import StepVotes
 
 Batches = tuple[list[torch.Tensor], list[torch.Tensor]]
 
@@ -53,6 +54,10 @@ class Plan(Protocol):
     def logs(self, step: int) -> bool: ...
     def evaluates(self, step: int) -> bool: ...
     def is_sync_point(self, step: int) -> bool: ...
+    def requests(self) -> int: ...
+    def agree(self, step: int, bits: int) -> None: ...
+    @property
+    def stop_step(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,8 @@ class StageExecutor:
         plan: the run's LR schedule and its log / eval / checkpoint steps.
         evaluation: the validation batches (`evaluate`), or None for a run that never evaluates.
         tied_versions: older versions of a tied matrix the last stage still reads (resume).
+        votes: how the processes agree on a step to checkpoint or stop at (`pipeline.votes`);
+            None: the plan's own steps only.
     """
 
     LOOKAHEAD = 4
@@ -133,11 +140,12 @@ class StageExecutor:
         plan: Plan,
         evaluation: EvalData | None = None,
         tied_versions: dict[int, torch.Tensor] | None = None,
+        votes: StepVotes | None = None,
     ) -> None:
         self.io, self.layout, self.delayed, self.sched, self.plan = (
             io, layout, delayed, sched, plan,
         )  # fmt: skip
-        self.evaluation = evaluation
+        self.evaluation, self.votes = evaluation, votes
         self.module, self.stage, self.comm = io.module, io.stage, io.comm
         self.P, self.m = sched.num_stages, sched.num_microbatches
         self.first, self.last = self.stage == 0, self.stage == self.P - 1
@@ -194,6 +202,8 @@ class StageExecutor:
                 self._grad.keys.append((a.step, a.microbatch))
         for a in actions:
             assert a.stage == self.stage, a
+            if (stop := self.plan.stop_step) is not None and a.step > stop:
+                continue  # the run ends after update `stop` (pipeline.votes)
             self._prefetch()
             if a.kind == "F":
                 self.forward(a.step, a.microbatch, a.reads)
@@ -212,7 +222,7 @@ class StageExecutor:
             self._drop_tied()
         self.updates.drain(all_=True)
         yield from self._take_reports()
-        self.comm.flush_sends()
+        self.settle()
 
     def _take_reports(self) -> Iterator[UpdateReport]:
         while self.updates.reports:
@@ -384,6 +394,8 @@ class StageExecutor:
 
     def post_step(self, step: int) -> None:
         """STEP: complete step `step`'s gradient and start the exchanges its update needs."""
+        if self.votes is not None and (outcome := self.votes.decide(step)) is not None:
+            self._agree(*outcome)
         while self.updates.pending:  # one update in flight at a time: updates apply in order
             self.apply_next()
         grads = self._grads.pop(step, {})
@@ -398,6 +410,25 @@ class StageExecutor:
             self.apply_all()
             if self.plan.is_sync_point(step):
                 self.updates.drain(all_=True)
+        if self.votes is not None:
+            self.votes.start(step, self.plan.requests())
+
+    def _agree(self, step: int, bits: int) -> None:
+        """Every process agreed on `bits` after update `step`; drop the receives of later
+        steps not posted yet when the run ends there."""
+        self.plan.agree(step, bits)
+        if (stop := self.plan.stop_step) is not None:
+            for ch in (self._act, self._grad):
+                ch.keys = deque(k for k in ch.keys if k[0] <= stop)
+
+    def settle(self) -> None:
+        """Finish this process's part of the communication of the steps run so far (before
+        the run ends early): sends delivered, votes completed."""
+        if (stop := self.plan.stop_step) is not None:
+            self.tied.receive_up_to(stop + 1)  # the owner sent W_{stop+1} if the head reads it
+        self.comm.flush_sends()
+        if self.votes is not None:
+            self.votes.close()
 
     def apply_next(self) -> None:
         """Apply the oldest posted update, then send a tied version the last stage reads."""

@@ -81,6 +81,16 @@ class TiedWeights:
         what = f"tied embedding version {self._expect}"
         self._recv = self.comm.recv([buf], self._owner_peer, "tied_w", what)
 
+    def receive_up_to(self, version: int) -> None:
+        """The head takes every version up to `version` that the owner has sent: before a run
+        ends early, so that no send stays undelivered."""
+        if self.role != "head":
+            return
+        while (self._recv is not None and self._expect <= version) or (
+            self._recv is None and self._to_receive and self._to_receive[0] <= version
+        ):
+            self._receive_next()
+
     def drop_older_than(self, floor: int) -> None:
         """Forget versions below `floor` (stashed graphs keep their own leaves)."""
         for v in [v for v in self.versions if v < floor]:

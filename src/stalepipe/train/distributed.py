@@ -104,6 +104,16 @@ def mean_across_ranks(value: float, ctx: DistContext, device: torch.device) -> f
     return (t / ctx.world_size).item()
 
 
+def or_across_ranks(bits: int, ctx: DistContext, device: torch.device, width: int = 8) -> int:
+    """The bitwise OR of a per-rank integer's low `width` bits (any rank's request becomes
+    every rank's): one MAX all-reduce over the bits."""
+    if not ctx.enabled:
+        return bits
+    t = torch.tensor([(bits >> i) & 1 for i in range(width)], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return sum(int(b) << i for i, b in enumerate(t.tolist()))
+
+
 def on_main(fn: Callable[[], T], ctx: DistContext) -> T:
     """Run `fn` on rank 0 only and share its result; a UserError raised there is raised on
     every rank, so no rank waits forever for one that gave up."""

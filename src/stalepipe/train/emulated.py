@@ -38,6 +38,7 @@ from stalepipe.train.distributed import (
     allreduce_grads_,
     mean_across_ranks,
     on_main,
+    or_across_ranks,
     shard_rows,
 )
 from stalepipe.train.engine import StepPlan, StepResult
@@ -143,7 +144,11 @@ class EmulatorEngine:
             # MoE: router load / aux losses since the last log line ({} for dense models)
             router = self.model.router_stats(per_expert=per_expert) if plan.logs(step) else {}
             lr = self.optimizer.param_groups[0]["lr"]
+            # One process acts at once; replicas agree through one small collective.
+            plan.agree(step, or_across_ranks(plan.requests(), ctx, self.device))
             yield StepResult(step, loss, grad_norm, tau, lr, router)
+            if plan.stops(step):
+                return
 
     def evaluate(self) -> float:
         tc = self.cfg.train

@@ -16,7 +16,7 @@ are collective); only the main process writes metrics and shows progress.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -24,14 +24,26 @@ from typing import Protocol
 from stalepipe.config import TrainConfig
 from stalepipe.optim.schedules import lr_multiplier
 
+# Requests a process makes to the whole run (bits of an int, OR-ed across processes).
+STOP = 1  # a signal asked the run to stop: checkpoint, then end (train.interrupts)
+CHECKPOINT = 2  # the checkpoint clock (train.ckpt_every_s) ran out
 
-@dataclass(frozen=True)
+
+@dataclass
 class StepPlan:
     """What happens at each step of a run: the LR multiplier and the log, eval and checkpoint
-    cadence (the last step always logs, evaluates and checkpoints). A pure function of the
-    train config, so every process of a run knows it without asking."""
+    cadence (the last step always logs, evaluates and checkpoints), a pure function of the
+    train config, so every process of a run knows it without asking.
+
+    The one exception is what the processes agree on while the run goes: `requests()` gives
+    this process's pending requests (STOP, CHECKPOINT bits), and the engine, once every process
+    has the same answer, records it with `agree(step, bits)`, before any process has reached
+    that step's update (see the engines). An agreed step then checkpoints, and a STOP ends the
+    run there."""
 
     train: TrainConfig
+    requests: Callable[[], int] = lambda: 0
+    _agreed: dict[int, int] = field(default_factory=dict)
 
     @property
     def total_steps(self) -> int:
@@ -51,12 +63,27 @@ class StepPlan:
         return self._every(self.train.eval_every, step)
 
     def checkpoints(self, step: int) -> bool:
-        return self._every(self.train.ckpt_every, step)
+        return self._every(self.train.ckpt_every, step) or step in self._agreed
 
     def is_sync_point(self, step: int) -> bool:
         """Whether the engine must pause right after update `step` (an eval or a checkpoint
         reads the weights there): asynchronous engines apply such an update at once."""
         return self.evaluates(step) or self.checkpoints(step)
+
+    def agree(self, step: int, bits: int) -> None:
+        """Record requests every process agreed to act on right after update `step`. The last
+        step checkpoints and ends anyway: a request for it (or beyond) changes nothing."""
+        if bits and step < self.total_steps - 1:
+            self._agreed[step] = self._agreed.get(step, 0) | bits
+
+    def stops(self, step: int) -> bool:
+        """Whether the run ends (early) right after update `step`'s checkpoint."""
+        return bool(self._agreed.get(step, 0) & STOP)
+
+    @property
+    def stop_step(self) -> int | None:
+        """The step the run stops after (agreed), None while none is."""
+        return min((k for k, b in self._agreed.items() if b & STOP), default=None)
 
 
 @dataclass

@@ -22,13 +22,14 @@ import torch
 
 from stalepipe.config import ExperimentConfig
 from stalepipe.data import check_vocab, ensure_prepared
-from stalepipe.errors import TrainingError
+from stalepipe.errors import Preempted, TrainingError
 from stalepipe.models import flops_per_token
 from stalepipe.optim import resolve_config
 from stalepipe.train.checkpoint import latest_checkpoint
 from stalepipe.train.distributed import init_data_parallel, local_device, on_main, shutdown
 from stalepipe.train.emulated import EmulatorEngine
 from stalepipe.train.engine import Engine, StepPlan, StepResult
+from stalepipe.train.interrupts import Interrupts
 from stalepipe.train.progress import Progress
 from stalepipe.train.rundir import MetricsWriter, open_run_dir
 
@@ -86,37 +87,45 @@ def train(
 def run_loop(
     engine: Engine, cfg: ExperimentConfig, run_dir: Path, *, is_main: bool, verbose: bool
 ) -> TrainResult:
-    """Drive `engine` from its start step to the end of the run (module docstring)."""
-    tc, plan = cfg.train, StepPlan(cfg.train)
-    start = engine.start_step
+    """Drive `engine` from its start step to the end of the run (module docstring). A signal
+    ends it early at an agreed step, after a checkpoint, with `Preempted` (train.interrupts)."""
+    tc, start = cfg.train, engine.start_step
     if verbose and engine.resumed_from is not None:
         print(f"resuming {run_dir} from step {start} ({engine.resumed_from.name})")
     metrics = MetricsWriter(run_dir, start, tc.tensorboard) if is_main else None
     meter = _Meter(cfg, start)
     progress = Progress(total=tc.steps, initial=start, enabled=tc.progress and verbose)
     losses: list[float] = []
-    val_loss = math.nan
-    try:
-        for r in engine.steps(plan):
-            if not math.isfinite(r.loss):
-                _diverged(f"non-finite loss ({r.loss})", r.step, run_dir, tc.grad_clip)
-            losses.append(r.loss)
-            record: dict[str, Any] = {"step": r.step, "loss": r.loss}
-            if plan.logs(r.step):
-                record.update(meter.log_fields(r, plan))
-            if plan.evaluates(r.step):
-                val_loss = record["val_loss"] = engine.evaluate()
+    val_loss, saved = math.nan, None
+    with Interrupts(tc.ckpt_every_s, verbose=verbose) as interrupts:
+        plan = StepPlan(tc, requests=interrupts.requests)
+        try:
+            for r in engine.steps(plan):
+                if not math.isfinite(r.loss):
+                    _diverged(f"non-finite loss ({r.loss})", r.step, run_dir, cfg)
+                losses.append(r.loss)
+                record: dict[str, Any] = {"step": r.step, "loss": r.loss}
+                if plan.logs(r.step):
+                    record.update(meter.log_fields(r, plan))
+                if plan.evaluates(r.step):
+                    val_loss = record["val_loss"] = engine.evaluate()
+                if metrics:
+                    metrics.write(record)
+                progress.update(loss=r.loss, val_loss=val_loss, tok_s=meter.tokens_per_s(r.step))
+                if plan.checkpoints(r.step):
+                    if bad := engine.nonfinite_weights():
+                        _diverged(bad, r.step, run_dir, cfg)
+                    saved = engine.checkpoint(r.step + 1)
+                    interrupts.checkpointed()
+        finally:
+            progress.close()
             if metrics:
-                metrics.write(record)
-            progress.update(loss=r.loss, val_loss=val_loss, tok_s=meter.tokens_per_s(r.step))
-            if plan.checkpoints(r.step):
-                if bad := engine.nonfinite_weights():
-                    _diverged(bad, r.step, run_dir, tc.grad_clip)
-                engine.checkpoint(r.step + 1)
-    finally:
-        progress.close()
-        if metrics:
-            metrics.close()
+                metrics.close()
+    if (stop := plan.stop_step) is not None:
+        raise Preempted(
+            f"stopped by {interrupts.signal} after {stop + 1} of {tc.steps} steps; checkpoint "
+            f"{saved or run_dir}; continue with the same command and --resume"
+        )
     return TrainResult(
         run_dir=run_dir,
         steps=tc.steps,
@@ -159,14 +168,17 @@ class _Meter:
         return out | r.router  # MoE router metrics ({} for dense models)
 
 
-def _diverged(what: str, step: int, run_dir: Path, grad_clip: float) -> None:
+def _diverged(what: str, step: int, run_dir: Path, cfg: ExperimentConfig) -> None:
     last = latest_checkpoint(run_dir)
     where = f"last good checkpoint: {last}" if last else "no checkpoint was written"
-    fix = "Lower --optim.lr" + ("" if grad_clip > 0 else " or enable --train.grad_clip")
-    raise TrainingError(
-        f"{what} at step {step}; {where}. {fix}, then resume from that checkpoint (--resume) "
-        f"or start over"
+    lower = f"--optim.lr {(cfg.optim.lr or 0) / 2:g}" if cfg.optim.lr else "a lower --optim.lr"
+    clip = "" if cfg.train.grad_clip > 0 else " --train.grad_clip 1.0"
+    again = (
+        f"continue from it with the same command and --resume {lower}{clip}"
+        if last
+        else f"start over with --overwrite {lower}{clip}"
     )
+    raise TrainingError(f"{what} at step {step}; {where}; {again}")
 
 
 def peak_flops(cfg: ExperimentConfig) -> float:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from stalepipe.config import ConfigError, ExperimentConfig
 from stalepipe.data import EVAL_SEED, TokenLoader, check_vocab, ensure_prepared
 from stalepipe.delay import DelayedOptimizer, DelaySchedule
+from stalepipe.errors import Preempted
 from stalepipe.models import Transformer, build_stage, partition
 from stalepipe.optim import build_optimizer
 from stalepipe.optim.schedules import set_peak_lr
@@ -42,6 +43,7 @@ from stalepipe.pipeline.schedule import Schedule, validate
 from stalepipe.pipeline.stage import ModelLayout, StageExecutor, StageIO
 from stalepipe.pipeline.stage_eval import EvalData
 from stalepipe.pipeline.tied import TIED_HEAD, TIED_NAME
+from stalepipe.pipeline.votes import StepVotes, lookahead
 from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from stalepipe.train.engine import StepPlan, StepResult
 from stalepipe.train.loop import TrainResult, run_loop, with_resolved_optim
@@ -144,6 +146,11 @@ def run_worker(
         comm.barrier("the end of training")
         dist.destroy_process_group()
         return engine.worker_result(result if rank == 0 else None)
+    except Preempted as e:  # every rank stops alike: rank 0 says so
+        if rank == 0:
+            print(f"stalepipe: {e}", file=sys.stderr, flush=True)
+        e.stalepipe_logged = True  # type: ignore[attr-defined]
+        raise
     except BaseException as e:
         # Into this rank's log while stdout/stderr still go there; main_worker does the rest.
         print(f"stalepipe: error: {error_line(e, rank)}", file=sys.stderr, flush=True)
@@ -223,6 +230,8 @@ class PipelineEngine:
             self._resume(ckpt)
         if len(self.sched.ranks[0]) * P <= 20000:
             validate(self.sched)
+        # collective (a process group): every process builds its engine at the same point
+        self.votes = StepVotes(comm, max(lookahead(list(acts)) for acts in self.sched.ranks))
         self.executor: StageExecutor | None = None
         self.val_losses: dict[int, float] = {}
         self.losses: list[tuple[int, float]] = []
@@ -279,7 +288,14 @@ class PipelineEngine:
             per_expert=cfg.model.num_experts * cfg.model.num_layers <= 64,
         )
         return StageExecutor(
-            io, layout, self.delayed, self.sched, plan, self._eval_data(), self.tied_versions
+            io,
+            layout,
+            self.delayed,
+            self.sched,
+            plan,
+            self._eval_data(),
+            self.tied_versions,
+            self.votes,
         )
 
     def _batch_reader(self):
@@ -326,6 +342,9 @@ class PipelineEngine:
             self.losses.append((r.step, r.loss))
             tau = self.sched.delay.taus(r.step)
             yield StepResult(r.step, r.loss, r.grad_norm, tau, r.lr, r.router)
+            if plan.stops(r.step):  # checkpointed: end here, with every peer (pipeline.votes)
+                self.executor.settle()
+                return
 
     def evaluate(self) -> float:
         assert self.executor is not None
