@@ -13,10 +13,15 @@ stages re-splits it by parameter name (`resplit_state`: `stage_state` for one ru
 `emulator_state` for the emulator). Re-splitting is defined when every stage has the same delay
 (sync, 2bw, fixed:N: each stage keeps the same versions and the trajectory does not depend on
 the split); pipedream and wpipe across different splits are refused (`check_resplit`).
+
+Rank 0 waits for the other stages' parts on the filesystem (`wait_part`); the wait also reads
+the run's failure records (`pipeline.comm.Failure`), so a stage that died instead of writing
+its part stops rank 0 within `FAILURE_POLL_S`, not after `pipeline.timeout_s`.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +30,10 @@ import torch
 from stalepipe.delay import DelayedOptimizer, DelaySchedule
 from stalepipe.errors import CheckpointError
 from stalepipe.fileio import torch_save_atomic
+from stalepipe.pipeline.comm import PeerError, Topology, first_failure, peer_error, run_store
 
 PARTS_DIR = "parts"
+FAILURE_POLL_S = 0.1  # how often a wait for a part reads the run's failure records
 
 
 def part_path(run_dir: Path, step: int, stage: int) -> Path:
@@ -38,6 +45,43 @@ def save_part(run_dir: Path, step: int, stage: int, part: dict[str, Any]) -> Pat
     path = part_path(run_dir, step, stage)
     path.parent.mkdir(parents=True, exist_ok=True)
     return torch_save_atomic(path, part)
+
+
+def wait_part(
+    run_dir: Path,
+    step: int,
+    stage: int,
+    topo: Topology,
+    timeout_s: float,
+    store: Any = None,
+    rank: int = 0,
+) -> dict[str, Any]:
+    """Wait (on `rank`, the merging rank 0) until stage `stage` wrote its part of step `step`,
+    then load it. Raises `PeerError` naming the failed rank as soon as any rank of the run has
+    a failure record in `store` (default: `comm.run_store()`): the stage itself, a neighbour
+    that saw it die, or the launcher for a killed one; naming the stage after `timeout_s`
+    without its part (a hung stage)."""
+    store = run_store() if store is None else store
+    path = part_path(run_dir, step, stage)
+    what = f"the checkpoint part of stage {stage} at step {step}"
+    peer = topo.rank(stage)
+    start = time.monotonic()
+    next_check = start
+    while not path.exists():
+        now = time.monotonic()
+        if now >= next_check:
+            if (f := first_failure(store)) is not None and f.rank != rank:
+                root = f.root if f.root not in (None, rank) else f.rank
+                raise peer_error(topo, rank, root, what, timeout_s, f.line)
+            next_check = now + FAILURE_POLL_S
+        if now - start > timeout_s:
+            raise PeerError(
+                f"{topo.describe(rank)}: {topo.describe(peer)} did not write its checkpoint "
+                f"part {path} within {timeout_s:g}s",
+                peer,
+            )
+        time.sleep(0.02)
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _group_key(g: dict[str, Any], i: int) -> Any:

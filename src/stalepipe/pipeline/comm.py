@@ -15,18 +15,26 @@ in the same order (the schedule's (step, microbatch) order), so messages need no
   on one channel go out as one `batch_isend_irecv`.
 
 Timeouts. Every wait has a deadline (`pipeline.timeout_s`); a dead peer (gloo notices a closed
-connection at once) or a silent one (deadline) raises `PeerError` naming the peer rank, and the
-runtime then exits non-zero. The first failure is also written to the rendezvous store so that
-other ranks can name the root cause.
+connection at once, when an operation is posted or while it is waited for) or a silent one
+(deadline) raises `PeerError` naming the peer rank, and the runtime then exits non-zero.
+
+Failure records. The run's rendezvous store (`run_store`: hosted by the launcher, by torchrun's
+agent, or else by rank 0) holds one `Failure` per failed rank and the run's first one: a rank
+that raises records its one line (`report_failure`), and the spawning launcher records a rank
+that died without one (killed). Waits that cannot name a peer by themselves (collectives, the
+checkpoint parts rank 0 waits for) read them: a dead peer is named within a fraction of a second
+instead of after `pipeline.timeout_s`, and the launcher names the rank that stopped first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
+import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -35,10 +43,19 @@ import torch.distributed as dist
 CHANNELS = ("act", "grad", "eval", "tied_grad", "tied_w", "eval_loss")
 _TAGS = {name: i + 1 for i, name in enumerate(CHANNELS)}
 FAILURE_KEY = "stalepipe/first_failure"
+# torchrun's contract with env:// rendezvous: the launcher (torchrun's agent, or ours) hosts the
+# store and every rank, rank 0 included, joins it as a client.
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+RECORD_WAIT_S = 1.0  # how long a failed collective waits for a peer's record to name it
 
 
 class PeerError(RuntimeError):
-    """A peer rank died, hung past the timeout, or the communication with it failed."""
+    """A peer rank died, hung past the timeout, or the communication with it failed. `peer` is
+    the rank it names (None when a collective failed and no peer recorded why)."""
+
+    def __init__(self, message: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
 
 
 @dataclass(frozen=True)
@@ -84,18 +101,26 @@ def init_from_env(backend: str, timeout_s: float) -> tuple[int, int, int]:
     """Join the process group torchrun (or `train.launch.launch_train`) describes in the environment
     (env:// rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE). Returns
     (rank, world_size, local_rank)."""
+    global _store
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # What env:// does, keeping the store: the failure records live in it (`run_store`).
+        hosted = os.environ.get(AGENT_STORE_ENV) == str(True)
+        _store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=rank == 0 and not hosted,
+            timeout=timeout,
+            multi_tenant=rank == 0 and not hosted,
+        )
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = torch.device("cuda", local_rank)
         dist.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            **kwargs,
+            backend, store=_store, rank=rank, world_size=world, timeout=timeout, **kwargs
         )
     return rank, world, local_rank
 
@@ -176,32 +201,42 @@ class Comm:
     def peer_rank(self, stage: int) -> int:
         return self.topo.rank(stage, self.replica)
 
-    def peer_error(self, peer: int, what: str, cause: object) -> PeerError:
-        reason = str(cause).strip().splitlines()[0][:200] if str(cause) else type(cause).__name__
-        msg = (
-            f"{self.topo.describe(self.rank)}: {self.topo.describe(peer)} failed or stopped "
-            f"responding while waiting for {what} (timeout {self.timeout.total_seconds():g}s): "
-            f"{reason}"
+    def peer_error(self, peer: int | None, what: str, cause: object) -> PeerError:
+        """The `PeerError` of this rank when waiting for `what` from `peer` (None: a
+        collective) failed with `cause`. It names the rank the run's first failure record
+        blames when one comes within RECORD_WAIT_S (a neighbour that stopped because of
+        another rank, or a collective, would name the wrong rank or none), else `peer`."""
+        timeout_s = self.timeout.total_seconds()
+        f = wait_failure(run_store(), RECORD_WAIT_S, self.rank)
+        if f is not None and f.root not in (None, self.rank):
+            return peer_error(self.topo, self.rank, f.root, what, timeout_s, f.line, via=peer)
+        if peer is not None:
+            return peer_error(self.topo, self.rank, peer, what, timeout_s, cause)
+        return PeerError(
+            f"{self.topo.describe(self.rank)}: a peer failed or stopped responding during {what} "
+            f"(timeout {timeout_s:g}s): {_reason(cause)}"
         )
-        return PeerError(msg)
 
-    def _p2p(self, op: str, tensors: list[torch.Tensor], peer: int, channel: str) -> list:
+    def _p2p(self, op: str, tensors: list[torch.Tensor], peer: int, channel: str, what: str):
         if self.backend == "nccl":
             src, dst = (self.rank, peer) if op == "send" else (peer, self.rank)
             group = self._groups[(channel, src, dst)]
-            fn = dist.isend if op == "send" else dist.irecv
-            ops = [dist.P2POp(fn, t, peer, group) for t in tensors]
-            return dist.batch_isend_irecv(ops)
-        tag = _TAGS[channel]
         fn = dist.isend if op == "send" else dist.irecv
-        return [fn(t, peer, tag=tag) for t in tensors]
+        try:  # posting fails at once when gloo already saw the peer's connection close
+            if self.backend == "nccl":
+                return dist.batch_isend_irecv([dist.P2POp(fn, t, peer, group) for t in tensors])
+            return [fn(t, peer, tag=_TAGS[channel]) for t in tensors]
+        except Exception as e:  # RuntimeError or DistBackendError, as in Pending.wait
+            raise self.peer_error(peer, what, e) from None
 
     def send(self, tensors: list[torch.Tensor], peer: int, channel: str, what: str) -> Pending:
         """Asynchronous send; the tensors are kept alive until the send completed. The
         returned `Pending` may be waited on (it is also waited by `flush_sends`)."""
         tensors = [t.detach().contiguous() for t in tensors]
-        works = self._p2p("send", tensors, peer, channel)
-        pending = Pending(works, tensors, peer, f"the send of {what}", self)
+        what = f"the send of {what}"
+        pending = Pending(
+            self._p2p("send", tensors, peer, channel, what), tensors, peer, what, self
+        )
         self._sends.append(pending)
         while self._sends and self._sends[0].done():
             self._sends.popleft().wait()
@@ -209,48 +244,51 @@ class Comm:
 
     def recv(self, tensors: list[torch.Tensor], peer: int, channel: str, what: str) -> Pending:
         """Post asynchronous receives into `tensors`; `.wait()` returns them."""
-        return Pending(self._p2p("recv", tensors, peer, channel), tensors, peer, what, self)
+        works = self._p2p("recv", tensors, peer, channel, what)
+        return Pending(works, tensors, peer, what, self)
 
     def flush_sends(self) -> None:
         """Wait until every send went out (before a checkpoint or the exit)."""
         while self._sends:
             self._sends.popleft().wait()
 
-    def all_gather(self, t: torch.Tensor) -> tuple[Any, list[torch.Tensor]]:
+    def all_gather(
+        self, t: torch.Tensor, what: str = "the per-step exchange of gradient norms and losses"
+    ) -> tuple[Any, list[torch.Tensor]]:
         """Start an all-gather of `t` over this replica's pipeline; wait with `wait_work`."""
         P = self.topo.num_stages
         if self.pipe_group is None or P == 1:
             return None, [t]
         out = [torch.empty_like(t) for _ in range(P)]
-        work = dist.all_gather(out, t, group=self.pipe_group, async_op=True)
+        try:
+            work = dist.all_gather(out, t, group=self.pipe_group, async_op=True)
+        except Exception as e:
+            raise self.peer_error(None, what, e) from None
         return work, out
 
     def all_reduce_mean(self, t: torch.Tensor) -> None:
         """Average `t` in place over the data-parallel replicas of this stage."""
         if self.dp_group is None:
             return
-        work = dist.all_reduce(t, group=self.dp_group, async_op=True)
-        self.wait_work(work, "the data-parallel gradient all-reduce", None)
+        what = "the data-parallel gradient all-reduce"
+        try:
+            work = dist.all_reduce(t, group=self.dp_group, async_op=True)
+        except Exception as e:
+            raise self.peer_error(None, what, e) from None
+        self.wait_work(work, what, None)
         t.div_(self.topo.data_parallel)
 
     def wait_work(self, work: Any, what: str, peer: int | None) -> None:
+        """Wait for a collective's `work` (None: nothing to wait for); a failure or the
+        deadline raises `PeerError` naming `peer`, or the rank a failure record names."""
         if work is None:
             return
         try:
             ok = work.wait(self.timeout)
         except Exception as e:
-            raise self._group_error(what, e, peer) from None
+            raise self.peer_error(peer, what, e) from None
         if ok is False:
-            raise self._group_error(what, "timed out", peer)
-
-    def _group_error(self, what: str, cause: object, peer: int | None) -> PeerError:
-        if peer is not None:
-            return self.peer_error(peer, what, cause)
-        reason = str(cause).strip().splitlines()[0][:200] if str(cause) else type(cause).__name__
-        return PeerError(
-            f"{self.topo.describe(self.rank)}: a peer failed or stopped responding during {what} "
-            f"(timeout {self.timeout.total_seconds():g}s): {reason}"
-        )
+            raise self.peer_error(peer, what, "timed out")
 
     def barrier(self, what: str, timeout_s: float | None = None) -> None:
         """A barrier that names the ranks that did not arrive (gloo's monitored barrier)."""
@@ -263,31 +301,118 @@ class Comm:
             else:
                 dist.barrier(device_ids=[self.device.index or 0])
         except Exception as e:
-            raise self._group_error(what, e, None) from None
-
-    # ---- failure reporting -------------------------------------------------------------------
+            raise self.peer_error(None, what, e) from None
 
 
-def _default_store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
+def _reason(cause: object) -> str:
+    text = str(cause).strip()
+    return text.splitlines()[0][:200] if text else type(cause).__name__
 
 
-def report_failure(store: Any, message: str) -> None:
+def peer_error(
+    topo: Topology,
+    rank: int,
+    peer: int,
+    what: str,
+    timeout_s: float,
+    cause: object,
+    via: int | None = None,
+) -> PeerError:
+    """The one `PeerError` wording: `rank` stopped because `peer` failed or stopped
+    responding while it waited for `what` (from `via`, when another rank than `peer`)."""
+    src = f" from {topo.describe(via)}" if via is not None and via != peer else ""
+    return PeerError(
+        f"{topo.describe(rank)}: {topo.describe(peer)} failed or stopped responding while "
+        f"waiting for {what}{src} (timeout {timeout_s:g}s): {_reason(cause)}",
+        peer,
+    )
+
+
+# ---- failure records --------------------------------------------------------------------------
+
+_store: Any = None  # the store `init_from_env` joined (or `run_store` connected to)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One rank's failure as the run's store records it.
+
+    kind: "peer" (it stopped because `peer` failed; None: a collective, peer unknown),
+    "error" (it failed by itself: bad input, divergence, a bug), "exit" (the launcher saw it
+    die without a record: killed, or crashed in C). `line` is what the rank printed."""
+
+    rank: int
+    kind: str
+    line: str
+    peer: int | None = None
+    code: int | None = None  # its exit status, when known
+
+    @property
+    def root(self) -> int | None:
+        """The rank this failure blames: the peer of a peer failure, else the rank itself."""
+        return self.peer if self.kind == "peer" else self.rank
+
+
+def run_store() -> Any:
+    """The run's rendezvous store, where failures are recorded: the one `init_from_env`
+    joined; before that, a new client when a launcher hosts it (`AGENT_STORE_ENV`); else None."""
+    global _store
+    if _store is None and os.environ.get(AGENT_STORE_ENV) == str(True):
+        with contextlib.suppress(Exception):
+            _store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=datetime.timedelta(seconds=10),
+            )
+    return _store
+
+
+def _failure_key(rank: int) -> str:
+    return f"stalepipe/failure/{rank}"
+
+
+def report_failure(store: Any, failure: Failure) -> None:
+    """Record `failure` as its rank's, and as the run's first unless one is recorded already.
+    Never raises: a dead store only means that nobody reads it."""
     if store is None:
         return
+    text = json.dumps(asdict(failure))
     with contextlib.suppress(Exception):
-        store.compare_set(FAILURE_KEY, "", message)
+        store.set(_failure_key(failure.rank), text)
+        store.compare_set(FAILURE_KEY, "", text)
 
 
-def first_failure(store: Any) -> str | None:
-    if store is None:
-        return None
+def _read(store: Any, key: str) -> Failure | None:
     try:
-        if store.check([FAILURE_KEY]):
-            return store.get(FAILURE_KEY).decode(errors="replace") or None
+        if not store.check([key]):
+            return None
+        raw = store.get(key).decode(errors="replace")
+        return Failure(**json.loads(raw)) if raw else None
     except Exception:
         return None
-    return None
+
+
+def first_failure(store: Any) -> Failure | None:
+    """The run's first recorded failure (None: none, or no store)."""
+    return None if store is None else _read(store, FAILURE_KEY)
+
+
+def rank_failure(store: Any, rank: int) -> Failure | None:
+    """What `rank` recorded when it failed (None: nothing, or no store)."""
+    return None if store is None else _read(store, _failure_key(rank))
+
+
+def wait_failure(store: Any, wait_s: float, rank: int) -> Failure | None:
+    """The first failure recorded by a rank other than `rank`, waiting up to `wait_s` for one
+    (a peer that failed this moment records it a few milliseconds later)."""
+    if store is None:
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        f = first_failure(store)
+        if f is not None and f.rank != rank:
+            return f
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)

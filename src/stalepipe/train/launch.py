@@ -1,36 +1,52 @@
 """`stalepipe train --pipeline.engine distributed` on one machine: open the run directory,
-spawn one process per (stage, replica) and supervise them (`pipeline.processes.supervise`). Under
-torchrun the process is already one of the workers and runs it directly."""
+host the run's store, spawn one process per (stage, replica) and supervise them
+(`pipeline.processes.supervise`). Under torchrun the process is already one of the workers and
+runs it directly (`main_worker`).
+
+Each spawned worker tees its output into its rank log first thing (`train.ranklog`), and every
+worker ends through `run_rank`: on a failure it records its one line in the run's store (so the
+other ranks and the launcher name it), prints it (and a bug's traceback) into its log, and exits
+with the status docs/runtime.md lists: `UserError.exit_code` (2 bad input, 4 training failed,
+75 preempted), `EXIT_PEER` when a peer failed, `EXIT_BUG` for anything else.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import multiprocessing as mp
 import os
 import sys
-
-import torch.distributed as dist
+import traceback
+from collections.abc import Callable
+from pathlib import Path
 
 from stalepipe.config import ExperimentConfig
 from stalepipe.data import check_vocab, ensure_prepared
-from stalepipe.errors import UserError
+from stalepipe.errors import EXIT_BUG, EXIT_PEER, EXIT_PREEMPTED, Preempted, UserError
 from stalepipe.optim import resolve_config
-from stalepipe.pipeline.comm import PeerError, under_torchrun
-from stalepipe.pipeline.processes import free_port, supervise
+from stalepipe.pipeline.comm import (
+    Failure,
+    PeerError,
+    Topology,
+    first_failure,
+    report_failure,
+    run_store,
+    under_torchrun,
+)
+from stalepipe.pipeline.processes import EXIT_INTERRUPTED, host_store, supervise, worker_env
+from stalepipe.train.checkpoint import latest_checkpoint
 from stalepipe.train.pipelined import PREPARED_ENV, check_config, error_line, run_worker
+from stalepipe.train.ranklog import log_header, log_only, rank_log_path, tee_rank_log
 from stalepipe.train.rundir import open_run_dir
-
-
-def _child(cfg: ExperimentConfig, rank: int, env: dict[str, str], resume: bool, verbose: bool):
-    os.environ.update(env)
-    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
-    sys.exit(main_worker(cfg, resume=resume, overwrite=False, verbose=verbose))
 
 
 def launch_train(
     cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False, verbose: bool = True
 ) -> int:
-    """Run `cfg` on the distributed engine; returns the exit status (0 = success)."""
+    """Run `cfg` on the distributed engine; returns the exit status (0 = success,
+    `EXIT_PREEMPTED` after a forwarded SIGTERM / SIGUSR1 stopped every rank with a
+    checkpoint); a failed rank raises `TrainingError` (or `UserError`) naming it."""
     if under_torchrun():
         return main_worker(cfg, resume=resume, overwrite=overwrite, verbose=verbose)
     check_config(cfg)
@@ -38,51 +54,134 @@ def launch_train(
     check_vocab(data_dir, cfg.model.vocab_size)
     cfg = dataclasses.replace(cfg, optim=resolve_config(cfg.optim))
     run_dir = open_run_dir(cfg, resume=resume, overwrite=overwrite)
-    world = cfg.pipeline.num_stages * cfg.pipeline.data_parallel
-    env = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        PREPARED_ENV: "1",
-    }
+    pc = cfg.pipeline
+    topo = Topology(pc.num_stages, pc.data_parallel)
+    jobs = [(_train_rank, (cfg, resume, verbose))] * topo.world_size
+    return spawn_ranks(jobs, run_dir, pc.timeout_s, topo=topo, console=verbose)
+
+
+def spawn_ranks(
+    jobs: list[tuple[Callable, tuple]],
+    run_dir: Path,
+    timeout_s: float,
+    *,
+    topo: Topology | None = None,
+    console: bool = True,
+) -> int:
+    """Host the run's store, spawn rank r running `jobs[r]` = (fn, args) (a module-level
+    function, as spawn pickles it) through `run_rank`, teeing into its rank log under
+    `run_dir`, and supervise them (`pipeline.processes.supervise`: its return value, or its
+    error naming the rank that stopped first). After a preemption (`EXIT_PREEMPTED`) prints
+    the one line saying where the checkpoint is and that `--resume` continues."""
+    world = len(jobs)
+    store = host_store()
+    env = {**worker_env(store, world), PREPARED_ENV: "1"}
     ctx = mp.get_context("spawn")
     procs = [
-        ctx.Process(target=_child, args=(cfg, r, env, resume, verbose), name=f"stalepipe-rank{r}")
-        for r in range(world)
+        ctx.Process(
+            target=_child,
+            args=(r, env, Path(run_dir), console and r == 0, fn, args),
+            name=f"stalepipe-rank{r}",
+        )
+        for r, (fn, args) in enumerate(jobs)
     ]
     for p in procs:
         p.start()
-    return supervise(procs, run_dir, cfg.pipeline.timeout_s)
+
+    def kept() -> str:
+        last = latest_checkpoint(run_dir)
+        if last is None:
+            return "no checkpoint was written"
+        return f"the last complete checkpoint {last} stays loadable (--resume)"
+
+    code = supervise(
+        procs,
+        timeout_s,
+        log_path=functools.partial(rank_log_path, run_dir),
+        store=store,
+        topo=topo,
+        checkpoint_note=kept,
+    )
+    if code == EXIT_PREEMPTED:
+        last = latest_checkpoint(run_dir)
+        print(
+            f"stalepipe: stopped by a signal; every rank wrote its checkpoint "
+            f"({last or 'none found'}); rerun the same command with --resume to continue",
+            file=sys.stderr,
+            flush=True,
+        )
+    return code
 
 
-def main_worker(cfg: ExperimentConfig, resume: bool, overwrite: bool, verbose: bool = True) -> int:
-    """Process entry: run the worker; on any failure print one line naming the rank, record it
-    for the others, and exit non-zero without waiting for peers (no hang): 2 for bad input,
-    `launch.PEER_EXIT` when a peer failed, 1 otherwise."""
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        result = run_worker(cfg, resume=resume, overwrite=overwrite, verbose=verbose)
-    except BaseException as e:  # noqa: BLE001 - every failure must end the process
-        msg = error_line(e, rank)
-        from stalepipe.pipeline.comm import _default_store, first_failure, report_failure
-        from stalepipe.pipeline.processes import PEER_EXIT
+def _child(
+    rank: int, env: dict[str, str], run_dir: Path, console: bool, fn: Callable, args: tuple
+) -> None:
+    """A spawned worker: environment, its rank log from the first line on, then `run_rank`."""
+    os.environ.update(env)
+    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+    tee_rank_log(rank_log_path(run_dir, rank), console=console, header=log_header(rank))
+    sys.exit(run_rank(rank, fn, *args))
 
-        store = _default_store() if dist.is_initialized() else None
-        root = first_failure(store)
-        report_failure(store, msg)
-        if not getattr(e, "stalepipe_logged", False):
-            print(f"stalepipe: error: {msg}", file=sys.stderr, flush=True)
-        if root and root != msg:
-            print(f"stalepipe: first failure reported: {root}", file=sys.stderr, flush=True)
-        if not isinstance(e, PeerError | UserError):
-            import traceback
 
-            traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(2 if isinstance(e, UserError) else PEER_EXIT if isinstance(e, PeerError) else 1)
+def _train_rank(cfg: ExperimentConfig, resume: bool, verbose: bool, overwrite: bool = False) -> int:
+    result = run_worker(cfg, resume=resume, overwrite=overwrite, verbose=verbose)
     if result.result is not None and verbose:
         print(result.result.summary(), flush=True)
     return 0
+
+
+def main_worker(cfg: ExperimentConfig, resume: bool, overwrite: bool, verbose: bool = True) -> int:
+    """Process entry under torchrun: run this rank's worker through `run_rank`."""
+    rank = int(os.environ.get("RANK", "0"))
+    log = rank_log_path(Path(cfg.out_dir) / cfg.name, rank)
+    return run_rank(rank, _train_rank, cfg, resume, verbose, log=log, overwrite=overwrite)
+
+
+def run_rank(rank: int, fn: Callable, *args, log: Path | None = None, **kwargs) -> int:
+    """Run `fn(*args, **kwargs)` as rank `rank`; return its status (0 when it returns None).
+    On any failure: record it in the run's store for the other ranks and the launcher, print
+    one line (and a bug's traceback) into this rank's log (`log`, joined when it exists: under
+    torchrun the worker's own tee has ended by now) and exit at once with the documented status,
+    without waiting for peers (no hang)."""
+    try:
+        return fn(*args, **kwargs) or 0
+    except BaseException as e:  # noqa: BLE001 - every failure must end the process
+        if log is not None and log.parent.is_dir():
+            tee_rank_log(log, console=False)
+        _exit_failed(rank, e)
+
+
+def _exit_failed(rank: int, e: BaseException) -> None:
+    if isinstance(e, SystemExit) and isinstance(e.code, int | None):
+        _exit(e.code or 0)
+    if isinstance(e, KeyboardInterrupt | Preempted):
+        # Not a failure: nothing recorded. The launcher prints the run's one line.
+        what = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else str(e)
+        if rank == 0 and not os.environ.get(PREPARED_ENV):  # torchrun: nobody else says it
+            print(f"stalepipe: {what}", file=sys.stderr, flush=True)
+        else:
+            log_only(f"stalepipe: rank {rank}: {what}")
+        _exit(EXIT_INTERRUPTED if isinstance(e, KeyboardInterrupt) else EXIT_PREEMPTED)
+    msg = error_line(e, rank)
+    code = EXIT_BUG
+    if isinstance(e, UserError):
+        code = e.exit_code
+    elif isinstance(e, PeerError):
+        code = EXIT_PEER
+    store = run_store()
+    root = first_failure(store)
+    kind, peer = ("peer", e.peer) if isinstance(e, PeerError) else ("error", None)
+    report_failure(store, Failure(rank, kind, msg, peer=peer, code=code))
+    if not getattr(e, "stalepipe_logged", False):
+        print(f"stalepipe: error: {msg}", file=sys.stderr, flush=True)
+    if root is not None and root.line != msg:
+        print(f"stalepipe: first failure reported: {root.line}", file=sys.stderr, flush=True)
+    if code == EXIT_BUG:
+        traceback.print_exception(e)
+    _exit(code)
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
