@@ -123,7 +123,8 @@ def run_loop(
                 metrics.close()
     if (stop := plan.stop_step) is not None:
         raise Preempted(
-            f"stopped by {interrupts.signal} after {stop + 1} of {tc.steps} steps; checkpoint "
+            f"stopped by {interrupts.signal or 'a signal to another process'} after {stop + 1} of "
+            f"{tc.steps} steps; checkpoint "
             f"{saved or run_dir}; continue with the same command and --resume"
         )
     return TrainResult(
