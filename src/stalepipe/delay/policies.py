@@ -176,8 +176,11 @@ class DelaySchedule:
         return len(set(self.max_tau)) == 1
 
     def in_sync_window(self, step: int) -> bool:
-        """True when `step` lies in the synchronous start or the synchronous cooldown."""
-        return step < self.sync_start or step >= self.total_steps - self.cooldown
+        """True when `step` lies in the synchronous start or the synchronous cooldown (a
+        cooldown runs on past the end; without one, steps past the end are delayed)."""
+        return step < self.sync_start or (
+            self.cooldown > 0 and step >= self.total_steps - self.cooldown
+        )
 
     def tau(self, stage: int, step: int) -> int:
         """tau_s(k): how many steps old the weights of `stage` are when step `step`'s
@@ -209,11 +212,15 @@ class DelaySchedule:
         if a future gradient is computed at it. Steps beyond step + max tau read W_{step+1} or
         newer, so the set has at most max tau elements: a stage keeps at most tau + 1 versions
         in all, and none inside sync windows that no delayed step follows.
+
+        Steps past the end of the run count too (as delayed steps, unless a cooldown runs to
+        the end): the final checkpoint keeps what a longer run would read, so it can be
+        extended (`train.resume`).
         """
         stages = list(stages)
         depth = max((self.max_tau[s] for s in stages), default=0)
         needed = set()
-        for j in range(step + 1, min(step + depth, self.total_steps - 1) + 1):
+        for j in range(step + 1, step + depth + 1):
             for s in stages:
                 v = self.version(s, j)
                 if v <= step:

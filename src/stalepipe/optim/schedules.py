@@ -6,7 +6,9 @@ so composite optimizers (Muon's matrix and AdamW groups, say) follow one schedul
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -53,3 +55,13 @@ def apply_lr(optimizer: torch.optim.Optimizer, mult: float) -> None:
     """Set every group's LR to `peak_lr * mult`."""
     for group in optimizer.param_groups:
         group["lr"] = group["peak_lr"] * mult
+
+
+@contextlib.contextmanager
+def config_peak_lr(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Keep the groups' current peak LR (the config's) across loading an optimizer state,
+    which would restore the saved ones: a run resumed with a new `--optim.lr` uses it."""
+    peaks = [group["peak_lr"] for group in optimizer.param_groups]
+    yield
+    for group, peak in zip(optimizer.param_groups, peaks, strict=True):
+        group["peak_lr"] = peak

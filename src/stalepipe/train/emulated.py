@@ -24,7 +24,7 @@ from stalepipe.data import EVAL_SEED, TokenLoader
 from stalepipe.delay import DelayEmulator, DelaySchedule
 from stalepipe.models import Transformer, build_model
 from stalepipe.optim import build_optimizer
-from stalepipe.optim.schedules import apply_lr
+from stalepipe.optim.schedules import apply_lr, config_peak_lr
 from stalepipe.pipeline.checkpoint_parts import emulator_state
 from stalepipe.train.checkpoint import (
     latest_checkpoint,
@@ -120,7 +120,8 @@ class EmulatorEngine:
             state = load_checkpoint(ckpt)
             load_model_state(self.model, state["model"], ckpt)
             # any engine's checkpoint, any split
-            self.emulator.load_state_dict(emulator_state(state, self.emulator.delayed))
+            with config_peak_lr(self.optimizer):
+                self.emulator.load_state_dict(emulator_state(state, self.emulator.delayed))
             torch.set_rng_state(state["rng"])
             self.start_step, self.resumed_from = int(state["step"]), ckpt
 

@@ -35,7 +35,7 @@ from stalepipe.delay import DelayedOptimizer, DelaySchedule
 from stalepipe.errors import Preempted
 from stalepipe.models import Transformer, build_stage, partition
 from stalepipe.optim import build_optimizer
-from stalepipe.optim.schedules import set_peak_lr
+from stalepipe.optim.schedules import config_peak_lr, set_peak_lr
 from stalepipe.pipeline import checkpoint_parts as stage_ckpt
 from stalepipe.pipeline.comm import Comm, PeerError, Topology, init_from_env, resolve_backend
 from stalepipe.pipeline.generators import one_stage_per_rank, schedule_for
@@ -254,7 +254,8 @@ class PipelineEngine:
                 self.tied_versions = {
                     v: t.to(self.device) for v, t in per_param.get(TIED_NAME, {}).items()
                 }
-        self.delayed.load_state_dict(dstate)
+        with config_peak_lr(self.optimizer):
+            self.delayed.load_state_dict(dstate)
         self.start_step, self.resumed_from = start, ckpt
 
     def _tied_role(self) -> str | None:

@@ -1,16 +1,26 @@
 """What may change when a run resumes: the config fields a checkpoint continues under.
 
-A resumed run must follow the trajectory the uninterrupted run would have followed (bit for
-bit), so only fields that do not touch it may differ from the saved config.json.
+Three kinds of change are allowed on `--resume`; everything else is refused:
+- fields that do not touch the trajectory (`RESUMABLE_CHANGES`, and the stage split where
+  every stage has the same delay): the resumed run equals the uninterrupted one bit for bit;
+- the run's length (`train.steps`, longer or shorter), when the steps already trained are
+  the same under the new length: the LR multiplier and every stage's delay agree at each of
+  them (`same_past`). Then the resumed run equals a run planned at the new length from the
+  start. So WSD and a constant LR extend from any checkpoint before the decay / cooldown
+  began, and cosine (whose every LR depends on the length) never does: start a new run from
+  the checkpoint instead (`stalepipe train --init-from RUN`);
+- `CONTINUE_CHANGES`, the fixes for a diverging run (a lower LR, clipping): from the
+  checkpoint on the run follows the new values; each invocation is recorded in meta.json.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from stalepipe.config import ConfigError
+from stalepipe.config import ConfigError, ExperimentConfig
 from stalepipe.delay import DelaySchedule
 from stalepipe.fileio import flatten_dict
+from stalepipe.optim.schedules import lr_multiplier
 
 # Fields that may differ between a run and its resumption without changing the trajectory.
 RESUMABLE_CHANGES = {
@@ -38,12 +48,23 @@ RESUMABLE_CHANGES = {
 SPLIT_CHANGES = {"pipeline.num_stages"}
 
 
-def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Dotted keys whose values differ, ignoring fields in RESUMABLE_CHANGES (and SPLIT_CHANGES
-    when the delay policy delays every stage alike)."""
+# Changes a user makes on purpose to continue a run differently (the divergence fix).
+CONTINUE_CHANGES = {"optim.lr", "optim.adam_lr", "train.grad_clip"}
+LENGTH = "train.steps"
+
+
+def config_diff(
+    saved: dict[str, Any], current: dict[str, Any], *, resumed_step: int | None = None
+) -> list[str]:
+    """Dotted keys whose values differ and may not on resume (module docstring). `resumed_step`:
+    the step of the checkpoint resumed from (None: no checkpoint, so the length may not
+    change either)."""
     a, b = flatten_dict(saved), flatten_dict(current)
     keys = sorted(set(a) | set(b))
-    diff = [k for k in keys if k not in RESUMABLE_CHANGES and a.get(k) != b.get(k)]
+    free = RESUMABLE_CHANGES | CONTINUE_CHANGES
+    diff = [k for k in keys if k not in free and a.get(k) != b.get(k)]
+    if LENGTH in diff and resumed_step is not None and same_past(saved, current, resumed_step):
+        diff.remove(LENGTH)
     if a.get("delay.policy") == b.get("delay.policy") and all(
         _same_delay_per_stage(b.get("delay.policy"), p.get(k))
         for p in (a, b)
@@ -58,3 +79,34 @@ def _same_delay_per_stage(policy: Any, num_stages: Any) -> bool:
         return DelaySchedule.build(str(policy), int(num_stages)).uniform
     except (ConfigError, TypeError, ValueError):
         return False
+
+
+def same_past(saved: dict[str, Any], current: dict[str, Any], step: int) -> bool:
+    """Whether steps 0 .. step-1 had the same LR multiplier and the same delay on every stage
+    under both configs (which may differ in `train.steps`), and `step` is inside the new run."""
+    try:
+        old, new = ExperimentConfig.from_dict(saved), ExperimentConfig.from_dict(current)
+    except ConfigError:
+        return False
+    if step >= new.train.steps:
+        return False
+    plans = [
+        DelaySchedule.from_config(c.delay, c.pipeline.num_stages, c.train.steps, c.train)
+        for c in (old, new)
+    ]
+    return all(
+        lr_multiplier(k, old.train) == lr_multiplier(k, new.train)
+        and plans[0].taus(k) == plans[1].taus(k)
+        for k in range(step)
+    )
+
+
+def changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'key: old -> new' for each CONTINUE_CHANGES field and the length that differ (what a
+    resume prints and records)."""
+    a, b = flatten_dict(saved), flatten_dict(current)
+    return [
+        f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
+        for k in sorted(CONTINUE_CHANGES | {LENGTH})
+        if a.get(k) != b.get(k)
+    ]
