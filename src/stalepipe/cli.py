@@ -87,12 +87,16 @@ def _add_train(sub: Subparsers) -> None:
     add("--name", help="run name (same as --name in the config)")
     add("--resume", action="store_true", help="continue the run from its last checkpoint")
     add("--overwrite", action="store_true", help="delete an existing run of this name first")
+    add("--init-from", metavar="RUN[@STEP]", help="start a new run from another run's newest "
+        "checkpoint (or the one of STEP, or a ckpt_*.pt file), with this run's settings; the "
+        "parent is recorded in meta.json")  # fmt: skip
     add("--print-config", action="store_true", help="print the resolved config and exit")
     p.set_defaults(fn=cmd_train)
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from stalepipe.train.loop import train
+    from stalepipe.train.resume import parent_checkpoint
 
     cfg = build_config(args.preset, args.config, parse_overrides(extra))
     if args.name:
@@ -100,11 +104,13 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.print_config:
         print(cfg.to_json())
         return 0
+    init_from = parent_checkpoint(args.init_from) if args.init_from else None
     if cfg.pipeline.engine == "distributed":  # one process per stage (docs/runtime.md)
         from stalepipe.train.launch import launch_train
 
-        return launch_train(cfg, resume=args.resume, overwrite=args.overwrite)
-    result = train(cfg, resume=args.resume, overwrite=args.overwrite)
+        branch = {"init_from": init_from} if init_from else {}  # TODO(lead): always pass
+        return launch_train(cfg, resume=args.resume, overwrite=args.overwrite, **branch)
+    result = train(cfg, resume=args.resume, overwrite=args.overwrite, init_from=init_from)
     print(
         f"done: {result.steps} steps in {result.wall_time_s:.1f}s ({result.tokens_per_s:,.0f} tok/s); "
         f"final train loss {result.final_train_loss:.4f}, val loss {result.final_val_loss:.4f}; "

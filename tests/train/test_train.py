@@ -82,8 +82,9 @@ def test_existing_run_directory_is_refused_and_untouched(tiny_config):
 
 def test_resume_with_a_different_config_is_refused(tiny_config):
     train(_with(tiny_config, train={"steps": 2}), verbose=False)
-    with pytest.raises(UserError, match="optim.lr"):
-        train(_with(tiny_config, train={"steps": 2}, optim={"lr": 0.5}), resume=True, verbose=False)
+    with pytest.raises(UserError, match="optim.weight_decay"):
+        changed = _with(tiny_config, train={"steps": 2}, optim={"weight_decay": 0.5})
+        train(changed, resume=True, verbose=False)
 
 
 def test_corrupt_checkpoint_is_reported_with_the_fix(tiny_config):

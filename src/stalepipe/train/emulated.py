@@ -27,7 +27,6 @@ from stalepipe.optim import build_optimizer
 from stalepipe.optim.schedules import apply_lr, config_peak_lr
 from stalepipe.pipeline.checkpoint_parts import emulator_state
 from stalepipe.train.checkpoint import (
-    latest_checkpoint,
     load_checkpoint,
     load_model_state,
     save_checkpoint,
@@ -84,8 +83,9 @@ def evaluate(
 class EmulatorEngine:
     """The delay emulator over the whole model in this process (one data-parallel replica).
 
-    Build it after the run directory is open; with `resume` it continues from the newest
-    checkpoint in `run_dir` (of either engine, any stage split the policy allows)."""
+    Build it after the run directory is open; it continues from `start_from`, a checkpoint
+    (`train.resume.start_checkpoint`: the run's own, or its parent's; of either engine, any
+    stage split the policy allows), or starts at step 0."""
 
     def __init__(
         self,
@@ -94,7 +94,7 @@ class EmulatorEngine:
         device: torch.device,
         data_dir: Path,
         run_dir: Path,
-        resume: bool,
+        start_from: Path | None = None,
     ) -> None:
         tc = cfg.train
         self.cfg, self.ctx, self.device, self.run_dir = cfg, ctx, device, run_dir
@@ -116,7 +116,7 @@ class EmulatorEngine:
         )
         self.autocast = autocast_for(cfg, device)
         self.start_step, self.resumed_from = 0, None
-        if resume and (ckpt := latest_checkpoint(run_dir)) is not None:
+        if (ckpt := start_from) is not None:
             state = load_checkpoint(ckpt)
             load_model_state(self.model, state["model"], ckpt)
             # any engine's checkpoint, any split

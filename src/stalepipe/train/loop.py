@@ -31,7 +31,8 @@ from stalepipe.train.emulated import EmulatorEngine
 from stalepipe.train.engine import Engine, StepPlan, StepResult
 from stalepipe.train.interrupts import Interrupts
 from stalepipe.train.progress import Progress
-from stalepipe.train.rundir import MetricsWriter, open_run_dir
+from stalepipe.train.resume import parent_meta, start_checkpoint
+from stalepipe.train.rundir import MetricsWriter, open_run_dir, read_metrics
 
 
 @dataclass
@@ -56,7 +57,12 @@ class TrainResult:
 
 
 def train(
-    cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False, verbose: bool = True
+    cfg: ExperimentConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    verbose: bool = True,
+    init_from: Path | None = None,
 ) -> TrainResult:
     """Train `cfg` with the delay emulator in `cfg.out_dir/cfg.name`. Under `torchrun` the
     ranks train one data-parallel replica each (train/distributed.py). The pipeline runtime's
@@ -74,11 +80,12 @@ def train(
         data_dir = on_main(lambda: ensure_prepared(cfg.data, progress=verbose), ctx)
         check_vocab(data_dir, cfg.model.vocab_size)
         cfg = with_resolved_optim(cfg)
-        meta = {"data_parallel_ranks": ctx.world_size}
+        meta = {"data_parallel_ranks": ctx.world_size, **parent_meta(init_from)}
         run_dir = on_main(
             lambda: open_run_dir(cfg, resume=resume, overwrite=overwrite, extra_meta=meta), ctx
         )
-        engine = EmulatorEngine(cfg, ctx, device, data_dir, run_dir, resume)
+        start = start_checkpoint(run_dir, resume=resume, init_from=init_from)
+        engine = EmulatorEngine(cfg, ctx, device, data_dir, run_dir, start)
         return run_loop(engine, cfg, run_dir, is_main=ctx.is_main, verbose=verbose)
     finally:
         shutdown(ctx)
@@ -90,6 +97,8 @@ def run_loop(
     """Drive `engine` from its start step to the end of the run (module docstring). A signal
     ends it early at an agreed step, after a checkpoint, with `Preempted` (train.interrupts)."""
     tc, start = cfg.train, engine.start_step
+    if start >= tc.steps:
+        return _finished(run_dir, tc.steps, verbose)
     if verbose and engine.resumed_from is not None:
         print(f"resuming {run_dir} from step {start} ({engine.resumed_from.name})")
     metrics = MetricsWriter(run_dir, start, tc.tensorboard) if is_main else None
@@ -135,6 +144,25 @@ def run_loop(
         train_losses=losses,
         wall_time_s=meter.elapsed(),
         tokens_per_s=meter.tokens_per_s(tc.steps - 1),
+    )
+
+
+def _finished(run_dir: Path, steps: int, verbose: bool) -> TrainResult:
+    """A resumed run that has already trained all its steps: nothing to do (requeue scripts
+    may resume a finished run); the result comes from its metrics."""
+    if verbose:
+        print(f"{run_dir} has trained all {steps} steps; a larger --train.steps extends it")
+    rows = read_metrics(run_dir)
+    losses = [r["loss"] for r in rows if "loss" in r]
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    return TrainResult(
+        run_dir=run_dir,
+        steps=steps,
+        final_train_loss=losses[-1] if losses else math.nan,
+        final_val_loss=vals[-1] if vals else math.nan,
+        train_losses=[],
+        wall_time_s=0.0,
+        tokens_per_s=0.0,
     )
 
 

@@ -44,10 +44,11 @@ from stalepipe.pipeline.stage import ModelLayout, StageExecutor, StageIO
 from stalepipe.pipeline.stage_eval import EvalData
 from stalepipe.pipeline.tied import TIED_HEAD, TIED_NAME
 from stalepipe.pipeline.votes import StepVotes, lookahead
-from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from stalepipe.train.checkpoint import load_checkpoint, save_checkpoint
 from stalepipe.train.engine import StepPlan, StepResult
 from stalepipe.train.loop import TrainResult, run_loop, with_resolved_optim
 from stalepipe.train.ranklog import tee_rank_log
+from stalepipe.train.resume import parent_meta, start_checkpoint
 from stalepipe.train.rundir import open_run_dir
 
 # Schedules the runtime executes, and the delay policy each one realises.
@@ -106,7 +107,12 @@ def runtime_schedule(cfg: ExperimentConfig, num_steps: int | None = None) -> Sch
 
 
 def run_worker(
-    cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False, verbose: bool = True
+    cfg: ExperimentConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    verbose: bool = True,
+    init_from: Path | None = None,
 ) -> WorkerResult:
     """Run this process's stage of `cfg` (environment from torchrun or `train.launch.launch_train`) through
     the training loop. Any failure exits through an exception whose message names the rank;
@@ -134,14 +140,15 @@ def run_worker(
     if rank == 0 and not os.environ.get(PREPARED_ENV):
         data_dir = ensure_prepared(cfg.data)
         check_vocab(data_dir, cfg.model.vocab_size)
-        open_run_dir(cfg, resume=resume, overwrite=overwrite)
+        open_run_dir(cfg, resume=resume, overwrite=overwrite, extra_meta=parent_meta(init_from))
     if rank == 0:  # parts of an interrupted save (maybe of another split): never merge them
         shutil.rmtree(run_dir / stage_ckpt.PARTS_DIR, ignore_errors=True)
     comm = Comm(topo, rank, backend, pc.timeout_s, device)
     comm.barrier("start-up (data preparation on rank 0)", timeout_s=max(pc.timeout_s, 3600))
     restore = tee_rank_log(run_dir / "logs" / f"rank{rank}.log", console=rank == 0 and verbose)
     try:
-        engine = PipelineEngine(cfg, comm, device, run_dir, resume)
+        start = start_checkpoint(run_dir, resume=resume, init_from=init_from)
+        engine = PipelineEngine(cfg, comm, device, run_dir, start)
         result = run_loop(engine, cfg, run_dir, is_main=rank == 0, verbose=verbose and rank == 0)
         comm.barrier("the end of training")
         dist.destroy_process_group()
@@ -194,7 +201,12 @@ class PipelineEngine:
     merges them into the stage-agnostic checkpoint of single-process training."""
 
     def __init__(
-        self, cfg: ExperimentConfig, comm: Comm, device: torch.device, run_dir: Path, resume: bool
+        self,
+        cfg: ExperimentConfig,
+        comm: Comm,
+        device: torch.device,
+        run_dir: Path,
+        start_from: Path | None = None,
     ) -> None:
         pc, tc = cfg.pipeline, cfg.train
         self.cfg, self.comm, self.device, self.run_dir = cfg, comm, device, run_dir
@@ -226,8 +238,8 @@ class PipelineEngine:
         )
         self.model_keys = list(full.state_dict())
         self.start_step, self.resumed_from, self.tied_versions = 0, None, None
-        if resume and (ckpt := latest_checkpoint(run_dir)) is not None:
-            self._resume(ckpt)
+        if start_from is not None:  # a checkpoint (train.resume.start_checkpoint)
+            self._resume(start_from)
         if len(self.sched.ranks[0]) * P <= 20000:
             validate(self.sched)
         # collective (a process group): every process builds its engine at the same point

@@ -15,12 +15,15 @@ Three kinds of change are allowed on `--resume`; everything else is refused:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from stalepipe.config import ConfigError, ExperimentConfig
 from stalepipe.delay import DelaySchedule
+from stalepipe.errors import CheckpointError
 from stalepipe.fileio import flatten_dict
 from stalepipe.optim.schedules import lr_multiplier
+from stalepipe.train.checkpoint import checkpoint_path, latest_checkpoint, list_checkpoints
 
 # Fields that may differ between a run and its resumption without changing the trajectory.
 RESUMABLE_CHANGES = {
@@ -110,3 +113,41 @@ def changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
         for k in sorted(CONTINUE_CHANGES | {LENGTH})
         if a.get(k) != b.get(k)
     ]
+
+
+def start_checkpoint(run_dir: Path, *, resume: bool, init_from: Path | None) -> Path | None:
+    """The checkpoint a run starts from: its own newest one on `--resume` (so a requeued branch
+    continues itself), else the parent's (`--init-from`), else none (a fresh start)."""
+    if resume and (own := latest_checkpoint(run_dir)) is not None:
+        return own
+    return init_from
+
+
+def parent_checkpoint(spec: str) -> Path:
+    """`--init-from` RUN_DIR (its newest checkpoint), RUN_DIR@STEP, or a checkpoint file."""
+    run, _, step = spec.partition("@")
+    path = Path(run)
+    if path.is_file():
+        return path
+    kept = list_checkpoints(path)
+    steps = ", ".join(str(int(p.stem.split("_")[1])) for p in kept) or "none"
+    if not kept:
+        raise CheckpointError(
+            f"--init-from {spec}: no checkpoint in {path} (checkpoints: none); give a run "
+            f"directory that has one, RUN@STEP, or a ckpt_XXXXXXXX.pt file"
+        )
+    if not step:
+        return kept[-1]
+    if not step.isdigit() or not checkpoint_path(path, int(step)).is_file():
+        raise CheckpointError(
+            f"--init-from {spec}: {path} has no checkpoint of step {step} (it has: {steps})"
+        )
+    return checkpoint_path(path, int(step))
+
+
+def parent_meta(init_from: Path | None) -> dict[str, Any]:
+    """What meta.json records of a branched run's parent ({} for a run of its own)."""
+    if init_from is None:
+        return {}
+    step = int(Path(init_from).stem.split("_")[-1]) if Path(init_from).stem[-1:].isdigit() else None
+    return {"parent": {"checkpoint": str(Path(init_from).resolve()), "step": step}}
