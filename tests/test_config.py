@@ -1,5 +1,7 @@
 """Config: validation messages, dotted overrides, presets, JSON round trip."""
 
+import os
+
 import pytest
 
 from stalepipe.config import ConfigError, ExperimentConfig, apply_overrides, config_help
@@ -100,7 +102,7 @@ DIST = {"pipeline.engine": "distributed"}
             [{"train.batch_size": "8"}, {"train.batch_size": "12"}],
         ),
         (
-            {"delay.sync_cooldown_wsd": "true"},
+            {"delay.policy": "2bw", "delay.sync_cooldown_wsd": "true"},
             r"delay.sync_cooldown_wsd .* train.lr_schedule is 'cosine'; set train.lr_schedule "
             r"to wsd, or delay.sync_cooldown_wsd to false",
             [{"train.lr_schedule": "wsd"}, {"delay.sync_cooldown_wsd": "false"}],
@@ -116,11 +118,168 @@ def test_cross_section_refusals_name_a_fix_that_works(overrides, match, fixes):
 
 
 def test_distributed_engine_rules_apply_to_it_alone():
-    # the emulator has no schedule: 2bw runs with any microbatch count, replicas are torchrun's
-    _cfg(**{"delay.policy": "2bw", "pipeline.schedule": "2bw", "pipeline.num_stages": "3"})
-    _cfg(**{"pipeline.data_parallel": "3", "train.num_microbatches": "2"})
-    _cfg(**{**DIST, "pipeline.schedule": "2bw", "pipeline.num_stages": "3",
+    # the emulator has no schedule: its 2bw runs with any microbatch count
+    _cfg(**{"delay.policy": "2bw", "pipeline.num_stages": "3", "train.num_microbatches": "1"})
+    _cfg(**{**DIST, "pipeline.schedule": "2bw", "delay.policy": "2bw", "pipeline.num_stages": "3",
             "train.num_microbatches": "2"})  # fmt: skip
+
+
+# ---- settings the run would ignore are refused (GUIDE 4.12) --------------------------------
+
+
+def _offered_fixes(msg: str) -> list[dict[str, str]]:
+    """'...; set a to 1 and b to 2, or c to 3' -> [{'a': '1', 'b': '2'}, {'c': '3'}]."""
+    fixes = msg.rsplit("; set ", 1)[1]
+    return [
+        dict(part.split(" to ", 1) for part in fix.split(" and ")) for fix in fixes.split(", or ")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match", "fixes"),
+    [
+        (
+            {"pipeline.schedule": "2bw"},
+            r"^pipeline.schedule 2bw is run only by the distributed engine; the emulator "
+            r"\(pipeline.engine emulate\) ignores it and takes the delay from delay.policy "
+            r"\(sync\); set delay.policy to 2bw and pipeline.schedule to 1f1b, or "
+            r"pipeline.engine to distributed and delay.policy to 2bw$",
+            2,
+        ),
+        (
+            {"pipeline.schedule": "gpipe"},
+            r"^pipeline.schedule gpipe is run only by the distributed engine.*; set "
+            r"pipeline.schedule to 1f1b, or pipeline.engine to distributed$",
+            2,
+        ),
+        (  # 3 replicas of batch 16 cannot be split evenly: the distributed fix is not offered
+            {"pipeline.data_parallel": "3"},
+            r"^pipeline.data_parallel 3 is read only by the distributed engine; the emulator's "
+            r"data-parallel replicas are the processes torchrun starts .*; set "
+            r"pipeline.data_parallel to 1$",
+            1,
+        ),
+        (
+            {"pipeline.data_parallel": "2"},
+            r"; set pipeline.data_parallel to 1, or pipeline.engine to distributed$",
+            2,
+        ),
+        (
+            {"delay.policy": "pipedream"},
+            r"^delay.policy pipedream has no delay at pipeline.num_stages 1 .*; set "
+            r"pipeline.num_stages to 2, or delay.policy to sync$",
+            2,
+        ),
+        (
+            {"delay.policy": "2bw", "train.lr_schedule": "wsd", "delay.sync_cooldown": "0.2",
+             "delay.sync_cooldown_wsd": "true"},
+            r"^delay.sync_cooldown \(0.2\) is overridden by delay.sync_cooldown_wsd.*; set "
+            r"delay.sync_cooldown to 0, or delay.sync_cooldown_wsd to false$",
+            2,
+        ),
+        (
+            {"delay.taylor": "0.1"},
+            r"^delay.taylor mitigates a delay, but delay.policy sync has none; set delay.taylor "
+            r"to 0.0, or delay.policy to 2bw$",
+            2,
+        ),
+        (
+            {"delay.policy": "fixed:0", "delay.sync_start": "5"},
+            r"^delay.sync_start mitigates a delay, but delay.policy fixed:0 has none",
+            2,
+        ),
+        (
+            {"delay.policy": "2bw", "delay.taylor_adaptive": "true"},
+            r"^delay.taylor_adaptive scales delay.taylor \(lambda_0\), which is 0 \(off\); "
+            r"set delay.taylor to 0.1, or delay.taylor_adaptive to false$",
+            2,
+        ),
+        (
+            {**DIST, "train.device": "cuda:1"},
+            r"^train.device cuda:1: the distributed engine puts each process on the GPU of its "
+            r"local rank .*; set train.device to cuda$",
+            1,
+        ),
+    ],
+)  # fmt: skip
+def test_ignored_settings_are_refused_with_fixes_that_work(overrides, match, fixes):
+    with pytest.raises(ConfigError, match=match) as e:
+        _cfg(**overrides)
+    msg = str(e.value)
+    assert "\n" not in msg and "--" not in msg  # config terms, no CLI flags
+    offered = _offered_fixes(msg)
+    assert len(offered) == fixes
+    for fix in offered:
+        cfg = _cfg(**{**overrides, **fix})
+        if cfg.pipeline.engine == "distributed":
+            from stalepipe.train.pipelined import check_config
+
+            check_config(cfg)  # the runtime's own schedule rules accept it too
+
+
+def test_the_distributed_engine_reads_schedule_and_replicas():
+    _cfg(**{**DIST, "pipeline.schedule": "2bw", "delay.policy": "2bw"})
+    _cfg(**{**DIST, "pipeline.schedule": "gpipe", "pipeline.data_parallel": "2"})
+    _cfg(**{"delay.policy": "pipedream", "pipeline.num_stages": "2"})
+    _cfg(**{"delay.policy": "fixed:0"})  # an explicit zero delay is a point of a delay sweep
+    _cfg(**{"delay.policy": "sync", "delay.ef": "true"})  # EF changes even undelayed updates
+
+
+def test_an_unknown_schedule_is_refused_with_the_choices():
+    with pytest.raises(ConfigError, match=r"pipeline.schedule='2bq' \(choose from gpipe, 1f1b"):
+        _cfg(**{"pipeline.schedule": "2bq"})
+
+
+def test_run_records_with_ignored_settings_still_load():
+    """A config.json or checkpoint written before a rule existed loads with strict=False (for
+    eval, export, or as the base of --config), and the refusal's fix works as an override."""
+    import json
+
+    record = json.loads(_cfg().to_json())
+    record["pipeline"]["schedule"] = "2bw"
+    record["delay"]["policy"] = "pipedream"  # at 1 stage
+    with pytest.raises(ConfigError, match="pipeline.schedule 2bw is run only by"):
+        ExperimentConfig.from_dict(record)
+    old = ExperimentConfig.from_dict(record, strict=False)
+    assert old.pipeline.schedule == "2bw" and old.delay.policy == "pipedream"
+    with pytest.raises(ConfigError, match="delay.policy pipedream has no delay"):
+        apply_overrides(old, {"pipeline.schedule": "1f1b"})
+    fixed = apply_overrides(old, {"pipeline.schedule": "1f1b", "delay.policy": "sync"})
+    assert fixed == _cfg()
+    # every other rule still applies to records
+    record["pipeline"]["num_stages"] = 9
+    with pytest.raises(ConfigError, match="must be <= model.num_layers"):
+        ExperimentConfig.from_dict(record, strict=False)
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "../x", f"a{os.sep}b"])
+def test_the_run_name_is_one_path_component(name):
+    with pytest.raises(ConfigError, match=r"^name must be one directory name") as e:
+        _cfg(name=name)
+    suggested = str(e.value).rsplit("set name to ", 1)[1].strip("'")
+    assert _cfg(name=suggested).name == suggested
+    _cfg(name="my.run..2")  # dots inside a name are fine
+
+
+def test_device_names_are_checked_without_hardware():
+    with pytest.raises(ConfigError, match=r"train.device must be cpu, cuda or cuda:N"):
+        _cfg(**{"train.device": "gpu"})
+    with pytest.raises(ConfigError, match=r"train.device must be"):
+        _cfg(**{"train.device": "cuda:x"})
+    assert _cfg(**{"train.device": "cuda:3"}).train.device == "cuda:3"  # no GPU needed to plan
+
+
+def test_warmup_as_long_as_the_run_warns_with_a_fix():
+    assert _cfg().warnings() == []
+    (w,) = _cfg(**{"train.steps": "20"}).warnings()  # cpu-tiny warms up for 30 steps
+    assert w.startswith("train.warmup_steps (30) >= train.steps (20): the LR rises")
+    assert w.endswith("set train.warmup_steps to 2, or fewer than 20")
+    assert _cfg(**{"train.steps": "20", "train.warmup_steps": "2"}).warnings() == []
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_presets_have_no_warnings(name):
+    assert get_preset(name).warnings() == []
 
 
 def test_delay_policy_names_are_the_implemented_ones():

@@ -1,15 +1,29 @@
-"""`ExperimentConfig`: the sections composed into one run, and the rules that join them."""
+"""`ExperimentConfig`: the sections composed into one run, and the rules that join them.
+
+Besides values out of range, a config refuses settings the run would ignore (GUIDE 4.12): a
+pipeline schedule or replica count under the emulator, a delay policy or mitigation that has no
+delay to act on, a cooldown that another field overrides. Each refusal names the setting and the
+changes that fix it; the fixes offered are tried first, so every one of them validates. Run
+records (a checkpoint's config, a config.json read back) load with `from_dict(d, strict=False)`,
+which skips only these rules: an old run made with such a setting still loads for eval, export
+and as the base of `--config`, and the setting is refused once something changes it.
+"""
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import json
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from stalepipe.config.base import ConfigError, check, multiples_near, option
-from stalepipe.config.overrides import from_dict
+from stalepipe.config.overrides import apply_overrides, default_of, from_dict
 from stalepipe.config.sections import (
+    DEFAULT_SCHEDULE,
+    RUNTIME_SCHEDULES,
     DataConfig,
     DelayConfig,
     ModelConfig,
@@ -17,6 +31,13 @@ from stalepipe.config.sections import (
     PipelineConfig,
     TrainConfig,
 )
+
+# False while a run record is read (`from_dict(strict=False)`): ignored settings are let through.
+_CHECK_IGNORED = contextvars.ContextVar("check_ignored", default=True)
+# True while a candidate fix is tried: an ignored setting then fails fast, without suggestions.
+_PROBING = contextvars.ContextVar("probing", default=False)
+
+Fix = dict[str, Any]  # dotted key -> new value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,10 +54,7 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
-        check(
-            bool(self.name) and "/" not in self.name,
-            f"name must be a non-empty directory name without '/', got {self.name!r}",
-        )
+        self._check_name()
         check(
             self.pipeline.num_stages <= self.model.num_layers,
             f"pipeline.num_stages ({self.pipeline.num_stages}) must be <= model.num_layers "
@@ -50,6 +68,19 @@ class ExperimentConfig:
         self._check_delay()
         if self.pipeline.engine == "distributed":
             self._check_distributed()
+        if _CHECK_IGNORED.get():
+            self._refuse_ignored()
+
+    def _check_name(self) -> None:
+        """The run directory is `out_dir/name`: one path component, never '.' or '..'."""
+        seps = {"/", os.sep, os.altsep} - {None}
+        if self.name not in ("", ".", "..") and not any(c in self.name for c in seps):
+            return
+        fix = "".join("-" if c in seps else c for c in self.name).strip("-.")
+        raise ConfigError(
+            f"name must be one directory name (not empty, '.' or '..', no '/'), got "
+            f"{self.name!r}; set name to {fix or 'run'!r}"
+        )
 
     def _check_delay(self) -> None:
         """Rules of the delay config that depend on the pipeline and the training loop."""
@@ -94,6 +125,113 @@ class ExperimentConfig:
                 f"set {more}pipeline.num_stages to {m + 1}"
             )
 
+    # ---- settings the run would ignore (GUIDE 4.12) ----------------------------------------
+
+    def _ignored(self) -> Iterator[tuple[str, str, list[Fix]]]:
+        """Each setting this run would ignore: (its key, why, the fixes to offer, best first)."""
+        pc, dc = self.pipeline, self.delay
+        if pc.engine == "emulate" and pc.schedule != DEFAULT_SCHEDULE:
+            want = RUNTIME_SCHEDULES[pc.schedule]
+            why = (
+                f"pipeline.schedule {pc.schedule} is run only by the distributed engine; the "
+                f"emulator (pipeline.engine emulate) ignores it and takes the delay from "
+                f"delay.policy ({dc.policy})"
+            )
+            if want == dc.policy:
+                fixes = [
+                    {"pipeline.schedule": DEFAULT_SCHEDULE},
+                    {"pipeline.engine": "distributed"},
+                ]
+            else:
+                fixes = [
+                    {"delay.policy": want, "pipeline.schedule": DEFAULT_SCHEDULE},
+                    {"pipeline.engine": "distributed", "delay.policy": want},
+                ]
+            yield "pipeline.schedule", why, fixes
+        if pc.engine == "emulate" and pc.data_parallel > 1:
+            why = (
+                f"pipeline.data_parallel {pc.data_parallel} is read only by the distributed "
+                f"engine; the emulator's data-parallel replicas are the processes torchrun starts "
+                f"(torchrun -m stalepipe train, docs/runtime.md)"
+            )
+            fixes = [{"pipeline.data_parallel": 1}, {"pipeline.engine": "distributed"}]
+            yield "pipeline.data_parallel", why, fixes
+        if pc.engine == "distributed" and self.train.device.startswith("cuda:"):
+            why = (
+                f"train.device {self.train.device}: the distributed engine puts each process on "
+                f"the GPU of its local rank (cuda:0, cuda:1, ...) and ignores the index"
+            )
+            yield "train.device", why, [{"train.device": "cuda"}]
+        if dc.sync_cooldown_wsd and dc.sync_cooldown:
+            why = (
+                f"delay.sync_cooldown ({dc.sync_cooldown:g}) is overridden by "
+                f"delay.sync_cooldown_wsd, which makes the cooldown WSD's decay phase "
+                f"(train.decay_frac {self.train.decay_frac:g} of the steps)"
+            )
+            fixes = [{"delay.sync_cooldown": 0}, {"delay.sync_cooldown_wsd": False}]
+            yield "delay.sync_cooldown", why, fixes
+        yield from self._ignored_delay()
+
+    def _ignored_delay(self) -> Iterator[tuple[str, str, list[Fix]]]:
+        """A delay policy without delay at this stage count, and mitigations with no delay."""
+        dc, P = self.delay, self.pipeline.num_stages
+        if dc.policy == "pipedream" and P == 1:
+            why = (
+                "delay.policy pipedream has no delay at pipeline.num_stages 1 (stage s is "
+                "P-1-s steps stale, 0 for the only stage)"
+            )
+            yield "delay.policy", why, [{"pipeline.num_stages": 2}, {"delay.policy": "sync"}]
+        fixed = dc.policy.startswith("fixed:")
+        if dc.policy == "sync" or (fixed and int(dc.policy.removeprefix("fixed:")) == 0):
+            for key, on in (
+                ("delay.taylor", dc.taylor > 0),
+                ("delay.sync_start", dc.sync_start > 0),
+                ("delay.sync_cooldown", dc.sync_cooldown > 0),
+                ("delay.sync_cooldown_wsd", dc.sync_cooldown_wsd),
+            ):
+                if on:
+                    why = f"{key} mitigates a delay, but delay.policy {dc.policy} has none"
+                    yield key, why, [{key: default_of(type(self), key)}, {"delay.policy": "2bw"}]
+        if dc.taylor_adaptive and dc.taylor == 0:
+            why = "delay.taylor_adaptive scales delay.taylor (lambda_0), which is 0 (off)"
+            yield "delay.taylor", why, [{"delay.taylor": 0.1}, {"delay.taylor_adaptive": False}]
+
+    def _refuse_ignored(self) -> None:
+        """Raise for the first ignored setting, offering the fixes that validate."""
+        for key, why, fixes in self._ignored():
+            if _PROBING.get():
+                raise ConfigError(why)
+            working = [f for f in fixes if self._validates(f)]
+            working = working or [{key: default_of(type(self), key)}]
+            raise ConfigError(f"{why}; set {', or '.join(map(_describe, working))}")
+
+    def _validates(self, fix: Fix) -> bool:
+        token = _PROBING.set(True)
+        try:
+            apply_overrides(self, {k: _text(v) for k, v in fix.items()})
+            return True
+        except ConfigError:
+            return False
+        finally:
+            _PROBING.reset(token)
+
+    def warnings(self) -> list[str]:
+        """Settings that are legal but probably not meant, one line each (`train` prints them).
+
+        Warmup as long as the run is one: a short smoke run of a preset (`--train.steps 10`)
+        is legitimate, so it warns instead of refusing."""
+        tc = self.train
+        if tc.warmup_steps < tc.steps:
+            return []
+        return [
+            f"train.warmup_steps ({tc.warmup_steps}) >= train.steps ({tc.steps}): the LR rises "
+            f"for the whole run and never reaches its peak (the {tc.lr_schedule} schedule after "
+            f"the warmup never runs); set train.warmup_steps to {tc.steps // 10}, or fewer than "
+            f"{tc.steps}"
+        ]
+
+    # ---- serialisation -----------------------------------------------------------------------
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -101,5 +239,21 @@ class ExperimentConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ExperimentConfig:
-        return from_dict(cls, d)
+    def from_dict(cls, d: dict[str, Any], *, strict: bool = True) -> ExperimentConfig:
+        """The config of a parsed config.json. `strict=False` is for run records (a checkpoint's
+        or an old run's config): settings a new run would ignore are let through (module
+        docstring); every other rule still applies."""
+        token = _CHECK_IGNORED.set(strict)
+        try:
+            return from_dict(cls, d)
+        finally:
+            _CHECK_IGNORED.reset(token)
+
+
+def _text(value: Any) -> str:
+    """A value as an override string (`apply_overrides` parses it back)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _describe(fix: Fix) -> str:
+    return " and ".join(f"{k} to {_text(v)}" for k, v in fix.items())

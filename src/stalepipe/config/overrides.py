@@ -50,6 +50,12 @@ def _all_keys(cls: type, prefix: str = "") -> dict[str, dataclasses.Field]:
     return out
 
 
+def default_of(root: type, dotted: str) -> Any:
+    """The default value of the leaf field 'section.field' of `root`."""
+    f = _all_keys(root)[dotted]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
 def _leaf_type(cls: type, dotted: str) -> Any:
     *path, leaf = dotted.split(".")
     for part in path:

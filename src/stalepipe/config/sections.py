@@ -7,6 +7,7 @@ policy vs the stage count, the distributed engine's limits) live in `experiment.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,7 +243,7 @@ class DelayConfig:
     sync_start: int = option(0, "first K steps run without delay")
     sync_cooldown: float = option(0.0, "last K steps without delay: K if >= 1, else a fraction")
     sync_cooldown_wsd: bool = option(
-        False, "cooldown = WSD's LR decay phase (overrides sync_cooldown)"
+        False, "cooldown = WSD's LR decay phase (then sync_cooldown must stay 0)"
     )
     mode: str = option(
         "fast", "emulator mode: fast (whole model) | exact (per stage, per microbatch)"
@@ -282,6 +283,19 @@ class DelayConfig:
         )
 
 
+# The schedules the distributed engine runs and the delay policy each one realises (the runtime
+# refuses a delay.policy that differs). The emulator has no schedule: its delay is delay.policy.
+RUNTIME_SCHEDULES: dict[str, str] = {
+    "gpipe": "sync",
+    "1f1b": "sync",
+    "zb-h1": "sync",
+    "2bw": "2bw",
+    "pipedream": "pipedream",
+    "wpipe": "wpipe",
+}
+DEFAULT_SCHEDULE = "1f1b"
+
+
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
     """How the model is split into stages, and which engine runs them.
@@ -292,7 +306,10 @@ class PipelineConfig:
 
     num_stages: int = option(1, "pipeline stages P (<= model.num_layers)")
     engine: str = option("emulate", "emulate (one process) | distributed (one process per stage)")
-    schedule: str = option("1f1b", "runtime schedule: gpipe | 1f1b | 2bw | pipedream")
+    schedule: str = option(
+        DEFAULT_SCHEDULE,
+        f"distributed engine's schedule: {' | '.join(RUNTIME_SCHEDULES)} (the emulator has none)",
+    )
     data_parallel: int = option(1, "data-parallel replicas of each stage (distributed engine)")
     backend: str = option("auto", "torch.distributed backend: auto | gloo | nccl")
     timeout_s: float = option(120.0, "seconds a rank waits for a peer before failing the run")
@@ -303,6 +320,10 @@ class PipelineConfig:
             self.engine in ("emulate", "distributed"),
             f"pipeline.engine must be emulate or distributed; got {self.engine!r}",
         )
+        if self.schedule not in RUNTIME_SCHEDULES:
+            raise unknown_choice(
+                "pipeline schedule", self.schedule, RUNTIME_SCHEDULES, key="pipeline.schedule"
+            )
         check(
             self.data_parallel >= 1,
             f"pipeline.data_parallel must be >= 1, got {self.data_parallel}",
@@ -344,7 +365,9 @@ class TrainConfig:
         False, "torch.compile the model (first steps are slow while it compiles)"
     )
     tf32: bool = option(True, "allow TF32 matmuls on CUDA (ignored on CPU)")
-    progress: bool = option(True, "show a progress bar")
+    progress: bool = option(
+        True, "show progress: a bar on a terminal, a plain line every ~10% or 60 s otherwise"
+    )
     tensorboard: bool = option(False, "also write metrics for TensorBoard to <run>/tensorboard")
 
     def __post_init__(self) -> None:
@@ -379,6 +402,10 @@ class TrainConfig:
         for name in ("eval_batches", "log_every", "keep_last"):
             check(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")
         check(
+            _DEVICE.fullmatch(self.device) is not None,
+            f"train.device must be cpu, cuda or cuda:N (N = a GPU index >= 0), got {self.device!r}",
+        )
+        check(
             self.dtype in ("float32", "bfloat16"),
             f"train.dtype must be float32 or bfloat16, got {self.dtype!r}",
         )
@@ -386,3 +413,6 @@ class TrainConfig:
     @property
     def microbatch_size(self) -> int:
         return self.batch_size // self.num_microbatches
+
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")

@@ -1,0 +1,71 @@
+"""Can this machine run the device a config asks for? Checked before anything is written.
+
+The config stays hardware-independent (sweeps are planned on machines without the GPUs that
+run them), so `train.device` is only checked against the machine here, when a run starts: a
+CUDA request on a torch build without CUDA, on a machine without a visible GPU, or for more
+GPUs than there are, is one line naming the fix instead of a traceback from deep inside the
+first step, and it comes before the run directory is opened (so `--overwrite` deletes nothing).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from stalepipe.config import ExperimentConfig
+from stalepipe.errors import UserError
+
+
+class DeviceError(UserError):
+    """The device the config asks for does not exist on this machine."""
+
+
+def check_device(cfg: ExperimentConfig) -> None:
+    """Raise DeviceError (one line, with the fix) unless this process can use `train.device`.
+
+    Counts the GPUs this machine's processes of the run need: one per local process for
+    `cuda` under torchrun or on the distributed engine (rank r uses `cuda:<local rank>`),
+    index N + 1 for `cuda:N`. Call it first thing, before data is prepared or the run
+    directory is opened; a CPU run passes without touching CUDA."""
+    device = cfg.train.device
+    if not device.startswith("cuda"):
+        return
+    flag = f"--train.device {device}"
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            why = f"this torch build ({torch.__version__}) has no CUDA support"
+            fix = "install a CUDA build of torch (README, Running at scale)"
+        else:
+            why = (
+                "torch finds no usable GPU (no device, no driver, or CUDA_VISIBLE_DEVICES hides it)"
+            )
+            fix = "run on a machine with a GPU (check nvidia-smi)"
+        raise DeviceError(f"{flag}: {why}; {fix}, or pass --train.device cpu")
+    count = torch.cuda.device_count()
+    have = f"this machine has {count} GPU{'s' if count != 1 else ''}"
+    if ":" in device:
+        index = int(device.split(":", 1)[1])
+        if index >= count:
+            raise DeviceError(
+                f"{flag}: {have} (cuda:0 to cuda:{count - 1}); pass --train.device cuda:{count - 1} "
+                f"or a lower index"
+            )
+        return
+    local = local_processes(cfg)
+    if local > count:
+        raise DeviceError(
+            f"{flag}: this run puts {local} processes on this machine, one GPU each, but {have}; "
+            f"start at most {count} per machine (torchrun --nproc-per-node {count}, or fewer "
+            f"pipeline.num_stages x pipeline.data_parallel)"
+        )
+
+
+def local_processes(cfg: ExperimentConfig) -> int:
+    """How many of the run's processes share this machine: torchrun's LOCAL_WORLD_SIZE, else
+    every rank of the distributed engine (its launcher spawns them here), else one."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    if cfg.pipeline.engine == "distributed":
+        return cfg.pipeline.num_stages * cfg.pipeline.data_parallel
+    return 1

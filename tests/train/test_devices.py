@@ -1,0 +1,136 @@
+"""A CUDA request this machine cannot serve is one line naming the fix, before anything is
+written. The suite runs on CPU-only torch; GPU counts are simulated by patching torch.cuda."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from stalepipe.config import apply_overrides
+from stalepipe.errors import EXIT_USER
+from stalepipe.presets import get_preset
+from stalepipe.train.devices import DeviceError, check_device
+
+
+def _cfg(**overrides: str):
+    return apply_overrides(get_preset("cpu-tiny"), overrides)
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend this machine has `n` visible GPUs (on a CUDA build of torch)."""
+
+    def have(n: int) -> None:
+        monkeypatch.setattr(torch.version, "cuda", "12.8")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    return have
+
+
+def test_cpu_needs_nothing():
+    check_device(_cfg())
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU-only torch build")
+def test_cuda_on_a_cpu_only_build_names_the_fix():
+    with pytest.raises(DeviceError) as e:
+        check_device(_cfg(**{"train.device": "cuda"}))
+    msg = str(e.value)
+    assert msg.startswith("--train.device cuda: this torch build (")
+    assert "has no CUDA support; install a CUDA build of torch" in msg
+    assert msg.endswith("or pass --train.device cpu") and "\n" not in msg
+    assert e.value.exit_code == EXIT_USER
+
+
+def test_cuda_build_without_a_gpu(gpus):
+    gpus(0)
+    with pytest.raises(DeviceError, match=r"^--train.device cuda:0: torch finds no usable GPU"):
+        check_device(_cfg(**{"train.device": "cuda:0"}))
+
+
+def test_a_gpu_index_beyond_the_count(gpus):
+    gpus(2)
+    check_device(_cfg(**{"train.device": "cuda:1"}))
+    with pytest.raises(
+        DeviceError,
+        match=r"^--train.device cuda:2: this machine has 2 GPUs \(cuda:0 to cuda:1\); pass "
+        r"--train.device cuda:1 or a lower index$",
+    ):
+        check_device(_cfg(**{"train.device": "cuda:2"}))
+
+
+def test_one_gpu_per_local_process(gpus, monkeypatch):
+    gpus(2)
+    check_device(_cfg(**{"train.device": "cuda"}))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun --nproc-per-node 4
+    with pytest.raises(DeviceError, match=r"puts 4 processes on this machine, one GPU each, but "):
+        check_device(_cfg(**{"train.device": "cuda"}))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    dist = {"pipeline.engine": "distributed", "train.device": "cuda"}
+    check_device(_cfg(**dist, **{"pipeline.num_stages": "2"}))
+    with pytest.raises(DeviceError, match=r"start at most 2 per machine"):
+        check_device(_cfg(**dist, **{"pipeline.num_stages": "3"}))
+
+
+def _cuda_run(tmp_path, excerpt_data_dir, engine: str):
+    """A cuda run of cpu-tiny named 'new' under tmp_path/runs (which does not exist yet)."""
+    return _cfg(
+        **{
+            "name": "new",
+            "out_dir": str(tmp_path / "runs"),
+            "data.corpus": "excerpt",
+            "data.data_dir": excerpt_data_dir,
+            "train.device": "cuda",
+            "pipeline.engine": engine,
+        }
+    )
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU-only torch build")
+@pytest.mark.xfail(
+    strict=True,
+    reason="needs devices.check_device(cfg) first in train.loop.train and "
+    "train.launch.launch_train (issue 14); remove this mark with the call sites",
+)
+@pytest.mark.parametrize("engine", ["emulate", "distributed"])
+def test_train_refuses_before_touching_the_run_directory(tmp_path, excerpt_data_dir, engine):
+    from stalepipe.train.launch import launch_train
+    from stalepipe.train.loop import train
+
+    cfg = _cuda_run(tmp_path, excerpt_data_dir, engine)
+    start = train if engine == "emulate" else launch_train
+    with pytest.raises(DeviceError):
+        start(cfg, overwrite=True, verbose=False)
+    assert not (tmp_path / "runs").exists()  # refused before the run directory was made
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU-only torch build")
+@pytest.mark.xfail(strict=True, reason="same call sites as above (issue 14)")
+def test_the_cli_prints_one_line_and_exits_2(tmp_path, excerpt_data_dir):
+    cfg = _cuda_run(tmp_path, excerpt_data_dir, "emulate")
+    args = ["--preset", "cpu-tiny", "--train.device", "cuda", "--name", "new", "--overwrite"]
+    args += [
+        "--out_dir",
+        cfg.out_dir,
+        "--data.corpus",
+        "excerpt",
+        "--data.data_dir",
+        excerpt_data_dir,
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "stalepipe", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == EXIT_USER
+    (line,) = out.stderr.strip().splitlines()
+    assert "--train.device cuda: this torch build" in line and "--train.device cpu" in line
+    assert not (tmp_path / "runs").exists()
