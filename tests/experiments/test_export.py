@@ -9,6 +9,7 @@ import transformers
 
 from stalepipe.config import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
 from stalepipe.experiments.export import ExportError, export_hf
+from stalepipe.fileio import NotOwnedError
 from stalepipe.models import build_model
 from stalepipe.train.checkpoint import save_checkpoint
 
@@ -98,14 +99,57 @@ def test_refuses_to_overwrite_and_needs_a_checkpoint(tmp_path):
     run_dir, _ = make_run(tmp_path, DENSE)
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "keep.txt").write_text("mine")
-    with pytest.raises(ExportError, match="--overwrite"):
+    with pytest.raises(ExportError, match="not a stalepipe export; choose another --out"):
         export_hf(run_dir, tmp_path / "hf")
-    assert (tmp_path / "hf" / "keep.txt").exists()
-    export_hf(run_dir, tmp_path / "hf", overwrite=True)
-    assert not (tmp_path / "hf" / "keep.txt").exists()
+    with pytest.raises(NotOwnedError, match="no .stalepipe.json marker"):
+        export_hf(run_dir, tmp_path / "hf", overwrite=True)  # not ours: never deleted
+    assert (tmp_path / "hf" / "keep.txt").read_text() == "mine"
+    export_hf(run_dir, tmp_path / "hf2")
+    with pytest.raises(ExportError, match="pass --overwrite"):
+        export_hf(run_dir, tmp_path / "hf2")
+    export_hf(run_dir, tmp_path / "hf2", overwrite=True)  # an earlier export of ours
+    (tmp_path / "hf2" / "notes.md").write_text("mine")
+    with pytest.raises(NotOwnedError, match="holds 'notes.md'"):
+        export_hf(run_dir, tmp_path / "hf2", overwrite=True)
+    assert (tmp_path / "hf2" / "notes.md").exists() and (tmp_path / "hf2" / "config.json").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="no checkpoint"):
-        export_hf(tmp_path / "empty", tmp_path / "hf2")
+        export_hf(tmp_path / "empty", tmp_path / "hf3")
+
+
+def test_export_never_replaces_the_working_directory(tmp_path, monkeypatch, capsys):
+    from stalepipe.cli import main
+
+    run_dir, _ = make_run(tmp_path, DENSE)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "canary.txt").write_text("keep")
+    monkeypatch.chdir(work)
+    for out in (".", ".."):
+        assert main(["export", str(run_dir), "--out", out, "--overwrite"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err
+    assert (work / "canary.txt").read_text() == "keep"
+    empty = tmp_path / "empty_cwd"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    assert main(["export", str(run_dir), "--out", "."]) == 2  # empty, but the working directory
+    assert "refusing to delete ." in capsys.readouterr().err and empty.is_dir()
+
+
+def test_exported_files_follow_the_umask(tmp_path):
+    import stat
+
+    run_dir, _ = make_run(tmp_path, DENSE)
+    old = os.umask(0o022)
+    try:
+        export_hf(run_dir, tmp_path / "hf")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "hf").stat().st_mode) == 0o755
+    for f in (tmp_path / "hf").iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f.name
 
 
 def test_cli_export_and_eval(tmp_path, capsys):

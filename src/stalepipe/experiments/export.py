@@ -11,12 +11,15 @@ norms and SwiGLU compute what HF's do, and expert weights are written under the 
 names (`block_sparse_moe.experts.{e}.w1/w2/w3`) that every transformers version loads (version 5
 fuses them into `gate_up_proj` / `down_proj` on load). Mixtral has no shared experts and no dense
 layers, so MoE configs with either are refused with a clear error.
+
+The output directory is made by stalepipe and marked as an export (`fileio.MARKER`):
+`--overwrite` replaces only such a directory, holding only what an export writes.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +29,31 @@ import torch
 from stalepipe.config import ExperimentConfig, ModelConfig
 from stalepipe.errors import UserError
 from stalepipe.experiments.trained import load_trained
+from stalepipe.fileio import (
+    check_removable,
+    follow_umask,
+    make_temp_dir,
+    mark_owned,
+    owned_kind,
+    refuse_protected,
+    remove_owned_dir,
+)
+from stalepipe.train.rundir import locate_run_data
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_SHARD_BYTES = 5 * 2**30  # the shard size Hugging Face uses for large models
+EXPORT_KIND = "export"  # the kind in an export directory's marker
+# Everything an export writes: --overwrite replaces a directory only when it holds nothing else.
+EXPORT_ENTRIES = (
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+EXPORT_FIX = "choose another --out"
 
 
 class ExportError(UserError):
@@ -197,8 +222,18 @@ def _gpt2_tokenizer():
     return tok
 
 
-def write_tokenizer(cfg: ExperimentConfig, out_dir: Path) -> tuple[str | None, str]:
-    """Write `tokenizer.json` + `tokenizer_config.json` for the run's tokenizer.
+def _bpe_file(cfg: ExperimentConfig, run_dir: Path | None) -> Path:
+    """Where the run's trained bpe tokenizer.json is (beside its token shards), found from any
+    working directory (`rundir.locate_run_data`); the path as configured when not found."""
+    data = locate_run_data(run_dir, cfg) or Path(cfg.data.resolved_dir())
+    return data / "tokenizer.json"
+
+
+def write_tokenizer(
+    cfg: ExperimentConfig, out_dir: Path, run_dir: Path | None = None
+) -> tuple[str | None, str]:
+    """Write `tokenizer.json` + `tokenizer_config.json` for the run's tokenizer (`run_dir`: the
+    run directory, whose records locate a bpe tokenizer's data directory).
 
     Returns (name of the tokenizer written or None, a note for the user)."""
     name = cfg.data.tokenizer
@@ -206,11 +241,11 @@ def write_tokenizer(cfg: ExperimentConfig, out_dir: Path) -> tuple[str | None, s
     if name in builders:
         tok = builders[name]()
     else:  # bpe: the trained tokenizer.json beside the run's token shards
-        src = Path(cfg.data.resolved_dir()) / "tokenizer.json"
+        src = _bpe_file(cfg, run_dir)
         if not src.is_file():
             return None, (
-                f"no tokenizer written: the run's bpe tokenizer {src} is not here (run from the "
-                f"directory the run was trained in, or copy tokenizer.json into {out_dir})"
+                f"no tokenizer written: the run's bpe tokenizer {src} is not here (copy the "
+                f"tokenizer.json of its data directory into {out_dir})"
             )
         from tokenizers import Tokenizer
 
@@ -228,14 +263,14 @@ def write_tokenizer(cfg: ExperimentConfig, out_dir: Path) -> tuple[str | None, s
     return name, f"tokenizer: {name} (tokenizer.json)"
 
 
-def _eos_token_id(cfg: ExperimentConfig) -> int | None:
+def _eos_token_id(cfg: ExperimentConfig, run_dir: Path | None = None) -> int | None:
     """The document separator id our shards use (byte: 0, gpt2: 50256, bpe: its eot)."""
     name = cfg.data.tokenizer
     if name == "byte":
         return 0
     if name == "gpt2":
         return 50256
-    path = Path(cfg.data.resolved_dir()) / "tokenizer.json"
+    path = _bpe_file(cfg, run_dir)
     if path.is_file():
         from tokenizers import Tokenizer
 
@@ -266,11 +301,13 @@ def save_safetensors(
         size += nbytes
     if len(shards) == 1:
         save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        follow_umask(out_dir / "model.safetensors")
         return ["model.safetensors"]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for fname, shard in zip(names, shards, strict=True):
         save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        follow_umask(out_dir / fname)
         weight_map.update({k: fname for k in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -289,8 +326,9 @@ def export_hf(
     """Export the newest checkpoint of `run` (or the checkpoint file `run`) to `out_dir`.
 
     `dtype`: float32 | bfloat16 | float16 (default: the run's training dtype). Refuses to write
-    into a non-empty `out_dir` unless `overwrite`; nothing is written when the run cannot be
-    exported. Writes into a temporary sibling directory that is renamed into place at the end.
+    into a non-empty `out_dir`; `overwrite` replaces only an earlier export (marked, holding
+    only export files). Nothing is written when the run cannot be exported: the files go into
+    a hidden staging directory beside `out_dir` that is renamed into place at the end.
     """
     trained = load_trained(run)
     cfg = trained.config
@@ -299,33 +337,63 @@ def export_hf(
     torch_dtype = DTYPES[dtype or cfg.train.dtype]
     arch = hf_architecture(cfg.model)  # refuse before touching the file system
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
-        raise ExportError(f"{out_dir} exists and is not empty; pass --overwrite to replace it")
-    tmp = out_dir.with_name(out_dir.name + ".tmp-export")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    _check_out(out_dir, overwrite)
+    run_dir = trained.path.parent
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = make_temp_dir(out_dir.parent, prefix=f".{out_dir.name}.tmp-export-")
     try:
+        mark_owned(tmp, EXPORT_KIND)
         files = save_safetensors(
             hf_state_dict(trained.state_dict, cfg.model, torch_dtype), tmp, max_shard_bytes
         )
-        eos = _eos_token_id(cfg)
+        eos = _eos_token_id(cfg, run_dir)
         (tmp / "config.json").write_text(
             json.dumps(hf_config(cfg, torch_dtype, eos), indent=2) + "\n"
         )
         generation = {"bos_token_id": eos, "eos_token_id": eos}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         files += ["config.json", "generation_config.json"]
-        tokenizer, note = write_tokenizer(cfg, tmp)
+        tokenizer, note = write_tokenizer(cfg, tmp, run_dir)
         if tokenizer:
             files += ["tokenizer.json", "tokenizer_config.json"]
+        _check_out(out_dir, overwrite)  # again: it may have changed while we wrote
+        if out_dir.is_dir() and any(out_dir.iterdir()):
+            remove_owned_dir(out_dir, EXPORT_KIND, EXPORT_ENTRIES, fix=EXPORT_FIX)
+        elif out_dir.is_dir():
+            os.rmdir(out_dir)  # empty, and not the working directory (_check_out)
+        tmp.rename(out_dir)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_staging(tmp)
         raise
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
     notes = [f"from {trained.path} (step {trained.step})", note]
     return ExportResult(out_dir, arch, files, tokenizer, notes)
+
+
+def _check_out(out_dir: Path, overwrite: bool) -> None:
+    """Refuse (ExportError / NotOwnedError, nothing touched) an `out_dir` the export may not
+    replace: a file, a non-empty directory without `overwrite`, one that is not an earlier
+    export of ours, the working directory or a parent of it."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ExportError(f"{out_dir} exists and is not a directory; {EXPORT_FIX}")
+    if not any(out_dir.iterdir()):
+        refuse_protected(out_dir, fix=EXPORT_FIX)
+        return
+    if not overwrite:
+        if owned_kind(out_dir) == EXPORT_KIND:
+            raise ExportError(f"{out_dir} exists and is not empty; pass --overwrite to replace it")
+        raise ExportError(
+            f"{out_dir} exists, is not empty and is not a stalepipe export; {EXPORT_FIX}"
+        )
+    check_removable(out_dir, EXPORT_KIND, EXPORT_ENTRIES, fix=EXPORT_FIX)
+
+
+def _remove_staging(tmp: Path) -> None:
+    """Delete this export's own staging directory (only the files it wrote there)."""
+    for entry in tmp.iterdir():
+        entry.unlink()
+    tmp.rmdir()
 
 
 # `stalepipe export --format NAME`: the function that writes each format.

@@ -10,19 +10,21 @@ can set several keys at once (`2bw+ef` = `delay.policy 2bw` + `delay.ef true`):
 Running it (`run_sweep`) is restartable: a finished run (its final val_loss is in metrics.jsonl,
 or its final checkpoint exists) is skipped; an interrupted one resumes from its last checkpoint;
 a failed one (an `error.json` in its directory) is reported and rerun only with
-`retry_failed=True`. Each run executes in its own spawned process with one torch thread, so a
+`retry_failed=True`; one that stopped before its first checkpoint starts over. The sweep
+directory and its run directories are marked as stalepipe's (`fileio.MARKER`): deleting one
+(a failed run retried, `overwrite=True`) follows `fileio.remove_owned_dir`'s rule. Each run executes in its own spawned process with one torch thread, so a
 crash (even a segfault or an out-of-memory kill) loses that run only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import itertools
 import json
 import math
 import os
 import re
-import shutil
 import sys
 import time
 import traceback
@@ -34,9 +36,14 @@ from typing import Any
 from stalepipe.config import ConfigError, ExperimentConfig, apply_overrides
 from stalepipe.errors import UserError
 from stalepipe.experiments.workers import run_spawned
+from stalepipe.fileio import check_removable, make_owned_dir, remove_owned_dir
 
 ERROR_FILE = "error.json"
 SPEC_FILE = "sweep.json"
+SWEEP_KIND = "sweep"  # the kind in a sweep directory's marker
+SWEEP_FIX = "choose another --out"
+# `stalepipe report`'s default output inside a sweep (RUNS/report) and what it writes there.
+REPORT_DIR, REPORT_ENTRIES = "report", ("*.md", "*.html", "*.csv", "*.png")
 
 Bundle = tuple[str, dict[str, str]]  # (label used in run names, dotted overrides)
 
@@ -172,7 +179,9 @@ def run_status(run_dir: Path, steps: int | None = None) -> str:
 
 def write_error(run_dir: Path, message: str, tb: str = "") -> None:
     """Record a failed run: error.json holds the message and traceback."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    from stalepipe.train.rundir import RUN_KIND
+
+    make_owned_dir(run_dir, RUN_KIND)
     info = {"error": message, "traceback": tb, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     (run_dir / ERROR_FILE).write_text(json.dumps(info, indent=2) + "\n")
 
@@ -258,15 +267,19 @@ def run_sweep(
     workers: int = 1,
     threads: int = 1,
     retry_failed: bool = False,
+    overwrite: bool = False,
     log: Callable[[str], None] = print,
 ) -> SweepResult:
     """Run every spec not finished yet under `out_dir`, `workers` at a time.
 
     `workers=1` runs in this process (no spawn cost; a hard crash stops the sweep, which a
     rerun resumes); `workers>1` spawns one process per run. Never raises for a failed run:
-    failures are recorded in the run's error.json and returned in `SweepResult.failed`."""
+    failures are recorded in the run's error.json and returned in `SweepResult.failed`.
+    `overwrite` first deletes the sweep directory, if `remove_sweep_dir` allows it."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if overwrite and out.is_dir() and any(out.iterdir()):
+        remove_sweep_dir(out)
+    make_owned_dir(out, SWEEP_KIND)
     res = SweepResult()
     t0 = time.perf_counter()
     todo = _plan(specs, base, out, retry_failed, res)
@@ -315,7 +328,10 @@ def _plan(
     res: SweepResult,
 ) -> list[tuple[RunSpec, ExperimentConfig]]:
     """The runs still to do, with their configs; finished runs (and those made with another
-    config) and failed ones not retried go into `res`. A failed run to retry is deleted."""
+    config) and failed ones not retried go into `res`. A failed run to retry, and one that
+    stopped before its first checkpoint, is deleted (it starts over)."""
+    from stalepipe.train.rundir import RUN_ENTRIES, RUN_KIND
+
     todo = []
     for spec in specs:
         cfg = spec.config(base, out)
@@ -330,19 +346,53 @@ def _plan(
             res.skipped_failed.append(spec.name)
             res.failed[spec.name] = _read_error(run_dir)
         else:
-            if status == "failed":
-                shutil.rmtree(run_dir)
+            if status == "failed" or _stopped_before_checkpoint(run_dir):
+                remove_owned_dir(run_dir, RUN_KIND, RUN_ENTRIES, within=out, fix=SWEEP_FIX)
             todo.append((spec, cfg))
     return todo
+
+
+def _stopped_before_checkpoint(run_dir: Path) -> bool:
+    """A run that trained some steps but wrote no checkpoint: --resume cannot continue it."""
+    from stalepipe.train.checkpoint import latest_checkpoint
+    from stalepipe.train.rundir import run_state
+
+    return run_state(run_dir) == "trained" and latest_checkpoint(run_dir) is None
+
+
+def remove_sweep_dir(out: Path) -> None:
+    """Delete the sweep directory `out` (NotOwnedError, nothing deleted, unless every part is
+    stalepipe's): marked as a sweep, each subdirectory a run directory `remove_owned_dir`
+    may delete or the report, and nothing else at its top."""
+    from stalepipe.train.rundir import RUN_ENTRIES, RUN_KIND
+
+    allowed = [".*.deleting-*"]  # a deletion interrupted by a crash
+    for child in sorted(out.iterdir()):
+        if child.name == REPORT_DIR and child.is_dir() and not child.is_symlink():
+            foreign = [p.name for p in child.iterdir() if not _is_report_file(p)]
+            if foreign:
+                check_removable(child, "report", REPORT_ENTRIES, fix=SWEEP_FIX)  # names it
+        elif child.is_dir() and not child.name.startswith("."):
+            check_removable(child, RUN_KIND, RUN_ENTRIES, within=out, fix=SWEEP_FIX)
+        else:
+            continue
+        allowed.append(glob.escape(child.name))
+    remove_owned_dir(out, SWEEP_KIND, allowed, fix=SWEEP_FIX)
+
+
+def _is_report_file(path: Path) -> bool:
+    return path.is_file() and any(path.match(pat) for pat in REPORT_ENTRIES)
 
 
 def _write_spec_files(out: Path, specs: Sequence[RunSpec], todo: list[RunSpec]) -> None:
     """sweep.json in every run directory that exists or is about to: it lets the report label
     runs the way the sweep named them, and list planned runs not started yet."""
+    from stalepipe.train.rundir import RUN_KIND
+
     for spec in specs:
         d = out / spec.name
         if d.is_dir() or any(s is spec for s in todo):
-            d.mkdir(parents=True, exist_ok=True)
+            make_owned_dir(d, RUN_KIND)
             (d / SPEC_FILE).write_text(
                 json.dumps(dataclasses.asdict(spec), indent=2, sort_keys=True) + "\n"
             )
