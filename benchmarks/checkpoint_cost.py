@@ -71,7 +71,7 @@ def contenders(args: argparse.Namespace) -> list[tuple[str, ExperimentConfig]]:
 def measure(cfg: ExperimentConfig, data_dir: Path, run_dir: Path, repeats: int) -> dict:
     """Train cfg.train.steps steps (the first one untimed), then write `repeats` checkpoints."""
     run_dir.mkdir(parents=True)
-    engine = EmulatorEngine(cfg, SINGLE_PROCESS, torch.device("cpu"), data_dir, run_dir, False)
+    engine = EmulatorEngine(cfg, SINGLE_PROCESS, torch.device("cpu"), data_dir, run_dir, None)
     step_s = []
     t = time.perf_counter()
     for r in engine.steps(StepPlan(cfg.train)):
