@@ -113,7 +113,9 @@ def reference(cfg: ExperimentConfig, mode: str = "exact", name: str = "ref") -> 
     ref = dataclasses.replace(
         cfg,
         name=name,
-        pipeline=dataclasses.replace(cfg.pipeline, engine="emulate", data_parallel=1),
+        pipeline=dataclasses.replace(
+            cfg.pipeline, engine="emulate", schedule="1f1b", data_parallel=1
+        ),
         delay=dataclasses.replace(cfg.delay, mode=mode),
     )
     torch.set_num_threads(1)

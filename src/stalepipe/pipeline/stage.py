@@ -26,9 +26,9 @@ stage's (`pipeline.tied`), the global grad norm from per-parameter norms in the 
 from __future__ import annotations
 
 import contextlib
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -37,6 +37,7 @@ from torch import nn
 from stalepipe.delay import DelayedOptimizer, microbatch_seed
 from stalepipe.delay.rng import seeded
 from stalepipe.pipeline.comm import Comm
+from stalepipe.pipeline.inbox import Inbox
 from stalepipe.pipeline.reparam import Reparametrized
 from stalepipe.pipeline.schedule import Action, Schedule
 from stalepipe.pipeline.stage_eval import EvalData, evaluate_stage
@@ -106,14 +107,6 @@ class _Stash:
     grad_out: torch.Tensor | None = None
 
 
-@dataclass
-class _Channel:
-    """Receives of one channel, posted ahead in the order the schedule consumes them."""
-
-    keys: deque = field(default_factory=deque)  # (step, microbatch) still to post
-    posted: deque = field(default_factory=deque)  # (key, Pending)
-
-
 class StageExecutor:
     """Runs one stage's part of a schedule: build one per process, iterate `run(actions)`.
 
@@ -128,8 +121,6 @@ class StageExecutor:
         votes: how the processes agree on a step to checkpoint or stop at (`pipeline.votes`);
             None: the plan's own steps only.
     """
-
-    LOOKAHEAD = 4
 
     def __init__(
         self,
@@ -178,8 +169,7 @@ class StageExecutor:
         self._loss: dict[int, torch.Tensor] = {}
         self._live_inflight: Counter[int] = Counter()  # versions used by stashed graphs
         self.peak_versions = len(self.delayed.kept_versions()[self.stage])
-        self._act = _Channel()
-        self._grad = _Channel()
+        self.inbox = Inbox(io.comm, io.stage, self.P, io.act_shape, io.act_dtype, self.device)
 
     def _tied_reads(self) -> set[int]:
         """Every version of a tied matrix the last stage reads from now on: those its steps
@@ -195,16 +185,12 @@ class StageExecutor:
     def run(self, actions: list[Action]) -> Iterator[UpdateReport]:
         """Execute `actions` (this stage's, in order), yielding each update's report once it
         is applied; a sync point's report comes right after its STEP (module docstring)."""
-        for a in actions:
-            if a.kind == "F" and not self.first:
-                self._act.keys.append((a.step, a.microbatch))
-            if a.kind in ("B", "BI") and not self.last:
-                self._grad.keys.append((a.step, a.microbatch))
+        self.inbox.expect(actions)
         for a in actions:
             assert a.stage == self.stage, a
             if (stop := self.plan.stop_step) is not None and a.step > stop:
                 continue  # the run ends after update `stop` (pipeline.votes)
-            self._prefetch()
+            self.inbox.prefetch()
             if a.kind == "F":
                 self.forward(a.step, a.microbatch, a.reads)
             elif a.kind in ("B", "BI"):
@@ -227,22 +213,6 @@ class StageExecutor:
     def _take_reports(self) -> Iterator[UpdateReport]:
         while self.updates.reports:
             yield self.updates.reports.popleft()
-
-    def _prefetch(self) -> None:
-        for ch, src, name in (
-            (self._act, self.stage - 1, "act"),
-            (self._grad, self.stage + 1, "grad"),
-        ):
-            while ch.keys and len(ch.posted) < self.LOOKAHEAD:
-                key = ch.keys.popleft()
-                buf = torch.empty(self.io.act_shape, dtype=self.io.act_dtype, device=self.device)
-                what = f"the {'activation' if name == 'act' else 'gradient'} of step {key[0]} microbatch {key[1]}"
-                ch.posted.append((key, self.comm.recv([buf], self.comm.peer_rank(src), name, what)))
-
-    def _take(self, ch: _Channel, key: tuple[int, int]) -> torch.Tensor:
-        got, pending = ch.posted.popleft()
-        assert got == key, (got, key)
-        return pending.wait()[0]
 
     # ---------------------------------------------------------------------------------------
     # Weights
@@ -299,7 +269,7 @@ class StageExecutor:
         if self.first:
             inp = xs[microbatch]
         else:
-            inp = self._take(self._act, (step, microbatch)).requires_grad_()
+            inp = self.inbox.activation(step, microbatch).requires_grad_()
         targets = ys[microbatch] if self.last else None
         seed = microbatch_seed(self.io.seed, self.stage, step, microbatch, self.comm.replica)
         with seeded(seed, self.device):
@@ -333,7 +303,7 @@ class StageExecutor:
     def backward(self, step: int, microbatch: int, weights: bool = True) -> None:
         """B (weights=True) or BI (input gradient only; BW follows)."""
         st = self._stash[(step, microbatch)]
-        grad_out = None if self.last else self._take(self._grad, (step, microbatch))
+        grad_out = None if self.last else self.inbox.gradient(step, microbatch)
         wants_input = not self.first
         targets = (list(st.leaves.values()) if weights else []) + ([st.inp] if wants_input else [])
         if not targets:  # BI on the first stage: no input gradient to send; BW does the work
@@ -418,8 +388,7 @@ class StageExecutor:
         steps not posted yet when the run ends there."""
         self.plan.agree(step, bits)
         if (stop := self.plan.stop_step) is not None:
-            for ch in (self._act, self._grad):
-                ch.keys = deque(k for k in ch.keys if k[0] <= stop)
+            self.inbox.forget_after(stop)
 
     def settle(self) -> None:
         """Finish this process's part of the communication of the steps run so far (before

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from stalepipe.pipeline.comm import Pending
-
-LOOKAHEAD = 4  # receives posted ahead, sends in flight
+from stalepipe.pipeline.inbox import LOOKAHEAD  # receives posted ahead, sends in flight
 
 
 @dataclass(frozen=True)
