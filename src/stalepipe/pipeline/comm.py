@@ -34,6 +34,7 @@ import json
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -260,21 +261,23 @@ class Comm:
         if self.pipe_group is None or P == 1:
             return None, [t]
         out = [torch.empty_like(t) for _ in range(P)]
+        return self.post(what, lambda: dist.all_gather(out, t, self.pipe_group, async_op=True)), out
+
+    def post(self, what: str, start: Callable[[], Any]) -> Any:
+        """Post a collective: `start()` calls it with async_op=True and returns its work (wait
+        with `wait_work`). A failure already while posting (gloo saw a peer's connection
+        close) is the same `PeerError` that waiting would raise."""
         try:
-            work = dist.all_gather(out, t, group=self.pipe_group, async_op=True)
-        except Exception as e:
+            return start()
+        except Exception as e:  # RuntimeError or DistBackendError
             raise self.peer_error(None, what, e) from None
-        return work, out
 
     def all_reduce_mean(self, t: torch.Tensor) -> None:
         """Average `t` in place over the data-parallel replicas of this stage."""
         if self.dp_group is None:
             return
         what = "the data-parallel gradient all-reduce"
-        try:
-            work = dist.all_reduce(t, group=self.dp_group, async_op=True)
-        except Exception as e:
-            raise self.peer_error(None, what, e) from None
+        work = self.post(what, lambda: dist.all_reduce(t, group=self.dp_group, async_op=True))
         self.wait_work(work, what, None)
         t.div_(self.topo.data_parallel)
 

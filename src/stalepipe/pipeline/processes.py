@@ -234,7 +234,11 @@ def _root_cause(watch: _Watch, failed: list[int], store: Any, timeout_s: float) 
     describe, records = watch.describe, {r: rank_failure(store, r) for r in watch.exited}
     causes = [r for r in failed if watch.code(r) != EXIT_PEER and r not in watch.killed]
     if causes:
-        r = causes[0]
+        # A killed rank first (it could not record); else the first to record (ranks record
+        # before they exit, so that is more exact than the order their exits were seen in).
+        first = first_failure(store)
+        killed = [r for r in causes if watch.code(r) < 0]
+        r = (killed or [first.rank if first and first.rank in causes else causes[0]])[0]
         code, rec = watch.code(r), records.get(r)
         if code < 0 and -code in watch.signals:
             return r, (
