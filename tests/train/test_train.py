@@ -171,3 +171,32 @@ def test_tensorboard_scalars_mirror_the_metrics(tiny_config):
     losses = [e.value for e in events.Scalars("loss")]
     assert losses == pytest.approx([r["loss"] for r in read_metrics(run)])
     assert "tau/0" in events.Tags()["scalars"]
+
+
+def test_the_divergence_message_recommends_a_command_that_works(tiny_config, tmp_path, monkeypatch):
+    """A NaN loss at step 3 without clipping: the message's command (same config, --resume,
+    half the LR, clipping on) is accepted and continues from the last good checkpoint."""
+    from stalepipe.cli import main
+    from stalepipe.delay import DelayEmulator
+
+    real = DelayEmulator.forward_backward
+    monkeypatch.setattr(
+        DelayEmulator,
+        "forward_backward",
+        lambda self, step, mb: float("nan") if step == 3 else real(self, step, mb),
+    )
+    cfg = _with(
+        tiny_config,
+        name="fix",
+        train={"steps": 6, "ckpt_every": 2, "grad_clip": 0.0},
+        optim={"lr": 1e-3},
+    )
+    path = tmp_path / "fix.json"
+    path.write_text(cfg.to_json())
+    with pytest.raises(TrainingError) as err:
+        train(cfg, verbose=False)
+    fix = "--resume --optim.lr 0.0005 --train.grad_clip 1.0"
+    assert str(err.value).endswith(f"continue from it with the same command and {fix}")
+    monkeypatch.undo()
+    assert main(["train", "--config", str(path), *fix.split()]) == 0
+    assert load_checkpoint(latest_checkpoint(f"{tiny_config.out_dir}/fix"))["step"] == 6
