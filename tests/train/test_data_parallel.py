@@ -70,3 +70,42 @@ def test_two_ranks_equal_one_process(tiny_config, tmp_path, policy, ef):
         os.remove(f"{run_dir}/ckpt_00000006.pt")
         resumed = train(dp, resume=True, verbose=False)
         _assert_close(_weights(single.run_dir), _weights(resumed.run_dir))
+
+
+def test_sigterm_to_torchrun_checkpoints_every_rank_alike_then_resumes(tiny_config, tmp_path):
+    """torchrun forwards SIGTERM to its workers: they agree on a step (one all-reduce of the
+    request bits), rank 0 writes the checkpoint, and a resumed run ends where one process
+    ends (up to data-parallel rounding)."""
+    import signal
+    import time
+
+    cfg = _cfg(tiny_config, "dp-stop", "2bw", True)
+    cfg = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(
+            cfg.train, steps=2000, ckpt_every=0, eval_every=0, lr_schedule="constant"
+        ),
+    )
+    path = tmp_path / "stop.json"
+    path.write_text(cfg.to_json())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += ["-m", "stalepipe", "train", "--config", str(path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    metrics = Path(cfg.out_dir, cfg.name, "metrics.jsonl")
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.poll()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert "stalepipe: stopped by SIGTERM after " in err, err[-3000:]
+    run_dir = Path(cfg.out_dir, cfg.name)
+    stopped = load_checkpoint(latest_checkpoint(run_dir))["step"]
+    assert 3 <= stopped < 2000
+
+    short = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=stopped + 4))
+    single = train(dataclasses.replace(short, name="single-stop"), verbose=False)
+    path.write_text(short.to_json())  # resume under torchrun with 4 more steps to go
+    _torchrun(short, tmp_path, "--resume")
+    _assert_close(_weights(single.run_dir), _weights(run_dir))
