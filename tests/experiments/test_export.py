@@ -172,3 +172,27 @@ def test_cli_export_and_eval(tmp_path, capsys):
     assert main(args) == 0
     assert "shakespeare-cloze: acc" in capsys.readouterr().out
     assert json.loads((tmp_path / "e.json").read_text())["tasks"]["shakespeare-cloze"]
+
+
+def test_bpe_tokenizer_is_found_from_another_working_directory(tmp_path, monkeypatch):
+    """A run's relative data_dir (config.json as written) is located from where the run
+    directory is, so export from elsewhere still writes the run's trained tokenizer."""
+    from stalepipe.data import prepare_corpus
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    data = DataConfig(
+        corpus="excerpt", tokenizer="bpe", bpe_vocab_size=300, data_dir="data/b", seq_len=32
+    )
+    prepare_corpus(data, progress=False)
+    model_cfg = ModelConfig(**{**BASE, "vocab_size": 320})
+    cfg = ExperimentConfig(name="run", out_dir="runs", model=model_cfg, data=data)
+    run_dir = work / "runs" / "run"
+    run_dir.mkdir(parents=True)
+    state = {"config": cfg.to_dict(), "model": build_model(model_cfg, seed=3).state_dict()}
+    save_checkpoint(run_dir, 7, state, 1)
+    monkeypatch.chdir(tmp_path)
+    result = export_hf(run_dir, tmp_path / "hf")
+    assert result.tokenizer == "bpe", result.notes
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() != b""

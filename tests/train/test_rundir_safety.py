@@ -19,7 +19,7 @@ from stalepipe.cli import main
 from stalepipe.errors import CheckpointError, DataError, UserError
 from stalepipe.fileio import MARKER, NotOwnedError, make_owned_dir, mark_owned, remove_owned_dir
 from stalepipe.train.checkpoint import list_checkpoints
-from stalepipe.train.loop import train
+from stalepipe.train.loop import train, with_resolved_optim
 from stalepipe.train.rundir import (
     RUN_ENTRIES,
     RUN_KIND,
@@ -27,6 +27,7 @@ from stalepipe.train.rundir import (
     locate_run_data,
     open_run_dir,
     run_data_dir,
+    saved_run_location,
 )
 
 
@@ -244,5 +245,35 @@ def test_run_data_is_found_from_any_working_directory(tiny_config, tmp_path, mon
     assert locate_run_data(run_dir, cfg) == want
     moved = shutil.move(run_dir, elsewhere / "moved")
     assert locate_run_data(moved, cfg) is None
-    with pytest.raises(DataError, match="pass --data-dir DIR"):
-        run_data_dir(moved, cfg)
+    fix = "pass --data-dir DIR"
+    with pytest.raises(DataError, match="data/ex\\) is not found from here; pass --data-dir DIR"):
+        run_data_dir(moved, cfg, fix=fix)
+    with pytest.raises(DataError, match="data.data_dir data/ex does not exist"):
+        run_data_dir(moved, cfg)  # no fix given: ensure_prepared's own message
+
+
+def test_resume_from_another_working_directory(tiny_config, tmp_path, monkeypatch):
+    """`--config RUN/config.json --resume` from elsewhere continues the run in place (the
+    CLI takes the run's location from saved_run_location), reading its recorded data, and
+    config.json keeps its relative out_dir and data_dir."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    shutil.copytree(tiny_config.data.data_dir, work / "data" / "ex")
+    elsewhere.mkdir()
+    monkeypatch.chdir(work)
+    cfg = _cfg(dataclasses.replace(tiny_config, out_dir="runs"), steps=4, ckpt_every=2)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data_dir="data/ex"))
+    run_dir = train(cfg, verbose=False).run_dir.resolve()
+    list_checkpoints(run_dir)[-1].unlink()
+    saved_text = (run_dir / "config.json").read_text()
+    monkeypatch.chdir(elsewhere)
+    out_dir, name = saved_run_location(run_dir / "config.json")
+    assert (Path(out_dir), name) == (run_dir.parent, "tiny")
+    moved = with_resolved_optim(dataclasses.replace(cfg, out_dir=out_dir))  # as train() does
+    data_dir = run_data_dir(run_dir, moved)
+    assert data_dir == (work / "data" / "ex").resolve()
+    open_run_dir(moved, resume=True, overwrite=False, data_dir=data_dir)
+    assert (run_dir / "config.json").read_text() == saved_text  # out_dir still "runs"
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert invocations(meta)[-1]["data_dir"] == str(data_dir)
+    assert invocations(meta)[-1]["cwd"] == str(elsewhere.resolve())
+    assert saved_run_location(tmp_path / "config.json") is None

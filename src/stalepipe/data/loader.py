@@ -133,7 +133,8 @@ def _all_shards(data_dir: str | os.PathLike) -> list[Path]:
 
 def max_token_id(path: str | os.PathLike, below: int | None = None) -> int:
     """The largest token id in a shard (-1 for an empty one), one vectorised pass over the
-    memory map (about 0.1 s per 100M uint16 tokens from the page cache; disk speed when cold).
+    memory map: measured 0.01-0.03 s per 100M uint16 tokens (200 MB) from the page cache, so
+    about 2 s for a 10B-token GPT-2 set; disk speed when cold (10 s at 2 GB/s).
 
     With `below`: returns early (-1) when the shard's dtype cannot hold an id >= `below`, so
     uint16 shards never need a scan for a model vocab above 65535."""

@@ -96,10 +96,11 @@ def open_run_dir(
     resume: bool,
     overwrite: bool,
     extra_meta: dict[str, Any] | None = None,
+    data_dir: str | os.PathLike | None = None,
 ) -> Path:
     """Create or reopen `cfg.out_dir/cfg.name`, write config.json and record this invocation
-    in meta.json. Every refusal (`check_run_dir`) is raised before anything is written or
-    deleted.
+    in meta.json (with `data_dir`, the data directory the run reads: default `cfg`'s). Every
+    refusal (`check_run_dir`) is raised before anything is written or deleted.
 
     - no directory, an empty one, or one no run has trained in yet (no checkpoint, no metrics:
       a failed start, or a run a sweep planned): start fresh, with or without --resume;
@@ -115,14 +116,39 @@ def open_run_dir(
     if state == "trained" and overwrite:
         remove_owned_dir(run_dir, RUN_KIND, RUN_ENTRIES, within=cfg.out_dir, fix=RUN_FIX)
         state = "new"
-    data_dir = Path(cfg.data.resolved_dir())
-    meta = _updated_meta(run_dir, state, data_dir, resumed_from, extra_meta or {})
+    data = Path(cfg.data.resolved_dir() if data_dir is None else data_dir)
+    meta = _updated_meta(run_dir, state, data, resumed_from, extra_meta or {})
     make_owned_dir(run_dir, RUN_KIND)
     if state == "unstarted" and owned_kind(run_dir) is None:
         mark_owned(run_dir, RUN_KIND)  # only a run's files in it (run_state): ours
-    write_json_atomic(run_dir / "config.json", cfg.to_dict())
+    saved = _saved_config(run_dir) if resumed_from is not None else None
+    config = cfg.to_dict()
+    if saved is not None and isinstance(saved.get("out_dir"), str):
+        # out_dir may differ on resume (another working directory): keep the saved spelling,
+        # so a run's config.json stays as portable as it was written
+        config["out_dir"] = saved["out_dir"]
+    write_json_atomic(run_dir / "config.json", config)
     write_json_atomic(run_dir / "meta.json", meta)
     return run_dir
+
+
+def saved_run_location(config_file: str | os.PathLike) -> tuple[str, str] | None:
+    """`(out_dir, name)` of the run whose own config.json `config_file` is (a meta.json beside
+    it), so that `stalepipe train --config RUN/config.json --resume` continues that run from
+    any working directory; None for any other file."""
+    path = Path(config_file)
+    if path.name != "config.json" or not (path.parent / "meta.json").is_file():
+        return None
+    run_dir = path.parent.resolve()
+    return str(run_dir.parent), run_dir.name
+
+
+def _saved_config(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return saved if isinstance(saved, dict) else None
 
 
 def check_run_dir(
@@ -339,21 +365,25 @@ def locate_run_data(run_dir: str | os.PathLike | None, cfg: ExperimentConfig) ->
 
 
 def run_data_dir(
-    run_dir: str | os.PathLike | None, cfg: ExperimentConfig, *, progress: bool = False
+    run_dir: str | os.PathLike | None,
+    cfg: ExperimentConfig,
+    *,
+    progress: bool = False,
+    fix: str | None = None,
 ) -> Path:
-    """The checked data directory of a run (`locate_run_data`), for eval and other readers;
-    a run on the default cache that is not anywhere here gets it prepared (built-in corpora),
-    anything else is a DataError naming the places looked at and the fix (`--data-dir`)."""
+    """The checked data directory of a run (`locate_run_data`), for a resume from another
+    working directory, eval and other readers. Not found: the default cache is prepared here
+    (`ensure_prepared`: built-in corpora); an explicit `data_dir` is a DataError, ending with
+    `fix` when given (e.g. eval's "pass --data-dir DIR"), else ensure_prepared's own."""
     found = locate_run_data(run_dir, cfg)
     if found is not None:
         return ensure_prepared(dataclasses.replace(cfg.data, data_dir=str(found)), progress)
-    if not cfg.data.data_dir:
-        return ensure_prepared(cfg.data, progress)
-    raise DataError(
-        f"the token data of run {run_dir} ({cfg.data.data_dir}) is not found from here; pass "
-        f"--data-dir DIR (the directory with its shards), or run from the directory it was "
-        f"trained in"
-    )
+    if cfg.data.data_dir and fix:
+        raise DataError(
+            f"the token data of run {run_dir} (data.data_dir {cfg.data.data_dir}) is not found "
+            f"from here; {fix}"
+        )
+    return ensure_prepared(cfg.data, progress)
 
 
 def _meta_or_none(run_dir: Path) -> dict[str, Any] | None:
