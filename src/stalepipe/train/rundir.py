@@ -243,7 +243,8 @@ def _check_resumable(run_dir: Path, cfg: ExperimentConfig) -> Path:
             )
             raise UserError(
                 f"--resume with a different config ({shown}); resume with the run's own "
-                f"settings (stalepipe train --config {saved_cfg} --resume) or use a new --name"
+                f"settings (stalepipe train --config {saved_cfg} --resume), or start a new run "
+                f"from its checkpoint with the new settings (--init-from {run_dir} --name NEW)"
             )
     return ckpt
 
