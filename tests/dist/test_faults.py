@@ -262,7 +262,7 @@ _LAUNCHER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
 def test_the_launcher_forwards_preemption_signals_once(sig, tmp_path):
     script = tmp_path / "launcher.py"
     script.write_text(_LAUNCHER)
