@@ -144,8 +144,10 @@ def make_owned_dir(path: str | os.PathLike, kind: str) -> Path:
 
 def _protected() -> list[Path]:
     """Directories that are never deleted, nor any of their parents."""
-    out = [Path.cwd().resolve()]
-    with contextlib.suppress(RuntimeError):  # no home directory (some containers)
+    out = []
+    with contextlib.suppress(OSError):  # a working directory deleted under us
+        out.append(Path.cwd().resolve())
+    with contextlib.suppress(RuntimeError, OSError):  # no home directory (some containers)
         out.append(Path.home().resolve())
     return out
 
