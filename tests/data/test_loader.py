@@ -75,7 +75,9 @@ def test_foreign_multi_shard_uint32(tmp_path):
     loader = TokenLoader(tmp_path, "train", 10, seed=0)
     assert loader.num_tokens == 200 and loader.num_windows == 180
     assert loader.vocab_size is None
-    check_vocab(tmp_path, 8)  # no manifest: nothing to check against
+    check_vocab(tmp_path, 100_100)
+    with pytest.raises(DataError, match=r"holds token id 100099 .* --model.vocab_size 100160"):
+        check_vocab(tmp_path, 8)  # no manifest: nothing to check against
     seen = set()
     for step in range(20):
         x, y = loader.batch(step, 8)

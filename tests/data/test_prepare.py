@@ -81,6 +81,7 @@ def test_excerpt_byte_manifest_and_contents(excerpt_data_dir):
         for shard in split["shards"]:
             assert shard["sha256"] == file_sha256(d / shard["file"])
     assert sorted(p.name for p in d.iterdir()) == [
+        ".stalepipe.json",
         "manifest.json",
         "train_000000.bin",
         "val_000000.bin",
@@ -175,7 +176,7 @@ def test_verify_detects_changed_bytes(tmp_path):
 
 def test_ensure_prepared(tmp_path):
     cfg = DataConfig(corpus="excerpt", data_dir=str(tmp_path / "d"))
-    d = ensure_prepared(cfg, progress=False)
+    d = prepare_corpus(cfg, progress=False)
     stamp = (d / "manifest.json").stat().st_mtime_ns
     assert ensure_prepared(cfg, progress=False) == d
     assert (d / "manifest.json").stat().st_mtime_ns == stamp  # reused, not rebuilt

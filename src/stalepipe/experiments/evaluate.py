@@ -28,10 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from stalepipe.config import ExperimentConfig
-from stalepipe.data import EVAL_SEED, Tokenizer, TokenLoader, check_vocab, ensure_prepared
+from stalepipe.data import EVAL_SEED, Tokenizer, TokenLoader, check_vocab
 from stalepipe.errors import UserError
 from stalepipe.experiments.trained import load_trained
 from stalepipe.fileio import write_json_atomic
+from stalepipe.train.rundir import run_data_dir
 
 BUILTIN_TASKS = ("shakespeare-cloze",)
 
@@ -283,7 +284,9 @@ def run_tokenizer(tokenizer_name: str, data_dir: Path | None) -> Tokenizer:
     return cls()
 
 
-def _eval_data_dir(data_dir: str | Path | None, cfg: ExperimentConfig, needed: bool) -> Path | None:
+def _eval_data_dir(
+    data_dir: str | Path | None, run_dir: Path, cfg: ExperimentConfig, needed: bool
+) -> Path | None:
     """`--data-dir` if given, else the run's own data (prepared first when it is a built-in
     corpus) when the loss or a bpe tokenizer needs it, else None."""
     if data_dir is not None:
@@ -291,7 +294,9 @@ def _eval_data_dir(data_dir: str | Path | None, cfg: ExperimentConfig, needed: b
         if not path.is_dir():
             raise EvalError(f"--data-dir {path} is not a directory")
         return path
-    return Path(ensure_prepared(cfg.data, progress=False)) if needed else None
+    if not needed:
+        return None
+    return run_data_dir(run_dir, cfg, fix="pass --data-dir DIR (the directory with its shards)")
 
 
 def evaluate_run(
@@ -320,7 +325,8 @@ def evaluate_run(
     batch_size = batch_size or cfg.train.batch_size
     if seq_len > cfg.model.max_seq_len:
         raise EvalError(f"--seq-len must be <= model.max_seq_len={cfg.model.max_seq_len}")
-    data_path = _eval_data_dir(data_dir, cfg, needed=not skip_loss or cfg.data.tokenizer == "bpe")
+    needed = not skip_loss or cfg.data.tokenizer == "bpe"
+    data_path = _eval_data_dir(data_dir, trained.path.parent, cfg, needed)
     result: dict[str, Any] = {"checkpoint": str(trained.path), "step": trained.step, "val": None}
     with trained.autocast(device):  # the precision the run trained (and validated) in
         if not skip_loss:

@@ -229,7 +229,7 @@ def _changed_keys(run_dir: Path, cfg: ExperimentConfig) -> list[str]:
     that do not change the trajectory are ignored)."""
     from stalepipe.fileio import flatten_dict  # here, not at the top: it imports torch
     from stalepipe.optim import resolve_config
-    from stalepipe.train.rundir import RESUMABLE_CHANGES
+    from stalepipe.train.resume import RESUMABLE_CHANGES
 
     try:
         saved = flatten_dict(json.loads((run_dir / "config.json").read_text()))
