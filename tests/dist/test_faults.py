@@ -291,3 +291,31 @@ def test_the_launcher_forwards_preemption_signals_once(sig, tmp_path):
     assert [m.read_text() for m in marks] == [sig.name] * 2
     assert "every rank wrote its checkpoint" in err and "--resume" in err, err
     assert "Traceback" not in err, err
+
+
+def test_ctrl_c_reaches_every_rank_once_and_the_run_stops_with_a_checkpoint(make_cfg, tmp_path):
+    """Ctrl-C at a terminal signals the whole foreground process group, workers included; a
+    launcher that forwarded it too would make it a second Ctrl-C ("stops at once", no
+    checkpoint)."""
+    cfg = make_cfg("2bw", 2, 2, steps=100_000, name="ctrlc")
+    path = tmp_path / "ctrlc.json"
+    path.write_text(cfg.to_json())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stalepipe", "train", "--config", str(path)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    run = Path(cfg.out_dir) / cfg.name
+    try:
+        metrics = run / "metrics.jsonl"
+        _wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, "training", 120)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == EXIT_PREEMPTED, err
+    assert "every rank wrote its checkpoint" in err and "Traceback" not in err, err
+    assert list(run.glob("ckpt_*.pt")), err
