@@ -39,3 +39,66 @@ def test_readme_user_loop_example_runs_and_trains():
     opt = namespace["opt"]
     assert opt.step_count == 20
     assert model(batch, batch).item() < 3.5  # it learned the fixed batch (log 64 = 4.16 at init)
+
+
+# ---- the README's shell commands ---------------------------------------------------------------
+
+
+def _shell_commands() -> list[str]:
+    """Every command of the README's bash blocks, continuation lines joined, comments cut."""
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    return [" ".join(line.split("#")[0].split()) for line in lines if line.split("#")[0].strip()]
+
+
+def _train_args(command: str) -> list[str] | None:
+    """The arguments after `stalepipe train` (plain or under torchrun), or None."""
+    m = re.search(r"(?:^|\s)(?:-m )?stalepipe train(?:\s+(.*))?$", command)
+    return m.group(1).split() if m and m.group(1) else ([] if m else None)
+
+
+def _train_commands() -> list[list[str]]:
+    found = [_train_args(c) for c in _shell_commands()]
+    return [a for a in found if a is not None and "..." not in a and "--help" not in a]
+
+
+def test_every_readme_train_command_has_a_valid_config(capsys):
+    """Each `stalepipe train` line builds its config (no run): no refused or renamed setting.
+    A `--config RUN/config.json` line must name a run an earlier line trains."""
+    import json
+
+    from stalepipe.cli import main
+
+    commands = _train_commands()
+    assert len(commands) >= 5, "README lost its train commands"
+    trained: dict[str, dict] = {}
+    for args in commands:
+        if "--config" in args:
+            path = args[args.index("--config") + 1]
+            name = path.removeprefix("runs/").removesuffix("/config.json")
+            assert name in trained, f"{path}: no earlier README command trains run {name!r}"
+            continue
+        assert main(["train", *args, "--print-config"]) == 0, args
+        cfg = json.loads(capsys.readouterr().out)
+        if "--resume" in args:  # a resume line must repeat the config of the run it resumes
+            assert trained.get(cfg["name"], cfg) == cfg, f"{args} resumes with another config"
+        trained.setdefault(cfg["name"], cfg)
+
+
+def test_readme_torchrun_commands_split_the_batch_evenly(capsys):
+    """The data-parallel emulator gives each of the N ranks train.batch_size / N rows in
+    train.num_microbatches / N microbatches (train.distributed.init_data_parallel)."""
+    import json
+
+    from stalepipe.cli import main
+
+    runs = [c for c in _shell_commands() if c.startswith(("torchrun", "srun torchrun"))]
+    assert runs, "README lost its torchrun examples"
+    for command in runs:
+        args = _train_args(command)
+        if args is None or "..." in args:
+            continue
+        ranks = int(re.search(r"--nproc-per-node (\d+)", command).group(1))
+        assert main(["train", *args, "--print-config"]) == 0, command
+        train = json.loads(capsys.readouterr().out)["train"]
+        assert train["batch_size"] % ranks == 0 and train["num_microbatches"] % ranks == 0, command
