@@ -5,9 +5,11 @@ gloo, short timeouts; each test ends within seconds of its fault and cannot hang
   naming the peer, no traceback (the collective learns the rank from the launcher's record);
 - a peer killed or crashed while rank 0 waits for its checkpoint part: rank 0 stops within a
   second (not after pipeline.timeout_s), and the crash's one line and traceback are in its log;
+- bad input found by the ranks (a corrupt checkpoint): their one line, exit 2, no traceback;
 - a hung rank (SIGSTOP) in the real runtime: the launcher names it, not rank 0, and kills it;
 - SIGTERM / SIGUSR1 to the launcher reach every worker exactly once, SIGINT is not forwarded,
-  and workers that exit with EXIT_PREEMPTED make the launcher return EXIT_PREEMPTED.
+  and workers that exit with EXIT_PREEMPTED make the launcher return EXIT_PREEMPTED; Ctrl-C to
+  the process group of a real run reaches every rank once and ends with a checkpoint.
 The killed-worker run of the real runtime (exit code 4) is in test_resume_faults.py.
 """
 
@@ -18,6 +20,7 @@ import dataclasses
 import multiprocessing as mp
 import operator
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,10 +31,11 @@ from pathlib import Path
 
 import pytest
 
-from stalepipe.errors import EXIT_PEER, EXIT_PREEMPTED, TrainingError
+from stalepipe.errors import EXIT_PEER, EXIT_PREEMPTED, EXIT_USER, TrainingError, UserError
 from stalepipe.pipeline.checkpoint_parts import wait_part
 from stalepipe.pipeline.comm import Topology
 from stalepipe.pipeline.processes import host_store, supervise, worker_env
+from stalepipe.train.checkpoint import load_checkpoint
 from stalepipe.train.launch import launch_train, spawn_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -206,6 +210,23 @@ def test_a_crashed_peer_leaves_its_error_and_traceback_in_its_log(tmp_path):
     log0 = _log(run, 0)
     assert "rank 1 (stage 1) failed or stopped responding" in log0, log0
     assert "rank 1: ZeroDivisionError" in log0  # the peer's own line, from its record
+
+
+def test_bad_input_found_by_the_ranks_is_their_one_line_and_exit_2(tmp_path):
+    run = tmp_path / "run"
+    bad = tmp_path / "ckpt_00000004.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError) as err:
+        spawn_ranks([(load_checkpoint, (bad,))] * 2, run, 10.0, topo=Topology(2), console=False)
+    assert err.value.exit_code == EXIT_USER and not isinstance(err.value, TrainingError)
+    assert re.fullmatch(
+        rf"rank [01]: CheckpointError: checkpoint {re.escape(str(bad))} is corrupt .*",
+        str(err.value),
+    )
+    for r in range(2):
+        log = _log(run, r)
+        assert f"stalepipe: error: rank {r}: CheckpointError: checkpoint {bad}" in log, log
+        assert "Traceback" not in log
 
 
 # ---- a hung rank ------------------------------------------------------------------------------
