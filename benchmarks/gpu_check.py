@@ -17,7 +17,7 @@ import torch
 from stalepipe.config import apply_overrides
 from stalepipe.presets import get_preset
 from stalepipe.train.loop import train
-from stalepipe.train.rundir import read_metrics
+from stalepipe.train.metrics import read_metrics
 
 VARIANTS = {
     "sync": {"delay.policy": "sync"},

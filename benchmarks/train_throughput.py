@@ -22,7 +22,7 @@ from stalepipe.data import TokenLoader, ensure_prepared
 from stalepipe.models import build_model
 from stalepipe.presets import get_preset
 from stalepipe.train.loop import train
-from stalepipe.train.rundir import read_metrics
+from stalepipe.train.metrics import read_metrics
 
 
 def hand_written(cfg, data_dir: str, steps: int) -> float:

@@ -23,7 +23,7 @@ from stalepipe.pipeline.processes import WorkerPool
 from stalepipe.train.pipelined import RUNTIME_SCHEDULES, worker_entry
 from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint
 from stalepipe.train.loop import train
-from stalepipe.train.rundir import read_metrics
+from stalepipe.train.metrics import read_metrics
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,7 @@ from stalepipe.pipeline.generators import make_schedule, one_stage_per_rank
 from stalepipe.train.pipelined import check_config, runtime_schedule
 from stalepipe.pipeline.schedule import peak_versions, validate
 from stalepipe.presets import PRESETS
-from stalepipe.train.rundir import read_metrics
+from stalepipe.train.metrics import read_metrics
 
 
 def _moe(cfg, **model_kw):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from stalepipe.errors import EXIT_PREEMPTED, Preempted
-from stalepipe.train import rundir
+from stalepipe.train import metrics as metrics_file
 from stalepipe.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from stalepipe.train.loop import train
 
@@ -42,7 +42,7 @@ def _assert_bitwise(a: dict, b: dict) -> None:
 
 def _signal_at(monkeypatch, step: int, sig: int, times: int = 1) -> None:
     """Deliver `sig` to this process when the loop writes step `step`'s metrics."""
-    write = rundir.MetricsWriter.write
+    write = metrics_file.MetricsWriter.write
 
     def write_and_signal(self, record):
         write(self, record)
@@ -50,7 +50,7 @@ def _signal_at(monkeypatch, step: int, sig: int, times: int = 1) -> None:
             for _ in range(times):
                 os.kill(os.getpid(), sig)
 
-    monkeypatch.setattr(rundir.MetricsWriter, "write", write_and_signal)
+    monkeypatch.setattr(metrics_file.MetricsWriter, "write", write_and_signal)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
@@ -62,9 +62,7 @@ def test_signal_checkpoints_then_resume_equals_uninterrupted(tiny_config, monkey
         train(cfg, verbose=False)
     assert Preempted.exit_code == EXIT_PREEMPTED == 75
     # the signal came after step 4's update: step 5 is the first every process agrees on
-    assert [p.name for p in list_checkpoints(Path(cfg.out_dir) / cfg.name)] == [
-        "ckpt_00000006.pt"
-    ]
+    assert [p.name for p in list_checkpoints(Path(cfg.out_dir) / cfg.name)] == ["ckpt_00000006.pt"]
     monkeypatch.undo()
     resumed = train(cfg, resume=True, verbose=False)
     assert len(resumed.train_losses) == 6

@@ -12,7 +12,7 @@ import torch
 from stalepipe.errors import CheckpointError, TrainingError, UserError
 from stalepipe.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from stalepipe.train.loop import train
-from stalepipe.train.rundir import read_metrics
+from stalepipe.train.metrics import read_metrics
 
 
 def _with(cfg, **sections):

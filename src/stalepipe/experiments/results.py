@@ -69,7 +69,7 @@ class Run:
 def load_runs(root: str | Path) -> list[Run]:
     """Every run directory directly under `root` (a directory holding a config.json or a
     sweep.json), sorted by name."""
-    from stalepipe.train.rundir import read_metrics
+    from stalepipe.train.metrics import read_metrics
 
     root = Path(root)
     runs = []

@@ -157,7 +157,7 @@ def run_status(run_dir: Path, steps: int | None = None) -> str:
     Finished means the final step's val_loss is in metrics.jsonl or the final checkpoint
     exists. `steps` defaults to the run's own config.json."""
     from stalepipe.train.checkpoint import checkpoint_path
-    from stalepipe.train.rundir import read_metrics
+    from stalepipe.train.metrics import read_metrics
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -432,7 +432,7 @@ class _Progress:
 
 
 def _final_val(run_dir: Path) -> float:
-    from stalepipe.train.rundir import read_metrics
+    from stalepipe.train.metrics import read_metrics
 
     vals = [r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r]
     return vals[-1] if vals else math.nan

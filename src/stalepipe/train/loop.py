@@ -21,18 +21,20 @@ from typing import Any
 import torch
 
 from stalepipe.config import ExperimentConfig
-from stalepipe.data import check_vocab, ensure_prepared
+from stalepipe.data import check_vocab
 from stalepipe.errors import Preempted, TrainingError
 from stalepipe.models import flops_per_token
 from stalepipe.optim import resolve_config
 from stalepipe.train.checkpoint import latest_checkpoint
+from stalepipe.train.devices import check_device
 from stalepipe.train.distributed import init_data_parallel, local_device, on_main, shutdown
 from stalepipe.train.emulated import EmulatorEngine
 from stalepipe.train.engine import Engine, StepPlan, StepResult
 from stalepipe.train.interrupts import Interrupts
+from stalepipe.train.metrics import MetricsWriter, read_metrics
 from stalepipe.train.progress import Progress
 from stalepipe.train.resume import parent_meta, start_checkpoint
-from stalepipe.train.rundir import MetricsWriter, open_run_dir, read_metrics
+from stalepipe.train.rundir import open_run_dir, prepare_run
 
 
 @dataclass
@@ -67,6 +69,7 @@ def train(
     """Train `cfg` with the delay emulator in `cfg.out_dir/cfg.name`. Under `torchrun` the
     ranks train one data-parallel replica each (train/distributed.py). The pipeline runtime's
     entry is `train.pipelined.run_worker`."""
+    check_device(cfg)  # before anything is written or deleted
     tc = cfg.train
     if tc.threads:
         torch.set_num_threads(tc.threads)
@@ -77,12 +80,13 @@ def train(
         if device.type == "cuda":  # explicit, not whatever the process happened to inherit
             torch.backends.cuda.matmul.allow_tf32 = tc.tf32
             torch.backends.cudnn.allow_tf32 = tc.tf32
-        data_dir = on_main(lambda: ensure_prepared(cfg.data, progress=verbose), ctx)
+        cfg = with_resolved_optim(cfg)  # config.json records the values used
+        start_up = dict(resume=resume, overwrite=overwrite)
+        data_dir = on_main(lambda: prepare_run(cfg, **start_up, progress=verbose), ctx)
         check_vocab(data_dir, cfg.model.vocab_size)
-        cfg = with_resolved_optim(cfg)
         meta = {"data_parallel_ranks": ctx.world_size, **parent_meta(init_from)}
         run_dir = on_main(
-            lambda: open_run_dir(cfg, resume=resume, overwrite=overwrite, extra_meta=meta), ctx
+            lambda: open_run_dir(cfg, **start_up, extra_meta=meta, data_dir=data_dir), ctx
         )
         start = start_checkpoint(run_dir, resume=resume, init_from=init_from)
         engine = EmulatorEngine(cfg, ctx, device, data_dir, run_dir, start)

@@ -34,10 +34,10 @@ from stalepipe.fileio import (
     owned_kind,
     remove_owned_dir,
     write_json_atomic,
-    write_text_atomic,
 )
 from stalepipe.pipeline.checkpoint_parts import PARTS_DIR
 from stalepipe.train.checkpoint import latest_checkpoint
+from stalepipe.train.metrics import read_metrics
 from stalepipe.train.resume import config_diff
 
 
@@ -130,6 +130,18 @@ def open_run_dir(
     write_json_atomic(run_dir / "config.json", config)
     write_json_atomic(run_dir / "meta.json", meta)
     return run_dir
+
+
+def prepare_run(
+    cfg: ExperimentConfig, *, resume: bool, overwrite: bool, progress: bool = False
+) -> Path:
+    """Start-up before a run directory is opened, in the order that loses nothing: every
+    refusal first (`check_run_dir`), then the data the run reads (on --resume the data it
+    trained on, found from any working directory: `run_data_dir`). Returns the data dir."""
+    check_run_dir(cfg, resume=resume, overwrite=overwrite)
+    if resume:
+        return run_data_dir(Path(cfg.out_dir) / cfg.name, cfg, progress=progress)
+    return ensure_prepared(cfg.data, progress)
 
 
 def saved_run_location(config_file: str | os.PathLike) -> tuple[str, str] | None:
@@ -405,72 +417,3 @@ def _started_in(run_dir: Path, cfg: ExperimentConfig) -> Path | None:
     if list(real.parts[len(real.parts) - len(parts) :]) != parts:
         return None
     return Path(*real.parts[: len(real.parts) - len(parts)])
-
-
-class MetricsWriter:
-    """Appends one JSON object per line to metrics.jsonl (and, with `tensorboard`, every
-    numeric value as a TensorBoard scalar under `<run>/tensorboard`). On resume, lines from
-    steps at or after the resume point are dropped first, so the file reads as one
-    uninterrupted run."""
-
-    def __init__(self, run_dir: Path, start_step: int, tensorboard: bool = False) -> None:
-        self.path = Path(run_dir) / "metrics.jsonl"
-        if self.path.exists():
-            kept = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line.strip() and _step_of(line) < start_step
-            ]
-            write_text_atomic(self.path, "".join(line + "\n" for line in kept))
-        self._tb = (
-            _tensorboard_writer(Path(run_dir) / "tensorboard", start_step) if tensorboard else None
-        )
-        self._f = open(self.path, "a")  # noqa: SIM115 - closed in close()
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
-        if self._tb is not None:
-            step = record["step"]
-            for key, value in record.items():
-                if isinstance(value, list):  # e.g. tau per stage
-                    for i, v in enumerate(value):
-                        self._tb.add_scalar(f"{key}/{i}", v, step)
-                elif isinstance(value, int | float) and key != "step":
-                    self._tb.add_scalar(key, value, step)
-
-    def close(self) -> None:
-        self._f.close()
-        if self._tb is not None:
-            self._tb.close()
-
-
-def _tensorboard_writer(log_dir: Path, start_step: int) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise UserError(
-            "train.tensorboard needs the tensorboard package: pip install tensorboard "
-            "(or pip install -e '.[tensorboard]')"
-        ) from None
-    return SummaryWriter(log_dir=str(log_dir), purge_step=start_step or None)
-
-
-def _step_of(line: str) -> int:
-    try:
-        return int(json.loads(line).get("step", -1))
-    except (json.JSONDecodeError, TypeError, ValueError):
-        return 1 << 62  # a torn last line from a crash: drop it
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """All records of a run's metrics.jsonl (a torn final line is skipped)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
