@@ -158,11 +158,19 @@ class Comm:
         self.device = torch.device(device)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.stage, self.replica = topo.stage_of(rank), topo.replica_of(rank)
-        P, D = topo.num_stages, topo.data_parallel
-        # Control group (per-step all-gather of grad norms and losses), data-parallel groups.
-        # new_group is collective over the whole world: every rank creates every group.
         self.pipe_group = None
         self.dp_group = None
+        self._groups: dict[tuple[str, int, int], Any] = {}
+        try:  # a rank that died during start-up: the same PeerError as later
+            self._make_groups()
+        except Exception as e:
+            raise self.peer_error(None, "the start-up (creating the process groups)", e) from None
+        self._sends: deque[Pending] = deque()
+
+    def _make_groups(self) -> None:
+        topo, P, D = self.topo, self.topo.num_stages, self.topo.data_parallel
+        # Control group (per-step all-gather of grad norms and losses), data-parallel groups.
+        # new_group is collective over the whole world: every rank creates every group.
         for d in range(D):
             ranks = [topo.rank(s, d) for s in range(P)]
             g = dist.new_group(ranks, timeout=self.timeout) if P > 1 or D > 1 else None
@@ -174,8 +182,7 @@ class Comm:
                 if s == self.stage:
                     self.dp_group = g
         # NCCL: one communicator per (channel, direction, pair).
-        self._groups: dict[tuple[str, int, int], Any] = {}
-        if backend == "nccl":
+        if self.backend == "nccl":
             for d in range(D):
                 for a, b, chans in self._pairs(P):
                     for ch in chans:
@@ -183,7 +190,6 @@ class Comm:
                         g = dist.new_group([ra, rb], timeout=self.timeout)
                         if self.rank in (ra, rb):
                             self._groups[(ch, ra, rb)] = g
-        self._sends: deque[Pending] = deque()
 
     @staticmethod
     def _pairs(P: int) -> list[tuple[int, int, tuple[str, ...]]]:
