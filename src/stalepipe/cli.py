@@ -97,8 +97,14 @@ def _add_train(sub: Subparsers) -> None:
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from stalepipe.train.loop import train
     from stalepipe.train.resume import parent_checkpoint
+    from stalepipe.train.rundir import saved_run_location
 
-    cfg = build_config(args.preset, args.config, parse_overrides(extra))
+    overrides = parse_overrides(extra)
+    cfg = build_config(args.preset, args.config, overrides)
+    # `--config RUN/config.json --resume` continues RUN from any working directory
+    where = saved_run_location(args.config) if args.resume and args.config else None
+    if where is not None and "out_dir" not in overrides:
+        cfg = dataclasses.replace(cfg, out_dir=where[0], name=where[1])
     if args.name:
         cfg = dataclasses.replace(cfg, name=args.name)
     if args.print_config:

@@ -107,3 +107,19 @@ def test_init_from_errors_name_what_exists(tiny_config, spec, match):
 
     with pytest.raises(CheckpointError, match=match):
         parent_checkpoint(spec.format(run=run))
+
+
+def test_config_json_resume_continues_the_run_from_any_directory(
+    tiny_config, tmp_path, monkeypatch
+):
+    """The command a refused resume recommends, `--config RUN/config.json --resume`, works from
+    another working directory (config.json keeps its relative out_dir and data_dir)."""
+    cfg = _cfg(tiny_config, "here", steps=8)
+    run = train(cfg, verbose=False).run_dir
+    checkpoint_path(run, 8).unlink()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["train", "--config", str(run / "config.json"), "--resume"]) == 0
+    assert load_checkpoint(latest_checkpoint(run))["step"] == 8
+    assert not any(elsewhere.iterdir())  # nothing written where it was run from
