@@ -221,31 +221,10 @@ def _add_info(sub: Subparsers) -> None:
 
 
 def cmd_info(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.models import count_params, flops_per_token, split_layers
+    from stalepipe.models import describe
 
     cfg = build_config(args.preset, args.config, parse_overrides(extra))
-    m = cfg.model
-    counts = count_params(m)
-    flops = flops_per_token(m, cfg.data.seq_len)
-    print(
-        f"model: {m.num_layers} layers, dim {m.dim}, {m.num_heads} heads / {m.num_kv_heads} kv heads, "
-        f"ffn {m.ffn_dim}, vocab {m.vocab_size}, tied={m.tie_embeddings}"
-    )
-    if m.num_experts:
-        print(
-            f"MoE: {m.num_experts} experts of width {m.expert_hidden_dim}, top-{m.top_k}, "
-            f"{m.num_shared_experts} shared, first {m.num_dense_layers} layers dense"
-        )
-    print("parameters: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
-    print(
-        f"training FLOPs per token at seq {cfg.data.seq_len}: {flops['total']:,} "
-        f"(forward {flops['forward']:,})"
-    )
-    P = cfg.pipeline.num_stages
-    print(
-        f"{P}-stage split (blocks per stage): "
-        + ", ".join(f"s{s}: {r.start}-{r.stop - 1}" for s, r in enumerate(split_layers(m, P)))
-    )
+    print("\n".join(describe(cfg.model, cfg.data.seq_len, cfg.pipeline.num_stages)))
     return 0
 
 

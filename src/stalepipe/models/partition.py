@@ -16,7 +16,14 @@ from torch import nn
 
 from stalepipe.config import ConfigError, ModelConfig
 from stalepipe.models.moe import raw_router_stats, router_layers, router_stats, take_aux_loss
-from stalepipe.models.transformer import Transformer, block_flops, head_flops, materialize
+from stalepipe.models.transformer import (
+    Transformer,
+    block_flops,
+    count_params,
+    flops_per_token,
+    head_flops,
+    materialize,
+)
 
 
 @dataclass(frozen=True)
@@ -184,3 +191,29 @@ def build_stage(
     part = partition(model, num_stages, seq_len)[stage]
     materialize(part, cfg, seed, device)
     return part
+
+
+def describe(m: ModelConfig, seq_len: int, num_stages: int) -> list[str]:
+    """What `stalepipe info` prints of a model: shape, MoE layout, parameter counts, training
+    FLOPs per token and the blocks of each pipeline stage."""
+    flops = flops_per_token(m, seq_len)
+    lines = [
+        f"model: {m.num_layers} layers, dim {m.dim}, {m.num_heads} heads / {m.num_kv_heads} kv "
+        f"heads, ffn {m.ffn_dim}, vocab {m.vocab_size}, tied={m.tie_embeddings}"
+    ]
+    if m.num_experts:
+        lines.append(
+            f"MoE: {m.num_experts} experts of width {m.expert_hidden_dim}, top-{m.top_k}, "
+            f"{m.num_shared_experts} shared, first {m.num_dense_layers} layers dense"
+        )
+    lines.append("parameters: " + ", ".join(f"{k} {v:,}" for k, v in count_params(m).items()))
+    lines.append(
+        f"training FLOPs per token at seq {seq_len}: {flops['total']:,} "
+        f"(forward {flops['forward']:,})"
+    )
+    splits = split_layers(m, num_stages)
+    lines.append(
+        f"{num_stages}-stage split (blocks per stage): "
+        + ", ".join(f"s{s}: {r.start}-{r.stop - 1}" for s, r in enumerate(splits))
+    )
+    return lines
