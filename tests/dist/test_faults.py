@@ -233,7 +233,7 @@ def test_bad_input_found_by_the_ranks_is_their_one_line_and_exit_2(tmp_path):
 
 
 def test_a_hung_rank_is_named_and_killed(make_cfg):
-    cfg = make_cfg("1f1b", 3, 2, steps=100_000, name="hang")
+    cfg = make_cfg("1f1b", 3, 2, steps=2000, name="hang")
     timeout_s = 5
     cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, timeout_s=timeout_s))
     run = Path(cfg.out_dir) / cfg.name
@@ -318,7 +318,7 @@ def test_ctrl_c_reaches_every_rank_once_and_the_run_stops_with_a_checkpoint(make
     """Ctrl-C at a terminal signals the whole foreground process group, workers included; a
     launcher that forwarded it too would make it a second Ctrl-C ("stops at once", no
     checkpoint)."""
-    cfg = make_cfg("2bw", 2, 2, steps=100_000, name="ctrlc")
+    cfg = make_cfg("2bw", 2, 2, steps=2000, name="ctrlc")
     path = tmp_path / "ctrlc.json"
     path.write_text(cfg.to_json())
     proc = subprocess.Popen(

@@ -66,7 +66,7 @@ def test_bad_configs_are_refused(make_cfg):
 
 
 def test_killed_worker_stops_every_rank(make_cfg):
-    cfg = make_cfg("1f1b", 3, 2, steps=100_000, ckpt_every=5, name="faulty")
+    cfg = make_cfg("1f1b", 3, 2, steps=2000, ckpt_every=5, name="faulty")
     cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, timeout_s=10))
     box: dict = {}
 

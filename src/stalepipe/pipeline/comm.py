@@ -211,10 +211,13 @@ class Comm:
     def peer_error(self, peer: int | None, what: str, cause: object) -> PeerError:
         """The `PeerError` of this rank when waiting for `what` from `peer` (None: a
         collective) failed with `cause`. It names the rank the run's first failure record
-        blames when one comes within RECORD_WAIT_S (a neighbour that stopped because of
-        another rank, or a collective, would name the wrong rank or none), else `peer`."""
+        blames when there is one (waiting up to RECORD_WAIT_S unless `cause` is a timeout): a
+        neighbour that stopped because of another rank, or a collective, would name the wrong
+        rank or none; else `peer`."""
         timeout_s = self.timeout.total_seconds()
-        f = wait_failure(run_store(), RECORD_WAIT_S, self.rank)
+        # A dead peer's record comes within milliseconds; a silent one's may never come.
+        silent = "timed out" in str(cause).lower()
+        f = wait_failure(run_store(), 0.0 if silent else RECORD_WAIT_S, self.rank)
         if f is not None and f.root not in (None, self.rank):
             return peer_error(self.topo, self.rank, f.root, what, timeout_s, f.line, via=peer)
         if peer is not None:
