@@ -9,6 +9,8 @@ Validation happens in `__post_init__` and raises `ConfigError` (a `ValueError`) 
 names the field, its allowed range and the fix, so the CLI can print it as one line. Each rule is
 checked once: a section's own rules in its `__post_init__`, rules that join sections in
 `ExperimentConfig.__post_init__`. Lower layers may rely on a config they receive being valid.
+A setting the run would ignore is refused the same way (`experiment.py`); run records load with
+`ExperimentConfig.from_dict(d, strict=False)`, which lets only those through.
 """
 
 from stalepipe.config import overrides as _overrides
