@@ -20,10 +20,10 @@ from stalepipe.config import (
     TrainConfig,
 )
 from stalepipe.pipeline.processes import WorkerPool
-from stalepipe.train.pipelined import RUNTIME_SCHEDULES, worker_entry
 from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint
 from stalepipe.train.loop import train
 from stalepipe.train.metrics import read_metrics
+from stalepipe.train.pipelined import RUNTIME_SCHEDULES, worker_entry
 
 
 @pytest.fixture(scope="session")

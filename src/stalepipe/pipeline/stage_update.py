@@ -105,7 +105,7 @@ class StageUpdates:
             _, raw = module.raw_router_stats(reset=True)
             vec[self._norm_width : self._norm_width + raw.numel()] = raw.to(vec)
         vec[-1] = loss
-        work, gathered = self.comm.all_gather(vec)
+        work, gathered = self.comm.all_gather(vec, f"the gradient-norm exchange of step {step}")
         self._posted.append(_Posted(step, work, gathered, grads))
 
     def _all_reduce(self, grads: dict[str, torch.Tensor], loss: torch.Tensor) -> None:

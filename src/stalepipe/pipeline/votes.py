@@ -61,7 +61,11 @@ class StepVotes:
         t = t.to(self.device)
         work = None
         if self.group is not None:
-            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            group = self.group
+            work = self.comm.post(
+                f"the vote of step {step} (signals, checkpoint clock)",
+                lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True),
+            )
         self._open.append((step, t, work))
 
     def decide(self, step: int) -> tuple[int, int] | None:

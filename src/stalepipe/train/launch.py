@@ -94,7 +94,8 @@ def spawn_ranks(
             return "no checkpoint was written"
         return f"the last complete checkpoint {last} stays loadable (--resume)"
 
-    code = supervise(
+    # A preempted run (exit 75): rank 0 has printed the step, the checkpoint and the command.
+    return supervise(
         procs,
         timeout_s,
         log_path=functools.partial(rank_log_path, run_dir),
@@ -102,15 +103,6 @@ def spawn_ranks(
         topo=topo,
         checkpoint_note=kept,
     )
-    if code == EXIT_PREEMPTED:
-        last = latest_checkpoint(run_dir)
-        print(
-            f"stalepipe: stopped by a signal; every rank wrote its checkpoint "
-            f"({last or 'none found'}); rerun the same command with --resume to continue",
-            file=sys.stderr,
-            flush=True,
-        )
-    return code
 
 
 def _child(

@@ -20,7 +20,6 @@ import math
 import os
 import shutil
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,6 +156,8 @@ def run_worker(
         if rank == 0:
             print(f"stalepipe: {e}", file=sys.stderr, flush=True)
         e.stalepipe_logged = True  # type: ignore[attr-defined]
+        raise
+    except KeyboardInterrupt:  # a second Ctrl-C: every rank stops at once, nothing to add
         raise
     except BaseException as e:
         # Into this rank's log while stdout/stderr still go there; main_worker does the rest.
@@ -391,7 +392,7 @@ class PipelineEngine:
     def _merge(self, step: int) -> Path:
         cfg, topo = self.cfg, self.comm.topo
         P, timeout = cfg.pipeline.num_stages, cfg.pipeline.timeout_s
-        parts = [_wait_part(self.run_dir, step, s, topo, timeout) for s in range(P)]
+        parts = [stage_ckpt.wait_part(self.run_dir, step, s, topo, timeout) for s in range(P)]
         body = stage_ckpt.merge_parts(
             parts, self.skeleton, self.model_keys, cfg.model.tie_embeddings
         )
@@ -417,19 +418,6 @@ class PipelineEngine:
             val_losses={k: v for k, v in self.val_losses.items() if not math.isnan(v)},
             result=result,
         )
-
-
-def _wait_part(run_dir: Path, step: int, stage: int, topo: Topology, timeout_s: float) -> dict:
-    path = stage_ckpt.part_path(run_dir, step, stage)
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise PeerError(
-                f"rank 0: {topo.describe(topo.rank(stage))} did not write its checkpoint part "
-                f"{path} within {timeout_s:g}s"
-            )
-        time.sleep(0.02)
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def worker_entry(cfg: ExperimentConfig, resume: bool = False, overwrite: bool = False) -> dict:
