@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -44,7 +45,7 @@ def build_config(
     if config_file:
         try:
             with open(config_file) as f:
-                cfg = ExperimentConfig.from_dict(json.load(f))
+                cfg = ExperimentConfig.from_dict(json.load(f), strict=False)
         except FileNotFoundError:
             raise ConfigError(f"config file {config_file} does not exist") from None
         except json.JSONDecodeError as e:
@@ -114,9 +115,10 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if cfg.pipeline.engine == "distributed":  # one process per stage (docs/runtime.md)
         from stalepipe.train.launch import launch_train
 
-        branch = {"init_from": init_from} if init_from else {}  # TODO(lead): always pass
-        return launch_train(cfg, resume=args.resume, overwrite=args.overwrite, **branch)
+        return launch_train(cfg, resume=args.resume, overwrite=args.overwrite, init_from=init_from)
     result = train(cfg, resume=args.resume, overwrite=args.overwrite, init_from=init_from)
+    if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 speaks for the run
+        return 0
     print(
         f"done: {result.steps} steps in {result.wall_time_s:.1f}s ({result.tokens_per_s:,.0f} tok/s); "
         f"final train loss {result.final_train_loss:.4f}, val loss {result.final_val_loss:.4f}; "
@@ -425,7 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.fn(args, extra) or 0
     except Preempted as e:  # not an error: the checkpoint is written, --resume continues
-        print(f"stalepipe: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks for the run
+            print(f"stalepipe: {e}", file=sys.stderr)
         return e.exit_code
     except UserError as e:
         print(f"stalepipe: error: {e}", file=sys.stderr)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from stalepipe.config import (
+    RUNTIME_SCHEDULES,
     DataConfig,
     DelayConfig,
     ExperimentConfig,
@@ -23,7 +24,7 @@ from stalepipe.pipeline.processes import WorkerPool
 from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint
 from stalepipe.train.loop import train
 from stalepipe.train.metrics import read_metrics
-from stalepipe.train.pipelined import RUNTIME_SCHEDULES, worker_entry
+from stalepipe.train.pipelined import worker_entry
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,13 @@ from stalepipe.train.resume import config_diff
 
 def _on(cfg, engine: str, P: int):
     return dataclasses.replace(
-        cfg, pipeline=dataclasses.replace(cfg.pipeline, engine=engine, num_stages=P)
+        cfg,
+        pipeline=dataclasses.replace(
+            cfg.pipeline,
+            engine=engine,
+            num_stages=P,
+            schedule=cfg.pipeline.schedule if engine == "distributed" else "1f1b",
+        ),
     )
 
 

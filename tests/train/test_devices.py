@@ -92,15 +92,8 @@ def _cuda_run(tmp_path, excerpt_data_dir, engine: str):
     )
 
 
-_PENDING = pytest.mark.xfail(
-    strict=True,
-    reason="needs devices.check_device(cfg) first in train.launch.launch_train (issue 14); "
-    "remove this mark with the call site",
-)
-
-
 @pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU-only torch build")
-@pytest.mark.parametrize("engine", ["emulate", pytest.param("distributed", marks=_PENDING)])
+@pytest.mark.parametrize("engine", ["emulate", "distributed"])
 def test_train_refuses_before_touching_the_run_directory(tmp_path, excerpt_data_dir, engine):
     from stalepipe.train.launch import launch_train
     from stalepipe.train.loop import train

@@ -66,7 +66,7 @@ def load_trained(run: str | Path) -> TrainedRun:
     state: dict[str, Any] = load_checkpoint(path)
     if "config" not in state:
         raise CheckpointError(f"{path} has no config; it was not written by `stalepipe train`")
-    cfg = ExperimentConfig.from_dict(state["config"])
+    cfg = ExperimentConfig.from_dict(state["config"], strict=False)
     return TrainedRun(
         path=path, step=int(state.get("step", 0)), config=cfg, state_dict=state["model"]
     )

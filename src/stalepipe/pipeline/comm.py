@@ -98,31 +98,44 @@ def resolve_backend(backend: str, device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def init_from_env(backend: str, timeout_s: float) -> tuple[int, int, int]:
+def leave_process_group() -> None:
+    """Destroy the process group and drop the run's store while the interpreter is whole (a
+    store left to interpreter shutdown can abort the process: "terminate called without an
+    active exception")."""
+    global _store
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _store = None
+
+
+def init_from_env(
+    backend: str, timeout_s: float, *, failure_records: bool = True
+) -> tuple[int, int, int]:
     """Join the process group torchrun (or `train.launch.launch_train`) describes in the environment
     (env:// rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE). Returns
-    (rank, world_size, local_rank)."""
+    (rank, world_size, local_rank). `failure_records`: keep the rendezvous store for the
+    pipeline runtime's failure records (`run_store`); the data-parallel emulator, which keeps
+    none, joins through env:// itself."""
     global _store
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
-        # What env:// does, keeping the store: the failure records live in it (`run_store`).
-        hosted = os.environ.get(AGENT_STORE_ENV) == str(True)
-        _store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            world,
-            is_master=rank == 0 and not hosted,
-            timeout=timeout,
-            multi_tenant=rank == 0 and not hosted,
-        )
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = torch.device("cuda", local_rank)
-        dist.init_process_group(
-            backend, store=_store, rank=rank, world_size=world, timeout=timeout, **kwargs
-        )
+        if failure_records:
+            # What env:// does, keeping the store: the failure records live in it.
+            hosted = os.environ.get(AGENT_STORE_ENV) == str(True)
+            _store = kwargs["store"] = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                world,
+                is_master=rank == 0 and not hosted,
+                timeout=timeout,
+                multi_tenant=rank == 0 and not hosted,
+            )
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
     return rank, world, local_rank
 
 

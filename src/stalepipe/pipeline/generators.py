@@ -12,7 +12,7 @@ import functools
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from stalepipe.config import ConfigError
+from stalepipe.config import RUNTIME_SCHEDULES, ConfigError
 from stalepipe.delay.policies import DelaySchedule
 from stalepipe.pipeline.schedule import Action, Key, Schedule
 
@@ -310,15 +310,9 @@ def wpipe(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
 
 
 # The delay policy each schedule realises (GUIDE section 2).
-SCHEDULE_POLICY = {
-    "gpipe": "sync",
-    "1f1b": "sync",
-    "interleaved-1f1b": "sync",
-    "zb-h1": "sync",
-    "2bw": "2bw",
-    "pipedream": "pipedream",
-    "wpipe": "wpipe",
-}
+# The delay policy each schedule realises: the runtime's (config.RUNTIME_SCHEDULES) and the
+# simulator-only ones.
+SCHEDULE_POLICY = {**RUNTIME_SCHEDULES, "interleaved-1f1b": "sync"}
 
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,

@@ -42,6 +42,7 @@ from stalepipe.pipeline.comm import (
     Failure,
     Topology,
     first_failure,
+    leave_process_group,
     rank_failure,
     report_failure,
 )
@@ -282,7 +283,6 @@ def _root_cause(watch: _Watch, failed: list[int], store: Any, timeout_s: float) 
 
 def _pool_worker(index: int, jobs, results) -> None:
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     while True:
@@ -297,8 +297,7 @@ def _pool_worker(index: int, jobs, results) -> None:
         except BaseException as e:  # noqa: BLE001 - reported to the parent
             out = ("error", f"{type(e).__name__}: {e}")
         finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            leave_process_group()
         results.put((index, out))
 
 

@@ -21,7 +21,12 @@ import torch.distributed as dist
 
 from stalepipe.config import ConfigError, ExperimentConfig
 from stalepipe.errors import UserError
-from stalepipe.pipeline.comm import init_from_env, resolve_backend, under_torchrun
+from stalepipe.pipeline.comm import (
+    init_from_env,
+    leave_process_group,
+    resolve_backend,
+    under_torchrun,
+)
 
 T = TypeVar("T")
 
@@ -58,10 +63,12 @@ def init_data_parallel(cfg: ExperimentConfig) -> DistContext:
     if tc.batch_size % world or tc.num_microbatches % world:
         raise ConfigError(
             f"train.batch_size ({tc.batch_size}) and train.num_microbatches "
-            f"({tc.num_microbatches}) must be divisible by the {world} data-parallel ranks"
+            f"({tc.num_microbatches}) must be divisible by the {world} data-parallel ranks; set "
+            f"--train.num_microbatches to a multiple of {world} (and --train.batch_size to a "
+            f"multiple of that)"
         )
     backend = resolve_backend(cfg.pipeline.backend, tc.device)
-    rank, world, local_rank = init_from_env(backend, cfg.pipeline.timeout_s)
+    rank, world, local_rank = init_from_env(backend, cfg.pipeline.timeout_s, failure_records=False)
     if tc.device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
     return DistContext(rank=rank, world_size=world, local_rank=local_rank)
@@ -134,4 +141,4 @@ def on_main(fn: Callable[[], T], ctx: DistContext) -> T:
 
 def shutdown(ctx: DistContext) -> None:
     if ctx.enabled and dist.is_initialized():
-        dist.destroy_process_group()
+        leave_process_group()

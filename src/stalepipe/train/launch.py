@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from stalepipe.config import ExperimentConfig
-from stalepipe.data import check_vocab, ensure_prepared
+from stalepipe.data import check_vocab
 from stalepipe.errors import EXIT_BUG, EXIT_PEER, EXIT_PREEMPTED, Preempted, UserError
 from stalepipe.optim import resolve_config
 from stalepipe.pipeline.comm import (
@@ -36,27 +36,41 @@ from stalepipe.pipeline.comm import (
 )
 from stalepipe.pipeline.processes import EXIT_INTERRUPTED, host_store, supervise, worker_env
 from stalepipe.train.checkpoint import latest_checkpoint
+from stalepipe.train.devices import check_device
 from stalepipe.train.pipelined import PREPARED_ENV, check_config, error_line, run_worker
 from stalepipe.train.ranklog import log_header, log_only, rank_log_path, tee_rank_log
-from stalepipe.train.rundir import open_run_dir
+from stalepipe.train.resume import parent_meta
+from stalepipe.train.rundir import open_run_dir, prepare_run
 
 
 def launch_train(
-    cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False, verbose: bool = True
+    cfg: ExperimentConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    verbose: bool = True,
+    init_from: Path | None = None,
 ) -> int:
     """Run `cfg` on the distributed engine; returns the exit status (0 = success,
     `EXIT_PREEMPTED` after a forwarded SIGTERM / SIGUSR1 stopped every rank with a
-    checkpoint); a failed rank raises `TrainingError` (or `UserError`) naming it."""
+    checkpoint); a failed rank raises `TrainingError` (or `UserError`) naming it.
+    `init_from`: a checkpoint of another run to start from (`train.resume`)."""
     if under_torchrun():
-        return main_worker(cfg, resume=resume, overwrite=overwrite, verbose=verbose)
+        return main_worker(cfg, resume, overwrite, verbose, init_from)
+    check_device(cfg)  # before anything is written or deleted
     check_config(cfg)
-    data_dir = ensure_prepared(cfg.data)
-    check_vocab(data_dir, cfg.model.vocab_size)
     cfg = dataclasses.replace(cfg, optim=resolve_config(cfg.optim))
-    run_dir = open_run_dir(cfg, resume=resume, overwrite=overwrite)
+    data_dir = prepare_run(cfg, resume=resume, overwrite=overwrite, progress=verbose)
+    check_vocab(data_dir, cfg.model.vocab_size)
+    meta = parent_meta(init_from)
+    run_dir = open_run_dir(
+        cfg, resume=resume, overwrite=overwrite, extra_meta=meta, data_dir=data_dir
+    )
+    for warning in cfg.warnings() if verbose else ():
+        print(f"stalepipe: warning: {warning}", file=sys.stderr)
     pc = cfg.pipeline
     topo = Topology(pc.num_stages, pc.data_parallel)
-    jobs = [(_train_rank, (cfg, resume, verbose))] * topo.world_size
+    jobs = [(_train_rank, (cfg, resume, verbose, False, init_from))] * topo.world_size
     return spawn_ranks(jobs, run_dir, pc.timeout_s, topo=topo, console=verbose)
 
 
@@ -112,21 +126,35 @@ def _child(
     os.environ.update(env)
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
     tee_rank_log(rank_log_path(run_dir, rank), console=console, header=log_header(rank))
-    sys.exit(run_rank(rank, fn, *args))
+    _exit(run_rank(rank, fn, *args))  # no C++ teardown at exit (see stalepipe.__main__)
 
 
-def _train_rank(cfg: ExperimentConfig, resume: bool, verbose: bool, overwrite: bool = False) -> int:
-    result = run_worker(cfg, resume=resume, overwrite=overwrite, verbose=verbose)
+def _train_rank(
+    cfg: ExperimentConfig,
+    resume: bool,
+    verbose: bool,
+    overwrite: bool = False,
+    init_from: Path | None = None,
+) -> int:
+    result = run_worker(
+        cfg, resume=resume, overwrite=overwrite, verbose=verbose, init_from=init_from
+    )
     if result.result is not None and verbose:
         print(result.result.summary(), flush=True)
     return 0
 
 
-def main_worker(cfg: ExperimentConfig, resume: bool, overwrite: bool, verbose: bool = True) -> int:
+def main_worker(
+    cfg: ExperimentConfig,
+    resume: bool,
+    overwrite: bool,
+    verbose: bool = True,
+    init_from: Path | None = None,
+) -> int:
     """Process entry under torchrun: run this rank's worker through `run_rank`."""
     rank = int(os.environ.get("RANK", "0"))
     log = rank_log_path(Path(cfg.out_dir) / cfg.name, rank)
-    return run_rank(rank, _train_rank, cfg, resume, verbose, log=log, overwrite=overwrite)
+    return run_rank(rank, _train_rank, cfg, resume, verbose, overwrite, init_from, log=log)
 
 
 def run_rank(rank: int, fn: Callable, *args, log: Path | None = None, **kwargs) -> int:

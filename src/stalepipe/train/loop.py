@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,8 @@ def train(
             lambda: open_run_dir(cfg, **start_up, extra_meta=meta, data_dir=data_dir), ctx
         )
         start = start_checkpoint(run_dir, resume=resume, init_from=init_from)
+        for warning in cfg.warnings() if verbose else ():
+            print(f"stalepipe: warning: {warning}", file=sys.stderr)
         engine = EmulatorEngine(cfg, ctx, device, data_dir, run_dir, start)
         return run_loop(engine, cfg, run_dir, is_main=ctx.is_main, verbose=verbose)
     finally:
@@ -103,8 +106,10 @@ def run_loop(
     tc, start = cfg.train, engine.start_step
     if start >= tc.steps:
         return _finished(run_dir, tc.steps, verbose)
-    if verbose and engine.resumed_from is not None:
-        print(f"resuming {run_dir} from step {start} ({engine.resumed_from.name})")
+    if verbose and (ckpt := engine.resumed_from) is not None:
+        own = Path(ckpt).resolve().parent == Path(run_dir).resolve()
+        whence = ckpt.name if own else f"--init-from {ckpt}"
+        print(f"resuming {run_dir} from step {start} ({whence})")
     metrics = MetricsWriter(run_dir, start, tc.tensorboard) if is_main else None
     meter = _Meter(cfg, start)
     progress = Progress(total=tc.steps, initial=start, enabled=tc.progress and verbose)

@@ -26,17 +26,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from stalepipe.config import ConfigError, ExperimentConfig
-from stalepipe.data import EVAL_SEED, TokenLoader, check_vocab, ensure_prepared
+from stalepipe.config import RUNTIME_SCHEDULES, ConfigError, ExperimentConfig
+from stalepipe.data import EVAL_SEED, TokenLoader, check_vocab
 from stalepipe.delay import DelayedOptimizer, DelaySchedule
 from stalepipe.errors import Preempted
 from stalepipe.models import Transformer, build_stage, partition
 from stalepipe.optim import build_optimizer
 from stalepipe.optim.schedules import config_peak_lr, set_peak_lr
 from stalepipe.pipeline import checkpoint_parts as stage_ckpt
-from stalepipe.pipeline.comm import Comm, PeerError, Topology, init_from_env, resolve_backend
+from stalepipe.pipeline.comm import (
+    Comm,
+    PeerError,
+    Topology,
+    init_from_env,
+    leave_process_group,
+    resolve_backend,
+)
 from stalepipe.pipeline.generators import one_stage_per_rank, schedule_for
 from stalepipe.pipeline.schedule import Schedule, validate
 from stalepipe.pipeline.stage import ModelLayout, StageExecutor, StageIO
@@ -44,32 +50,20 @@ from stalepipe.pipeline.stage_eval import EvalData
 from stalepipe.pipeline.tied import TIED_HEAD, TIED_NAME
 from stalepipe.pipeline.votes import StepVotes, lookahead
 from stalepipe.train.checkpoint import load_checkpoint, save_checkpoint
+from stalepipe.train.devices import check_device
 from stalepipe.train.engine import StepPlan, StepResult
 from stalepipe.train.loop import TrainResult, run_loop, with_resolved_optim
 from stalepipe.train.ranklog import tee_rank_log
 from stalepipe.train.resume import parent_meta, start_checkpoint
-from stalepipe.train.rundir import open_run_dir
+from stalepipe.train.rundir import open_run_dir, prepare_run, run_data_dir
 
 # Schedules the runtime executes, and the delay policy each one realises.
-RUNTIME_SCHEDULES = {
-    "gpipe": "sync",
-    "1f1b": "sync",
-    "zb-h1": "sync",
-    "2bw": "2bw",
-    "pipedream": "pipedream",
-    "wpipe": "wpipe",
-}
 PREPARED_ENV = "STALEPIPE_RUN_PREPARED"  # set by the spawning launcher: run dir already open
 
 
 def check_config(cfg: ExperimentConfig) -> None:
     """Refuse configurations the runtime cannot run, with the fix in the message."""
     pc, tc = cfg.pipeline, cfg.train
-    if pc.schedule not in RUNTIME_SCHEDULES:
-        raise ConfigError(
-            f"pipeline.schedule {pc.schedule!r} is not run by the distributed engine; choose "
-            f"from {', '.join(RUNTIME_SCHEDULES)} (others: `stalepipe simulate`)"
-        )
     want = RUNTIME_SCHEDULES[pc.schedule]
     if cfg.delay.policy != want:
         raise ConfigError(
@@ -136,10 +130,12 @@ def run_worker(
     rank, _, _ = init_from_env(backend, pc.timeout_s)
     cfg = with_resolved_optim(cfg)
     run_dir = Path(cfg.out_dir) / cfg.name
-    if rank == 0 and not os.environ.get(PREPARED_ENV):
-        data_dir = ensure_prepared(cfg.data)
+    if rank == 0 and not os.environ.get(PREPARED_ENV):  # torchrun: no launcher did it
+        check_device(cfg)
+        data_dir = prepare_run(cfg, resume=resume, overwrite=overwrite, progress=verbose)
         check_vocab(data_dir, cfg.model.vocab_size)
-        open_run_dir(cfg, resume=resume, overwrite=overwrite, extra_meta=parent_meta(init_from))
+        meta = parent_meta(init_from)
+        open_run_dir(cfg, resume=resume, overwrite=overwrite, extra_meta=meta, data_dir=data_dir)
     if rank == 0:  # parts of an interrupted save (maybe of another split): never merge them
         shutil.rmtree(run_dir / stage_ckpt.PARTS_DIR, ignore_errors=True)
     comm = Comm(topo, rank, backend, pc.timeout_s, device)
@@ -150,7 +146,7 @@ def run_worker(
         engine = PipelineEngine(cfg, comm, device, run_dir, start)
         result = run_loop(engine, cfg, run_dir, is_main=rank == 0, verbose=verbose and rank == 0)
         comm.barrier("the end of training")
-        dist.destroy_process_group()
+        leave_process_group()
         return engine.worker_result(result if rank == 0 else None)
     except Preempted as e:  # every rank stops alike: rank 0 says so
         if rank == 0:
@@ -345,7 +341,7 @@ class PipelineEngine:
         return EvalData(batch, tc.eval_batches)
 
     def _data_dir(self) -> Path:
-        return ensure_prepared(self.cfg.data)
+        return run_data_dir(self.run_dir, self.cfg)  # the dir meta.json recorded
 
     # ---- the Engine interface ------------------------------------------------------------
 
