@@ -33,6 +33,7 @@ from stalepipe.pipeline.generators import make_schedule
 from stalepipe.pipeline.processes import WorkerPool
 from stalepipe.pipeline.stage import ModelLayout, StageExecutor, StageIO
 from stalepipe.pipeline.timing import simulate, summarize, uniform_costs
+from stalepipe.pipeline.votes import StepVotes, lookahead
 
 P = 2
 POLICY = {"gpipe": "sync", "1f1b": "sync", "2bw": "2bw"}
@@ -59,6 +60,13 @@ class _NoCadence:
         return False
 
     evaluates = is_sync_point = logs
+    stop_step = None
+
+    def requests(self) -> int:  # no signal, no checkpoint clock; the vote still runs
+        return 0
+
+    def agree(self, step: int, bits: int) -> None:
+        pass
 
 
 def _batch(step: int, m: int, mb: int, T: int, V: int):
@@ -95,7 +103,9 @@ def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: 
     layout = ModelLayout(
         param_counts=[1] * P, router_layers=[[]] * P, tied=model_cfg.tie_embeddings, grad_clip=0.0
     )
-    ex = StageExecutor(io, layout, delayed, sched, _NoCadence())
+    # The per-step vote runs as in a training run (pipeline.votes): its cost is measured too.
+    votes = StepVotes(comm, max(lookahead(list(acts)) for acts in sched.ranks))
+    ex = StageExecutor(io, layout, delayed, sched, _NoCadence(), votes=votes)
     spans: dict[str, list[tuple[float, float]]] = {k: [] for k in "FBSAW"}
     marks: dict[str, float] = {}
     forward = ex.forward
@@ -108,9 +118,10 @@ def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: 
     ex.forward = _timed_call(forward_marked, spans["F"])
     # The update is work too: STEP (post_step) and the optimizer step (apply_next, which runs
     # inside a forward or a STEP) count as busy, as the simulator's optimizer cost does.
-    # Waiting for a peer inside F/B (_take) is bubble, not work.
-    for attr, kind in (("backward", "B"), ("post_step", "S"), ("apply_next", "A"), ("_take", "W")):
-        setattr(ex, attr, _timed_call(getattr(ex, attr), spans[kind]))
+    # Waiting for a peer inside F/B (the inbox's _take) is bubble, not work.
+    timed = [(ex, "backward", "B"), (ex, "post_step", "S"), (ex, "apply_next", "A")]
+    for obj, attr, kind in [*timed, (ex.inbox, "_take", "W")]:
+        setattr(obj, attr, _timed_call(getattr(obj, attr), spans[kind]))
     comm.barrier("benchmark start")
     for _ in ex.run(list(sched.ranks[rank])):
         pass
