@@ -30,7 +30,7 @@ from stalepipe.optim import build_optimizer, resolve_config
 from stalepipe.optim.schedules import set_peak_lr
 from stalepipe.pipeline.comm import Comm, Topology, init_from_env
 from stalepipe.pipeline.generators import make_schedule
-from stalepipe.pipeline.processes import WorkerPool
+from stalepipe.pipeline.pool import WorkerPool
 from stalepipe.pipeline.stage import ModelLayout, StageExecutor, StageIO
 from stalepipe.pipeline.timing import simulate, summarize, uniform_costs
 from stalepipe.pipeline.votes import StepVotes, lookahead

@@ -336,8 +336,8 @@ def _add_sweep(sub: Subparsers) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.experiments.grid import parse_set_args
     from stalepipe.experiments.studies import sweep_main
-    from stalepipe.experiments.sweep import parse_set_args
 
     if args.study == "toy":
         return cmd_toy(args, extra)

@@ -20,11 +20,11 @@ from stalepipe.config import (
     PipelineConfig,
     TrainConfig,
 )
-from stalepipe.pipeline.processes import WorkerPool
+from stalepipe.pipeline.pool import WorkerPool
 from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint
 from stalepipe.train.loop import train
 from stalepipe.train.metrics import read_metrics
-from stalepipe.train.pipelined import worker_entry
+from stalepipe.train.pooled import worker_entry
 
 
 @pytest.fixture(scope="session")

@@ -8,13 +8,9 @@ import pytest
 from stalepipe.config import ConfigError
 from stalepipe.errors import UserError
 from stalepipe.experiments import studies
+from stalepipe.experiments.grid import axis, check_overrides, dedupe, expand, parse_grid_arg
 from stalepipe.experiments.sweep import (
     ERROR_FILE,
-    axis,
-    check_overrides,
-    dedupe,
-    expand,
-    parse_grid_arg,
     run_status,
     run_sweep,
     write_error,

@@ -8,10 +8,9 @@ import json
 
 import pytest
 
+from stalepipe.experiments.grid import axis, expand
 from stalepipe.experiments.sweep import (
     ERROR_FILE,
-    axis,
-    expand,
     remove_sweep_dir,
     run_status,
     run_sweep,

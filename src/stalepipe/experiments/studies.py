@@ -1,6 +1,6 @@
 """The paper's studies as Python presets over sweep axes (`stalepipe sweep STUDY`).
 
-Each study is a function `(scale) -> list of grids`; a grid is a list of axes (see `sweep.axis`),
+Each study is a function `(scale) -> list of grids`; a grid is a list of axes (see `grid.axis`),
 and the study is the union of its grids' products times the seeds. Scales:
 
     cpu     the `paper-mini` model below (4 blocks, so pipeline depths 2 and 4 exist), Shakespeare
@@ -34,7 +34,7 @@ from stalepipe.experiments.claims import (
     claim_momentum_shrinks_gap,
     claim_pipedream_gap_grows_with_depth,
 )
-from stalepipe.experiments.sweep import Bundle, RunSpec, axis, dedupe, expand
+from stalepipe.experiments.grid import Bundle, RunSpec, axis, dedupe, expand
 from stalepipe.presets import get_preset
 
 SCALES = ("cpu", "135m", "360m")
@@ -323,12 +323,8 @@ def sweep_main(
     """`stalepipe sweep`: run a named study or an ad-hoc grid (`--grid KEY=V1,V2` axes); returns
     the number of failed runs. `fixed` overrides apply to every run (e.g. train.steps)."""
     from stalepipe.config import apply_overrides
-    from stalepipe.experiments.sweep import (
-        check_overrides,
-        main_progress_stream,
-        parse_grid_arg,
-        run_sweep,
-    )
+    from stalepipe.experiments.grid import check_overrides, parse_grid_arg
+    from stalepipe.experiments.sweep import main_progress_stream, run_sweep
 
     log = log or main_progress_stream()
     if seeds < 1:

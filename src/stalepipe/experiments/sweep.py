@@ -1,11 +1,5 @@
-"""Sweeps: a grid of runs, each one run directory, executed by parallel worker processes.
-
-A sweep is a list of `RunSpec`s (a run name and dotted config overrides on a base config). The
-grid is a product of *axes*; an axis is a list of labelled override bundles, so one axis value
-can set several keys at once (`2bw+ef` = `delay.policy 2bw` + `delay.ef true`):
-
-    axes = [axis("optim.name", ["adamw", "muon"]), axis("delay.policy", ["sync", "2bw"])]
-    specs = expand(axes, seeds=3)      # 2 x 2 x 3 runs named e.g. "adamw_2bw_s0"
+"""Sweeps: a grid of runs (`experiments.grid`: `RunSpec`s), each one run directory, executed
+by parallel worker processes.
 
 Running it (`run_sweep`) is restartable: a finished run (its final val_loss is in metrics.jsonl,
 or its final checkpoint exists) is skipped; an interrupted one resumes from its last checkpoint;
@@ -20,21 +14,19 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import itertools
 import json
 import math
 import os
-import re
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stalepipe.config import ConfigError, ExperimentConfig, apply_overrides
-from stalepipe.errors import UserError
+from stalepipe.config import ExperimentConfig
+from stalepipe.experiments.grid import RunSpec
 from stalepipe.experiments.workers import run_spawned
 from stalepipe.fileio import check_removable, make_owned_dir, remove_owned_dir
 
@@ -44,107 +36,6 @@ SWEEP_KIND = "sweep"  # the kind in a sweep directory's marker
 SWEEP_FIX = "choose another --out"
 # `stalepipe report`'s default output inside a sweep (RUNS/report) and what it writes there.
 REPORT_DIR, REPORT_ENTRIES = "report", ("*.md", "*.html", "*.csv", "*.png")
-
-Bundle = tuple[str, dict[str, str]]  # (label used in run names, dotted overrides)
-
-# Short names of common keys, for run names of ad-hoc grids.
-_SHORT = {
-    "optim.name": "",
-    "delay.policy": "",
-    "delay.ef": "ef",
-    "delay.taylor": "taylor",
-    "delay.sync_start": "sstart",
-    "delay.sync_cooldown": "scool",
-    "optim.lr": "lr",
-    "optim.beta1": "b1",
-    "optim.weight_decay": "wd",
-    "pipeline.num_stages": "P",
-    "train.steps": "steps",
-    "train.batch_size": "bs",
-}
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9.+=-]+", "-", text).strip("-")
-
-
-def axis(key: str, values: Iterable[Any], label: str | None = None) -> list[Bundle]:
-    """One single-key axis: `axis("optim.lr", [1e-3, 3e-3])`. Labels are `<short><value>`
-    (the optimizer and delay policy names stand for themselves)."""
-    short = _SHORT.get(key, key.split(".")[-1]) if label is None else label
-    return [(_slug(f"{short}{v}"), {key: str(v)}) for v in values]
-
-
-def parse_grid_arg(text: str) -> list[Bundle]:
-    """`optim.name=adamw,muon` (the `--grid` CLI syntax) -> an axis."""
-    if "=" not in text:
-        raise UserError(f"--grid expects KEY=V1,V2,... (e.g. optim.name=adamw,muon), got {text!r}")
-    key, values = text.split("=", 1)
-    vals = [v for v in values.split(",") if v]
-    if not key or not vals:
-        raise UserError(f"--grid expects KEY=V1,V2,... (e.g. optim.name=adamw,muon), got {text!r}")
-    return axis(key.strip(), vals)
-
-
-def parse_set_args(items: Sequence[str]) -> dict[str, str]:
-    """`["train.steps=100", ...]` (the `--set` CLI syntax) -> overrides for every run."""
-    fixed = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"--set expects KEY=VALUE (e.g. train.steps=100), got {item!r}")
-        key, value = item.split("=", 1)
-        fixed[key] = value
-    return fixed
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """One run of a sweep: its directory name, the overrides on the base config, its seed."""
-
-    name: str
-    overrides: dict[str, str]
-    seed: int
-    group: str = ""  # the run name without the seed: runs of one configuration share it
-
-    def config(self, base: ExperimentConfig, out_dir: str | Path) -> ExperimentConfig:
-        """The run's full config: `base` + overrides, named `name`, under `out_dir`."""
-        seeded = {"train.seed": str(self.seed), "data.seed": str(self.seed), **self.overrides}
-        cfg = apply_overrides(base, seeded)
-        return dataclasses.replace(cfg, name=self.name, out_dir=str(out_dir))
-
-
-def expand(
-    axes: Sequence[Sequence[Bundle]],
-    seeds: int | Sequence[int] = 1,
-    fixed: dict[str, str] | None = None,
-) -> list[RunSpec]:
-    """The product of `axes` times seeds, as RunSpecs. Later axes override earlier ones on a
-    shared key. `fixed` overrides apply to every run (they do not appear in names). Seeds set
-    both `train.seed` (init, dropout) and `data.seed` (batch order)."""
-    seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
-    out = []
-    for combo in itertools.product(*axes) if axes else [()]:
-        labels = [lab for lab, _ in combo if lab]
-        overrides = dict(fixed or {})
-        for _, o in combo:
-            overrides.update(o)
-        group = "_".join(labels) or "base"
-        for s in seed_list:
-            out.append(RunSpec(f"{group}_s{s}", overrides, s, group))
-    return out
-
-
-def dedupe(specs: Iterable[RunSpec]) -> list[RunSpec]:
-    """Drop repeated run names (the same configuration listed by two grids of a study); two
-    different override sets under one name are a bug in the study definition."""
-    seen: dict[str, RunSpec] = {}
-    for spec in specs:
-        if spec.name in seen:
-            assert seen[spec.name].overrides == spec.overrides, f"run name clash: {spec.name}"
-            continue
-        seen[spec.name] = spec
-    return list(seen.values())
-
 
 # ------------------------------------------------------------------------------------------
 # Run status
@@ -444,15 +335,6 @@ def _fmt_s(s: float) -> str:
     if s < 5400:
         return f"{s / 60:.0f}min"
     return f"{s / 3600:.1f}h"
-
-
-def check_overrides(specs: Sequence[RunSpec], base: ExperimentConfig) -> None:
-    """Build every run's config once, so a bad grid value fails before anything runs."""
-    for spec in specs:
-        try:
-            spec.config(base, "runs")
-        except ConfigError as e:
-            raise ConfigError(f"run {spec.name}: {e}") from None
 
 
 def main_progress_stream() -> Callable[[str], None]:

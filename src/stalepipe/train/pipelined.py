@@ -414,9 +414,3 @@ class PipelineEngine:
             val_losses={k: v for k, v in self.val_losses.items() if not math.isnan(v)},
             result=result,
         )
-
-
-def worker_entry(cfg: ExperimentConfig, resume: bool = False, overwrite: bool = False) -> dict:
-    """Run one worker quietly and return its `WorkerResult` as a dict (for
-    `pipeline.processes.WorkerPool`, which tests and benchmarks use to reuse processes)."""
-    return run_worker(cfg, resume=resume, overwrite=overwrite, verbose=False).as_dict()
