@@ -111,14 +111,14 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.print_config:
         print(cfg.to_json())
         return 0
-    init_from = parent_checkpoint(args.init_from) if args.init_from else None
+    init_from = parent_checkpoint(args.init_from, cfg.train.steps) if args.init_from else None
     if cfg.pipeline.engine == "distributed":  # one process per stage (docs/runtime.md)
         from stalepipe.train.launch import launch_train
 
         return launch_train(cfg, resume=args.resume, overwrite=args.overwrite, init_from=init_from)
     result = train(cfg, resume=args.resume, overwrite=args.overwrite, init_from=init_from)
-    if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 speaks for the run
-        return 0
+    if os.environ.get("RANK", "0") != "0" or not result.train_losses:
+        return 0  # torchrun: rank 0 speaks for the run; nothing trained: said so already
     print(
         f"done: {result.steps} steps in {result.wall_time_s:.1f}s ({result.tokens_per_s:,.0f} tok/s); "
         f"final train loss {result.final_train_loss:.4f}, val loss {result.final_val_loss:.4f}; "

@@ -123,3 +123,16 @@ def test_config_json_resume_continues_the_run_from_any_directory(
     assert main(["train", "--config", str(run / "config.json"), "--resume"]) == 0
     assert load_checkpoint(latest_checkpoint(run))["step"] == 8
     assert not any(elsewhere.iterdir())  # nothing written where it was run from
+
+
+def test_init_from_a_checkpoint_at_or_past_the_end_is_refused_before_anything_is_made(
+    tiny_config, tmp_path
+):
+    parent = _cfg(tiny_config, "parent", steps=8)
+    train(parent, verbose=False)
+    branch = _cfg(tiny_config, "late", steps=8)
+    path = tmp_path / "late.json"
+    path.write_text(branch.to_json())
+    args = ["train", "--config", str(path), "--init-from", f"{parent.out_dir}/parent"]
+    assert main(args) == 2
+    assert not (Path(branch.out_dir) / "late").exists()

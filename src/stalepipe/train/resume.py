@@ -123,8 +123,20 @@ def start_checkpoint(run_dir: Path, *, resume: bool, init_from: Path | None) -> 
     return init_from
 
 
-def parent_checkpoint(spec: str) -> Path:
-    """`--init-from` RUN_DIR (its newest checkpoint), RUN_DIR@STEP, or a checkpoint file."""
+def parent_checkpoint(spec: str, steps: int | None = None) -> Path:
+    """`--init-from` RUN_DIR (its newest checkpoint), RUN_DIR@STEP, or a checkpoint file;
+    with `steps` (the new run's train.steps), one that leaves steps to train."""
+    path = _parent_checkpoint(spec)
+    step = parent_meta(path)["parent"]["step"]
+    if steps is not None and step is not None and step >= steps:
+        raise CheckpointError(
+            f"--init-from {spec}: that checkpoint is at step {step}, and this run's train.steps "
+            f"is {steps}: nothing would train; pass a larger --train.steps (or an earlier STEP)"
+        )
+    return path
+
+
+def _parent_checkpoint(spec: str) -> Path:
     run, _, step = spec.partition("@")
     path = Path(run)
     if path.is_file():
