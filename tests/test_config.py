@@ -119,9 +119,11 @@ def test_cross_section_refusals_name_a_fix_that_works(overrides, match, fixes):
 
 def test_distributed_engine_rules_apply_to_it_alone():
     # the emulator has no schedule: its 2bw runs with any microbatch count
-    _cfg(**{"delay.policy": "2bw", "pipeline.num_stages": "3", "train.num_microbatches": "1"})
-    _cfg(**{**DIST, "pipeline.schedule": "2bw", "delay.policy": "2bw", "pipeline.num_stages": "3",
-            "train.num_microbatches": "2"})  # fmt: skip
+    emu = _cfg(**{"delay.policy": "2bw", "pipeline.num_stages": "3", "train.num_microbatches": "1"})
+    assert emu.train.num_microbatches == 1 and emu.pipeline.engine == "emulate"
+    dist = _cfg(**{**DIST, "pipeline.schedule": "2bw", "delay.policy": "2bw",
+                   "pipeline.num_stages": "3", "train.num_microbatches": "2"})  # fmt: skip
+    assert dist.pipeline.schedule == "2bw" and dist.train.num_microbatches == 2
 
 
 # ---- settings the run would ignore are refused (GUIDE 4.12) --------------------------------
@@ -218,11 +220,15 @@ def test_ignored_settings_are_refused_with_fixes_that_work(overrides, match, fix
 
 
 def test_the_distributed_engine_reads_schedule_and_replicas():
-    _cfg(**{**DIST, "pipeline.schedule": "2bw", "delay.policy": "2bw"})
-    _cfg(**{**DIST, "pipeline.schedule": "gpipe", "pipeline.data_parallel": "2"})
-    _cfg(**{"delay.policy": "pipedream", "pipeline.num_stages": "2"})
-    _cfg(**{"delay.policy": "fixed:0"})  # an explicit zero delay is a point of a delay sweep
-    _cfg(**{"delay.policy": "sync", "delay.ef": "true"})  # EF changes even undelayed updates
+    accepted = [
+        _cfg(**{**DIST, "pipeline.schedule": "2bw", "delay.policy": "2bw"}),
+        _cfg(**{**DIST, "pipeline.schedule": "gpipe", "pipeline.data_parallel": "2"}),
+        _cfg(**{"delay.policy": "pipedream", "pipeline.num_stages": "2"}),
+        _cfg(**{"delay.policy": "fixed:0"}),  # an explicit zero delay: a point of a delay sweep
+        _cfg(**{"delay.policy": "sync", "delay.ef": "true"}),  # EF changes undelayed updates too
+    ]
+    assert [c.delay.policy for c in accepted] == ["2bw", "sync", "pipedream", "fixed:0", "sync"]
+    assert accepted[1].pipeline.data_parallel == 2 and accepted[4].delay.ef
 
 
 def test_an_unknown_schedule_is_refused_with_the_choices():
