@@ -186,3 +186,42 @@ def test_cli_sweep_and_report_errors(tmp_path, capsys):
     for argv, msg in bad:
         assert main(argv) == 2, argv
         assert msg in capsys.readouterr().err, argv
+
+
+def test_a_signal_stops_the_sweep_with_its_run_checkpointed_not_failed(
+    tiny_config, tmp_path, monkeypatch
+):
+    """SIGTERM during a sweep's run: the run checkpoints (no error.json, not 'failed'), the
+    sweep stops with Preempted, and a rerun resumes it."""
+    import dataclasses
+    import os
+    import signal
+
+    from stalepipe.errors import Preempted
+    from stalepipe.train import metrics
+
+    base = dataclasses.replace(
+        tiny_config, train=dataclasses.replace(tiny_config.train, steps=8, eval_every=0)
+    )
+    specs = expand([[("2bw", {"delay.policy": "2bw", "pipeline.num_stages": "2"})]], seeds=2)
+    write = metrics.MetricsWriter.write
+
+    def write_and_signal(self, record):
+        write(self, record)
+        if record["step"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(metrics.MetricsWriter, "write", write_and_signal)
+    out = tmp_path / "sweep"
+    logs = []
+    with pytest.raises(Preempted, match="rerun it to resume"):
+        run_sweep(specs, base, out, log=logs.append)
+    assert not (out / "2bw_s0" / ERROR_FILE).exists()
+    assert (
+        run_status(out / "2bw_s0") != "failed"
+        and not (out / "2bw_s1").joinpath("metrics.jsonl").exists()
+    )
+    assert any("stopped by a signal" in m for m in logs), logs
+    monkeypatch.undo()
+    res = run_sweep(specs, base, out, log=logs.append)
+    assert sorted(res.finished) == ["2bw_s0", "2bw_s1"] and not res.failed

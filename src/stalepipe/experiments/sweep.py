@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from stalepipe.config import ExperimentConfig
+from stalepipe.errors import EXIT_PREEMPTED, Preempted
 from stalepipe.experiments.grid import RunSpec
 from stalepipe.experiments.workers import run_spawned
 from stalepipe.fileio import check_removable, make_owned_dir, remove_owned_dir
@@ -97,6 +98,8 @@ def _run_one(cfg_dict: dict[str, Any], threads: int) -> None:
         train(cfg, resume=True, verbose=False)
     except KeyboardInterrupt:
         raise
+    except Preempted as e:  # a signal: the run checkpointed; a rerun of the sweep resumes it
+        raise SystemExit(e.exit_code) from None
     except BaseException as e:  # noqa: BLE001 - recorded, then the process exits non-zero
         write_error(run_dir, f"{type(e).__name__}: {e}", traceback.format_exc())
         raise SystemExit(1) from None
@@ -197,9 +200,11 @@ def run_sweep(
             try:
                 _run_one(cfg.to_dict(), threads)
                 exitcode = 0
-            except SystemExit:
-                exitcode = 1
+            except SystemExit as e:
+                exitcode = e.code if isinstance(e.code, int) else 1
             progress.done(spec, exitcode, time.perf_counter() - t)
+            if exitcode == EXIT_PREEMPTED:  # the signal stops the sweep, not only this run
+                raise Preempted(f"sweep {out} stopped by a signal; rerun it to resume")
     else:
         jobs = [(spec, (cfg.to_dict(), threads)) for spec, cfg in todo]
         run_spawned(_run_one, jobs, workers, lambda f: progress.done(f.key, f.exitcode, f.seconds))
@@ -309,6 +314,8 @@ class _Progress:
             res.finished.append(spec.name)
             self.durations.append(seconds)
             what = f"val {_final_val(run_dir):.4f}"
+        elif exitcode == EXIT_PREEMPTED:  # checkpointed after a signal: a rerun resumes it
+            what = "stopped by a signal (checkpointed; rerun the sweep to resume it)"
         else:
             if not (run_dir / ERROR_FILE).exists():
                 write_error(run_dir, f"worker exited without finishing (exit status {exitcode})")
