@@ -25,7 +25,7 @@ def test_gpu_check_reduced_mode_prints_its_table():
 def test_pipeline_throughput_runs_every_contender():
     """A tiny run of the runtime-vs-torch benchmark: it must not rot between benchmark runs."""
     args = ["--microbatches", "2", "--steps", "4", "--warmup", "1", "--repeats", "1"]
-    args += ["--dim", "32", "--layers", "2", "--seq", "16", "--mb", "2"]
+    args += ["--dim", "32", "--layers", "4", "--seq", "16", "--mb", "2"]
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "pipeline_throughput.py"), *args],
         capture_output=True,
@@ -37,4 +37,6 @@ def test_pipeline_throughput_runs_every_contender():
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ")}
     assert {"gpipe", "1f1b", "2bw", "torch-gpipe", "torch-1f1b"} <= rows
+    assert {"torch-interleaved", "torch-zbv"} <= rows
     assert "2bw / 1f1b = " in out.stdout and "with both computing" in out.stdout
+    assert "2bw / the best of torch's schedules" in out.stdout and "load average" in out.stdout
