@@ -33,7 +33,13 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not run_dir.is_dir():
         return []
     found = [p for p in run_dir.iterdir() if _NAME.match(p.name)]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(path: str | Path) -> int | None:
+    """The step of a checkpoint from its name (`ckpt_<step>.pt`); None for another name."""
+    match = _NAME.match(Path(path).name)
+    return int(match.group(1)) if match else None
 
 
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep_last: int) -> Path:

@@ -23,7 +23,12 @@ from stalepipe.delay import DelaySchedule
 from stalepipe.errors import CheckpointError
 from stalepipe.fileio import flatten_dict
 from stalepipe.optim.schedules import lr_multiplier
-from stalepipe.train.checkpoint import checkpoint_path, latest_checkpoint, list_checkpoints
+from stalepipe.train.checkpoint import (
+    checkpoint_path,
+    checkpoint_step,
+    latest_checkpoint,
+    list_checkpoints,
+)
 
 # Fields that may differ between a run and its resumption without changing the trajectory.
 RESUMABLE_CHANGES = {
@@ -142,7 +147,7 @@ def _parent_checkpoint(spec: str) -> Path:
     if path.is_file():
         return path
     kept = list_checkpoints(path)
-    steps = ", ".join(str(int(p.stem.split("_")[1])) for p in kept) or "none"
+    steps = ", ".join(str(checkpoint_step(p)) for p in kept) or "none"
     if not kept:
         raise CheckpointError(
             f"--init-from {spec}: no checkpoint in {path} (checkpoints: none); give a run "
@@ -161,5 +166,5 @@ def parent_meta(init_from: Path | None) -> dict[str, Any]:
     """What meta.json records of a branched run's parent ({} for a run of its own)."""
     if init_from is None:
         return {}
-    step = int(Path(init_from).stem.split("_")[-1]) if Path(init_from).stem[-1:].isdigit() else None
+    step = checkpoint_step(init_from)
     return {"parent": {"checkpoint": str(Path(init_from).resolve()), "step": step}}

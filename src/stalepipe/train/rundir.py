@@ -36,7 +36,7 @@ from stalepipe.fileio import (
     write_json_atomic,
 )
 from stalepipe.pipeline.checkpoint_parts import PARTS_DIR
-from stalepipe.train.checkpoint import latest_checkpoint
+from stalepipe.train.checkpoint import checkpoint_step, latest_checkpoint
 from stalepipe.train.metrics import read_metrics
 from stalepipe.train.resume import config_diff
 
@@ -294,11 +294,6 @@ def invocation_record(run_dir: Path, data_dir: Path, resumed_from: Path | None) 
         "data_dir": str(data_dir.resolve()),
         "resumed_from_step": None if resumed_from is None else checkpoint_step(resumed_from),
     }
-
-
-def checkpoint_step(path: Path) -> int:
-    """The step a checkpoint file continues from (from its name, ckpt_<step>.pt)."""
-    return int(path.stem.split("_")[-1])
 
 
 def read_meta(run_dir: Path) -> dict[str, Any] | None:
