@@ -58,7 +58,7 @@ def contenders(args: argparse.Namespace) -> list[tuple[str, ExperimentConfig]]:
                 {
                     **model_overrides,
                     **delay,
-                    "train.steps": str(args.steps + 1),
+                    "train.num_steps": str(args.steps + 1),
                     "train.warmup_steps": "0",
                     "train.progress": "false",
                     "train.keep_last": "2",
@@ -69,7 +69,7 @@ def contenders(args: argparse.Namespace) -> list[tuple[str, ExperimentConfig]]:
 
 
 def measure(cfg: ExperimentConfig, data_dir: Path, run_dir: Path, repeats: int) -> dict:
-    """Train cfg.train.steps steps (the first one untimed), then write `repeats` checkpoints."""
+    """Train cfg.train.num_steps steps (the first one untimed), then write `repeats` checkpoints."""
     run_dir.mkdir(parents=True)
     engine = EmulatorEngine(cfg, SINGLE_PROCESS, torch.device("cpu"), data_dir, run_dir, None)
     step_s = []
@@ -82,7 +82,7 @@ def measure(cfg: ExperimentConfig, data_dir: Path, run_dir: Path, repeats: int) 
     ckpt_s = []
     for i in range(repeats):
         t = time.perf_counter()
-        engine.checkpoint(cfg.train.steps + i)
+        engine.checkpoint(cfg.train.num_steps + i)
         ckpt_s.append(time.perf_counter() - t)
     size = latest_checkpoint(run_dir).stat().st_size
     params = sum(p.numel() for p in engine.model.parameters())

@@ -50,10 +50,10 @@ def main() -> None:
         common = {"data.corpus": "excerpt", "train.batch_size": "8"}
         args.steps = min(args.steps, 6)
     common |= {
-        "train.steps": str(args.steps),
+        "train.num_steps": str(args.steps),
         "train.log_every": str(args.steps),
         "train.eval_every": "0",
-        "train.eval_batches": "1",
+        "train.num_eval_batches": "1",
         "train.warmup_steps": "2",
         "train.progress": "false",
         "train.compile": str(args.compile),

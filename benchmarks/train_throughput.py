@@ -52,7 +52,7 @@ def stalepipe_loop(cfg, steps: int, out_dir: str, round_: int) -> float:
     run = apply_overrides(
         run,
         {
-            "train.steps": str(steps),
+            "train.num_steps": str(steps),
             "train.log_every": str(steps),
             "train.eval_every": "0",
             "train.progress": "false",

@@ -31,7 +31,7 @@ def _train_args(tiny_config, *extra):
         "2",
         "--train.batch_size",
         "4",
-        "--train.eval_batches",
+        "--train.num_eval_batches",
         "1",
         "--train.progress",
         "false",
@@ -40,7 +40,7 @@ def _train_args(tiny_config, *extra):
 
 
 def test_train_smoke(tiny_config, capsys):
-    assert main(_train_args(tiny_config, "--train.steps", "3", "--name", "smoke")) == 0
+    assert main(_train_args(tiny_config, "--train.num_steps", "3", "--name", "smoke")) == 0
     out = capsys.readouterr().out
     assert "done: 3 steps" in out and "val loss" in out
 
@@ -64,7 +64,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
 
 
 def test_existing_run_is_refused(tiny_config, capsys):
-    args = _train_args(tiny_config, "--train.steps", "1", "--name", "again")
+    args = _train_args(tiny_config, "--train.num_steps", "1", "--name", "again")
     assert main(args) == 0
     assert main(args) == 2
     assert "--resume" in capsys.readouterr().err

@@ -11,9 +11,9 @@ from stalepipe.presets import PRESETS, get_preset
 def test_overrides_are_typed():
     cfg = apply_overrides(
         ExperimentConfig(),
-        {"optim.lr": "3e-3", "train.steps": "7", "model.tie_embeddings": "false", "name": "x"},
+        {"optim.lr": "3e-3", "train.num_steps": "7", "model.tie_embeddings": "false", "name": "x"},
     )
-    assert cfg.optim.lr == 3e-3 and cfg.train.steps == 7
+    assert cfg.optim.lr == 3e-3 and cfg.train.num_steps == 7
     assert cfg.model.tie_embeddings is False and cfg.name == "x"
     assert apply_overrides(cfg, {"optim.lr": "none"}).optim.lr is None
 
@@ -22,10 +22,10 @@ def test_overrides_are_typed():
     ("overrides", "match"),
     [
         ({"optim.lrr": "1"}, "did you mean --optim.lr"),
-        ({"train.stepz": "1"}, "did you mean --train.steps"),
+        ({"train.stepz": "1"}, "did you mean --train.num_steps"),
         ({"optim.lr": "-1"}, "optim.lr must be > 0"),
         ({"optim.beta1": "1.0"}, r"optim.beta1 must be in \[0, 1\)"),
-        ({"train.steps": "ten"}, "expects a int"),
+        ({"train.num_steps": "ten"}, "expects a int"),
         ({"train.batch_size": "10", "train.num_microbatches": "4"}, "divisible"),
         ({"pipeline.num_stages": "9"}, "must be <= model.num_layers"),
         ({"delay.policy": "3bw"}, "delay.policy must be"),
@@ -37,6 +37,25 @@ def test_overrides_are_typed():
 def test_bad_values_name_the_field(overrides, match):
     with pytest.raises(ConfigError, match=match):
         apply_overrides(ExperimentConfig(), overrides)
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("train.steps", "train.num_steps"),
+        ("train.eval_batches", "train.num_eval_batches"),
+        ("pipeline.data_parallel", "pipeline.num_replicas"),
+    ],
+)
+def test_renamed_keys_hint_on_the_command_line_and_load_from_old_records(old, new):
+    with pytest.raises(ConfigError, match=f"^config key --{old} is now --{new}; use that name$"):
+        apply_overrides(ExperimentConfig(), {old: "2"})
+    record = ExperimentConfig().to_dict()
+    section, key = old.split(".")
+    record[section][key] = record[section].pop(new.split(".")[1])  # a record from before
+    record[section][key] = 2 if old != "pipeline.data_parallel" else 1
+    loaded = ExperimentConfig.from_dict(record)
+    assert getattr(getattr(loaded, section), new.split(".")[1]) == record[section][key]
 
 
 def test_unknown_preset_suggests_closest():
@@ -54,9 +73,9 @@ def test_every_preset_round_trips_through_json(name):
 
 def test_help_lists_every_field_with_default():
     text = config_help()
-    for key in ("--optim.lr", "--train.steps", "--delay.policy", "--model.dim", "--data.tokenizer"):
+    for key in ("--optim.lr", "--train.num_steps", "--delay.policy", "--model.dim", "--data.tokenizer"):
         assert key in text
-    assert "default 200" in text  # train.steps
+    assert "default 200" in text  # train.num_steps
 
 
 # ---- rules that join sections, each with a fix that works -----------------------------------
@@ -91,9 +110,9 @@ DIST = {"pipeline.engine": "distributed"}
             [{"train.num_microbatches": "2"}, {"pipeline.num_stages": "2"}],
         ),
         (
-            {**DIST, "pipeline.data_parallel": "3", "train.num_microbatches": "2"},
+            {**DIST, "pipeline.num_replicas": "3", "train.num_microbatches": "2"},
             r"train.batch_size \(16\) must be divisible by train.num_microbatches x "
-            r"pipeline.data_parallel \(2 x 3\); set train.batch_size to 12 or 18$",
+            r"pipeline.num_replicas \(2 x 3\); set train.batch_size to 12 or 18$",
             [{"train.batch_size": "12"}, {"train.batch_size": "18"}],
         ),
         (
@@ -155,15 +174,15 @@ def _offered_fixes(msg: str) -> list[dict[str, str]]:
             2,
         ),
         (  # 3 replicas of batch 16 cannot be split evenly: the distributed fix is not offered
-            {"pipeline.data_parallel": "3"},
-            r"^pipeline.data_parallel 3 is read only by the distributed engine; the emulator's "
+            {"pipeline.num_replicas": "3"},
+            r"^pipeline.num_replicas 3 is read only by the distributed engine; the emulator's "
             r"data-parallel replicas are the processes torchrun starts .*; set "
-            r"pipeline.data_parallel to 1$",
+            r"pipeline.num_replicas to 1$",
             1,
         ),
         (
-            {"pipeline.data_parallel": "2"},
-            r"; set pipeline.data_parallel to 1, or pipeline.engine to distributed$",
+            {"pipeline.num_replicas": "2"},
+            r"; set pipeline.num_replicas to 1, or pipeline.engine to distributed$",
             2,
         ),
         (
@@ -222,13 +241,13 @@ def test_ignored_settings_are_refused_with_fixes_that_work(overrides, match, fix
 def test_the_distributed_engine_reads_schedule_and_replicas():
     accepted = [
         _cfg(**{**DIST, "pipeline.schedule": "2bw", "delay.policy": "2bw"}),
-        _cfg(**{**DIST, "pipeline.schedule": "gpipe", "pipeline.data_parallel": "2"}),
+        _cfg(**{**DIST, "pipeline.schedule": "gpipe", "pipeline.num_replicas": "2"}),
         _cfg(**{"delay.policy": "pipedream", "pipeline.num_stages": "2"}),
         _cfg(**{"delay.policy": "fixed:0"}),  # an explicit zero delay: a point of a delay sweep
         _cfg(**{"delay.policy": "sync", "delay.ef": "true"}),  # EF changes undelayed updates too
     ]
     assert [c.delay.policy for c in accepted] == ["2bw", "sync", "pipedream", "fixed:0", "sync"]
-    assert accepted[1].pipeline.data_parallel == 2 and accepted[4].delay.ef
+    assert accepted[1].pipeline.num_replicas == 2 and accepted[4].delay.ef
 
 
 def test_an_unknown_schedule_is_refused_with_the_choices():
@@ -277,10 +296,10 @@ def test_device_names_are_checked_without_hardware():
 
 def test_warmup_as_long_as_the_run_warns_with_a_fix():
     assert _cfg().warnings() == []
-    (w,) = _cfg(**{"train.steps": "20"}).warnings()  # cpu-tiny warms up for 30 steps
-    assert w.startswith("train.warmup_steps (30) >= train.steps (20): the LR rises")
+    (w,) = _cfg(**{"train.num_steps": "20"}).warnings()  # cpu-tiny warms up for 30 steps
+    assert w.startswith("train.warmup_steps (30) >= train.num_steps (20): the LR rises")
     assert w.endswith("set train.warmup_steps to 2, or fewer than 20")
-    assert _cfg(**{"train.steps": "20", "train.warmup_steps": "2"}).warnings() == []
+    assert _cfg(**{"train.num_steps": "20", "train.warmup_steps": "2"}).warnings() == []
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

@@ -24,7 +24,7 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, str]:
     it = iter(tokens)
     for tok in it:
         if not tok.startswith("--") or tok == "--":
-            raise ConfigError(f"unexpected argument {tok!r}; overrides look like --train.steps 100")
+            raise ConfigError(f"unexpected argument {tok!r}; overrides look like --train.num_steps 100")
         key = tok[2:]
         if "=" in key:
             key, value = key.split("=", 1)
@@ -80,7 +80,7 @@ def _add_train(sub: Subparsers) -> None:
         help="train a model (any config field can be overridden)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a model. Override any config field with --section.field VALUE, e.g.\n"
-        "  stalepipe train --preset cpu-small --optim.lr 3e-3 --train.steps 200",
+        "  stalepipe train --preset cpu-small --optim.lr 3e-3 --train.num_steps 200",
         epilog="config fields:" + config_help(),
     )
     _add_config_args(p)
@@ -111,7 +111,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.print_config:
         print(cfg.to_json())
         return 0
-    init_from = parent_checkpoint(args.init_from, cfg.train.steps) if args.init_from else None
+    init_from = parent_checkpoint(args.init_from, cfg.train.num_steps) if args.init_from else None
     if cfg.pipeline.engine == "distributed":  # one process per stage (docs/runtime.md)
         from stalepipe.train.launch import launch_train
 
@@ -281,7 +281,7 @@ def _add_eval(sub: Subparsers) -> None:
     add("run", metavar="RUN", nargs="?", help="run directory, run name, or checkpoint")
     add("--data-dir", help="token shard directory (default: the run's data)")
     add("--split", default="val", help="shard split to score (default val)")
-    add("--batches", type=int, help="batches to score (default train.eval_batches)")
+    add("--batches", type=int, help="batches to score (default train.num_eval_batches)")
     add("--batch-size", type=int, help="sequences per batch (default the run's)")
     add("--seq-len", type=int, help="tokens per sequence (default the run's)")
     add("--task", action="append", help="shakespeare-cloze or a .jsonl file (repeatable)")
@@ -318,7 +318,7 @@ def _add_sweep(sub: Subparsers) -> None:
         + study_table(seeds=3)
         + "\n\nexamples:\n  stalepipe sweep paper-mini --workers 2\n"
         "  stalepipe sweep --grid optim.name=adamw,muon --grid delay.policy=sync,2bw "
-        "--set train.steps=100 --seeds 2 --out runs/mygrid",
+        "--set train.num_steps=100 --seeds 2 --out runs/mygrid",
     )
     add = p.add_argument
     add("study", metavar="STUDY", nargs="?", choices=[*STUDIES, "toy"],

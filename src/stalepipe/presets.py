@@ -59,7 +59,7 @@ def cpu_byte_run(
         name=name,
         model=model,
         data=DataConfig(seq_len=seq_len),
-        train=TrainConfig(steps=steps, batch_size=16, warmup_steps=steps // 10, **train),
+        train=TrainConfig(num_steps=steps, batch_size=16, warmup_steps=steps // 10, **train),
     )
 
 
@@ -105,7 +105,7 @@ def _smollm_run(model: ModelConfig, name: str) -> ExperimentConfig:
         name,
         dataclasses.replace(model, vocab_size=GPT2_VOCAB_SIZE),
         seq_len=1024,
-        steps=10000,
+        num_steps=10000,
         batch_size=256,
         num_microbatches=8,
         warmup_steps=500,
@@ -161,7 +161,7 @@ def moe_10b() -> ExperimentConfig:
         ),
         seq_len=4096,
         pipeline=PipelineConfig(num_stages=8, engine="distributed"),
-        steps=95000,
+        num_steps=95000,
         batch_size=512,
         num_microbatches=32,
         warmup_steps=2000,

@@ -33,7 +33,7 @@ def _train_args(tiny_config, data_dir: str, *extra: str) -> list[str]:
         "train", "--preset", "cpu-tiny", "--out_dir", tiny_config.out_dir, "--name", "r",
         "--data.corpus", "excerpt", "--data.data_dir", data_dir, "--data.seq_len", "32",
         "--model.dim", "64", "--model.num_layers", "2", "--train.batch_size", "4",
-        "--train.steps", "1", "--train.eval_every", "0", "--train.eval_batches", "1",
+        "--train.num_steps", "1", "--train.eval_every", "0", "--train.num_eval_batches", "1",
         "--train.progress", "false", *extra,
     ]  # fmt: skip
 

@@ -34,7 +34,7 @@ def test_demo_configs_are_six_ordinary_runs(tmp_path):
     cfgs = demo_configs(tmp_path, steps=10)
     assert len({c.name for c in cfgs}) == 6
     assert {c.delay.policy for c in cfgs} == {"sync", "2bw"}
-    assert all(c.train.steps == 10 and c.out_dir == str(tmp_path) for c in cfgs)
+    assert all(c.train.num_steps == 10 and c.out_dir == str(tmp_path) for c in cfgs)
 
 
 @pytest.mark.slow

@@ -121,10 +121,10 @@ def test_delay_config_validation(kw, msg):
 
 
 def test_cooldown_aligned_with_wsd_decay():
-    train = TrainConfig(steps=100, lr_schedule="wsd", decay_frac=0.2)
+    train = TrainConfig(num_steps=100, lr_schedule="wsd", decay_frac=0.2)
     cfg = resolve_delay_config(DelayConfig(policy="2bw", sync_cooldown_wsd=True), train)
     assert cfg.sync_cooldown == 20 and not cfg.sync_cooldown_wsd
     got = [staleness("2bw", 0, k, 1, 100, sync_cooldown=cfg.sync_cooldown) for k in (79, 80)]
     assert got == [1, 0]
     with pytest.raises(ConfigError, match="lr_schedule wsd"):
-        resolve_delay_config(DelayConfig(sync_cooldown_wsd=True), TrainConfig(steps=10))
+        resolve_delay_config(DelayConfig(sync_cooldown_wsd=True), TrainConfig(num_steps=10))

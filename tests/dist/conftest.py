@@ -53,7 +53,7 @@ def make_cfg(tmp_path, excerpt_data_dir):
             "batch_size": 2 * m * dp,
             "warmup_steps": 1,
             "eval_every": 0,
-            "eval_batches": 1,
+            "num_eval_batches": 1,
             "log_every": 1,
             "progress": False,
             "grad_clip": 1.0,
@@ -80,10 +80,10 @@ def make_cfg(tmp_path, excerpt_data_dir):
                 num_stages=P,
                 engine="distributed",
                 schedule=schedule,
-                data_parallel=dp,
+                num_replicas=dp,
                 timeout_s=20,
             ),
-            train=TrainConfig(steps=steps, num_microbatches=m, **train_kw),
+            train=TrainConfig(num_steps=steps, num_microbatches=m, **train_kw),
         )
 
     return make
@@ -93,7 +93,7 @@ def make_cfg(tmp_path, excerpt_data_dir):
 def run_dist(pool):
     def run(cfg: ExperimentConfig, resume: bool = False) -> list[dict]:
         """Run `cfg` on the pool; returns every rank's report."""
-        world = cfg.pipeline.num_stages * cfg.pipeline.data_parallel
+        world = cfg.pipeline.num_stages * cfg.pipeline.num_replicas
         return pool.run(worker_entry, (cfg, resume, not resume), world, timeout_s=180)
 
     return run
@@ -115,7 +115,7 @@ def reference(cfg: ExperimentConfig, mode: str = "exact", name: str = "ref") -> 
         cfg,
         name=name,
         pipeline=dataclasses.replace(
-            cfg.pipeline, engine="emulate", schedule="1f1b", data_parallel=1
+            cfg.pipeline, engine="emulate", schedule="1f1b", num_replicas=1
         ),
         delay=dataclasses.replace(cfg.delay, mode=mode),
     )

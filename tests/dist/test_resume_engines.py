@@ -106,7 +106,7 @@ def test_pipedream_refuses_another_split(make_cfg):
     ("policy", "change", "allowed"),
     [
         ("2bw", {"num_stages": 2, "engine": "emulate"}, True),
-        ("sync", {"num_stages": 1, "schedule": "gpipe", "data_parallel": 2}, True),
+        ("sync", {"num_stages": 1, "schedule": "gpipe", "num_replicas": 2}, True),
         ("2bw", {"backend": "gloo", "timeout_s": 5.0}, True),
         ("fixed:2", {"num_stages": 3}, True),
         ("pipedream", {"engine": "emulate"}, True),

@@ -39,7 +39,7 @@ def test_resume_equals_uninterrupted(make_cfg, run_dist, dist_utils):
 
 def test_data_parallel_x_pipeline_matches_single_process(make_cfg, run_dist, dist_utils):
     # 3 validation batches: replica 0 evaluates two, replica 1 one.
-    cfg = make_cfg("1f1b", 2, 2, dp=2, tied=False, eval_every=2, eval_batches=3)
+    cfg = make_cfg("1f1b", 2, 2, dp=2, tied=False, eval_every=2, num_eval_batches=3)
     run_dist(cfg)
     ref = dist_utils["reference"](cfg, mode="fast")
     got = dist_utils["final_model"](cfg)

@@ -29,7 +29,7 @@ def _check_tied(reports: list[dict]) -> None:
 
 @pytest.mark.parametrize(("schedule", "P", "m"), [("1f1b", 2, 2), ("gpipe", 3, 2)])
 def test_sync_schedules_equal_gradient_accumulation(schedule, P, m, make_cfg, run_dist, dist_utils):
-    cfg = make_cfg(schedule, P, m, tied=False, eval_every=3, eval_batches=3)
+    cfg = make_cfg(schedule, P, m, tied=False, eval_every=3, num_eval_batches=3)
     reports = run_dist(cfg)
     ref = dist_utils["reference"](cfg, mode="fast")  # sync + fast = the plain loop
     dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), ref)
@@ -66,7 +66,7 @@ def _async_case(schedule, P, m, optim, tied, make_cfg, run_dist, dist_utils, ste
     want = {s: (2 if schedule == "2bw" else P - s) for s in range(P)}
     assert peaks == want
     losses = [loss for _, loss in next(r for r in reports if r["rank"] == 0)["losses"]]
-    assert len(losses) == cfg.train.steps and all(map(lambda x: x == x, losses))
+    assert len(losses) == cfg.train.num_steps and all(map(lambda x: x == x, losses))
 
 
 @pytest.mark.parametrize(

@@ -225,8 +225,8 @@ def test_cli_wpipe_end_to_end(make_cfg, capfd):
         *("--data.corpus", "excerpt", "--data.data_dir", cfg.data.data_dir),
         *("--data.seq_len", "16", "--model.dim", "32", "--model.num_layers", "2"),
         *("--model.ffn_dim", "64", "--model.max_seq_len", "16"),
-        *("--train.steps", "3", "--train.batch_size", "4", "--train.num_microbatches", "2"),
-        *("--train.eval_batches", "1", "--train.progress", "false"),
+        *("--train.num_steps", "3", "--train.batch_size", "4", "--train.num_microbatches", "2"),
+        *("--train.num_eval_batches", "1", "--train.progress", "false"),
         *("--pipeline.engine", "distributed", "--pipeline.num_stages", "2"),
         *("--pipeline.schedule", "wpipe", "--delay.policy", "wpipe", "--pipeline.timeout_s", "30"),
     ]

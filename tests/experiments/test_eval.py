@@ -83,7 +83,7 @@ def test_eval_of_a_trained_moe_run_offline(tiny_config, tmp_path):
     cfg = dataclasses.replace(
         tiny_config,
         model=dataclasses.replace(tiny_config.model, num_experts=4, top_k=2, expert_ffn_dim=32),
-        train=dataclasses.replace(tiny_config.train, steps=4, eval_every=0),
+        train=dataclasses.replace(tiny_config.train, num_steps=4, eval_every=0),
     )
     result = train(cfg, verbose=False)
     task = write_task(shakespeare_cloze(num_items=8), tmp_path / "task.jsonl")

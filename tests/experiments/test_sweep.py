@@ -101,7 +101,7 @@ def test_sweep_resume_skip_and_retry(tiny_config, tmp_path):
     import dataclasses
 
     base = dataclasses.replace(
-        tiny_config, train=dataclasses.replace(tiny_config.train, steps=3, eval_every=0)
+        tiny_config, train=dataclasses.replace(tiny_config.train, num_steps=3, eval_every=0)
     )
     # vocab 64 cannot hold byte tokens: train() raises a DataError before the first step
     specs = expand([[("sync", {"delay.policy": "sync"}), ("bad", {"model.vocab_size": "64"}),
@@ -148,7 +148,7 @@ def test_parallel_failure_is_isolated(tiny_config, tmp_path):
     import dataclasses
 
     base = dataclasses.replace(
-        tiny_config, train=dataclasses.replace(tiny_config.train, steps=2, eval_every=0)
+        tiny_config, train=dataclasses.replace(tiny_config.train, num_steps=2, eval_every=0)
     )
     specs = expand([[("ok", {}), ("bad", {"model.vocab_size": "64"})]])
     res = run_sweep(specs, base, tmp_path / "s", workers=2, log=lambda m: None)
@@ -178,7 +178,7 @@ def test_cli_sweep_and_report_errors(tmp_path, capsys):
         (["sweep", "--grid", "optim.lr=-1", "--dry-run"], "optim.lr must be > 0"),
         (["sweep", "depth", "--grid", "optim.lr=1"], "drop the STUDY name"),
         (
-            ["sweep", "--grid", "optim.name=adamw", "--set", "train.steps"],
+            ["sweep", "--grid", "optim.name=adamw", "--set", "train.num_steps"],
             "--set expects KEY=VALUE",
         ),
         (["report", str(tmp_path / "nope")], "is not a directory"),
@@ -201,7 +201,7 @@ def test_a_signal_stops_the_sweep_with_its_run_checkpointed_not_failed(
     from stalepipe.train import metrics
 
     base = dataclasses.replace(
-        tiny_config, train=dataclasses.replace(tiny_config.train, steps=8, eval_every=0)
+        tiny_config, train=dataclasses.replace(tiny_config.train, num_steps=8, eval_every=0)
     )
     specs = expand([[("2bw", {"delay.policy": "2bw", "pipeline.num_stages": "2"})]], seeds=2)
     write = metrics.MetricsWriter.write

@@ -54,7 +54,7 @@ def test_remove_sweep_dir_only_when_every_part_is_ours(tmp_path):
 
 def test_sweep_marks_its_directories_and_retries_only_its_own(tiny_config, tmp_path):
     base = dataclasses.replace(
-        tiny_config, train=dataclasses.replace(tiny_config.train, steps=2, eval_every=0)
+        tiny_config, train=dataclasses.replace(tiny_config.train, num_steps=2, eval_every=0)
     )
     specs = expand([axis("delay.policy", ["sync"])])
     out = tmp_path / "sweep"
@@ -76,7 +76,7 @@ def test_sweep_marks_its_directories_and_retries_only_its_own(tiny_config, tmp_p
 
 def test_a_run_that_stopped_before_its_first_checkpoint_starts_over(tiny_config, tmp_path):
     base = dataclasses.replace(
-        tiny_config, train=dataclasses.replace(tiny_config.train, steps=2, eval_every=0)
+        tiny_config, train=dataclasses.replace(tiny_config.train, num_steps=2, eval_every=0)
     )
     specs = expand([axis("delay.policy", ["sync"])])
     out = tmp_path / "sweep"

@@ -52,7 +52,7 @@ def _cfg(tiny_config, name, policy, ef):
         name=name,
         delay=dataclasses.replace(tiny_config.delay, policy=policy, ef=ef),
         pipeline=dataclasses.replace(tiny_config.pipeline, num_stages=2),
-        train=dataclasses.replace(tiny_config.train, steps=6, ckpt_every=3, keep_last=3),
+        train=dataclasses.replace(tiny_config.train, num_steps=6, ckpt_every=3, keep_last=3),
     )
 
 
@@ -83,7 +83,7 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_alike_then_resumes(tiny_conf
     cfg = dataclasses.replace(
         cfg,
         train=dataclasses.replace(
-            cfg.train, steps=2000, ckpt_every=0, eval_every=0, lr_schedule="constant"
+            cfg.train, num_steps=2000, ckpt_every=0, eval_every=0, lr_schedule="constant"
         ),
     )
     path = tmp_path / "stop.json"
@@ -104,7 +104,7 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_alike_then_resumes(tiny_conf
     stopped = load_checkpoint(latest_checkpoint(run_dir))["step"]
     assert 3 <= stopped < 2000
 
-    short = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=stopped + 4))
+    short = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_steps=stopped + 4))
     path.write_text(short.to_json())  # resume under torchrun with 4 more steps to go
     _torchrun(short, tmp_path, "--resume")
     # bit for bit the uninterrupted 2-rank run of that length, and close to one process

@@ -99,7 +99,7 @@ def _wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout_s: fl
 
 
 def test_cli_sigterm_exits_75_with_one_line_and_resumes(tiny_config, tmp_path):
-    cfg = _cfg(tiny_config, "cli", steps=4000, eval_every=0, log_every=1)
+    cfg = _cfg(tiny_config, "cli", num_steps=4000, eval_every=0, log_every=1)
     path = tmp_path / "cfg.json"
     path.write_text(cfg.to_json())
     cmd = [sys.executable, "-m", "stalepipe", "train", "--config", str(path)]

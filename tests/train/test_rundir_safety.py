@@ -32,7 +32,7 @@ from stalepipe.train.rundir import (
 
 
 def _cfg(tiny_config, **train_fields):
-    fields = {"steps": 2, "eval_every": 0, **train_fields}
+    fields = {"num_steps": 2, "eval_every": 0, **train_fields}
     return dataclasses.replace(tiny_config, train=dataclasses.replace(tiny_config.train, **fields))
 
 
@@ -42,8 +42,8 @@ def _cli_args(cfg, *extra) -> list[str]:
         "train", "--preset", "cpu-tiny", "--out_dir", cfg.out_dir, "--name", cfg.name,
         "--data.corpus", "excerpt", "--data.data_dir", cfg.data.data_dir,
         "--data.seq_len", "32", "--model.dim", str(m.dim), "--model.num_layers", "2",
-        "--train.batch_size", "4", "--train.steps", "2", "--train.eval_every", "0",
-        "--train.eval_batches", "1", "--train.progress", "false", *extra,
+        "--train.batch_size", "4", "--train.num_steps", "2", "--train.eval_every", "0",
+        "--train.num_eval_batches", "1", "--train.progress", "false", *extra,
     ]  # fmt: skip
 
 
@@ -180,7 +180,7 @@ def test_refused_resume_writes_nothing(tiny_config):
 
 
 def test_meta_keeps_every_invocation(tiny_config):
-    cfg = _cfg(tiny_config, steps=4, ckpt_every=2, keep_last=3)
+    cfg = _cfg(tiny_config, num_steps=4, ckpt_every=2, keep_last=3)
     run_dir = train(cfg, verbose=False).run_dir
     first = json.loads((run_dir / "meta.json").read_text())
     assert [r["resumed_from_step"] for r in first["invocations"]] == [None]
@@ -216,7 +216,7 @@ def test_failed_start_does_not_block_a_rerun(tiny_config):
 
 
 def test_a_users_directory_is_never_a_run(tiny_config):
-    cfg = _cfg(tiny_config, steps=1)
+    cfg = _cfg(tiny_config, num_steps=1)
     mine = Path(cfg.out_dir) / cfg.name
     mine.mkdir(parents=True)
     (mine / "config.json").write_text('{"my": "own config"}')
@@ -232,7 +232,7 @@ def test_run_data_is_found_from_any_working_directory(tiny_config, tmp_path, mon
     shutil.copytree(tiny_config.data.data_dir, work / "data" / "ex")
     elsewhere.mkdir()
     monkeypatch.chdir(work)
-    cfg = _cfg(dataclasses.replace(tiny_config, out_dir="runs"), steps=1)
+    cfg = _cfg(dataclasses.replace(tiny_config, out_dir="runs"), num_steps=1)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data_dir="data/ex"))
     run_dir = train(cfg, verbose=False).run_dir.resolve()
     saved = json.loads((run_dir / "config.json").read_text())
@@ -260,7 +260,7 @@ def test_resume_from_another_working_directory(tiny_config, tmp_path, monkeypatc
     shutil.copytree(tiny_config.data.data_dir, work / "data" / "ex")
     elsewhere.mkdir()
     monkeypatch.chdir(work)
-    cfg = _cfg(dataclasses.replace(tiny_config, out_dir="runs"), steps=4, ckpt_every=2)
+    cfg = _cfg(dataclasses.replace(tiny_config, out_dir="runs"), num_steps=4, ckpt_every=2)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data_dir="data/ex"))
     run_dir = train(cfg, verbose=False).run_dir.resolve()
     list_checkpoints(run_dir)[-1].unlink()

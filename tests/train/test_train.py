@@ -24,7 +24,7 @@ def _with(cfg, **sections):
 
 
 def test_loss_falls_and_run_directory_is_complete(tiny_config):
-    cfg = _with(tiny_config, train={"steps": 30, "eval_every": 10}, optim={"lr": 3e-3})
+    cfg = _with(tiny_config, train={"num_steps": 30, "eval_every": 10}, optim={"lr": 3e-3})
     result = train(cfg, verbose=False)
     assert result.train_losses[-1] < result.train_losses[0] - 0.5
     run = result.run_dir
@@ -71,28 +71,28 @@ def _without_time(resumed, full):
 
 
 def test_existing_run_directory_is_refused_and_untouched(tiny_config):
-    first = train(_with(tiny_config, train={"steps": 2}), verbose=False)
+    first = train(_with(tiny_config, train={"num_steps": 2}), verbose=False)
     before = {p.name: p.stat().st_mtime_ns for p in first.run_dir.iterdir()}
     with pytest.raises(UserError, match="--resume .* --overwrite"):
-        train(_with(tiny_config, train={"steps": 2}), verbose=False)
+        train(_with(tiny_config, train={"num_steps": 2}), verbose=False)
     assert {p.name: p.stat().st_mtime_ns for p in first.run_dir.iterdir()} == before
-    again = train(_with(tiny_config, train={"steps": 2}), overwrite=True, verbose=False)
+    again = train(_with(tiny_config, train={"num_steps": 2}), overwrite=True, verbose=False)
     assert again.steps == 2
 
 
 def test_resume_with_a_different_config_is_refused(tiny_config):
-    train(_with(tiny_config, train={"steps": 2}), verbose=False)
+    train(_with(tiny_config, train={"num_steps": 2}), verbose=False)
     with pytest.raises(UserError, match="optim.weight_decay"):
-        changed = _with(tiny_config, train={"steps": 2}, optim={"weight_decay": 0.5})
+        changed = _with(tiny_config, train={"num_steps": 2}, optim={"weight_decay": 0.5})
         train(changed, resume=True, verbose=False)
 
 
 def test_corrupt_checkpoint_is_reported_with_the_fix(tiny_config):
-    run = train(_with(tiny_config, train={"steps": 4, "ckpt_every": 2}), verbose=False).run_dir
+    run = train(_with(tiny_config, train={"num_steps": 4, "ckpt_every": 2}), verbose=False).run_dir
     last = list_checkpoints(run)[-1]
     last.write_bytes(last.read_bytes()[:100])  # truncated by a crash of the disk, say
     with pytest.raises(CheckpointError, match="corrupt.*delete it"):
-        train(_with(tiny_config, train={"steps": 4, "ckpt_every": 2}), resume=True, verbose=False)
+        train(_with(tiny_config, train={"num_steps": 4, "ckpt_every": 2}), resume=True, verbose=False)
     assert last.exists()  # nothing deleted behind the user's back
 
 
@@ -100,7 +100,7 @@ def test_checkpoint_of_another_model_is_refused(tiny_config, tmp_path):
     from stalepipe.models import build_model
     from stalepipe.train.checkpoint import load_model_state
 
-    run = train(_with(tiny_config, train={"steps": 2}), verbose=False).run_dir
+    run = train(_with(tiny_config, train={"num_steps": 2}), verbose=False).run_dir
     state = load_checkpoint(latest_checkpoint(run))
     other = build_model(
         dataclasses.replace(tiny_config.model, dim=32, num_heads=2, num_kv_heads=1), 0
@@ -123,7 +123,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_config, monkeypa
         return float("nan") if step == 3 else loss
 
     monkeypatch.setattr(DelayEmulator, "forward_backward", nan_at_step_3)
-    cfg = _with(tiny_config, train={"steps": 6, "ckpt_every": 2})
+    cfg = _with(tiny_config, train={"num_steps": 6, "ckpt_every": 2})
     with pytest.raises(
         TrainingError,
         match=r"non-finite loss \(nan\) at step 3; last good checkpoint: .*ckpt_00000002.pt",
@@ -138,7 +138,7 @@ def test_diverging_weights_are_never_checkpointed(tiny_config):
     cfg = _with(
         tiny_config,
         name="div",
-        train={"steps": 6, "ckpt_every": 1, "grad_clip": 0.0},
+        train={"num_steps": 6, "ckpt_every": 1, "grad_clip": 0.0},
         optim={"lr": 1e30},
     )
     with pytest.raises(TrainingError, match="non-finite (loss|weights)"):
@@ -150,10 +150,10 @@ def test_diverging_weights_are_never_checkpointed(tiny_config):
 
 def test_microbatching_matches_one_big_batch(tiny_config):
     a = train(
-        _with(tiny_config, name="a", train={"steps": 3, "num_microbatches": 1}), verbose=False
+        _with(tiny_config, name="a", train={"num_steps": 3, "num_microbatches": 1}), verbose=False
     )
     b = train(
-        _with(tiny_config, name="b", train={"steps": 3, "num_microbatches": 4}), verbose=False
+        _with(tiny_config, name="b", train={"num_steps": 3, "num_microbatches": 4}), verbose=False
     )
     sa = load_checkpoint(latest_checkpoint(a.run_dir))["model"]
     sb = load_checkpoint(latest_checkpoint(b.run_dir))["model"]
@@ -165,7 +165,7 @@ def test_tensorboard_scalars_mirror_the_metrics(tiny_config):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run = train(_with(tiny_config, train={"steps": 4, "tensorboard": True}), verbose=False).run_dir
+    run = train(_with(tiny_config, train={"num_steps": 4, "tensorboard": True}), verbose=False).run_dir
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
     losses = [e.value for e in events.Scalars("loss")]
@@ -188,7 +188,7 @@ def test_the_divergence_message_recommends_a_command_that_works(tiny_config, tmp
     cfg = _with(
         tiny_config,
         name="fix",
-        train={"steps": 6, "ckpt_every": 2, "grad_clip": 0.0},
+        train={"num_steps": 6, "ckpt_every": 2, "grad_clip": 0.0},
         optim={"lr": 1e-3},
     )
     path = tmp_path / "fix.json"

@@ -3,7 +3,7 @@
 Each component owns one dataclass (`sections.py`) and receives only that one; `ExperimentConfig`
 (`experiment.py`) composes them. Every field carries a one-line help text in its metadata;
 `stalepipe train --help` prints them with their defaults. Overrides use dotted keys:
-`--optim.lr 3e-4 --train.steps 200` (`overrides.py`).
+`--optim.lr 3e-4 --train.num_steps 200` (`overrides.py`).
 
 Validation happens in `__post_init__` and raises `ConfigError` (a `ValueError`) whose message
 names the field, its allowed range and the fix, so the CLI can print it as one line. Each rule is
@@ -16,7 +16,7 @@ A setting the run would ignore is refused the same way (`experiment.py`); run re
 from stalepipe.config import overrides as _overrides
 from stalepipe.config.base import ConfigError, unknown_choice
 from stalepipe.config.experiment import ExperimentConfig
-from stalepipe.config.overrides import apply_overrides
+from stalepipe.config.overrides import RENAMED_KEYS, apply_overrides, upgrade_record
 from stalepipe.config.sections import (
     FIXED_OPTIM_FIELDS,
     OPTIMIZER_FIELDS,
@@ -40,6 +40,7 @@ __all__ = [
     "FIXED_OPTIM_FIELDS",
     "OPTIMIZER_FIELDS",
     "POLICY_NAMES",
+    "RENAMED_KEYS",
     "RUNTIME_SCHEDULES",
     "ConfigError",
     "DataConfig",
@@ -52,4 +53,5 @@ __all__ = [
     "apply_overrides",
     "config_help",
     "unknown_choice",
+    "upgrade_record",
 ]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stalepipe.config.base import ConfigError, check, multiples_near, option
-from stalepipe.config.overrides import apply_overrides, default_of, from_dict
+from stalepipe.config.overrides import apply_overrides, default_of, from_dict, upgrade_record
 from stalepipe.config.sections import (
     DEFAULT_SCHEDULE,
     RUNTIME_SCHEDULES,
@@ -108,11 +108,11 @@ class ExperimentConfig:
     def _check_distributed(self) -> None:
         """Rules of the distributed engine (pipeline.engine distributed) alone."""
         pc, tc = self.pipeline, self.train
-        P, m, B, D = pc.num_stages, tc.num_microbatches, tc.batch_size, pc.data_parallel
+        P, m, B, D = pc.num_stages, tc.num_microbatches, tc.batch_size, pc.num_replicas
         check(
             B % (m * D) == 0,
             f"train.batch_size ({B}) must be divisible by train.num_microbatches x "
-            f"pipeline.data_parallel ({m} x {D}); set train.batch_size to "
+            f"pipeline.num_replicas ({m} x {D}); set train.batch_size to "
             f"{multiples_near(B, m * D)}",
         )
         if pc.schedule == "2bw" and m < P - 1:
@@ -148,14 +148,14 @@ class ExperimentConfig:
                     {"pipeline.engine": "distributed", "delay.policy": want},
                 ]
             yield "pipeline.schedule", why, fixes
-        if pc.engine == "emulate" and pc.data_parallel > 1:
+        if pc.engine == "emulate" and pc.num_replicas > 1:
             why = (
-                f"pipeline.data_parallel {pc.data_parallel} is read only by the distributed "
+                f"pipeline.num_replicas {pc.num_replicas} is read only by the distributed "
                 f"engine; the emulator's data-parallel replicas are the processes torchrun starts "
                 f"(torchrun -m stalepipe train, docs/runtime.md)"
             )
-            fixes = [{"pipeline.data_parallel": 1}, {"pipeline.engine": "distributed"}]
-            yield "pipeline.data_parallel", why, fixes
+            fixes = [{"pipeline.num_replicas": 1}, {"pipeline.engine": "distributed"}]
+            yield "pipeline.num_replicas", why, fixes
         if pc.engine == "distributed" and self.train.device.startswith("cuda:"):
             why = (
                 f"train.device {self.train.device}: the distributed engine puts each process on "
@@ -218,16 +218,16 @@ class ExperimentConfig:
     def warnings(self) -> list[str]:
         """Settings that are legal but probably not meant, one line each (`train` prints them).
 
-        Warmup as long as the run is one: a short smoke run of a preset (`--train.steps 10`)
+        Warmup as long as the run is one: a short smoke run of a preset (`--train.num_steps 10`)
         is legitimate, so it warns instead of refusing."""
         tc = self.train
-        if tc.warmup_steps < tc.steps:
+        if tc.warmup_steps < tc.num_steps:
             return []
         return [
-            f"train.warmup_steps ({tc.warmup_steps}) >= train.steps ({tc.steps}): the LR rises "
+            f"train.warmup_steps ({tc.warmup_steps}) >= train.num_steps ({tc.num_steps}): the LR rises "
             f"for the whole run and never reaches its peak (the {tc.lr_schedule} schedule after "
-            f"the warmup never runs); set train.warmup_steps to {tc.steps // 10}, or fewer than "
-            f"{tc.steps}"
+            f"the warmup never runs); set train.warmup_steps to {tc.num_steps // 10}, or fewer than "
+            f"{tc.num_steps}"
         ]
 
     # ---- serialisation -----------------------------------------------------------------------
@@ -245,7 +245,7 @@ class ExperimentConfig:
         docstring); every other rule still applies."""
         token = _CHECK_IGNORED.set(strict)
         try:
-            return from_dict(cls, d)
+            return from_dict(cls, upgrade_record(d))
         finally:
             _CHECK_IGNORED.reset(token)
 

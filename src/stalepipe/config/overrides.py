@@ -17,6 +17,26 @@ from stalepipe.config.base import ConfigError
 
 T = TypeVar("T")
 
+# Keys renamed so that counts read `num_*` (GUIDE 4.10): old run records still load (their keys
+# are translated), a command line or a new config file with an old key gets a one-line hint.
+RENAMED_KEYS = {
+    "train.steps": "train.num_steps",
+    "train.eval_batches": "train.num_eval_batches",
+    "pipeline.data_parallel": "pipeline.num_replicas",
+}
+
+
+def upgrade_record(d: dict[str, Any]) -> dict[str, Any]:
+    """A parsed config.json (nested dicts) with the keys of `RENAMED_KEYS` under their new
+    names: what every reader of a saved run record calls before using it."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+    for old, new in RENAMED_KEYS.items():
+        (section, key), (_, new_key) = old.split("."), new.split(".")
+        block = out.get(section)
+        if isinstance(block, dict) and key in block:
+            block.setdefault(new_key, block.pop(key))
+    return out
+
 
 def from_dict(cls: type, d: dict[str, Any], *, prefix: str = "", root: type | None = None) -> Any:
     """Build dataclass `cls` from nested dicts (a parsed config.json); an unknown key is a
@@ -64,6 +84,8 @@ def _leaf_type(cls: type, dotted: str) -> Any:
 
 
 def _unknown_key_msg(key: str, keys: dict[str, Any]) -> str:
+    if key in RENAMED_KEYS:
+        return f"config key --{key} is now --{RENAMED_KEYS[key]}; use that name"
     close = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.5)
     hint = f"; did you mean --{close[0]}?" if close else "; see `stalepipe train --help`"
     return f"unknown config key --{key}{hint}"

@@ -301,7 +301,7 @@ class PipelineConfig:
     """How the model is split into stages, and which engine runs them.
 
     The emulator (engine=emulate) uses `num_stages` for per-stage staleness in one process; the
-    distributed runtime (engine=distributed) runs one process per stage (times `data_parallel`).
+    distributed runtime (engine=distributed) runs one process per stage (times `num_replicas`).
     """
 
     num_stages: int = option(1, "pipeline stages P (<= model.num_layers)")
@@ -310,7 +310,7 @@ class PipelineConfig:
         DEFAULT_SCHEDULE,
         f"distributed engine's schedule: {' | '.join(RUNTIME_SCHEDULES)} (the emulator has none)",
     )
-    data_parallel: int = option(1, "data-parallel replicas of each stage (distributed engine)")
+    num_replicas: int = option(1, "data-parallel replicas of each stage (distributed engine)")
     backend: str = option("auto", "torch.distributed backend: auto | gloo | nccl")
     timeout_s: float = option(120.0, "seconds a rank waits for a peer before failing the run")
 
@@ -325,8 +325,8 @@ class PipelineConfig:
                 "pipeline schedule", self.schedule, RUNTIME_SCHEDULES, key="pipeline.schedule"
             )
         check(
-            self.data_parallel >= 1,
-            f"pipeline.data_parallel must be >= 1, got {self.data_parallel}",
+            self.num_replicas >= 1,
+            f"pipeline.num_replicas must be >= 1, got {self.num_replicas}",
         )
         check(
             self.backend in ("auto", "gloo", "nccl"),
@@ -339,7 +339,7 @@ class PipelineConfig:
 class TrainConfig:
     """The training loop: steps, batch, LR schedule, eval, checkpoints."""
 
-    steps: int = option(200, "optimizer steps")
+    num_steps: int = option(200, "optimizer steps")
     batch_size: int = option(16, "sequences per global batch (split into microbatches)")
     num_microbatches: int = option(1, "microbatches per step; gradients are summed, loss averaged")
     lr_schedule: str = option("cosine", "LR schedule: cosine (warmup + cosine) | wsd | constant")
@@ -348,7 +348,7 @@ class TrainConfig:
     min_lr_ratio: float = option(0.1, "final LR as a fraction of the peak")
     grad_clip: float = option(1.0, "global grad-norm clip (0 = off)")
     eval_every: int = option(50, "evaluate val loss every N steps (0 = only at the end)")
-    eval_batches: int = option(8, "val batches per evaluation")
+    num_eval_batches: int = option(8, "val batches per evaluation")
     log_every: int = option(10, "write a metrics line every N steps")
     ckpt_every: int = option(0, "checkpoint every N steps (0 = only at the end)")
     ckpt_every_s: float = option(
@@ -371,7 +371,7 @@ class TrainConfig:
     tensorboard: bool = option(False, "also write metrics for TensorBoard to <run>/tensorboard")
 
     def __post_init__(self) -> None:
-        check(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
+        check(self.num_steps >= 1, f"train.num_steps must be >= 1, got {self.num_steps}")
         check(self.batch_size >= 1, f"train.batch_size must be >= 1, got {self.batch_size}")
         check(
             self.num_microbatches >= 1,
@@ -399,7 +399,7 @@ class TrainConfig:
         check(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
         for name in ("eval_every", "ckpt_every", "ckpt_every_s", "threads"):
             check(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("eval_batches", "log_every", "keep_last"):
+        for name in ("num_eval_batches", "log_every", "keep_last"):
             check(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")
         check(
             _DEVICE.fullmatch(self.device) is not None,

@@ -129,7 +129,7 @@ class DelaySchedule:
         if self.num_stages < 1:
             raise ConfigError(f"pipeline.num_stages must be >= 1, got {self.num_stages}")
         if self.total_steps < 1:
-            raise ConfigError(f"train.steps must be >= 1, got {self.total_steps}")
+            raise ConfigError(f"train.num_steps must be >= 1, got {self.total_steps}")
         if self.sync_start < 0:
             raise ConfigError(f"delay.sync_start must be >= 0, got {self.sync_start}")
         if self.total_steps == UNBOUNDED and self.sync_cooldown:

@@ -52,7 +52,7 @@ def demo_configs(out_dir: str | Path, steps: int = DEFAULT_STEPS) -> list[Experi
     base = cpu_tiny()
     train = dataclasses.replace(
         base.train,
-        steps=steps,
+        num_steps=steps,
         warmup_steps=max(1, steps // 10),
         lr_schedule="cosine",
         eval_every=max(1, steps // 8),

@@ -315,13 +315,13 @@ def evaluate_run(
     """Evaluate the newest checkpoint of `run`: {"checkpoint", "step", "val": {...} | None,
     "tasks": {name: metrics}}. `data_dir` defaults to the run's own data directory (prepared
     first when it is a built-in corpus); `seq_len`, `num_batches` and `batch_size` to the run's
-    (data.seq_len, train.eval_batches, train.batch_size), so the val loss of the defaults is the
+    (data.seq_len, train.num_eval_batches, train.batch_size), so the val loss of the defaults is the
     one the training loop logged for that checkpoint."""
     trained = load_trained(run)
     cfg = trained.config
     model = trained.model(device)
     seq_len = seq_len or cfg.data.seq_len
-    num_batches = num_batches or cfg.train.eval_batches
+    num_batches = num_batches or cfg.train.num_eval_batches
     batch_size = batch_size or cfg.train.batch_size
     if seq_len > cfg.model.max_seq_len:
         raise EvalError(f"--seq-len must be <= model.max_seq_len={cfg.model.max_seq_len}")

@@ -37,7 +37,7 @@ _SHORT = {
     "optim.beta1": "b1",
     "optim.weight_decay": "wd",
     "pipeline.num_stages": "P",
-    "train.steps": "steps",
+    "train.num_steps": "steps",
     "train.batch_size": "bs",
 }
 
@@ -65,11 +65,11 @@ def parse_grid_arg(text: str) -> list[Bundle]:
 
 
 def parse_set_args(items: Sequence[str]) -> dict[str, str]:
-    """`["train.steps=100", ...]` (the `--set` CLI syntax) -> overrides for every run."""
+    """`["train.num_steps=100", ...]` (the `--set` CLI syntax) -> overrides for every run."""
     fixed = {}
     for item in items:
         if "=" not in item:
-            raise ConfigError(f"--set expects KEY=VALUE (e.g. train.steps=100), got {item!r}")
+            raise ConfigError(f"--set expects KEY=VALUE (e.g. train.num_steps=100), got {item!r}")
         key, value = item.split("=", 1)
         fixed[key] = value
     return fixed

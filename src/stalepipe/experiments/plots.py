@@ -94,7 +94,7 @@ def loss_curves(rows: list[Row], max_panels: int = 18) -> bytes | None:
 
 def _tokens(r: Row) -> float:
     c = r.config
-    return c.get("train.steps", 0) * c.get("train.batch_size", 0) * c.get("data.seq_len", 0)
+    return c.get("train.num_steps", 0) * c.get("train.batch_size", 0) * c.get("data.seq_len", 0)
 
 
 def _delay(r: Row) -> float:
@@ -112,12 +112,12 @@ _AXIS_KEYS = {
     "momentum": ("optim.beta1",),
     "depth": ("pipeline.num_stages",),
     "delay": ("delay.policy",),
-    "tokens": ("train.steps", "train.warmup_steps", "train.eval_every"),
+    "tokens": ("train.num_steps", "train.warmup_steps", "train.eval_every"),
 }
 
 
 _SHOWN = ("optim.lr", "optim.beta1", "optim.beta2", "optim.weight_decay", "pipeline.num_stages",
-          "train.batch_size", "train.steps")  # fmt: skip
+          "train.batch_size", "train.num_steps")  # fmt: skip
 
 
 def gap_points(rows: list[Row], kind: str) -> dict[str, list[tuple[float, float, float]]]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stalepipe.config import upgrade_record
 from stalepipe.experiments import stats
 from stalepipe.experiments.sweep import ERROR_FILE, SPEC_FILE, run_status
 from stalepipe.fileio import flatten_dict
@@ -79,7 +80,7 @@ def load_runs(root: str | Path) -> list[Run]:
         config: dict[str, Any] = {}
         if (d / "config.json").exists():
             try:
-                config = flatten_dict(json.loads((d / "config.json").read_text()))
+                config = flatten_dict(upgrade_record(json.loads((d / "config.json").read_text())))
             except ValueError:
                 config = {}
         spec = {}

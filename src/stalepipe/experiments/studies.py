@@ -58,11 +58,11 @@ def paper_mini_base() -> ExperimentConfig:
         ),
         data=DataConfig(seq_len=64),
         train=TrainConfig(
-            steps=CPU_STEPS,
+            num_steps=CPU_STEPS,
             batch_size=16,
             warmup_steps=CPU_STEPS // 10,
             eval_every=CPU_STEPS // 4,
-            eval_batches=16,
+            num_eval_batches=16,
             log_every=10,
             progress=False,
             threads=1,
@@ -130,7 +130,7 @@ def study_momentum(scale: str) -> list[list[list[Bundle]]]:
 
 
 def study_mitigations(scale: str) -> list[list[list[Bundle]]]:
-    steps = base_config(scale).train.steps
+    steps = base_config(scale).train.num_steps
     variants: list[Bundle] = [
         SYNC,
         TWO_BW,
@@ -174,12 +174,12 @@ def study_delay(scale: str) -> list[list[list[Bundle]]]:
 
 def _length(n: int) -> Bundle:
     """A training length of n steps (warmup 10%, four evaluations)."""
-    return (f"steps{n}", {"train.steps": str(n), "train.warmup_steps": str(max(n // 10, 1)),
+    return (f"steps{n}", {"train.num_steps": str(n), "train.warmup_steps": str(max(n // 10, 1)),
                           "train.eval_every": str(max(n // 4, 1))})  # fmt: skip
 
 
 def study_tokens(scale: str) -> list[list[list[Bundle]]]:
-    steps = base_config(scale).train.steps
+    steps = base_config(scale).train.num_steps
     lengths = [steps // 4, steps // 2, steps, steps * 2]
     grid_steps = [_length(n) for n in lengths]
     return [[optimizer_axis(scale, ("adamw", "muon")), grid_steps, [SYNC, TWO_BW]]]
@@ -287,7 +287,7 @@ def estimate_cpu_seconds(specs: list[RunSpec], base: ExperimentConfig) -> float:
     total = 0.0
     for spec in specs:
         o = spec.overrides
-        steps = int(o.get("train.steps", base.train.steps))
+        steps = int(o.get("train.num_steps", base.train.num_steps))
         batch = int(o.get("train.batch_size", base.train.batch_size))
         seq = int(o.get("data.seq_len", base.data.seq_len))
         total += steps * CPU_SECONDS_PER_STEP * batch * seq / (16 * 64)
@@ -321,7 +321,7 @@ def sweep_main(
     log: Callable[[str], None] | None = None,
 ) -> int:
     """`stalepipe sweep`: run a named study or an ad-hoc grid (`--grid KEY=V1,V2` axes); returns
-    the number of failed runs. `fixed` overrides apply to every run (e.g. train.steps)."""
+    the number of failed runs. `fixed` overrides apply to every run (e.g. train.num_steps)."""
     from stalepipe.config import apply_overrides
     from stalepipe.experiments.grid import check_overrides, parse_grid_arg
     from stalepipe.experiments.sweep import main_progress_stream, run_sweep
@@ -369,7 +369,7 @@ def _dry_run(
     for spec in specs:
         cfg = spec.config(base, out_dir)
         shown = " ".join(f"--{k} {v}" for k, v in spec.overrides.items())
-        status = run_status(Path(out_dir) / spec.name, cfg.train.steps)
+        status = run_status(Path(out_dir) / spec.name, cfg.train.num_steps)
         log(f"{status:<9} {spec.name}: {shown}")
         if status != "finished" and (status != "failed" or retry_failed):
             todo.append(spec)

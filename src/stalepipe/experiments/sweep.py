@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stalepipe.config import ExperimentConfig
+from stalepipe.config import ExperimentConfig, upgrade_record
 from stalepipe.errors import EXIT_PREEMPTED, Preempted
 from stalepipe.experiments.grid import RunSpec
 from stalepipe.experiments.workers import run_spawned
@@ -58,7 +58,8 @@ def run_status(run_dir: Path, steps: int | None = None) -> str:
         return "failed"
     if steps is None:
         try:
-            steps = int(json.loads((run_dir / "config.json").read_text())["train"]["steps"])
+            saved = upgrade_record(json.loads((run_dir / "config.json").read_text()))
+            steps = int(saved["train"]["num_steps"])
         except (OSError, ValueError, KeyError):
             return "partial" if any(run_dir.iterdir()) else "missing"
     if checkpoint_path(run_dir, steps).exists():
@@ -126,7 +127,7 @@ def _changed_keys(run_dir: Path, cfg: ExperimentConfig) -> list[str]:
     from stalepipe.train.resume import RESUMABLE_CHANGES
 
     try:
-        saved = flatten_dict(json.loads((run_dir / "config.json").read_text()))
+        saved = flatten_dict(upgrade_record(json.loads((run_dir / "config.json").read_text())))
     except (OSError, ValueError):
         return []
     now = flatten_dict(dataclasses.replace(cfg, optim=resolve_config(cfg.optim)).to_dict())
@@ -232,7 +233,7 @@ def _plan(
     for spec in specs:
         cfg = spec.config(base, out)
         run_dir = out / spec.name
-        status = run_status(run_dir, cfg.train.steps)
+        status = run_status(run_dir, cfg.train.num_steps)
         if status == "finished":
             res.finished.append(spec.name)
             changed = _changed_keys(run_dir, cfg)

@@ -23,7 +23,7 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
       `min_lr_ratio` over the last `decay_frac` of the steps;
     - constant: warmup, then 1.
     """
-    total, warmup, floor = cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio
+    total, warmup, floor = cfg.num_steps, cfg.warmup_steps, cfg.min_lr_ratio
     if step < warmup:
         return (step + 1) / warmup
     if cfg.lr_schedule == "constant":
@@ -42,7 +42,7 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
 
 def wsd_decay_steps(cfg: TrainConfig) -> int:
     """Length of WSD's decay phase in steps (what a synchronous cooldown aligns with)."""
-    return int(round(cfg.decay_frac * cfg.steps))
+    return int(round(cfg.decay_frac * cfg.num_steps))
 
 
 def set_peak_lr(optimizer: torch.optim.Optimizer) -> None:

@@ -64,14 +64,14 @@ class Topology:
     """Where each rank sits: P pipeline stages times D data-parallel replicas."""
 
     num_stages: int
-    data_parallel: int = 1
+    num_replicas: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.num_stages * self.data_parallel
+        return self.num_stages * self.num_replicas
 
     def rank(self, stage: int, replica: int = 0) -> int:
-        assert 0 <= stage < self.num_stages and 0 <= replica < self.data_parallel
+        assert 0 <= stage < self.num_stages and 0 <= replica < self.num_replicas
         return replica * self.num_stages + stage
 
     def stage_of(self, rank: int) -> int:
@@ -82,7 +82,7 @@ class Topology:
 
     def describe(self, rank: int) -> str:
         s, d = self.stage_of(rank), self.replica_of(rank)
-        return f"rank {rank} (stage {s}" + (f", replica {d})" if self.data_parallel > 1 else ")")
+        return f"rank {rank} (stage {s}" + (f", replica {d})" if self.num_replicas > 1 else ")")
 
 
 def under_torchrun() -> bool:
@@ -181,7 +181,7 @@ class Comm:
         self._sends: deque[Pending] = deque()
 
     def _make_groups(self) -> None:
-        topo, P, D = self.topo, self.topo.num_stages, self.topo.data_parallel
+        topo, P, D = self.topo, self.topo.num_stages, self.topo.num_replicas
         # Control group (per-step all-gather of grad norms and losses), data-parallel groups.
         # new_group is collective over the whole world: every rank creates every group.
         for d in range(D):
@@ -301,7 +301,7 @@ class Comm:
         what = "the data-parallel gradient all-reduce"
         work = self.post(what, lambda: dist.all_reduce(t, group=self.dp_group, async_op=True))
         self.wait_work(work, what, None)
-        t.div_(self.topo.data_parallel)
+        t.div_(self.topo.num_replicas)
 
     def wait_work(self, work: Any, what: str, peer: int | None) -> None:
         """Wait for a collective's `work` (None: nothing to wait for); a failure or the

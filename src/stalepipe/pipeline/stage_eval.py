@@ -33,14 +33,14 @@ def evaluate_stage(io, run_at, weights: dict[str, torch.Tensor], data: EvalData,
     stage 0, None elsewhere.
 
     `io` is the stage's `StageIO`, `run_at` its `Reparametrized` forward, `m` the microbatches
-    per training batch. Each batch runs as m x data_parallel chunks of the microbatch's size
+    per training batch. Each batch runs as m x num_replicas chunks of the microbatch's size
     (bounded memory, the same receive buffers' shape); a batch's loss is the mean of its
     chunks' (equal-sized) means, equal to the whole batch's up to fp32 rounding."""
     comm, module, stage = io.comm, io.module, io.stage
     num_stages = comm.topo.num_stages
     first, last = stage == 0, stage == num_stages - 1
     device = next(module.parameters()).device
-    D, replica = comm.topo.data_parallel, comm.replica
+    D, replica = comm.topo.num_replicas, comm.replica
     chunks = m * D  # an eval batch holds train.batch_size rows, like a training batch
     keys = [(i, c) for i in range(replica, data.num_batches, D) for c in range(chunks)]
     recvs: deque[Pending] = deque()

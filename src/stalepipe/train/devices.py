@@ -57,7 +57,7 @@ def check_device(cfg: ExperimentConfig) -> None:
         raise DeviceError(
             f"{flag}: this run puts {local} processes on this machine, one GPU each, but {have}; "
             f"start at most {count} per machine (torchrun --nproc-per-node {count}, or fewer "
-            f"pipeline.num_stages x pipeline.data_parallel)"
+            f"pipeline.num_stages x pipeline.num_replicas)"
         )
 
 
@@ -67,5 +67,5 @@ def local_processes(cfg: ExperimentConfig) -> int:
     if "LOCAL_WORLD_SIZE" in os.environ:
         return int(os.environ["LOCAL_WORLD_SIZE"])
     if cfg.pipeline.engine == "distributed":
-        return cfg.pipeline.num_stages * cfg.pipeline.data_parallel
+        return cfg.pipeline.num_stages * cfg.pipeline.num_replicas
     return 1

@@ -104,7 +104,7 @@ class EmulatorEngine:
         if tc.compile:  # compiles forward only; the emulator's weight swaps keep the same graph
             self.model.compile()
         self.optimizer = build_optimizer(cfg.optim, self.model.named_parameters())
-        self.delay = DelaySchedule.from_config(cfg.delay, cfg.pipeline.num_stages, tc.steps, tc)
+        self.delay = DelaySchedule.from_config(cfg.delay, cfg.pipeline.num_stages, tc.num_steps, tc)
         self.emulator = DelayEmulator(
             self.model,
             self.optimizer,
@@ -156,7 +156,7 @@ class EmulatorEngine:
         return evaluate(
             self.model,
             self.val_data,
-            tc.eval_batches,
+            tc.num_eval_batches,
             tc.batch_size,
             self.device,
             self.autocast,

@@ -47,14 +47,14 @@ class StepPlan:
 
     @property
     def total_steps(self) -> int:
-        return self.train.steps
+        return self.train.num_steps
 
     def lr_multiplier(self, step: int) -> float:
         return lr_multiplier(step, self.train)
 
     def _every(self, n: int, step: int) -> bool:
         done = step + 1
-        return bool(n and done % n == 0) or done == self.train.steps
+        return bool(n and done % n == 0) or done == self.train.num_steps
 
     def logs(self, step: int) -> bool:
         return self._every(self.train.log_every, step)

@@ -69,7 +69,7 @@ def launch_train(
     for warning in cfg.warnings() if verbose else ():
         print(f"stalepipe: warning: {warning}", file=sys.stderr)
     pc = cfg.pipeline
-    topo = Topology(pc.num_stages, pc.data_parallel)
+    topo = Topology(pc.num_stages, pc.num_replicas)
     jobs = [(_train_rank, (cfg, resume, verbose, False, init_from))] * topo.world_size
     return spawn_ranks(jobs, run_dir, pc.timeout_s, topo=topo, console=verbose)
 

@@ -104,15 +104,15 @@ def run_loop(
     """Drive `engine` from its start step to the end of the run (module docstring). A signal
     ends it early at an agreed step, after a checkpoint, with `Preempted` (train.interrupts)."""
     tc, start = cfg.train, engine.start_step
-    if start >= tc.steps:
-        return _finished(run_dir, tc.steps, verbose)
+    if start >= tc.num_steps:
+        return _finished(run_dir, tc.num_steps, verbose)
     if verbose and (ckpt := engine.resumed_from) is not None:
         own = Path(ckpt).resolve().parent == Path(run_dir).resolve()
         whence = ckpt.name if own else f"--init-from {ckpt}"
         print(f"resuming {run_dir} from step {start} ({whence})")
     metrics = MetricsWriter(run_dir, start, tc.tensorboard) if is_main else None
     meter = _Meter(cfg, start)
-    progress = Progress(total=tc.steps, initial=start, enabled=tc.progress and verbose)
+    progress = Progress(total=tc.num_steps, initial=start, enabled=tc.progress and verbose)
     losses: list[float] = []
     val_loss, saved = math.nan, None
     with Interrupts(tc.ckpt_every_s, verbose=verbose) as interrupts:
@@ -142,17 +142,17 @@ def run_loop(
     if (stop := plan.stop_step) is not None:
         raise Preempted(
             f"stopped by {interrupts.signal or 'a signal to another process'} after {stop + 1} of "
-            f"{tc.steps} steps; checkpoint "
+            f"{tc.num_steps} steps; checkpoint "
             f"{saved or run_dir}; continue with the same command and --resume"
         )
     return TrainResult(
         run_dir=run_dir,
-        steps=tc.steps,
+        steps=tc.num_steps,
         final_train_loss=losses[-1] if losses else math.nan,
         final_val_loss=val_loss,
         train_losses=losses,
         wall_time_s=meter.elapsed(),
-        tokens_per_s=meter.tokens_per_s(tc.steps - 1),
+        tokens_per_s=meter.tokens_per_s(tc.num_steps - 1),
     )
 
 
@@ -160,7 +160,7 @@ def _finished(run_dir: Path, steps: int, verbose: bool) -> TrainResult:
     """A resumed run that has already trained all its steps: nothing to do (requeue scripts
     may resume a finished run); the result comes from its metrics."""
     if verbose:
-        print(f"{run_dir} has trained all {steps} steps; a larger --train.steps extends it")
+        print(f"{run_dir} has trained all {steps} steps; a larger --train.num_steps extends it")
     rows = read_metrics(run_dir)
     losses = [r["loss"] for r in rows if "loss" in r]
     vals = [r["val_loss"] for r in rows if "val_loss" in r]

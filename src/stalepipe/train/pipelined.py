@@ -78,7 +78,7 @@ def check_config(cfg: ExperimentConfig) -> None:
     # wpipe's even stage count, 2bw's microbatches and the batch split are ExperimentConfig's
     # own checks (stalepipe.config), so a config that reaches here already passed them.
     try:  # whatever else the generator refuses, in the runtime's own option names
-        runtime_schedule(cfg, num_steps=min(tc.steps, 2))
+        runtime_schedule(cfg, num_steps=min(tc.num_steps, 2))
     except ConfigError as e:
         raise ConfigError(
             f"pipeline.schedule {pc.schedule} with pipeline.num_stages {pc.num_stages} and "
@@ -91,7 +91,7 @@ def runtime_schedule(cfg: ExperimentConfig, num_steps: int | None = None) -> Sch
     two stages (one of each group) on each of num_stages / 2 ranks; the runtime runs every
     stage in its own process, each in its rank's order (`one_stage_per_rank`)."""
     pc, tc = cfg.pipeline, cfg.train
-    steps = tc.steps if num_steps is None else num_steps
+    steps = tc.num_steps if num_steps is None else num_steps
     delay = DelaySchedule.from_config(cfg.delay, pc.num_stages, steps, tc)
     sched = schedule_for(pc.schedule, delay, tc.num_microbatches)
     sched = one_stage_per_rank(sched)
@@ -112,12 +112,12 @@ def run_worker(
     `main_worker` turns it into a non-zero exit."""
     check_config(cfg)
     pc, tc = cfg.pipeline, cfg.train
-    topo = Topology(pc.num_stages, pc.data_parallel)
+    topo = Topology(pc.num_stages, pc.num_replicas)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != topo.world_size:
         raise ConfigError(
-            f"{world} processes for pipeline.num_stages x pipeline.data_parallel = "
-            f"{pc.num_stages} x {pc.data_parallel} = {topo.world_size}; start "
+            f"{world} processes for pipeline.num_stages x pipeline.num_replicas = "
+            f"{pc.num_stages} x {pc.num_replicas} = {topo.world_size}; start "
             f"{topo.world_size} processes (torchrun --nproc-per-node {topo.world_size})"
         )
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
@@ -275,7 +275,7 @@ class PipelineEngine:
 
     def _executor(self, plan: StepPlan) -> StageExecutor:
         cfg, tc, P = self.cfg, self.cfg.train, self.cfg.pipeline.num_stages
-        B, D, m = tc.batch_size, cfg.pipeline.data_parallel, tc.num_microbatches
+        B, D, m = tc.batch_size, cfg.pipeline.num_replicas, tc.num_microbatches
         io = StageIO(
             module=self.module,
             stage=self.stage,
@@ -314,7 +314,7 @@ class PipelineEngine:
         if self.stage not in (0, cfg.pipeline.num_stages - 1):
             return None
         loader = TokenLoader(self._data_dir(), "train", cfg.data.seq_len, cfg.data.seed)
-        B, D, m = tc.batch_size, cfg.pipeline.data_parallel, tc.num_microbatches
+        B, D, m = tc.batch_size, cfg.pipeline.num_replicas, tc.num_microbatches
         rows = slice(self.replica * B // D, (self.replica + 1) * B // D)
 
         def get_batch(step: int) -> tuple[list, list]:
@@ -328,9 +328,9 @@ class PipelineEngine:
         """The batches `train.emulated.evaluate` reads (whole batches of train.batch_size
         rows, replicas take turns), each run as chunks of the microbatch's size."""
         cfg, tc = self.cfg, self.cfg.train
-        chunks = tc.num_microbatches * cfg.pipeline.data_parallel
+        chunks = tc.num_microbatches * cfg.pipeline.num_replicas
         if self.stage not in (0, cfg.pipeline.num_stages - 1):
-            return EvalData(None, tc.eval_batches)
+            return EvalData(None, tc.num_eval_batches)
         loader = TokenLoader(self._data_dir(), "val", cfg.data.seq_len, EVAL_SEED)
 
         def batch(i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -338,7 +338,7 @@ class PipelineEngine:
             x, y = x.to(self.device).chunk(chunks), y.to(self.device).chunk(chunks)
             return list(zip(x, y, strict=True))
 
-        return EvalData(batch, tc.eval_batches)
+        return EvalData(batch, tc.num_eval_batches)
 
     def _data_dir(self) -> Path:
         return run_data_dir(self.run_dir, self.cfg)  # the dir meta.json recorded

@@ -3,7 +3,7 @@
 Three kinds of change are allowed on `--resume`; everything else is refused:
 - fields that do not touch the trajectory (`RESUMABLE_CHANGES`, and the stage split where
   every stage has the same delay): the resumed run equals the uninterrupted one bit for bit;
-- the run's length (`train.steps`, longer or shorter), when the steps already trained are
+- the run's length (`train.num_steps`, longer or shorter), when the steps already trained are
   the same under the new length: the LR multiplier and every stage's delay agree at each of
   them (`same_past`). Then the resumed run equals a run planned at the new length from the
   start. So WSD and a constant LR extend from any checkpoint before the decay / cooldown
@@ -39,14 +39,14 @@ RESUMABLE_CHANGES = {
     "train.keep_last",
     "train.threads",
     "train.eval_every",
-    "train.eval_batches",
+    "train.num_eval_batches",
     "train.tensorboard",
     "out_dir",
     # Which engine runs the delay, and how: the trajectory is fixed by the delay policy
     # (docs/runtime.md, "Checkpoints and resume"); data parallelism changes fp32 rounding only.
     "pipeline.engine",
     "pipeline.schedule",
-    "pipeline.data_parallel",
+    "pipeline.num_replicas",
     "pipeline.backend",
     "pipeline.timeout_s",
 }
@@ -58,7 +58,7 @@ SPLIT_CHANGES = {"pipeline.num_stages"}
 
 # Changes a user makes on purpose to continue a run differently (the divergence fix).
 CONTINUE_CHANGES = {"optim.lr", "optim.adam_lr", "train.grad_clip"}
-LENGTH = "train.steps"
+LENGTH = "train.num_steps"
 
 
 def config_diff(
@@ -91,15 +91,15 @@ def _same_delay_per_stage(policy: Any, num_stages: Any) -> bool:
 
 def same_past(saved: dict[str, Any], current: dict[str, Any], step: int) -> bool:
     """Whether steps 0 .. step-1 had the same LR multiplier and the same delay on every stage
-    under both configs (which may differ in `train.steps`), and `step` is inside the new run."""
+    under both configs (which may differ in `train.num_steps`), and `step` is inside the new run."""
     try:
         old, new = ExperimentConfig.from_dict(saved), ExperimentConfig.from_dict(current)
     except ConfigError:
         return False
-    if step >= new.train.steps:
+    if step >= new.train.num_steps:
         return False
     plans = [
-        DelaySchedule.from_config(c.delay, c.pipeline.num_stages, c.train.steps, c.train)
+        DelaySchedule.from_config(c.delay, c.pipeline.num_stages, c.train.num_steps, c.train)
         for c in (old, new)
     ]
     return all(
@@ -130,13 +130,13 @@ def start_checkpoint(run_dir: Path, *, resume: bool, init_from: Path | None) -> 
 
 def parent_checkpoint(spec: str, steps: int | None = None) -> Path:
     """`--init-from` RUN_DIR (its newest checkpoint), RUN_DIR@STEP, or a checkpoint file;
-    with `steps` (the new run's train.steps), one that leaves steps to train."""
+    with `steps` (the new run's train.num_steps), one that leaves steps to train."""
     path = _parent_checkpoint(spec)
     step = parent_meta(path)["parent"]["step"]
     if steps is not None and step is not None and step >= steps:
         raise CheckpointError(
-            f"--init-from {spec}: that checkpoint is at step {step}, and this run's train.steps "
-            f"is {steps}: nothing would train; pass a larger --train.steps (or an earlier STEP)"
+            f"--init-from {spec}: that checkpoint is at step {step}, and this run's train.num_steps "
+            f"is {steps}: nothing would train; pass a larger --train.num_steps (or an earlier STEP)"
         )
     return path
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 import stalepipe
-from stalepipe.config import ExperimentConfig
+from stalepipe.config import ExperimentConfig, upgrade_record
 from stalepipe.data import ensure_prepared, is_data_dir
 from stalepipe.errors import CheckpointError, DataError, UserError
 from stalepipe.fileio import (
@@ -157,7 +157,7 @@ def saved_run_location(config_file: str | os.PathLike) -> tuple[str, str] | None
 
 def _saved_config(run_dir: Path) -> dict[str, Any] | None:
     try:
-        saved = json.loads((run_dir / "config.json").read_text())
+        saved = upgrade_record(json.loads((run_dir / "config.json").read_text()))
     except (OSError, ValueError):
         return None
     return saved if isinstance(saved, dict) else None
@@ -242,7 +242,7 @@ def _check_resumable(run_dir: Path, cfg: ExperimentConfig) -> Path:
     saved_cfg = run_dir / "config.json"
     if saved_cfg.is_file():
         try:
-            saved = json.loads(saved_cfg.read_text())
+            saved = upgrade_record(json.loads(saved_cfg.read_text()))
         except json.JSONDecodeError:
             raise UserError(
                 f"{saved_cfg} is corrupt; fix it or start over with --overwrite"
