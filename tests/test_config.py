@@ -73,7 +73,13 @@ def test_every_preset_round_trips_through_json(name):
 
 def test_help_lists_every_field_with_default():
     text = config_help()
-    for key in ("--optim.lr", "--train.num_steps", "--delay.policy", "--model.dim", "--data.tokenizer"):
+    for key in (
+        "--optim.lr",
+        "--train.num_steps",
+        "--delay.policy",
+        "--model.dim",
+        "--data.tokenizer",
+    ):
         assert key in text
     assert "default 200" in text  # train.num_steps
 

@@ -24,7 +24,9 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, str]:
     it = iter(tokens)
     for tok in it:
         if not tok.startswith("--") or tok == "--":
-            raise ConfigError(f"unexpected argument {tok!r}; overrides look like --train.num_steps 100")
+            raise ConfigError(
+                f"unexpected argument {tok!r}; overrides look like --train.num_steps 100"
+            )
         key = tok[2:]
         if "=" in key:
             key, value = key.split("=", 1)

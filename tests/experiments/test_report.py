@@ -24,7 +24,12 @@ def make_run(root, name, overrides, seed, val, *, finished=True, group=None):
     """A run directory as `train` writes it: config.json, metrics.jsonl (+ sweep.json)."""
     cfg = apply_overrides(
         ExperimentConfig(),
-        {"train.num_steps": str(STEPS), "train.seed": str(seed), "data.seed": str(seed), **overrides},
+        {
+            "train.num_steps": str(STEPS),
+            "train.seed": str(seed),
+            "data.seed": str(seed),
+            **overrides,
+        },
     )
     cfg = dataclasses.replace(cfg, optim=resolve_config(cfg.optim))  # as train() writes it
     d = root / name

@@ -63,7 +63,9 @@ def test_wsd_extends_from_its_stable_phase(tiny_config):
 def test_cosine_cannot_be_extended_and_the_message_names_the_way_out(tiny_config):
     train(_cfg(tiny_config, "cos", num_steps=8, lr_schedule="cosine"), verbose=False)
     with pytest.raises(UserError, match=r"train\.num_steps.*(--init-from|new run)"):
-        train(_cfg(tiny_config, "cos", num_steps=12, lr_schedule="cosine"), resume=True, verbose=False)
+        train(
+            _cfg(tiny_config, "cos", num_steps=12, lr_schedule="cosine"), resume=True, verbose=False
+        )
 
 
 def test_resume_with_a_lower_lr_uses_it_and_matches_a_branch(tiny_config):

@@ -92,7 +92,9 @@ def test_corrupt_checkpoint_is_reported_with_the_fix(tiny_config):
     last = list_checkpoints(run)[-1]
     last.write_bytes(last.read_bytes()[:100])  # truncated by a crash of the disk, say
     with pytest.raises(CheckpointError, match="corrupt.*delete it"):
-        train(_with(tiny_config, train={"num_steps": 4, "ckpt_every": 2}), resume=True, verbose=False)
+        train(
+            _with(tiny_config, train={"num_steps": 4, "ckpt_every": 2}), resume=True, verbose=False
+        )
     assert last.exists()  # nothing deleted behind the user's back
 
 
@@ -165,7 +167,9 @@ def test_tensorboard_scalars_mirror_the_metrics(tiny_config):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run = train(_with(tiny_config, train={"num_steps": 4, "tensorboard": True}), verbose=False).run_dir
+    run = train(
+        _with(tiny_config, train={"num_steps": 4, "tensorboard": True}), verbose=False
+    ).run_dir
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
     losses = [e.value for e in events.Scalars("loss")]
