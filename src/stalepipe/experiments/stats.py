@@ -141,3 +141,35 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
     num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
     den = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
     return num / den if den else math.nan
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The p-quantile of Student's t with `df` degrees of freedom (0 < p < 1), by bisection on
+    `t_sf_two_sided` (to ~1e-12 relative): t_quantile(0.975, 2) = 4.3027."""
+    assert 0.0 < p < 1.0 and df > 0, (p, df)
+    if p == 0.5:
+        return 0.0
+    tail = 2.0 * min(p, 1.0 - p)  # two-sided tail mass beyond |t|
+    lo, hi = 0.0, 1.0
+    while t_sf_two_sided(hi, df) > tail:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if t_sf_two_sided(mid, df) > tail:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-13 * hi:
+            break
+    t = 0.5 * (lo + hi)
+    return t if p > 0.5 else -t
+
+
+def t_interval(xs: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): Student's t confidence interval for the mean of `xs` (ddof 1);
+    low = high = nan for fewer than 2 values."""
+    m = mean(xs)
+    if len(xs) < 2:
+        return m, math.nan, math.nan
+    half = t_quantile(0.5 + confidence / 2.0, len(xs) - 1) * std(xs) / math.sqrt(len(xs))
+    return m, m - half, m + half
