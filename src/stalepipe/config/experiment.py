@@ -97,6 +97,14 @@ class ExperimentConfig:
                 f"delay.policy wpipe needs an even pipeline.num_stages (WPipe splits the model "
                 f"into two equal groups of stages, two per worker), got {P}; {fix}",
             )
+        if self.delay.adaptive_momentum:
+            tau = _max_tau(self.delay.policy, P)
+            check(
+                tau <= P,
+                f"delay.adaptive_momentum's mu + tau_s (0.99 - mu) / P passes 0.99 when tau_s > "
+                f"pipeline.num_stages; delay.policy {self.delay.policy} has tau {tau} > {P}: set "
+                f"delay.policy to fixed:{P} or less",
+            )
         if self.delay.sync_cooldown_wsd:
             check(
                 self.train.lr_schedule == "wsd",
@@ -115,6 +123,13 @@ class ExperimentConfig:
             f"pipeline.num_replicas ({m} x {D}); set train.batch_size to "
             f"{multiples_near(B, m * D)}",
         )
+        if self.delay.weight_pred and self.model.tie_embeddings and P > 1:
+            check(
+                _max_tau(self.delay.policy, P) == 0 or self.delay.policy in ("pipedream", "wpipe"),
+                f"delay.weight_pred on the distributed engine predicts the tied head only where "
+                f"the last stage is fresh (pipedream, wpipe), not under {self.delay.policy}; set "
+                f"model.tie_embeddings false, or pipeline.engine emulate",
+            )
         if pc.schedule == "2bw" and m < P - 1:
             # the fix: the smallest count that works with this batch, or fewer stages
             ok = [n for n in range(P - 1, B // D + 1) if B % (n * D) == 0]
@@ -162,6 +177,7 @@ class ExperimentConfig:
                 f"the GPU of its local rank (cuda:0, cuda:1, ...) and ignores the index"
             )
             yield "train.device", why, [{"train.device": "cuda"}]
+        yield from self._ignored_compile()
         if dc.sync_cooldown_wsd and dc.sync_cooldown:
             why = (
                 f"delay.sync_cooldown ({dc.sync_cooldown:g}) is overridden by "
@@ -171,6 +187,26 @@ class ExperimentConfig:
             fixes = [{"delay.sync_cooldown": 0}, {"delay.sync_cooldown_wsd": False}]
             yield "delay.sync_cooldown", why, fixes
         yield from self._ignored_delay()
+
+    def _ignored_compile(self) -> Iterator[tuple[str, str, list[Fix]]]:
+        """train.compile compiles `Transformer.forward`: what only the fast emulator runs per
+        step (exact mode and the runtime run stage modules, so it would compile evaluation
+        alone, or nothing)."""
+        if not self.train.compile:
+            return
+        off: Fix = {"train.compile": False}
+        if self.pipeline.engine == "distributed":
+            why = (
+                "train.compile compiles the whole model's forward, which the distributed engine "
+                "never runs (each process runs its stage, uncompiled)"
+            )
+            yield "train.compile", why, [off]
+        elif self.delay.mode == "exact":
+            why = (
+                "train.compile compiles the whole model's forward; delay.mode exact runs the "
+                "model stage by stage and would compile only its evaluations"
+            )
+            yield "train.compile", why, [off, {"delay.mode": "fast"}]
 
     def _ignored_delay(self) -> Iterator[tuple[str, str, list[Fix]]]:
         """A delay policy without delay at this stage count, and mitigations with no delay."""
@@ -188,10 +224,20 @@ class ExperimentConfig:
                 ("delay.sync_start", dc.sync_start > 0),
                 ("delay.sync_cooldown", dc.sync_cooldown > 0),
                 ("delay.sync_cooldown_wsd", dc.sync_cooldown_wsd),
+                ("delay.weight_pred", dc.weight_pred),
+                ("delay.lr_correction_steps", dc.lr_correction_steps > 0),
+                ("delay.adaptive_momentum", dc.adaptive_momentum),
             ):
                 if on:
                     why = f"{key} mitigates a delay, but delay.policy {dc.policy} has none"
                     yield key, why, [{key: default_of(type(self), key)}, {"delay.policy": "2bw"}]
+        elif dc.lr_correction_steps and _max_tau(dc.policy, P) == 1:
+            why = (
+                f"delay.lr_correction_steps: PipeMare's factor tau^-(1 - min(k/K, 1)) is 1 at "
+                f"tau <= 1, the most delay.policy {dc.policy} has at pipeline.num_stages {P}"
+            )
+            fixes = [{"delay.lr_correction_steps": 0}, {"delay.policy": "fixed:2"}]
+            yield "delay.lr_correction_steps", why, fixes
         if dc.taylor_adaptive and dc.taylor == 0:
             why = "delay.taylor_adaptive scales delay.taylor (lambda_0), which is 0 (off)"
             yield "delay.taylor", why, [{"delay.taylor": 0.1}, {"delay.taylor_adaptive": False}]
@@ -248,6 +294,13 @@ class ExperimentConfig:
             return from_dict(cls, upgrade_record(d))
         finally:
             _CHECK_IGNORED.reset(token)
+
+
+def _max_tau(policy: str, num_stages: int) -> int:
+    """The largest staleness `policy` gives a stage (delay.policies is the full definition)."""
+    if policy.startswith("fixed:"):
+        return int(policy.removeprefix("fixed:"))
+    return {"sync": 0, "2bw": 1, "wpipe": 1, "pipedream": num_stages - 1}[policy]
 
 
 def _text(value: Any) -> str:

@@ -240,6 +240,19 @@ class DelayConfig:
     taylor_adaptive: bool = option(False, "adaptive lambda: taylor / sqrt(EMA of g^2)")
     taylor_ema: float = option(0.95, "EMA coefficient of g^2 for adaptive Taylor")
     taylor_eps: float = option(1e-8, "adaptive Taylor: added to sqrt(EMA of g^2)")
+    taylor_curvature: str = option(
+        "g2", "Taylor's curvature: g2 (g*g, DC-ASGD) | ema (EMA of g*g, DC-ASGD-EMA)"
+    )
+    weight_pred: bool = option(
+        False, "weight prediction: gradient at W_v + c tau (W_v - W_{v-1}) (SpecTrain/PipeMare)"
+    )
+    weight_pred_scale: float = option(1.0, "weight prediction scale c (needs weight_pred)")
+    lr_correction_steps: int = option(
+        0, "PipeMare LR lr * tau_s^-(1 - min(k/K, 1)) over K steps (0 = off)"
+    )
+    adaptive_momentum: bool = option(
+        False, "per-stage momentum mu + tau_s (0.99 - mu) / P (Ajanthan et al. 2025)"
+    )
     sync_start: int = option(0, "first K steps run without delay")
     sync_cooldown: float = option(0.0, "last K steps without delay: K if >= 1, else a fraction")
     sync_cooldown_wsd: bool = option(
@@ -277,9 +290,37 @@ class DelayConfig:
             f"{self.sync_cooldown}",
         )
         check(self.taylor_eps > 0, f"delay.taylor_eps must be > 0, got {self.taylor_eps}")
+        self._check_correctors()
         check(
             self.mode in ("fast", "exact"),
             f"delay.mode must be 'fast' or 'exact', got {self.mode!r}",
+        )
+
+
+    def _check_correctors(self) -> None:
+        """The correctors beyond the paper (docs/delay.md): ranges, and no setting that does
+        nothing without another."""
+        check(
+            self.taylor_curvature in ("g2", "ema"),
+            f"delay.taylor_curvature must be g2 or ema, got {self.taylor_curvature!r}",
+        )
+        check(
+            self.taylor_curvature == "g2" or self.taylor > 0,
+            "delay.taylor_curvature ema is the curvature of Taylor compensation, which is off "
+            "(delay.taylor 0); set delay.taylor > 0 (e.g. 0.1) or delay.taylor_curvature g2",
+        )
+        check(
+            self.weight_pred_scale > 0,
+            f"delay.weight_pred_scale must be > 0, got {self.weight_pred_scale}",
+        )
+        check(
+            self.weight_pred or self.weight_pred_scale == 1.0,
+            f"delay.weight_pred_scale {self.weight_pred_scale:g} scales weight prediction, which "
+            f"is off; set delay.weight_pred true or delay.weight_pred_scale 1",
+        )
+        check(
+            self.lr_correction_steps >= 0,
+            f"delay.lr_correction_steps must be >= 0 (0 = off), got {self.lr_correction_steps}",
         )
 
 
@@ -294,6 +335,19 @@ RUNTIME_SCHEDULES: dict[str, str] = {
     "wpipe": "wpipe",
 }
 DEFAULT_SCHEDULE = "1f1b"
+# The schedules only the timing simulator has (several stages per process; `stalepipe
+# simulate`), with the policy each realises. pipeline.schedule refuses them by name.
+SIMULATED_SCHEDULES: dict[str, str] = {
+    "interleaved-1f1b": "sync",
+    "zb-v": "sync",
+    "dualpipev": "sync",
+}
+
+
+def _simulated_only(name: str) -> str | None:
+    """The simulator-only schedule `name` spells (ignoring case, '-' and '_'), if any."""
+    squash = name.lower().replace("-", "").replace("_", "")
+    return next((s for s in SIMULATED_SCHEDULES if s.replace("-", "") == squash), None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -320,6 +374,12 @@ class PipelineConfig:
             self.engine in ("emulate", "distributed"),
             f"pipeline.engine must be emulate or distributed; got {self.engine!r}",
         )
+        if self.schedule not in RUNTIME_SCHEDULES and (sim := _simulated_only(self.schedule)):
+            raise ConfigError(
+                f"pipeline.schedule={self.schedule!r}: {sim} runs in the timing simulator only "
+                f"(stalepipe simulate --schedule {sim}); the runtime runs "
+                f"{' | '.join(RUNTIME_SCHEDULES)}"
+            )
         if self.schedule not in RUNTIME_SCHEDULES:
             raise unknown_choice(
                 "pipeline schedule", self.schedule, RUNTIME_SCHEDULES, key="pipeline.schedule"

@@ -13,9 +13,19 @@ the mitigations (GUIDE section 2). Use it in a plain training loop:
         opt.zero_grad()
 
 Memory: a stage with staleness tau keeps tau stored copies besides its live weights (tau + 1
-versions); EF adds one buffer (U_{k-1}); adaptive Taylor one (EMA of g^2). The `sync` policy
-without mitigations stores nothing and calls `optimizer.step()` unchanged: bitwise identical to
-the bare optimizer.
+versions); EF adds one buffer (U_{k-1}); adaptive Taylor and DC-ASGD-EMA one (EMA of g^2);
+weight prediction one stored version per stale stage (W_{v-1}) and the predicted point it
+computes with. The PipeMare LR schedule and adaptive momentum store nothing (a pure function of
+(step, tau) sets the stage's groups for one `optimizer.step()`). The `sync` policy without
+mitigations stores nothing and calls `optimizer.step()` unchanged: bitwise identical to the
+bare optimizer.
+
+Weight prediction, per stage s at step k (`read_weights`): v = max(k - tau_s(k), 0); the
+forward and backward of stage s run at W_hat = W_v + c tau_s(k) (W_v - W_{v-1}) (W_v itself
+when tau_s(k) = 0 or v = 0, as W_{-1} = W_0); W_v - W_{v-1} is the change actually applied
+to the stage (EF's correction included); Taylor compensation then corrects from W_hat, the
+point the gradient was taken at; the optimizer's update U_k still lands on the live W_k. A
+tied matrix read by another stage is predicted with the reading stage's tau.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import torch
 from torch import nn
 
 from stalepipe.config import ConfigError, DelayConfig
-from stalepipe.delay import mitigations
+from stalepipe.delay import correctors, mitigations
 from stalepipe.delay.policies import DelaySchedule
 
 StageParams = Iterable[nn.Parameter] | Mapping[str, nn.Parameter]
@@ -123,6 +133,24 @@ class DelayedOptimizer:
                 stacklevel=2,
             )
 
+        self._predict = cfg.weight_pred and schedule.delayed
+        per_stage = cfg.lr_correction_steps > 0 or cfg.adaptive_momentum
+        if cfg.adaptive_momentum and max(schedule.max_tau) > self.num_stages:
+            raise ConfigError(
+                f"delay.adaptive_momentum needs tau_s <= {self.num_stages} stages (mu_s would "
+                f"pass 0.99); use a policy with at most {self.num_stages} steps of delay"
+            )
+        self._group_stage = (
+            correctors.group_stages(optimizer, self._params, split=True) if per_stage else None
+        )
+        if cfg.adaptive_momentum:
+            for g in optimizer.param_groups:
+                correctors.momentum_key(g)  # refuses an optimizer without momentum, now
+        # the last predicted point per stage: ((version, tau), tensors); a cache only
+        self._predicted: list[tuple[tuple[int, int], list[torch.Tensor]] | None] = [
+            None
+        ] * self.num_stages
+
         self._step = 0
         # history[s][v]: stored copy of stage s's weights W_v (v < current step); the live
         # weights (v = current step) are the parameters themselves.
@@ -162,7 +190,8 @@ class DelayedOptimizer:
         steps >= `step` read on the stage or on stages sharing its weights (what `step()`
         keeps; checkpoint re-splitting asks for exactly these)."""
         return [
-            self.schedule.versions_held_at(self._consumers[s], step) for s in range(self.num_stages)
+            self.schedule.versions_held_at(self._consumers[s], step, self._predict)
+            for s in range(self.num_stages)
         ]
 
     def weights_at(self, stage: int, version: int) -> list[torch.Tensor]:
@@ -179,6 +208,29 @@ class DelayedOptimizer:
                 f"(kept: {sorted(self._history[stage])})"
             )
         return self._history[stage][version]
+
+    def read_weights(
+        self, stage: int, step: int, reader: int | None = None, index: int | None = None
+    ) -> list[torch.Tensor]:
+        """The weights of `stage` that step `step`'s gradient is computed at when stage
+        `reader` (default: `stage`; another for a tied matrix) reads them: W_v, v = max(step -
+        tau, 0), or with weight prediction the predicted point (module docstring; a new tensor
+        per parameter, the last (version, tau) cached). `index`: only that parameter, uncached.
+        Read-only."""
+        tau = self.schedule.tau(stage if reader is None else reader, step)
+        v = max(step - tau, 0)
+        pick = (lambda ts: ts) if index is None else (lambda ts: [ts[index]])
+        if not self._predict or tau == 0 or v == 0:
+            return pick(self.weights_at(stage, v))
+        cached = self._predicted[stage]
+        if cached is not None and cached[0] == (v, tau):
+            return pick(cached[1])
+        scale = self.cfg.weight_pred_scale * tau
+        w_v, w_prev = pick(self.weights_at(stage, v)), pick(self.weights_at(stage, v - 1))
+        w = correctors.predict_weights(w_v, w_prev, scale)
+        if index is None:
+            self._predicted[stage] = ((v, tau), w)
+        return w
 
     def _check_step(self, step: int | None) -> int:
         if step is not None and step != self._step:
@@ -204,7 +256,7 @@ class DelayedOptimizer:
         for s, v in enumerate(versions):
             if v == k:
                 continue
-            for param, old in zip(self._params[s], self.weights_at(s, v), strict=True):
+            for param, old in zip(self._params[s], self.read_weights(s, k), strict=True):
                 swapped.append((param, param.data))
                 param.data = old
         self._swapped = swapped
@@ -244,7 +296,7 @@ class DelayedOptimizer:
         # Keep W_k if a later step reads it; recycle the buffers nobody reads any more.
         w_k: list[list[torch.Tensor] | None] = [None] * self.num_stages
         for s in range(self.num_stages):
-            needed = self.schedule.versions_needed_after(self._consumers[s], k)
+            needed = self.schedule.versions_needed_after(self._consumers[s], k, self._predict)
             hist = self._history[s]
             for v in [v for v in hist if v not in needed]:
                 self._spare[s] = hist.pop(v)
@@ -266,6 +318,9 @@ class DelayedOptimizer:
                     w_k[s] = buf
             if not hist:
                 self._spare[s] = None  # no delayed step ahead: free the memory
+            cached = self._predicted[s]
+            if cached is not None and cached[0][0] - 1 not in hist:
+                self._predicted[s] = None  # no later step reads this prediction
 
         if cfg.ef:
             w_k = [
@@ -273,7 +328,8 @@ class DelayedOptimizer:
                 for s, w in enumerate(w_k)
             ]
 
-        self.optimizer.step()
+        with self._stage_hyperparameters(k, taus):
+            self.optimizer.step()
 
         if cfg.ef:
             if self._ef_prev is None:
@@ -287,24 +343,46 @@ class DelayedOptimizer:
         self._step += 1
         return {"tau": taus}
 
-    def _taylor(self, k: int, used: list[int]) -> None:
+    def _stage_hyperparameters(self, k: int, taus: list[int]):
+        """The PipeMare LR factor and adaptive momentum of step k on every stage's groups."""
         cfg = self.cfg
-        if cfg.taylor_adaptive and self._taylor_ms is None:
+        if self._group_stage is None:
+            return contextlib.nullcontext()
+        lr = None
+        if cfg.lr_correction_steps > 0:
+            lr = [correctors.pipemare_lr_factor(t, k, cfg.lr_correction_steps) for t in taus]
+        momenta = taus if cfg.adaptive_momentum else None
+        return correctors.stage_hyperparameters(
+            self.optimizer, self._group_stage, lr, momenta, self.num_stages
+        )
+
+    def _taylor(self, k: int, used: list[int]) -> None:
+        """DC-ASGD from the point each stage's gradient was taken at (`read_weights`) to W_k;
+        adaptive lambda and / or the EMA curvature (DC-ASGD-EMA) read one EMA of g^2."""
+        cfg = self.cfg
+        ema = cfg.taylor_curvature == "ema"
+        if (cfg.taylor_adaptive or ema) and self._taylor_ms is None:
             self._taylor_ms = [[torch.zeros_like(p) for p in ps] for ps in self._params]
         for s, params in enumerate(self._params):
-            stale = self.weights_at(s, used[s]) if used[s] < k else None
+            stale = self.read_weights(s, k) if used[s] < k else None
             for i, p in enumerate(params):
                 if p.grad is None:
                     continue
-                if cfg.taylor_adaptive:
+                ms = None
+                if cfg.taylor_adaptive or ema:
                     ms = self._taylor_ms[s][i]
                     mitigations.taylor_ema_update_(ms, p.grad, cfg.taylor_ema)
-                    if stale is not None:
-                        mitigations.taylor_compensate_adaptive_(
-                            p.grad, p.detach(), stale[i], cfg.taylor, ms, cfg.taylor_eps
-                        )
-                elif stale is not None:
-                    mitigations.taylor_compensate_(p.grad, p.detach(), stale[i], cfg.taylor)
+                if stale is None:
+                    continue
+                curvature = ms if ema else None
+                if cfg.taylor_adaptive:
+                    mitigations.taylor_compensate_adaptive_(
+                        p.grad, p.detach(), stale[i], cfg.taylor, ms, cfg.taylor_eps, curvature
+                    )
+                else:
+                    mitigations.taylor_compensate_(
+                        p.grad, p.detach(), stale[i], cfg.taylor, curvature
+                    )
 
     # ---------------------------------------------------------------------------------------
     # Checkpointing
@@ -347,6 +425,7 @@ class DelayedOptimizer:
             for s, h in enumerate(state["history"])
         ]
         self._spare = [None] * self.num_stages
+        self._predicted = [None] * self.num_stages
         self._ef_prev = (
             None
             if state["ef_prev"] is None

@@ -152,7 +152,7 @@ class DelayEmulator:
             for u in self._shared
             if self.cfg.mode == "exact" or versions[u.stage] != versions[u.owner]
         ]
-        with self._untied(untie, versions) as copies, self.delayed.stale_weights(step):
+        with self._untied(untie, step) as copies, self.delayed.stale_weights(step):
             if self.cfg.mode == "exact":
                 loss = self._exact(step, microbatches)
             else:
@@ -164,13 +164,15 @@ class DelayEmulator:
         return loss
 
     def _fast(self, step: int, microbatches: Microbatches) -> float:
-        total = torch.zeros(())
+        # The loss stays on the device until the step's end: one host sync per step, not one
+        # per microbatch (the same fp32 sum in the same order, so the same number).
+        total = torch.zeros((), device=microbatches[0][0].device)
         for j, (x, y) in enumerate(microbatches):
             seed = microbatch_seed(self.seed, WHOLE_MODEL, step, j, self.replica)
             with seeded(seed, x.device):
                 loss = self.model(x, y) / len(microbatches)
                 loss.backward()
-            total = total + loss.detach().float().cpu()
+            total = total + loss.detach().float()
         return total.item()
 
     def _exact(self, step: int, microbatches: Microbatches) -> float:
@@ -179,7 +181,7 @@ class DelayEmulator:
         A stage's MoE auxiliary loss (`forward_with_aux`) is backpropagated with that stage."""
         m = len(microbatches)
         last = self.num_stages - 1
-        total = torch.zeros(())
+        total = torch.zeros((), device=microbatches[0][0].device)  # one host sync per step
         for j, (x, y) in enumerate(microbatches):
             inputs: list[torch.Tensor] = []
             outputs: list[torch.Tensor] = []
@@ -214,15 +216,16 @@ class DelayEmulator:
             for aux in auxes:  # the training loss includes every stage's aux, as the bare loop's
                 if aux is not None:
                     loss = loss + aux.detach()
-            total = total + loss.float().cpu()
+            total = total + loss.float()
         return total.item()
 
     @contextlib.contextmanager
-    def _untied(self, uses: list[_SharedUse], versions: list[int]) -> Iterator[list[nn.Parameter]]:
-        """Give each reading stage its own leaf holding the version that stage sees."""
+    def _untied(self, uses: list[_SharedUse], step: int) -> Iterator[list[nn.Parameter]]:
+        """Give each reading stage its own leaf holding the weights that stage computes step
+        `step` at (its version; with weight prediction, predicted with its own tau)."""
         copies = []
         for u in uses:
-            w = self.delayed.weights_at(u.owner, versions[u.stage])[u.owner_index]
+            (w,) = self.delayed.read_weights(u.owner, step, reader=u.stage, index=u.owner_index)
             copy = nn.Parameter(w, requires_grad=u.param.requires_grad)
             u.module._parameters[u.attr] = copy
             copies.append(copy)

@@ -3,7 +3,10 @@
 - error feedback (EF), update level:       W_{k+1} = W_k - 2 U_k + U_{k-1},  U_{-1} = 0
 - Taylor / DC-ASGD compensation:           g <- g + lambda * g * g * (W_k - W_stale)
 - adaptive Taylor (DC-ASGD-a):             lambda = lambda_0 / (sqrt(EMA(g^2)) + eps)
+- DC-ASGD-EMA (curvature "ema"):           g * g above replaced by V = EMA(g^2)
 - synchronous start / cooldown windows:    tau = 0 inside (see `policies.in_sync_window`)
+
+Weight prediction, the PipeMare LR schedule and adaptive momentum are in `correctors`.
 
 All functions work in place on the tensors they are given and return what the caller keeps.
 """
@@ -32,10 +35,20 @@ def error_feedback_(param: torch.Tensor, w_k: torch.Tensor, u_prev: torch.Tensor
 
 @torch.no_grad()
 def taylor_compensate_(
-    grad: torch.Tensor, w_new: torch.Tensor, w_stale: torch.Tensor, lam: float
+    grad: torch.Tensor,
+    w_new: torch.Tensor,
+    w_stale: torch.Tensor,
+    lam: float,
+    curvature: torch.Tensor | None = None,
 ) -> None:
-    """DC-ASGD (Zheng et al., 2017, eq. 9), in place: g <- g + lambda * g * g * (W_k - W_stale)."""
-    grad.add_(grad * grad * (w_new - w_stale), alpha=lam)
+    """DC-ASGD (Zheng et al., 2017, eq. 9), in place: g <- g + lambda * g * g * (W_k - W_stale).
+
+    `curvature` replaces g * g: DC-ASGD-EMA (marin's `dc_asgd_ema`) passes V = EMA_beta(g * g),
+    g <- g + lambda * V * (W_k - W_stale)."""
+    if curvature is None:
+        grad.add_(grad * grad * (w_new - w_stale), alpha=lam)
+    else:
+        grad.add_(curvature * (w_new - w_stale), alpha=lam)
 
 
 @torch.no_grad()
@@ -52,11 +65,15 @@ def taylor_compensate_adaptive_(
     lam0: float,
     mean_square: torch.Tensor,
     eps: float,
+    curvature: torch.Tensor | None = None,
 ) -> None:
     """DC-ASGD-a (Zheng et al., 2017, sec. 5), in place: lambda = lambda_0 / (sqrt(MS) + eps)
-    elementwise, then the constant-lambda rule."""
+    elementwise, then the constant-lambda rule (`curvature` as in `taylor_compensate_`)."""
     scale = lam0 / mean_square.sqrt().add_(eps)
-    grad.add_(scale * grad * grad * (w_new - w_stale))
+    if curvature is None:
+        grad.add_(scale * grad * grad * (w_new - w_stale))
+    else:
+        grad.add_(scale * curvature * (w_new - w_stale))
 
 
 def resolve_delay_config(delay: DelayConfig, train: TrainConfig) -> DelayConfig:

@@ -205,8 +205,11 @@ class DelaySchedule:
         """`version(s, step)` for every stage."""
         return [max(step - t, 0) for t in self.taus(step)]
 
-    def versions_needed_after(self, stages: Iterable[int], step: int) -> set[int]:
-        """Past versions (v <= `step`) that some later step j > `step` reads on any of `stages`.
+    def versions_needed_after(
+        self, stages: Iterable[int], step: int, predict: bool = False
+    ) -> set[int]:
+        """Past versions (v <= `step`) that some later step j > `step` reads on any of `stages`
+        (with `predict`, weight prediction's W_{v-1} beside every stale W_v read, v >= 1).
 
         After update `step` the newest weights are W_{step+1}; a version is worth keeping only
         if a future gradient is computed at it. Steps beyond step + max tau read W_{step+1} or
@@ -220,17 +223,20 @@ class DelaySchedule:
         stages = list(stages)
         depth = max((self.max_tau[s] for s in stages), default=0)
         needed = set()
-        for j in range(step + 1, step + depth + 1):
+        for j in range(step + 1, step + depth + 1 + int(predict and depth > 0)):
             for s in stages:
-                v = self.version(s, j)
+                tau = self.tau(s, j)
+                v = max(j - tau, 0)
                 if v <= step:
                     needed.add(v)
+                if predict and tau > 0 and 1 <= v <= step + 1:
+                    needed.add(v - 1)
         return needed
 
-    def versions_held_at(self, stages: Iterable[int], step: int) -> set[int]:
+    def versions_held_at(self, stages: Iterable[int], step: int, predict: bool = False) -> set[int]:
         """The stored versions a state at the start of `step` holds for `stages` (those steps
         >= `step` still read): what a checkpoint at `step` must carry."""
-        return set() if step == 0 else self.versions_needed_after(stages, step - 1)
+        return set() if step == 0 else self.versions_needed_after(stages, step - 1, predict)
 
     @classmethod
     def from_config(cls, delay, num_stages: int, total_steps: int | None, train=None):
