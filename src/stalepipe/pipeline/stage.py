@@ -218,10 +218,16 @@ class StageExecutor:
     # Weights
     # ---------------------------------------------------------------------------------------
 
-    def _weights(self, version: int) -> dict[str, torch.Tensor]:
-        """Fresh leaves over the tensors of `version` (live ones included)."""
+    def _weights(self, version: int, step: int | None = None) -> dict[str, torch.Tensor]:
+        """Fresh leaves over the tensors of `version` (live ones included); for the forward of
+        `step`, the weights that step computes at (`DelayedOptimizer.read_weights`: the
+        predicted point under delay.weight_pred)."""
         self._ensure_version(version)
-        tensors = self.delayed.weights_at(self.stage, version)
+        if step is None:
+            tensors = self.delayed.weights_at(self.stage, version)
+        else:
+            assert self.sched.delay.version(self.stage, step) == version, (step, version)
+            tensors = self.delayed.read_weights(self.stage, step)
         leaves = {
             n: t.detach().requires_grad_(p.requires_grad)
             for (n, p), t in zip(self.owned.items(), tensors, strict=True)
@@ -265,7 +271,7 @@ class StageExecutor:
         # Weights first: a pending update is applied while the activation is still on its
         # way, not after it arrived (at the start of a step the optimizer step of a later
         # stage then overlaps the earlier stages' work instead of adding to the critical path).
-        weights = self._weights(version)
+        weights = self._weights(version, step)
         if self.first:
             inp = xs[microbatch]
         else:
