@@ -381,6 +381,44 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _add_verdict(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "verdict",
+        help="does 2bw reach the target loss sooner than the best sync schedule? (net of its "
+        "token overhead)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Time to target = token overhead / (throughput 2bw / throughput of the best "
+        "synchronous schedule).\nThe token overhead is measured from the runs in SWEEP_DIR "
+        "(each delayed configuration against\nits sync baseline, paired by seed, 95% interval "
+        "over seeds); the throughputs are simulated\n(--model on --device at P = --stages, "
+        "m = --microbatches) or measured (--costs FILE).\nWrites verdict.md, verdict.csv and "
+        "verdict.png into SWEEP_DIR/verdict (or --out). docs/verdict.md.",
+        epilog="examples:\n  stalepipe verdict runs/demo --model smollm-360m --stages 8 "
+        "--microbatches 16 --device h100\n  stalepipe verdict runs/paper-mini --costs "
+        "costs.json   # measured tokens/s per schedule",
+    )
+    add = p.add_argument
+    add("sweep_dir", metavar="SWEEP_DIR", help="a sweep's run directories (e.g. runs/demo)")
+    add("--model", help="preset or simulator shape for simulated throughputs (e.g. smollm-360m)")
+    add("--stages", type=int, default=8, help="pipeline ranks P (default 8)")
+    add("--microbatches", type=int, default=16, help="microbatches per step m (default 16)")
+    add("--device", default="h100", help="h100 | h200 | a100 | cpu (default h100)")
+    add("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed (default 0.4)")
+    add("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
+    add("--microbatch-size", type=int, default=1, help="sequences per microbatch (default 1)")
+    add("--costs", metavar="FILE", help="measured tokens/s per schedule (.json / .csv) instead "
+        "of --model")  # fmt: skip
+    add("--out", help="output directory (default SWEEP_DIR/verdict)")
+    p.set_defaults(fn=cmd_verdict)
+
+
+def cmd_verdict(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.experiments.verdict import verdict_main
+
+    print(verdict_main(**_flags(args)))
+    return 0
+
+
 def _add_toy(sub: Subparsers) -> None:
     p = sub.add_parser(
         "toy",
@@ -405,7 +443,7 @@ def cmd_toy(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 COMMANDS = (_add_train, _add_data, _add_demo, _add_simulate, _add_info, _add_presets,
-            _add_export, _add_eval, _add_sweep, _add_report, _add_toy)  # fmt: skip
+            _add_export, _add_eval, _add_sweep, _add_report, _add_verdict, _add_toy)  # fmt: skip
 
 
 def make_parser() -> argparse.ArgumentParser:

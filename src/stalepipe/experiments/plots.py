@@ -1,4 +1,5 @@
-"""Report plots (matplotlib, Agg): loss curves per baseline, and the gap against one axis.
+"""Report plots (matplotlib, Agg): loss curves per baseline, the gap against one axis, and val
+loss against tokens with the token overhead marked.
 
 Each function takes the report's rows and returns a PNG as bytes, or None when the rows do not
 vary along that axis (a plot with one point says nothing).
@@ -197,5 +198,105 @@ def gap_plot(rows: list[Row], kind: str) -> bytes | None:
     ax.set_title(f"gap vs {kind}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def overhead_plot(rows: list[Row], max_panels: int = 12, marks: int = 4) -> bytes | None:
+    """One panel per delayed configuration with a token overhead: the seed-mean val loss
+    against tokens of it and its sync baseline, the band of targets shaded, and at `marks`
+    targets of the band an arrow from T_sync(L) to T_delayed(L) labelled with the multiplier
+    (a cross at the sync point where the delayed run never gets there)."""
+    from stalepipe.experiments.overhead import mean_curve
+    from stalepipe.experiments.results import val_curves
+
+    items = [r for r in rows if r.token_overhead is not None and r.baseline is not None
+             and r.token_overhead.mean_pair is not None][:max_panels]  # fmt: skip
+    if not items:
+        return None
+    plt = _plt()
+    cols = min(3, len(items))
+    nrows = math.ceil(len(items) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
+    for ax, r in zip(axes.flat, items):
+        o, base = r.token_overhead, r.baseline
+        assert o is not None and o.mean_pair is not None and base is not None
+        seeds = [p.seed for p in o.pairs]
+        for row, style in ((base, dict(color="black", lw=1.4)), (r, dict(color="C3", lw=1.2))):
+            curves = val_curves(row)
+            pts = mean_curve([curves[s] for s in seeds if s in curves])
+            if pts:
+                ax.plot(*zip(*pts), marker=".", ms=3, label=row.label, **style)
+        _mark_multipliers(ax, o.mean_pair, marks)
+        ax.set_title(f"{r.label}: {o.describe()}", fontsize=9)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel(f"val loss (mean of {len(seeds)} seed(s))")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(items) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    return _png(fig, dpi=80)
+
+
+def _mark_multipliers(ax: Any, pair: Any, marks: int) -> None:
+    """Shade `pair`'s band and draw its iso-loss multipliers at `marks` evenly chosen targets."""
+    if not pair.has_band:
+        return
+    top, bottom = pair.band
+    ax.axhspan(bottom, top, color="C0", alpha=0.08, lw=0)
+    n = len(pair.targets)
+    for i in sorted({round(k * (n - 1) / max(marks - 1, 1)) for k in range(marks)}):
+        L, ts, td, m = (
+            pair.targets[i],
+            pair.tokens_sync[i],
+            pair.tokens_delayed[i],
+            pair.multipliers[i],
+        )
+        if math.isfinite(td):
+            ax.annotate("", xy=(td, L), xytext=(ts, L),
+                        arrowprops=dict(arrowstyle="->", color="C0", lw=1))  # fmt: skip
+            ax.text(td, L, f" {m:.2f}x", va="center", fontsize=7, color="C0")
+        else:
+            ax.plot([ts], [L], "x", color="C0")
+            ax.text(ts, L, " never", va="center", fontsize=7, color="C0")
+
+
+def verdict_plot(
+    schedules: list[tuple[str, float, str]],
+    ratios: list[tuple[str, float, float, float, str]],
+    title: str = "",
+) -> bytes:
+    """`stalepipe verdict`'s figure. Left: tokens/s per schedule (name, rate, policy), the
+    asynchronous ones in red. Right: each configuration's time to target against the best
+    synchronous schedule (label, ratio, low, high, overhead status) with its interval, 1 marked
+    (left of it the asynchronous run gets there sooner); a floor or a missing multiplier is
+    written in place of a point."""
+    plt = _plt()
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(11, max(3.2, 0.45 * max(len(schedules), len(ratios)) + 1.5))
+    )
+    names = [s[0] for s in schedules]
+    left.barh(names, [s[1] for s in schedules],
+              color=["C3" if s[2] != "sync" else "C0" for s in schedules])  # fmt: skip
+    left.invert_yaxis()
+    left.set_xlabel("tokens/s")
+    left.set_title(title, fontsize=8)
+    left.grid(alpha=0.3, axis="x")
+    ys = list(range(len(ratios)))
+    finite = [r for r in ratios if math.isfinite(r[1])]
+    xmax = max([r[3] if math.isfinite(r[3]) else r[1] for r in finite] + [1.2]) * 1.1
+    for y, (_, value, lo, hi, status) in zip(ys, ratios):
+        if math.isfinite(value):
+            err = [[value - lo], [hi - value]] if math.isfinite(lo) else None
+            right.errorbar([value], [y], xerr=err, fmt="o", color="C3", capsize=3)
+        else:
+            right.text(1.0, y, f"  {status}", va="center", fontsize=8, color="C7")
+    right.axvline(1.0, color="black", lw=0.8)
+    right.set_yticks(ys, [r[0] for r in ratios])
+    right.set_ylim(len(ratios) - 0.5, -0.5)
+    right.set_xlim(0, xmax)
+    right.set_xlabel("time to target: async / best sync (< 1: async sooner)")
+    right.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     return _png(fig)

@@ -2,7 +2,7 @@
 
 Writes into `<runs>/report/` (or `--out`): `report.md` (plots as PNG files next to it),
 `report.html` (one file, plots embedded as base64 PNG), `summary.csv` (one row per
-configuration) and `runs.csv` (one row per run). Reads only the run directories (see
+configuration, with the token overhead's columns) and `runs.csv` (one row per run). Reads only the run directories (see
 `results.py`); works on partial sweeps and lists what is missing.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import csv
 import html
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 from stalepipe.errors import UserError
 from stalepipe.experiments import plots
 from stalepipe.experiments.claims import Claim, fmt, fmt_p, fmt_share
+from stalepipe.experiments.overhead import DEFAULT_RULE, Overhead
 from stalepipe.experiments.results import Row, Run, build_rows, load_runs, missing_summary
 from stalepipe.experiments.studies import declared_claims
 
@@ -57,6 +59,51 @@ def summary_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
+def overhead_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
+    """Per delayed configuration with a baseline: the token overhead at the baseline's losses
+    (geometric mean over seeds of each seed's median over the band, 95% t-interval), the
+    per-seed medians, the band of targets and the quality floor."""
+    header = ["configuration", "baseline", "seeds paired", "token overhead (95% CI)",
+              "per seed", "band (val loss)", "quality floor"]  # fmt: skip
+    body = []
+    for r in rows:
+        o = r.token_overhead
+        if o is None or r.baseline is None:
+            continue
+        per_seed = " ".join(
+            "floor" if p.floor else fmt(p.median, 2) if p.has_band else "-" for p in o.pairs
+        )
+        top, bottom = _band(o)
+        band = f"{fmt(top, 3)} → {fmt(bottom, 3)}" if math.isfinite(top) else "-"
+        floor = (
+            f"{o.num_floors}/{o.num_seeds} seeds, gap {o.floor_gap:+.4f}" if o.num_floors else "no"
+        )
+        body.append([r.label, r.baseline.label, str(o.num_seeds), o.describe(), per_seed or "-",
+                     band, floor])  # fmt: skip
+    return header, body
+
+
+def _band(o: Overhead) -> tuple[float, float]:
+    """The band shown for a configuration: its seed-mean curves' (the seeds' bands differ a
+    little), else the widest over seeds; (nan, nan) when there is none."""
+    if o.mean_pair is not None and o.mean_pair.has_band:
+        return o.mean_pair.band
+    bands = [p.band for p in o.pairs if p.has_band]
+    if not bands:
+        return math.nan, math.nan
+    return max(b[0] for b in bands), min(b[1] for b in bands)
+
+
+OVERHEAD_TEXT = (
+    "Token overhead: T_delayed(L) / T_sync(L), T(L) the tokens a run needs to first reach val "
+    "loss L; per seed (runs paired by seed) the median over a band of targets, over seeds the "
+    "geometric mean with a 95% Student-t interval on the logarithms. A quality floor: the "
+    "delayed run never reaches the band's bottom, so it reports its final-loss gap, not a "
+    "multiplier (at equal token budgets that also covers a tax too large for the budget). "
+    "Definitions: " + DEFAULT_RULE.describe() + " (docs/verdict.md)."
+)
+
+
 def claims(rows: list[Row]) -> list[Claim]:
     """The paper's qualitative claims, checked on whatever rows exist: (claim, verdict,
     evidence). Every claim function a study declares runs once, in declaration order; a claim
@@ -89,6 +136,10 @@ def build_report(root: Path, title: str | None = None) -> tuple[list[Block], lis
     header, body = summary_table(rows)
     blocks += [Block("h", "Final validation loss by configuration"),
                Block("table", header=header, rows=body)]  # fmt: skip
+    header, body = overhead_table(rows)
+    if body:
+        blocks += [Block("h", "Token overhead at the baseline's losses"),
+                   Block("p", OVERHEAD_TEXT), Block("table", header=header, rows=body)]  # fmt: skip
     checked = claims(rows)
     if checked:
         blocks += [
@@ -99,6 +150,10 @@ def build_report(root: Path, title: str | None = None) -> tuple[list[Block], lis
     png = plots.loss_curves(rows)
     if png:
         blocks += [Block("h", "Loss curves"), Block("img", text="loss_curves.png", png=png)]
+    png = plots.overhead_plot(rows)
+    if png:
+        blocks += [Block("h", "Val loss against tokens, with the token overhead"),
+                   Block("img", text="token_overhead.png", png=png)]  # fmt: skip
     for kind in plots.AXES:
         png = plots.gap_plot(rows, kind)
         if png:
@@ -170,17 +225,34 @@ def to_html(blocks: list[Block]) -> str:
     )
 
 
+OVERHEAD_COLUMNS = ["token_overhead_status", "token_overhead", "token_overhead_ci_low",
+                    "token_overhead_ci_high", "token_overhead_seeds", "token_overhead_per_seed",
+                    "floor_seeds", "floor_gap", "band_top", "band_bottom"]  # fmt: skip
+
+
+def overhead_cells(r: Row) -> list[object]:
+    """The OVERHEAD_COLUMNS of summary.csv for one row (empty for rows without an overhead).
+    Per seed: the medians over the band, "floor" or "nan" (no band)."""
+    o = r.token_overhead
+    if o is None:
+        return [""] * len(OVERHEAD_COLUMNS)
+    return [o.status, o.estimate, o.ci_low, o.ci_high, o.num_seeds,
+            " ".join("floor" if p.floor else f"{p.median:.6f}" for p in o.pairs),
+            o.num_floors, o.floor_gap, *_band(o)]  # fmt: skip
+
+
 def write_csvs(out: Path, rows: list[Row], runs: list[Run]) -> None:
     with open(out / "summary.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["configuration", "seeds_finished", "seeds_total", "val_loss_mean",
                     "val_loss_std", "values", "gap", "gap_p", "baseline", "recovered",
-                    "recovered_p", "unmitigated"])  # fmt: skip
+                    "recovered_p", "unmitigated", *OVERHEAD_COLUMNS])  # fmt: skip
         for r in rows:
             w.writerow([r.label, r.seeds_done, len(r.runs), r.mean, r.std,
                         " ".join(f"{v:.6f}" for v in r.values), r.gap, r.gap_p,
                         r.baseline.label if r.baseline else "", r.recovered, r.recovered_p,
-                        r.unmitigated.label if r.unmitigated else ""])  # fmt: skip
+                        r.unmitigated.label if r.unmitigated else "",
+                        *overhead_cells(r)])  # fmt: skip
     with open(out / "runs.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["run", "status", "seed", "steps_done", "final_val_loss", "group", "error"])

@@ -3,7 +3,9 @@
 Only files in the run directories are read (config.json, metrics.jsonl, sweep.json,
 error.json), never a model. Runs are grouped into *configurations* by their config.json with the
 seeds removed; for each configuration the table holds the final val loss over seeds, the gap to
-its synchronous baseline and, for mitigated runs, the share of the unmitigated gap recovered.
+its synchronous baseline, the token overhead over it (overhead.py: the tokens the delayed runs
+need to reach the baseline's losses, paired by seed) and, for mitigated runs, the share of the
+unmitigated gap recovered.
 
 Matching is done on the full config, not on names: the sync baseline of a configuration is the
 one whose config is equal after setting the delay policy to `sync` and every mitigation off
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from stalepipe.config import upgrade_record
-from stalepipe.experiments import stats
+from stalepipe.experiments import overhead, stats
 from stalepipe.experiments.sweep import ERROR_FILE, SPEC_FILE, run_status
 from stalepipe.fileio import flatten_dict
 
@@ -45,6 +47,10 @@ MITIGATION_DEFAULTS = {
     "delay.sync_start": 0,
     "delay.sync_cooldown": 0.0,
     "delay.sync_cooldown_wsd": False,
+    # the correctors beyond the paper (docs/delay.md); records from before them lack the keys
+    "delay.weight_pred": False,
+    "delay.lr_correction_steps": 0,
+    "delay.adaptive_momentum": False,
 }
 # The Taylor knobs only matter when Taylor is on; ignored when matching.
 _TAYLOR_DETAILS = ("delay.taylor_ema", "delay.taylor_eps")
@@ -116,7 +122,10 @@ def config_key(config: dict[str, Any], drop: tuple[str, ...] = ()) -> tuple:
         sorted(
             (k, json.dumps(v))
             for k, v in config.items()
-            if k not in NON_CONFIG_KEYS and k not in drop
+            if k not in NON_CONFIG_KEYS
+            and k not in drop
+            # a mitigation at its default is a mitigation off, as in a record without the key
+            and not (k in MITIGATION_DEFAULTS and v == MITIGATION_DEFAULTS[k])
         )
     )
 
@@ -137,6 +146,7 @@ class Row:
     unmitigated: Row | None = None
     recovered: float = math.nan  # share of the unmitigated gap this mitigation removes
     recovered_p: float = math.nan  # Welch t-test vs the unmitigated configuration
+    token_overhead: overhead.Overhead | None = None  # over the baseline (overhead.py)
 
     @property
     def policy(self) -> str:
@@ -201,6 +211,9 @@ def build_rows(runs: list[Run]) -> list[Row]:
         row.mean, row.std = stats.mean(vals), stats.std(vals)
         rows.append(row)
     _link(rows)
+    for row in rows:
+        if row.baseline is not None:
+            row.token_overhead = row_overhead(row, row.baseline)
     # each sync baseline, then the configurations compared with it
     rows.sort(key=lambda r: (r.baseline.label if r.baseline else r.label, not r.is_sync, r.label))
     return rows
@@ -253,6 +266,22 @@ def _link_one_baseline(r: Row, by_key: dict, by_key_any_depth: dict, ignore: tup
         r.baseline = base
         r.gap = stats.gap(r.values, base.values)
         r.gap_p = stats.welch_t_test(r.values, base.values).p
+
+
+def val_curves(row: Row) -> dict[int, overhead.Curve]:
+    """Seed -> val loss against tokens, for the row's finished runs with a seed."""
+    return {
+        int(r.seed): overhead.token_curve(r.val_curve, overhead.tokens_per_step(r.config))
+        for r in row.runs
+        if r.status == "finished" and r.val_curve and r.seed is not None
+    }
+
+
+def row_overhead(
+    row: Row, baseline: Row, rule: overhead.BandRule = overhead.DEFAULT_RULE
+) -> overhead.Overhead:
+    """The token overhead of `row` over its sync `baseline`, finished runs paired by seed."""
+    return overhead.overhead_over_seeds(val_curves(baseline), val_curves(row), rule)
 
 
 def missing_summary(runs: list[Run], rows: list[Row]) -> list[str]:

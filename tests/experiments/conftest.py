@@ -1,0 +1,68 @@
+"""Fixture run directories with whole validation curves (no training): a sweep whose token
+overhead is known by construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from stalepipe.config import ExperimentConfig, apply_overrides
+from stalepipe.experiments.sweep import SPEC_FILE
+from stalepipe.optim import resolve_config
+
+STEPS, EVAL_EVERY, BATCH, SEQ = 200, 10, 4, 32
+
+
+def sync_loss(step: float) -> float:
+    """A curve that flattens well before the end: 2 + 3 exp(-(step + 1) / 30)."""
+    return 2.0 + 3.0 * math.exp(-(step + 1) / 30.0)
+
+
+def write_curve_run(
+    root: Path, name: str, overrides: dict[str, str], seed: int, stretch: float = 1.0,
+    floor: float = 0.0, group: str | None = None,
+) -> Path:  # fmt: skip
+    """A finished run directory: config.json, metrics.jsonl with train loss every step and val
+    loss every EVAL_EVERY steps, the sync curve stretched `stretch`x in tokens (a constant
+    token tax) and held at or above `floor`; sweep.json unless `group` is ""."""
+    cfg = apply_overrides(ExperimentConfig(), {
+        "train.num_steps": str(STEPS), "train.eval_every": str(EVAL_EVERY),
+        "train.batch_size": str(BATCH), "data.seq_len": str(SEQ),
+        "train.seed": str(seed), "data.seed": str(seed), **overrides,
+    })  # fmt: skip
+    cfg = dataclasses.replace(cfg, optim=resolve_config(cfg.optim))
+    d = root / name
+    d.mkdir(parents=True)
+    d.joinpath("config.json").write_text(json.dumps(dict(cfg.to_dict(), name=name)))
+    lines = []
+    for s in range(STEPS):
+        y = max(sync_loss((s + 1) / stretch - 1), floor)
+        rec = {"step": s, "loss": y + 0.01}
+        if (s + 1) % EVAL_EVERY == 0 or s == STEPS - 1:
+            rec["val_loss"] = y
+        lines.append(rec)
+    d.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    if group != "":
+        spec = {"name": name, "group": group or name.rsplit("_s", 1)[0], "seed": seed}
+        d.joinpath(SPEC_FILE).write_text(json.dumps(spec))
+    return d
+
+
+@pytest.fixture
+def curve_sweep(tmp_path) -> Path:
+    """AdamW sync / 2bw (taxed 1.3x) / 2bw+ef (taxed 1.1x) and Muon sync / 2bw (a floor at
+    2.3), 3 seeds each; the curves flatten early enough for a tax to reach sync's losses."""
+    root = tmp_path / "sweep"
+    for s in range(3):
+        write_curve_run(root, f"adamw_sync_s{s}", {"delay.policy": "sync"}, s)
+        write_curve_run(root, f"adamw_2bw_s{s}", {"delay.policy": "2bw"}, s, stretch=1.3)
+        write_curve_run(root, f"adamw_2bw+ef_s{s}", {"delay.policy": "2bw", "delay.ef": "true"},
+                        s, stretch=1.1)  # fmt: skip
+        muon = {"optim.name": "muon", "optim.lr": "0.02"}
+        write_curve_run(root, f"muon_sync_s{s}", {**muon, "delay.policy": "sync"}, s)
+        write_curve_run(root, f"muon_2bw_s{s}", {**muon, "delay.policy": "2bw"}, s, floor=2.3)
+    return root
