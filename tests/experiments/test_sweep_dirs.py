@@ -5,18 +5,34 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 
 from stalepipe.experiments.grid import axis, expand
+from stalepipe.experiments.results import load_runs
 from stalepipe.experiments.sweep import (
     ERROR_FILE,
+    RECORD_FILES,
+    record_files,
     remove_sweep_dir,
     run_status,
     run_sweep,
     write_error,
 )
 from stalepipe.fileio import MARKER, NotOwnedError, make_owned_dir
+
+
+def _short(tiny_config, steps=3):
+    train = dataclasses.replace(tiny_config.train, num_steps=steps, eval_every=0, log_every=1)
+    return dataclasses.replace(tiny_config, train=train)
+
+
+def _copy(files, src, dst):
+    """Copy `files` (paths under `src`) to the same places under `dst`: a git clone elsewhere."""
+    for f in files:
+        (dst / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, dst / f.relative_to(src))
 
 
 def _kind(path) -> str:
@@ -87,3 +103,74 @@ def test_a_run_that_stopped_before_its_first_checkpoint_starts_over(tiny_config,
     (run_dir / "metrics.jsonl").write_text('{"step": 0, "loss": 5.0}\n')  # killed at step 1
     res = run_sweep(specs, base, out, log=lambda m: None)
     assert res.ran == ["sync_s0"] and not res.failed
+
+
+def test_a_sweep_committed_without_checkpoints_runs_only_what_is_missing(tiny_config, tmp_path):
+    base = _short(tiny_config)
+    specs = expand([axis("delay.policy", ["sync", "2bw", "fixed:2"])])
+    out = tmp_path / "here" / "sweep"
+    run_sweep(specs[:2], base, out, log=lambda m: None)
+    # 2bw_s0 was stopped by a signal after step 1 (its checkpoint is not committed)
+    stopped = out / "2bw_s0" / "metrics.jsonl"
+    uninterrupted = read_vals(out / "2bw_s0")
+    for ckpt in (out / "2bw_s0").glob("ckpt_*.pt"):
+        ckpt.unlink()
+    stopped.write_text("".join(stopped.read_text().splitlines(keepends=True)[:2]))
+    files = record_files(out)
+    assert not any(f.name.startswith("ckpt_") for f in files)
+    assert {f.parent.name for f in files if f.parent != out} == {"sync_s0"}
+    assert out / MARKER in files and {f.name for f in files if f.parent != out} == set(RECORD_FILES)
+    there = tmp_path / "there" / "sweep"  # another machine's clone: no checkpoints
+    _copy(files, out, there)
+    _copy([p for p in (out / "2bw_s0").iterdir() if not p.name.startswith("ckpt_")], out, there)
+    assert run_status(there / "sync_s0") == "finished" and run_status(there / "2bw_s0") == "partial"
+    assert {r.name: r.status for r in load_runs(there)} == {
+        "2bw_s0": "partial",
+        "sync_s0": "finished",
+    }
+    before = (there / "sync_s0" / "metrics.jsonl").read_bytes()
+    res = run_sweep(specs, base, there, log=lambda m: None)
+    assert sorted(res.ran) == ["2bw_s0", "fixed-2_s0"] and not res.failed
+    assert (there / "sync_s0" / "metrics.jsonl").read_bytes() == before
+    assert not list((there / "sync_s0").glob("ckpt_*.pt"))
+    # the rerun 2bw_s0 equals the uninterrupted one (same data, same seed)
+    assert read_vals(there / "2bw_s0") == uninterrupted
+
+
+def read_vals(run_dir):
+    """The val losses in a run's metrics.jsonl, in order."""
+    return [
+        json.loads(line)["val_loss"]
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if "val_loss" in line
+    ]
+
+
+def test_a_record_copied_without_markers_still_reads_as_finished(tiny_config, tmp_path):
+    base = _short(tiny_config)
+    specs = expand([axis("delay.policy", ["sync"])])
+    out = tmp_path / "sweep"
+    run_sweep(specs, base, out, log=lambda m: None)
+    there = tmp_path / "copy"
+    _copy([f for f in record_files(out) if f.name != MARKER], out, there)
+    assert run_status(there / "sync_s0") == "finished"
+    res = run_sweep(specs, base, there, log=lambda m: None)
+    assert res.ran == [] and res.finished == ["sync_s0"]
+
+
+@pytest.mark.parametrize(
+    "last",
+    [
+        '{"step": 2, "loss": 5.0}\n',  # stopped after the last update, before its evaluation
+        '{"step": 1, "loss": 5.0, "val_loss": 5.1}\n',  # an eval, but not the last step's
+        '{"step": 2, "loss": 5.0, "val_lo',  # torn by a crash while writing the final line
+    ],
+)
+def test_only_the_final_steps_evaluation_marks_a_record_finished(tmp_path, last):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"train": {"num_steps": 3}}))
+    (run / "metrics.jsonl").write_text('{"step": 0, "loss": 5.2}\n' + last)
+    assert run_status(run) == "partial"
+    (run / "metrics.jsonl").write_text('{"step": 2, "loss": 5.0, "val_loss": 5.1}\n')
+    assert run_status(run) == "finished"

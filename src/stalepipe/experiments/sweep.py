@@ -2,8 +2,9 @@
 by parallel worker processes.
 
 Running it (`run_sweep`) is restartable: a finished run (its final val_loss is in metrics.jsonl,
-or its final checkpoint exists) is skipped; an interrupted one resumes from its last checkpoint;
-a failed one (an `error.json` in its directory) is reported and rerun only with
+or its final checkpoint exists) is skipped, also when its directory came from another machine
+without checkpoints (`record_files`); an interrupted one resumes from its last checkpoint; a
+failed one (an `error.json` in its directory) is reported and rerun only with
 `retry_failed=True`; one that stopped before its first checkpoint starts over. The sweep
 directory and its run directories are marked as stalepipe's (`fileio.MARKER`): deleting one
 (a failed run retried, `overwrite=True`) follows `fileio.remove_owned_dir`'s rule. Each run executes in its own spawned process with one torch thread, so a
@@ -29,7 +30,7 @@ from stalepipe.config import ExperimentConfig, upgrade_record
 from stalepipe.errors import EXIT_PREEMPTED, Preempted
 from stalepipe.experiments.grid import RunSpec
 from stalepipe.experiments.workers import run_spawned
-from stalepipe.fileio import check_removable, make_owned_dir, remove_owned_dir
+from stalepipe.fileio import MARKER, check_removable, make_owned_dir, remove_owned_dir
 
 ERROR_FILE = "error.json"
 SPEC_FILE = "sweep.json"
@@ -46,8 +47,13 @@ REPORT_DIR, REPORT_ENTRIES = "report", ("*.md", "*.html", "*.csv", "*.png")
 def run_status(run_dir: Path, steps: int | None = None) -> str:
     """'finished', 'failed', 'partial' (started, resumable) or 'missing'.
 
-    Finished means the final step's val_loss is in metrics.jsonl or the final checkpoint
-    exists. `steps` defaults to the run's own config.json."""
+    Finished is read from the run's records alone, so a run directory committed or copied
+    without its checkpoints still counts: the last line of metrics.jsonl is the final step's
+    (`steps - 1`) and holds its val_loss. The loop writes that line only after the last update
+    and its evaluation, so a run stopped by a signal (it ends at an earlier step), a crash
+    before the end, or a torn last line (skipped) never reads as finished; a crash after it
+    writes error.json, which wins. The final checkpoint, when present, also counts (it is
+    written after that line). `steps` defaults to the run's own config.json."""
     from stalepipe.train.checkpoint import checkpoint_path
     from stalepipe.train.metrics import read_metrics
 
@@ -68,6 +74,23 @@ def run_status(run_dir: Path, steps: int | None = None) -> str:
     if records and records[-1].get("step") == steps - 1 and "val_loss" in records[-1]:
         return "finished"
     return "partial" if any(run_dir.iterdir()) else "missing"
+
+
+# What a finished run needs to be read back and skipped by a later sweep (no checkpoints).
+RECORD_FILES = (MARKER, "config.json", "meta.json", "metrics.jsonl", SPEC_FILE)
+
+
+def record_files(out: str | Path) -> list[Path]:
+    """The files to commit (or copy) so that a sweep on another machine sees every finished
+    run of the sweep directory `out` as finished and reports it: each finished run's
+    `RECORD_FILES` and the sweep's marker; unfinished, failed and checkpoint files are left
+    out (a rerun runs those runs)."""
+    out = Path(out)
+    files = [out / MARKER] if (out / MARKER).exists() else []
+    for run_dir in sorted(p for p in out.iterdir() if p.is_dir()):
+        if run_status(run_dir) == "finished":
+            files += [run_dir / f for f in RECORD_FILES if (run_dir / f).exists()]
+    return files
 
 
 def write_error(run_dir: Path, message: str, tb: str = "") -> None:
