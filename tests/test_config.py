@@ -329,7 +329,7 @@ def test_a_field_the_optimizer_does_not_read_is_refused():
     msg = str(e.value)
     assert msg.startswith("optim.eps is not used by optim.name='muon' (muon fixes optim.eps at")
     assert "which reads optim.lr, optim.beta1, optim.weight_decay, optim.nesterov" in msg
-    assert msg.endswith("set optim.eps to none (used by adamw, soap, adan, mars)")
+    assert msg.endswith("set optim.eps to none (used by adamw, soap, adan, mars, nadamw)")
     with pytest.raises(
         ConfigError, match=r"^optim.beta3, optim.eps are not used by optim.name='lion'"
     ):

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from stalepipe.optim import MARS, SOAP, Adan, Lion, Muon
+from stalepipe.optim import MARS, SOAP, Adan, Lion, Muon, NAdamW
 
 STEPS = 24
 SHAPES = [(8, 12), (12, 8), (16, 16), (30, 6), (10,), (7,)]
@@ -100,6 +100,46 @@ def test_adamw_part_matches_reference_and_torch():
         close(st["exp_avg"], rs["exp_avg"])
         close(st["exp_avg_sq"], rs["exp_avg_sq"])
         assert st["step"] == rs["step"]
+
+
+# ---- NAdamW (Dozat 2016, Alg. 2 with constant mu = b1; decoupled decay) -------------------
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_nadamw_matches_reference_and_torch(wd):
+    """Dozat's Nesterov-Adam rule, and torch's NAdam where its momentum schedule is constant
+    (momentum_decay so large that mu_t = b1; its psi = 0 would give b1 / 2)."""
+    params, grads = make_problem(7)
+    lr, b1, b2, eps = 3e-3, 0.99, 0.999, 1e-8
+    hyper = dict(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    ps, opt = run_impl(lambda ps: NAdamW(ps, **hyper), params, grads)
+    torch_nadam = lambda ps: torch.optim.NAdam(  # noqa: E731
+        ps, **hyper, momentum_decay=1e9, decoupled_weight_decay=True
+    )
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # torch keeps prod(mu_t) in the default dtype
+    try:
+        ps_torch, _ = run_impl(torch_nadam, params, grads)
+    finally:
+        torch.set_default_dtype(default)
+    for i, p0 in enumerate(params):
+        p, m, v = flat(p0), [0.0] * p0.numel(), [0.0] * p0.numel()
+        for t, step_grads in enumerate(grads, start=1):
+            g = flat(step_grads[i])
+            for j in range(len(p)):
+                p[j] *= 1 - lr * wd
+                m[j] = b1 * m[j] + (1 - b1) * g[j]
+                v[j] = b2 * v[j] + (1 - b2) * g[j] ** 2
+                m_hat = b1 * m[j] / (1 - b1 ** (t + 1)) + (1 - b1) * g[j] / (1 - b1**t)
+                p[j] -= lr * m_hat / (math.sqrt(v[j] / (1 - b2**t)) + eps)
+        close(ps[i].detach(), unflat(p, p0))
+        close(ps_torch[i].detach(), unflat(p, p0))
+        close(opt.state[ps[i]]["exp_avg"], unflat(m, p0))
+    # torch's default schedule (psi = 0.004) is another optimizer: the test can tell them apart
+    ps_sched, _ = run_impl(
+        lambda ps: torch.optim.NAdam(ps, **hyper, decoupled_weight_decay=True), params, grads
+    )
+    assert not torch.allclose(ps_sched[0].detach(), ps[0].detach(), rtol=RTOL, atol=ATOL)
 
 
 # ---- Lion (Chen et al. 2023, Program 1) ---------------------------------------------------

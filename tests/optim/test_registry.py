@@ -46,7 +46,7 @@ def train_steps(model, opt, steps) -> list[float]:
 
 
 def test_registry_and_defaults_cover_the_same_names():
-    names = {"adamw", "muon", "soap", "adan", "lion", "mars"}
+    names = {"adamw", "muon", "soap", "adan", "lion", "mars", "nadamw"}
     assert set(OPTIMIZERS) == set(DEFAULTS) == set(OPTIMIZER_FIELDS) == names
 
 
@@ -255,6 +255,7 @@ TINY_LR = {
     "adan": dict(lr=3e-3),
     "lion": dict(lr=3e-4),
     "mars": dict(lr=3e-3, adam_lr=3e-3),
+    "nadamw": dict(lr=3e-3),
 }
 
 

@@ -151,6 +151,7 @@ OPTIMIZER_FIELDS: dict[str, tuple[str, ...]] = {
     "adan": ("lr", "beta1", "beta2", "beta3", "eps", "weight_decay"),
     "lion": ("lr", "beta1", "beta2", "weight_decay"),
     "mars": ("lr", "beta1", "beta2", "eps", "weight_decay", "gamma", "adam_lr"),
+    "nadamw": ("lr", "beta1", "beta2", "eps", "weight_decay"),
 }
 # Fields an optimizer does not let a config change but records at the value it uses (config.json
 # of every muon run so far has optim.eps 1e-8, the fixed eps of Muon's AdamW part); a config may
@@ -295,7 +296,6 @@ class DelayConfig:
             self.mode in ("fast", "exact"),
             f"delay.mode must be 'fast' or 'exact', got {self.mode!r}",
         )
-
 
     def _check_correctors(self) -> None:
         """The correctors beyond the paper (docs/delay.md): ranges, and no setting that does

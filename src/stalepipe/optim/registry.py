@@ -23,6 +23,7 @@ from stalepipe.optim.groups import ParamSplit, split_params
 from stalepipe.optim.lion import Lion
 from stalepipe.optim.mars import MARS
 from stalepipe.optim.muon import Muon
+from stalepipe.optim.nadamw import NAdamW
 from stalepipe.optim.soap import SOAP
 
 # Betas/eps of the AdamW part inside Muon and MARS (Jordan's MuonWithAuxAdam and MARS's
@@ -42,6 +43,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "mars": dict(
         lr=3e-3, beta1=0.95, beta2=0.99, eps=1e-8, weight_decay=0.01, gamma=0.025, adam_lr=3e-3
     ),
+    # Ajanthan et al. (ICML 2025; AsyncPP's run.bash): lr 3e-4, momentum 0.99; beta2 and eps
+    # Dozat's / torch NAdam's; weight decay the AdamW baseline's.
+    "nadamw": dict(lr=3e-4, beta1=0.99, beta2=0.999, eps=1e-8, weight_decay=0.1),
 }
 
 _MUON_BY_SCALE = {
@@ -181,6 +185,10 @@ def _build_lion(cfg: OptimConfig, split: ParamSplit) -> torch.optim.Optimizer:
     return Lion(_decay_groups(cfg, split), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
 
+def _build_nadamw(cfg: OptimConfig, split: ParamSplit) -> torch.optim.Optimizer:
+    return NAdamW(_decay_groups(cfg, split), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
 Builder = Callable[[OptimConfig, ParamSplit], torch.optim.Optimizer]
 
 OPTIMIZERS: dict[str, Builder] = {
@@ -190,6 +198,7 @@ OPTIMIZERS: dict[str, Builder] = {
     "adan": _build_adan,
     "lion": _build_lion,
     "mars": _build_mars,
+    "nadamw": _build_nadamw,
 }
 
 
