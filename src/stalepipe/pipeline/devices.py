@@ -71,3 +71,29 @@ def get_device(name: str) -> Device:
     if name not in DEVICES:
         raise unknown_choice("device", name, DEVICES)
     return DEVICES[name]
+
+
+# ---- peak FLOP/s of the GPU a run is on (the MFU denominator) ------------------------------
+# Keyed by the exact name `torch.cuda.get_device_name()` reports: a substring match gave the
+# PCIe and NVL parts the SXM figure. Dense bf16 tensor-core FLOP/s from each vendor datasheet
+# (half the "with sparsity" figure). A name not listed gets no MFU, never a wrong one.
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "NVIDIA H100 80GB HBM3": 989.4e12,  # H100 SXM5
+    "NVIDIA H100 PCIe": 756.5e12,
+    "NVIDIA H100 NVL": 835.5e12,
+    "NVIDIA H200": 989.4e12,  # H200 SXM
+    "NVIDIA H200 NVL": 835.5e12,
+    "NVIDIA GH200 480GB": 989.4e12,
+    "NVIDIA B200": 2250e12,  # HGX B200
+    "NVIDIA L40S": 362.05e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+}
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of one GPU named exactly `device_name` (as
+    `torch.cuda.get_device_name()` spells it; surrounding spaces ignored), None when unlisted."""
+    return PEAK_BF16_FLOPS.get(device_name.strip())
