@@ -18,13 +18,19 @@ Like the reference: the first call only initialises L, R (from that gradient) an
 computed from); a side longer than `max_precond_dim` gets no rotation (identity), and 1-D
 parameters are not preconditioned at all (plain Adam, also with the skipped first call). Tensors
 with ndim > 2 are treated as `(shape[0], -1)` matrices. State and math are in at least float32
-(bfloat16 parameters keep float32 moments and bases). Storing m in the original space (rather
+(bfloat16 parameters keep float32 moments and bases), and on CUDA its matmuls run in full fp32
+even when the run allows TF32 (`train.tf32`): TF32's 10-bit mantissa in G G^T, the power
+iteration and the projections would perturb the eigenbases the method rests on. `eigh` falls
+back to float64 when it fails in float32 (as the reference does: cuSOLVER can fail to converge
+on ill-conditioned factors). Storing m in the original space (rather
 than rotating it at every basis change, as the first reference version did) is the same algorithm.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -83,10 +89,34 @@ def soap_init_state(
         factor = torch.zeros(size, size, dtype=grad.dtype, device=grad.device)
         factor.lerp_(_outer(g, side), 1.0 - shampoo_beta)
         state[f"gg_{side}"] = factor
-        eye = torch.eye(size, dtype=grad.dtype, device=grad.device)
-        _, vecs = torch.linalg.eigh(factor + 1e-30 * eye)
-        state[f"q_{side}"] = vecs.flip(1)  # descending eigenvalues
+        state[f"q_{side}"] = eigenvectors(factor).flip(1)  # descending eigenvalues
     return state
+
+
+def eigenvectors(factor: torch.Tensor) -> torch.Tensor:
+    """Eigenvectors (ascending eigenvalues) of the symmetric `factor` + 1e-30 I, in its dtype;
+    computed in float64 when `eigh` fails in the working precision."""
+    eye = torch.eye(factor.shape[0], dtype=factor.dtype, device=factor.device)
+    try:
+        return torch.linalg.eigh(factor + 1e-30 * eye)[1]
+    except RuntimeError:  # torch.linalg.LinAlgError: no convergence (ill-conditioned factor)
+        wide = factor.to(torch.float64)
+        return torch.linalg.eigh(wide + 1e-30 * eye.to(torch.float64))[1].to(factor.dtype)
+
+
+@contextlib.contextmanager
+def full_fp32_matmuls(device: torch.device) -> Iterator[None]:
+    """Turn TF32 off for CUDA matmuls inside (and restore the run's `train.tf32` after)."""
+    if device.type != "cuda":
+        yield
+        return
+    flags = torch.backends.cuda.matmul
+    before = flags.allow_tf32
+    flags.allow_tf32 = False
+    try:
+        yield
+    finally:
+        flags.allow_tf32 = before
 
 
 def _refresh_eigenbasis(state: dict, exp_avg_sq: torch.Tensor) -> torch.Tensor:
@@ -180,10 +210,11 @@ class SOAP(ParamwiseOptimizer):
 
     def _update(self, p: torch.Tensor, state: dict, group: dict) -> None:
         shampoo_beta = group["shampoo_beta"]
-        soap_update(
-            p,
-            p.grad,
-            state,
-            shampoo_beta=group["betas"][1] if shampoo_beta is None else shampoo_beta,
-            **group_hyper(group, "eps", "precond_freq", "max_precond_dim"),
-        )
+        with full_fp32_matmuls(p.device):
+            soap_update(
+                p,
+                p.grad,
+                state,
+                shampoo_beta=group["betas"][1] if shampoo_beta is None else shampoo_beta,
+                **group_hyper(group, "eps", "precond_freq", "max_precond_dim"),
+            )

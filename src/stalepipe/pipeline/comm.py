@@ -17,6 +17,11 @@ in the same order (the schedule's (step, microbatch) order), so messages need no
 Timeouts. Every wait has a deadline (`pipeline.timeout_s`); a dead peer (gloo notices a closed
 connection at once, when an operation is posted or while it is waited for) or a silent one
 (deadline) raises `PeerError` naming the peer rank, and the runtime then exits non-zero.
+On NCCL `Work.wait` does not block the host (it only orders the current CUDA stream after the
+work), so the deadline is kept by polling the work (`poll_work`), NCCL's own watchdog timeout
+is set later than it (`backend_timeout_s`: the watchdog aborts the process without a word), and
+barriers go through the run's store (`store_barrier`: `dist.barrier` on NCCL ignores its
+timeout and would trip the watchdog while rank 0 prepares data or writes a checkpoint).
 
 Failure records. The run's rendezvous store (`run_store`: hosted by the launcher, by torchrun's
 agent, or else by rank 0) holds one `Failure` per failed rank and the run's first one: a rank
@@ -48,6 +53,8 @@ FAILURE_KEY = "stalepipe/first_failure"
 # store and every rank, rank 0 included, joins it as a client.
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 RECORD_WAIT_S = 1.0  # how long a failed collective waits for a peer's record to name it
+POLL_MAX_S = 1e-3  # the longest pause between two polls of an NCCL work (latency it may add)
+STORE_POLL_S = 0.05  # between two looks at the store in a barrier
 
 
 class PeerError(RuntimeError):
@@ -120,7 +127,7 @@ def init_from_env(
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s)
+        timeout = datetime.timedelta(seconds=backend_timeout_s(backend, timeout_s))
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = torch.device("cuda", local_rank)
@@ -149,7 +156,7 @@ class Pending:
     def wait(self) -> list[torch.Tensor]:
         for w in self.works:
             try:
-                ok = w.wait(self.comm.timeout)
+                ok = self.comm.wait_one(w)
             except Exception as e:  # gloo/NCCL raise RuntimeError or DistBackendError
                 raise self.comm.peer_error(self.peer, self.what, e) from None
             if ok is False:
@@ -170,6 +177,8 @@ class Comm:
         self.topo, self.rank, self.backend = topo, rank, backend
         self.device = torch.device(device)
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._pg_timeout = datetime.timedelta(seconds=backend_timeout_s(backend, timeout_s))
+        self._barriers = 0  # store barriers so far (the same count on every rank)
         self.stage, self.replica = topo.stage_of(rank), topo.replica_of(rank)
         self.pipe_group = None
         self.dp_group = None
@@ -186,12 +195,12 @@ class Comm:
         # new_group is collective over the whole world: every rank creates every group.
         for d in range(D):
             ranks = [topo.rank(s, d) for s in range(P)]
-            g = dist.new_group(ranks, timeout=self.timeout) if P > 1 or D > 1 else None
+            g = dist.new_group(ranks, timeout=self._pg_timeout) if P > 1 or D > 1 else None
             if d == self.replica:
                 self.pipe_group = g
         if D > 1:
             for s in range(P):
-                g = dist.new_group([topo.rank(s, d) for d in range(D)], timeout=self.timeout)
+                g = dist.new_group([topo.rank(s, d) for d in range(D)], timeout=self._pg_timeout)
                 if s == self.stage:
                     self.dp_group = g
         # NCCL: one communicator per (channel, direction, pair).
@@ -200,7 +209,7 @@ class Comm:
                 for a, b, chans in self._pairs(P):
                     for ch in chans:
                         ra, rb = topo.rank(a, d), topo.rank(b, d)
-                        g = dist.new_group([ra, rb], timeout=self.timeout)
+                        g = dist.new_group([ra, rb], timeout=self._pg_timeout)
                         if self.rank in (ra, rb):
                             self._groups[(ch, ra, rb)] = g
 
@@ -309,17 +318,44 @@ class Comm:
         if work is None:
             return
         try:
-            ok = work.wait(self.timeout)
+            ok = self.wait_one(work)
         except Exception as e:
             raise self.peer_error(peer, what, e) from None
         if ok is False:
             raise self.peer_error(peer, what, "timed out")
 
-    def barrier(self, what: str, timeout_s: float | None = None) -> None:
-        """A barrier that names the ranks that did not arrive (gloo's monitored barrier)."""
+    def wait_one(self, work: Any) -> bool:
+        """Wait for `work` until the deadline; False when it passed first (module docstring:
+        on NCCL by polling, since its `wait` returns at once)."""
+        if self.backend == "nccl":
+            return poll_work(work, self.timeout.total_seconds())
+        return work.wait(self.timeout)
+
+    def barrier(
+        self, what: str, timeout_s: float | None = None, *, via_store: bool = False
+    ) -> None:
+        """A barrier that names the ranks that did not arrive: gloo's monitored barrier, or on
+        NCCL (and with `via_store`, e.g. while point-to-point operations may be in flight) the
+        run's store (`store_barrier`), which a peer's failure record ends early."""
         if dist.get_world_size() == 1:
             return
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else self.timeout
+        store = run_store()
+        if (self.backend != "gloo" or via_store) and store is not None:
+            self._barriers += 1
+            key = f"{_restart_prefix()}barrier/{self._barriers}"
+            missing = store_barrier(
+                store,
+                key,
+                self.rank,
+                dist.get_world_size(),
+                timeout.total_seconds(),
+                stop=lambda: wait_failure(store, 0.0, self.rank) is not None,
+            )
+            if missing:
+                late = ", ".join(self.topo.describe(r) for r in missing)
+                raise self.peer_error(None, what, f"timed out; not arrived: {late}")
+            return
         try:
             if self.backend == "gloo":
                 dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
@@ -327,6 +363,57 @@ class Comm:
                 dist.barrier(device_ids=[self.device.index or 0])
         except Exception as e:
             raise self.peer_error(None, what, e) from None
+
+
+def backend_timeout_s(backend: str, timeout_s: float) -> float:
+    """The process groups' own timeout for `pipeline.timeout_s`: the same on gloo (its waits
+    raise); on NCCL twice it plus a minute, so the host-side deadlines (`poll_work`,
+    `store_barrier`) name the peer first and the watchdog, which aborts the process without a
+    message, only ends a collective nobody polls."""
+    return timeout_s * 2 + 60 if backend == "nccl" else timeout_s
+
+
+def poll_work(work: Any, timeout_s: float) -> bool:
+    """Wait on the host for `work` (a `dist.Work`) to complete, up to `timeout_s`: True when it
+    did (its `wait()` then raised its error, if any, and ordered the current stream after it),
+    False when the deadline passed first. Polls `is_completed()` with pauses that grow to
+    `POLL_MAX_S`, so a wait adds at most about a millisecond of latency."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.0
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2 or 1e-5, POLL_MAX_S)
+    work.wait()
+    return True
+
+
+def store_barrier(
+    store: Any,
+    key: str,
+    rank: int,
+    world: int,
+    timeout_s: float,
+    stop: Callable[[], bool] = lambda: False,
+) -> list[int]:
+    """Arrive at the barrier `key` of `world` ranks in `store` and wait for the others, outside
+    any collective. Returns [] once all arrived, else the ranks that had not when `timeout_s`
+    passed or `stop()` (polled every `STORE_POLL_S`, e.g. "a peer recorded a failure") said to
+    give up."""
+    store.set(f"{key}/{rank}", "1")
+    keys = [f"{key}/{r}" for r in range(world)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if time.monotonic() >= deadline or stop():
+            return [r for r, k in enumerate(keys) if not store.check([k])]
+        time.sleep(STORE_POLL_S)
+    return []
+
+
+def _restart_prefix() -> str:
+    """Store keys of this attempt: torchrun's restarts share its agent's store."""
+    return f"stalepipe/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
 def _reason(cause: object) -> str:

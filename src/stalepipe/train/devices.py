@@ -15,6 +15,7 @@ import torch
 
 from stalepipe.config import ExperimentConfig
 from stalepipe.errors import UserError
+from stalepipe.pipeline.devices import peak_bf16_flops
 
 
 class DeviceError(UserError):
@@ -69,3 +70,27 @@ def local_processes(cfg: ExperimentConfig) -> int:
     if cfg.pipeline.engine == "distributed":
         return cfg.pipeline.num_stages * cfg.pipeline.num_replicas
     return 1
+
+
+def set_tf32(enabled: bool, device: torch.device) -> None:
+    """Apply the run's TF32 policy (`train.tf32`), the one both engines set before their first
+    kernel: on CUDA, fp32 matmuls and cuDNN convolutions may run in TF32 when `enabled`, in full
+    fp32 otherwise (whatever the process inherited). Nothing on CPU (no TF32 there, and CPU
+    runs stay bitwise across engines). Optimizer math that needs full fp32 whatever this says
+    (SOAP's projections and eigenbases) turns TF32 off around itself (`optim.soap`).
+
+    torch's legacy flags, not its `fp32_precision` settings: torch refuses a mix of the two,
+    and torch.compile reads the legacy ones."""
+    if device.type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+def peak_flops(device: torch.device, world_size: int = 1) -> float:
+    """Dense bf16 peak FLOP/s of `world_size` GPUs like `device` (the MFU denominator): 0 on
+    CPU and for a GPU not in `pipeline.devices.PEAK_BF16_FLOPS` (no MFU rather than a wrong
+    one)."""
+    if device.type != "cuda":
+        return 0.0
+    return (peak_bf16_flops(torch.cuda.get_device_name(device)) or 0.0) * world_size

@@ -6,12 +6,18 @@ W reads rows [r*B/W, (r+1)*B/W) of the deterministic global batch k, so the run 
 whatever W is (up to float summation order), and a checkpoint written with W ranks resumes on
 any other number. Only rank 0 writes files.
 
+Rank 0's long work (a checkpoint write) is waited for on the run's store, not inside a
+collective (`on_main_outside_collectives`): a collective waiting longer than its timeout ends
+the process (NCCL's watchdog), and a multi-GB save can take minutes.
+
 Not for the pipeline runtime (`pipeline.engine distributed`), which has its own process groups.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -22,9 +28,12 @@ import torch.distributed as dist
 from stalepipe.config import ConfigError, ExperimentConfig
 from stalepipe.errors import UserError
 from stalepipe.pipeline.comm import (
+    STORE_POLL_S,
+    PeerError,
     init_from_env,
     leave_process_group,
     resolve_backend,
+    run_store,
     under_torchrun,
 )
 
@@ -68,7 +77,8 @@ def init_data_parallel(cfg: ExperimentConfig) -> DistContext:
             f"multiple of that)"
         )
     backend = resolve_backend(cfg.pipeline.backend, tc.device)
-    rank, world, local_rank = init_from_env(backend, cfg.pipeline.timeout_s, failure_records=False)
+    # The store is kept for `on_main_outside_collectives`.
+    rank, world, local_rank = init_from_env(backend, cfg.pipeline.timeout_s)
     if tc.device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
     return DistContext(rank=rank, world_size=world, local_rank=local_rank)
@@ -137,6 +147,52 @@ def on_main(fn: Callable[[], T], ctx: DistContext) -> T:
     if status == "error":
         raise value  # type: ignore[misc]
     return value  # type: ignore[return-value]
+
+
+# Long work rank 0 may do while the others wait (a checkpoint of a 10B model under 2bw+EF is
+# hundreds of GB): the wait's deadline, far beyond pipeline.timeout_s.
+MAIN_WORK_TIMEOUT_S = 3600.0
+_main_calls = 0  # calls of on_main_outside_collectives so far (the same count on every rank)
+
+
+def on_main_outside_collectives(
+    fn: Callable[[], T], ctx: DistContext, what: str, timeout_s: float = MAIN_WORK_TIMEOUT_S
+) -> T | None:
+    """Run `fn` on rank 0 only, the other ranks waiting for it on the run's store (no
+    collective: see the module docstring) up to `timeout_s`. Returns `fn`'s result on rank 0,
+    None on the others; a UserError raised on rank 0 is raised on every rank, and any other
+    failure there is a `PeerError` naming rank 0 on the others."""
+    global _main_calls
+    if not ctx.enabled:
+        return fn()
+    store = run_store()
+    assert store is not None, "init_data_parallel keeps the run's store"
+    _main_calls += 1
+    key = f"stalepipe/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/main/{_main_calls}"
+    if ctx.is_main:
+        try:
+            result = fn()
+        except UserError as e:
+            store.set(key, pickle.dumps(("error", e)))
+            raise
+        except BaseException as e:
+            store.set(key, pickle.dumps(("failed", f"{type(e).__name__}: {e}")))
+            raise
+        store.set(key, pickle.dumps(("ok", None)))
+        return result
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if time.monotonic() >= deadline:
+            raise PeerError(
+                f"rank {ctx.rank}: rank 0 did not finish {what} within {timeout_s:g}s", peer=0
+            )
+        time.sleep(STORE_POLL_S)
+    status, value = pickle.loads(store.get(key))
+    if status == "error":
+        raise value
+    if status == "failed":
+        raise PeerError(f"rank {ctx.rank}: rank 0 failed during {what}: {value}", peer=0)
+    return None
 
 
 def shutdown(ctx: DistContext) -> None:

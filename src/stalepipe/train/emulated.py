@@ -36,7 +36,7 @@ from stalepipe.train.distributed import (
     DistContext,
     allreduce_grads_,
     mean_across_ranks,
-    on_main,
+    on_main_outside_collectives,
     or_across_ranks,
     shard_rows,
 )
@@ -175,4 +175,5 @@ class EmulatorEngine:
             "rng": torch.get_rng_state(),
         }
         keep = self.cfg.train.keep_last
-        return on_main(lambda: save_checkpoint(self.run_dir, step, state(), keep), self.ctx)
+        save = lambda: save_checkpoint(self.run_dir, step, state(), keep)  # noqa: E731
+        return on_main_outside_collectives(save, self.ctx, f"the checkpoint of step {step}")

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import torch
+
 from stalepipe.config import TrainConfig
 from stalepipe.optim.schedules import lr_multiplier
 
@@ -103,6 +105,7 @@ class Engine(Protocol):
 
     start_step: int
     resumed_from: Path | None  # the checkpoint the engine resumed from
+    device: torch.device  # this process's device (the loop's meter reads its peak and memory)
 
     def steps(self, plan: StepPlan) -> Iterator[StepResult]:
         """Run steps start_step .. plan.total_steps - 1, yielding each result once applied."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,12 +26,12 @@ from stalepipe.errors import Preempted, TrainingError
 from stalepipe.models import flops_per_token
 from stalepipe.optim import resolve_config
 from stalepipe.train.checkpoint import latest_checkpoint
-from stalepipe.train.devices import check_device
+from stalepipe.train.devices import check_device, peak_flops, set_tf32
 from stalepipe.train.distributed import init_data_parallel, local_device, on_main, shutdown
 from stalepipe.train.emulated import EmulatorEngine
 from stalepipe.train.engine import Engine, StepPlan, StepResult
 from stalepipe.train.interrupts import Interrupts
-from stalepipe.train.metrics import MetricsWriter, read_metrics
+from stalepipe.train.metrics import Meter, MetricsWriter, read_metrics
 from stalepipe.train.progress import Progress
 from stalepipe.train.resume import parent_meta, start_checkpoint
 from stalepipe.train.rundir import open_run_dir, prepare_run
@@ -78,9 +77,7 @@ def train(
     verbose = verbose and ctx.is_main
     try:
         device = local_device(cfg, ctx)
-        if device.type == "cuda":  # explicit, not whatever the process happened to inherit
-            torch.backends.cuda.matmul.allow_tf32 = tc.tf32
-            torch.backends.cudnn.allow_tf32 = tc.tf32
+        set_tf32(tc.tf32, device)  # the runtime's run_worker sets the same
         cfg = with_resolved_optim(cfg)  # config.json records the values used
         start_up = dict(resume=resume, overwrite=overwrite)
         data_dir = on_main(lambda: prepare_run(cfg, **start_up, progress=verbose), ctx)
@@ -111,7 +108,7 @@ def run_loop(
         whence = ckpt.name if own else f"--init-from {ckpt}"
         print(f"resuming {run_dir} from step {start} ({whence})")
     metrics = MetricsWriter(run_dir, start, tc.tensorboard) if is_main else None
-    meter = _Meter(cfg, start)
+    meter = run_meter(cfg, start, engine.device)
     progress = Progress(total=tc.num_steps, initial=start, enabled=tc.progress and verbose)
     losses: list[float] = []
     val_loss, saved = math.nan, None
@@ -119,21 +116,24 @@ def run_loop(
         plan = StepPlan(tc, requests=interrupts.requests)
         try:
             for r in engine.steps(plan):
+                meter.step_done(r.step)
                 if not math.isfinite(r.loss):
                     _diverged(f"non-finite loss ({r.loss})", r.step, run_dir, cfg)
                 losses.append(r.loss)
                 record: dict[str, Any] = {"step": r.step, "loss": r.loss}
                 if plan.logs(r.step):
-                    record.update(meter.log_fields(r, plan))
+                    record.update(_log_fields(r, plan, meter))
                 if plan.evaluates(r.step):
-                    val_loss = record["val_loss"] = engine.evaluate()
+                    with meter.paused():  # steady-state throughput: training steps only
+                        val_loss = record["val_loss"] = engine.evaluate()
                 if metrics:
                     metrics.write(record)
                 progress.update(loss=r.loss, val_loss=val_loss, tok_s=meter.tokens_per_s(r.step))
                 if plan.checkpoints(r.step):
                     if bad := engine.nonfinite_weights():
                         _diverged(bad, r.step, run_dir, cfg)
-                    saved = engine.checkpoint(r.step + 1)
+                    with meter.paused():
+                        saved = engine.checkpoint(r.step + 1)
                     interrupts.checkpointed()
         finally:
             progress.close()
@@ -175,35 +175,30 @@ def _finished(run_dir: Path, steps: int, verbose: bool) -> TrainResult:
     )
 
 
-class _Meter:
-    """Tokens, throughput and MFU of a run since its (re)start."""
+def run_meter(cfg: ExperimentConfig, start: int, device: torch.device) -> Meter:
+    """The run's `train.metrics.Meter`: tokens of a global batch, model FLOPs per token, and
+    the peak of every process's GPU (MFU; the runtime's P x D ranks or the data-parallel
+    ranks, each on one GPU like this one)."""
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return Meter(
+        start=start,
+        tokens_per_step=cfg.train.batch_size * cfg.data.seq_len,
+        flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len)["total"],
+        peak_flops=peak_flops(device, world),
+        device=device,
+    )
 
-    def __init__(self, cfg: ExperimentConfig, start: int) -> None:
-        self.start, self.t0 = start, time.perf_counter()
-        self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)["total"]
-        self.peak = peak_flops(cfg)
 
-    def elapsed(self) -> float:
-        return max(time.perf_counter() - self.t0, 1e-9)
-
-    def tokens_per_s(self, step: int) -> float:
-        return (step + 1 - self.start) * self.tokens_per_step / self.elapsed()
-
-    def log_fields(self, r: StepResult, plan: StepPlan) -> dict[str, Any]:
-        tok_s = self.tokens_per_s(r.step)
-        out: dict[str, Any] = {
-            "lr": r.lr,
-            "lr_mult": plan.lr_multiplier(r.step),
-            "grad_norm": r.grad_norm,
-            "tau": r.tau,
-            "tokens": (r.step + 1) * self.tokens_per_step,
-            "tokens_per_s": tok_s,
-            "model_flops_per_s": tok_s * self.flops_per_token,
-        }
-        if self.peak:
-            out["mfu"] = out["model_flops_per_s"] / self.peak
-        return out | r.router  # MoE router metrics ({} for dense models)
+def _log_fields(r: StepResult, plan: StepPlan, meter: Meter) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "lr": r.lr,
+        "lr_mult": plan.lr_multiplier(r.step),
+        "grad_norm": r.grad_norm,
+        "tau": r.tau,
+        **meter.fields(r.step),
+    }
+    return out | r.router  # MoE router metrics ({} for dense models)
 
 
 def _diverged(what: str, step: int, run_dir: Path, cfg: ExperimentConfig) -> None:
@@ -217,21 +212,6 @@ def _diverged(what: str, step: int, run_dir: Path, cfg: ExperimentConfig) -> Non
         else f"start over with --overwrite {lower}{clip}"
     )
     raise TrainingError(f"{what} at step {step}; {where}; {again}")
-
-
-def peak_flops(cfg: ExperimentConfig) -> float:
-    """Dense bf16 peak FLOP/s of all the run's devices, when they are known CUDA devices (0
-    otherwise, e.g. on CPU): the MFU denominator."""
-    if not cfg.train.device.startswith("cuda") or not torch.cuda.is_available():
-        return 0.0
-    from stalepipe.pipeline.devices import DEVICES
-
-    name = torch.cuda.get_device_name().lower()
-    for key, dev in DEVICES.items():
-        if key in name:
-            dist = torch.distributed
-            return dev.peak_flops * (dist.get_world_size() if dist.is_initialized() else 1)
-    return 0.0
 
 
 def with_resolved_optim(cfg: ExperimentConfig) -> ExperimentConfig:

@@ -50,7 +50,8 @@ from stalepipe.pipeline.stage_eval import EvalData
 from stalepipe.pipeline.tied import TIED_HEAD, TIED_NAME
 from stalepipe.pipeline.votes import StepVotes, lookahead
 from stalepipe.train.checkpoint import load_checkpoint, save_checkpoint
-from stalepipe.train.devices import check_device
+from stalepipe.train.devices import check_device, set_tf32
+from stalepipe.train.distributed import MAIN_WORK_TIMEOUT_S
 from stalepipe.train.engine import StepPlan, StepResult
 from stalepipe.train.loop import TrainResult, run_loop, with_resolved_optim
 from stalepipe.train.ranklog import tee_rank_log
@@ -121,17 +122,18 @@ def run_worker(
             f"{topo.world_size} processes (torchrun --nproc-per-node {topo.world_size})"
         )
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    check_device(cfg)  # every rank, before it touches a GPU: not "invalid device ordinal"
     device = torch.device(f"cuda:{local_rank}" if tc.device.startswith("cuda") else tc.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(tc.threads or 1)  # one thread per process unless asked
+    set_tf32(tc.tf32, device)  # the emulator's policy (train.loop.train sets the same)
     backend = resolve_backend(pc.backend, str(device))
     rank, _, _ = init_from_env(backend, pc.timeout_s)
     cfg = with_resolved_optim(cfg)
     run_dir = Path(cfg.out_dir) / cfg.name
     if rank == 0 and not os.environ.get(PREPARED_ENV):  # torchrun: no launcher did it
-        check_device(cfg)
         data_dir = prepare_run(cfg, resume=resume, overwrite=overwrite, progress=verbose)
         check_vocab(data_dir, cfg.model.vocab_size)
         meta = parent_meta(init_from)
@@ -370,20 +372,22 @@ class PipelineEngine:
         return None if ok else f"non-finite weights on stage {self.stage}"
 
     def checkpoint(self, step: int) -> Path | None:
-        if self.replica != 0:
-            return None
-        part = {
-            "stage": self.stage,
-            "num_stages": self.cfg.pipeline.num_stages,
-            "step": step,
-            "model": {n: p.detach().cpu() for n, p in self.owned.items()},
-            "delayed": self.delayed.state_dict(),
-            "rng": torch.get_rng_state(),
-        }
-        stage_ckpt.save_part(self.run_dir, step, self.stage, part)
-        if self.rank != 0:
-            return None
-        return self._merge(step)
+        if self.replica == 0:  # the other replicas hold the same stage state
+            part = {
+                "stage": self.stage,
+                "num_stages": self.cfg.pipeline.num_stages,
+                "step": step,
+                "model": {n: p.detach().cpu() for n, p in self.owned.items()},
+                "delayed": self.delayed.state_dict(),
+                "rng": torch.get_rng_state(),
+            }
+            stage_ckpt.save_part(self.run_dir, step, self.stage, part)
+        path = self._merge(step) if self.rank == 0 else None
+        # The others wait for rank 0's merge here, with a deadline for long work, not in their
+        # next receive (pipeline.timeout_s): a slow save is not a dead peer.
+        timeout_s = max(self.cfg.pipeline.timeout_s, MAIN_WORK_TIMEOUT_S)
+        self.comm.barrier(f"the checkpoint of step {step}", timeout_s, via_store=True)
+        return path
 
     def _merge(self, step: int) -> Path:
         cfg, topo = self.cfg, self.comm.topo
