@@ -32,7 +32,7 @@ def build(name: str, P: int, m: int, N: int = 1, **kw) -> Schedule | None:
     try:
         return make_schedule(name, P, m, N, **kw)
     except ConfigError:
-        refusals = {"2bw": m < P - 1, "interleaved-1f1b": m % P != 0}
+        refusals = {"2bw": m < P - 1, "interleaved-1f1b": m % P != 0, "dualpipev": m < 2 * P}
         assert refusals.get(name), f"{name} refused P={P} m={m}"
         return None
 
@@ -129,7 +129,7 @@ def test_sync_windows_flush_the_async_pipeline():
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_text_form_round_trips(name):
-    sched = make_schedule(name, 4, 4, 2, sync_cooldown=1)
+    sched = make_schedule(name, 4, 8, 2, sync_cooldown=1)
     text = sched.to_text()
     back = Schedule.from_text(text)
     assert back == sched and back.to_text() == text

@@ -7,9 +7,10 @@ import pytest
 from stalepipe.config import ConfigError
 from stalepipe.errors import UserError
 from stalepipe.pipeline.gantt import plot_timelines
-from stalepipe.pipeline.generators import make_schedule
-from stalepipe.pipeline.simulate import parse_times, simulate_main
+from stalepipe.pipeline.generators import SCHEDULES, make_schedule
+from stalepipe.pipeline.simulate import best_sync, compare_schedules, parse_times, simulate_main
 from stalepipe.pipeline.timing import simulate, uniform_costs
+from stalepipe.presets import smollm_360m
 
 
 def test_single_schedule_table_and_files(tmp_path):
@@ -44,7 +45,7 @@ def test_compare_with_model_and_a_refusal(tmp_path):
     lines = out.splitlines()
     assert any(ln.startswith("gpipe ") and "tok/s" in ln for ln in lines)
     assert any(ln.startswith("2bw") and "refused: 2bw needs --microbatches" in ln for ln in lines)
-    assert "max mem GB" in out
+    assert "mem/rank GB" in out and "fits 80 GB" in out
     assert svg.read_text().lstrip().startswith("<?xml")
 
 
@@ -78,3 +79,33 @@ def test_gantt_interleaved_png(tmp_path):
     path = tmp_path / "i.png"
     plot_timelines([tl], str(path), title="interleaved")
     assert path.stat().st_size > 5000
+
+
+def test_memory_columns_in_units_and_csv(tmp_path):
+    csv = tmp_path / "t.csv"
+    out = simulate_main(compare="1f1b,zb-v,2bw", stages=4, microbatches=8, steps=2, csv=str(csv))
+    lines = out.splitlines()
+    assert "weights/rank  act/rank" in out
+    row = {ln.split()[0]: ln.split() for ln in lines if ln.startswith(("1f1b", "zb-v", "2bw"))}
+    assert row["1f1b"][-2:] == ["1", "4"] and row["zb-v"][-2:] == ["1", "4"]
+    assert row["2bw"][-2:] == ["2", "4"]
+    rows = csv.read_text().splitlines()
+    assert rows[0].endswith("weight_mem,act_mem,mem_unit") and rows[1].endswith(",unit")
+
+
+def test_compare_schedules_for_the_verdict():
+    cfg = smollm_360m()
+    rows = compare_schedules(cfg, "h100", 4, 6, 1, 1024)
+    by = {r.name: r for r in rows}
+    assert set(by) == set(SCHEDULES)
+    assert "dualpipev needs" in by["dualpipev"].refused and not by["dualpipev"].fits  # m < 2P
+    assert "divisible" in by["interleaved-1f1b"].refused
+    assert all(r.tokens_per_s > 0 and len(r.peak_memory) == 4 for r in rows if not r.refused)
+    best = best_sync(rows)
+    assert best is not None and best.policy == "sync"
+    assert best.tokens_per_s == max(r.tokens_per_s for r in rows if r.policy == "sync")
+    assert by["2bw"].tokens_per_s > by["1f1b"].tokens_per_s
+    tight = compare_schedules(cfg, "h100", 4, 6, 1, 1024, ["1f1b", "2bw"], memory_limit=1e6)
+    assert not any(r.fits for r in tight) and best_sync(tight) is None
+    with pytest.raises(ConfigError, match="unknown schedule"):
+        compare_schedules(cfg, "h100", 4, 8, schedules=["zbv"])

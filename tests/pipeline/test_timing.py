@@ -5,12 +5,15 @@ from __future__ import annotations
 import pytest
 
 from stalepipe.config import ConfigError
+from stalepipe.models.partition import split_layers
 from stalepipe.models.transformer import flops_per_token
+from stalepipe.pipeline.balance import rank_balanced_layers
 from stalepipe.pipeline.devices import DEVICES, get_device
 from stalepipe.pipeline.generators import make_schedule
 from stalepipe.pipeline.timing import (
     analytic_costs,
     simulate,
+    stage_params,
     summarize,
     uniform_costs,
 )
@@ -116,6 +119,43 @@ def test_device_table_and_errors():
 def test_timeline_csv_has_times():
     tl = simulate(make_schedule("gpipe", 2, 1), uniform_costs(2))
     rows = tl.to_csv().splitlines()
-    assert rows[0].endswith("start,end")
-    assert rows[1] == "gpipe,0,0,F,0,0,0,0,0,0,1"
+    assert rows[0].endswith("start,end,weight_mem,act_mem,mem_unit")
+    assert rows[1] == "gpipe,0,0,F,0,0,0,0,0,0,1,1,1,unit"  # weights 1 unit, one stash
     assert len(rows) == 1 + sum(len(a) for a in tl.schedule.ranks)
+
+
+def test_analytic_memory_counts_versions_state_and_stash():
+    cfg, dev = smollm_360m(), get_device("h100")
+    c = analytic_costs(cfg, 4, dev, seq_len=1024)
+    layers = split_layers(cfg, 4, 1024)
+    params = stage_params(cfg, layers)
+    assert c.weight_bytes == tuple(2.0 * p for p in params)  # bf16, one version
+    assert c.state_bytes == tuple(16.0 * p for p in params)  # fp32 grad + master + Adam m, v
+    act0 = len(layers[0]) * 1024 * cfg.dim * 34
+    assert c.activation_bytes[0] == act0
+    one = summarize(simulate(make_schedule("1f1b", 4, 8, 2), c)).rank_memory[0]
+    assert one.total == pytest.approx(18 * params[0] + 4 * act0)  # 1F1B: P stashed on rank 0
+    two = summarize(simulate(make_schedule("2bw", 4, 8, 3), c)).rank_memory[0]
+    assert two.weights == pytest.approx(20 * params[0])  # a second bf16 version
+    assert DEVICES["h100"].memory_bytes == 80e9 and DEVICES["h200"].memory_bytes == 141e9
+
+
+def test_rank_balanced_split_helps_the_v_rank_with_head_and_embedding():
+    cfg = smollm_360m()
+    sched = make_schedule("zb-v", 8, 16)
+    ranks = tuple(sched.rank_of(s) for s in range(16))
+    dev = get_device("h100")
+    per_stage = analytic_costs(cfg, 16, dev, seq_len=2048)
+    per_rank = analytic_costs(cfg, 16, dev, seq_len=2048, stage_ranks=ranks)
+
+    def top(c):
+        load = [0.0] * 8
+        for s, f in enumerate(c.forward):
+            load[ranks[s]] += f
+        return max(load)
+
+    assert top(per_rank) < top(per_stage)
+    assert sum(per_rank.forward) == pytest.approx(sum(per_stage.forward))
+    layers = rank_balanced_layers(cfg, 2048, ranks)
+    assert [r.start for r in layers][0] == 0 and layers[-1].stop == cfg.num_layers
+    assert all(len(r) >= 1 for r in layers)

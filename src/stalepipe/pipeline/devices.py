@@ -24,25 +24,30 @@ class Device:
     inter_node_bandwidth: float  # to a neighbour in another node, one direction
     p2p_latency: float = 10e-6  # one GPU-to-GPU message (NVLink / InfiniBand class)
     gpus_per_node: int = 8
+    memory_bytes: float = 0.0  # device memory (HBM), decimal bytes as datasheets give it
 
 
-# NVIDIA H100 SXM5 datasheet: 989 TFLOPS bf16 dense (1979 with sparsity), HBM3 3.35 TB/s,
-# NVLink 4 900 GB/s bidirectional (450 GB/s one way); one ConnectX-7 NDR 400 Gb/s (50 GB/s)
-# per GPU between nodes (DGX H100).
+# NVIDIA H100 SXM5 datasheet: 989 TFLOPS bf16 dense (1979 with sparsity), 80 GB HBM3 at
+# 3.35 TB/s, NVLink 4 900 GB/s bidirectional (450 GB/s one way); one ConnectX-7 NDR 400 Gb/s
+# (50 GB/s) per GPU between nodes (DGX H100).
 _H100 = Device(
     name="NVIDIA H100 SXM",
     peak_flops=989e12,
     hbm_bandwidth=3.35e12,
     intra_node_bandwidth=450e9,
     inter_node_bandwidth=50e9,
+    memory_bytes=80e9,
 )
 
 DEVICES: dict[str, Device] = {
     "h100": _H100,
     # NVIDIA H200 SXM datasheet: the H100's Hopper compute (989 TFLOPS bf16 dense) and links
-    # (NVLink 900 GB/s bidirectional; NDR 400 Gb/s per GPU in a DGX H200), HBM3e 4.8 TB/s.
-    "h200": dataclasses.replace(_H100, name="NVIDIA H200 SXM", hbm_bandwidth=4.8e12),
-    # NVIDIA A100 SXM4 80GB datasheet: 312 TFLOPS bf16 dense, HBM2e 2.039 TB/s, NVLink 3
+    # (NVLink 900 GB/s bidirectional; NDR 400 Gb/s per GPU in a DGX H200), 141 GB HBM3e at
+    # 4.8 TB/s.
+    "h200": dataclasses.replace(
+        _H100, name="NVIDIA H200 SXM", hbm_bandwidth=4.8e12, memory_bytes=141e9
+    ),
+    # NVIDIA A100 SXM4 80GB datasheet: 312 TFLOPS bf16 dense, 80 GB HBM2e 2.039 TB/s, NVLink 3
     # 600 GB/s bidirectional (300 GB/s one way); HDR 200 Gb/s (25 GB/s) per GPU (DGX A100).
     "a100": Device(
         name="NVIDIA A100 SXM 80GB",
@@ -50,10 +55,11 @@ DEVICES: dict[str, Device] = {
         hbm_bandwidth=2.039e12,
         intra_node_bandwidth=300e9,
         inter_node_bandwidth=25e9,
+        memory_bytes=80e9,
     ),
     # An order-of-magnitude CPU "device" (one socket of a recent server: ~2 TFLOP/s bf16 with
-    # AMX/AVX-512, ~300 GB/s DDR5); stages as processes on one host talk through shared
-    # memory (~10 GB/s via gloo), hosts over 100 GbE (12.5 GB/s). For sanity checks only.
+    # AMX/AVX-512, ~300 GB/s DDR5, 256 GB of it); stages as processes on one host talk through
+    # shared memory (~10 GB/s via gloo), hosts over 100 GbE (12.5 GB/s). For sanity checks only.
     "cpu": Device(
         name="CPU socket (rough)",
         peak_flops=2e12,
@@ -62,6 +68,7 @@ DEVICES: dict[str, Device] = {
         inter_node_bandwidth=12.5e9,
         p2p_latency=50e-6,
         gpus_per_node=1,
+        memory_bytes=256e9,
     ),
 }
 

@@ -8,50 +8,14 @@ and the schedule analyses live in `pipeline.schedule`; see its docstring for the
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from stalepipe.config import RUNTIME_SCHEDULES, ConfigError
+from stalepipe.config import RUNTIME_SCHEDULES, SIMULATED_SCHEDULES, ConfigError
 from stalepipe.delay.policies import DelaySchedule
+from stalepipe.pipeline.build import Op, build_schedule, check_sizes
 from stalepipe.pipeline.schedule import Action, Key, Schedule
-
-Op = tuple[str, int, int, int]  # an action before its version is filled in: Key
-
-
-def _check_sizes(delay: DelaySchedule, num_microbatches: int, num_chunks: int = 1) -> int:
-    """The number of ranks of a schedule of `delay.num_stages` stages in `num_chunks` chunks."""
-    if num_microbatches < 1:
-        raise ConfigError(f"--microbatches must be >= 1, got {num_microbatches}")
-    assert delay.num_stages % num_chunks == 0, (delay.num_stages, num_chunks)
-    return delay.num_stages // num_chunks
-
-
-def _build(
-    name: str,
-    delay: DelaySchedule,
-    num_chunks: int,
-    num_microbatches: int,
-    orders: list[list[Op]],
-) -> Schedule:
-    """Attach to each op the version the delay schedule gives it (GUIDE section 2)."""
-    ver = functools.cache(delay.version)
-    ranks = tuple(
-        tuple(
-            Action.step_of(s, k) if kd == "STEP" else Action(kd, s, k, j, reads=ver(s, k))
-            for kd, s, k, j in ops
-        )
-        for ops in orders
-    )
-    return Schedule(
-        name=name,
-        num_ranks=len(orders),
-        num_chunks=num_chunks,
-        num_microbatches=num_microbatches,
-        num_steps=delay.total_steps,
-        delay=delay,
-        ranks=ranks,
-    )
+from stalepipe.pipeline.vshape import dualpipev, zb_v
 
 
 def _stream(stage: int, items: list[tuple[int, int]], warmup: int, m: int) -> list[Op]:
@@ -89,7 +53,7 @@ def _segments(delay: DelaySchedule) -> list[list[int]]:
 def gpipe(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
     """GPipe (Huang et al. 2019): all m forwards, then all m backwards, then the update; a full
     flush every step. Stashes m microbatches per stage."""
-    num_ranks = _check_sizes(delay, num_microbatches)
+    num_ranks = check_sizes(delay, num_microbatches)
     m, num_steps, orders = num_microbatches, delay.total_steps, []
     for s in range(num_ranks):
         ops: list[Op] = []
@@ -97,14 +61,14 @@ def gpipe(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
             ops += [("F", s, k, j) for j in range(m)] + [("B", s, k, j) for j in range(m)]
             ops.append(("STEP", s, k, -1))
         orders.append(ops)
-    return _build("gpipe", delay, 1, m, orders)
+    return build_schedule("gpipe", delay, 1, m, orders)
 
 
 def one_f_one_b(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
     """1F1B / PipeDream-Flush (Narayanan et al. 2021): stage s runs min(P-s-1, m) warm-up
     forwards, then one forward / one backward; flush and update every step. Same bubble as
     GPipe, stash min(P-s, m)."""
-    P, m = _check_sizes(delay, num_microbatches), num_microbatches
+    P, m = check_sizes(delay, num_microbatches), num_microbatches
     orders = [
         [
             op
@@ -113,7 +77,7 @@ def one_f_one_b(delay: DelaySchedule, num_microbatches: int, **_: object) -> Sch
         ]
         for s in range(P)
     ]
-    return _build("1f1b", delay, 1, m, orders)
+    return build_schedule("1f1b", delay, 1, m, orders)
 
 
 def interleaved_1f1b(
@@ -122,7 +86,7 @@ def interleaved_1f1b(
     """Interleaved 1F1B (Megatron-LM, Narayanan et al. SC'21): each rank holds `num_chunks`
     stages (rank r: stages r, r+R, ...); microbatches go through in groups of R, so the
     bubble shrinks by the number of chunks. Needs m divisible by R (as in Megatron)."""
-    R, v, m = _check_sizes(delay, num_microbatches, num_chunks), num_chunks, num_microbatches
+    R, v, m = check_sizes(delay, num_microbatches, num_chunks), num_chunks, num_microbatches
     num_steps = delay.total_steps
     if m % R:
         raise ConfigError(
@@ -149,14 +113,14 @@ def interleaved_1f1b(
                 if kind == "B" and j == m - 1:  # last microbatch of this stage: update
                     ops.append(("STEP", s, k, -1))
         orders.append(ops)
-    return _build("interleaved-1f1b", delay, v, m, orders)
+    return build_schedule("interleaved-1f1b", delay, v, m, orders)
 
 
 def two_bw(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
     """PipeDream-2BW (Narayanan et al. ICML'21): 1F1B over all N*m microbatches without a
     flush; step k uses version k-1 (double-buffered weights). Needs m >= P-1, else the version
     a forward needs is not yet created. Sync start/cooldown steps get a flush before them."""
-    P, m = _check_sizes(delay, num_microbatches), num_microbatches
+    P, m = check_sizes(delay, num_microbatches), num_microbatches
     if m < P - 1:
         raise ConfigError(
             f"2bw needs --microbatches >= stages - 1 = {P - 1} (got {m}): with fewer, a forward "
@@ -171,7 +135,7 @@ def two_bw(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule
         ]
         for s in range(P)
     ]
-    return _build("2bw", delay, 1, m, orders)
+    return build_schedule("2bw", delay, 1, m, orders)
 
 
 def pipedream(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
@@ -179,14 +143,14 @@ def pipedream(delay: DelaySchedule, num_microbatches: int, **_: object) -> Sched
     minibatch. The N*m microbatches become N*m steps of one microbatch (so the returned
     schedule has num_steps = N*m, num_microbatches = 1); stage s keeps P-s versions and has
     staleness P-1-s. Sync windows count in these minibatch steps."""
-    P = _check_sizes(delay, num_microbatches)
+    P = check_sizes(delay, num_microbatches)
     delay = delay.with_total_steps(delay.total_steps * num_microbatches)
     segs = _segments(delay)
     orders = [
         [op for seg in segs for op in _stream(s, [(k, 0) for k in seg], P - s - 1, 1)]
         for s in range(P)
     ]
-    return _build("pipedream", delay, 1, 1, orders)
+    return build_schedule("pipedream", delay, 1, 1, orders)
 
 
 def _list_schedule(
@@ -258,7 +222,7 @@ def _list_schedule(
             later = [f for f in free if f > t]
             assert later, f"{name}: list scheduler stuck at t={t}"
             t = min(later)
-    return _build(name, delay, v, m, orders)
+    return build_schedule(name, delay, v, m, orders)
 
 
 def zb_h1(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
@@ -268,7 +232,7 @@ def zb_h1(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
     deferred BWs fill the drain; every rank stashes at most P microbatches, 1F1B's peak. With
     F = BI = BW the bubble is (P-1)(F+BI-BW) instead of 1F1B's (P-1)(F+BI+BW). Synchronous:
     flush and update every step."""
-    P, m = _check_sizes(delay, num_microbatches), num_microbatches
+    P, m = check_sizes(delay, num_microbatches), num_microbatches
     orders = []
     for i in range(P):
         warmup, ops = min(P - i - 1, m), []
@@ -286,7 +250,7 @@ def zb_h1(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
                         ops.append(("BW", i, k, pending.popleft()))
             ops += [("BW", i, k, j) for j in pending] + [("STEP", i, k, -1)]
         orders.append(ops)
-    return _build("zb-h1", delay, 1, m, orders)
+    return build_schedule("zb-h1", delay, 1, m, orders)
 
 
 def wpipe(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
@@ -297,7 +261,7 @@ def wpipe(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
     list scheduling (backwards first, oldest microbatch first): it reaches 2BW's flush-free
     throughput for m >= R but stashes more activations than 2BW (the paper's hand-made order
     may stash fewer; its text does not pin one down)."""
-    _check_sizes(delay, num_microbatches, 2)
+    check_sizes(delay, num_microbatches, 2)
     rank_pri = {"STEP": 0, "B": 1, "F": 2}
     return _list_schedule(
         "wpipe",
@@ -309,10 +273,9 @@ def wpipe(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
     )
 
 
-# The delay policy each schedule realises (GUIDE section 2).
-# The delay policy each schedule realises: the runtime's (config.RUNTIME_SCHEDULES) and the
-# simulator-only ones.
-SCHEDULE_POLICY = {**RUNTIME_SCHEDULES, "interleaved-1f1b": "sync"}
+# The delay policy each schedule realises (GUIDE section 2): the runtime's
+# (config.RUNTIME_SCHEDULES) and the simulator-only ones (config.SIMULATED_SCHEDULES).
+SCHEDULE_POLICY = {**RUNTIME_SCHEDULES, **SIMULATED_SCHEDULES}
 
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
@@ -322,6 +285,8 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "2bw": two_bw,
     "pipedream": pipedream,
     "wpipe": wpipe,
+    "zb-v": zb_v,
+    "dualpipev": dualpipev,
 }
 
 
@@ -339,6 +304,7 @@ def one_stage_per_rank(sched: Schedule) -> Schedule:
         sched,
         num_ranks=sched.num_stages,
         num_chunks=1,
+        placement="interleaved",
         ranks=tuple(tuple(acts) for acts in lists),
         _index={},
     )
@@ -346,8 +312,9 @@ def one_stage_per_rank(sched: Schedule) -> Schedule:
 
 def schedule_stages(name: str, num_ranks: int, num_chunks: int = 2) -> int:
     """How many stages schedule `name` runs on `num_ranks` ranks (interleaved-1f1b puts
-    `num_chunks` stages on each rank, wpipe two)."""
-    return num_ranks * {"interleaved-1f1b": num_chunks, "wpipe": 2}.get(name, 1)
+    `num_chunks` stages on each rank; wpipe, zb-v and dualpipev two)."""
+    two = {"wpipe": 2, "zb-v": 2, "dualpipev": 2}
+    return num_ranks * {"interleaved-1f1b": num_chunks, **two}.get(name, 1)
 
 
 def make_schedule(

@@ -5,8 +5,12 @@ The runtime executes these lists, the timing simulator times them, the tests dif
 Vocabulary (GUIDE rule 10):
     rank       a process / device, 0..R-1.
     stage      a contiguous model partition, 0..S-1 (0 = embedding side). S = R * num_chunks;
-               stage s runs on rank `s % R` as its chunk `s // R` (Megatron's interleaved
-               assignment). Without interleaving (num_chunks = 1) stage == rank.
+               stage s is chunk `c = s // R` of the rank its `placement` names:
+               "interleaved" (Megatron's loop): rank `s % R`, so rank r holds r, r+R, ...;
+               "v" (zig-zag, ZB-V / DualPipeV): rank `s % R` on even chunks and `R-1 - s % R`
+               on odd ones, so with two chunks rank r holds stages r and 2R-1-r (the first and
+               last stage share rank 0, stages R-1 and R share rank R-1 and hand over locally).
+               Without chunks (num_chunks = 1) both give stage == rank.
     step k     one optimizer update over m microbatches (GUIDE section 2).
     version v  the weights of a stage after v updates. The version every action reads comes from
                the schedule's `delay.DelaySchedule` (the one definition of staleness); a STEP
@@ -35,8 +39,9 @@ may free weight version v after the last action in its rank's list that uses it 
 `version_last_use`), except the newest version.
 
 Text form, one line per rank (`Schedule.to_text` / `Schedule.from_text`):
-    # stalepipe-schedule name=2bw ranks=2 chunks=1 microbatches=2 steps=2 policy=2bw ...
+    # stalepipe-schedule name=2bw ranks=2 chunks=1 placement=interleaved microbatches=2 ...
     rank 0: F0.0@v0 F0.1@v0 B0.0@v0 ... STEP0@v1 ...
+(a header without `placement=` reads as interleaved, the only placement before it existed).
 Token: KIND step.microbatch @v version (STEP: KIND step @v created version), plus `:s<stage>`
 when a rank holds several stages.
 """
@@ -56,6 +61,16 @@ KINDS = ("F", "B", "BI", "BW", "STEP")
 COMPUTE_KINDS = ("F", "B", "BI", "BW")
 
 Key = tuple[str, int, int, int]  # (kind, stage, step, microbatch); microbatch -1 for STEP
+PLACEMENTS = ("interleaved", "v")  # how stages map to ranks (module docstring)
+
+
+def stage_rank(placement: str, stage: int, num_ranks: int) -> int:
+    """The rank that holds `stage` under `placement` (see the module docstring)."""
+    chunk, i = divmod(stage, num_ranks)
+    if placement == "v" and chunk % 2 == 1:
+        return num_ranks - 1 - i  # odd chunks run back up the ranks
+    assert placement in PLACEMENTS, placement
+    return i
 
 
 class ScheduleError(UserError):
@@ -109,11 +124,13 @@ class Schedule:
     num_steps: int
     delay: DelaySchedule  # the staleness the versions follow (num_stages, num_steps its own)
     ranks: tuple[tuple[Action, ...], ...]
+    placement: str = "interleaved"  # stage -> rank map, one of PLACEMENTS
     _index: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         d = self.delay
         assert (d.num_stages, d.total_steps) == (self.num_stages, self.num_steps), (d, self.name)
+        assert self.placement in PLACEMENTS, self.placement
 
     @property
     def num_stages(self) -> int:
@@ -124,7 +141,12 @@ class Schedule:
         return self.delay.policy
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.num_ranks
+        """The rank holding `stage` (its placement's map)."""
+        return stage_rank(self.placement, stage, self.num_ranks)
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages `rank` holds, by chunk (chunk 0 first)."""
+        return [s for s in range(self.num_stages) if self.rank_of(s) == rank]
 
     def chunk_of(self, stage: int) -> int:
         return stage // self.num_ranks
@@ -150,7 +172,8 @@ class Schedule:
     def header(self) -> str:
         return (
             f"# stalepipe-schedule name={self.name} ranks={self.num_ranks} "
-            f"chunks={self.num_chunks} microbatches={self.num_microbatches} "
+            f"chunks={self.num_chunks} placement={self.placement} "
+            f"microbatches={self.num_microbatches} "
             f"steps={self.num_steps} policy={self.policy} sync_start={self.delay.sync_start} "
             f"sync_cooldown={self.delay.sync_cooldown}"
         )
@@ -173,10 +196,14 @@ class Schedule:
         try:
             num_ranks, num_chunks = int(meta["ranks"]), int(meta["chunks"])
             num_steps = int(meta["steps"])
+            placement = meta.get("placement", "interleaved")
+            if placement not in PLACEMENTS:
+                raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}")
             sched_meta = dict(
                 name=meta["name"],
                 num_ranks=num_ranks,
                 num_chunks=num_chunks,
+                placement=placement,
                 num_microbatches=int(meta["microbatches"]),
                 num_steps=num_steps,
                 delay=DelaySchedule.build(

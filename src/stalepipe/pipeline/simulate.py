@@ -11,13 +11,15 @@ messages are free: the textbook setting where GPipe's bubble is (P-1)/(m+P-1).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from stalepipe.config import ConfigError, ModelConfig
 from stalepipe.errors import UserError
 from stalepipe.pipeline.devices import Device, get_device
-from stalepipe.pipeline.generators import SCHEDULES, make_schedule
+from stalepipe.pipeline.generators import SCHEDULE_POLICY, SCHEDULES, make_schedule
 from stalepipe.pipeline.schedule import Schedule, validate
+from stalepipe.pipeline.sim_table import LEGEND, format_stages, format_table
 from stalepipe.pipeline.timing import (
     CostModel,
     SimResult,
@@ -49,10 +51,6 @@ SIM_MODELS: dict[str, ModelConfig] = {
 
 TIME_KEYS = ("f", "b", "bi", "bw", "opt", "comm")
 UNIT_COSTS = "costs: uniform F = BI = BW = 1 time unit per rank, free updates and messages"
-LEGEND = (
-    "bubble: idle share of P x makespan; steady: per step once the pipeline is full; "
-    "stash/versions/staleness: range over stages"
-)
 
 
 def model_config(name: str) -> ModelConfig:
@@ -115,96 +113,9 @@ def _given_costs(times: dict[str, list[float]], sched: Schedule) -> CostModel:
         backward_weight=bw,
         optimizer=get("opt", 0.0),
         p2p_latency=comm[0],
+        weight=1 / v,  # a rank's share of the weights and of one microbatch's stash: 1 unit
+        activation=1 / v,
     )
-
-
-def _fmt_time(x: float, unit: str) -> str:
-    return f"{x * 1e3:.1f} ms" if unit == "s" else f"{x:.2f}"
-
-
-def _fmt_rate(x: float, tokens: bool) -> str:
-    if not tokens:
-        return f"{x:.4f} mb/u"
-    return f"{x / 1e3:.1f}k tok/s" if x < 1e6 else f"{x / 1e6:.2f}M tok/s"
-
-
-def _span(xs: tuple[int, ...]) -> str:
-    lo, hi = min(xs), max(xs)
-    return str(hi) if lo == hi else f"{lo}-{hi}"
-
-
-def format_table(rows: list[tuple[str, SimResult | str]], costs: CostModel) -> str:
-    """One row per schedule; a string result is a refusal message."""
-    tokens = costs.tokens_per_microbatch > 0
-    mem = any(costs.weight_bytes)
-    head = [
-        "schedule",
-        "policy",
-        "stages",
-        "steps",
-        "makespan",
-        "throughput",
-        "bubble",
-        "steady bubble",
-        "steady thrpt",
-        "stash/stage",
-        "versions",
-        "staleness",
-    ] + (["max mem GB"] if mem else [])
-    table = [head]
-    for name, r in rows:
-        if isinstance(r, str):
-            table.append([name, f"refused: {r}"])
-            continue
-        unit = costs.time_unit
-        row = [
-            name,
-            r.policy,
-            f"{r.num_ranks}x{r.num_stages // r.num_ranks}"
-            if r.num_stages > r.num_ranks
-            else str(r.num_ranks),
-            str(r.num_steps),
-            _fmt_time(r.makespan, unit),
-            _fmt_rate(r.throughput, tokens),
-            f"{r.bubble:.1%}",
-            f"{r.steady_bubble:.1%}",
-            _fmt_rate(r.steady_throughput, tokens),
-            _span(r.peak_activations),
-            _span(r.peak_versions),
-            _span(r.staleness),
-        ] + ([f"{max(r.peak_memory) / 1e9:.1f}"] if mem else [])
-        table.append(row)
-    widths = [
-        max(len(row[i]) for row in table if i < len(row) and len(row) > 2) for i in range(len(head))
-    ]
-    lines = []
-    for row in table:
-        if len(row) == 2:  # refusal: free text after the name
-            lines.append(f"{row[0]:<{widths[0]}}  {row[1]}")
-        else:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-    return "\n".join(lines)
-
-
-def format_stages(tl: Timeline, r: SimResult) -> str:
-    """Per-stage detail of one schedule: costs, stash, versions, staleness, memory."""
-    c, sched = tl.costs, tl.schedule
-    mem = any(c.weight_bytes)
-    head = ["stage", "rank", "F", "BI", "BW", "opt", "stash", "versions", "tau"] + (
-        ["mem GB"] if mem else []
-    )
-    table = [head]
-    for s in range(sched.num_stages):
-        row = [str(s), str(sched.rank_of(s))]
-        row += [
-            _fmt_time(x[s], c.time_unit)
-            for x in (c.forward, c.backward_input, c.backward_weight, c.optimizer)
-        ]
-        row += [str(r.peak_activations[s]), str(r.peak_versions[s]), str(r.staleness[s])]
-        row += [f"{r.peak_memory[s] / 1e9:.1f}"] if mem else []
-        table.append(row)
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    return "\n".join("  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in table)
 
 
 def _check_out(path: str | None, exts: tuple[str, ...], flag: str) -> None:
@@ -254,7 +165,7 @@ def simulate_main(
     dev = get_device(device) if cfg is not None else None
     given = parse_times(times) if times else {}
 
-    def build(name: str) -> tuple[Schedule, CostModel]:
+    def build(name: str) -> tuple[Schedule, list[CostModel]]:
         sched = make_schedule(
             name,
             stages,
@@ -281,7 +192,7 @@ def simulate_main(
         f"stages (ranks) P={stages}, microbatches m={microbatches}, steps N={steps}",
         what,
         "",
-        format_table(rows, costs),
+        format_table(rows, costs, dev.memory_bytes if dev is not None else None),
     ]
     if len(names) == 1:
         out += ["", format_stages(timelines[0], summarize(timelines[0]))]
@@ -299,18 +210,26 @@ def _costs(
     mfu: float,
     seq_len: int | None,
     mb_size: int,
-) -> CostModel:
-    """Analytic costs of the model `cfg` on `dev`, else the given (--times) or unit costs."""
-    if cfg is not None:
-        return analytic_costs(
+) -> list[CostModel]:
+    """Analytic costs of the model `cfg` on `dev`, else the given (--times) or unit costs.
+    With chunks, two analytic candidates: stages split by stage FLOPs and by rank FLOPs
+    (`pipeline.balance`); the simulation keeps the faster, as a user would."""
+    if cfg is None:
+        return [_given_costs(given, sched)]
+    ranks = tuple(sched.rank_of(s) for s in range(sched.num_stages))
+    splits = [None, ranks] if sched.num_chunks > 1 else [None]
+    return [
+        analytic_costs(
             cfg,
             sched.num_stages,
             dev,  # type: ignore[arg-type]
             mfu=mfu,
             seq_len=seq_len,
             microbatch_size=mb_size,
+            stage_ranks=split,
         )
-    return _given_costs(given, sched)
+        for split in splits
+    ]
 
 
 def _schedule_names(schedule: str, compare: str | list[str] | None) -> list[str]:
@@ -327,8 +246,21 @@ def _schedule_names(schedule: str, compare: str | list[str] | None) -> list[str]
     return names
 
 
+def _fastest(sched: Schedule, options: list[CostModel]) -> Timeline:
+    """The timeline of `sched` under the cost model (of `options`, e.g. two stage splits)
+    that gives the highest steady-state throughput; the first on a tie."""
+    best: tuple[float, Timeline] | None = None
+    for costs in options:
+        tl = simulate(sched, costs)
+        rate = summarize(tl).steady_throughput
+        if best is None or rate > best[0]:
+            best = (rate, tl)
+    assert best is not None
+    return best[1]
+
+
 def _simulate_each(
-    names: list[str], build: Callable[[str], tuple[Schedule, CostModel]]
+    names: list[str], build: Callable[[str], tuple[Schedule, list[CostModel]]]
 ) -> tuple[list[tuple[str, SimResult | str]], list[Timeline], CostModel]:
     """Build and time each schedule: its table rows, the timelines, and the first schedule's
     costs (shown in the header). In a comparison, a schedule that refuses the sizes gets a row
@@ -345,10 +277,10 @@ def _simulate_each(
             rows.append((n, str(e)))
             continue
         validate(sched)
-        tl = simulate(sched, costs)
+        tl = _fastest(sched, costs)
         timelines.append(tl)
         rows.append((n, summarize(tl)))
-        costs_shown = costs_shown or costs
+        costs_shown = costs_shown or tl.costs
     if not timelines:
         raise ConfigError(
             "no schedule could be built for these sizes: " + "; ".join(f"{n}: {r}" for n, r in rows)
@@ -378,3 +310,80 @@ def _write_outputs(
             f.write("".join(tl.schedule.to_text() for tl in timelines))
         wrote.append(f"wrote {text}")
     return wrote
+
+
+# --------------------------------------------------------------------------------------------
+# The comparison the verdict asks for
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScheduleRow:
+    """One schedule of `compare_schedules`. Throughput and bubble are the steady-state ones
+    (per step once the pipeline is full: what a long run pays; a flushing schedule pays its
+    fill and drain every step, so for it they equal the one-step figures)."""
+
+    name: str
+    policy: str  # "sync" or the delay policy the schedule realises
+    tokens_per_s: float  # 0 when refused
+    bubble: float
+    peak_memory: tuple[float, ...]  # bytes, per rank (weights x versions + state + stash)
+    fits: bool  # the largest rank's peak <= the memory limit
+    refused: str | None = None  # why the schedule cannot run these sizes, if it cannot
+    result: SimResult | None = None  # every figure of the simulation
+
+
+def compare_schedules(
+    model_cfg: ModelConfig,
+    device: Device | str,
+    num_stages: int,
+    num_microbatches: int,
+    microbatch_size: int = 1,
+    seq_len: int | None = None,
+    schedules: Sequence[str] | None = None,
+    *,
+    mfu: float = 0.4,
+    num_steps: int = 4,
+    memory_limit: float | None = None,
+    sync_start: int = 0,
+) -> list[ScheduleRow]:
+    """Simulate each of `schedules` (default: every entry of SCHEDULES) for `model_cfg` on
+    `num_stages` pipeline ranks P (the CLI's --stages; a schedule with chunks runs more model
+    stages on them) of `device`, `num_microbatches` microbatches of `microbatch_size` x
+    `seq_len` tokens per step, over `num_steps` steps (>= 3, so the steady state is seen).
+    `memory_limit` (bytes) defaults to the device's memory; `sync_start` runs the first steps
+    of the asynchronous schedules synchronously. A schedule that refuses the sizes
+    gets a row with `refused` set. Raises ConfigError on bad sizes or an unknown schedule."""
+    dev = get_device(device) if isinstance(device, str) else device
+    if num_steps < 3:
+        raise ConfigError(f"num_steps must be >= 3 for a steady state, got {num_steps}")
+    limit = dev.memory_bytes if memory_limit is None else memory_limit
+    names = _schedule_names("", list(schedules) if schedules is not None else list(SCHEDULES))
+    rows = []
+    for name in names:
+        try:
+            sched = make_schedule(
+                name, num_stages, num_microbatches, num_steps, sync_start=sync_start
+            )
+        except ConfigError as e:
+            rows.append(ScheduleRow(name, SCHEDULE_POLICY[name], 0.0, 1.0, (), False, str(e)))
+            continue
+        validate(sched)
+        options = _costs(
+            sched, model_cfg, dev, {}, mfu=mfu, seq_len=seq_len, mb_size=microbatch_size
+        )
+        r = summarize(_fastest(sched, options))
+        fits = limit <= 0 or max(r.peak_memory) <= limit
+        rows.append(
+            ScheduleRow(
+                name, r.policy, r.steady_throughput, r.steady_bubble, r.peak_memory, fits, None, r
+            )
+        )
+    return rows
+
+
+def best_sync(rows: Sequence[ScheduleRow]) -> ScheduleRow | None:
+    """The fastest synchronous schedule of `rows` that runs these sizes and fits in memory
+    (GUIDE section 2's `best_sync`); None when none does."""
+    ok = [r for r in rows if r.policy == "sync" and r.refused is None and r.fits]
+    return max(ok, key=lambda r: r.tokens_per_s, default=None)

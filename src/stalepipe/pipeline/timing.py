@@ -14,7 +14,7 @@ Figures (`summarize`): makespan; bubble = idle share of R x makespan (optimizer 
 busy); throughput; steady-state step time (median gap between consecutive step completions)
 and its bubble -- the figures that matter for schedules without a flush, whose fill and drain
 are paid once per run; per stage the peak stashed microbatches, peak weight versions and
-staleness (from the schedule's order alone).
+staleness, and per rank the peak memory (`pipeline.memory`; from the schedule's order alone).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from stalepipe.config import ConfigError, ModelConfig
 from stalepipe.models.partition import split_layers
 from stalepipe.models.transformer import block_flops, block_params, head_flops
+from stalepipe.pipeline.balance import rank_balanced_layers
 from stalepipe.pipeline.devices import Device
+from stalepipe.pipeline.memory import RankMemory, memory_trace, rank_memory
 from stalepipe.pipeline.schedule import (
     Action,
     Schedule,
@@ -60,17 +62,28 @@ class CostModel:
     ranks_per_node: int = 8
     message_bytes: float = 0.0  # activation (= gradient) bytes per microbatch between stages
     tokens_per_microbatch: int = 0
-    weight_bytes: tuple[float, ...] = ()  # per stage, one weight version (0 = unknown)
-    activation_bytes: tuple[float, ...] = ()  # per stage, one stashed microbatch
+    # Memory per stage (pipeline.memory), in `memory_unit`: "B" (bytes) or "unit" (uniform
+    # costs: one rank's share of the weights, one microbatch's stash on it); 0 = unknown.
+    weight_bytes: tuple[float, ...] = ()  # one weight version
+    state_bytes: tuple[float, ...] = ()  # gradient accumulator + optimizer state, one copy
+    activation_bytes: tuple[float, ...] = ()  # one stashed microbatch
+    memory_unit: str = "B"
     time_unit: str = "unit"
 
     def __post_init__(self) -> None:
         n = len(self.forward)
         for name in ("backward_input", "backward_weight", "optimizer"):
             assert len(getattr(self, name)) == n, (name, n)
-        for name in ("weight_bytes", "activation_bytes"):
+        for name in ("weight_bytes", "state_bytes", "activation_bytes"):
             if not getattr(self, name):
                 object.__setattr__(self, name, (0.0,) * n)
+            assert len(getattr(self, name)) == n, (name, n)
+        assert self.memory_unit in ("B", "unit"), self.memory_unit
+
+    @property
+    def has_memory(self) -> bool:
+        """Whether the model gives memory sizes (else memory figures are all 0)."""
+        return any(self.weight_bytes) or any(self.activation_bytes)
 
     @property
     def num_stages(self) -> int:
@@ -101,9 +114,14 @@ def uniform_costs(
     backward_input: float | list[float] = 1.0,
     backward_weight: float | list[float] = 1.0,
     optimizer: float | list[float] = 0.0,
+    *,
+    weight: float = 1.0,
+    activation: float = 1.0,
     **kw: object,
 ) -> CostModel:
-    """A cost model from given times: a number for every stage, or one per stage."""
+    """A cost model from given times: a number for every stage, or one per stage. Memory in
+    units: `weight` is one stage's weight version, `activation` one microbatch's stash on it
+    (give 1/v each with v chunks per rank, so a rank's share is 1 unit)."""
 
     def per_stage(x: float | list[float], name: str) -> tuple[float, ...]:
         xs = [float(x)] * num_stages if isinstance(x, int | float) else [float(v) for v in x]
@@ -118,6 +136,9 @@ def uniform_costs(
         backward_input=per_stage(backward_input, "backward_input"),
         backward_weight=per_stage(backward_weight, "backward_weight"),
         optimizer=per_stage(optimizer, "optimizer"),
+        weight_bytes=(float(weight),) * num_stages,
+        activation_bytes=(float(activation),) * num_stages,
+        memory_unit="unit",
         **kw,  # type: ignore[arg-type]
     )
 
@@ -145,16 +166,31 @@ def analytic_costs(
     microbatch_size: int = 1,
     optimizer_bytes_per_param: float = 28.0,
     param_bytes: float = 2.0,
+    state_bytes_per_param: float = 16.0,
+    stage_ranks: tuple[int, ...] | None = None,
 ) -> CostModel:
     """Seconds per microbatch from FLOPs: F = tokens * stage FLOPs / (peak * mfu); BI = BW = F
     (backward = 2 x forward); optimizer = params * bytes moved / HBM bandwidth; messages are
-    bf16 hidden states (tokens * dim * 2 bytes). Stages as in `split_layers`."""
+    bf16 hidden states (tokens * dim * 2 bytes). Stages as in `split_layers`, or, given the
+    rank of every stage (`stage_ranks`, a schedule with chunks), balanced per rank
+    (`pipeline.balance`).
+
+    Memory, in bytes, mixed-precision AdamW as Megatron-LM keeps it: `param_bytes` (bf16) per
+    parameter per weight version (a stashed version is another bf16 copy), plus
+    `state_bytes_per_param` once (fp32 gradient accumulator 4 + fp32 master weights 4 + Adam
+    moments 8 = 16; 18 bytes a parameter in all with one version); activations
+    `ACT_BYTES_PER_TOKEN_DIM` per token per layer per dim. Not counted: the logits and loss
+    buffers of the last stage, communication buffers, the CUDA context, fragmentation."""
     if not 0 < mfu <= 1:
         raise ConfigError(f"--mfu must be in (0, 1], got {mfu}")
     if microbatch_size < 1:
         raise ConfigError(f"--microbatch-size must be >= 1, got {microbatch_size}")
     seq_len = seq_len or cfg.max_seq_len
-    layers = split_layers(cfg, num_stages, seq_len)
+    if stage_ranks is not None and len(set(stage_ranks)) < num_stages:
+        assert len(stage_ranks) == num_stages, (stage_ranks, num_stages)
+        layers = rank_balanced_layers(cfg, seq_len, stage_ranks)
+    else:
+        layers = split_layers(cfg, num_stages, seq_len)
     tokens = microbatch_size * seq_len
     speed = device.peak_flops * mfu
     fwd = []
@@ -175,6 +211,7 @@ def analytic_costs(
         message_bytes=tokens * cfg.dim * 2.0,
         tokens_per_microbatch=tokens,
         weight_bytes=tuple(p * param_bytes for p in params),
+        state_bytes=tuple(p * state_bytes_per_param for p in params),
         activation_bytes=tuple(len(r) * tokens * cfg.dim * ACT_BYTES_PER_TOKEN_DIM for r in layers),
         time_unit="s",
     )
@@ -207,7 +244,9 @@ class Timeline:
         return max((e.end for e in self.events), default=0.0)
 
     def to_csv(self, path: str | None = None, *, header: bool = True) -> str:
-        """One row per action with its start and end time."""
+        """One row per action with its start and end time, and what its rank holds after it:
+        `weight_mem` (live versions + optimizer state) and `act_mem` (stashes), in the cost
+        model's memory unit (`mem_unit`: B or unit; 0 when the model gives no sizes)."""
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
         if header:
@@ -224,14 +263,21 @@ class Timeline:
                     "version",
                     "start",
                     "end",
+                    "weight_mem",
+                    "act_mem",
+                    "mem_unit",
                 ]
             )
-        sched = self.schedule
+        sched, c = self.schedule, self.costs
+        sizes = (c.weight_bytes, c.state_bytes, c.activation_bytes)
+        traces = [memory_trace(sched, r, *sizes) for r in range(sched.num_ranks)]
         for e in self.events:
             a = e.action
+            held = traces[e.rank][e.index]
             w.writerow(
                 [sched.name, e.rank, e.index, a.kind, a.stage, sched.chunk_of(a.stage), a.step]
                 + [a.microbatch, a.shown, f"{e.start:.9g}", f"{e.end:.9g}"]
+                + [f"{held[0]:.6g}", f"{held[1]:.6g}", c.memory_unit]
             )
         if path is not None:
             with open(path, "w") as f:
@@ -294,7 +340,13 @@ class SimResult:
     peak_activations: tuple[int, ...]  # per stage
     peak_versions: tuple[int, ...]  # per stage
     staleness: tuple[int, ...]  # per stage, largest step - version
-    peak_memory: tuple[float, ...]  # per stage: versions * weight bytes + stash * act bytes
+    rank_memory: tuple[RankMemory, ...]  # per rank: peaks of weights, activations, total
+    memory_unit: str  # "B" or "unit" (the cost model's)
+
+    @property
+    def peak_memory(self) -> tuple[float, ...]:
+        """Per rank, the most it holds at once (weights + optimizer state + activations)."""
+        return tuple(m.total for m in self.rank_memory)
 
 
 def summarize(tl: Timeline) -> SimResult:
@@ -314,10 +366,7 @@ def summarize(tl: Timeline) -> SimResult:
     busy_step = busy / sched.num_steps
     steady_bubble = 1.0 - busy_step / (R * step_time) if step_time > 0 else 0.0
     acts, vers = peak_activations(sched), peak_versions(sched)
-    mem = tuple(
-        v * costs.weight_bytes[s] + a * costs.activation_bytes[s]
-        for s, (a, v) in enumerate(zip(acts, vers))
-    )
+    mem = rank_memory(sched, costs.weight_bytes, costs.state_bytes, costs.activation_bytes)
     return SimResult(
         name=sched.name,
         policy=sched.policy,
@@ -334,5 +383,6 @@ def summarize(tl: Timeline) -> SimResult:
         peak_activations=tuple(acts),
         peak_versions=tuple(vers),
         staleness=tuple(observed_staleness(sched)),
-        peak_memory=mem,
+        rank_memory=mem,
+        memory_unit=costs.memory_unit,
     )
