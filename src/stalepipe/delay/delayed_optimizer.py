@@ -364,6 +364,8 @@ class DelayedOptimizer:
         if (cfg.taylor_adaptive or ema) and self._taylor_ms is None:
             self._taylor_ms = [[torch.zeros_like(p) for p in ps] for ps in self._params]
         for s, params in enumerate(self._params):
+            if not params:  # another process's stage (the runtime): nothing stored here
+                continue
             stale = self.read_weights(s, k) if used[s] < k else None
             for i, p in enumerate(params):
                 if p.grad is None:

@@ -288,10 +288,17 @@ def stage_state(
 def emulator_state(ckpt: dict[str, Any], delayed: DelayedOptimizer) -> dict[str, Any]:
     """`DelayEmulator.load_state_dict`'s argument for `delayed` (the emulator's delayed
     optimizer) from a checkpoint of any engine and split: the checkpoint's own engine state
-    when the split is the same (bit for bit what was saved), else re-split by name."""
+    when the split and the optimizer's param groups are the same (bit for bit what was saved),
+    else re-split by name (a runtime checkpoint's whole-model groups onto the per-stage groups
+    the per-stage correctors make, `delay.correctors.group_stages`)."""
     engine = ckpt["engine"]
     own = delayed.state_dict()
-    if engine is not None and engine["delayed"]["names"] == own["names"]:
+    if (
+        engine is not None
+        and engine["delayed"]["names"] == own["names"]
+        and len(engine["delayed"]["optimizer"]["param_groups"])
+        == len(own["optimizer"]["param_groups"])
+    ):
         return engine
     state, _ = resplit_state(
         ckpt, own["names"], own["optimizer"], delayed.versions_to_keep(int(ckpt["step"]))
