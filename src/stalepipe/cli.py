@@ -190,7 +190,7 @@ def _add_simulate(sub: Subparsers) -> None:
     )
     add = p.add_argument
     add("--schedule", default="1f1b",
-        help="gpipe | 1f1b | interleaved-1f1b | zb-h1 | 2bw | pipedream | wpipe")  # fmt: skip
+        help="gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-v | dualpipev | 2bw | pipedream | wpipe")  # fmt: skip
     add("--compare", help="comma-separated schedules to show side by side")
     add("--stages", type=int, default=4, help="pipeline ranks P")
     add("--microbatches", type=int, default=8, help="microbatches per step m")

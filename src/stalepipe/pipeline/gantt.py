@@ -2,7 +2,7 @@
 
 One panel per schedule, one row per rank (rank 0 on top), one box per action coloured by kind;
 boxes are labelled with the microbatch (`j`, or `k.j` over several steps) when wide enough.
-Later chunks of an interleaved rank are hatched.
+Odd chunks of a rank with several stages (interleaved, or the way back up of a V) are hatched.
 """
 
 from __future__ import annotations
@@ -123,7 +123,10 @@ def _legend_handles(timelines: list[Timeline], kinds_used: set[str]) -> list[Any
     if any(tl.schedule.num_chunks > 1 for tl in timelines):
         handles.append(
             Patch(
-                facecolor="white", edgecolor="grey", hatch="////", label="odd chunks (interleaved)"
+                facecolor="white",
+                edgecolor="grey",
+                hatch="////",
+                label="odd chunks (several per rank)",
             )
         )
     return handles

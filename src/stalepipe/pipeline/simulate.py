@@ -188,15 +188,17 @@ def simulate_main(
         )
     else:
         what = f"costs: given ({times}), in time units" if given else UNIT_COSTS
+    limit = dev.memory_bytes if dev is not None else None
     out = [
         f"stages (ranks) P={stages}, microbatches m={microbatches}, steps N={steps}",
         what,
         "",
-        format_table(rows, costs, dev.memory_bytes if dev is not None else None),
+        format_table(rows, costs, limit),
     ]
     if len(names) == 1:
         out += ["", format_stages(timelines[0], summarize(timelines[0]))]
-    out += ["", LEGEND]
+    ratios = ratio_lines([ScheduleRow.of(n, r, limit) for n, r in rows])
+    out += ["", *ratios, LEGEND] if ratios else ["", LEGEND]
     out += _write_outputs(timelines, plot, csv, text)
     return "\n".join(out)
 
@@ -332,6 +334,17 @@ class ScheduleRow:
     refused: str | None = None  # why the schedule cannot run these sizes, if it cannot
     result: SimResult | None = None  # every figure of the simulation
 
+    @classmethod
+    def of(cls, name: str, r: SimResult | str, memory_limit: float | None) -> ScheduleRow:
+        """The row of schedule `name` from its simulation, or from its refusal message; it
+        fits when its largest rank's peak is <= `memory_limit` (None or 0: no limit)."""
+        if isinstance(r, str):
+            return cls(name, SCHEDULE_POLICY[name], 0.0, 1.0, (), False, r)
+        fits = not memory_limit or max(r.peak_memory) <= memory_limit
+        return cls(
+            name, r.policy, r.steady_throughput, r.steady_bubble, r.peak_memory, fits, None, r
+        )
+
 
 def compare_schedules(
     model_cfg: ModelConfig,
@@ -366,19 +379,13 @@ def compare_schedules(
                 name, num_stages, num_microbatches, num_steps, sync_start=sync_start
             )
         except ConfigError as e:
-            rows.append(ScheduleRow(name, SCHEDULE_POLICY[name], 0.0, 1.0, (), False, str(e)))
+            rows.append(ScheduleRow.of(name, str(e), limit))
             continue
         validate(sched)
         options = _costs(
             sched, model_cfg, dev, {}, mfu=mfu, seq_len=seq_len, mb_size=microbatch_size
         )
-        r = summarize(_fastest(sched, options))
-        fits = limit <= 0 or max(r.peak_memory) <= limit
-        rows.append(
-            ScheduleRow(
-                name, r.policy, r.steady_throughput, r.steady_bubble, r.peak_memory, fits, None, r
-            )
-        )
+        rows.append(ScheduleRow.of(name, summarize(_fastest(sched, options)), limit))
     return rows
 
 
@@ -387,3 +394,16 @@ def best_sync(rows: Sequence[ScheduleRow]) -> ScheduleRow | None:
     (GUIDE section 2's `best_sync`); None when none does."""
     ok = [r for r in rows if r.policy == "sync" and r.refused is None and r.fits]
     return max(ok, key=lambda r: r.tokens_per_s, default=None)
+
+
+def ratio_lines(rows: Sequence[ScheduleRow]) -> list[str]:
+    """One line per asynchronous schedule: its steady throughput over `best_sync`'s."""
+    best = best_sync(rows)
+    if best is None:
+        return []
+    return [
+        f"steady throughput {r.name} / best synchronous that fits ({best.name}): "
+        f"{r.tokens_per_s / best.tokens_per_s:.3f}"
+        for r in rows
+        if r.policy != "sync" and r.refused is None
+    ]
