@@ -221,6 +221,13 @@ def test_refusals():
             DelayConfig(policy="fixed:4", adaptive_momentum=True),
             4,
         )
+    with pytest.raises(ConfigError, match="delay.adaptive_momentum does nothing at momentum 0.99"):
+        DelayedOptimizer(
+            torch.optim.SGD(ws, lr=LR, momentum=0.99),
+            [[w] for w in ws],
+            DelayConfig(policy="2bw", adaptive_momentum=True),
+            4,
+        )
     with pytest.raises(ConfigError, match="delay.weight_pred_scale 2 scales weight prediction"):
         DelayConfig(policy="2bw", weight_pred_scale=2.0)
     with pytest.raises(ConfigError, match="delay.taylor_curvature ema"):

@@ -123,13 +123,6 @@ class ExperimentConfig:
             f"pipeline.num_replicas ({m} x {D}); set train.batch_size to "
             f"{multiples_near(B, m * D)}",
         )
-        if self.delay.weight_pred and self.model.tie_embeddings and P > 1:
-            check(
-                _max_tau(self.delay.policy, P) == 0 or self.delay.policy in ("pipedream", "wpipe"),
-                f"delay.weight_pred on the distributed engine predicts the tied head only where "
-                f"the last stage is fresh (pipedream, wpipe), not under {self.delay.policy}; set "
-                f"model.tie_embeddings false, or pipeline.engine emulate",
-            )
         if pc.schedule == "2bw" and m < P - 1:
             # the fix: the smallest count that works with this batch, or fewer stages
             ok = [n for n in range(P - 1, B // D + 1) if B % (n * D) == 0]

@@ -62,6 +62,22 @@ def momentum_key(group: dict) -> str:
     )
 
 
+def check_momentum(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse adaptive momentum for an optimizer without momentum (`momentum_key`), or whose
+    every group is at mu = 0.99 already, where mu_s = mu for every stage (it would do nothing:
+    NAdamW's default beta1)."""
+    mus = []
+    for g in optimizer.param_groups:
+        key = momentum_key(g)
+        mus.append(g[key] if key == "momentum" else g[key][0])
+    if all(mu == MOMENTUM_CAP for mu in mus):
+        raise ConfigError(
+            f"delay.adaptive_momentum does nothing at momentum {MOMENTUM_CAP} (mu_s = mu + "
+            f"tau_s (0.99 - mu) / P = mu on every stage); set optim.beta1 below {MOMENTUM_CAP} "
+            f"or delay.adaptive_momentum false"
+        )
+
+
 def group_stages(
     optimizer: torch.optim.Optimizer, params: Sequence[Sequence[torch.Tensor]], split: bool
 ) -> list[int | None]:

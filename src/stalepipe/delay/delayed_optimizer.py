@@ -144,8 +144,7 @@ class DelayedOptimizer:
             correctors.group_stages(optimizer, self._params, split=True) if per_stage else None
         )
         if cfg.adaptive_momentum:
-            for g in optimizer.param_groups:
-                correctors.momentum_key(g)  # refuses an optimizer without momentum, now
+            correctors.check_momentum(optimizer)  # refuses it where it does nothing, now
         # the last predicted point per stage: ((version, tau), tensors); a cache only
         self._predicted: list[tuple[tuple[int, int], list[torch.Tensor]] | None] = [
             None
@@ -220,17 +219,25 @@ class DelayedOptimizer:
         tau = self.schedule.tau(stage if reader is None else reader, step)
         v = max(step - tau, 0)
         pick = (lambda ts: ts) if index is None else (lambda ts: [ts[index]])
-        if not self._predict or tau == 0 or v == 0:
+        scale = self.prediction_scale(stage if reader is None else reader, step)
+        if not scale:
             return pick(self.weights_at(stage, v))
         cached = self._predicted[stage]
         if cached is not None and cached[0] == (v, tau):
             return pick(cached[1])
-        scale = self.cfg.weight_pred_scale * tau
         w_v, w_prev = pick(self.weights_at(stage, v)), pick(self.weights_at(stage, v - 1))
         w = correctors.predict_weights(w_v, w_prev, scale)
         if index is None:
             self._predicted[stage] = ((v, tau), w)
         return w
+
+    def prediction_scale(self, reader: int, step: int) -> float:
+        """c * tau when stage `reader`'s weights of step `step` are predicted from W_v and
+        W_{v-1}; 0.0 when they are W_v itself (no prediction, tau = 0, or v = 0)."""
+        tau = self.schedule.tau(reader, step)
+        if not self._predict or tau == 0 or step - tau <= 0:
+            return 0.0
+        return self.cfg.weight_pred_scale * tau
 
     def _check_step(self, step: int | None) -> int:
         if step is not None and step != self._step:

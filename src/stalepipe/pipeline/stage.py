@@ -176,6 +176,12 @@ class StageExecutor:
         read, those evaluations read, and the final one (both copies end equal)."""
         N, start, delay = self.sched.num_steps, self.delayed.step_count, self.sched.delay
         reads = {delay.version(self.P - 1, k) for k in range(start, N)} | {N}
+        # weight prediction reads the version before each predicted one too
+        reads |= {
+            delay.version(self.P - 1, k) - 1
+            for k in range(start, N)
+            if self.delayed.prediction_scale(self.P - 1, k)
+        }
         return reads | {k + 1 for k in range(start, N) if self.plan.evaluates(k)}
 
     # ---------------------------------------------------------------------------------------
@@ -233,8 +239,14 @@ class StageExecutor:
             for (n, p), t in zip(self.owned.items(), tensors, strict=True)
         }
         if self.tied.role == "head":
-            leaves[TIED_HEAD] = self.tied.at(version).detach().requires_grad_()
+            leaves[TIED_HEAD] = self._tied_weight(version, step).detach().requires_grad_()
         return leaves
+
+    def _tied_weight(self, version: int, step: int | None) -> torch.Tensor:
+        """The head's tied matrix at `version`, predicted from versions `version` and
+        `version - 1` as `DelayedOptimizer.read_weights` predicts (delay.weight_pred)."""
+        scale = 0.0 if step is None else self.delayed.prediction_scale(self.stage, step)
+        return self.tied.predicted(version, scale) if scale else self.tied.at(version)
 
     def _ensure_version(self, version: int) -> None:
         while self.delayed.step_count < version:
@@ -249,6 +261,12 @@ class StageExecutor:
         """Forget tied versions no later step reads."""
         k, N = self.delayed.step_count, self.sched.num_steps
         floor = max(self.tied.versions) if k >= N else self.sched.delay.version(self.P - 1, k)
+        # weight prediction: the version before any read from here on (a sync start's end
+        # reads an older one again)
+        delay, last = self.sched.delay, self.P - 1
+        for j in range(k, min(N, k + delay.max_tau[last] + 2)):
+            if self.delayed.prediction_scale(last, j):
+                floor = min(floor, delay.version(last, j) - 1)
         self.tied.drop_older_than(floor)
 
     def tied_live(self) -> torch.Tensor | None:

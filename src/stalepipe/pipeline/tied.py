@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from stalepipe.delay.correctors import predict_weights
 from stalepipe.pipeline.comm import Comm, Pending
 
 TIED_NAME = "tok_emb.weight"  # owned by stage 0
@@ -47,6 +48,7 @@ class TiedWeights:
         self._to_receive: list[int] = []
         self._recv: Pending | None = None
         self._expect = -1
+        self._predicted: tuple[tuple[int, float], torch.Tensor] | None = None
         if role == "head":
             assert live_head is not None
             self._like = live_head
@@ -63,6 +65,16 @@ class TiedWeights:
         while version not in self.versions:
             self._receive_next()
         return self.versions[version]
+
+    def predicted(self, version: int, scale: float) -> torch.Tensor:
+        """Weight prediction of the head's matrix from `version` and `version - 1`
+        (`delay.correctors.predict_weights`, as the owner's stage computes it); the last one
+        is cached, as every microbatch of a step reads the same."""
+        key = (version, scale)
+        if self._predicted is None or self._predicted[0] != key:
+            (w,) = predict_weights([self.at(version)], [self.at(version - 1)], scale)
+            self._predicted = (key, w)
+        return self._predicted[1]
 
     def _receive_next(self) -> None:
         if self._recv is None:
