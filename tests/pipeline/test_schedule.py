@@ -221,6 +221,8 @@ GOLDEN_CASES = {
     "2bw_p2_m2_n2": ("2bw", 2, 2, 2),
     "zb-h1_p3_m3": ("zb-h1", 3, 3, 1),
     "interleaved-1f1b_p2_m2": ("interleaved-1f1b", 2, 2, 1),
+    "zb-v_p2_m2": ("zb-v", 2, 2, 1),  # checked by hand against torch's ScheduleZBVZeroBubble
+    "dualpipev_p2_m4": ("dualpipev", 2, 4, 1),  # and against deepseek-ai/DualPipe's dualpipev
 }
 
 

@@ -46,6 +46,7 @@ def test_compare_with_model_and_a_refusal(tmp_path):
     assert any(ln.startswith("gpipe ") and "tok/s" in ln for ln in lines)
     assert any(ln.startswith("2bw") and "refused: 2bw needs --microbatches" in ln for ln in lines)
     assert "mem/rank GB" in out and "fits 80 GB" in out
+    assert "steady throughput 2bw" not in out  # 2bw refused: no ratio to print
     assert svg.read_text().lstrip().startswith("<?xml")
 
 
@@ -109,3 +110,10 @@ def test_compare_schedules_for_the_verdict():
     assert not any(r.fits for r in tight) and best_sync(tight) is None
     with pytest.raises(ConfigError, match="unknown schedule"):
         compare_schedules(cfg, "h100", 4, 8, schedules=["zbv"])
+
+
+def test_ratio_to_the_best_synchronous_schedule_is_printed():
+    out = simulate_main(compare="1f1b,zb-h1,2bw", stages=4, microbatches=8, steps=4)
+    # uniform costs: 2bw's steady state is bubble-free, ZB-H1's step 3(m) / (3m + P - 1)
+    want = (3 * 8 + 3) / (3 * 8)
+    assert f"steady throughput 2bw / best synchronous that fits (zb-h1): {want:.3f}" in out
