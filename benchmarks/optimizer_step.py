@@ -40,6 +40,7 @@ def main() -> None:
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     fwd_bwd = []
+    model(x, y).backward()  # warm-up, untimed (first-call allocations)
     for _ in range(3):
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()

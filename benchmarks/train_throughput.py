@@ -22,11 +22,12 @@ from stalepipe.data import TokenLoader, ensure_prepared
 from stalepipe.models import build_model
 from stalepipe.presets import get_preset
 from stalepipe.train.loop import train
-from stalepipe.train.metrics import read_metrics
+from stalepipe.train.metrics import TIMING_WARMUP_STEPS, read_metrics
 
 
 def hand_written(cfg, data_dir: str, steps: int) -> float:
-    """The loop a researcher writes in ten minutes; returns tokens/s."""
+    """The loop a researcher writes in ten minutes; returns tokens/s of `steps` steps after
+    the warm-up steps the training loop leaves out of its own figure (TIMING_WARMUP_STEPS)."""
     tc = cfg.train
     loader = TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.data.seed)
     model = build_model(cfg.model, tc.seed)
@@ -35,7 +36,9 @@ def hand_written(cfg, data_dir: str, steps: int) -> float:
     )
     m = tc.num_microbatches
     t0 = time.perf_counter()
-    for step in range(steps):
+    for step in range(TIMING_WARMUP_STEPS + steps):
+        if step == TIMING_WARMUP_STEPS:
+            t0 = time.perf_counter()
         x, y = loader.batch(step, tc.batch_size)
         for xm, ym in zip(x.chunk(m), y.chunk(m)):
             (model(xm, ym) / m).backward()
@@ -47,13 +50,14 @@ def hand_written(cfg, data_dir: str, steps: int) -> float:
 
 def stalepipe_loop(cfg, steps: int, out_dir: str, round_: int) -> float:
     """stalepipe's `train` with logging, the delay engine (sync) and metrics; returns tokens/s
-    as the loop measures it before its final evaluation and checkpoint."""
+    as the loop measures it: `steps` steps after its warm-up, evaluations and checkpoints left
+    out."""
     run = dataclasses.replace(cfg, name=f"bench{round_}", out_dir=out_dir)
     run = apply_overrides(
         run,
         {
-            "train.num_steps": str(steps),
-            "train.log_every": str(steps),
+            "train.num_steps": str(TIMING_WARMUP_STEPS + steps),
+            "train.log_every": str(TIMING_WARMUP_STEPS + steps),
             "train.eval_every": "0",
             "train.progress": "false",
         },
