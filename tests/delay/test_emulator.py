@@ -23,6 +23,9 @@ MITIGATIONS = {
     "taylor": {"taylor": 0.5},
     "taylor_adaptive": {"taylor": 0.05, "taylor_adaptive": True},
     "windows": {"sync_start": 2, "sync_cooldown": 2},
+    "weight_pred": {"weight_pred": True, "weight_pred_scale": 0.5, "sync_start": 2},
+    "dc_asgd_ema": {"taylor": 0.5, "taylor_curvature": "ema"},
+    "lr_momentum": {"lr_correction_steps": 4, "adaptive_momentum": True},
 }
 
 
@@ -75,7 +78,7 @@ def test_sync_is_bitwise_the_bare_loop():
 
 @pytest.mark.filterwarnings("ignore:delay.ef is on")
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("mit", ["none", "ef", "taylor_adaptive"])
+@pytest.mark.parametrize("mit", ["none", "ef", "taylor_adaptive", "weight_pred", "dc_asgd_ema"])
 def test_fast_and_exact_agree_with_the_reference(policy, mit):
     P, T = 4, 5
     got = {}

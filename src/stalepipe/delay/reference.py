@@ -1,6 +1,7 @@
 """The slow, obvious delayed-training reference (GUIDE 4.6): every weight version is kept, the
 stale point is assembled name by name from `DelaySchedule.version`, and the gradient is taken with
-`torch.func.functional_call` on fresh leaves. Tests check `DelayEmulator` and
+`torch.func.functional_call` on fresh leaves (weight prediction and DC-ASGD-EMA included; the
+per-stage LR and momentum are tested on closed forms). Tests check `DelayEmulator` and
 `DelayedOptimizer` against it; never use it for real training (memory grows with the steps).
 """
 
@@ -53,7 +54,14 @@ def reference_train(
         if use == pname:
             owner_stage[pname] = stage
     delay = DelaySchedule.from_config(cfg, num_stages, total_steps)
-    version = delay.version
+
+    def read(stage: int, k: int, pname: str) -> torch.Tensor:
+        """What `stage` computes step k at: W_v, or weight prediction's point (docs/delay.md)."""
+        tau, v = delay.tau(stage, k), delay.version(stage, k)
+        w = versions[v][pname]
+        if not cfg.weight_pred or tau == 0 or v == 0:
+            return w
+        return torch.add(w, w - versions[v - 1][pname], alpha=cfg.weight_pred_scale * tau)
 
     def snapshot() -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in names.items()}
@@ -64,7 +72,7 @@ def reference_train(
     mean_sq = {n: torch.zeros_like(p) for n, p in names.items()}
     for k in range(total_steps if steps is None else steps):
         leaves = {
-            use: versions[version(stage, k)][pname].clone().requires_grad_(True)
+            use: read(stage, k, pname).clone().requires_grad_(True)
             for use, (pname, stage) in uses.items()
         }
         acc: dict[str, torch.Tensor] = {}
@@ -91,13 +99,16 @@ def reference_train(
                 if p.grad is None:
                     continue
                 g = p.grad
-                stale = versions[version(owner_stage[n], k)][n]
-                if cfg.taylor > 0 and cfg.taylor_adaptive:
+                stale = read(owner_stage[n], k, n)
+                ema = cfg.taylor_curvature == "ema"
+                if cfg.taylor > 0 and (cfg.taylor_adaptive or ema):
                     mean_sq[n] = cfg.taylor_ema * mean_sq[n] + (1.0 - cfg.taylor_ema) * (g * g)
+                curv = mean_sq[n] if ema else g * g  # DC-ASGD-EMA: EMA(g^2) for g^2
+                if cfg.taylor > 0 and cfg.taylor_adaptive:
                     lam = cfg.taylor / (mean_sq[n].sqrt() + cfg.taylor_eps)
-                    p.grad = g + lam * g * g * (w_k[n] - stale)
+                    p.grad = g + (lam * curv if ema else lam * g * g) * (w_k[n] - stale)
                 elif cfg.taylor > 0:
-                    p.grad = g + cfg.taylor * (g * g * (w_k[n] - stale))
+                    p.grad = g + cfg.taylor * (curv * (w_k[n] - stale))
             optimizer.step()
             if cfg.ef:
                 for n, p in names.items():
