@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from stalepipe.experiments.demo import DemoRun, demo_configs, format_table, run_demo, summarize
+from stalepipe.experiments.demo import (
+    VERDICT,
+    DemoRun,
+    demo_configs,
+    format_table,
+    run_demo,
+    summarize,
+)
 
 
 def fake(opt, variant, val):
@@ -37,9 +44,25 @@ def test_demo_configs_are_six_ordinary_runs(tmp_path):
     assert all(c.train.num_steps == 10 and c.out_dir == str(tmp_path) for c in cfgs)
 
 
+def test_demo_verdict_is_for_a_named_gpu_cluster():
+    from stalepipe.pipeline.devices import get_device
+    from stalepipe.presets import PRESETS
+
+    assert get_device(VERDICT["device"]).name == "NVIDIA H100 SXM"
+    assert VERDICT["model"] in PRESETS and VERDICT["stages"] >= 2
+
+
 @pytest.mark.slow
-def test_demo_end_to_end(tmp_path):
-    summary = run_demo(tmp_path, steps=4, workers=1, verbose=False)
+def test_demo_end_to_end(tmp_path, capsys):
+    summary = run_demo(tmp_path, steps=4, workers=1, verbose=True)
     assert set(summary["rows"]) == {"adamw", "muon"}
     assert (tmp_path / "loss_curves.png").is_file()
     assert (tmp_path / "adamw-2bw-ef" / "config.json").is_file()
+    # it ends with the verdict on its four delayed runs, saying what is measured and simulated
+    assert [v["configuration"] for v in summary["verdict"]] == [
+        "adamw 2bw", "adamw 2bw +ef", "muon 2bw", "muon 2bw +ef"
+    ]  # fmt: skip
+    out = capsys.readouterr().out
+    assert "token overhead: measured" in out and "throughput and memory: simulated" in out
+    assert out.rstrip().splitlines()[-1].endswith("verdict.md, verdict.png")
+    assert (tmp_path / "verdict" / "verdict.md").is_file()

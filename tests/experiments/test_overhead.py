@@ -101,7 +101,7 @@ def test_floor_reports_its_gap_not_a_multiplier():
     assert p.floor_gap == pytest.approx(2.6 - loss(2000))
     o = oh.summarize_pairs([p])
     assert o.status == "floor" and math.isnan(o.estimate)
-    assert o.describe() == f"floor (gap {2.6 - loss(2000):+.4f})"
+    assert o.describe() == f"floor (gap {2.6 - loss(2000):+.4f}; 1.00x where reached)"
 
 
 def test_no_delay_cost_is_one():

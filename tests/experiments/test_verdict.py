@@ -67,7 +67,7 @@ def test_verdict_end_to_end_on_known_taxes(curve_sweep, capsys):
     # the printed tables: inputs say what is measured and what simulated, the rule is printed
     assert "token overhead: measured" in text and "throughput and memory: simulated" in text
     assert f"{best.name} (best sync)" in text and "peak mem/rank GB" in text
-    assert "floor (gap +0.2962)" in text and text.count("rule: ") == 1
+    assert "floor (gap +0.2962; 1.00x where reached)" in text and text.count("rule: ") == 1
     assert (out / "verdict.png").stat().st_size > 1000 and (out / "verdict.md").is_file()
 
 

@@ -203,12 +203,16 @@ class Overhead:
         return sum(p.floor for p in self.pairs)
 
     def describe(self) -> str:
-        """A short cell: '1.31x [1.18, 1.45]', 'floor (+0.052)', 'floor in 1/3 seeds'."""
+        """A short cell: '1.31x [1.18, 1.45]', 'floor (gap +0.0520; 1.42x where reached)' (the
+        geometric mean over seeds of the median over the targets reached), 'floor in 1/3
+        seeds'."""
         if self.status == "tax":
             ci = f" [{self.ci_low:.2f}, {self.ci_high:.2f}]" if math.isfinite(self.ci_low) else ""
             return f"{self.estimate:.2f}x{ci}"
         if self.status == "floor":
-            return f"floor (gap {self.floor_gap:+.4f})"
+            reached = [p.reached_median for p in self.pairs if math.isfinite(p.reached_median)]
+            where = f"; {log_t_interval(reached)[0]:.2f}x where reached" if reached else ""
+            return f"floor (gap {self.floor_gap:+.4f}{where})"
         if self.status == "mixed":
             return f"floor in {self.num_floors}/{self.num_seeds} seeds"
         return self.status

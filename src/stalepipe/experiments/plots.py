@@ -230,6 +230,7 @@ def overhead_plot(rows: list[Row], max_panels: int = 12, marks: int = 4) -> byte
         _mark_multipliers(ax, o.mean_pair, marks)
         ax.set_title(f"{r.label}: {o.describe()}", fontsize=9)
         ax.set_xlabel("tokens")
+        ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
         ax.set_ylabel(f"val loss (mean of {len(seeds)} seed(s))")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)

@@ -187,6 +187,15 @@ def _label(config: dict[str, Any], varying: list[str]) -> str:
     return " ".join(parts) or "base"
 
 
+def _implied_by_optimizer(key: str, runs: list[Run]) -> bool:
+    """Whether `key` takes one value per optimizer (its defaults, e.g. beta1 or lr per
+    optimizer): the optimizer's name already says it, so labels leave it out."""
+    values: dict[str, set[str]] = {}
+    for r in runs:
+        values.setdefault(str(r.config.get("optim.name")), set()).add(json.dumps(r.config.get(key)))
+    return len(values) > 1 and all(len(v) == 1 for v in values.values())
+
+
 def build_rows(runs: list[Run]) -> list[Row]:
     """Group runs into configurations and fill in every statistic."""
     with_cfg = [r for r in runs if r.config]
@@ -195,6 +204,7 @@ def build_rows(runs: list[Run]) -> list[Row]:
         groups.setdefault(config_key(r.config), []).append(r)
     all_keys = sorted({k for r in with_cfg for k in r.config} - NON_CONFIG_KEYS)
     varying = [k for k in all_keys if len({json.dumps(r.config.get(k)) for r in with_cfg}) > 1]
+    varying = [k for k in varying if k == "optim.name" or not _implied_by_optimizer(k, with_cfg)]
     # optimizer-implied defaults vary with optim.name; keep them out of labels when a sweep
     # label exists, and order the label: optimizer, policy, then the rest
     varying.sort(key=lambda k: (k != "optim.name", k != "delay.policy", k))

@@ -272,7 +272,28 @@ def _rows_of(sweep_dir: Path) -> list[Row]:
     return rows
 
 
-def verdict_main(
+@dataclass
+class VerdictReport:
+    """What `run_verdict` found and wrote."""
+
+    verdicts: list[Verdict]
+    skipped: list[str]
+    throughputs: Throughputs
+    inputs: list[str]
+    out_dir: Path
+
+    def text(self) -> str:
+        """The full text: inputs, summary, one table per configuration, the rule."""
+        return format_verdict(self.verdicts, self.skipped, self.throughputs, self.inputs)
+
+    def summary(self) -> str:
+        """The short form: inputs, the summary table and the rule."""
+        lines = ["inputs:", *(f"  {line}" for line in self.inputs), ""]
+        lines += [align([SUMMARY_HEADER, *summary_rows(self.verdicts)]), RULE]
+        return "\n".join(lines)
+
+
+def run_verdict(
     sweep_dir: str | Path,
     *,
     model: str | None = None,
@@ -284,11 +305,11 @@ def verdict_main(
     microbatch_size: int = 1,
     costs: str | None = None,
     out: str | Path | None = None,
-) -> str:
+) -> VerdictReport:
     """The verdict of the runs under `sweep_dir` on simulated (`model` on `device`, `stages`
     ranks, `microbatches` per step) or measured (`costs` file) throughputs; writes verdict.md,
-    verdict.csv and verdict.png into `out` (default SWEEP_DIR/verdict) and returns the text.
-    Bad input raises UserError before anything is written."""
+    verdict.csv and verdict.png into `out` (default SWEEP_DIR/verdict). Bad input raises
+    UserError before anything is written."""
     sweep_dir = Path(sweep_dir)
     if (model is None) == (costs is None):
         raise UserError("give --model PRESET (simulated throughputs) or --costs FILE (measured "
@@ -304,18 +325,31 @@ def verdict_main(
     if not verdicts:
         raise UserError(f"no verdict for any configuration in {sweep_dir}: " + "; ".join(skipped))
     inputs = [overhead_source(sweep_dir, rows), *tp.describe()]
-    text = format_verdict(verdicts, skipped, tp, inputs)
-    out_dir = Path(out) if out else sweep_dir / "verdict"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "verdict.md").write_text(f"# Verdict: {sweep_dir.name}\n\n```\n{text}\n```\n")
-    write_csv(out_dir / "verdict.csv", verdicts, tp)
-    (out_dir / "verdict.png").write_bytes(plots.verdict_plot(
-        [(s.name, s.tokens_per_s, s.policy) for s in tp.rows
-         if not s.refused and (s.policy == "sync" or s.name in {v.schedule for v in verdicts})],
-        [(v.label, v.ratio.value, v.ratio.low, v.ratio.high, v.overhead.status) for v in verdicts],
-        title=tp.title(),
+    report = VerdictReport(
+        verdicts, skipped, tp, inputs, Path(out) if out else sweep_dir / "verdict"
+    )
+    _write(report, sweep_dir.name)
+    return report
+
+
+def _write(r: VerdictReport, title: str) -> None:
+    r.out_dir.mkdir(parents=True, exist_ok=True)
+    (r.out_dir / "verdict.md").write_text(f"# Verdict: {title}\n\n```\n{r.text()}\n```\n")
+    write_csv(r.out_dir / "verdict.csv", r.verdicts, r.throughputs)
+    used = {v.schedule for v in r.verdicts}
+    (r.out_dir / "verdict.png").write_bytes(plots.verdict_plot(
+        [(s.name, s.tokens_per_s, s.policy) for s in r.throughputs.rows
+         if not s.refused and (s.policy == "sync" or s.name in used)],
+        [(v.label, v.ratio.value, v.ratio.low, v.ratio.high, v.overhead.status)
+         for v in r.verdicts],
+        title=r.throughputs.title(),
     ))  # fmt: skip
-    return text + f"\nwritten to {out_dir}/verdict.md, verdict.csv, verdict.png"
+
+
+def verdict_main(sweep_dir: str | Path, **kw: object) -> str:
+    """`stalepipe verdict`: `run_verdict`'s full text and where it wrote the files."""
+    r = run_verdict(sweep_dir, **kw)  # type: ignore[arg-type]
+    return r.text() + f"\nwritten to {r.out_dir}/verdict.md, verdict.csv, verdict.png"
 
 
 def overhead_source(sweep_dir: Path, rows: list[Row]) -> str:
