@@ -21,7 +21,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from stalepipe.config import ConfigError
+from stalepipe.config import ConfigError, DelayConfig
+from stalepipe.delay.policies import DelaySchedule
 
 MOMENTUM_CAP = 0.99  # Ajanthan et al.'s target momentum for the stalest stage
 
@@ -60,6 +61,28 @@ def momentum_key(group: dict) -> str:
         "delay.adaptive_momentum needs an optimizer with momentum (a momentum or betas[0] "
         "field > 0); set delay.adaptive_momentum false"
     )
+
+
+def prepare_groups(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[Sequence[torch.Tensor]],
+    cfg: DelayConfig,
+    schedule: DelaySchedule,
+) -> list[int | None] | None:
+    """The stage of each param group when `cfg` sets per-stage hyperparameters (the PipeMare
+    LR schedule, adaptive momentum), after splitting groups per stage (`group_stages`); None
+    otherwise. Refuses adaptive momentum where it cannot work or would do nothing."""
+    if not (cfg.lr_correction_steps > 0 or cfg.adaptive_momentum):
+        return None
+    if cfg.adaptive_momentum:
+        P = schedule.num_stages
+        if max(schedule.max_tau) > P:
+            raise ConfigError(
+                f"delay.adaptive_momentum needs tau_s <= {P} stages (mu_s would pass 0.99); "
+                f"use a policy with at most {P} steps of delay"
+            )
+        check_momentum(optimizer)
+    return group_stages(optimizer, params, split=True)
 
 
 def check_momentum(optimizer: torch.optim.Optimizer) -> None:

@@ -134,21 +134,11 @@ class DelayedOptimizer:
             )
 
         self._predict = cfg.weight_pred and schedule.delayed
-        per_stage = cfg.lr_correction_steps > 0 or cfg.adaptive_momentum
-        if cfg.adaptive_momentum and max(schedule.max_tau) > self.num_stages:
-            raise ConfigError(
-                f"delay.adaptive_momentum needs tau_s <= {self.num_stages} stages (mu_s would "
-                f"pass 0.99); use a policy with at most {self.num_stages} steps of delay"
-            )
-        self._group_stage = (
-            correctors.group_stages(optimizer, self._params, split=True) if per_stage else None
-        )
-        if cfg.adaptive_momentum:
-            correctors.check_momentum(optimizer)  # refuses it where it does nothing, now
+        # per-stage LR / momentum: per-stage param groups (None: not needed)
+        self._group_stage = correctors.prepare_groups(optimizer, self._params, cfg, schedule)
         # the last predicted point per stage: ((version, tau), tensors); a cache only
-        self._predicted: list[tuple[tuple[int, int], list[torch.Tensor]] | None] = [
-            None
-        ] * self.num_stages
+        self._predicted: list[tuple[tuple[int, int], list[torch.Tensor]] | None]
+        self._predicted = [None] * self.num_stages
 
         self._step = 0
         # history[s][v]: stored copy of stage s's weights W_v (v < current step); the live
