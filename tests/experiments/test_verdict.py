@@ -158,3 +158,18 @@ def test_verdict_on_a_tiny_trained_sweep(tiny_config, tmp_path, capsys):
     assert "zb-h1" in line or "1f1b" in line or "gpipe" in line
     with open(tmp_path / "tiny" / "verdict" / "verdict.csv") as f:
         assert {r["seeds"] for r in csv.DictReader(f)} == {"2"}
+
+
+def test_best_sync_is_the_fastest_that_fits():
+    from stalepipe.experiments.throughput import ScheduleThroughput as T
+    from stalepipe.experiments.throughput import Throughputs
+
+    rows = [T("gpipe", "sync", 10.0, fits=True), T("zb-h1", "sync", 20.0, fits=False),
+            T("1f1b", "sync", 15.0, fits=True), T("2bw", "2bw", 30.0, fits=True),
+            T("zb-v", "sync", math.nan, refused="needs m >= P")]  # fmt: skip
+    tp = Throughputs(rows, 10.0, 4, [], "")
+    assert tp.best_sync().name == "1f1b"
+    assert [s.name for s in tp.sync()] == ["gpipe", "zb-h1", "1f1b"]
+    assert not tp.has("zb-v") and tp.why("zb-v") == "needs m >= P"
+    # the simulator's profile has a capacity: every schedule of a 135M model fits an H100
+    assert all(s.fits for s in simulated("smollm-135m", "h100", 4, 8).sync())

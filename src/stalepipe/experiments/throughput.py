@@ -1,10 +1,10 @@
 """Per-schedule throughput and memory for `stalepipe verdict`: simulated or measured.
 
-Simulated (`simulated`): every schedule of the timing simulator (pipeline/generators.py) timed on
-the analytic costs of a model on a device (pipeline/timing.py), steady state over
-`SIM_STEPS` steps (fill and drain of an asynchronous schedule are paid once per run, so the
-per-step rate is the run's). Peak memory per rank: weight versions plus stashed activations, as
-the simulator counts them. All calls to the simulator go through `simulate_one`.
+Simulated (`simulated`): every schedule of the timing simulator timed on the analytic costs of a
+model on a device (`pipeline.simulate.compare_schedules`), steady state over `SIM_STEPS` steps
+(fill and drain of an asynchronous schedule are paid once per run, so the per-step rate is the
+run's). Peak memory per rank and whether it fits the device: as the simulator counts them
+(pipeline/memory.py). All calls to the simulator go through `simulate_all`.
 
 Measured (`load_costs`): a JSON or CSV file (docs/verdict.md), for example tokens/s read off
 `benchmarks/pipeline_throughput.py`'s table:
@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stalepipe.config import ConfigError
 from stalepipe.errors import UserError
 from stalepipe.pipeline.generators import SCHEDULE_POLICY
 
@@ -123,29 +122,25 @@ def _model(name: str) -> tuple[Any, int]:
     return cfg, PRESETS[name]().data.seq_len if name in PRESETS else cfg.max_seq_len
 
 
-def simulate_one(
-    name: str, cfg: Any, device: Any, num_stages: int, num_microbatches: int, *,
-    microbatch_size: int, seq_len: int, mfu: float, sync_steps: int = 0,
-) -> ScheduleThroughput:  # fmt: skip
-    """Schedule `name` on `num_stages` ranks, timed on the analytic costs of `cfg` on
-    `device`: steady tokens/s and bubble, peak memory per rank (the stages of a rank summed);
-    with `sync_steps` its first steps run synchronously. Sizes the schedule refuses give a
-    refused row."""
-    from stalepipe.pipeline.generators import make_schedule
-    from stalepipe.pipeline.timing import analytic_costs, simulate, summarize
+def simulate_all(
+    cfg: Any, device: Any, num_stages: int, num_microbatches: int, *,
+    microbatch_size: int, seq_len: int, mfu: float, schedules: list[str] | None = None,
+    sync_steps: int = 0,
+) -> list[ScheduleThroughput]:  # fmt: skip
+    """The simulator's `compare_schedules` (pipeline/simulate.py) for `cfg` on `device`: steady
+    tokens/s and bubble, peak memory per rank, whether it fits the device's memory; with
+    `sync_steps` the first steps of an asynchronous schedule run synchronously."""
+    from stalepipe.pipeline.simulate import compare_schedules
 
-    policy = SCHEDULE_POLICY[name]
-    try:
-        sched = make_schedule(name, num_stages, num_microbatches, SIM_STEPS, sync_start=sync_steps)
-        costs = analytic_costs(cfg, sched.num_stages, device, mfu=mfu, seq_len=seq_len,
-                               microbatch_size=microbatch_size)  # fmt: skip
-    except ConfigError as e:
-        return ScheduleThroughput(name, policy, math.nan, refused=str(e))
-    r = summarize(simulate(sched, costs))
-    per_rank = [0.0] * sched.num_ranks
-    for s, b in enumerate(r.peak_memory):
-        per_rank[sched.rank_of(s)] += b
-    return ScheduleThroughput(name, policy, r.steady_throughput, r.steady_bubble, tuple(per_rank))
+    rows = compare_schedules(
+        cfg, device, num_stages, num_microbatches, microbatch_size, seq_len, schedules,
+        mfu=mfu, num_steps=SIM_STEPS, sync_start=sync_steps,
+    )  # fmt: skip
+    return [
+        ScheduleThroughput(r.name, r.policy, r.tokens_per_s if not r.refused else math.nan,
+                           r.bubble, tuple(r.peak_memory), r.fits, "simulated", r.refused or "")
+        for r in rows
+    ]  # fmt: skip
 
 
 def simulated(
@@ -162,19 +157,21 @@ def simulated(
     dev = get_device(device)
     seq = seq_len or own_len
     kw = dict(microbatch_size=microbatch_size, seq_len=seq, mfu=mfu)
-    rows = [simulate_one(n, cfg, dev, num_stages, num_microbatches, **kw) for n in SCHEDULE_POLICY]
-    window = simulate_one("2bw", cfg, dev, num_stages, num_microbatches, sync_steps=SIM_STEPS, **kw)
+    rows = simulate_all(cfg, dev, num_stages, num_microbatches, **kw)  # type: ignore[arg-type]
+    window = simulate_all(cfg, dev, num_stages, num_microbatches, schedules=["2bw"],
+                          sync_steps=SIM_STEPS, **kw)[0]  # type: ignore[arg-type]  # fmt: skip
     if not any(s.policy == "sync" and not s.refused for s in rows):
         raise UserError(f"no synchronous schedule runs {model} at P={num_stages}, "
                         f"m={num_microbatches}: " + "; ".join(s.refused for s in rows))  # fmt: skip
     tokens = microbatch_size * seq
     lines = [
         f"throughput and memory: simulated, {model} on {dev.name} ({device}, "
-        f"{dev.gpus_per_node} per node) at MFU {mfu:.2f}, P={num_stages}, m={num_microbatches}, "
-        f"microbatch {microbatch_size} x {seq} = {tokens} tokens, steady state over {SIM_STEPS} "
-        "steps (pipeline/timing.py: no compute/communication overlap, no data-parallel "
-        "all-reduce, BI = BW = F, memory = weight versions + stashed activations, no optimizer "
-        "state; device capacity unknown, so every schedule is assumed to fit)",
+        f"{dev.memory_bytes / 1e9:.0f} GB, {dev.gpus_per_node} per node) at MFU {mfu:.2f}, "
+        f"P={num_stages}, m={num_microbatches}, microbatch {microbatch_size} x {seq} = {tokens} "
+        f"tokens, steady state over {SIM_STEPS} steps (pipeline/simulate.py compare_schedules: "
+        "no compute/communication overlap beyond the schedule's order, no data-parallel "
+        "all-reduce, BI = BW = F, memory = weight versions + optimizer state + stashed "
+        "activations per rank; fits = the largest rank within the device's memory)",
     ]
     short = f"{model} on {device}, P={num_stages}, m={num_microbatches} (simulated)"
     rate = window.tokens_per_s if not window.refused else math.nan
@@ -228,5 +225,5 @@ def _measured(e: dict[str, Any]) -> ScheduleThroughput:
     bubble = e.get("bubble")
     return ScheduleThroughput(
         name, policy, rate, float(bubble) if bubble not in (None, "") else math.nan,
-        tuple(float(x) * 1e9 for x in mem), None, "measured",
+        tuple(float(x) * 1e9 for x in mem), True, "measured",  # it ran, so it fit
     )  # fmt: skip
