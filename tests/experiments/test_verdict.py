@@ -173,3 +173,17 @@ def test_best_sync_is_the_fastest_that_fits():
     assert not tp.has("zb-v") and tp.why("zb-v") == "needs m >= P"
     # the simulator's profile has a capacity: every schedule of a 135M model fits an H100
     assert all(s.fits for s in simulated("smollm-135m", "h100", 4, 8).sync())
+
+
+def test_policies_without_a_transferable_schedule_are_listed(curve_sweep, curve_run, capsys):
+    """pipedream's delay grows with P: its P=2 runs say nothing about P=4; fixed:N has no
+    pipeline schedule. Both are named under 'no verdict', the others still judged."""
+    for s in range(2):
+        curve_run(curve_sweep, f"adamw_pd_s{s}",
+                  {"delay.policy": "pipedream", "pipeline.num_stages": "2"}, s, stretch=1.2)  # fmt: skip
+        curve_run(curve_sweep, f"adamw_f2_s{s}", {"delay.policy": "fixed:2"}, s, stretch=1.2)
+    assert main(["verdict", str(curve_sweep), *SIM]) == 0
+    out = capsys.readouterr().out
+    assert "no verdict: adamw_pd: pipedream's delay depends on P; its runs have P=2" in out
+    assert "no verdict: adamw_f2: no pipeline schedule realises delay.policy fixed:2" in out
+    assert "adamw_2bw+ef " in out
