@@ -1,13 +1,17 @@
-"""Delay-engine overhead: step time and memory of sync vs 2bw vs 2bw+EF vs pipedream(P=4).
+"""Delay-engine overhead: step time and memory of sync vs 2bw, EF, pipedream(P=4) and every corrector.
 
 Run: OMP_NUM_THREADS=1 python benchmarks/delay_overhead.py [--preset cpu-small] [--steps 12]
 
 Timing: all contenders live in one process and take turns step by step (round robin), so
 machine noise hits them alike; the median step time is reported as a ratio to sync.
 Memory: each contender also runs alone in a fresh subprocess; we report its peak RSS and the
-bytes the engine holds beyond the model and optimizer (stored weight versions, EF buffer),
-in units of one copy of the parameters. Goals (issue 4): 2bw <= 1.05x sync step time; extra
-memory ~ one parameter copy per stored version (+1 for EF), nothing more.
+bytes the engine holds beyond the model and optimizer (stored weight versions, EF buffer,
+Taylor's EMA of g^2, weight prediction's predicted point), in units of one copy of the
+parameters: "copies" between steps, "peak copies" while the gradient is computed (weight
+prediction's point lives then). Goals (issues 4, 15): <= 1.05x the step time of the same policy without the
+corrector; extra memory what docs/delay.md states: one copy per stored version, +1 for EF, +1
+for DC-ASGD-EMA, +1 stored version and +1 predicted point per stale stage for weight
+prediction, nothing for the PipeMare LR schedule and adaptive momentum.
 """
 
 from __future__ import annotations
@@ -26,7 +30,14 @@ CONTENDERS = {
     "2bw": ({"policy": "2bw"}, 4),
     "2bw+ef": ({"policy": "2bw", "ef": True}, 4),
     "pipedream": ({"policy": "pipedream"}, 4),
+    "2bw+wp": ({"policy": "2bw", "weight_pred": True}, 4),
+    "pd+wp": ({"policy": "pipedream", "weight_pred": True}, 4),
+    "2bw+dc-ema": ({"policy": "2bw", "taylor": 0.1, "taylor_curvature": "ema"}, 4),
+    "pd+lr": ({"policy": "pipedream", "lr_correction_steps": 100}, 4),
+    "2bw+am": ({"policy": "2bw", "adaptive_momentum": True}, 4),
+    "pd+am": ({"policy": "pipedream", "adaptive_momentum": True}, 4),
 }
+# "time/base": each "<policy>+<corrector>" against "<policy>" (pd = pipedream) in the same run
 
 
 def build(name: str, preset: str):
@@ -62,8 +73,12 @@ def one_step(cfg, engine, k: int) -> float:
 def engine_bytes(engine) -> int:
     d = engine.delayed
     n = sum(t.numel() * t.element_size() for h in d._history for ts in h.values() for t in ts)
-    if d._ef_prev is not None:
-        n += sum(t.numel() * t.element_size() for ts in d._ef_prev for t in ts)
+    for bufs in (d._ef_prev, d._taylor_ms):
+        if bufs is not None:
+            n += sum(t.numel() * t.element_size() for ts in bufs for t in ts)
+    for cached in d._predicted:
+        if cached is not None:
+            n += sum(t.numel() * t.element_size() for t in cached[1])
     return n
 
 
@@ -78,14 +93,16 @@ def peak_rss_kb() -> int:
 def memory_child(name: str, preset: str, steps: int) -> None:
     torch.set_num_threads(1)
     cfg, model, engine = build(name, preset)
+    peak = 0
     for k in range(steps):
-        one_step(cfg, engine, k)
+        engine.forward_backward(k, batch(cfg, k))
+        peak = max(peak, engine_bytes(engine))  # weight prediction's point is alive here
+        engine.clip_grad_norm_(1.0)
+        engine.step(k)
+    rest = engine_bytes(engine)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(
-        json.dumps(
-            {"rss_kb": peak_rss_kb(), "engine_bytes": engine_bytes(engine), "param_bytes": params}
-        )
-    )
+    out = {"rss_kb": peak_rss_kb(), "engine_bytes": rest, "peak_bytes": max(peak, rest)}
+    print(json.dumps({**out, "param_bytes": params}))
 
 
 def main() -> None:
@@ -133,15 +150,19 @@ def main() -> None:
         f"preset {args.preset}: {pb / 4 / 1e6:.2f}M params, {args.steps} timed steps each, 1 thread"
     )
     print(
-        f"{'contender':<11} {'P':>2} {'step ms':>8} {'time/sync':>9} {'peak RSS MB':>11} {'RSS-sync MB':>11} {'engine MB':>9} {'param copies':>12}"
+        f"{'contender':<11} {'P':>2} {'step ms':>8} {'time/sync':>9} {'time/base':>9} {'peak RSS MB':>11} {'RSS-sync MB':>11} {'engine MB':>9} {'copies':>6} {'peak copies':>11}"
     )
     for name, (_, P) in CONTENDERS.items():
         t = statistics.median(times[name])
+        base = name.split("+")[0] if "+" in name else name
+        vs = statistics.median(times[base.replace("pd", "pipedream")]) if "+" in name else None
         m = mem[name]
         print(
-            f"{name:<11} {P:>2} {t * 1e3:>8.1f} {t / base_t:>8.3f}x {m['rss_kb'] / 1024:>11.1f} "
+            f"{name:<11} {P:>2} {t * 1e3:>8.1f} {t / base_t:>8.3f}x "
+            f"{f'{t / vs:.3f}x' if vs else '-':>9} "
+            f"{m['rss_kb'] / 1024:>11.1f} "
             f"{(m['rss_kb'] - base_rss) / 1024:>11.1f} {m['engine_bytes'] / 2**20:>9.1f} "
-            f"{m['engine_bytes'] / pb:>12.2f}"
+            f"{m['engine_bytes'] / pb:>6.2f} {m['peak_bytes'] / pb:>11.2f}"
         )
 
 
