@@ -178,23 +178,21 @@ def fill(row: Row, run_dir: Path, loss: float) -> Row:
     return row
 
 
+def emulator_config(s: Setup, policy: str, optim: str, compiled: bool):
+    name = f"emu-{policy.replace('+', '_')}-{optim}-{'compiled' if compiled else 'eager'}"
+    over = {**POLICIES[policy], "optim.name": optim, "train.compile": str(compiled).lower()}
+    return config(s, name, **over)
+
+
 def emulator_row(s: Setup, policy: str, optim: str, compiled: bool) -> Row:
     import torch
 
     from stalepipe.train.loop import train
 
     row = Row("throughput", "emulator", policy, optim, compiled)
-    name = f"emu-{policy.replace('+', '_')}-{optim}-{'compiled' if compiled else 'eager'}"
-    cfg = config(
-        s,
-        name,
-        **POLICIES[policy],
-        **{"optim.name": optim},
-        **{"train.compile": str(compiled).lower()},
-    )
     if s.cuda:
         torch.cuda.reset_peak_memory_stats()
-    result = train(cfg, verbose=False)
+    result = train(emulator_config(s, policy, optim, compiled), verbose=False)
     fill(row, result.run_dir, result.final_train_loss)
     shutil.rmtree(result.run_dir)  # checkpoints of 135M-parameter runs add up
     return row
@@ -238,14 +236,13 @@ def resume_row(s: Setup) -> Row:
     return row
 
 
-def runtime_row(s: Setup) -> Row:
-    """The runtime at the largest P this machine allows (one process per GPU; 2 on CPU)."""
-    from stalepipe.train.launch import launch_train
-    from stalepipe.train.metrics import read_metrics
+def runtime_stages(s: Setup) -> int:
+    """The largest stage count this machine allows: one process per GPU (2 on the CPU)."""
+    return min(s.num_gpus, 8) if s.cuda else 2
 
-    P = min(s.num_gpus, 8) if s.cuda else 2
+
+def runtime_config(s: Setup, P: int):
     schedule = "2bw" if P > 1 else "1f1b"
-    row = Row(f"runtime P={P}", "runtime", schedule, "adamw", False)
     m = max(4, P)
     over = {
         "pipeline.engine": "distributed",
@@ -255,7 +252,17 @@ def runtime_row(s: Setup) -> Row:
         "train.num_microbatches": str(m),
         "train.batch_size": str(8 * m if s.cuda else 2 * m),
     }
-    cfg = config(s, f"runtime-p{P}", **over)
+    return config(s, f"runtime-p{P}", **over)
+
+
+def runtime_row(s: Setup) -> Row:
+    """The runtime at the largest P this machine allows (`runtime_stages`)."""
+    from stalepipe.train.launch import launch_train
+    from stalepipe.train.metrics import read_metrics
+
+    P = runtime_stages(s)
+    cfg = runtime_config(s, P)
+    row = Row(f"runtime P={P}", "runtime", cfg.pipeline.schedule, "adamw", False)
     code = launch_train(cfg, verbose=False)
     run_dir = Path(cfg.out_dir) / cfg.name
     losses = [r["loss"] for r in read_metrics(run_dir) if "loss" in r]

@@ -82,3 +82,25 @@ def test_the_reduced_cpu_mode_runs_every_check(tmp_path):
     assert result["ok"] and len(result["rows"]) == 8
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in result["rows"])
     assert all(r["timed_from_step"] == 3 for r in result["rows"])  # after the warm-up
+
+
+@pytest.mark.parametrize("num_gpus", [1, 2, 4, 8])
+def test_every_config_the_gpu_mode_builds_is_valid(gpu_check, tmp_path, num_gpus):
+    import argparse
+
+    args = argparse.Namespace(cpu_smoke=False, steps=20, budget_s=450.0)
+    s = gpu_check.setup(args, tmp_path)
+    s.num_gpus = num_gpus
+    for policy in gpu_check.POLICIES:
+        for optim in gpu_check.OPTIMIZERS:
+            for compiled in (False, True):
+                cfg = gpu_check.emulator_config(s, policy, optim, compiled)
+                assert cfg.model.dim == 576 and cfg.train.dtype == "bfloat16"  # smollm-135m
+                assert cfg.train.compile is compiled and cfg.train.device == "cuda"
+    P = gpu_check.runtime_stages(s)
+    cfg = gpu_check.runtime_config(s, P)
+    assert cfg.pipeline.num_stages == P == num_gpus
+    assert cfg.pipeline.schedule == ("2bw" if P > 1 else "1f1b")
+    from stalepipe.train.pipelined import check_config
+
+    check_config(cfg)  # what the runtime itself refuses

@@ -156,6 +156,12 @@ def test_compile_is_refused_in_exact_mode_and_on_the_runtime(overrides, fixes):
     apply_overrides(get_preset("cpu-tiny"), {"train.compile": "true"})  # fast mode compiles
 
 
+def test_compiling_an_moe_model_warns_what_it_costs():
+    (w,) = apply_overrides(get_preset("cpu-moe"), {"train.compile": "true"}).warnings()
+    assert w.startswith("train.compile with MoE layers: each layer's dispatch breaks the graph")
+    assert apply_overrides(get_preset("cpu-tiny"), {"train.compile": "true"}).warnings() == []
+
+
 def test_the_cli_refuses_compile_on_the_runtime_in_one_line(tmp_path):
     args = ["--preset", "cpu-tiny", "--train.compile", "true", "--pipeline.engine", "distributed"]
     out = subprocess.run(

@@ -260,9 +260,17 @@ class ExperimentConfig:
         Warmup as long as the run is one: a short smoke run of a preset (`--train.num_steps 10`)
         is legitimate, so it warns instead of refusing."""
         tc = self.train
+        out = []
+        if tc.compile and self.model.num_experts > 0:
+            out.append(
+                "train.compile with MoE layers: each layer's dispatch breaks the graph (its "
+                "expert group sizes depend on the data) and costs a host sync, so the compiled "
+                "model is barely faster than eager after a long compile (docs/benchmarks.md, GPU "
+                "check)"
+            )
         if tc.warmup_steps < tc.num_steps:
-            return []
-        return [
+            return out
+        return out + [
             f"train.warmup_steps ({tc.warmup_steps}) >= train.num_steps ({tc.num_steps}): the LR rises "
             f"for the whole run and never reaches its peak (the {tc.lr_schedule} schedule after "
             f"the warmup never runs); set train.warmup_steps to {tc.num_steps // 10}, or fewer than "
