@@ -234,3 +234,21 @@ def test_refusals():
         DelayConfig(policy="2bw", taylor_curvature="ema")
     with pytest.raises(ConfigError, match="delay.lr_correction_steps must be >= 0"):
         DelayConfig(policy="2bw", lr_correction_steps=-1)
+
+
+def test_a_run_recorded_before_the_correctors_resumes():
+    """A config.json written before the correctors' fields existed means them at their
+    defaults: resuming it is no config change; turning one on is."""
+    import copy
+
+    from stalepipe.config import ExperimentConfig
+    from stalepipe.train.resume import config_diff
+
+    current = ExperimentConfig(delay=DelayConfig(policy="2bw")).to_dict()
+    old = copy.deepcopy(current)
+    for key in ("taylor_curvature", "weight_pred", "weight_pred_scale"):
+        del old["delay"][key]
+    del old["delay"]["lr_correction_steps"], old["delay"]["adaptive_momentum"]
+    assert config_diff(old, current, resumed_step=3) == []
+    current["delay"]["weight_pred"] = True
+    assert config_diff(old, current, resumed_step=3) == ["delay.weight_pred"]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from stalepipe.config import ConfigError, ExperimentConfig
+from stalepipe.config.overrides import default_of
 from stalepipe.delay import DelaySchedule
 from stalepipe.errors import CheckpointError
 from stalepipe.fileio import flatten_dict
@@ -61,6 +62,17 @@ CONTINUE_CHANGES = {"optim.lr", "optim.adam_lr", "train.grad_clip"}
 LENGTH = "train.num_steps"
 
 
+def _added_default(key: str, current: dict[str, Any]) -> Any:
+    """What a saved record without `key` meant: the field's default, for a field added since
+    the run was made (the delay correctors, say); None for a key the config no longer has."""
+    if key not in current:
+        return None
+    try:
+        return default_of(ExperimentConfig, key)
+    except KeyError:
+        return None
+
+
 def config_diff(
     saved: dict[str, Any], current: dict[str, Any], *, resumed_step: int | None = None
 ) -> list[str]:
@@ -70,7 +82,7 @@ def config_diff(
     a, b = flatten_dict(saved), flatten_dict(current)
     keys = sorted(set(a) | set(b))
     free = RESUMABLE_CHANGES | CONTINUE_CHANGES
-    diff = [k for k in keys if k not in free and a.get(k) != b.get(k)]
+    diff = [k for k in keys if k not in free and a.get(k, _added_default(k, b)) != b.get(k)]
     if LENGTH in diff and resumed_step is not None and same_past(saved, current, resumed_step):
         diff.remove(LENGTH)
     if a.get("delay.policy") == b.get("delay.policy") and all(
