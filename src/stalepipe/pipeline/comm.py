@@ -1,7 +1,9 @@
 """Point-to-point and control communication of the pipeline runtime, with timeouts everywhere.
 
-Ranks: `rank = replica * P + stage` (P stages, D data-parallel replicas), so without data
-parallelism rank == stage and rank 0 is stage 0 of replica 0 (it logs and writes checkpoints).
+Ranks: `rank` is the torch.distributed rank, `replica * P + stage` (P stages, one process
+each, D data-parallel replicas); a schedule's lists are indexed by the rank within one replica's
+pipeline (`pipeline.schedule`), which is `rank % P` here. Without data parallelism the two are
+equal, and rank 0 is stage 0 of replica 0 (it logs and writes checkpoints).
 
 Channels. Every message between two stages travels on a *channel*: activations forward
 (`act`), gradients backward (`grad`), evaluation activations (`eval`), the tied embedding's head

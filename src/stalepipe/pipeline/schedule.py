@@ -3,7 +3,10 @@
 The runtime executes these lists, the timing simulator times them, the tests diff them.
 
 Vocabulary (GUIDE rule 10):
-    rank       a process / device, 0..R-1.
+    rank       a process / device of one pipeline replica, by its rank in the replica's pipeline
+               group, 0..R-1 (`comm.Topology` gives the torch.distributed rank of pipeline rank r
+               in replica d; with one replica the two are the same number, and without chunks
+               pipeline rank == stage, which is how the runtime runs).
     stage      a contiguous model partition, 0..S-1 (0 = embedding side). S = R * num_chunks;
                stage s is chunk `c = s // R` of the rank its `placement` names:
                "interleaved" (Megatron's loop): rank `s % R`, so rank r holds r, r+R, ...;

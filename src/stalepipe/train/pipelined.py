@@ -349,7 +349,8 @@ class PipelineEngine:
 
     def steps(self, plan: StepPlan) -> Iterator[StepResult]:
         self.executor = self._executor(plan)
-        actions = [a for a in self.sched.ranks[self.stage] if a.step >= self.start_step]
+        own = self.sched.ranks[self.sched.rank_of(self.stage)]  # one stage per process
+        actions = [a for a in own if a.step >= self.start_step]
         for r in self.executor.run(actions):
             self.losses.append((r.step, r.loss))
             tau = self.sched.delay.taus(r.step)
