@@ -125,7 +125,7 @@ def _subcommands():
 def test_every_command_has_help(capsys):
     names = list(_subcommands())
     assert names == ["train", "data", "demo", "simulate", "info", "presets", "export", "eval",
-                     "sweep", "report", "toy"]  # fmt: skip
+                     "sweep", "report", "verdict", "toy"]  # fmt: skip
     for argv in [[n] for n in names] + [["data", "prepare"]]:
         with pytest.raises(SystemExit) as e:
             main([*argv, "--help"])
@@ -141,6 +141,7 @@ def test_every_command_has_help(capsys):
         (["eval", "RUN"], "stalepipe.experiments.evaluate:eval_main"),
         (["export", "RUN", "--out", "hf"], "stalepipe.experiments.export:export_main"),
         (["demo"], "stalepipe.experiments.demo:run_demo"),
+        (["verdict", "RUNS"], "stalepipe.experiments.verdict:run_verdict"),
     ],
 )
 def test_flags_are_the_keywords_of_the_function_a_command_calls(argv, target):

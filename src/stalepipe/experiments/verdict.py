@@ -16,6 +16,7 @@ Writes `verdict.md`, `verdict.csv` and `verdict.png` into SWEEP_DIR/verdict (or 
 from __future__ import annotations
 
 import csv
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,18 +113,15 @@ def _label(row: Row) -> str:
 
 
 def sync_window_share(row: Row) -> float:
-    """Share of the run's steps with tau = 0 (delay.sync_start / sync_cooldown windows)."""
+    """Share of the run's steps with tau = 0 (delay.sync_start / sync_cooldown windows, the
+    WSD-aligned cooldown included), from its first run's config.json."""
+    from stalepipe.config import ExperimentConfig, upgrade_record
     from stalepipe.delay import DelaySchedule
 
-    c = row.config
-    steps = int(c.get("train.num_steps", 1))
-    delay = DelaySchedule.build(
-        row.policy,
-        int(c.get("pipeline.num_stages", 1)),
-        steps,
-        int(c.get("delay.sync_start", 0)),
-        float(c.get("delay.sync_cooldown", 0.0)),
-    )
+    record = json.loads((row.runs[0].path / "config.json").read_text())
+    cfg = ExperimentConfig.from_dict(upgrade_record(record), strict=False)
+    steps = cfg.train.num_steps
+    delay = DelaySchedule.from_config(cfg.delay, cfg.pipeline.num_stages, steps, cfg.train)
     return sum(delay.in_sync_window(k) for k in range(steps)) / steps
 
 
