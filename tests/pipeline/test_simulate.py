@@ -117,3 +117,10 @@ def test_ratio_to_the_best_synchronous_schedule_is_printed():
     # uniform costs: 2bw's steady state is bubble-free, ZB-H1's step 3(m) / (3m + P - 1)
     want = (3 * 8 + 3) / (3 * 8)
     assert f"steady throughput 2bw / best synchronous that fits (zb-h1): {want:.3f}" in out
+
+
+def test_chunks_is_an_error_where_no_schedule_reads_it():
+    with pytest.raises(ConfigError, match=r"^--chunks is read by interleaved-1f1b only .*drop"):
+        simulate_main(schedule="zb-v", stages=2, microbatches=4, chunks=3)
+    out = simulate_main(compare="1f1b,interleaved-1f1b", stages=2, microbatches=4, chunks=3)
+    assert "interleaved-1f1b" in out

@@ -134,7 +134,7 @@ def simulate_main(
     stages: int = 4,
     microbatches: int = 8,
     steps: int = 1,
-    chunks: int = 2,
+    chunks: int | None = None,
     compare: str | list[str] | None = None,
     model: str | None = None,
     device: str = "h100",
@@ -161,6 +161,12 @@ def simulate_main(
     if model is not None and times is not None:
         raise ConfigError("give --model (analytic costs) or --times (given costs), not both")
     names = _schedule_names(schedule, compare)
+    if chunks is not None and "interleaved-1f1b" not in names:
+        raise ConfigError(
+            f"--chunks is read by interleaved-1f1b only (zb-v, dualpipev and wpipe always hold "
+            f"2 stages per rank), not by {', '.join(names)}; drop --chunks"
+        )
+    chunks = 2 if chunks is None else chunks
     cfg = model_config(model) if model is not None else None
     dev = get_device(device) if cfg is not None else None
     given = parse_times(times) if times else {}
