@@ -195,7 +195,7 @@ def _add_simulate(sub: Subparsers) -> None:
     add("--stages", type=int, default=4, help="pipeline ranks P")
     add("--microbatches", type=int, default=8, help="microbatches per step m")
     add("--steps", type=int, default=1, help="optimizer steps N")
-    add("--chunks", type=int, default=2, help="model chunks per rank (interleaved)")
+    add("--chunks", type=int, help="model chunks per rank (interleaved-1f1b; default 2)")
     add("--model", help="preset (e.g. smollm-360m) or llama-10b: analytic costs")
     add("--device", default="h100", help="h100 | h200 | a100 | cpu")
     add("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed")
