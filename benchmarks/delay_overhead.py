@@ -76,9 +76,8 @@ def engine_bytes(engine) -> int:
     for bufs in (d._ef_prev, d._taylor_ms):
         if bufs is not None:
             n += sum(t.numel() * t.element_size() for ts in bufs for t in ts)
-    for cached in d._predicted:
-        if cached is not None:
-            n += sum(t.numel() * t.element_size() for t in cached[1])
+    for cache in d._predicted:
+        n += sum(t.numel() * t.element_size() for ts in cache.values() for t in ts)
     return n
 
 

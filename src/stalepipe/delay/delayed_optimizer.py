@@ -136,9 +136,10 @@ class DelayedOptimizer:
         self._predict = cfg.weight_pred and schedule.delayed
         # per-stage LR / momentum: per-stage param groups (None: not needed)
         self._group_stage = correctors.prepare_groups(optimizer, self._params, cfg, schedule)
-        # the last predicted point per stage: ((version, tau), tensors); a cache only
-        self._predicted: list[tuple[tuple[int, int], list[torch.Tensor]] | None]
-        self._predicted = [None] * self.num_stages
+        # the last two predicted points per stage, (version, tau) -> tensors: a cache (the
+        # runtime's 2bw reads two versions at a time, graphs in flight hold both anyway)
+        self._predicted: list[dict[tuple[int, int], list[torch.Tensor]]]
+        self._predicted = [{} for _ in stages]
 
         self._step = 0
         # history[s][v]: stored copy of stage s's weights W_v (v < current step); the live
@@ -212,13 +213,15 @@ class DelayedOptimizer:
         scale = self.prediction_scale(stage if reader is None else reader, step)
         if not scale:
             return pick(self.weights_at(stage, v))
-        cached = self._predicted[stage]
-        if cached is not None and cached[0] == (v, tau):
-            return pick(cached[1])
+        cache = self._predicted[stage]
+        if (v, tau) in cache:
+            return pick(cache[(v, tau)])
         w_v, w_prev = pick(self.weights_at(stage, v)), pick(self.weights_at(stage, v - 1))
         w = correctors.predict_weights(w_v, w_prev, scale)
         if index is None:
-            self._predicted[stage] = ((v, tau), w)
+            cache[(v, tau)] = w
+            if len(cache) > 2:
+                del cache[next(iter(cache))]
         return w
 
     def prediction_scale(self, reader: int, step: int) -> float:
@@ -315,9 +318,9 @@ class DelayedOptimizer:
                     w_k[s] = buf
             if not hist:
                 self._spare[s] = None  # no delayed step ahead: free the memory
-            cached = self._predicted[s]
-            if cached is not None and cached[0][0] - 1 not in hist:
-                self._predicted[s] = None  # no later step reads this prediction
+            cache = self._predicted[s]
+            for key in [key for key in cache if key[0] - 1 not in hist]:
+                del cache[key]  # no later step reads this prediction
 
         if cfg.ef:
             w_k = [
@@ -424,7 +427,7 @@ class DelayedOptimizer:
             for s, h in enumerate(state["history"])
         ]
         self._spare = [None] * self.num_stages
-        self._predicted = [None] * self.num_stages
+        self._predicted = [{} for _ in range(self.num_stages)]
         self._ef_prev = (
             None
             if state["ef_prev"] is None
