@@ -305,7 +305,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _add_sweep(sub: Subparsers) -> None:
-    from stalepipe.experiments.studies import STUDIES, study_table
+    from stalepipe.experiments.studies import SCALES, STUDIES, study_table
 
     p = sub.add_parser(
         "sweep",
@@ -325,7 +325,7 @@ def _add_sweep(sub: Subparsers) -> None:
     add = p.add_argument
     add("study", metavar="STUDY", nargs="?", choices=[*STUDIES, "toy"],
         help="study name (see below)")  # fmt: skip
-    add("--scale", default="cpu", choices=["cpu", "135m", "360m"], help="model scale")
+    add("--scale", default="cpu", choices=SCALES, help="model scale (studies.py)")
     add("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
     add("--workers", type=int, default=1, help="runs in parallel (one process each)")
     add("--out", help="sweep directory (default runs/STUDY)")

@@ -3,8 +3,11 @@
 Each study is a function `(scale) -> list of grids`; a grid is a list of axes (see `grid.axis`),
 and the study is the union of its grids' products times the seeds. Scales:
 
-    cpu     the `paper-mini` model below (4 blocks, so pipeline depths 2 and 4 exist), Shakespeare
-            bytes, 200 steps: 20-40 s per run on one core
+    cpu         the `paper-mini` model below (4 blocks, so pipeline depths 2 and 4 exist),
+                Shakespeare bytes, 200 steps: 20-40 s per run on one core
+    cpu-regime  issue 17's scale, chosen by measurement (`benchmarks/regime_probe.py`,
+                docs/RESULTS.md "Regime"): every run leaves the unigram plateau early and the
+                seed spread is small against AdamW's gap (`regime_base`)
     135m    SmolLM-135M on GPT-2 tokens (`smollm-135m` preset), GPUs
     360m    SmolLM-360M (`smollm-360m` preset), GPUs
 
@@ -37,8 +40,11 @@ from stalepipe.experiments.claims import (
 from stalepipe.experiments.grid import Bundle, RunSpec, axis, dedupe, expand
 from stalepipe.presets import get_preset
 
-SCALES = ("cpu", "135m", "360m")
+SCALES = ("cpu", "cpu-regime", "135m", "360m")
+CPU_SCALES = ("cpu", "cpu-regime")
+# The `cpu` studies' results (docs/RESULTS.md) predate NAdamW; every other scale has all seven.
 OPTIMIZER_NAMES = ("adamw", "muon", "soap", "adan", "lion", "mars")
+ALL_OPTIMIZER_NAMES = (*OPTIMIZER_NAMES, "nadamw")
 CPU_STEPS = 200
 
 
@@ -70,6 +76,40 @@ def paper_mini_base() -> ExperimentConfig:
     )
 
 
+# The `cpu-regime` scale (issue 17), chosen with benchmarks/regime_probe.py: see docs/RESULTS.md
+# "Regime" for the probes that ruled out cheaper candidates.
+REGIME_STEPS = 1200
+
+
+def regime_base() -> ExperimentConfig:
+    """The `cpu-regime` study model: ~0.4M parameters (4 blocks of width 96, so P = 2, 4
+    exist), byte-level Shakespeare, 16 x 128 tokens per step for REGIME_STEPS steps, 10% warmup
+    + cosine to 10%, 20 evaluations (the token overhead reads the eval curve)."""
+    return ExperimentConfig(
+        name="cpu-regime",
+        model=ModelConfig(
+            vocab_size=256,
+            dim=96,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            ffn_dim=256,
+            max_seq_len=128,
+        ),
+        data=DataConfig(seq_len=128),
+        train=TrainConfig(
+            num_steps=REGIME_STEPS,
+            batch_size=16,
+            warmup_steps=REGIME_STEPS // 10,
+            eval_every=REGIME_STEPS // 20,
+            num_eval_batches=8,
+            log_every=10,
+            progress=False,
+            threads=1,
+        ),
+    )
+
+
 # Per-optimizer peak LR by scale (matrix LR for muon; its AdamW part uses adam_lr = its default).
 LRS: dict[str, dict[str, str]] = {
     "cpu": {
@@ -80,6 +120,8 @@ LRS: dict[str, dict[str, str]] = {
         "lion": "3e-3",
         "mars": "3e-2",
     },  # fmt: skip
+    # tuned on sync, seed 0 (docs/RESULTS.md "Regime"); the others: their defaults until tuned
+    "cpu-regime": {"adamw": "3e-3", "muon": "0.05"},
     "135m": {},  # optimizers' defaults (docs/optimizers.md)
     "360m": {},
 }
@@ -89,6 +131,8 @@ def base_config(scale: str) -> ExperimentConfig:
     """The base config every run of a study at `scale` starts from."""
     if scale == "cpu":
         return paper_mini_base()
+    if scale == "cpu-regime":
+        return regime_base()
     if scale == "135m":
         return get_preset("smollm-135m")
     if scale == "360m":
@@ -96,8 +140,10 @@ def base_config(scale: str) -> ExperimentConfig:
     raise UserError(f"--scale must be one of {', '.join(SCALES)}, got {scale!r}")
 
 
-def optimizer_axis(scale: str, names: tuple[str, ...] = OPTIMIZER_NAMES) -> list[Bundle]:
-    """Optimizers, each at its own LR for the scale."""
+def optimizer_axis(scale: str, names: tuple[str, ...] | None = None) -> list[Bundle]:
+    """Optimizers (default: all the scale studies), each at its own LR for the scale."""
+    if names is None:
+        names = OPTIMIZER_NAMES if scale == "cpu" else ALL_OPTIMIZER_NAMES
     out = []
     for name in names:
         o = {"optim.name": name}
@@ -172,16 +218,17 @@ def study_delay(scale: str) -> list[list[list[Bundle]]]:
     return [[optimizer_axis(scale, ("adamw", "muon")), [SYNC, *delays]]]
 
 
-def _length(n: int) -> Bundle:
-    """A training length of n steps (warmup 10%, four evaluations)."""
+def _length(n: int, evals: int = 4) -> Bundle:
+    """A training length of n steps (warmup 10%, `evals` evaluations)."""
     return (f"steps{n}", {"train.num_steps": str(n), "train.warmup_steps": str(max(n // 10, 1)),
-                          "train.eval_every": str(max(n // 4, 1))})  # fmt: skip
+                          "train.eval_every": str(max(n // evals, 1))})  # fmt: skip
 
 
 def study_tokens(scale: str) -> list[list[list[Bundle]]]:
-    steps = base_config(scale).train.num_steps
+    tc = base_config(scale).train
+    steps, evals = tc.num_steps, tc.num_steps // (tc.eval_every or tc.num_steps)
     lengths = [steps // 4, steps // 2, steps, steps * 2]
-    grid_steps = [_length(n) for n in lengths]
+    grid_steps = [_length(n, evals) for n in lengths]
     return [[optimizer_axis(scale, ("adamw", "muon")), grid_steps, [SYNC, TWO_BW]]]
 
 
@@ -271,39 +318,45 @@ def get_study(name: str) -> Study:
     return STUDIES[name]
 
 
-# Core-seconds per step of `paper_mini_base` (spawn, evals and checkpoints included), measured
-# over the paper-mini sweep on a 2-core machine shared with other jobs: 0.09 s at a load of ~3,
-# 0.18 s at a load of ~8. Used only for the estimates in `stalepipe sweep --help` / --dry-run.
-CPU_SECONDS_PER_STEP = 0.1
+# Core-seconds per step of each CPU scale's base config (spawn, evals and checkpoints included),
+# measured on a 2-core machine shared with other jobs. `cpu`: over the paper-mini sweep, 0.09 s
+# at a load of ~3, 0.18 s at ~8. `cpu-regime`: benchmarks/regime_throughput.py and the
+# regime probes (docs/RESULTS.md "Regime"). Used only for the estimates in `stalepipe sweep
+# --help` / --dry-run.
+CPU_SECONDS_PER_STEP = {"cpu": 0.1, "cpu-regime": 0.15}
 
 
 def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{max(seconds / 60, 1):.0f} min"
 
 
-def estimate_cpu_seconds(specs: list[RunSpec], base: ExperimentConfig) -> float:
-    """Core-seconds of a CPU sweep: steps x per-step cost, scaled by tokens per step (read from
-    the overrides, so no config is built: `stalepipe --help` stays fast)."""
-    total = 0.0
+def estimate_cpu_seconds(specs: list[RunSpec], base: ExperimentConfig, scale: str = "cpu") -> float:
+    """Core-seconds of a sweep at CPU scale `scale`: steps x the base's per-step cost, scaled
+    by tokens per step (read from the overrides, so no config is built: `stalepipe --help`
+    stays fast)."""
+    total, base_tokens = 0.0, base.train.batch_size * base.data.seq_len
     for spec in specs:
         o = spec.overrides
         steps = int(o.get("train.num_steps", base.train.num_steps))
         batch = int(o.get("train.batch_size", base.train.batch_size))
         seq = int(o.get("data.seq_len", base.data.seq_len))
-        total += steps * CPU_SECONDS_PER_STEP * batch * seq / (16 * 64)
+        total += steps * CPU_SECONDS_PER_STEP[scale] * batch * seq / base_tokens
     return total
 
 
-def study_table(seeds: int = 3) -> str:
-    """One line per study: runs at cpu scale, and the CPU core-hours they take."""
+def study_table(seeds: int = 3, scale: str = "cpu") -> str:
+    """One line per study: runs at CPU scale `scale`, and the CPU core-hours they take."""
     lines = []
     for s in STUDIES.values():
-        specs = s.specs("cpu", seeds)
-        hours = estimate_cpu_seconds(specs, s.base("cpu")) / 3600
+        if scale not in s.scales:
+            continue
+        specs = s.specs(scale, seeds)
+        hours = estimate_cpu_seconds(specs, s.base(scale), scale) / 3600
         lines.append(f"  {s.name:<12} {len(specs):>4} runs  ~{hours:4.1f} CPU core-h   {s.about}")
-    lines.append(
-        "  toy          (seconds) delayed Muon +- EF on matrix least squares: theory check"
-    )
+    if scale == "cpu":
+        lines.append(
+            "  toy          (seconds) delayed Muon +- EF on matrix least squares: theory check"
+        )
     return "\n".join(lines)
 
 
@@ -374,8 +427,8 @@ def _dry_run(
         if status != "finished" and (status != "failed" or retry_failed):
             todo.append(spec)
     msg = f"{len(specs)} runs, {len(todo)} to run"
-    if scale == "cpu" and todo:
-        cost = estimate_cpu_seconds(todo, base)
+    if scale in CPU_SCALES and todo:
+        cost = estimate_cpu_seconds(todo, base, scale)
         msg += (f": ~{_duration(cost)} of CPU core time (~{_duration(cost / workers)} with "
                 f"{workers} worker(s) on a lightly loaded machine)")  # fmt: skip
     log(msg)

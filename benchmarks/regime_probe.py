@@ -1,0 +1,273 @@
+"""Which CPU scale puts the studies in a pretraining-like regime (issue 17)? Probe candidates.
+
+Each candidate is a base config (model, tokenizer, tokens per step, steps, warmup). For each,
+the probe trains a few arms (optimizer x delay policy x seed) as an ordinary sweep into
+`OUT/<candidate>/` (resumable: a rerun trains only what is missing) and prints one table row
+per candidate and arm with the issue's three criteria:
+
+- (a) plateau exit: the first step at which the train loss, smoothed by a trailing mean over
+  `smooth_window(steps)` steps, is below the unigram entropy of the training tokens minus
+  `MARGIN` nats, as a fraction of the run (the worst seed). Criterion: <= 10% for every arm.
+- (b) seed std of the synchronous final val loss <= 1/5 of AdamW's 2bw gap (mean over seeds).
+- (c) end slope: least-squares slope of the train loss over the last 20% of steps, in nats per
+  10% of the run. Criterion: < 0 (still falling).
+
+Runs per core-hour come from each run's own clock (`tokens_per_s` in its metrics), so they hold
+for one worker of one thread on this machine under its load at the time.
+
+    python benchmarks/regime_probe.py --candidates bpe2k-d96,byte-d96 --arms adamw:sync,adamw:2bw
+    python benchmarks/regime_probe.py --seeds 3 --table-only       # the table of what has run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from stalepipe.config import ExperimentConfig, apply_overrides
+from stalepipe.data import ensure_prepared
+from stalepipe.data.manifest import split_shards
+from stalepipe.data.shards import read_shard
+from stalepipe.experiments.grid import RunSpec
+from stalepipe.experiments.studies import LRS, SCALES, base_config, paper_mini_base
+from stalepipe.experiments.sweep import run_status, run_sweep
+from stalepipe.models import count_params
+from stalepipe.train.metrics import read_metrics
+
+MARGIN = 0.3  # nats below the unigram entropy that count as "off the plateau"
+
+
+def _shape(vocab: int, dim: int, ffn: int, layers: int = 4, seq: int = 64) -> dict[str, str]:
+    return {"model.vocab_size": str(vocab), "model.dim": str(dim), "model.ffn_dim": str(ffn),
+            "model.num_layers": str(layers), "model.max_seq_len": str(seq),
+            "data.seq_len": str(seq)}  # fmt: skip
+
+
+def _bpe(vocab: int) -> dict[str, str]:
+    return {"data.tokenizer": "bpe", "data.bpe_vocab_size": str(vocab),
+            "data.data_dir": f"data_cache/shakespeare-bpe{vocab}"}  # fmt: skip
+
+
+def _schedule(steps: int, batch: int, warmup: float = 0.1) -> dict[str, str]:
+    return {"train.num_steps": str(steps), "train.batch_size": str(batch),
+            "train.warmup_steps": str(max(int(steps * warmup), 1)),
+            "train.eval_every": str(steps // 4)}  # fmt: skip
+
+
+# name -> overrides on `paper_mini_base` (4 blocks, 4 heads / 2 KV heads, tied embeddings).
+CANDIDATES: dict[str, dict[str, str]] = {
+    "byte-d96": _shape(256, 96, 256, seq=128) | _schedule(800, 16),
+    "bpe1k-d96": _shape(1024, 96, 256) | _bpe(1024) | _schedule(800, 32),
+    "bpe2k-d96": _shape(2048, 96, 256) | _bpe(2048) | _schedule(800, 32),
+    "bpe4k-d96": _shape(4096, 96, 256) | _bpe(4096) | _schedule(800, 32),
+    "bpe2k-d96-w25": _shape(2048, 96, 256) | _bpe(2048) | _schedule(800, 32, warmup=0.25),
+    # byte-d96 at 1200 steps, with 20 evaluations of 8 batches: studies.regime_base
+    "cpu-regime": {},
+    "byte-d96-w25": _shape(256, 96, 256, seq=128) | _schedule(800, 16, warmup=0.25),
+    "byte-d96-b8-s1600": _shape(256, 96, 256, seq=128) | _schedule(1600, 8),
+}
+
+POLICIES = {"sync": {"delay.policy": "sync"}, "2bw": {"delay.policy": "2bw"},
+            "2bw+ef": {"delay.policy": "2bw", "delay.ef": "true"}}  # fmt: skip
+
+
+def candidate_config(name: str) -> ExperimentConfig:
+    """The base config of candidate `name` (every arm of it starts here)."""
+    if name in SCALES:
+        return base_config(name)
+    return apply_overrides(paper_mini_base(), CANDIDATES[name])
+
+
+def arm_specs(
+    arms: list[str], seeds: int, lrs: dict[str, str], study_names: bool = False
+) -> list[RunSpec]:
+    """`adamw:sync` -> RunSpecs named like a study's runs (`adamw_sync_s0`), seed-major."""
+    specs = []
+    for seed in range(seeds):
+        for arm in arms:
+            opt, lr, policy = parse_arm(arm, lrs)
+            o = {"optim.name": opt, "optim.lr": lr, **POLICIES[policy]}
+            group = arm_group(arm, lrs, study_names)
+            specs.append(RunSpec(name=f"{group}_s{seed}", group=group,
+                                 seed=seed, overrides=o))  # fmt: skip
+    return specs
+
+
+def parse_arm(arm: str, lrs: dict[str, str]) -> tuple[str, str, str]:
+    """`adamw:sync` (the LR from `lrs`) or `adamw@1e-2:sync` -> (optimizer, LR, policy)."""
+    opt, policy = arm.split(":")
+    opt, _, lr = opt.partition("@")
+    return opt, lr or lrs[opt], policy
+
+
+def arm_group(arm: str, lrs: dict[str, str], study_names: bool = False) -> str:
+    """`adamw:sync` -> `adamw_lr3e-3_sync` (the run name without its seed); with
+    `study_names`, an arm at the scale's own LR is named as in the studies (`adamw_sync`), so
+    that its runs are the `optimizers` study's."""
+    opt, lr, policy = parse_arm(arm, lrs)
+    return f"{opt}_{policy}" if study_names and lr == lrs[opt] else f"{opt}_lr{lr}_{policy}"
+
+
+def unigram_entropy(data_dir: str | Path) -> float:
+    """Entropy (nats) of the token frequencies of the train split: the loss of the best model
+    that ignores context."""
+    counts = np.zeros(1, dtype=np.int64)
+    for path, _ in split_shards(Path(data_dir), "train"):
+        c = np.bincount(read_shard(path).astype(np.int64))
+        counts = (
+            np.pad(counts, (0, max(0, len(c) - len(counts)))) if len(c) > len(counts) else counts
+        )
+        counts[: len(c)] += c
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def smooth_window(steps: int) -> int:
+    return max(5, steps // 100)
+
+
+def plateau_exit(losses: list[float], entropy: float) -> int | None:
+    """The first step whose trailing mean train loss is below `entropy - MARGIN` (None: never)."""
+    w = smooth_window(len(losses))
+    c = np.cumsum([0.0, *losses])
+    for i in range(w, len(losses) + 1):
+        if (c[i] - c[i - w]) / w < entropy - MARGIN:
+            return i - 1
+    return None
+
+
+def end_slope(losses: list[float]) -> float:
+    """Least-squares slope of the train loss over the last 20% of steps, per 10% of the run."""
+    n = len(losses)
+    tail = np.asarray(losses[int(n * 0.8) :])
+    x = np.arange(len(tail))
+    return float(np.polyfit(x, tail, 1)[0] * n * 0.1)
+
+
+def run_summary(run_dir: Path, entropy: float) -> dict[str, float] | None:
+    """Final val loss, plateau-exit fraction, end slope and seconds of one finished run."""
+    if run_status(run_dir) != "finished":
+        return None
+    rows = read_metrics(run_dir)
+    losses = [r["loss"] for r in rows if "loss" in r]
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    exit_step = plateau_exit(losses, entropy)
+    return {
+        "val": vals[-1],
+        "exit": math.inf if exit_step is None else (exit_step + 1) / len(losses),
+        "slope": end_slope(losses),
+        "seconds": wall_seconds(run_dir),
+    }
+
+
+def wall_seconds(run_dir: Path) -> float:
+    """From the run's start (meta.json) to its last metrics line (the file's mtime): evals
+    included, spawn and the final checkpoint not. Valid for runs made here, not copies."""
+    meta = json.loads((run_dir / "meta.json").read_text())
+    started = datetime.strptime(meta["started"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    return (run_dir / "metrics.jsonl").stat().st_mtime - started
+
+
+def _fmt_exit(x: float) -> str:
+    return "never" if math.isinf(x) else f"{x:.0%}"
+
+
+def table(dirs: dict[str, Path], arms: list[str], seeds: int, lrs: dict[str, str]) -> str:
+    """The probe table: one row per candidate and arm, then the criteria per candidate."""
+    lines = [
+        "| candidate | params | tokens/step | steps | unigram H | arm | seeds | val (mean ± std) "
+        "| gap to sync | plateau exit (worst seed) | end slope /10% | s/run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    verdicts = []
+    for name, run_root in dirs.items():
+        cfg = candidate_config(name)
+        entropy = unigram_entropy(cfg.data.resolved_dir())
+        params = count_params(cfg.model)["total"]
+        vals: dict[str, list[float]] = {}
+        worst_exit, slopes = 0.0, []
+        for arm in arms:
+            opt, lr, policy = parse_arm(arm, lrs)
+            group = arm_group(arm, lrs, name in SCALES)
+            runs = [run_summary(run_root / f"{group}_s{s}", entropy) for s in range(seeds)]
+            runs = [r for r in runs if r]
+            if not runs:
+                continue
+            v = vals[f"{opt}@{lr}:{policy}"] = [r["val"] for r in runs]
+            sync = vals.get(f"{opt}@{lr}:sync")
+            gap = (
+                f"{statistics.mean(v) - statistics.mean(sync):+.4f}"
+                if sync and policy != "sync"
+                else ""
+            )
+            std = f" ± {statistics.stdev(v):.4f}" if len(v) > 1 else ""
+            ex = max(r["exit"] for r in runs)
+            worst_exit = max(worst_exit, ex)
+            slopes += [r["slope"] for r in runs]
+            lines.append(
+                f"| {name} | {params / 1e6:.2f}M | {cfg.train.batch_size * cfg.data.seq_len} | "
+                f"{cfg.train.num_steps} | {entropy:.3f} | {opt} {lr} {policy} | {len(runs)} | "
+                f"{statistics.mean(v):.4f}{std} | {gap} | {_fmt_exit(ex)} | "
+                f"{max(r['slope'] for r in runs):+.4f} | "
+                f"{statistics.mean(r['seconds'] for r in runs):.0f} |"
+            )
+        verdicts.append(_criteria(name, vals, worst_exit, slopes, f"adamw@{lrs['adamw']}"))
+    return "\n".join(lines + [""] + verdicts)
+
+
+def _criteria(
+    name: str, vals: dict[str, list[float]], worst_exit: float, slopes: list[float], adamw: str
+) -> str:
+    """One line: (a), (b), (c) for a candidate, from what has run."""
+    a = f"(a) worst plateau exit {_fmt_exit(worst_exit)} {'<=' if worst_exit <= 0.1 else '>'} 10%"
+    sync_std = [statistics.stdev(v) for k, v in vals.items() if k.endswith(":sync") and len(v) > 1]
+    if f"{adamw}:sync" in vals and f"{adamw}:2bw" in vals and sync_std:
+        gap = statistics.mean(vals[f"{adamw}:2bw"]) - statistics.mean(vals[f"{adamw}:sync"])
+        ok = max(sync_std) <= gap / 5
+        b = f"(b) max sync std {max(sync_std):.4f} {'<=' if ok else '>'} AdamW gap/5 {gap / 5:.4f}"
+    else:
+        b = "(b) needs >= 2 seeds of a sync arm and AdamW sync + 2bw"
+    c = (
+        f"(c) worst end slope {max(slopes):+.4f} nats/10% ({'falling' if max(slopes) < 0 else 'NOT falling'})"
+        if slopes
+        else "(c) -"
+    )
+    return f"- {name}: {a}; {b}; {c}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--candidates", default=",".join(CANDIDATES))
+    p.add_argument("--arms", default="adamw:sync,adamw:2bw,muon:sync,muon:2bw")
+    p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--lr", action="append", default=[], help="OPT=LR (default: studies.LRS)")
+    p.add_argument("--out", default="runs/regime-probe", help="candidate N's runs: OUT/N")
+    p.add_argument("--runs", help="the one candidate's runs are here instead of OUT/N")
+    p.add_argument("--table-only", action="store_true", help="print the table, train nothing")
+    args = p.parse_args()
+    names = args.candidates.split(",")
+    if args.runs and len(names) != 1:
+        p.error("--runs takes one candidate")
+    dirs = {n: Path(args.runs) if args.runs else Path(args.out) / n for n in names}
+    arms = args.arms.split(",")
+    lrs = LRS["cpu"] | LRS["cpu-regime"] | dict(kv.split("=") for kv in args.lr)
+    if not args.table_only:
+        for name, run_root in dirs.items():
+            base = candidate_config(name)
+            ensure_prepared(base.data)
+            specs = arm_specs(arms, args.seeds, lrs, study_names=name in SCALES)
+            run_sweep(specs, base, run_root, workers=args.workers)
+    print(table(dirs, arms, args.seeds, lrs))
+
+
+if __name__ == "__main__":
+    main()
