@@ -297,6 +297,21 @@ def test_soap_turns_tf32_off_inside_and_restores_it(tf32_flags):
     assert torch.backends.cuda.matmul.allow_tf32 is True
 
 
+def test_soap_turns_tf32_off_under_torchs_new_precision_api_too():
+    # In a process of its own: after the new API is used, torch refuses the legacy flags.
+    code = (
+        "import torch\n"
+        "from stalepipe.optim.soap import full_fp32_matmuls\n"
+        "m = torch.backends.cuda.matmul\n"
+        "m.fp32_precision = 'tf32'\n"
+        "with full_fp32_matmuls(torch.device('cuda')):\n"
+        "    assert m.fp32_precision == 'ieee'\n"
+        "assert m.fp32_precision == 'tf32'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def test_soap_eigh_falls_back_to_float64_when_float32_fails(monkeypatch):
     from stalepipe.optim import soap
 

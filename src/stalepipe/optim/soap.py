@@ -111,12 +111,15 @@ def full_fp32_matmuls(device: torch.device) -> Iterator[None]:
         yield
         return
     flags = torch.backends.cuda.matmul
-    before = flags.allow_tf32
-    flags.allow_tf32 = False
+    try:  # the legacy flag, as train.devices.set_tf32 sets it ...
+        name, before, exact = "allow_tf32", flags.allow_tf32, False
+    except RuntimeError:  # ... unless someone set torch's new API, which refuses a mix
+        name, before, exact = "fp32_precision", flags.fp32_precision, "ieee"
+    setattr(flags, name, exact)
     try:
         yield
     finally:
-        flags.allow_tf32 = before
+        setattr(flags, name, before)
 
 
 def _refresh_eigenbasis(state: dict, exp_avg_sq: torch.Tensor) -> torch.Tensor:
