@@ -300,56 +300,38 @@ def runtime_row(s: Setup) -> Row:
     return row
 
 
-def plan(s: Setup, compile_too: bool) -> list[tuple[str, Any]]:
-    """(label, job) in the order they run: eager throughput, resume, runtime, then compiled
-    (the slowest to start, so a short budget drops them first)."""
-    jobs: list[tuple[str, Any]] = []
+def plan(s: Setup, compile_too: bool) -> list[tuple[Row, Any]]:
+    """(the row shown if it fails or is skipped, the job) in the order they run: eager
+    throughput, resume, the runtime, then compiled (slowest to start: a short budget drops
+    them first)."""
+    jobs: list[tuple[Row, Any]] = []
     for compiled in (False, True) if compile_too else (False,):
         for optim in OPTIMIZERS:
             for policy in POLICIES:
-                label = f"emulator {policy} {optim} {'compiled' if compiled else 'eager'}"
-                jobs.append((label, lambda p=policy, o=optim, c=compiled: emulator_row(s, p, o, c)))
+                stub = Row("throughput", "emulator", policy, optim, compiled)
+                jobs.append((stub, lambda p=policy, o=optim, c=compiled: emulator_row(s, p, o, c)))
         if not compiled:
-            jobs += [("resume", lambda: resume_row(s)), ("runtime", lambda: runtime_row(s))]
+            jobs.append(
+                (Row("resume", "emulator", "2bw+EF", "adamw", False), lambda: resume_row(s))
+            )
+            jobs.append((Row("runtime", "runtime", "", "adamw", False), lambda: runtime_row(s)))
     return jobs
 
 
 def run_all(s: Setup, compile_too: bool) -> list[Row]:
     rows: list[Row] = []
-    for label, job in plan(s, compile_too):
+    for stub, job in plan(s, compile_too):
         if time.monotonic() > s.deadline:
-            parts = label.split()
-            rows.append(_skipped(label, parts, "skipped: time budget spent"))
+            rows.append(dataclasses.replace(stub, status="SKIP", note="time budget spent"))
             continue
-        print(f"gpu_check: {label} ...", file=sys.stderr, flush=True)
+        what = "compiled" if stub.compile else "eager"
+        print(f"gpu_check: {stub.check} {stub.policy} {stub.optim} {what} ...", file=sys.stderr)
         try:
             rows.append(job())
         except Exception as e:  # one broken check must not hide the others
-            parts = label.split()
-            rows.append(_skipped(label, parts, f"{type(e).__name__}: {str(e)[:300]}", "FAIL"))
+            note = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(dataclasses.replace(stub, status="FAIL", note=note))
     return rows
-
-
-def _skipped(label: str, parts: list[str], note: str, status: str = "SKIP") -> Row:
-    if parts[0] == "emulator":
-        return Row(
-            "throughput",
-            "emulator",
-            parts[1],
-            parts[2],
-            parts[3] == "compiled",
-            status=status,
-            note=note,
-        )
-    return Row(
-        label,
-        "emulator" if label == "resume" else "runtime",
-        "",
-        "",
-        False,
-        status=status,
-        note=note,
-    )
 
 
 def table(rows: list[Row]) -> str:
