@@ -139,10 +139,14 @@ def _window(reports: list[dict]) -> tuple[float, float]:
 
 
 def _timed_call(fn, out: list):
+    """`fn`, recording (wall start, wall end, this thread's CPU seconds) per call: CPU time
+    tells a schedule's own work from the machine's (a core shared with the other process or
+    with another job stretches the wall time, not the CPU time)."""
+
     def run(*a, **kw):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         r = fn(*a, **kw)
-        out.append((t, time.perf_counter()))
+        out.append((t, time.perf_counter(), time.thread_time() - c))
         return r
 
     return run
@@ -151,7 +155,7 @@ def _timed_call(fn, out: list):
 def _union(spans: list[tuple[float, float]], t0: float, t1: float) -> float:
     """Length of the union of `spans` clipped to [t0, t1] (apply spans nest in F and STEP)."""
     total, end = 0.0, t0
-    for a, b in sorted(spans):
+    for a, b, _ in sorted(spans):
         a, b = max(a, end), min(b, t1)
         if b > a:
             total += b - a
@@ -164,12 +168,17 @@ def _busy(report: dict, t0: float, t1: float) -> float:
     return _union(sp["F"] + sp["B"] + sp["S"] + sp["A"], t0, t1) - _union(sp["W"], t0, t1)
 
 
-def _mean(report: dict, kind: str) -> float:
-    """Median duration of `kind` spans, minus the waits and the updates nested inside."""
+def _mean(report: dict, kind: str, cpu: bool = False) -> float:
+    """Median duration of `kind` spans (wall, or with `cpu` the thread's CPU time), minus the
+    waits and the updates nested inside."""
     inner = sorted(report["spans"]["W"] + (report["spans"]["A"] if kind != "A" else []))
     xs = []
-    for a, b in report["spans"][kind]:
-        xs.append(b - a - sum(min(y, b) - max(x, a) for x, y in inner if x < b and y > a))
+    for a, b, c in report["spans"][kind]:
+        nested = [(x, y, z) for x, y, z in inner if x < b and y > a]
+        if cpu:
+            xs.append(c - sum(z for x, y, z in nested if x >= a and y <= b))
+        else:
+            xs.append(b - a - sum(min(y, b) - max(x, a) for x, y, _ in nested))
     return sorted(xs)[len(xs) // 2]  # median: robust to the shared machine's hiccups
 
 
@@ -373,20 +382,25 @@ def _print_row(m: int, rounds: list[dict], args) -> None:
         costs = uniform_costs(P, forward=f, backward_input=b, backward_weight=0.0, optimizer=u)
         summary = summarize(simulate(make_schedule(name, P, m, steps), costs))
         pred[name], span[name] = summary.bubble, summary.makespan
-        cost_ms[name] = (1e3 * (sum(f) + sum(b)) / P, 1e3 * sum(u) / P)
+        fc, bc = ([_mean(r, kind, cpu=True) for r in reports] for kind in "FB")
+        cost_ms[name] = (
+            1e3 * (sum(f) + sum(b)) / P,
+            1e3 * (sum(fc) + sum(bc)) / P,
+            1e3 * sum(u) / P,
+        )
     print(
         f"\nm={m}  (P={P}, {args.mb}x{args.seq} tokens per microbatch, {steps} timed steps, "
         f"medians of {len(rounds)} interleaved rounds)"
     )
     print(
         f"  {'schedule':<18}{'tokens/s':>10}{'bubble':>9}{'simulated':>11}"
-        f"{'F+B ms':>9}{'update ms':>11}"
+        f"{'F+B ms':>9}{'F+B cpu':>9}{'update ms':>11}"
     )
     for k in CONTENDERS:
         extra = ""
         if k in bubble:
-            fb, upd = cost_ms[k]
-            extra = f"{bubble[k]:>9.3f}{pred[k]:>11.3f}{fb:>9.1f}{upd:>11.1f}"
+            fb, fb_cpu, upd = cost_ms[k]
+            extra = f"{bubble[k]:>9.3f}{pred[k]:>11.3f}{fb:>9.1f}{fb_cpu:>9.1f}{upd:>11.1f}"
         print(f"  {k:<18}{tok[k]:>10.0f}{extra}")
     goal = 0.95 * (m + P - 1) / m
     print(
