@@ -12,8 +12,9 @@ per candidate and arm with the issue's three criteria:
 - (c) end slope: least-squares slope of the train loss over the last 20% of steps, in nats per
   10% of the run. Criterion: < 0 (still falling).
 
-Runs per core-hour come from each run's own clock (`tokens_per_s` in its metrics), so they hold
-for one worker of one thread on this machine under its load at the time.
+`train s` is each run's training time by its own clock (`tokens_per_s` in its metrics: evals
+left out), for one worker of one thread on this machine under its load at the time; the load
+moves it by 5x, so benchmarks/regime_throughput.py measures speed side by side.
 
     python benchmarks/regime_probe.py --candidates bpe2k-d96,byte-d96 --arms adamw:sync,adamw:2bw
     python benchmarks/regime_probe.py --seeds 3 --table-only       # the table of what has run
@@ -25,7 +26,6 @@ import argparse
 import json
 import math
 import statistics
-from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -162,16 +162,17 @@ def run_summary(run_dir: Path, entropy: float) -> dict[str, float] | None:
         "val": vals[-1],
         "exit": math.inf if exit_step is None else (exit_step + 1) / len(losses),
         "slope": end_slope(losses),
-        "seconds": wall_seconds(run_dir),
+        "seconds": train_seconds(run_dir, rows),
     }
 
 
-def wall_seconds(run_dir: Path) -> float:
-    """From the run's start (meta.json) to its last metrics line (the file's mtime): evals
-    included, spawn and the final checkpoint not. Valid for runs made here, not copies."""
-    meta = json.loads((run_dir / "meta.json").read_text())
-    started = datetime.strptime(meta["started"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
-    return (run_dir / "metrics.jsonl").stat().st_mtime - started
+def train_seconds(run_dir: Path, rows: list[dict]) -> float:
+    """The run's training time by the loop's own clock (its last `tokens_per_s`: evals and
+    checkpoints left out), so that it reads the same from a committed copy of the record."""
+    cfg = json.loads((run_dir / "config.json").read_text())
+    tokens = cfg["train"]["num_steps"] * cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
+    tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+    return tokens / tps[-1] if tps else math.nan
 
 
 def _fmt_exit(x: float) -> str:
@@ -182,7 +183,7 @@ def table(dirs: dict[str, Path], arms: list[str], seeds: int, lrs: dict[str, str
     """The probe table: one row per candidate and arm, then the criteria per candidate."""
     lines = [
         "| candidate | params | tokens/step | steps | unigram H | arm | seeds | val (mean ± std) "
-        "| gap to sync | plateau exit (worst seed) | end slope /10% | s/run |",
+        "| gap to sync | plateau exit (worst seed) | end slope /10% | train s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     verdicts = []
