@@ -6,8 +6,8 @@ W reads rows [r*B/W, (r+1)*B/W) of the deterministic global batch k, so the run 
 whatever W is (up to float summation order), and a checkpoint written with W ranks resumes on
 any other number. Only rank 0 writes files.
 
-Rank 0's long work (a checkpoint write) is waited for on the run's store, not inside a
-collective (`on_main_outside_collectives`): a collective waiting longer than its timeout ends
+Rank 0's long work (data preparation, a checkpoint write) is waited for on the run's store,
+not inside a collective (`on_main_outside_collectives`): a collective waiting longer than its timeout ends
 the process (NCCL's watchdog), and a multi-GB save can take minutes.
 
 Not for the pipeline runtime (`pipeline.engine distributed`), which has its own process groups.
@@ -157,11 +157,11 @@ _main_calls = 0  # calls of on_main_outside_collectives so far (the same count o
 
 def on_main_outside_collectives(
     fn: Callable[[], T], ctx: DistContext, what: str, timeout_s: float = MAIN_WORK_TIMEOUT_S
-) -> T | None:
-    """Run `fn` on rank 0 only, the other ranks waiting for it on the run's store (no
-    collective: see the module docstring) up to `timeout_s`. Returns `fn`'s result on rank 0,
-    None on the others; a UserError raised on rank 0 is raised on every rank, and any other
-    failure there is a `PeerError` naming rank 0 on the others."""
+) -> T:
+    """`on_main` for long work: run `fn` on rank 0 only, the other ranks waiting for it on the
+    run's store (no collective: see the module docstring) up to `timeout_s`. Returns `fn`'s
+    result (picklable) on every rank; a UserError raised on rank 0 is raised on every rank, and
+    any other failure there is a `PeerError` naming rank 0 on the others."""
     global _main_calls
     if not ctx.enabled:
         return fn()
@@ -178,7 +178,7 @@ def on_main_outside_collectives(
         except BaseException as e:
             store.set(key, pickle.dumps(("failed", f"{type(e).__name__}: {e}")))
             raise
-        store.set(key, pickle.dumps(("ok", None)))
+        store.set(key, pickle.dumps(("ok", result)))
         return result
     deadline = time.monotonic() + timeout_s
     while not store.check([key]):
@@ -192,7 +192,7 @@ def on_main_outside_collectives(
         raise value
     if status == "failed":
         raise PeerError(f"rank {ctx.rank}: rank 0 failed during {what}: {value}", peer=0)
-    return None
+    return value
 
 
 def shutdown(ctx: DistContext) -> None:

@@ -27,7 +27,13 @@ from stalepipe.models import flops_per_token
 from stalepipe.optim import resolve_config
 from stalepipe.train.checkpoint import latest_checkpoint
 from stalepipe.train.devices import check_device, peak_flops, set_tf32
-from stalepipe.train.distributed import init_data_parallel, local_device, on_main, shutdown
+from stalepipe.train.distributed import (
+    init_data_parallel,
+    local_device,
+    on_main,
+    on_main_outside_collectives,
+    shutdown,
+)
 from stalepipe.train.emulated import EmulatorEngine
 from stalepipe.train.engine import Engine, StepPlan, StepResult
 from stalepipe.train.interrupts import Interrupts
@@ -80,7 +86,9 @@ def train(
         set_tf32(tc.tf32, device)  # the runtime's run_worker sets the same
         cfg = with_resolved_optim(cfg)  # config.json records the values used
         start_up = dict(resume=resume, overwrite=overwrite)
-        data_dir = on_main(lambda: prepare_run(cfg, **start_up, progress=verbose), ctx)
+        # Data preparation can outlast a collective's timeout: the others wait on the store.
+        prepare = lambda: prepare_run(cfg, **start_up, progress=verbose)  # noqa: E731
+        data_dir = on_main_outside_collectives(prepare, ctx, "data preparation")
         check_vocab(data_dir, cfg.model.vocab_size)
         meta = {"data_parallel_ranks": ctx.world_size, **parent_meta(init_from)}
         run_dir = on_main(
