@@ -1,6 +1,7 @@
 """The GPU check must run on CPU in its reduced mode (it is what a GPU session runs first)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,3 +27,7 @@ def test_pipeline_throughput_runs_every_contender():
     assert {"torch-interleaved", "torch-zbv"} <= rows
     assert "2bw / 1f1b = " in out.stdout and "with both computing" in out.stdout
     assert "2bw / the best of torch's schedules" in out.stdout and "load average" in out.stdout
+    # Memory per rank: our executors hold exactly the stashes the schedule IR accounts for.
+    assert "peak memory per rank" in out.stdout
+    held = re.findall(r"executor held (\d+) stashes \(IR: (\d+)\)", out.stdout)
+    assert len(held) == 3 and all(a == b for a, b in held), held
