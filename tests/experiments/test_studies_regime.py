@@ -1,0 +1,42 @@
+"""The cpu-regime study scale (issue 17): its base config, its optimizers and its estimates."""
+
+from __future__ import annotations
+
+from stalepipe.experiments import studies
+
+
+def test_cpu_regime_runs_all_seven_optimizers_and_cpu_keeps_its_six():
+    regime = {s.group for s in studies.STUDIES["optimizers"].specs("cpu-regime", 1)}
+    cpu = {s.group for s in studies.STUDIES["optimizers"].specs("cpu", 1)}
+    assert {"nadamw_sync", "nadamw_2bw", "nadamw_2bw+ef"} <= regime
+    assert not any(g.startswith("nadamw") for g in cpu) and len(regime) == len(cpu) + 3
+
+
+def test_cpu_regime_base_and_its_tuned_lrs():
+    base = studies.base_config("cpu-regime")
+    tc = base.train
+    assert (tc.num_steps, tc.batch_size, base.data.seq_len) == (studies.REGIME_STEPS, 16, 128)
+    assert tc.warmup_steps == tc.num_steps // 10 and tc.num_steps // tc.eval_every == 20
+    assert base.data.tokenizer == "byte" and base.model.num_layers == 4  # P = 2, 4 exist
+    adamw = dict(studies.optimizer_axis("cpu-regime", ("adamw",)))["adamw"]
+    assert adamw["optim.lr"] == studies.LRS["cpu-regime"]["adamw"]
+
+
+def test_the_tokens_study_keeps_each_scales_eval_density():
+    for scale, evals in (("cpu", 4), ("cpu-regime", 20)):
+        base = studies.base_config(scale)
+        for spec in studies.STUDIES["tokens"].specs(scale, 1):
+            cfg = spec.config(base, "runs/x")
+            assert cfg.train.num_steps // cfg.train.eval_every == evals, spec.name
+
+
+def test_estimates_scale_with_tokens_per_step_at_each_cpu_scale():
+    study = studies.STUDIES["hparams"]
+    specs = study.specs("cpu-regime", 1)
+    seconds = studies.estimate_cpu_seconds(specs, study.base("cpu-regime"), "cpu-regime")
+    per_run = studies.REGIME_STEPS * studies.CPU_SECONDS_PER_STEP["cpu-regime"]
+    # batch sizes /2, x1, x2 (x sync / 2bw) and six runs each of the LR and wd grids at x1
+    assert abs(seconds - per_run * (2 * (0.5 + 1 + 2) + 12)) < 1e-6
+    # paper-mini runs at cpu only: the cpu-regime table leaves it out instead of failing
+    assert "paper-mini" in studies.study_table(3)
+    assert "paper-mini" not in studies.study_table(3, "cpu-regime")
