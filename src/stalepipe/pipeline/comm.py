@@ -342,21 +342,10 @@ class Comm:
         if dist.get_world_size() == 1:
             return
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else self.timeout
-        store = run_store()
-        if (self.backend != "gloo" or via_store) and store is not None:
+        if (self.backend != "gloo" or via_store) and run_store() is not None:
             self._barriers += 1
-            key = f"{_restart_prefix()}barrier/{self._barriers}"
-            missing = store_barrier(
-                store,
-                key,
-                self.rank,
-                dist.get_world_size(),
-                timeout.total_seconds(),
-                stop=lambda: wait_failure(store, 0.0, self.rank) is not None,
-            )
-            if missing:
-                late = ", ".join(self.topo.describe(r) for r in missing)
-                raise self.peer_error(None, what, f"timed out; not arrived: {late}")
+            key = f"barrier/{self._barriers}"
+            barrier_on_store(self.topo, self.rank, key, what, timeout.total_seconds())
             return
         try:
             if self.backend == "gloo":
@@ -411,6 +400,33 @@ def store_barrier(
             return [r for r, k in enumerate(keys) if not store.check([k])]
         time.sleep(STORE_POLL_S)
     return []
+
+
+def barrier_on_store(topo: Topology, rank: int, key: str, what: str, timeout_s: float) -> None:
+    """`store_barrier` over the run's store for every rank of `topo` (before or without a
+    `Comm`: the start-up, while rank 0 prepares data), ended early by a peer's failure record.
+    A rank that does not arrive within `timeout_s` is a `PeerError` naming it, or the rank a
+    failure record blames."""
+    store = run_store()
+    assert store is not None, "the runtime joins the run's store (init_from_env)"
+    missing = store_barrier(
+        store,
+        f"{_restart_prefix()}{key}",
+        rank,
+        topo.world_size,
+        timeout_s,
+        stop=lambda: wait_failure(store, 0.0, rank) is not None,
+    )
+    if not missing:
+        return
+    f = wait_failure(store, RECORD_WAIT_S, rank)
+    if f is not None and f.root not in (None, rank):
+        raise peer_error(topo, rank, f.root, what, timeout_s, f.line)
+    late = ", ".join(topo.describe(r) for r in missing)
+    raise PeerError(
+        f"{topo.describe(rank)}: {late} did not arrive at {what} within {timeout_s:g}s",
+        missing[0],
+    )
 
 
 def _restart_prefix() -> str:

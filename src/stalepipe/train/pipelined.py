@@ -39,6 +39,7 @@ from stalepipe.pipeline.comm import (
     Comm,
     PeerError,
     Topology,
+    barrier_on_store,
     init_from_env,
     leave_process_group,
     resolve_backend,
@@ -140,8 +141,11 @@ def run_worker(
         open_run_dir(cfg, resume=resume, overwrite=overwrite, extra_meta=meta, data_dir=data_dir)
     if rank == 0:  # parts of an interrupted save (maybe of another split): never merge them
         shutil.rmtree(run_dir / stage_ckpt.PARTS_DIR, ignore_errors=True)
+    # Before the groups are made (which waits only pipeline.timeout_s): under torchrun rank 0
+    # may have prepared data for long.
+    what = "the start-up (data preparation on rank 0)"
+    barrier_on_store(topo, rank, "start-up", what, max(pc.timeout_s, MAIN_WORK_TIMEOUT_S))
     comm = Comm(topo, rank, backend, pc.timeout_s, device)
-    comm.barrier("start-up (data preparation on rank 0)", timeout_s=max(pc.timeout_s, 3600))
     restore = tee_rank_log(run_dir / "logs" / f"rank{rank}.log", console=rank == 0 and verbose)
     try:
         start = start_checkpoint(run_dir, resume=resume, init_from=init_from)
