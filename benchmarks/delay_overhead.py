@@ -3,7 +3,8 @@
 Run: OMP_NUM_THREADS=1 python benchmarks/delay_overhead.py [--preset cpu-small] [--steps 12]
 
 Timing: all contenders live in one process and take turns step by step (round robin), so
-machine noise hits them alike; the median step time is reported as a ratio to sync.
+machine noise hits them alike; ratios are medians over rounds of paired ratios (the two
+steps of a round ran back to back), to sync and to the same policy without the corrector.
 Memory: each contender also runs alone in a fresh subprocess; we report its peak RSS and the
 bytes the engine holds beyond the model and optimizer (stored weight versions, EF buffer,
 Taylor's EMA of g^2, weight prediction's predicted point), in units of one copy of the
@@ -68,6 +69,12 @@ def one_step(cfg, engine, k: int) -> float:
     engine.clip_grad_norm_(1.0)
     engine.step(k)
     return time.perf_counter() - t
+
+
+def paired(times: list[float], base: list[float]) -> float:
+    """Median over rounds of the step time over the base's step time in the same round: the
+    two ran back to back, so load that drifts over the run cancels."""
+    return statistics.median(t / b for t, b in zip(times, base, strict=True))
 
 
 def engine_bytes(engine) -> int:
@@ -142,7 +149,6 @@ def main() -> None:
         )
         mem[name] = json.loads(out.stdout.strip().splitlines()[-1])
 
-    base_t = statistics.median(times["sync"])
     base_rss = mem["sync"]["rss_kb"]
     pb = mem["sync"]["param_bytes"]
     print(
@@ -153,12 +159,12 @@ def main() -> None:
     )
     for name, (_, P) in CONTENDERS.items():
         t = statistics.median(times[name])
-        base = name.split("+")[0] if "+" in name else name
-        vs = statistics.median(times[base.replace("pd", "pipedream")]) if "+" in name else None
+        base = name.split("+")[0].replace("pd", "pipedream") if "+" in name else None
+        vs = f"{paired(times[name], times[base]):.3f}x" if base else "-"
         m = mem[name]
         print(
-            f"{name:<11} {P:>2} {t * 1e3:>8.1f} {t / base_t:>8.3f}x "
-            f"{f'{t / vs:.3f}x' if vs else '-':>9} "
+            f"{name:<11} {P:>2} {t * 1e3:>8.1f} {paired(times[name], times['sync']):>8.3f}x "
+            f"{vs:>9} "
             f"{m['rss_kb'] / 1024:>11.1f} "
             f"{(m['rss_kb'] - base_rss) / 1024:>11.1f} {m['engine_bytes'] / 2**20:>9.1f} "
             f"{m['engine_bytes'] / pb:>6.2f} {m['peak_bytes'] / pb:>11.2f}"
