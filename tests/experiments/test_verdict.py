@@ -47,6 +47,7 @@ def test_call_follows_the_printed_rule():
 def test_verdict_end_to_end_on_known_taxes(curve_sweep, capsys):
     assert main(["verdict", str(curve_sweep), *SIM]) == 0
     text = capsys.readouterr().out
+    assert main(["report", str(curve_sweep)]) == 0  # the same overhead in the report's CSV
     tp = simulated("smollm-135m", "h100", 4, 8)
     best = tp.best_sync()
     speedup = tp.get("2bw").tokens_per_s / best.tokens_per_s
@@ -64,6 +65,13 @@ def test_verdict_end_to_end_on_known_taxes(curve_sweep, capsys):
     assert float(by["adamw_2bw+ef"]["token_overhead"]) == pytest.approx(1.1, rel=0.03)
     assert by["muon_2bw"]["token_overhead_status"] == "floor"
     assert by["muon_2bw"]["verdict"] == "sync sooner (quality floor)"
+    with open(curve_sweep / "report" / "summary.csv") as f:
+        summary = {r["configuration"]: r for r in csv.DictReader(f)}
+    assert float(summary["adamw_2bw"]["token_overhead_mean_curve"]) == pytest.approx(1.3, rel=0.03)
+    assert summary["muon_2bw"]["token_overhead_per_seed"] == "floor floor floor"
+    assert (
+        summary["muon_2bw"]["floor_seeds"] == "3" and summary["adamw_sync"]["token_overhead"] == ""
+    )
     # the printed tables: inputs say what is measured and what simulated, the rule is printed
     assert "token overhead: measured" in text and "throughput and memory: simulated" in text
     assert f"{best.name} (best sync)" in text and "peak mem/rank GB" in text

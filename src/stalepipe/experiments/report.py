@@ -227,18 +227,21 @@ def to_html(blocks: list[Block]) -> str:
 
 OVERHEAD_COLUMNS = ["token_overhead_status", "token_overhead", "token_overhead_ci_low",
                     "token_overhead_ci_high", "token_overhead_seeds", "token_overhead_per_seed",
-                    "floor_seeds", "floor_gap", "band_top", "band_bottom"]  # fmt: skip
+                    "floor_seeds", "floor_gap", "band_top", "band_bottom",
+                    "token_overhead_mean_curve"]  # fmt: skip
 
 
 def overhead_cells(r: Row) -> list[object]:
     """The OVERHEAD_COLUMNS of summary.csv for one row (empty for rows without an overhead).
-    Per seed: the medians over the band, "floor" or "nan" (no band)."""
+    Per seed: the medians over the band, "floor" or "nan" (no band); mean curve: the median
+    over the band of the seed-mean curves (nan for a floor), beside the per-seed estimate."""
     o = r.token_overhead
     if o is None:
         return [""] * len(OVERHEAD_COLUMNS)
     return [o.status, o.estimate, o.ci_low, o.ci_high, o.num_seeds,
             " ".join("floor" if p.floor else f"{p.median:.6f}" for p in o.pairs),
-            o.num_floors, o.floor_gap, *_band(o)]  # fmt: skip
+            o.num_floors, o.floor_gap, *_band(o),
+            o.mean_pair.median if o.mean_pair else ""]  # fmt: skip
 
 
 def write_csvs(out: Path, rows: list[Row], runs: list[Run]) -> None:
