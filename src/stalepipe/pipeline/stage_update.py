@@ -170,5 +170,6 @@ class StageUpdates:
             layers = [layer for stage in self.router_layers for layer in stage]
             router = summarize_router_stats(layers, torch.cat(raws), per_expert=self.per_expert)
         # The step's loss: the last stage's, plus the other stages' auxiliary losses.
-        loss = sum(float(g[-1]) for g in gathered[::-1])
+        # One copy to the host (not one per stage), then the same sum in the same order.
+        loss = sum(torch.stack([g[-1] for g in gathered[::-1]]).tolist())
         self.reports.append(UpdateReport(k, loss, grad_norm, lr, router))
