@@ -409,3 +409,47 @@ def test_the_emulator_syncs_with_the_host_per_step_not_per_microbatch(mode):
     cfg = apply_overrides(get_preset("cpu-tiny"), {"delay.policy": "2bw", "delay.mode": mode})
     one, four = _syncs_per_step(cfg, 1), _syncs_per_step(cfg, 4)
     assert one == four == (2, 2)  # the loss and the gradient norm
+
+
+def _runtime_host_reads(tmp_path, num_microbatches: int, num_steps: int, monkeypatch) -> int:
+    """Host reads of a whole one-stage runtime run in this process (gloo, world of 1)."""
+    import socket
+
+    from stalepipe.train.pipelined import run_worker
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for k, v in {**env, "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    over = {
+        "pipeline.engine": "distributed",
+        "pipeline.schedule": "1f1b",
+        "train.num_microbatches": str(num_microbatches),
+        "train.batch_size": str(2 * num_microbatches),
+        "train.num_steps": str(num_steps),
+        "train.num_eval_batches": "1",
+        "train.progress": "false",
+        "train.ckpt_every_s": "0",
+        "data.corpus": "excerpt",
+        "name": f"m{num_microbatches}-s{num_steps}",
+        "out_dir": str(tmp_path),
+    }
+    threads = torch.get_num_threads()
+    try:
+        with _host_reads() as reads:
+            run_worker(apply_overrides(get_preset("cpu-tiny"), over), verbose=False)
+    finally:
+        torch.set_num_threads(threads)
+    return sum(reads.values())
+
+
+def test_the_runtime_reads_nothing_on_the_host_per_microbatch(tmp_path, monkeypatch):
+    # More microbatches may cost host reads once (the final evaluation's chunks), never per step.
+    extra = [
+        _runtime_host_reads(tmp_path, 4, steps, monkeypatch)
+        - _runtime_host_reads(tmp_path, 1, steps, monkeypatch)
+        for steps in (4, 8)
+    ]
+    assert extra[0] == extra[1], extra
