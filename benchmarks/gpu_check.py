@@ -193,6 +193,10 @@ def emulator_row(s: Setup, policy: str, optim: str, compiled: bool) -> Row:
     row = Row("throughput", "emulator", policy, optim, compiled)
     if s.cuda:
         torch.cuda.reset_peak_memory_stats()
+    if compiled:
+        # A fresh start: past its cache's size limit dynamo would run eager without a word;
+        # inductor's disk cache keeps the recompiles short.
+        torch._dynamo.reset()
     result = train(emulator_config(s, policy, optim, compiled), verbose=False)
     fill(row, result.run_dir, result.final_train_loss)
     shutil.rmtree(result.run_dir)  # checkpoints of 135M-parameter runs add up
@@ -217,6 +221,8 @@ def resume_row(s: Setup) -> Row:
     def final(run_dir: Path) -> dict[str, torch.Tensor]:
         return load_checkpoint(latest_checkpoint(run_dir))["model"]
 
+    if s.cuda:
+        torch.cuda.reset_peak_memory_stats()
     torch.use_deterministic_algorithms(True, warn_only=True)  # every run alike
     try:
         full = train(cfg, verbose=False)
