@@ -8,7 +8,8 @@ import inspect
 
 import pytest
 
-from stalepipe.cli import _flags, main, make_parser
+from stalepipe.cli import main, make_parser
+from stalepipe.cli.common import flags as _flags
 
 
 def _train_args(tiny_config, *extra):

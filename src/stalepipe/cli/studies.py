@@ -1,0 +1,167 @@
+"""The study commands of `stalepipe`: demo, sweep, report, verdict and toy (the runs behind a
+claim, and what is read from their records). `stalepipe.cli` registers them."""
+
+from __future__ import annotations
+
+import argparse
+
+from stalepipe.cli.common import Subparsers, flags
+
+
+def _add_demo(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="the paper's headline on CPU: AdamW and Muon under sync / 2bw / 2bw+EF",
+        description="Train AdamW and Muon on Shakespeare under sync, 2bw (one-step delay) and "
+        "2bw + error feedback; print final val losses, the delay gap and the share "
+        "EF recovers; write loss_curves.png. About 5-10 minutes on 2 CPU cores.",
+    )
+    p.add_argument("--out-dir", default="runs/demo", help="parent of the six run directories")
+    p.add_argument("--steps", type=int, default=400, help="steps per run")
+    p.add_argument("--workers", type=int, default=2, help="parallel runs (1 thread each)")
+    p.set_defaults(fn=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.experiments.demo import run_demo
+
+    run_demo(**flags(args))
+    return 0
+
+
+def _add_sweep(sub: Subparsers) -> None:
+    from stalepipe.experiments.studies import SCALES, STUDIES, study_table
+
+    p = sub.add_parser(
+        "sweep",
+        help="run a study (a grid of runs, parallel, resumable)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a study or an ad-hoc grid: one run directory per (configuration, seed) "
+        "under --out. Rerunning skips finished runs and resumes interrupted ones; failed runs "
+        "(error.json in their directory) are rerun only with --retry-failed. Then: "
+        "stalepipe report OUT.",
+        epilog="studies (run counts at --scale cpu and --seeds 3; CPU core-hours on a lightly "
+        "loaded machine, about twice that on a busy one; divide by --workers for wall time):\n"
+        + study_table(seeds=3)
+        + "\n\nexamples:\n  stalepipe sweep paper-mini --workers 2\n"
+        "  stalepipe sweep --grid optim.name=adamw,muon --grid delay.policy=sync,2bw "
+        "--set train.num_steps=100 --seeds 2 --out runs/mygrid",
+    )
+    add = p.add_argument
+    add("study", metavar="STUDY", nargs="?", choices=[*STUDIES, "toy"],
+        help="study name (see below)")  # fmt: skip
+    add("--scale", default="cpu", choices=SCALES, help="model scale (studies.py)")
+    add("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
+    add("--workers", type=int, default=1, help="runs in parallel (one process each)")
+    add("--out", help="sweep directory (default runs/STUDY)")
+    add("--grid", action="append", metavar="KEY=V1,V2", help="an ad-hoc axis (repeatable)")
+    add("--set", action="append", metavar="KEY=VALUE",
+        help="override for every run (repeatable)")  # fmt: skip
+    add("--retry-failed", action="store_true", help="rerun runs that failed before")
+    add("--dry-run", action="store_true", help="list the runs and their status, run none")
+    p.set_defaults(fn=cmd_sweep)
+
+
+def cmd_sweep(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.experiments.grid import parse_set_args
+    from stalepipe.experiments.studies import sweep_main
+
+    if args.study == "toy":
+        return cmd_toy(args, extra)
+    failed = sweep_main(
+        args.study,
+        scale=args.scale,
+        seeds=args.seeds,
+        workers=args.workers,
+        out=args.out,
+        grids=args.grid or [],
+        fixed=parse_set_args(args.set or []),
+        retry_failed=args.retry_failed,
+        dry_run=args.dry_run,
+    )
+    return 1 if failed else 0
+
+
+def _add_report(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "report",
+        help="tables, t-tests and plots of a sweep (Markdown, HTML, CSV)",
+        description="Read the run directories under RUNS (never retrains) and write report.md, "
+        "a single-file report.html, summary.csv and runs.csv into RUNS/report (or --out): final "
+        "val loss mean ± std over seeds, gap to sync with a Welch t-test, share of the gap each "
+        "mitigation recovers, the paper's claims, loss curves and gap plots. Partial sweeps are "
+        "fine; the report lists what is missing.",
+    )
+    p.add_argument("runs", metavar="RUNS", help="a sweep directory, e.g. runs/paper-mini")
+    p.add_argument("--out", help="output directory (default RUNS/report)")
+    p.add_argument("--title", help="report title")
+    p.set_defaults(fn=cmd_report)
+
+
+def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.experiments.report import write_report
+
+    out = write_report(args.runs, args.out, title=args.title)
+    print(f"report written to {out}/report.md, report.html, summary.csv, runs.csv")
+    return 0
+
+
+def _add_verdict(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "verdict",
+        help="does 2bw reach the target loss sooner than the best sync schedule? (net of its "
+        "token overhead)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Time to target = token overhead / (throughput 2bw / throughput of the best "
+        "synchronous schedule).\nThe token overhead is measured from the runs in SWEEP_DIR "
+        "(each delayed configuration against\nits sync baseline, paired by seed, 95% interval "
+        "over seeds); the throughputs are simulated\n(--model on --device at P = --stages, "
+        "m = --microbatches) or measured (--costs FILE).\nWrites verdict.md, verdict.csv and "
+        "verdict.png into SWEEP_DIR/verdict (or --out). docs/verdict.md.",
+        epilog="examples:\n  stalepipe verdict runs/demo --model smollm-360m --stages 8 "
+        "--microbatches 16 --device h100\n  stalepipe verdict runs/paper-mini --costs "
+        "costs.json   # measured tokens/s per schedule",
+    )
+    add = p.add_argument
+    add("sweep_dir", metavar="SWEEP_DIR", help="a sweep's run directories (e.g. runs/demo)")
+    add("--model", help="preset or simulator shape for simulated throughputs (e.g. smollm-360m)")
+    add("--stages", type=int, default=8, help="pipeline ranks P (default 8)")
+    add("--microbatches", type=int, default=16, help="microbatches per step m (default 16)")
+    add("--device", default="h100", help="h100 | h200 | a100 | cpu (default h100)")
+    add("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed (default 0.4)")
+    add("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
+    add("--microbatch-size", type=int, default=1, help="sequences per microbatch (default 1)")
+    add("--costs", metavar="FILE", help="measured tokens/s per schedule (.json / .csv) instead "
+        "of --model")  # fmt: skip
+    add("--out", help="output directory (default SWEEP_DIR/verdict)")
+    p.set_defaults(fn=cmd_verdict)
+
+
+def cmd_verdict(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.experiments.verdict import verdict_main
+
+    print(verdict_main(**flags(args)))
+    return 0
+
+
+def _add_toy(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "toy",
+        help="theory check: delayed Muon +- EF on matrix least squares (seconds)",
+        description="Muon (polar-factor LMO) with a one-step delay, with and without error "
+        "feedback, on matrix least squares with a known optimum: convergence and the delay "
+        "penalty vs the step size. Writes toy.md, toy.csv, toy.png.",
+    )
+    p.add_argument("--out", default="runs/toy", help="output directory (default runs/toy)")
+    p.add_argument("--steps", type=int, default=500, help="iterations (default 500)")
+    p.add_argument("--seeds", type=int, default=3, help="random problems averaged (default 3)")
+    p.set_defaults(fn=cmd_toy)
+
+
+def cmd_toy(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.experiments.toy import toy_main
+
+    out = getattr(args, "out", None) or "runs/toy"
+    print(toy_main(out, steps=getattr(args, "steps", 500), seeds=getattr(args, "seeds", 3)))
+    print(f"written to {out}/toy.md, toy.csv, toy.png")
+    return 0
