@@ -2,6 +2,8 @@
 
 - `policies`: tau_s(k) and `DelaySchedule`, the one definition of staleness (GUIDE section 2);
 - `mitigations`: error feedback, Taylor compensation, sync-window resolution (pure math);
+- `correctors`: weight prediction, PipeMare's LR schedule, adaptive momentum (pure math) and
+  the per-stage param groups they need;
 - `DelayedOptimizer`: wraps any optimizer for a plain training loop;
 - `DelayEmulator`: the engine the training loop drives (fast and exact modes);
 - `reference`: a slow, obvious implementation the tests compare both against.

@@ -205,7 +205,8 @@ class DelayedOptimizer:
         """The weights of `stage` that step `step`'s gradient is computed at when stage
         `reader` (default: `stage`; another for a tied matrix) reads them: W_v, v = max(step -
         tau, 0), or with weight prediction the predicted point (module docstring; a new tensor
-        per parameter, the last (version, tau) cached). `index`: only that parameter, uncached.
+        per parameter, the last two (version, tau) cached). `index`: that parameter only,
+        uncached.
         Read-only."""
         tau = self.schedule.tau(stage if reader is None else reader, step)
         v = max(step - tau, 0)
