@@ -20,10 +20,10 @@ Timeouts. Every wait has a deadline (`pipeline.timeout_s`); a dead peer (gloo no
 connection at once, when an operation is posted or while it is waited for) or a silent one
 (deadline) raises `PeerError` naming the peer rank, and the runtime then exits non-zero.
 On NCCL `Work.wait` does not block the host (it only orders the current CUDA stream after the
-work), so the deadline is kept by polling the work (`poll_work`), NCCL's own watchdog timeout
-is set later than it (`backend_timeout_s`: the watchdog aborts the process without a word), and
-barriers go through the run's store (`store_barrier`: `dist.barrier` on NCCL ignores its
-timeout and would trip the watchdog while rank 0 prepares data or writes a checkpoint).
+work), so the deadline is kept by polling the work, NCCL's own watchdog timeout is set later
+than it (the watchdog aborts the process without a word), and barriers go through the run's
+store (`dist.barrier` on NCCL ignores its timeout and would trip the watchdog while rank 0
+prepares data or writes a checkpoint): `pipeline.waits`.
 
 Failure records. The run's rendezvous store (`run_store`: hosted by the launcher, by torchrun's
 agent, or else by rank 0) holds one `Failure` per failed rank and the run's first one: a rank
@@ -48,6 +48,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stalepipe.pipeline.waits import (
+    backend_timeout_s,
+    poll_work,
+    restart_prefix,
+    store_barrier,
+)
+
 CHANNELS = ("act", "grad", "eval", "tied_grad", "tied_w", "eval_loss")
 _TAGS = {name: i + 1 for i, name in enumerate(CHANNELS)}
 FAILURE_KEY = "stalepipe/first_failure"
@@ -55,8 +62,6 @@ FAILURE_KEY = "stalepipe/first_failure"
 # store and every rank, rank 0 included, joins it as a client.
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 RECORD_WAIT_S = 1.0  # how long a failed collective waits for a peer's record to name it
-POLL_MAX_S = 1e-3  # the longest pause between two polls of an NCCL work (latency it may add)
-STORE_POLL_S = 0.05  # between two looks at the store in a barrier
 
 
 class PeerError(RuntimeError):
@@ -356,52 +361,6 @@ class Comm:
             raise self.peer_error(None, what, e) from None
 
 
-def backend_timeout_s(backend: str, timeout_s: float) -> float:
-    """The process groups' own timeout for `pipeline.timeout_s`: the same on gloo (its waits
-    raise); on NCCL twice it plus a minute, so the host-side deadlines (`poll_work`,
-    `store_barrier`) name the peer first and the watchdog, which aborts the process without a
-    message, only ends a collective nobody polls."""
-    return timeout_s * 2 + 60 if backend == "nccl" else timeout_s
-
-
-def poll_work(work: Any, timeout_s: float) -> bool:
-    """Wait on the host for `work` (a `dist.Work`) to complete, up to `timeout_s`: True when it
-    did (its `wait()` then raised its error, if any, and ordered the current stream after it),
-    False when the deadline passed first. Polls `is_completed()` with pauses that grow to
-    `POLL_MAX_S`, so a wait adds at most about a millisecond of latency."""
-    deadline = time.monotonic() + timeout_s
-    pause = 0.0
-    while not work.is_completed():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(pause)
-        pause = min(pause * 2 or 1e-5, POLL_MAX_S)
-    work.wait()
-    return True
-
-
-def store_barrier(
-    store: Any,
-    key: str,
-    rank: int,
-    world: int,
-    timeout_s: float,
-    stop: Callable[[], bool] = lambda: False,
-) -> list[int]:
-    """Arrive at the barrier `key` of `world` ranks in `store` and wait for the others, outside
-    any collective. Returns [] once all arrived, else the ranks that had not when `timeout_s`
-    passed or `stop()` (polled every `STORE_POLL_S`, e.g. "a peer recorded a failure") said to
-    give up."""
-    store.set(f"{key}/{rank}", "1")
-    keys = [f"{key}/{r}" for r in range(world)]
-    deadline = time.monotonic() + timeout_s
-    while not store.check(keys):
-        if time.monotonic() >= deadline or stop():
-            return [r for r, k in enumerate(keys) if not store.check([k])]
-        time.sleep(STORE_POLL_S)
-    return []
-
-
 def barrier_on_store(topo: Topology, rank: int, key: str, what: str, timeout_s: float) -> None:
     """`store_barrier` over the run's store for every rank of `topo` (before or without a
     `Comm`: the start-up, while rank 0 prepares data), ended early by a peer's failure record.
@@ -411,7 +370,7 @@ def barrier_on_store(topo: Topology, rank: int, key: str, what: str, timeout_s: 
     assert store is not None, "the runtime joins the run's store (init_from_env)"
     missing = store_barrier(
         store,
-        f"{_restart_prefix()}{key}",
+        f"{restart_prefix()}{key}",
         rank,
         topo.world_size,
         timeout_s,
@@ -427,11 +386,6 @@ def barrier_on_store(topo: Topology, rank: int, key: str, what: str, timeout_s: 
         f"{topo.describe(rank)}: {late} did not arrive at {what} within {timeout_s:g}s",
         missing[0],
     )
-
-
-def _restart_prefix() -> str:
-    """Store keys of this attempt: torchrun's restarts share its agent's store."""
-    return f"stalepipe/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
 def _reason(cause: object) -> str:

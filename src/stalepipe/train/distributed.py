@@ -28,7 +28,6 @@ import torch.distributed as dist
 from stalepipe.config import ConfigError, ExperimentConfig
 from stalepipe.errors import UserError
 from stalepipe.pipeline.comm import (
-    STORE_POLL_S,
     PeerError,
     init_from_env,
     leave_process_group,
@@ -36,6 +35,7 @@ from stalepipe.pipeline.comm import (
     run_store,
     under_torchrun,
 )
+from stalepipe.pipeline.waits import STORE_POLL_S, restart_prefix
 
 T = TypeVar("T")
 
@@ -168,7 +168,7 @@ def on_main_outside_collectives(
     store = run_store()
     assert store is not None, "init_data_parallel keeps the run's store"
     _main_calls += 1
-    key = f"stalepipe/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/main/{_main_calls}"
+    key = f"{restart_prefix()}main/{_main_calls}"
     if ctx.is_main:
         try:
             result = fn()
