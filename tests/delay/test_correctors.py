@@ -252,3 +252,16 @@ def test_a_run_recorded_before_the_correctors_resumes():
     assert config_diff(old, current, resumed_step=3) == []
     current["delay"]["weight_pred"] = True
     assert config_diff(old, current, resumed_step=3) == ["delay.weight_pred"]
+
+
+def test_experiment_config_refuses_before_anything_is_written():
+    from stalepipe.config import ExperimentConfig, OptimConfig
+    from stalepipe.optim import resolve_config
+
+    nadamw = resolve_config(OptimConfig(name="nadamw"))  # what train() records: beta1 0.99
+    with pytest.raises(ConfigError, match="which is mu at optim.beta1 0.99; set optim.beta1 to"):
+        ExperimentConfig(optim=nadamw, delay=DelayConfig(policy="2bw", adaptive_momentum=True))
+    muon = resolve_config(OptimConfig(name="muon", beta1=0.99))  # its AdamW part still moves
+    ExperimentConfig(optim=muon, delay=DelayConfig(policy="2bw", adaptive_momentum=True))
+    with pytest.raises(ConfigError, match="set delay.policy to fixed:1 or less"):
+        ExperimentConfig(delay=DelayConfig(policy="fixed:3", adaptive_momentum=True))

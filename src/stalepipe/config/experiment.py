@@ -231,6 +231,15 @@ class ExperimentConfig:
             )
             fixes = [{"delay.lr_correction_steps": 0}, {"delay.policy": "fixed:2"}]
             yield "delay.lr_correction_steps", why, fixes
+        # at mu = 0.99, mu + tau (0.99 - mu) / P = mu (muon and mars also have an AdamW part at
+        # beta1 0.9, which it moves); NAdamW's default beta1 is 0.99 (optim.registry)
+        if dc.adaptive_momentum and self.optim.beta1 == 0.99 and self.optim.name not in COMPOSITE:
+            why = (
+                "delay.adaptive_momentum sets mu_s = mu + tau_s (0.99 - mu) / P, which is mu at "
+                "optim.beta1 0.99"
+            )
+            fixes = [{"optim.beta1": 0.9}, {"delay.adaptive_momentum": False}]
+            yield "delay.adaptive_momentum", why, fixes
         if dc.taylor_adaptive and dc.taylor == 0:
             why = "delay.taylor_adaptive scales delay.taylor (lambda_0), which is 0 (off)"
             yield "delay.taylor", why, [{"delay.taylor": 0.1}, {"delay.taylor_adaptive": False}]
@@ -295,6 +304,9 @@ class ExperimentConfig:
             return from_dict(cls, upgrade_record(d))
         finally:
             _CHECK_IGNORED.reset(token)
+
+
+COMPOSITE = ("muon", "mars")  # optimizers with an AdamW part of fixed betas (optim.registry)
 
 
 def _max_tau(policy: str, num_stages: int) -> int:
