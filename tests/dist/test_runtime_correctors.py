@@ -1,7 +1,8 @@
 """The delay correctors on the multi-process runtime (gloo, spawn, 1 thread each): weight
 prediction, DC-ASGD-EMA, the PipeMare LR schedule and adaptive momentum, each on 2bw and
-pipedream, equal the emulator's exact mode bit for bit; a checkpoint of the runtime resumes on
-the runtime and on the emulator to the uninterrupted run's weights, bit for bit."""
+pipedream (and wpipe), equal the emulator's exact mode bit for bit; a checkpoint of the
+runtime resumes on the runtime and on the emulator to the uninterrupted run's weights, bit for
+bit."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ CASES = {
     "2bw-adaptive_momentum": ("2bw", 2, 2, "muon", True, dict(adaptive_momentum=True)),
     # PipeMare's factor is 1 at tau <= 1: only pipedream with P >= 3 (or fixed:N) moves it
     "pipedream-lr_correction-adaptive_momentum": ("pipedream", 3, 1, OptimConfig(name="nadamw", beta1=0.9), True, dict(lr_correction_steps=3, adaptive_momentum=True)),
+    "wpipe-weight_pred-dc_asgd_ema": ("wpipe", 2, 2, "adamw", True, dict(weight_pred=True, taylor=0.5, taylor_curvature="ema")),
     "pipedream-all": ("pipedream", 2, 1, "adamw", False, dict(weight_pred=True, taylor=0.3, taylor_curvature="ema", adaptive_momentum=True)),
 }  # fmt: skip
 
