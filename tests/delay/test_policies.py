@@ -92,6 +92,20 @@ def test_versions_needed_never_exceed_max_tau():
     assert versions_needed_after("2bw", [0], 17, 1, 20, sync_cooldown=2) == set()
 
 
+def test_weight_prediction_keeps_the_version_before_each_read():
+    # hand-computed: a predicted read of W_v (tau >= 1, v >= 1) also needs W_{v-1}
+    def need(policy, stage, step, P=3, **windows):
+        return sched(policy, P, 20, **windows).versions_needed_after([stage], step, predict=True)
+
+    assert need("2bw", 0, 4) == {3, 4}  # step 5 reads W_4 (and W_3), step 6 W_5 (and W_4)
+    assert need("pipedream", 0, 5) == {3, 4, 5}  # tau 2: steps 6, 7, 8 read W_4, W_5, W_6
+    assert need("pipedream", 2, 5) == set()  # the last stage is fresh
+    assert need("2bw", 0, 0) == {0}  # step 1 reads W_0 (W_{-1} = W_0: nothing more)
+    # the sync start's end: step 5 reads W_4 again, predicted from W_3
+    assert need("2bw", 0, 3, sync_start=5) == {3}
+    assert need("2bw", 0, 4, sync_start=5) == {3, 4}
+
+
 def test_bad_policies_get_clear_messages():
     with pytest.raises(ConfigError, match="unknown delay policy 'async'"):
         staleness("async", 0, 0, 2, 10)
