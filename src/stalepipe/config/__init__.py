@@ -15,16 +15,15 @@ A setting the run would ignore is refused the same way (`experiment.py`); run re
 
 from stalepipe.config import overrides as _overrides
 from stalepipe.config.base import ConfigError, unknown_choice
+from stalepipe.config.delay import POLICY_NAMES, DelayConfig
 from stalepipe.config.experiment import ExperimentConfig
 from stalepipe.config.overrides import RENAMED_KEYS, apply_overrides, upgrade_record
 from stalepipe.config.sections import (
     FIXED_OPTIM_FIELDS,
     OPTIMIZER_FIELDS,
-    POLICY_NAMES,
     RUNTIME_SCHEDULES,
     SIMULATED_SCHEDULES,
     DataConfig,
-    DelayConfig,
     ModelConfig,
     OptimConfig,
     PipelineConfig,

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stalepipe.config.base import ConfigError, check, multiples_near, option
+from stalepipe.config.delay import DelayConfig
 from stalepipe.config.overrides import apply_overrides, default_of, from_dict, upgrade_record
 from stalepipe.config.sections import (
     DEFAULT_SCHEDULE,
     RUNTIME_SCHEDULES,
     DataConfig,
-    DelayConfig,
     ModelConfig,
     OptimConfig,
     PipelineConfig,

@@ -1,7 +1,8 @@
 """The component configs: one frozen dataclass per component, each validating its own fields.
 
 A component receives only its section. Rules that join sections (stages vs layers, the delay
-policy vs the stage count, the distributed engine's limits) live in `experiment.py`.
+policy vs the stage count, the distributed engine's limits) live in `experiment.py`. The delay
+section has a module of its own, `delay.py`.
 """
 
 from __future__ import annotations
@@ -225,103 +226,6 @@ class OptimConfig:
 
 
 _OPTIM_HYPER_FIELDS = tuple(f.name for f in dataclasses.fields(OptimConfig) if f.name != "name")
-
-
-# The delay policies by name (besides fixed:N); delay/policies.py implements each one.
-POLICY_NAMES = ("sync", "2bw", "pipedream", "wpipe")
-
-
-@dataclass(frozen=True, kw_only=True)
-class DelayConfig:
-    """Gradient-delay policy and mitigations (GUIDE section 2)."""
-
-    policy: str = option("sync", "delay policy: sync | 2bw | pipedream | wpipe | fixed:N")
-    ef: bool = option(False, "update-level error feedback W+ = W - 2U_k + U_{k-1}")
-    taylor: float = option(0.0, "DC-ASGD Taylor compensation lambda (0 = off)")
-    taylor_adaptive: bool = option(False, "adaptive lambda: taylor / sqrt(EMA of g^2)")
-    taylor_ema: float = option(0.95, "EMA coefficient of g^2 for adaptive Taylor")
-    taylor_eps: float = option(1e-8, "adaptive Taylor: added to sqrt(EMA of g^2)")
-    taylor_curvature: str = option(
-        "g2", "Taylor's curvature: g2 (g*g, DC-ASGD) | ema (EMA of g*g, DC-ASGD-EMA)"
-    )
-    weight_pred: bool = option(
-        False, "weight prediction: gradient at W_v + c tau (W_v - W_{v-1}) (SpecTrain/PipeMare)"
-    )
-    weight_pred_scale: float = option(1.0, "weight prediction scale c (needs weight_pred)")
-    lr_correction_steps: int = option(
-        0, "PipeMare LR lr * tau_s^-(1 - min(k/K, 1)) over K steps (0 = off)"
-    )
-    adaptive_momentum: bool = option(
-        False, "per-stage momentum mu + tau_s (0.99 - mu) / P (Ajanthan et al. 2025)"
-    )
-    sync_start: int = option(0, "first K steps run without delay")
-    sync_cooldown: float = option(0.0, "last K steps without delay: K if >= 1, else a fraction")
-    sync_cooldown_wsd: bool = option(
-        False, "cooldown = WSD's LR decay phase (then sync_cooldown must stay 0)"
-    )
-    mode: str = option(
-        "fast", "emulator mode: fast (whole model) | exact (per stage, per microbatch)"
-    )
-
-    def __post_init__(self) -> None:
-        policy = self.policy
-        if policy.startswith("fixed:"):
-            n = policy.split(":", 1)[1]
-            check(n.isdigit(), f"delay.policy fixed:N needs an integer N >= 0, got {policy!r}")
-        else:
-            check(
-                policy in POLICY_NAMES,
-                f"delay.policy must be {', '.join(POLICY_NAMES)} or fixed:N (N >= 0 steps); "
-                f"got {policy!r}",
-            )
-        check(self.taylor >= 0, f"delay.taylor must be >= 0, got {self.taylor}")
-        check(
-            0.0 <= self.taylor_ema < 1.0,
-            f"delay.taylor_ema must be in [0, 1), got {self.taylor_ema}",
-        )
-        check(self.sync_start >= 0, f"delay.sync_start must be >= 0, got {self.sync_start}")
-        check(
-            self.sync_cooldown >= 0,
-            f"delay.sync_cooldown must be >= 0 (steps, or a fraction < 1), got "
-            f"{self.sync_cooldown}",
-        )
-        check(
-            self.sync_cooldown < 1 or float(self.sync_cooldown).is_integer(),
-            f"delay.sync_cooldown >= 1 is a step count and must be a whole number, got "
-            f"{self.sync_cooldown}",
-        )
-        check(self.taylor_eps > 0, f"delay.taylor_eps must be > 0, got {self.taylor_eps}")
-        self._check_correctors()
-        check(
-            self.mode in ("fast", "exact"),
-            f"delay.mode must be 'fast' or 'exact', got {self.mode!r}",
-        )
-
-    def _check_correctors(self) -> None:
-        """The correctors beyond the paper (docs/delay.md): ranges, and no setting that does
-        nothing without another."""
-        check(
-            self.taylor_curvature in ("g2", "ema"),
-            f"delay.taylor_curvature must be g2 or ema, got {self.taylor_curvature!r}",
-        )
-        check(
-            self.taylor_curvature == "g2" or self.taylor > 0,
-            "delay.taylor_curvature ema is the curvature of Taylor compensation, which is off "
-            "(delay.taylor 0); set delay.taylor > 0 (e.g. 0.1) or delay.taylor_curvature g2",
-        )
-        check(
-            self.weight_pred_scale > 0,
-            f"delay.weight_pred_scale must be > 0, got {self.weight_pred_scale}",
-        )
-        check(
-            self.weight_pred or self.weight_pred_scale == 1.0,
-            f"delay.weight_pred_scale {self.weight_pred_scale:g} scales weight prediction, which "
-            f"is off; set delay.weight_pred true or delay.weight_pred_scale 1",
-        )
-        check(
-            self.lr_correction_steps >= 0,
-            f"delay.lr_correction_steps must be >= 0 (0 = off), got {self.lr_correction_steps}",
-        )
 
 
 # The schedules the distributed engine runs and the delay policy each one realises (the runtime
