@@ -75,17 +75,8 @@ def reference_train(
             use: read(stage, k, pname).clone().requires_grad_(True)
             for use, (pname, stage) in uses.items()
         }
-        acc: dict[str, torch.Tensor] = {}
-        mbs = batches(k)
-        total = torch.zeros(())
-        for x, y in mbs:
-            loss = functional_call(model, leaves, (x, y), tie_weights=False) / len(mbs)
-            grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-            for use, g in zip(leaves, grads, strict=True):
-                if g is not None:
-                    acc[use] = g if use not in acc else acc[use] + g
-            total = total + loss.detach().float()
-        losses.append(total.item())
+        acc, loss = _accumulated_gradients(model, leaves, batches(k))
+        losses.append(loss)
 
         with torch.no_grad():
             for p in names.values():
@@ -118,3 +109,20 @@ def reference_train(
             optimizer.zero_grad(set_to_none=True)
         versions.append(snapshot())
     return versions, losses
+
+
+def _accumulated_gradients(
+    model: nn.Module, leaves: dict[str, torch.Tensor], mbs: Batch
+) -> tuple[dict[str, torch.Tensor], float]:
+    """Per use, the sum over the microbatches of d(loss / m) / d(leaf), in microbatch order;
+    and the step's loss."""
+    acc: dict[str, torch.Tensor] = {}
+    total = torch.zeros(())
+    for x, y in mbs:
+        loss = functional_call(model, leaves, (x, y), tie_weights=False) / len(mbs)
+        grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        for use, g in zip(leaves, grads, strict=True):
+            if g is not None:
+                acc[use] = g if use not in acc else acc[use] + g
+        total = total + loss.detach().float()
+    return acc, total.item()
