@@ -117,12 +117,8 @@ class Meter:
         device: torch.device | None = None,
         warmup: int = TIMING_WARMUP_STEPS,
     ) -> None:
-        self.start, self.tokens_per_step, self.flops_per_token = (
-            start,
-            tokens_per_step,
-            flops_per_token,
-        )
-        self.peak, self.warmup = peak_flops, warmup
+        self.start, self.warmup, self.peak = start, warmup, peak_flops
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.cuda = device if device is not None and device.type == "cuda" else None
         self.t0 = time.perf_counter()
         self._paused_s = 0.0
