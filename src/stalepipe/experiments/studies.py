@@ -320,10 +320,10 @@ def get_study(name: str) -> Study:
 
 # Core-seconds per step of each CPU scale's base config (spawn, evals and checkpoints included),
 # measured on a 2-core machine shared with other jobs. `cpu`: over the paper-mini sweep, 0.09 s
-# at a load of ~3, 0.18 s at ~8. `cpu-regime`: benchmarks/regime_throughput.py and the
-# regime probes (docs/RESULTS.md "Regime"). Used only for the estimates in `stalepipe sweep
-# --help` / --dry-run.
-CPU_SECONDS_PER_STEP = {"cpu": 0.1, "cpu-regime": 0.15}
+# at a load of ~3, 0.18 s at ~8. `cpu-regime`: benchmarks/regime_throughput.py at a load of
+# ~5 (AdamW; 247 s per 1200-step run with its 20 evals; docs/RESULTS.md "Regime"). Used only
+# for the estimates in `stalepipe sweep --help` / --dry-run.
+CPU_SECONDS_PER_STEP = {"cpu": 0.1, "cpu-regime": 0.2}
 
 
 def _duration(seconds: float) -> str:
