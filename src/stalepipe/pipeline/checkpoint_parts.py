@@ -15,7 +15,7 @@ stages re-splits it by parameter name (`resplit_state`: `stage_state` for one ru
 the split); pipedream and wpipe across different splits are refused (`check_resplit`).
 
 Rank 0 waits for the other stages' parts on the filesystem (`wait_part`); the wait also reads
-the run's failure records (`pipeline.comm.Failure`), so a stage that died instead of writing
+the run's failure records (`pipeline.failures.Failure`), so a stage that died instead of writing
 its part stops rank 0 within `FAILURE_POLL_S`, not after `pipeline.timeout_s`.
 """
 
@@ -30,7 +30,8 @@ import torch
 from stalepipe.delay import DelayedOptimizer, DelaySchedule
 from stalepipe.errors import CheckpointError
 from stalepipe.fileio import torch_save_atomic
-from stalepipe.pipeline.comm import PeerError, Topology, first_failure, peer_error, run_store
+from stalepipe.pipeline.comm import PeerError, Topology, peer_error
+from stalepipe.pipeline.failures import first_failure, run_store
 
 PARTS_DIR = "parts"
 FAILURE_POLL_S = 0.1  # how often a wait for a part reads the run's failure records
@@ -58,7 +59,7 @@ def wait_part(
 ) -> dict[str, Any]:
     """Wait (on `rank`, the merging rank 0) until stage `stage` wrote its part of step `step`,
     then load it. Raises `PeerError` naming the failed rank as soon as any rank of the run has
-    a failure record in `store` (default: `comm.run_store()`): the stage itself, a neighbour
+    a failure record in `store` (default: `failures.run_store()`): the stage itself, a neighbour
     that saw it die, or the launcher for a killed one; naming the stage after `timeout_s`
     without its part (a hung stage)."""
     store = run_store() if store is None else store

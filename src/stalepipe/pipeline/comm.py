@@ -25,29 +25,22 @@ than it (the watchdog aborts the process without a word), and barriers go throug
 store (`dist.barrier` on NCCL ignores its timeout and would trip the watchdog while rank 0
 prepares data or writes a checkpoint): `pipeline.waits`.
 
-Failure records. The run's rendezvous store (`run_store`: hosted by the launcher, by torchrun's
-agent, or else by rank 0) holds one `Failure` per failed rank and the run's first one: a rank
-that raises records its one line (`report_failure`), and the spawning launcher records a rank
-that died without one (killed). Waits that cannot name a peer by themselves (collectives, the
-checkpoint parts rank 0 waits for) read them: a dead peer is named within a fraction of a second
-instead of after `pipeline.timeout_s`, and the launcher names the rank that stopped first.
+Failure records (`pipeline.failures`) name the rank that stopped first.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import json
 import os
-import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from stalepipe.pipeline.failures import AGENT_STORE_ENV, run_store, set_run_store, wait_failure
 from stalepipe.pipeline.waits import (
     backend_timeout_s,
     poll_work,
@@ -57,10 +50,6 @@ from stalepipe.pipeline.waits import (
 
 CHANNELS = ("act", "grad", "eval", "tied_grad", "tied_w", "eval_loss")
 _TAGS = {name: i + 1 for i, name in enumerate(CHANNELS)}
-FAILURE_KEY = "stalepipe/first_failure"
-# torchrun's contract with env:// rendezvous: the launcher (torchrun's agent, or ours) hosts the
-# store and every rank, rank 0 included, joins it as a client.
-AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 RECORD_WAIT_S = 1.0  # how long a failed collective waits for a peer's record to name it
 
 
@@ -116,10 +105,9 @@ def leave_process_group() -> None:
     """Destroy the process group and drop the run's store while the interpreter is whole (a
     store left to interpreter shutdown can abort the process: "terminate called without an
     active exception")."""
-    global _store
     if dist.is_initialized():
         dist.destroy_process_group()
-    _store = None
+    set_run_store(None)
 
 
 def init_from_env(
@@ -130,7 +118,6 @@ def init_from_env(
     (rank, world_size, local_rank). `failure_records`: keep the rendezvous store for the
     pipeline runtime's failure records (`run_store`); the data-parallel emulator, which keeps
     none, joins through env:// itself."""
-    global _store
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if not dist.is_initialized():
@@ -141,7 +128,7 @@ def init_from_env(
         if failure_records:
             # What env:// does, keeping the store: the failure records live in it.
             hosted = os.environ.get(AGENT_STORE_ENV) == str(True)
-            _store = kwargs["store"] = dist.TCPStore(
+            kwargs["store"] = dist.TCPStore(
                 os.environ["MASTER_ADDR"],
                 int(os.environ["MASTER_PORT"]),
                 world,
@@ -149,6 +136,7 @@ def init_from_env(
                 timeout=timeout,
                 multi_tenant=rank == 0 and not hosted,
             )
+            set_run_store(kwargs["store"])
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
     return rank, world, local_rank
 
@@ -410,93 +398,3 @@ def peer_error(
         f"waiting for {what}{src} (timeout {timeout_s:g}s): {_reason(cause)}",
         peer,
     )
-
-
-# ---- failure records --------------------------------------------------------------------------
-
-_store: Any = None  # the store `init_from_env` joined (or `run_store` connected to)
-
-
-@dataclass(frozen=True)
-class Failure:
-    """One rank's failure as the run's store records it.
-
-    kind: "peer" (it stopped because `peer` failed; None: a collective, peer unknown),
-    "error" (it failed by itself: bad input, divergence, a bug), "exit" (the launcher saw it
-    die without a record: killed, or crashed in C). `line` is what the rank printed."""
-
-    rank: int
-    kind: str
-    line: str
-    peer: int | None = None
-    code: int | None = None  # its exit status, when known
-
-    @property
-    def root(self) -> int | None:
-        """The rank this failure blames: the peer of a peer failure, else the rank itself."""
-        return self.peer if self.kind == "peer" else self.rank
-
-
-def run_store() -> Any:
-    """The run's rendezvous store, where failures are recorded: the one `init_from_env`
-    joined; before that, a new client when a launcher hosts it (`AGENT_STORE_ENV`); else None."""
-    global _store
-    if _store is None and os.environ.get(AGENT_STORE_ENV) == str(True):
-        with contextlib.suppress(Exception):
-            _store = dist.TCPStore(
-                os.environ["MASTER_ADDR"],
-                int(os.environ["MASTER_PORT"]),
-                is_master=False,
-                timeout=datetime.timedelta(seconds=10),
-            )
-    return _store
-
-
-def _failure_key(rank: int) -> str:
-    return f"stalepipe/failure/{rank}"
-
-
-def report_failure(store: Any, failure: Failure) -> None:
-    """Record `failure` as its rank's, and as the run's first unless one is recorded already.
-    Never raises: a dead store only means that nobody reads it."""
-    if store is None:
-        return
-    text = json.dumps(asdict(failure))
-    with contextlib.suppress(Exception):
-        store.set(_failure_key(failure.rank), text)
-        store.compare_set(FAILURE_KEY, "", text)
-
-
-def _read(store: Any, key: str) -> Failure | None:
-    try:
-        if not store.check([key]):
-            return None
-        raw = store.get(key).decode(errors="replace")
-        return Failure(**json.loads(raw)) if raw else None
-    except Exception:
-        return None
-
-
-def first_failure(store: Any) -> Failure | None:
-    """The run's first recorded failure (None: none, or no store)."""
-    return None if store is None else _read(store, FAILURE_KEY)
-
-
-def rank_failure(store: Any, rank: int) -> Failure | None:
-    """What `rank` recorded when it failed (None: nothing, or no store)."""
-    return None if store is None else _read(store, _failure_key(rank))
-
-
-def wait_failure(store: Any, wait_s: float, rank: int) -> Failure | None:
-    """The first failure recorded by a rank other than `rank`, waiting up to `wait_s` for one
-    (a peer that failed this moment records it a few milliseconds later)."""
-    if store is None:
-        return None
-    deadline = time.monotonic() + wait_s
-    while True:
-        f = first_failure(store)
-        if f is not None and f.rank != rank:
-            return f
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.05)

@@ -2,7 +2,7 @@
 
 `supervise` waits for workers started with the `spawn` method (never fork: torch and threads).
 The launcher hosts the run's rendezvous store (`host_store`, as torchrun's agent does), so the
-failure records (`pipeline.comm.Failure`) outlive any worker: a worker that fails records its
+failure records (`pipeline.failures.Failure`) outlive any worker: a worker that fails records its
 line, and `supervise` records a worker that died without one (killed), which every waiting rank
 reads at once. When a rank fails, the rest stop within seconds (a dead peer closes its
 connections; a hung one is timed out after `pipeline.timeout_s`); what is still running when
@@ -36,10 +36,10 @@ from typing import Any
 import torch.distributed as dist
 
 from stalepipe.errors import EXIT_PEER, EXIT_PREEMPTED, EXIT_USER, TrainingError, UserError
-from stalepipe.pipeline.comm import (
+from stalepipe.pipeline.comm import Topology
+from stalepipe.pipeline.failures import (
     AGENT_STORE_ENV,
     Failure,
-    Topology,
     first_failure,
     rank_failure,
     report_failure,

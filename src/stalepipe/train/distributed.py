@@ -32,9 +32,9 @@ from stalepipe.pipeline.comm import (
     init_from_env,
     leave_process_group,
     resolve_backend,
-    run_store,
     under_torchrun,
 )
+from stalepipe.pipeline.failures import run_store
 from stalepipe.pipeline.waits import STORE_POLL_S, restart_prefix
 
 T = TypeVar("T")

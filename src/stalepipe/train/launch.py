@@ -25,15 +25,8 @@ from stalepipe.config import ExperimentConfig
 from stalepipe.data import check_vocab
 from stalepipe.errors import EXIT_BUG, EXIT_PEER, EXIT_PREEMPTED, Preempted, UserError
 from stalepipe.optim import resolve_config
-from stalepipe.pipeline.comm import (
-    Failure,
-    PeerError,
-    Topology,
-    first_failure,
-    report_failure,
-    run_store,
-    under_torchrun,
-)
+from stalepipe.pipeline.comm import PeerError, Topology, under_torchrun
+from stalepipe.pipeline.failures import Failure, first_failure, report_failure, run_store
 from stalepipe.pipeline.processes import EXIT_INTERRUPTED, host_store, supervise, worker_env
 from stalepipe.train.checkpoint import latest_checkpoint
 from stalepipe.train.devices import check_device
