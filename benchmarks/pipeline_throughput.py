@@ -35,7 +35,8 @@ from stalepipe.pipeline.comm import Comm, Topology, init_from_env
 from stalepipe.pipeline.generators import make_schedule
 from stalepipe.pipeline.memory import rank_memory
 from stalepipe.pipeline.pool import WorkerPool
-from stalepipe.pipeline.stage import ModelLayout, StageExecutor, StageIO
+from stalepipe.pipeline.stage import StageExecutor
+from stalepipe.pipeline.stage_io import ModelLayout, StageIO
 from stalepipe.pipeline.timing import simulate, summarize, uniform_costs
 from stalepipe.pipeline.votes import StepVotes, lookahead
 

@@ -46,8 +46,9 @@ from stalepipe.pipeline.comm import (
 )
 from stalepipe.pipeline.generators import one_stage_per_rank, schedule_for
 from stalepipe.pipeline.schedule import Schedule, validate
-from stalepipe.pipeline.stage import ModelLayout, StageExecutor, StageIO
+from stalepipe.pipeline.stage import StageExecutor
 from stalepipe.pipeline.stage_eval import EvalData
+from stalepipe.pipeline.stage_io import ModelLayout, StageIO
 from stalepipe.pipeline.tied import TIED_HEAD, TIED_NAME
 from stalepipe.pipeline.votes import StepVotes, lookahead
 from stalepipe.train.checkpoint import load_checkpoint, save_checkpoint
