@@ -41,8 +41,7 @@ from torch import nn
 from stalepipe.config import ConfigError, DelayConfig
 from stalepipe.delay import correctors, mitigations
 from stalepipe.delay.policies import DelaySchedule
-
-StageParams = Iterable[nn.Parameter] | Mapping[str, nn.Parameter]
+from stalepipe.delay.stage_params import StageParams, schedule_for, stage_parameters
 
 
 class DelayedOptimizer:
@@ -80,13 +79,13 @@ class DelayedOptimizer:
         cfg = cfg or DelayConfig()
         if not stages:
             raise ConfigError("DelayedOptimizer needs at least one stage of parameters")
-        schedule = _schedule_for(cfg, len(stages), total_steps, schedule)
+        schedule = schedule_for(cfg, len(stages), total_steps, schedule)
         self.optimizer = optimizer
         self.cfg = cfg
         self.schedule = schedule
         self.num_stages = len(stages)
         self.total_steps = schedule.total_steps
-        self._names, self._params = _stage_parameters(stages, optimizer)
+        self._names, self._params = stage_parameters(stages, optimizer)
 
         self._consumers = [{s} for s in range(self.num_stages)]
         for owner, users in (shared_with or {}).items():
@@ -404,56 +403,3 @@ class DelayedOptimizer:
             if state["taylor_ms"] is None
             else [own(ts, self._params[s]) for s, ts in enumerate(state["taylor_ms"])]
         )
-
-
-def _schedule_for(
-    cfg: DelayConfig, num_stages: int, total_steps: int | None, schedule: DelaySchedule | None
-) -> DelaySchedule:
-    """The run's delay schedule: `schedule` when given (it must match cfg's policy and the
-    stage count), else built from cfg's windows and `total_steps`."""
-    if schedule is None:
-        if cfg.sync_cooldown_wsd:
-            raise ConfigError(
-                "delay.sync_cooldown_wsd must be resolved to a step count first: pass "
-                "schedule=DelaySchedule.from_config(delay_cfg, num_stages, steps, train_cfg)"
-            )
-        schedule = DelaySchedule.from_config(cfg, num_stages, total_steps)
-    if schedule.num_stages != num_stages or schedule.policy != cfg.policy:
-        raise ConfigError(
-            f"the delay schedule ({schedule.policy}, {schedule.num_stages} stages) does not "
-            f"match delay.policy {cfg.policy} with {num_stages} stages of parameters"
-        )
-    return schedule
-
-
-def _stage_parameters(
-    stages: Sequence[StageParams], optimizer: torch.optim.Optimizer
-) -> tuple[list[list[str]], list[list[nn.Parameter]]]:
-    """(names, parameters) per stage; every parameter in one stage only, and every parameter
-    the optimizer updates in some stage."""
-    names: list[list[str]] = []
-    params: list[list[nn.Parameter]] = []
-    seen: dict[int, str] = {}
-    for s, group in enumerate(stages):
-        items = (
-            list(group.items())
-            if isinstance(group, Mapping)
-            else [(f"{s}.{i}", p) for i, p in enumerate(group)]
-        )
-        for name, p in items:
-            if id(p) in seen:
-                raise ConfigError(
-                    f"parameter {name} appears in two stages (also as {seen[id(p)]}); list "
-                    f"a shared parameter under its owner only and use shared_with"
-                )
-            seen[id(p)] = name
-        names.append([n for n, _ in items])
-        params.append([p for _, p in items])
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in seen:
-                raise ConfigError(
-                    f"the optimizer updates a parameter of shape {tuple(p.shape)} that is in "
-                    f"no stage; pass every trained parameter in `stages`"
-                )
-    return names, params
