@@ -27,6 +27,14 @@ def _plt() -> Any:
     return plt
 
 
+def _finish_grid(fig, axes, used: int) -> bytes:
+    """Blank the unused panels of a grid figure and return it as PNG bytes."""
+    for ax in list(axes.flat)[used:]:
+        ax.axis("off")
+    fig.tight_layout()
+    return _png(fig, dpi=80)
+
+
 def _png(fig: Any, dpi: int = 110) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
@@ -87,10 +95,7 @@ def loss_curves(rows: list[Row], max_panels: int = 18) -> bytes | None:
         ax.set_ylabel("train loss (smoothed)")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(items) :]:
-        ax.axis("off")
-    fig.tight_layout()
-    return _png(fig, dpi=80)
+    return _finish_grid(fig, axes, len(items))
 
 
 def _tokens(r: Row) -> float:
@@ -234,10 +239,7 @@ def overhead_plot(rows: list[Row], max_panels: int = 12, marks: int = 4) -> byte
         ax.set_ylabel(f"val loss (mean of {len(seeds)} seed(s))")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(items) :]:
-        ax.axis("off")
-    fig.tight_layout()
-    return _png(fig, dpi=80)
+    return _finish_grid(fig, axes, len(items))
 
 
 def _mark_multipliers(ax: Any, pair: Any, marks: int) -> None:
