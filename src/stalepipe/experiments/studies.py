@@ -285,7 +285,7 @@ class Study:
 STUDIES: dict[str, Study] = {
     s.name: s
     for s in [
-        Study("optimizers", study_optimizers, "6 optimizers x sync / 2bw / 2bw+EF",
+        Study("optimizers", study_optimizers, "6 optimizers (7 with NAdamW beyond cpu) x sync / 2bw / 2bw+EF",
               claims=(claim_adamw_gap_exceeds_muon, claim_ef_recovers_gap)),
         Study("momentum", study_momentum, "AdamW & Muon beta1 in 0.8-0.98 under sync and 2bw",
               claims=(claim_momentum_shrinks_gap,)),
