@@ -146,7 +146,7 @@ def test_every_command_has_help(capsys):
     ],
 )
 def test_flags_are_the_keywords_of_the_function_a_command_calls(argv, target):
-    """Commands that pass all their flags on (`cli._flags`) match their function's signature."""
+    """Commands that pass all their flags on (`cli.common.flags`) match their function's signature."""
     module, name = target.split(":")
     fn = getattr(importlib.import_module(module), name)
     inspect.signature(fn).bind(**_flags(make_parser().parse_args(argv)))  # raises on a mismatch
