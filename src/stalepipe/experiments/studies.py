@@ -18,6 +18,7 @@ scales (docs/optimizers.md), which you should retune for your data before a larg
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,30 +83,21 @@ REGIME_STEPS = 1200
 
 
 def regime_base() -> ExperimentConfig:
-    """The `cpu-regime` study model: ~0.4M parameters (4 blocks of width 96, so P = 2, 4
-    exist), byte-level Shakespeare, 16 x 128 tokens per step for REGIME_STEPS steps, 10% warmup
-    + cosine to 10%, 20 evaluations (the token overhead reads the eval curve)."""
-    return ExperimentConfig(
+    """The `cpu-regime` study model: `paper_mini_base` at width 96 (~0.4M parameters; P = 2, 4
+    exist), 16 x 128 tokens per step for REGIME_STEPS steps, 10% warmup + cosine to 10%, 20
+    evaluations of 8 batches (the token overhead reads the eval curve)."""
+    base = paper_mini_base()
+    return dataclasses.replace(
+        base,
         name="cpu-regime",
-        model=ModelConfig(
-            vocab_size=256,
-            dim=96,
-            num_layers=4,
-            num_heads=4,
-            num_kv_heads=2,
-            ffn_dim=256,
-            max_seq_len=128,
-        ),
-        data=DataConfig(seq_len=128),
-        train=TrainConfig(
+        model=dataclasses.replace(base.model, dim=96, ffn_dim=256, max_seq_len=128),
+        data=dataclasses.replace(base.data, seq_len=128),
+        train=dataclasses.replace(
+            base.train,
             num_steps=REGIME_STEPS,
-            batch_size=16,
             warmup_steps=REGIME_STEPS // 10,
             eval_every=REGIME_STEPS // 20,
             num_eval_batches=8,
-            log_every=10,
-            progress=False,
-            threads=1,
         ),
     )
 
