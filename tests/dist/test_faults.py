@@ -37,6 +37,7 @@ from stalepipe.pipeline.comm import Topology
 from stalepipe.pipeline.processes import host_store, supervise, worker_env
 from stalepipe.train.checkpoint import load_checkpoint
 from stalepipe.train.launch import launch_train, spawn_ranks
+from stalepipe.train.startup import StartUp
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -237,7 +238,7 @@ def test_a_hung_rank_is_named_and_killed(make_cfg):
     timeout_s = 5
     cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, timeout_s=timeout_s))
     run = Path(cfg.out_dir) / cfg.name
-    thread, box = _in_thread(launch_train, cfg, overwrite=True, verbose=False)
+    thread, box = _in_thread(launch_train, cfg, StartUp(overwrite=True), verbose=False)
     metrics = run / "metrics.jsonl"
     _wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, "training", 120)
     victim = _worker(2)

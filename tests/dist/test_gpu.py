@@ -19,6 +19,7 @@ import torch
 from stalepipe.errors import EXIT_FAILED, EXIT_PEER, TrainingError
 from stalepipe.train.checkpoint import list_checkpoints
 from stalepipe.train.launch import launch_train
+from stalepipe.train.startup import StartUp
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +57,7 @@ def test_nccl_killed_worker_is_a_peer_error_within_the_timeout(make_cfg):
 
     def target() -> None:
         try:
-            box["rc"] = launch_train(cfg, overwrite=True, verbose=False)
+            box["rc"] = launch_train(cfg, StartUp(overwrite=True), verbose=False)
         except Exception as e:  # noqa: BLE001 - the test inspects it
             box["error"] = e
 

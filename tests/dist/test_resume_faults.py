@@ -20,6 +20,7 @@ from stalepipe.config import ConfigError
 from stalepipe.errors import EXIT_FAILED, EXIT_PEER, TrainingError
 from stalepipe.train.checkpoint import list_checkpoints, load_checkpoint
 from stalepipe.train.launch import launch_train
+from stalepipe.train.startup import StartUp
 from stalepipe.train.pipelined import check_config
 
 
@@ -73,7 +74,7 @@ def test_killed_worker_stops_every_rank(make_cfg):
 
     def target() -> None:
         try:
-            box["rc"] = launch_train(cfg, overwrite=True, verbose=False)
+            box["rc"] = launch_train(cfg, StartUp(overwrite=True), verbose=False)
         except Exception as e:  # noqa: BLE001
             box["error"] = e
 
@@ -119,7 +120,7 @@ def test_divergence_stops_every_rank_and_keeps_the_last_good_checkpoint(make_cfg
     )
     t0 = time.monotonic()
     with pytest.raises(TrainingError, match="rank") as err:
-        launch_train(cfg, overwrite=True, verbose=False)
+        launch_train(cfg, StartUp(overwrite=True), verbose=False)
     assert time.monotonic() - t0 < 90
     logs = "".join(p.read_text() for p in (Path(cfg.out_dir) / cfg.name / "logs").glob("rank*.log"))
     assert re.search(

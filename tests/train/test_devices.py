@@ -97,11 +97,14 @@ def _cuda_run(tmp_path, excerpt_data_dir, engine: str):
 def test_train_refuses_before_touching_the_run_directory(tmp_path, excerpt_data_dir, engine):
     from stalepipe.train.launch import launch_train
     from stalepipe.train.loop import train
+    from stalepipe.train.startup import StartUp
 
     cfg = _cuda_run(tmp_path, excerpt_data_dir, engine)
-    start = train if engine == "emulate" else launch_train
     with pytest.raises(DeviceError):
-        start(cfg, overwrite=True, verbose=False)
+        if engine == "emulate":
+            train(cfg, overwrite=True, verbose=False)
+        else:
+            launch_train(cfg, StartUp(overwrite=True), verbose=False)
     assert not (tmp_path / "runs").exists()  # refused before the run directory was made
 
 

@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from stalepipe.cli.common import Subparsers, flags
+from stalepipe.cli.common import Subparsers, runs
 from stalepipe.cli.studies import _add_demo, _add_report, _add_sweep, _add_toy, _add_verdict
 from stalepipe.config import ConfigError, ExperimentConfig, apply_overrides, config_help
 from stalepipe.errors import Preempted, UserError
@@ -111,16 +111,14 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     init_from = parent_checkpoint(args.init_from, cfg.train.num_steps) if args.init_from else None
     if cfg.pipeline.engine == "distributed":  # one process per stage (docs/runtime.md)
         from stalepipe.train.launch import launch_train
+        from stalepipe.train.startup import StartUp
 
-        return launch_train(cfg, resume=args.resume, overwrite=args.overwrite, init_from=init_from)
+        start = StartUp(resume=args.resume, overwrite=args.overwrite, init_from=init_from)
+        return launch_train(cfg, start)
     result = train(cfg, resume=args.resume, overwrite=args.overwrite, init_from=init_from)
     if os.environ.get("RANK", "0") != "0" or not result.train_losses:
         return 0  # torchrun: rank 0 speaks for the run; nothing trained: said so already
-    print(
-        f"done: {result.steps} steps in {result.wall_time_s:.1f}s ({result.tokens_per_s:,.0f} tok/s); "
-        f"final train loss {result.final_train_loss:.4f}, val loss {result.final_val_loss:.4f}; "
-        f"run directory {result.run_dir}"
-    )
+    print(result.summary())
     return 0
 
 
@@ -145,14 +143,7 @@ def _add_data(sub: Subparsers) -> None:
         help="share of documents held out for validation")  # fmt: skip
     add("--out", help="output directory (default data_cache/<corpus>-<tokenizer>)")
     add("--force", action="store_true", help="replace an existing prepared directory")
-    p.set_defaults(fn=cmd_data_prepare)
-
-
-def cmd_data_prepare(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.data import prepare_main
-
-    prepare_main(**flags(args))
-    return 0
+    p.set_defaults(fn=runs("stalepipe.data:prepare_main", prints=False))
 
 
 def _add_simulate(sub: Subparsers) -> None:
@@ -182,14 +173,7 @@ def _add_simulate(sub: Subparsers) -> None:
     add("--plot", help="write a Gantt chart (.png / .svg / .pdf)")
     add("--csv", help="write the timed actions (.csv)")
     add("--text", help="write the schedules' compact text form (.txt)")
-    p.set_defaults(fn=cmd_simulate)
-
-
-def cmd_simulate(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.pipeline.simulate import simulate_main
-
-    print(simulate_main(**flags(args)))
-    return 0
+    p.set_defaults(fn=runs("stalepipe.pipeline.simulate:simulate_main"))
 
 
 def _add_info(sub: Subparsers) -> None:
@@ -234,14 +218,7 @@ def _add_export(sub: Subparsers) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: the run's dtype)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    p.set_defaults(fn=cmd_export)
-
-
-def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.experiments.export import export_main
-
-    print(export_main(**flags(args)))
-    return 0
+    p.set_defaults(fn=runs("stalepipe.experiments.export:export_main"))
 
 
 def _add_eval(sub: Subparsers) -> None:
@@ -268,14 +245,7 @@ def _add_eval(sub: Subparsers) -> None:
     add("--out", help="results JSON (default <run>/eval_<step>.json)")
     add("--write-task", metavar="PATH", help="write the shakespeare-cloze items as JSONL "
         "(+ an lm-eval task .yaml) and exit")  # fmt: skip
-    p.set_defaults(fn=cmd_eval)
-
-
-def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.experiments.evaluate import eval_main
-
-    print(eval_main(**flags(args)))
-    return 0
+    p.set_defaults(fn=runs("stalepipe.experiments.evaluate:eval_main"))
 
 
 COMMANDS = (_add_train, _add_data, _add_demo, _add_simulate, _add_info, _add_presets,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from stalepipe.cli.common import Subparsers, flags
+from stalepipe.cli.common import Subparsers, runs
 
 
 def _add_demo(sub: Subparsers) -> None:
@@ -19,14 +19,7 @@ def _add_demo(sub: Subparsers) -> None:
     p.add_argument("--out-dir", default="runs/demo", help="parent of the six run directories")
     p.add_argument("--steps", type=int, default=400, help="steps per run")
     p.add_argument("--workers", type=int, default=2, help="parallel runs (1 thread each)")
-    p.set_defaults(fn=cmd_demo)
-
-
-def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.experiments.demo import run_demo
-
-    run_demo(**flags(args))
-    return 0
+    p.set_defaults(fn=runs("stalepipe.experiments.demo:run_demo", prints=False))
 
 
 def _add_sweep(sub: Subparsers) -> None:
@@ -134,14 +127,7 @@ def _add_verdict(sub: Subparsers) -> None:
     add("--costs", metavar="FILE", help="measured tokens/s per schedule (.json / .csv) instead "
         "of --model")  # fmt: skip
     add("--out", help="output directory (default SWEEP_DIR/verdict)")
-    p.set_defaults(fn=cmd_verdict)
-
-
-def cmd_verdict(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.experiments.verdict import verdict_main
-
-    print(verdict_main(**flags(args)))
-    return 0
+    p.set_defaults(fn=runs("stalepipe.experiments.verdict:verdict_main"))
 
 
 def _add_toy(sub: Subparsers) -> None:

@@ -34,8 +34,8 @@ from stalepipe.pipeline.memory import RankMemory, memory_trace, rank_memory
 from stalepipe.pipeline.schedule import (
     Action,
     Schedule,
-    ScheduleError,
     dependencies,
+    execution_order,
     observed_staleness,
     peak_activations,
     peak_versions,
@@ -292,31 +292,22 @@ def simulate(sched: Schedule, costs: CostModel) -> Timeline:
             f"cost model has {costs.num_stages} stages, schedule {sched.name!r} has "
             f"{sched.num_stages}"
         )
+    # Any order that runs each action after its dependencies gives the same times: an
+    # action starts when its rank is free and its inputs have arrived.
     end: dict[tuple, float] = {}
     free = [0.0] * sched.num_ranks
-    ptr = [0] * sched.num_ranks
+    index = [0] * sched.num_ranks
     events: list[Event] = []
-    total = sum(len(acts) for acts in sched.ranks)
-    while len(events) < total:
-        progressed = False
-        for r, acts in enumerate(sched.ranks):
-            while ptr[r] < len(acts):
-                a = acts[ptr[r]]
-                deps = dependencies(sched, a)
-                if any(key not in end for key, _ in deps):
-                    break
-                start = free[r]
-                for key, msg in deps:
-                    arrive = end[key]
-                    if msg is not None:
-                        arrive += costs.transfer(sched.rank_of(key[1]), r)
-                    start = max(start, arrive)
-                end[a.key] = free[r] = start + costs.duration(a)
-                events.append(Event(r, ptr[r], a, start, free[r]))
-                ptr[r] += 1
-                progressed = True
-        if not progressed:
-            raise ScheduleError(f"schedule {sched.name!r} deadlocks (run validate() for details)")
+    for r, a in execution_order(sched):
+        start = free[r]
+        for key, msg in dependencies(sched, a):
+            arrive = end[key]
+            if msg is not None:
+                arrive += costs.transfer(sched.rank_of(key[1]), r)
+            start = max(start, arrive)
+        end[a.key] = free[r] = start + costs.duration(a)
+        events.append(Event(r, index[r], a, start, free[r]))
+        index[r] += 1
     events.sort(key=lambda e: (e.rank, e.index))
     return Timeline(sched, costs, tuple(events))
 

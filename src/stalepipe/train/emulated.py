@@ -84,7 +84,7 @@ class EmulatorEngine:
     """The delay emulator over the whole model in this process (one data-parallel replica).
 
     Build it after the run directory is open; it continues from `start_from`, a checkpoint
-    (`train.resume.start_checkpoint`: the run's own, or its parent's; of either engine, any
+    (`train.startup.StartUp.checkpoint`: the run's own, or its parent's; of either engine, any
     stage split the policy allows), or starts at step 0."""
 
     def __init__(

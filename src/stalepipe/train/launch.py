@@ -22,7 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from stalepipe.config import ExperimentConfig
-from stalepipe.data import check_vocab
 from stalepipe.errors import EXIT_BUG, EXIT_PEER, EXIT_PREEMPTED, Preempted, UserError
 from stalepipe.optim import resolve_config
 from stalepipe.pipeline.comm import PeerError, Topology, under_torchrun
@@ -32,38 +31,24 @@ from stalepipe.train.checkpoint import latest_checkpoint
 from stalepipe.train.devices import check_device
 from stalepipe.train.pipelined import PREPARED_ENV, check_config, error_line, run_worker
 from stalepipe.train.ranklog import log_header, log_only, rank_log_path, tee_rank_log
-from stalepipe.train.resume import parent_meta
-from stalepipe.train.rundir import open_run_dir, prepare_run
+from stalepipe.train.startup import FRESH, StartUp, begin_run
 
 
-def launch_train(
-    cfg: ExperimentConfig,
-    *,
-    resume: bool = False,
-    overwrite: bool = False,
-    verbose: bool = True,
-    init_from: Path | None = None,
-) -> int:
-    """Run `cfg` on the distributed engine; returns the exit status (0 = success,
-    `EXIT_PREEMPTED` after a forwarded SIGTERM / SIGUSR1 stopped every rank with a
-    checkpoint); a failed rank raises `TrainingError` (or `UserError`) naming it.
-    `init_from`: a checkpoint of another run to start from (`train.resume`)."""
+def launch_train(cfg: ExperimentConfig, start: StartUp = FRESH, *, verbose: bool = True) -> int:
+    """Run `cfg` on the distributed engine, started as `start` says; returns the exit status
+    (0 = success, `EXIT_PREEMPTED` after a forwarded SIGTERM / SIGUSR1 stopped every rank with
+    a checkpoint); a failed rank raises `TrainingError` (or `UserError`) naming it."""
     if under_torchrun():
-        return main_worker(cfg, resume, overwrite, verbose, init_from)
+        return main_worker(cfg, start, verbose)
     check_device(cfg)  # before anything is written or deleted
     check_config(cfg)
     cfg = dataclasses.replace(cfg, optim=resolve_config(cfg.optim))
-    data_dir = prepare_run(cfg, resume=resume, overwrite=overwrite, progress=verbose)
-    check_vocab(data_dir, cfg.model.vocab_size)
-    meta = parent_meta(init_from)
-    run_dir = open_run_dir(
-        cfg, resume=resume, overwrite=overwrite, extra_meta=meta, data_dir=data_dir
-    )
+    _, run_dir = begin_run(cfg, start, verbose=verbose)
     for warning in cfg.warnings() if verbose else ():
         print(f"stalepipe: warning: {warning}", file=sys.stderr)
     pc = cfg.pipeline
     topo = Topology(pc.num_stages, pc.num_replicas)
-    jobs = [(_train_rank, (cfg, resume, verbose, False, init_from))] * topo.world_size
+    jobs = [(_train_rank, (cfg, start, verbose))] * topo.world_size  # run dir opened: PREPARED_ENV
     return spawn_ranks(jobs, run_dir, pc.timeout_s, topo=topo, console=verbose)
 
 
@@ -122,32 +107,18 @@ def _child(
     _exit(run_rank(rank, fn, *args))  # no C++ teardown at exit (see stalepipe.__main__)
 
 
-def _train_rank(
-    cfg: ExperimentConfig,
-    resume: bool,
-    verbose: bool,
-    overwrite: bool = False,
-    init_from: Path | None = None,
-) -> int:
-    result = run_worker(
-        cfg, resume=resume, overwrite=overwrite, verbose=verbose, init_from=init_from
-    )
+def _train_rank(cfg: ExperimentConfig, start: StartUp, verbose: bool) -> int:
+    result = run_worker(cfg, start, verbose=verbose)
     if result.result is not None and verbose:
         print(result.result.summary(), flush=True)
     return 0
 
 
-def main_worker(
-    cfg: ExperimentConfig,
-    resume: bool,
-    overwrite: bool,
-    verbose: bool = True,
-    init_from: Path | None = None,
-) -> int:
+def main_worker(cfg: ExperimentConfig, start: StartUp, verbose: bool = True) -> int:
     """Process entry under torchrun: run this rank's worker through `run_rank`."""
     rank = int(os.environ.get("RANK", "0"))
     log = rank_log_path(Path(cfg.out_dir) / cfg.name, rank)
-    return run_rank(rank, _train_rank, cfg, resume, verbose, overwrite, init_from, log=log)
+    return run_rank(rank, _train_rank, cfg, start, verbose, log=log)
 
 
 def run_rank(rank: int, fn: Callable, *args, log: Path | None = None, **kwargs) -> int:

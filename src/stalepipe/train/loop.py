@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from stalepipe.config import ExperimentConfig
-from stalepipe.data import check_vocab
 from stalepipe.errors import Preempted, TrainingError
 from stalepipe.models import flops_per_token
 from stalepipe.optim import resolve_config
@@ -30,7 +29,6 @@ from stalepipe.train.devices import check_device, peak_flops, set_tf32
 from stalepipe.train.distributed import (
     init_data_parallel,
     local_device,
-    on_main,
     on_main_outside_collectives,
     shutdown,
 )
@@ -39,8 +37,7 @@ from stalepipe.train.engine import Engine, StepPlan, StepResult
 from stalepipe.train.interrupts import Interrupts
 from stalepipe.train.metrics import Meter, MetricsWriter, read_metrics
 from stalepipe.train.progress import Progress
-from stalepipe.train.resume import parent_meta, start_checkpoint
-from stalepipe.train.rundir import open_run_dir, prepare_run
+from stalepipe.train.startup import StartUp, begin_run
 
 
 @dataclass
@@ -72,32 +69,26 @@ def train(
     verbose: bool = True,
     init_from: Path | None = None,
 ) -> TrainResult:
-    """Train `cfg` with the delay emulator in `cfg.out_dir/cfg.name`. Under `torchrun` the
-    ranks train one data-parallel replica each (train/distributed.py). The pipeline runtime's
-    entry is `train.pipelined.run_worker`."""
+    """Train `cfg` with the delay emulator in `cfg.out_dir/cfg.name`, started as `StartUp`
+    says. Under `torchrun` the ranks train one data-parallel replica each
+    (train/distributed.py). The pipeline runtime's entry is `train.pipelined.run_worker`."""
     check_device(cfg)  # before anything is written or deleted
-    tc = cfg.train
-    if tc.threads:
-        torch.set_num_threads(tc.threads)
+    start = StartUp(resume=resume, overwrite=overwrite, init_from=init_from)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
     ctx = init_data_parallel(cfg)
     verbose = verbose and ctx.is_main
     try:
         device = local_device(cfg, ctx)
-        set_tf32(tc.tf32, device)  # the runtime's run_worker sets the same
+        set_tf32(cfg.train.tf32, device)  # the runtime's run_worker sets the same
         cfg = with_resolved_optim(cfg)  # config.json records the values used
-        start_up = dict(resume=resume, overwrite=overwrite)
         # Data preparation can outlast a collective's timeout: the others wait on the store.
-        prepare = lambda: prepare_run(cfg, **start_up, progress=verbose)  # noqa: E731
-        data_dir = on_main_outside_collectives(prepare, ctx, "data preparation")
-        check_vocab(data_dir, cfg.model.vocab_size)
-        meta = {"data_parallel_ranks": ctx.world_size, **parent_meta(init_from)}
-        run_dir = on_main(
-            lambda: open_run_dir(cfg, **start_up, extra_meta=meta, data_dir=data_dir), ctx
-        )
-        start = start_checkpoint(run_dir, resume=resume, init_from=init_from)
+        meta = {"data_parallel_ranks": ctx.world_size}
+        begin = lambda: begin_run(cfg, start, verbose=verbose, extra_meta=meta)  # noqa: E731
+        data_dir, run_dir = on_main_outside_collectives(begin, ctx, "data preparation")
         for warning in cfg.warnings() if verbose else ():
             print(f"stalepipe: warning: {warning}", file=sys.stderr)
-        engine = EmulatorEngine(cfg, ctx, device, data_dir, run_dir, start)
+        engine = EmulatorEngine(cfg, ctx, device, data_dir, run_dir, start.checkpoint(run_dir))
         return run_loop(engine, cfg, run_dir, is_main=ctx.is_main, verbose=verbose)
     finally:
         shutdown(ctx)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from stalepipe.config import RUNTIME_SCHEDULES, ConfigError, ExperimentConfig
-from stalepipe.data import EVAL_SEED, TokenLoader, check_vocab
+from stalepipe.data import EVAL_SEED, TokenLoader
 from stalepipe.delay import DelayedOptimizer, DelaySchedule
 from stalepipe.errors import Preempted
 from stalepipe.models import Transformer, build_stage, partition
@@ -57,8 +57,8 @@ from stalepipe.train.distributed import MAIN_WORK_TIMEOUT_S
 from stalepipe.train.engine import StepPlan, StepResult
 from stalepipe.train.loop import TrainResult, run_loop, with_resolved_optim
 from stalepipe.train.ranklog import tee_rank_log
-from stalepipe.train.resume import parent_meta, start_checkpoint
-from stalepipe.train.rundir import open_run_dir, prepare_run, run_data_dir
+from stalepipe.train.rundir import run_data_dir
+from stalepipe.train.startup import FRESH, StartUp, begin_run
 
 # Schedules the runtime executes, and the delay policy each one realises.
 PREPARED_ENV = "STALEPIPE_RUN_PREPARED"  # set by the spawning launcher: run dir already open
@@ -103,12 +103,7 @@ def runtime_schedule(cfg: ExperimentConfig, num_steps: int | None = None) -> Sch
 
 
 def run_worker(
-    cfg: ExperimentConfig,
-    *,
-    resume: bool = False,
-    overwrite: bool = False,
-    verbose: bool = True,
-    init_from: Path | None = None,
+    cfg: ExperimentConfig, start: StartUp = FRESH, *, verbose: bool = True
 ) -> WorkerResult:
     """Run this process's stage of `cfg` (environment from torchrun or `train.launch.launch_train`) through
     the training loop. Any failure exits through an exception whose message names the rank;
@@ -136,10 +131,7 @@ def run_worker(
     cfg = with_resolved_optim(cfg)
     run_dir = Path(cfg.out_dir) / cfg.name
     if rank == 0 and not os.environ.get(PREPARED_ENV):  # torchrun: no launcher did it
-        data_dir = prepare_run(cfg, resume=resume, overwrite=overwrite, progress=verbose)
-        check_vocab(data_dir, cfg.model.vocab_size)
-        meta = parent_meta(init_from)
-        open_run_dir(cfg, resume=resume, overwrite=overwrite, extra_meta=meta, data_dir=data_dir)
+        begin_run(cfg, start, verbose=verbose)
     if rank == 0:  # parts of an interrupted save (maybe of another split): never merge them
         shutil.rmtree(run_dir / stage_ckpt.PARTS_DIR, ignore_errors=True)
     # Before the groups are made (which waits only pipeline.timeout_s): under torchrun rank 0
@@ -149,8 +141,7 @@ def run_worker(
     comm = Comm(topo, rank, backend, pc.timeout_s, device)
     restore = tee_rank_log(run_dir / "logs" / f"rank{rank}.log", console=rank == 0 and verbose)
     try:
-        start = start_checkpoint(run_dir, resume=resume, init_from=init_from)
-        engine = PipelineEngine(cfg, comm, device, run_dir, start)
+        engine = PipelineEngine(cfg, comm, device, run_dir, start.checkpoint(run_dir))
         result = run_loop(engine, cfg, run_dir, is_main=rank == 0, verbose=verbose and rank == 0)
         comm.barrier("the end of training")
         leave_process_group()
@@ -242,7 +233,7 @@ class PipelineEngine:
         )
         self.model_keys = list(full.state_dict())
         self.start_step, self.resumed_from, self.tied_versions = 0, None, None
-        if start_from is not None:  # a checkpoint (train.resume.start_checkpoint)
+        if start_from is not None:  # a checkpoint (train.startup.StartUp.checkpoint)
             self._resume(start_from)
         if len(self.sched.ranks[0]) * P <= 20000:
             validate(self.sched)

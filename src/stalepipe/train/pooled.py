@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from stalepipe.config import ExperimentConfig
 from stalepipe.train.pipelined import run_worker
+from stalepipe.train.startup import StartUp
 
 
 def worker_entry(cfg: ExperimentConfig, resume: bool = False, overwrite: bool = False) -> dict:
     """Run this process's stage of `cfg` quietly; its `WorkerResult` as a dict."""
-    return run_worker(cfg, resume=resume, overwrite=overwrite, verbose=False).as_dict()
+    return run_worker(cfg, StartUp(resume, overwrite), verbose=False).as_dict()

@@ -27,7 +27,6 @@ from stalepipe.optim.schedules import lr_multiplier
 from stalepipe.train.checkpoint import (
     checkpoint_path,
     checkpoint_step,
-    latest_checkpoint,
     list_checkpoints,
 )
 
@@ -130,14 +129,6 @@ def changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
         for k in sorted(CONTINUE_CHANGES | {LENGTH})
         if a.get(k) != b.get(k)
     ]
-
-
-def start_checkpoint(run_dir: Path, *, resume: bool, init_from: Path | None) -> Path | None:
-    """The checkpoint a run starts from: its own newest one on `--resume` (so a requeued branch
-    continues itself), else the parent's (`--init-from`), else none (a fresh start)."""
-    if resume and (own := latest_checkpoint(run_dir)) is not None:
-        return own
-    return init_from
 
 
 def parent_checkpoint(spec: str, steps: int | None = None) -> Path:
