@@ -12,7 +12,7 @@ from stalepipe.optim.groups import ParamSplit, param_kind, split_params
 from stalepipe.optim.lion import Lion, lion_update
 from stalepipe.optim.mars import MARS, mars_update
 from stalepipe.optim.muon import Muon, muon_update, newton_schulz
-from stalepipe.optim.nadamw import NAdamW, nadamw_update
+from stalepipe.optim.nadamw import NAdamW
 from stalepipe.optim.registry import DEFAULTS, OPTIMIZERS, build_optimizer, resolve_config
 from stalepipe.optim.soap import SOAP, soap_update
 
@@ -32,7 +32,6 @@ __all__ = [
     "lion_update",
     "mars_update",
     "muon_update",
-    "nadamw_update",
     "newton_schulz",
     "param_kind",
     "resolve_config",

@@ -28,16 +28,24 @@ def adamw_update(
     beta2: float,
     eps: float,
     weight_decay: float,
+    nesterov: bool = False,
 ) -> None:
     """One AdamW step on `p`, in place on `p`, `exp_avg`, `exp_avg_sq`; `grad` is only read.
 
-    `step` is the 1-based index of this update (for bias correction).
+    `step` is the 1-based index of this update (for bias correction). `nesterov=True` is NAdamW
+    (Dozat's look-ahead; optim/nadamw.py has the rule).
     """
     p.mul_(1.0 - lr * weight_decay)  # decoupled weight decay (Alg. 2, line 12)
     exp_avg.lerp_(grad, 1.0 - beta1)  # m_t = b1 m + (1 - b1) g
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)  # v_t = b2 v + (1 - b2) g^2
     bias1 = 1.0 - beta1**step
     bias2 = 1.0 - beta2**step
+    if nesterov:
+        denom = exp_avg_sq.div(bias2).sqrt_().add_(eps)
+        # Dozat (2016), Alg. 2: the gradient's share at b1^t, the momentum's one step ahead
+        p.addcdiv_(grad, denom, value=-lr * (1.0 - beta1) / bias1)
+        p.addcdiv_(exp_avg, denom, value=-lr * beta1 / (1.0 - beta1 ** (step + 1)))
+        return
     denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(eps)
     p.addcdiv_(exp_avg, denom, value=-lr / bias1)  # p -= lr m_hat / (sqrt(v_hat) + eps)
 

@@ -20,32 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from stalepipe.optim.adamw import adamw_update
 from stalepipe.optim.base import ParamwiseOptimizer, count_step, group_hyper
-
-
-@torch.no_grad()
-def nadamw_update(
-    p: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-) -> None:
-    """One NAdamW step on `p` (module docstring), in place on `p`, `exp_avg`, `exp_avg_sq`;
-    `grad` is only read. `step` is the 1-based index of this update."""
-    p.mul_(1.0 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1.0 - beta1)  # m_t = b1 m + (1 - b1) g
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)  # v_t = b2 v + (1 - b2) g^2
-    denom = exp_avg_sq.div(1.0 - beta2**step).sqrt_().add_(eps)
-    # Dozat (2016), Alg. 2: the gradient's share at b1^t, the momentum's one step ahead
-    p.addcdiv_(grad, denom, value=-lr * (1.0 - beta1) / (1.0 - beta1**step))
-    p.addcdiv_(exp_avg, denom, value=-lr * beta1 / (1.0 - beta1 ** (step + 1)))
 
 
 class NAdamW(ParamwiseOptimizer):
@@ -66,6 +42,12 @@ class NAdamW(ParamwiseOptimizer):
 
     def _update(self, p: torch.Tensor, state: dict, group: dict) -> None:
         step = count_step(state, p, "exp_avg", "exp_avg_sq")
-        nadamw_update(
-            p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=step, **group_hyper(group, "eps")
+        adamw_update(
+            p,
+            p.grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            step=step,
+            **group_hyper(group, "eps"),
+            nesterov=True,
         )
