@@ -8,7 +8,14 @@ import pytest
 from stalepipe.config import ConfigError
 from stalepipe.errors import UserError
 from stalepipe.experiments import studies
-from stalepipe.experiments.grid import axis, check_overrides, dedupe, expand, parse_grid_arg
+from stalepipe.experiments.grid import (
+    axis,
+    check_overrides,
+    dedupe,
+    expand,
+    parse_grid_arg,
+    select_runs,
+)
 from stalepipe.experiments.sweep import (
     ERROR_FILE,
     run_status,
@@ -48,6 +55,28 @@ def test_grid_arg_and_bad_values(tiny_config):
         check_overrides(expand([axis("optim.lr", ["-1"])]), tiny_config)
     with pytest.raises(ConfigError, match="unknown config key"):
         check_overrides(expand([axis("optim.lrr", ["1"])]), tiny_config)
+
+
+def test_only_keeps_the_runs_whose_config_has_the_values():
+    base = studies.base_config("cpu-regime")
+    specs = studies.get_study("optimizers").specs("cpu-regime", 2)
+    names = lambda kept: {s.name for s in kept}  # noqa: E731
+    kept = select_runs(specs, base, ["optim.name=adamw,muon"])
+    assert names(kept) == {f"{o}_{a}_s{k}" for o in ("adamw", "muon")
+                           for a in ("sync", "2bw", "2bw+ef") for k in (0, 1)}  # fmt: skip
+    # values compare as the config holds them: 1e-2 is Muon's 0.01, true is EF on
+    kept = select_runs(specs, base, ["optim.lr=1e-2", "delay.ef=true"])
+    assert names(kept) == {"muon_2bw+ef_s0", "muon_2bw+ef_s1"}
+    assert select_runs(specs, base, []) == specs
+    for bad, msg in [
+        (["optim.nme=adamw"], "unknown config key --optim.nme; did you mean --optim.name"),
+        (["optim.name"], "--only expects KEY=V1,V2"),
+        (["optim.lr=fast"], "--optim.lr expects a float"),
+        (["optim.name=sgd"], "no run of this sweep matches"),
+        (["delay.policy=pipedream"], "no run of this sweep matches"),
+    ]:
+        with pytest.raises((UserError, ConfigError), match=msg):
+            select_runs(specs, base, bad)
 
 
 def test_dedupe_keeps_first_and_rejects_clashes():

@@ -50,6 +50,8 @@ def _add_sweep(sub: Subparsers) -> None:
     add("--grid", action="append", metavar="KEY=V1,V2", help="an ad-hoc axis (repeatable)")
     add("--set", action="append", metavar="KEY=VALUE",
         help="override for every run (repeatable)")  # fmt: skip
+    add("--only", action="append", metavar="KEY=V1,V2",
+        help="run only the runs whose config has one of these values (repeatable)")  # fmt: skip
     add("--retry-failed", action="store_true", help="rerun runs that failed before")
     add("--dry-run", action="store_true", help="list the runs and their status, run none")
     p.set_defaults(fn=cmd_sweep)
@@ -69,6 +71,7 @@ def cmd_sweep(args: argparse.Namespace, extra: list[str]) -> int:
         out=args.out,
         grids=args.grid or [],
         fixed=parse_set_args(args.set or []),
+        only=args.only or [],
         retry_failed=args.retry_failed,
         dry_run=args.dry_run,
     )

@@ -119,16 +119,22 @@ def parse_value(text: str, tp: Any, key: str) -> Any:
     raise ConfigError(f"--{key} expects a {tp.__name__}, got {text!r}")
 
 
+def parse_field(root: type, key: str, text: str) -> Any:
+    """`text` as the dotted field `key` of the config class `root` holds it (typed, not yet
+    validated against the other fields); ConfigError for an unknown key or a bad value."""
+    keys = _all_keys(root)
+    if key not in keys:
+        raise ConfigError(_unknown_key_msg(key, keys))
+    return parse_value(text, _leaf_type(root, key), key)
+
+
 def apply_overrides(cfg: T, overrides: dict[str, str]) -> T:
     """Return `cfg` with dotted-key string overrides applied (validated, typed)."""
     root = type(cfg)
-    keys = _all_keys(root)
     nested: dict[str, dict[str, Any]] = {}
     top: dict[str, Any] = {}
     for key, text in overrides.items():
-        if key not in keys:
-            raise ConfigError(_unknown_key_msg(key, keys))
-        value = parse_value(text, _leaf_type(root, key), key)
+        value = parse_field(root, key, text)
         if "." in key:
             section, leaf = key.split(".", 1)
             nested.setdefault(section, {})[leaf] = value

@@ -64,6 +64,35 @@ def parse_grid_arg(text: str) -> list[Bundle]:
     return axis(key.strip(), vals)
 
 
+def select_runs(
+    specs: Sequence[RunSpec], base: ExperimentConfig, only: Sequence[str]
+) -> list[RunSpec]:
+    """The runs of `specs` that `--only KEY=V1,V2` (repeatable; all must hold) keep: those whose
+    config has one of the values at KEY, compared as the config holds them (`optim.lr=1e-2`
+    keeps a run at 0.01, `delay.ef=true` one with EF on). For running part of a study first."""
+    from stalepipe.config.overrides import parse_field
+    from stalepipe.fileio import flatten_dict
+
+    wanted: list[tuple[str, list[Any]]] = []
+    for item in only:
+        key, _, values = item.partition("=")
+        vals = [v for v in values.split(",") if v]
+        if not vals:
+            raise UserError(
+                f"--only expects KEY=V1,V2,... (e.g. optim.name=adamw,muon), got {item!r}"
+            )
+        wanted.append((key, [parse_field(ExperimentConfig, key, v) for v in vals]))
+
+    def keeps(spec: RunSpec) -> bool:
+        flat = flatten_dict(spec.config(base, ".").to_dict())
+        return all(flat[key] in vals for key, vals in wanted)
+
+    kept = [s for s in specs if keeps(s)]
+    if specs and not kept:
+        raise UserError(f"no run of this sweep matches --only {' '.join(only)}")
+    return kept
+
+
 def parse_set_args(items: Sequence[str]) -> dict[str, str]:
     """`["train.num_steps=100", ...]` (the `--set` CLI syntax) -> overrides for every run."""
     fixed = {}

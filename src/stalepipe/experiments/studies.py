@@ -19,7 +19,7 @@ scales (docs/optimizers.md), which you should retune for your data before a larg
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -361,14 +361,16 @@ def sweep_main(
     out: str | None = None,
     grids: list[str] = (),  # type: ignore[assignment]
     fixed: dict[str, str] | None = None,
+    only: Sequence[str] = (),
     retry_failed: bool = False,
     dry_run: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> int:
     """`stalepipe sweep`: run a named study or an ad-hoc grid (`--grid KEY=V1,V2` axes); returns
-    the number of failed runs. `fixed` overrides apply to every run (e.g. train.num_steps)."""
+    the number of failed runs. `fixed` overrides apply to every run (e.g. train.num_steps);
+    `only` (`--only KEY=V1,V2`) keeps the runs that match (`grid.select_runs`)."""
     from stalepipe.config import apply_overrides
-    from stalepipe.experiments.grid import check_overrides, parse_grid_arg
+    from stalepipe.experiments.grid import check_overrides, parse_grid_arg, select_runs
     from stalepipe.experiments.sweep import main_progress_stream, run_sweep
 
     log = log or main_progress_stream()
@@ -389,6 +391,7 @@ def sweep_main(
         base = base_config(scale)
     base = apply_overrides(base, fixed or {})
     check_overrides(specs, base)
+    specs = select_runs(specs, base, only)
     out_dir = out or f"runs/{study or 'grid'}"
     if dry_run:
         _dry_run(specs, base, out_dir, scale, workers, retry_failed, log)
