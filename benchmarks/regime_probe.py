@@ -67,7 +67,7 @@ CANDIDATES: dict[str, dict[str, str]] = {
     "bpe2k-d96": _shape(2048, 96, 256) | _bpe(2048) | _schedule(800, 32),
     "bpe4k-d96": _shape(4096, 96, 256) | _bpe(4096) | _schedule(800, 32),
     "bpe2k-d96-w25": _shape(2048, 96, 256) | _bpe(2048) | _schedule(800, 32, warmup=0.25),
-    # byte-d96 at 1200 steps, with 20 evaluations of 8 batches: studies.regime_base
+    # byte-d96 at 1200 steps, with 20 evaluations of 8 batches: scales.regime_base
     "cpu-regime": {},
     "byte-d96-w25": _shape(256, 96, 256, seq=128) | _schedule(800, 16, warmup=0.25),
     "byte-d96-b8-s1600": _shape(256, 96, 256, seq=128) | _schedule(1600, 8),
@@ -250,7 +250,7 @@ def main() -> None:
     p.add_argument("--arms", default="adamw:sync,adamw:2bw,muon:sync,muon:2bw")
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--lr", action="append", default=[], help="OPT=LR (default: studies.LRS)")
+    p.add_argument("--lr", action="append", default=[], help="OPT=LR (default: scales.LRS)")
     p.add_argument("--out", default="runs/regime-probe", help="candidate N's runs: OUT/N")
     p.add_argument("--runs", help="the one candidate's runs are here instead of OUT/N")
     p.add_argument("--table-only", action="store_true", help="print the table, train nothing")

@@ -35,8 +35,30 @@ def test_estimates_scale_with_tokens_per_step_at_each_cpu_scale():
     specs = study.specs("cpu-regime", 1)
     seconds = studies.estimate_cpu_seconds(specs, study.base("cpu-regime"), "cpu-regime")
     per_run = studies.REGIME_STEPS * studies.CPU_SECONDS_PER_STEP["cpu-regime"]
-    # batch sizes /2, x1, x2 (x sync / 2bw) and six runs each of the LR and wd grids at x1
-    assert abs(seconds - per_run * (2 * (0.5 + 1 + 2) + 12)) < 1e-6
+    # AdamW and Muon: batch sizes /2, x1, x2 (x sync / 2bw), six runs each of the LR and wd
+    # grids at x1
+    assert abs(seconds - 2 * per_run * (2 * (0.5 + 1 + 2) + 12)) < 1e-6
     # paper-mini runs at cpu only: the cpu-regime table leaves it out instead of failing
     assert "paper-mini" in studies.study_table(3)
     assert "paper-mini" not in studies.study_table(3, "cpu-regime")
+
+
+def test_beyond_cpu_the_studies_retune_the_lr_and_add_muon_and_the_correctors():
+    def groups(study: str, scale: str) -> set[str]:
+        return {s.group for s in studies.STUDIES[study].specs(scale, 1)}
+
+    # momentum: each beta1 at a third, one and three times the optimizer's LR
+    regime = groups("momentum", "cpu-regime")
+    assert len(regime) == 2 * 4 * 3 * 2  # optimizers x momenta x LRs x sync / 2bw
+    muon_lr = float(studies.LRS["cpu-regime"]["muon"])
+    lrs = {f"{muon_lr / 3:.3g}", f"{muon_lr:.3g}", f"{muon_lr * 3:.3g}"}
+    assert {f"muon_b10.95_lr{lr}_2bw" for lr in lrs} <= regime
+    assert len(groups("momentum", "cpu")) == 2 * 4 * 2  # the recorded cpu study, unchanged
+    # hparams: Muon beside AdamW
+    assert any(g.startswith("muon_") for g in groups("hparams", "cpu-regime"))
+    assert not any(g.startswith("muon_") for g in groups("hparams", "cpu"))
+    # mitigations: the correctors beyond the paper
+    correctors = {f"{o}_2bw+{c}" for o in ("adamw", "muon")
+                  for c in ("taylor-const", "dcasgd-ema", "wpred", "adamom")}  # fmt: skip
+    assert correctors <= groups("mitigations", "cpu-regime")
+    assert not correctors & groups("mitigations", "cpu")

@@ -43,7 +43,7 @@ def _add_sweep(sub: Subparsers) -> None:
     add = p.add_argument
     add("study", metavar="STUDY", nargs="?", choices=[*STUDIES, "toy"],
         help="study name (see below)")  # fmt: skip
-    add("--scale", default="cpu", choices=SCALES, help="model scale (studies.py)")
+    add("--scale", default="cpu", choices=SCALES, help="model scale (experiments/scales.py)")
     add("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
     add("--workers", type=int, default=1, help="runs in parallel (one process each)")
     add("--out", help="sweep directory (default runs/STUDY)")

@@ -1,33 +1,18 @@
 """The paper's studies as Python presets over sweep axes (`stalepipe sweep STUDY`).
 
 Each study is a function `(scale) -> list of grids`; a grid is a list of axes (see `grid.axis`),
-and the study is the union of its grids' products times the seeds. Scales:
-
-    cpu         the `paper-mini` model below (4 blocks, so pipeline depths 2 and 4 exist),
-                Shakespeare bytes, 200 steps: 20-40 s per run on one core
-    cpu-regime  issue 17's scale, chosen by measurement (`benchmarks/regime_probe.py`,
-                docs/RESULTS.md "Regime"): every run leaves the unigram plateau early and the
-                seed spread is small against AdamW's gap (`regime_base`)
-    135m    SmolLM-135M on GPT-2 tokens (`smollm-135m` preset), GPUs
-    360m    SmolLM-360M (`smollm-360m` preset), GPUs
-
-Learning rates: at each scale every optimizer runs at its own LR (`LRS`): tuned on the sync
-baseline for `cpu` (docs/RESULTS.md says how), the optimizers' published defaults for the GPU
-scales (docs/optimizers.md), which you should retune for your data before a large sweep.
+and the study is the union of its grids' products times the seeds. The scales, their base
+configs and each optimizer's LR at each are `experiments/scales.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from stalepipe.config import (
-    DataConfig,
     ExperimentConfig,
-    ModelConfig,
-    TrainConfig,
     unknown_choice,
 )
 from stalepipe.errors import UserError
@@ -39,111 +24,19 @@ from stalepipe.experiments.claims import (
     claim_pipedream_gap_grows_with_depth,
 )
 from stalepipe.experiments.grid import Bundle, RunSpec, axis, dedupe, expand
-from stalepipe.presets import get_preset
-
-SCALES = ("cpu", "cpu-regime", "135m", "360m")
-CPU_SCALES = ("cpu", "cpu-regime")
-# The `cpu` studies' results (docs/RESULTS.md) predate NAdamW; every other scale has all seven.
-OPTIMIZER_NAMES = ("adamw", "muon", "soap", "adan", "lion", "mars")
-ALL_OPTIMIZER_NAMES = (*OPTIMIZER_NAMES, "nadamw")
-CPU_STEPS = 200
-
-
-def paper_mini_base() -> ExperimentConfig:
-    """The CPU study model: ~0.2M parameters, 4 blocks of width 64 (so P = 2, 4 exist),
-    byte-level Shakespeare, 16 x 64 tokens per step, 10% warmup + cosine to 10%."""
-    return ExperimentConfig(
-        name="paper-mini",
-        model=ModelConfig(
-            vocab_size=256,
-            dim=64,
-            num_layers=4,
-            num_heads=4,
-            num_kv_heads=2,
-            ffn_dim=176,
-            max_seq_len=64,
-        ),
-        data=DataConfig(seq_len=64),
-        train=TrainConfig(
-            num_steps=CPU_STEPS,
-            batch_size=16,
-            warmup_steps=CPU_STEPS // 10,
-            eval_every=CPU_STEPS // 4,
-            num_eval_batches=16,
-            log_every=10,
-            progress=False,
-            threads=1,
-        ),
-    )
-
-
-# The `cpu-regime` scale (issue 17), chosen with benchmarks/regime_probe.py: see docs/RESULTS.md
-# "Regime" for the probes that ruled out cheaper candidates.
-REGIME_STEPS = 1200
-
-
-def regime_base() -> ExperimentConfig:
-    """The `cpu-regime` study model: `paper_mini_base` at width 96 (~0.4M parameters; P = 2, 4
-    exist), 16 x 128 tokens per step for REGIME_STEPS steps, 10% warmup + cosine to 10%, 20
-    evaluations of 8 batches (the token overhead reads the eval curve)."""
-    base = paper_mini_base()
-    return dataclasses.replace(
-        base,
-        name="cpu-regime",
-        model=dataclasses.replace(base.model, dim=96, ffn_dim=256, max_seq_len=128),
-        data=dataclasses.replace(base.data, seq_len=128),
-        train=dataclasses.replace(
-            base.train,
-            num_steps=REGIME_STEPS,
-            warmup_steps=REGIME_STEPS // 10,
-            eval_every=REGIME_STEPS // 20,
-            num_eval_batches=8,
-        ),
-    )
-
-
-# Per-optimizer peak LR by scale (matrix LR for muon; its AdamW part uses adam_lr = its default).
-LRS: dict[str, dict[str, str]] = {
-    "cpu": {
-        "adamw": "3e-3",
-        "muon": "0.05",
-        "soap": "1e-2",
-        "adan": "3e-2",
-        "lion": "3e-3",
-        "mars": "3e-2",
-    },  # fmt: skip
-    # tuned on sync, seed 0 (docs/RESULTS.md "Regime"); the others: their defaults until tuned
-    "cpu-regime": {"adamw": "3e-3", "muon": "0.01"},
-    "135m": {},  # optimizers' defaults (docs/optimizers.md)
-    "360m": {},
-}
-
-
-def base_config(scale: str) -> ExperimentConfig:
-    """The base config every run of a study at `scale` starts from."""
-    if scale == "cpu":
-        return paper_mini_base()
-    if scale == "cpu-regime":
-        return regime_base()
-    if scale == "135m":
-        return get_preset("smollm-135m")
-    if scale == "360m":
-        return get_preset("smollm-360m")
-    raise UserError(f"--scale must be one of {', '.join(SCALES)}, got {scale!r}")
-
-
-def optimizer_axis(scale: str, names: tuple[str, ...] | None = None) -> list[Bundle]:
-    """Optimizers (default: all the scale studies), each at its own LR for the scale."""
-    if names is None:
-        names = OPTIMIZER_NAMES if scale == "cpu" else ALL_OPTIMIZER_NAMES
-    out = []
-    for name in names:
-        o = {"optim.name": name}
-        if name in LRS[scale]:
-            o["optim.lr"] = LRS[scale][name]
-        out.append((name, o))
-    return out
-
+from stalepipe.experiments.scales import (  # noqa: F401 - studies.X names stay importable
+    ALL_OPTIMIZER_NAMES,
+    CPU_SCALES,
+    CPU_STEPS,
+    LRS,
+    OPTIMIZER_NAMES,
+    REGIME_STEPS,
+    SCALES,
+    base_config,
+    optimizer_axis,
+    paper_mini_base,
+    regime_base,
+)
 
 SYNC: Bundle = ("sync", {"delay.policy": "sync"})
 TWO_BW: Bundle = ("2bw", {"delay.policy": "2bw"})
@@ -161,10 +54,22 @@ def study_optimizers(scale: str) -> list[list[list[Bundle]]]:
 MOMENTA = ("0.8", "0.9", "0.95", "0.98")
 
 
+def _lr_axis(scale: str, name: str) -> list[Bundle]:
+    """The optimizer's LR for the scale, a third of it and three times it."""
+    lr = float(LRS[scale].get(name, "1e-3"))
+    return axis("optim.lr", [f"{lr / 3:.3g}", f"{lr:.3g}", f"{lr * 3:.3g}"])
+
+
 def study_momentum(scale: str) -> list[list[list[Bundle]]]:
+    if scale == "cpu":  # the LR held at each optimizer's (docs/RESULTS.md, Claim 3)
+        opt2 = optimizer_axis(scale, ("adamw", "muon"))
+        return [[opt2, axis("optim.beta1", MOMENTA), [SYNC, TWO_BW]]]
+    # each momentum at three LRs, so the gap is read at each momentum's own best LR
     return [
-        [optimizer_axis(scale, ("adamw", "muon")), axis("optim.beta1", MOMENTA), [SYNC, TWO_BW]]
-    ]
+        [optimizer_axis(scale, (name,)), axis("optim.beta1", MOMENTA), _lr_axis(scale, name),
+         [SYNC, TWO_BW]]
+        for name in ("adamw", "muon")
+    ]  # fmt: skip
 
 
 def study_mitigations(scale: str) -> list[list[list[Bundle]]]:
@@ -178,6 +83,13 @@ def study_mitigations(scale: str) -> list[list[list[Bundle]]]:
         ("2bw+synccool", {"delay.policy": "2bw", "delay.sync_cooldown": "0.2"}),
         ("2bw+ef+synccool", {"delay.policy": "2bw", "delay.ef": "true", "delay.sync_cooldown": "0.2"}),
     ]  # fmt: skip
+    if scale != "cpu":  # the correctors beyond the paper (docs/delay.md; untuned lambda 0.1)
+        variants += [
+            ("2bw+taylor-const", {"delay.policy": "2bw", "delay.taylor": "0.1"}),
+            ("2bw+dcasgd-ema", {"delay.policy": "2bw", "delay.taylor": "0.1", "delay.taylor_curvature": "ema"}),
+            ("2bw+wpred", {"delay.policy": "2bw", "delay.weight_pred": "true"}),
+            ("2bw+adamom", {"delay.policy": "2bw", "delay.adaptive_momentum": "true"}),
+        ]  # fmt: skip
     return [[optimizer_axis(scale, ("adamw", "muon")), variants]]
 
 
@@ -194,15 +106,16 @@ def study_depth(scale: str) -> list[list[list[Bundle]]]:
 
 
 def study_hparams(scale: str) -> list[list[list[Bundle]]]:
-    base = base_config(scale)
-    bs = base.train.batch_size
-    lr = float(LRS[scale].get("adamw", "1e-3"))
-    adamw = optimizer_axis(scale, ("adamw",))
-    return [
-        [adamw, axis("train.batch_size", [bs // 2, bs, bs * 2]), [SYNC, TWO_BW]],
-        [adamw, axis("optim.lr", [f"{lr / 3:.3g}", f"{lr:.3g}", f"{lr * 3:.3g}"]), [SYNC, TWO_BW]],
-        [adamw, axis("optim.weight_decay", ["0", "0.1", "0.3"]), [SYNC, TWO_BW]],
-    ]
+    bs = base_config(scale).train.batch_size
+    grids = []
+    for name in ("adamw",) if scale == "cpu" else ("adamw", "muon"):
+        opt = optimizer_axis(scale, (name,))
+        grids += [
+            [opt, axis("train.batch_size", [bs // 2, bs, bs * 2]), [SYNC, TWO_BW]],
+            [opt, _lr_axis(scale, name), [SYNC, TWO_BW]],
+            [opt, axis("optim.weight_decay", ["0", "0.1", "0.3"]), [SYNC, TWO_BW]],
+        ]
+    return grids
 
 
 def study_delay(scale: str) -> list[list[list[Bundle]]]:
@@ -279,13 +192,13 @@ STUDIES: dict[str, Study] = {
     for s in [
         Study("optimizers", study_optimizers, "6 optimizers (7 with NAdamW beyond cpu) x sync / 2bw / 2bw+EF",
               claims=(claim_adamw_gap_exceeds_muon, claim_ef_recovers_gap)),
-        Study("momentum", study_momentum, "AdamW & Muon beta1 in 0.8-0.98 under sync and 2bw",
+        Study("momentum", study_momentum, "AdamW & Muon beta1 in 0.8-0.98 under sync and 2bw (x 3 LRs beyond cpu)",
               claims=(claim_momentum_shrinks_gap,)),
-        Study("mitigations", study_mitigations, "EF, Taylor, sync start/cooldown, EF+cooldown",
+        Study("mitigations", study_mitigations, "EF, Taylor, sync start/cooldown, EF+cooldown; the correctors beyond cpu",
               claims=(claim_ef_recovers_gap,)),
         Study("depth", study_depth, "pipedream vs 2bw for P in 2, 4, 8, 16 (up to num_layers)",
               claims=(claim_pipedream_gap_grows_with_depth,)),
-        Study("hparams", study_hparams, "batch size, LR, weight decay (one at a time)"),
+        Study("hparams", study_hparams, "batch size, LR, weight decay (one at a time; AdamW, + Muon beyond cpu)"),
         Study("delay", study_delay, "fixed:N for N in 0, 1, 2, 4, 8"),
         Study("tokens", study_tokens, "the gap as the training length grows (x1/4 .. x2)"),
         Study("paper-mini", study_paper_mini, "CPU check of the paper's 4 qualitative claims",

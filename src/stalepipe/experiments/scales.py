@@ -1,0 +1,126 @@
+"""The scales a study runs at: each scale's base config and each optimizer's LR there.
+
+    cpu         the `paper-mini` model (4 blocks, so pipeline depths 2 and 4 exist),
+                Shakespeare bytes, 200 steps: 20-40 s per run on one core
+    cpu-regime  issue 17's scale, chosen by measurement (`benchmarks/regime_probe.py`,
+                docs/RESULTS.md "Regime"): every run leaves the unigram plateau early and the
+                seed spread is small against AdamW's gap (`regime_base`)
+    135m    SmolLM-135M on GPT-2 tokens (`smollm-135m` preset), GPUs
+    360m    SmolLM-360M (`smollm-360m` preset), GPUs
+
+Learning rates: at each scale every optimizer runs at its own LR (`LRS`): tuned on the sync
+baseline at the CPU scales (docs/RESULTS.md says how), the optimizers' published defaults for
+the GPU scales (docs/optimizers.md), which you should retune for your data before a large sweep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from stalepipe.config import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
+from stalepipe.errors import UserError
+from stalepipe.experiments.grid import Bundle
+from stalepipe.presets import get_preset
+
+SCALES = ("cpu", "cpu-regime", "135m", "360m")
+CPU_SCALES = ("cpu", "cpu-regime")
+# The `cpu` studies' results (docs/RESULTS.md) predate NAdamW; every other scale has all seven.
+OPTIMIZER_NAMES = ("adamw", "muon", "soap", "adan", "lion", "mars")
+ALL_OPTIMIZER_NAMES = (*OPTIMIZER_NAMES, "nadamw")
+CPU_STEPS = 200
+
+
+def paper_mini_base() -> ExperimentConfig:
+    """The CPU study model: ~0.2M parameters, 4 blocks of width 64 (so P = 2, 4 exist),
+    byte-level Shakespeare, 16 x 64 tokens per step, 10% warmup + cosine to 10%."""
+    return ExperimentConfig(
+        name="paper-mini",
+        model=ModelConfig(
+            vocab_size=256,
+            dim=64,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            ffn_dim=176,
+            max_seq_len=64,
+        ),
+        data=DataConfig(seq_len=64),
+        train=TrainConfig(
+            num_steps=CPU_STEPS,
+            batch_size=16,
+            warmup_steps=CPU_STEPS // 10,
+            eval_every=CPU_STEPS // 4,
+            num_eval_batches=16,
+            log_every=10,
+            progress=False,
+            threads=1,
+        ),
+    )
+
+
+# The `cpu-regime` scale (issue 17), chosen with benchmarks/regime_probe.py: see docs/RESULTS.md
+# "Regime" for the probes that ruled out cheaper candidates.
+REGIME_STEPS = 1200
+
+
+def regime_base() -> ExperimentConfig:
+    """The `cpu-regime` study model: `paper_mini_base` at width 96 (~0.4M parameters; P = 2, 4
+    exist), 16 x 128 tokens per step for REGIME_STEPS steps, 10% warmup + cosine to 10%, 20
+    evaluations of 8 batches (the token overhead reads the eval curve)."""
+    base = paper_mini_base()
+    return dataclasses.replace(
+        base,
+        name="cpu-regime",
+        model=dataclasses.replace(base.model, dim=96, ffn_dim=256, max_seq_len=128),
+        data=dataclasses.replace(base.data, seq_len=128),
+        train=dataclasses.replace(
+            base.train,
+            num_steps=REGIME_STEPS,
+            warmup_steps=REGIME_STEPS // 10,
+            eval_every=REGIME_STEPS // 20,
+            num_eval_batches=8,
+        ),
+    )
+
+
+# Per-optimizer peak LR by scale (matrix LR for muon; its AdamW part uses adam_lr = its default).
+LRS: dict[str, dict[str, str]] = {
+    "cpu": {
+        "adamw": "3e-3",
+        "muon": "0.05",
+        "soap": "1e-2",
+        "adan": "3e-2",
+        "lion": "3e-3",
+        "mars": "3e-2",
+    },  # fmt: skip
+    # tuned on sync, seed 0 (docs/RESULTS.md "Regime"); the others: their defaults until tuned
+    "cpu-regime": {"adamw": "3e-3", "muon": "0.01"},
+    "135m": {},  # optimizers' defaults (docs/optimizers.md)
+    "360m": {},
+}
+
+
+def base_config(scale: str) -> ExperimentConfig:
+    """The base config every run of a study at `scale` starts from."""
+    if scale == "cpu":
+        return paper_mini_base()
+    if scale == "cpu-regime":
+        return regime_base()
+    if scale == "135m":
+        return get_preset("smollm-135m")
+    if scale == "360m":
+        return get_preset("smollm-360m")
+    raise UserError(f"--scale must be one of {', '.join(SCALES)}, got {scale!r}")
+
+
+def optimizer_axis(scale: str, names: tuple[str, ...] | None = None) -> list[Bundle]:
+    """Optimizers (default: all the scale studies), each at its own LR for the scale."""
+    if names is None:
+        names = OPTIMIZER_NAMES if scale == "cpu" else ALL_OPTIMIZER_NAMES
+    out = []
+    for name in names:
+        o = {"optim.name": name}
+        if name in LRS[scale]:
+            o["optim.lr"] = LRS[scale][name]
+        out.append((name, o))
+    return out
