@@ -31,3 +31,30 @@ def test_pipeline_throughput_runs_every_contender():
     assert "peak memory per rank" in out.stdout
     held = re.findall(r"executor held (\d+) stashes \(IR: (\d+)\)", out.stdout)
     assert len(held) == 3 and all(a == b for a, b in held), held
+
+
+def test_the_135m_claims_script_plans_its_18_runs_and_refuses_a_dir_without_shards(tmp_path):
+    """`benchmarks/claims_135m.sh`: the dry run on llm.c-format shards lists the study's 18
+    runs with their GPU-hours; a directory without shards is one line and exit 2."""
+    import numpy as np
+
+    from stalepipe.data.shards import write_shard
+
+    script = ROOT / "benchmarks" / "claims_135m.sh"
+    env = {**os.environ, "STALEPIPE": str(Path(sys.executable).parent / "stalepipe")}
+    bad = subprocess.run([script, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "no *train*.bin and *val*.bin" in bad.stderr
+    tokens = np.arange(4096, dtype=np.uint16)
+    write_shard(tmp_path / "fineweb_train_000001.bin", tokens, 1)
+    write_shard(tmp_path / "fineweb_val_000000.bin", tokens, 1)
+    out = subprocess.run(
+        [script, str(tmp_path), str(tmp_path / "out"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "18 runs, 18 to run" in out.stderr + out.stdout
+    assert "GPU-hours on one H100" in out.stderr + out.stdout
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing

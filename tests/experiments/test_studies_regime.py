@@ -62,3 +62,19 @@ def test_beyond_cpu_the_studies_retune_the_lr_and_add_muon_and_the_correctors():
                   for c in ("taylor-const", "dcasgd-ema", "wpred", "adamom")}  # fmt: skip
     assert correctors <= groups("mitigations", "cpu-regime")
     assert not correctors & groups("mitigations", "cpu")
+
+
+def test_gpu_estimates_are_the_runs_training_flops_at_the_stated_mfu():
+    from stalepipe.models import flops_per_token
+    from stalepipe.pipeline.devices import get_device
+
+    base = studies.base_config("135m")
+    specs = studies.STUDIES["optimizers"].specs("135m", 1)[:2]
+    cfg = specs[0].config(base, ".")
+    tokens = cfg.train.num_steps * cfg.train.batch_size * cfg.data.seq_len
+    one = flops_per_token(cfg.model, cfg.data.seq_len)["total"] * tokens
+    rate = get_device(studies.GPU_DEVICE).peak_flops * studies.GPU_MFU
+    assert abs(studies.estimate_gpu_seconds(specs, base) - 2 * one / rate) < 1e-6 * one / rate
+    # ~6 N D for a 135M model on 2.6B tokens: the right order of magnitude, attention on top
+    assert 6 * 134e6 * tokens < one < 9 * 134e6 * tokens
+    assert "GPU-h" in studies.study_table(3, "135m")

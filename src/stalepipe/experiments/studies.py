@@ -249,15 +249,39 @@ def estimate_cpu_seconds(specs: list[RunSpec], base: ExperimentConfig, scale: st
     return total
 
 
+# The GPU estimate's assumptions: one H100 SXM per run at 40% model FLOPs utilisation (what a
+# tuned dense LLaMA-style run reaches in bf16; pipeline bubbles and evaluations not counted).
+GPU_DEVICE, GPU_MFU = "h100", 0.4
+
+
+def estimate_gpu_seconds(specs: list[RunSpec], base: ExperimentConfig) -> float:
+    """GPU-seconds of a sweep on `GPU_DEVICE` at `GPU_MFU`: each run's training FLOPs (the
+    model's per-token count, attention included, times its tokens) over the device's peak."""
+    from stalepipe.models import flops_per_token
+    from stalepipe.pipeline.devices import get_device
+
+    rate = get_device(GPU_DEVICE).peak_flops * GPU_MFU
+    total = 0.0
+    for spec in specs:
+        cfg = spec.config(base, ".")
+        tokens = cfg.train.num_steps * cfg.train.batch_size * cfg.data.seq_len
+        total += flops_per_token(cfg.model, cfg.data.seq_len)["total"] * tokens / rate
+    return total
+
+
 def study_table(seeds: int = 3, scale: str = "cpu") -> str:
-    """One line per study: runs at CPU scale `scale`, and the CPU core-hours they take."""
+    """One line per study: its runs at `scale` and the CPU core-hours (CPU scales) or the
+    GPU-hours (`estimate_gpu_seconds`) they take."""
     lines = []
     for s in STUDIES.values():
         if scale not in s.scales:
             continue
         specs = s.specs(scale, seeds)
-        hours = estimate_cpu_seconds(specs, s.base(scale), scale) / 3600
-        lines.append(f"  {s.name:<12} {len(specs):>4} runs  ~{hours:4.1f} CPU core-h   {s.about}")
+        if scale in CPU_SCALES:
+            cost = f"~{estimate_cpu_seconds(specs, s.base(scale), scale) / 3600:4.1f} CPU core-h"
+        else:
+            cost = f"~{estimate_gpu_seconds(specs, s.base(scale)) / 3600:6.0f} GPU-h"
+        lines.append(f"  {s.name:<12} {len(specs):>4} runs  {cost}   {s.about}")
     if scale == "cpu":
         lines.append(
             "  toy          (seconds) delayed Muon +- EF on matrix least squares: theory check"
@@ -339,4 +363,8 @@ def _dry_run(
         cost = estimate_cpu_seconds(todo, base, scale)
         msg += (f": ~{_duration(cost)} of CPU core time (~{_duration(cost / workers)} with "
                 f"{workers} worker(s) on a lightly loaded machine)")  # fmt: skip
+    elif todo:
+        cost = estimate_gpu_seconds(todo, base)
+        msg += (f": ~{cost / 3600:.0f} GPU-hours on one {GPU_DEVICE.upper()} per run at "
+                f"{GPU_MFU:.0%} MFU (bubbles and evaluations not counted)")  # fmt: skip
     log(msg)
