@@ -12,8 +12,9 @@ to the timing simulator's prediction from that run's measured forward, backward 
 times. Goals (issue 6): 2bw / our 1f1b >= 0.95 (m+P-1)/m; our 1f1b >= 0.95x torch's
 Schedule1F1B. The goal's ratio is a steady state: 24 timed steps keep 2bw's fill and drain a
 small part of the window. Machines here are shared: the contenders run interleaved,
-`--repeats` rounds, and the table shows medians (ratios: medians of the per-round ratios); read
-ratios, not absolutes. The machine's load average is printed before and after.
+`--repeats` rounds, and the table shows medians (ratios: medians of the per-round ratios, with
+their range over the rounds in brackets); read ratios, not absolutes. The machine's load
+average is printed before and after.
 """
 
 from __future__ import annotations
@@ -377,8 +378,9 @@ def _print_row(m: int, rounds: list[dict], args) -> None:
     tok = {k: _median([t[k] for t, _ in measured]) for k in CONTENDERS}
     bubble = {k: _median([b[k] for _, b in measured]) for k in measured[0][1]}
 
-    def ratio(a: str, b: str) -> float:  # median of the per-round (paired) ratios
-        return _median([t[a] / t[b] for t, _ in measured])
+    def ratio(a: str, b: str) -> str:  # median of the per-round (paired) ratios, and their range
+        rs = [t[a] / t[b] for t, _ in measured]
+        return f"{_median(rs):.3f} [{min(rs):.3f}-{max(rs):.3f}]"
 
     steps = args.steps - args.warmup
     pred, span = {}, {}
@@ -411,15 +413,15 @@ def _print_row(m: int, rounds: list[dict], args) -> None:
         print(f"  {k:<18}{tok[k]:>10.0f}{extra}")
     goal = 0.95 * (m + P - 1) / m
     print(
-        f"  2bw / 1f1b = {ratio('2bw', '1f1b'):.3f} (goal >= {goal:.3f}; simulated from "
+        f"  2bw / 1f1b = {ratio('2bw', '1f1b')} (goal >= {goal:.3f}; simulated from "
         f"the measured costs: {span['1f1b'] / span['2bw']:.3f}); "
-        f"1f1b / torch-1f1b = {ratio('1f1b', 'torch-1f1b'):.3f} (goal >= 0.95); "
-        f"gpipe / torch-gpipe = {ratio('gpipe', 'torch-gpipe'):.3f}",
+        f"1f1b / torch-1f1b = {ratio('1f1b', 'torch-1f1b')} (goal >= 0.95); "
+        f"gpipe / torch-gpipe = {ratio('gpipe', 'torch-gpipe')}",
         flush=True,
     )
     best = max(TORCH, key=lambda k: tok[k])
     print(
-        f"  2bw / the best of torch's schedules ({best}) = {ratio('2bw', best):.3f} (goal >= 1.0 "
+        f"  2bw / the best of torch's schedules ({best}) = {ratio('2bw', best)} (goal >= 1.0 "
         f"at m = 4 and 8)",
         flush=True,
     )

@@ -26,6 +26,9 @@ def test_pipeline_throughput_runs_every_contender():
     assert {"gpipe", "1f1b", "2bw", "torch-gpipe", "torch-1f1b"} <= rows
     assert {"torch-interleaved", "torch-zbv"} <= rows
     assert "2bw / 1f1b = " in out.stdout and "with both computing" in out.stdout
+    # each ratio with its range over the rounds (one round here: the range is the ratio)
+    median, lo, hi = re.search(r"2bw / 1f1b = (\S+) \[(\S+)-(\S+)\]", out.stdout).groups()
+    assert median == lo == hi
     assert "2bw / the best of torch's schedules" in out.stdout and "load average" in out.stdout
     # Memory per rank: our executors hold exactly the stashes the schedule IR accounts for.
     assert "peak memory per rank" in out.stdout
