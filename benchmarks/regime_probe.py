@@ -85,15 +85,15 @@ def candidate_config(name: str) -> ExperimentConfig:
 
 
 def arm_specs(
-    arms: list[str], seeds: int, lrs: dict[str, str], study_names: bool = False
+    arms: list[str], seeds: int, lrs: dict[str, str], study_lrs: dict[str, str] | None = None
 ) -> list[RunSpec]:
-    """`adamw:sync` -> RunSpecs named like a study's runs (`adamw_sync_s0`), seed-major."""
+    """`adamw:sync` -> RunSpecs named by `arm_group`, seed-major."""
     specs = []
     for seed in range(seeds):
         for arm in arms:
             opt, lr, policy = parse_arm(arm, lrs)
             o = {"optim.name": opt, "optim.lr": lr, **POLICIES[policy]}
-            group = arm_group(arm, lrs, study_names)
+            group = arm_group(arm, lrs, study_lrs)
             specs.append(RunSpec(name=f"{group}_s{seed}", group=group,
                                  seed=seed, overrides=o))  # fmt: skip
     return specs
@@ -103,15 +103,18 @@ def parse_arm(arm: str, lrs: dict[str, str]) -> tuple[str, str, str]:
     """`adamw:sync` (the LR from `lrs`) or `adamw@1e-2:sync` -> (optimizer, LR, policy)."""
     opt, policy = arm.split(":")
     opt, _, lr = opt.partition("@")
-    return opt, lr or lrs[opt], policy
+    if not (lr := lr or lrs.get(opt, "")):
+        raise SystemExit(f"regime_probe.py: no LR for {opt} here; name it: {opt}@LR:{policy}")
+    return opt, lr, policy
 
 
-def arm_group(arm: str, lrs: dict[str, str], study_names: bool = False) -> str:
-    """`adamw:sync` -> `adamw_lr3e-3_sync` (the run name without its seed); with
-    `study_names`, an arm at the scale's own LR is named as in the studies (`adamw_sync`), so
-    that its runs are the `optimizers` study's."""
+def arm_group(arm: str, lrs: dict[str, str], study_lrs: dict[str, str] | None = None) -> str:
+    """`adamw:sync` -> `adamw_lr3e-3_sync` (the run name without its seed); an arm at the LR
+    its study scale runs the optimizer at (`study_lrs`, that scale's `scales.LRS`) is named as
+    in the studies (`adamw_sync`), so that its runs are the `optimizers` study's."""
     opt, lr, policy = parse_arm(arm, lrs)
-    return f"{opt}_{policy}" if study_names and lr == lrs[opt] else f"{opt}_lr{lr}_{policy}"
+    at_study_lr = study_lrs is not None and lr == study_lrs.get(opt)
+    return f"{opt}_{policy}" if at_study_lr else f"{opt}_lr{lr}_{policy}"
 
 
 def unigram_entropy(data_dir: str | Path) -> float:
@@ -179,7 +182,9 @@ def _fmt_exit(x: float) -> str:
     return "never" if math.isinf(x) else f"{x:.0%}"
 
 
-def table(dirs: dict[str, Path], arms: list[str], seeds: int, lrs: dict[str, str]) -> str:
+def table(
+    dirs: dict[str, Path], arms: list[str], seeds: int, lrs: dict[str, str], study_names: bool
+) -> str:
     """The probe table: one row per candidate and arm, then the criteria per candidate."""
     lines = [
         "| candidate | params | tokens/step | steps | unigram H | arm | seeds | val (mean ± std) "
@@ -195,7 +200,7 @@ def table(dirs: dict[str, Path], arms: list[str], seeds: int, lrs: dict[str, str
         worst_exit, slopes = 0.0, []
         for arm in arms:
             opt, lr, policy = parse_arm(arm, lrs)
-            group = arm_group(arm, lrs, name in SCALES)
+            group = arm_group(arm, lrs, LRS[name] if study_names else None)
             runs = [run_summary(run_root / f"{group}_s{s}", entropy) for s in range(seeds)]
             runs = [r for r in runs if r]
             if not runs:
@@ -254,10 +259,15 @@ def main() -> None:
     p.add_argument("--out", default="runs/regime-probe", help="candidate N's runs: OUT/N")
     p.add_argument("--runs", help="the one candidate's runs are here instead of OUT/N")
     p.add_argument("--table-only", action="store_true", help="print the table, train nothing")
+    p.add_argument("--study-names", action="store_true",
+                   help="name an arm at its study LR (scales.LRS) as the optimizers study does, "
+                   "for --runs in a study's sweep directory; otherwise every name holds its LR")  # fmt: skip
     args = p.parse_args()
     names = args.candidates.split(",")
     if args.runs and len(names) != 1:
         p.error("--runs takes one candidate")
+    if args.study_names and not all(n in SCALES for n in names):
+        p.error(f"--study-names needs study scales as candidates ({', '.join(SCALES)})")
     dirs = {n: Path(args.runs) if args.runs else Path(args.out) / n for n in names}
     arms = args.arms.split(",")
     lrs = LRS["cpu"] | LRS["cpu-regime"] | dict(kv.split("=") for kv in args.lr)
@@ -265,9 +275,9 @@ def main() -> None:
         for name, run_root in dirs.items():
             base = candidate_config(name)
             ensure_prepared(base.data)
-            specs = arm_specs(arms, args.seeds, lrs, study_names=name in SCALES)
+            specs = arm_specs(arms, args.seeds, lrs, LRS[name] if args.study_names else None)
             run_sweep(specs, base, run_root, workers=args.workers)
-    print(table(dirs, arms, args.seeds, lrs))
+    print(table(dirs, arms, args.seeds, lrs, args.study_names))
 
 
 if __name__ == "__main__":
