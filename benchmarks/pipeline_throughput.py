@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from pipeline_memory import print_memory, stage_sizes  # benchmarks/pipeline_memory.py
+from pipeline_replay import replayed_bubble  # benchmarks/pipeline_replay.py
 
 from stalepipe.config import DelayConfig, ModelConfig, OptimConfig
 from stalepipe.delay import DelayedOptimizer
@@ -113,6 +114,7 @@ def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: 
     votes = StepVotes(comm, max(lookahead(list(acts)) for acts in sched.ranks))
     ex = StageExecutor(io, layout, delayed, sched, _NoCadence(), votes=votes)
     spans: dict[str, list[tuple[float, float]]] = {k: [] for k in "FBSAW"}
+    keys: dict[str, list[tuple]] = {k: [] for k in "FBSAW"}  # each span's (step, microbatch)
     marks: dict[str, float] = {}
     forward = ex.forward
 
@@ -123,20 +125,20 @@ def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: 
         marks["stashed"] = max(marks.get("stashed", 0), len(ex._stash))
         return out
 
-    ex.forward = _timed_call(forward_marked, spans["F"])
+    ex.forward = _timed_call(forward_marked, spans["F"], keys["F"])
     # The update is work too: STEP (post_step) and the optimizer step (apply_next, which runs
     # inside a forward or a STEP) count as busy, as the simulator's optimizer cost does.
     # Waiting for a peer inside F/B (the inbox's _take) is bubble, not work.
     timed = [(ex, "backward", "B"), (ex, "post_step", "S"), (ex, "apply_next", "A")]
     for obj, attr, kind in [*timed, (ex.inbox, "_take", "W")]:
-        setattr(obj, attr, _timed_call(getattr(obj, attr), spans[kind]))
+        setattr(obj, attr, _timed_call(getattr(obj, attr), spans[kind], keys[kind]))
     comm.barrier("benchmark start")
     for _ in ex.run(list(sched.ranks[rank])):
         pass
     marks["end"] = time.perf_counter()
     comm.barrier("benchmark end")
     marks["versions"] = ex.peak_versions
-    return {"spans": spans, "marks": marks, "tokens": (steps - warm) * m * mb * T}
+    return {"spans": spans, "keys": keys, "marks": marks, "tokens": (steps - warm) * m * mb * T}
 
 
 def _window(reports: list[dict]) -> tuple[float, float]:
@@ -144,15 +146,17 @@ def _window(reports: list[dict]) -> tuple[float, float]:
     return reports[0]["marks"]["start"], max(r["marks"]["end"] for r in reports)
 
 
-def _timed_call(fn, out: list):
-    """`fn`, recording (wall start, wall end, this thread's CPU seconds) per call: CPU time
-    tells a schedule's own work from the machine's (a core shared with the other process or
-    with another job stretches the wall time, not the CPU time)."""
+def _timed_call(fn, out: list, keys: list):
+    """`fn`, recording (wall start, wall end, this thread's CPU seconds) per call into `out`
+    and its first two positional arguments (step, microbatch) into `keys`: CPU time tells a
+    schedule's own work from the machine's (a core shared with the other process or with
+    another job stretches the wall time, not the CPU time)."""
 
     def run(*a, **kw):
         t, c = time.perf_counter(), time.thread_time()
         r = fn(*a, **kw)
         out.append((t, time.perf_counter(), time.thread_time() - c))
+        keys.append(a[:2])
         return r
 
     return run
@@ -383,6 +387,10 @@ def _print_row(m: int, rounds: list[dict], args) -> None:
         return f"{_median(rs):.3f} [{min(rs):.3f}-{max(rs):.3f}]"
 
     steps = args.steps - args.warmup
+    replayed = {  # every action at its own measured time (pipeline_replay.py), median of rounds
+        k: _median([replayed_bubble(res[k], k, m, args.steps, args.warmup) for res in rounds])
+        for k in ("gpipe", "1f1b", "2bw")
+    }
     pred, span = {}, {}
     cost_ms = {}  # per rank, averaged: median F + B of one microbatch, median update
     for name in ("gpipe", "1f1b", "2bw"):  # each from its own measured costs (last round)
@@ -402,14 +410,15 @@ def _print_row(m: int, rounds: list[dict], args) -> None:
         f"medians of {len(rounds)} interleaved rounds)"
     )
     print(
-        f"  {'schedule':<18}{'tokens/s':>10}{'bubble':>9}{'simulated':>11}"
+        f"  {'schedule':<18}{'tokens/s':>10}{'bubble':>9}{'simulated':>11}{'replayed':>10}"
         f"{'F+B ms':>9}{'F+B cpu':>9}{'update ms':>11}"
     )
     for k in CONTENDERS:
         extra = ""
         if k in bubble:
             fb, fb_cpu, upd = cost_ms[k]
-            extra = f"{bubble[k]:>9.3f}{pred[k]:>11.3f}{fb:>9.1f}{fb_cpu:>9.1f}{upd:>11.1f}"
+            extra = (f"{bubble[k]:>9.3f}{pred[k]:>11.3f}{replayed[k]:>10.3f}"
+                     f"{fb:>9.1f}{fb_cpu:>9.1f}{upd:>11.1f}")  # fmt: skip
         print(f"  {k:<18}{tok[k]:>10.0f}{extra}")
     goal = 0.95 * (m + P - 1) / m
     print(

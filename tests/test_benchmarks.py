@@ -30,6 +30,10 @@ def test_pipeline_throughput_runs_every_contender():
     median, lo, hi = re.search(r"2bw / 1f1b = (\S+) \[(\S+)-(\S+)\]", out.stdout).groups()
     assert median == lo == hi
     assert "2bw / the best of torch's schedules" in out.stdout and "load average" in out.stdout
+    # the replay: every action at its measured time through the simulator, a bubble in [0, 1)
+    header = next(line for line in out.stdout.splitlines() if "replayed" in line).split()
+    row = next(line for line in out.stdout.splitlines() if line.startswith("  2bw ")).split()
+    assert 0.0 <= float(row[header.index("replayed")]) < 1.0
     # Memory per rank: our executors hold exactly the stashes the schedule IR accounts for.
     assert "peak memory per rank" in out.stdout
     held = re.findall(r"executor held (\d+) stashes \(IR: (\d+)\)", out.stdout)

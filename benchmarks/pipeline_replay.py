@@ -1,0 +1,65 @@
+"""Replay a measured pipeline run in the timing simulator, each action at its own measured time.
+
+pipeline_throughput.py's "simulated" bubble gives every forward, backward and update of a rank
+that rank's median time. The replay gives every action the wall time it took in the run (the
+waits for a peer and the updates nested inside it taken out, the update of step k added to
+STEP k) and lets the simulator order them by the schedule's dependencies. Where the replayed
+bubble matches the measured one, the bubble above the median simulation is the spread of the
+action times on this machine, which a pipeline without a flush has no idle time to absorb; where
+the measured bubble is larger, the runtime spends time outside its actions (communication,
+Python between actions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from stalepipe.pipeline.generators import make_schedule
+from stalepipe.pipeline.schedule import Action
+from stalepipe.pipeline.timing import CostModel, simulate, summarize, uniform_costs
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Replayed(CostModel):
+    """A cost model whose every action lasts what it lasted in the run (keys: Action.key)."""
+
+    times: dict = dataclasses.field(default_factory=dict)
+    step_offset: int = 0
+
+    def duration(self, a: Action) -> float:
+        kind, stage, step, microbatch = a.key
+        return self.times[(kind, stage, step + self.step_offset, microbatch)]
+
+
+def _net(a: float, b: float, inner: list[tuple[float, float, float]]) -> float:
+    """The span [a, b] without the waits and updates nested in it."""
+    return b - a - sum(min(y, b) - max(x, a) for x, y, _ in inner if x < b and y > a)
+
+
+def action_times(report: dict, stage: int) -> dict[tuple, float]:
+    """Every action of one rank's report (a benchmark worker's spans and their keys) with its
+    measured wall time, keyed like `Action.key`."""
+    sp, keys = report["spans"], report["keys"]
+    times: dict[tuple, float] = {}
+    for kind in ("F", "B"):
+        inner = sorted(sp["W"] + sp["A"])
+        for (a, b, _), (step, microbatch) in zip(sp[kind], keys[kind], strict=True):
+            times[(kind, stage, step, microbatch)] = _net(a, b, inner)
+    updates = [b - a for a, b, _ in sp["A"]]  # the i-th update applied is step i's
+    inner = sorted(sp["W"] + sp["A"])
+    for (a, b, _), (step,) in zip(sp["S"], keys["S"], strict=True):
+        times[("STEP", stage, step, -1)] = _net(a, b, inner) + updates[step]
+    return times
+
+
+def replayed_bubble(reports: list[dict], schedule: str, m: int, steps: int, warm: int) -> float:
+    """The simulator's bubble of `schedule`'s timed steps (`warm` .. `steps` - 1), every action
+    at its measured time in `reports` (one per rank = stage, in rank order)."""
+    P = len(reports)
+    times: dict[tuple, float] = {}
+    for stage, report in enumerate(reports):
+        times |= action_times(report, stage)
+    shape = uniform_costs(P)
+    fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}
+    costs = _Replayed(**fields, times=times, step_offset=warm)
+    return summarize(simulate(make_schedule(schedule, P, m, steps - warm), costs)).bubble
