@@ -12,7 +12,6 @@ with the status docs/runtime.md lists: `UserError.exit_code` (2 bad input, 4 tra
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import multiprocessing as mp
 import os
@@ -23,12 +22,12 @@ from pathlib import Path
 
 from stalepipe.config import ExperimentConfig
 from stalepipe.errors import EXIT_BUG, EXIT_PEER, EXIT_PREEMPTED, Preempted, UserError
-from stalepipe.optim import resolve_config
 from stalepipe.pipeline.comm import PeerError, Topology, under_torchrun
 from stalepipe.pipeline.failures import Failure, first_failure, report_failure, run_store
 from stalepipe.pipeline.processes import EXIT_INTERRUPTED, host_store, supervise, worker_env
 from stalepipe.train.checkpoint import latest_checkpoint
 from stalepipe.train.devices import check_device
+from stalepipe.train.loop import with_resolved_optim
 from stalepipe.train.pipelined import PREPARED_ENV, check_config, error_line, run_worker
 from stalepipe.train.ranklog import log_header, log_only, rank_log_path, tee_rank_log
 from stalepipe.train.startup import FRESH, StartUp, begin_run
@@ -42,7 +41,7 @@ def launch_train(cfg: ExperimentConfig, start: StartUp = FRESH, *, verbose: bool
         return main_worker(cfg, start, verbose)
     check_device(cfg)  # before anything is written or deleted
     check_config(cfg)
-    cfg = dataclasses.replace(cfg, optim=resolve_config(cfg.optim))
+    cfg = with_resolved_optim(cfg)  # config.json records the values used
     _, run_dir = begin_run(cfg, start, verbose=verbose)
     for warning in cfg.warnings() if verbose else ():
         print(f"stalepipe: warning: {warning}", file=sys.stderr)
