@@ -75,9 +75,12 @@ def _worker(rank: int) -> mp.Process:
         time.sleep(0.05)
 
 
-def _wait_for(cond, what: str, timeout_s: float = 60) -> None:
+def _wait_for(cond, what: str, timeout_s: float = 60, box: dict | None = None) -> None:
+    """Wait for `cond`; with `box` (an `_in_thread` result), fail at once if the launcher in
+    the thread already raised instead of waiting out the timeout."""
     deadline = time.monotonic() + timeout_s
     while not cond():
+        assert not (box and "error" in box), f"waiting for {what}: {box['error']!r}"
         assert time.monotonic() < deadline, f"{what} within {timeout_s}s"
         time.sleep(0.05)
 
@@ -240,7 +243,7 @@ def test_a_hung_rank_is_named_and_killed(make_cfg):
     run = Path(cfg.out_dir) / cfg.name
     thread, box = _in_thread(launch_train, cfg, StartUp(overwrite=True), verbose=False)
     metrics = run / "metrics.jsonl"
-    _wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, "training", 120)
+    _wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, "training", 120, box)
     victim = _worker(2)
     t0 = time.monotonic()
     os.kill(victim.pid, signal.SIGSTOP)
