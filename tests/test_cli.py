@@ -135,21 +135,26 @@ def test_every_command_has_help(capsys):
 
 
 @pytest.mark.parametrize(
-    ("argv", "target"),
+    ("argv", "target", "signature"),
     [
-        (["data", "prepare"], "stalepipe.data:prepare_main"),
-        (["simulate"], "stalepipe.pipeline.simulate:simulate_main"),
-        (["eval", "RUN"], "stalepipe.experiments.evaluate:eval_main"),
-        (["export", "RUN", "--out", "hf"], "stalepipe.experiments.export:export_main"),
-        (["demo"], "stalepipe.experiments.demo:run_demo"),
-        (["verdict", "RUNS"], "stalepipe.experiments.verdict:run_verdict"),
+        (["data", "prepare"], "stalepipe.data:prepare_main", None),
+        (["simulate"], "stalepipe.pipeline.simulate:simulate_main", None),
+        (["eval", "RUN"], "stalepipe.experiments.evaluate:eval_main", None),
+        (["export", "RUN", "--out", "hf"], "stalepipe.experiments.export:export_main", None),
+        (["demo"], "stalepipe.experiments.demo:run_demo", None),
+        # verdict_main passes its keywords on to run_verdict: the flags must fit run_verdict
+        (["verdict", "RUNS"], "stalepipe.experiments.verdict:verdict_main",
+         "stalepipe.experiments.verdict:run_verdict"),
     ],
-)
-def test_flags_are_the_keywords_of_the_function_a_command_calls(argv, target):
-    """Commands that pass all their flags on (`cli.common.flags`) match their function's signature."""
-    module, name = target.split(":")
+)  # fmt: skip
+def test_flags_are_the_keywords_of_the_function_a_command_calls(argv, target, signature):
+    """Commands that pass all their flags on (`cli.common.runs`) call `target`, and the flags
+    match the signature of the function that takes them."""
+    args = make_parser().parse_args(argv)
+    assert args.fn.__name__ == f"run {target}"
+    module, name = (signature or target).split(":")
     fn = getattr(importlib.import_module(module), name)
-    inspect.signature(fn).bind(**_flags(make_parser().parse_args(argv)))  # raises on a mismatch
+    inspect.signature(fn).bind(**_flags(args))  # raises on a mismatch
 
 
 def test_export_format_choices_are_the_exporters():
