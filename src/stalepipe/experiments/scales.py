@@ -94,7 +94,14 @@ LRS: dict[str, dict[str, str]] = {
         "mars": "3e-2",
     },  # fmt: skip
     # tuned on sync, seed 0 (docs/RESULTS.md "Regime"); the others: their defaults until tuned
-    "cpu-regime": {"adamw": "3e-3", "muon": "0.01", "soap": "1e-2", "adan": "3e-2", "lion": "3e-4"},
+    "cpu-regime": {
+        "adamw": "3e-3",
+        "muon": "0.01",
+        "soap": "1e-2",
+        "adan": "3e-2",
+        "lion": "3e-4",
+        "nadamw": "1e-2",
+    },
     "135m": {},  # optimizers' defaults (docs/optimizers.md)
     "360m": {},
 }
