@@ -93,7 +93,7 @@ LRS: dict[str, dict[str, str]] = {
         "lion": "3e-3",
         "mars": "3e-2",
     },  # fmt: skip
-    # tuned on sync, seed 0 (docs/RESULTS.md "Regime"); the others: their defaults until tuned
+    # tuned on sync, seed 0 (docs/RESULTS.md "Regime"), each interior to its grid
     "cpu-regime": {
         "adamw": "3e-3",
         "muon": "0.01",
@@ -101,6 +101,7 @@ LRS: dict[str, dict[str, str]] = {
         "adan": "3e-2",
         "lion": "3e-4",
         "nadamw": "1e-2",
+        "mars": "3e-3",
     },
     "135m": {},  # optimizers' defaults (docs/optimizers.md)
     "360m": {},
