@@ -53,15 +53,18 @@ def axis(key: str, values: Iterable[Any], label: str | None = None) -> list[Bund
     return [(_slug(f"{short}{v}"), {key: str(v)}) for v in values]
 
 
+def _key_values(text: str, flag: str) -> tuple[str, list[str]]:
+    """`optim.name=adamw,muon` (the `--grid` / `--only` syntax) -> (key, values)."""
+    key, _, values = text.partition("=")
+    vals = [v for v in values.split(",") if v]
+    if not key.strip() or not vals:
+        raise UserError(f"{flag} expects KEY=V1,V2,... (e.g. optim.name=adamw,muon), got {text!r}")
+    return key.strip(), vals
+
+
 def parse_grid_arg(text: str) -> list[Bundle]:
     """`optim.name=adamw,muon` (the `--grid` CLI syntax) -> an axis."""
-    if "=" not in text:
-        raise UserError(f"--grid expects KEY=V1,V2,... (e.g. optim.name=adamw,muon), got {text!r}")
-    key, values = text.split("=", 1)
-    vals = [v for v in values.split(",") if v]
-    if not key or not vals:
-        raise UserError(f"--grid expects KEY=V1,V2,... (e.g. optim.name=adamw,muon), got {text!r}")
-    return axis(key.strip(), vals)
+    return axis(*_key_values(text, "--grid"))
 
 
 def select_runs(
@@ -73,14 +76,11 @@ def select_runs(
     from stalepipe.config.overrides import parse_field
     from stalepipe.fileio import flatten_dict
 
+    if not only:
+        return list(specs)
     wanted: list[tuple[str, list[Any]]] = []
     for item in only:
-        key, _, values = item.partition("=")
-        vals = [v for v in values.split(",") if v]
-        if not vals:
-            raise UserError(
-                f"--only expects KEY=V1,V2,... (e.g. optim.name=adamw,muon), got {item!r}"
-            )
+        key, vals = _key_values(item, "--only")
         wanted.append((key, [parse_field(ExperimentConfig, key, v) for v in vals]))
 
     def keeps(spec: RunSpec) -> bool:
