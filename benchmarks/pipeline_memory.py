@@ -18,6 +18,7 @@ IR_NAME = {
     "gpipe": "gpipe",
     "1f1b": "1f1b",
     "2bw": "2bw",
+    "interleaved-1f1b": "interleaved-1f1b",
     "torch-gpipe": "gpipe",
     "torch-1f1b": "1f1b",
     "torch-interleaved": "interleaved-1f1b",

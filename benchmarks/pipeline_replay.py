@@ -36,30 +36,40 @@ def _net(a: float, b: float, inner: list[tuple[float, float, float]]) -> float:
     return b - a - sum(min(y, b) - max(x, a) for x, y, _ in inner if x < b and y > a)
 
 
-def action_times(report: dict, stage: int) -> dict[tuple, float]:
+def action_times(report: dict, actions: tuple[Action, ...]) -> dict[tuple, float]:
     """Every action of one rank's report (a benchmark worker's spans and their keys) with its
-    measured wall time, keyed like `Action.key`."""
+    measured wall time, keyed like `Action.key`; `actions` is the rank's list. A process posts
+    one update per step, at its last STEP of that step (`pipeline.stage`): that STEP gets the
+    measured time, the rank's other STEPs of the step (other chunks) none."""
     sp, keys = report["spans"], report["keys"]
     times: dict[tuple, float] = {}
-    for kind in ("F", "B"):
-        inner = sorted(sp["W"] + sp["A"])
-        for (a, b, _), (step, microbatch) in zip(sp[kind], keys[kind], strict=True):
-            times[(kind, stage, step, microbatch)] = _net(a, b, inner)
-    updates = [b - a for a, b, _ in sp["A"]]  # the i-th update applied is step i's
     inner = sorted(sp["W"] + sp["A"])
+    for kind in ("F", "B"):
+        for (a, b, _), (stage, step, microbatch) in zip(sp[kind], keys[kind], strict=True):
+            times[(kind, stage, step, microbatch)] = _net(a, b, inner)
+    last_step = {}
+    for a in actions:
+        if a.kind == "STEP":
+            times[a.key] = 0.0
+            last_step[a.step] = a.key
+    updates = [b - a for a, b, _ in sp["A"]]  # the i-th update applied is step i's
     for (a, b, _), (step,) in zip(sp["S"], keys["S"], strict=True):
-        times[("STEP", stage, step, -1)] = _net(a, b, inner) + updates[step]
+        times[last_step[step]] = _net(a, b, inner) + updates[step]
     return times
 
 
-def replayed_bubble(reports: list[dict], schedule: str, m: int, steps: int, warm: int) -> float:
+def replayed_bubble(
+    reports: list[dict], schedule: str, m: int, steps: int, warm: int, chunks: int = 1
+) -> float:
     """The simulator's bubble of `schedule`'s timed steps (`warm` .. `steps` - 1), every action
-    at its measured time in `reports` (one per rank = stage, in rank order)."""
+    at its measured time in `reports` (one per rank, in rank order; `chunks` stages each)."""
     P = len(reports)
+    full = make_schedule(schedule, P, m, steps, num_chunks=chunks)
     times: dict[tuple, float] = {}
-    for stage, report in enumerate(reports):
-        times |= action_times(report, stage)
-    shape = uniform_costs(P)
+    for rank, report in enumerate(reports):
+        times |= action_times(report, full.ranks[rank])
+    shape = uniform_costs(P * chunks)
     fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}
     costs = _Replayed(**fields, times=times, step_offset=warm)
-    return summarize(simulate(make_schedule(schedule, P, m, steps - warm), costs)).bubble
+    sched = make_schedule(schedule, P, m, steps - warm, num_chunks=chunks)
+    return summarize(simulate(sched, costs)).bubble

@@ -43,7 +43,8 @@ from stalepipe.pipeline.timing import simulate, summarize, uniform_costs
 from stalepipe.pipeline.votes import StepVotes, lookahead
 
 P = 2
-POLICY = {"gpipe": "sync", "1f1b": "sync", "2bw": "2bw"}
+POLICY = {"gpipe": "sync", "1f1b": "sync", "interleaved-1f1b": "sync", "2bw": "2bw"}
+CHUNKS = {"interleaved-1f1b": 2}  # stages per process of our schedules (1 otherwise)
 
 
 def _setup(model_cfg: ModelConfig):
@@ -84,61 +85,86 @@ def _batch(step: int, m: int, mb: int, T: int, V: int):
 
 
 def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: int, warm: int):
-    rank, stage, owned, opt = _setup(model_cfg)
-    comm = Comm(Topology(P), rank, "gloo", 120, "cpu")
+    C = CHUNKS.get(schedule, 1)
+    rank, _, _ = init_from_env("gloo", 120)
+    torch.set_num_threads(1)
+    parts = partition(build_model(model_cfg, seed=0), C * P)
+    ids = [rank + c * P for c in range(C)]  # interleaved placement: rank r runs r, r + P
+    owned = {s: parts[s].owned_parameters() for s in ids}
+    params = [(n, p) for s in ids for n, p in owned[s].items()]
+    opt = build_optimizer(resolve_config(OptimConfig(name="adamw")), params)
+    set_peak_lr(opt)
+    comm = Comm(Topology(C * P, 1, C), rank, "gloo", 120, "cpu")
     delayed = DelayedOptimizer(
         opt,
-        [owned if s == rank else {} for s in range(P)],
+        [owned.get(s, {}) for s in range(C * P)],
         DelayConfig(policy=POLICY[schedule]),
         steps,
     )
-    sched = make_schedule(schedule, P, m, steps)
+    sched = make_schedule(schedule, P, m, steps, num_chunks=C)
 
     def get_batch(k: int):
         x, y = _batch(k, m, mb, T, model_cfg.vocab_size)
         return list(x.chunk(m)), list(y.chunk(m))
 
-    io = StageIO(
-        module=stage,
-        stage=rank,
-        comm=comm,
-        get_batch=get_batch,
-        act_shape=(mb, T, model_cfg.dim),
-        act_dtype=torch.float32,
-        seed=0,
-    )
+    ios = [
+        StageIO(
+            module=parts[s],
+            stage=s,
+            comm=comm,
+            get_batch=get_batch,
+            act_shape=(mb, T, model_cfg.dim),
+            act_dtype=torch.float32,
+            seed=0,
+        )
+        for s in ids
+    ]
     layout = ModelLayout(
-        param_counts=[1] * P, router_layers=[[]] * P, tied=model_cfg.tie_embeddings, grad_clip=0.0
+        param_counts=[len(p.owned_parameters()) for p in parts],
+        router_layers=[[]] * (C * P),
+        tied=model_cfg.tie_embeddings,
+        grad_clip=0.0,
     )
     # The per-step vote runs as in a training run (pipeline.votes): its cost is measured too.
     votes = StepVotes(comm, max(lookahead(list(acts)) for acts in sched.ranks))
-    ex = StageExecutor(io, layout, delayed, sched, _NoCadence(), votes=votes)
+    ex = StageExecutor(ios, layout, delayed, sched, _NoCadence(), votes=votes)
     spans: dict[str, list[tuple[float, float]]] = {k: [] for k in "FBSAW"}
-    keys: dict[str, list[tuple]] = {k: [] for k in "FBSAW"}  # each span's (step, microbatch)
+    keys: dict[str, list[tuple]] = {k: [] for k in "FBSAW"}  # each span's (stage, step, mb)
     marks: dict[str, float] = {}
     forward = ex.forward
 
-    def forward_marked(step, microbatch, *a, **kw):
-        if step == warm and microbatch == 0:
+    def forward_marked(chunk, step, microbatch, *a, **kw):
+        if step == warm and "start" not in marks:
             marks["start"] = time.perf_counter()  # CLOCK_MONOTONIC: one clock for all processes
-        out = forward(step, microbatch, *a, **kw)
+        out = forward(chunk, step, microbatch, *a, **kw)
         marks["stashed"] = max(marks.get("stashed", 0), len(ex._stash))
         return out
 
-    ex.forward = _timed_call(forward_marked, spans["F"], keys["F"])
+    def action(a: tuple) -> tuple:  # F / B (chunk, step, microbatch) -> (stage, step, mb)
+        return (a[0].stage, a[1], a[2])
+
+    ex.forward = _timed_call(forward_marked, spans["F"], keys["F"], action)
     # The update is work too: STEP (post_step) and the optimizer step (apply_next, which runs
     # inside a forward or a STEP) count as busy, as the simulator's optimizer cost does.
-    # Waiting for a peer inside F/B (the inbox's _take) is bubble, not work.
-    timed = [(ex, "backward", "B"), (ex, "post_step", "S"), (ex, "apply_next", "A")]
-    for obj, attr, kind in [*timed, (ex.inbox, "_take", "W")]:
-        setattr(obj, attr, _timed_call(getattr(obj, attr), spans[kind], keys[kind]))
+    # Waiting for a peer inside F/B (the inboxes' _take) is bubble, not work.
+    ex.backward = _timed_call(ex.backward, spans["B"], keys["B"], action)
+    for attr, kind in (("post_step", "S"), ("apply_next", "A")):
+        setattr(ex, attr, _timed_call(getattr(ex, attr), spans[kind], keys[kind]))
+    for c in ex.chunks.values():
+        c.inbox._take = _timed_call(c.inbox._take, spans["W"], keys["W"], lambda a: ())
     comm.barrier("benchmark start")
     for _ in ex.run(list(sched.ranks[rank])):
         pass
     marks["end"] = time.perf_counter()
     comm.barrier("benchmark end")
     marks["versions"] = ex.peak_versions
-    return {"spans": spans, "keys": keys, "marks": marks, "tokens": (steps - warm) * m * mb * T}
+    return {
+        "spans": spans,
+        "keys": keys,
+        "marks": marks,
+        "tokens": (steps - warm) * m * mb * T,
+        "stages": ids,
+    }
 
 
 def _window(reports: list[dict]) -> tuple[float, float]:
@@ -146,17 +172,17 @@ def _window(reports: list[dict]) -> tuple[float, float]:
     return reports[0]["marks"]["start"], max(r["marks"]["end"] for r in reports)
 
 
-def _timed_call(fn, out: list, keys: list):
+def _timed_call(fn, out: list, keys: list, key=lambda a: a[:1]):
     """`fn`, recording (wall start, wall end, this thread's CPU seconds) per call into `out`
-    and its first two positional arguments (step, microbatch) into `keys`: CPU time tells a
-    schedule's own work from the machine's (a core shared with the other process or with
-    another job stretches the wall time, not the CPU time)."""
+    and `key` of its positional arguments (default: the first, a STEP's step) into `keys`: CPU
+    time tells a schedule's own work from the machine's (a core shared with the other process
+    or with another job stretches the wall time, not the CPU time)."""
 
     def run(*a, **kw):
         t, c = time.perf_counter(), time.thread_time()
         r = fn(*a, **kw)
         out.append((t, time.perf_counter(), time.thread_time() - c))
-        keys.append(a[:2])
+        keys.append(key(a))
         return r
 
     return run
@@ -178,12 +204,15 @@ def _busy(report: dict, t0: float, t1: float) -> float:
     return _union(sp["F"] + sp["B"] + sp["S"] + sp["A"], t0, t1) - _union(sp["W"], t0, t1)
 
 
-def _mean(report: dict, kind: str, cpu: bool = False) -> float:
+def _mean(report: dict, kind: str, cpu: bool = False, stage: int | None = None) -> float:
     """Median duration of `kind` spans (wall, or with `cpu` the thread's CPU time), minus the
-    waits and the updates nested inside."""
+    waits and the updates nested inside; F and B of `stage` only when given."""
     inner = sorted(report["spans"]["W"] + (report["spans"]["A"] if kind != "A" else []))
     xs = []
-    for a, b, c in report["spans"][kind]:
+    spans = report["spans"][kind]
+    if stage is not None:
+        spans = [sp for sp, k in zip(spans, report["keys"][kind]) if k[0] == stage]
+    for a, b, c in spans:
         nested = [(x, y, z) for x, y, z in inner if x < b and y > a]
         if cpu:
             xs.append(c - sum(z for x, y, z in nested if x >= a and y <= b))
@@ -294,7 +323,8 @@ def contention(model_cfg: ModelConfig, mb: int, T: int, iters: int) -> dict:
 
 
 TORCH = ("torch-gpipe", "torch-1f1b", "torch-interleaved", "torch-zbv")
-CONTENDERS = ("gpipe", "1f1b", "2bw", *TORCH)
+OURS = tuple(POLICY)
+CONTENDERS = (*OURS, *TORCH)
 
 
 def main() -> None:
@@ -388,18 +418,27 @@ def _print_row(m: int, rounds: list[dict], args) -> None:
 
     steps = args.steps - args.warmup
     replayed = {  # every action at its own measured time (pipeline_replay.py), median of rounds
-        k: _median([replayed_bubble(res[k], k, m, args.steps, args.warmup) for res in rounds])
-        for k in ("gpipe", "1f1b", "2bw")
+        k: _median(
+            [
+                replayed_bubble(res[k], k, m, args.steps, args.warmup, CHUNKS.get(k, 1))
+                for res in rounds
+            ]
+        )
+        for k in OURS
     }
     pred, span = {}, {}
     cost_ms = {}  # per rank, averaged: median F + B of one microbatch, median update
-    for name in ("gpipe", "1f1b", "2bw"):  # each from its own measured costs (last round)
-        reports = rounds[-1][name]
-        f, b, u = ([_mean(r, kind) for r in reports] for kind in "FBA")
-        costs = uniform_costs(P, forward=f, backward_input=b, backward_weight=0.0, optimizer=u)
-        summary = summarize(simulate(make_schedule(name, P, m, steps), costs))
+    for name in OURS:  # each from its own measured costs (last round)
+        reports, C = rounds[-1][name], CHUNKS.get(name, 1)
+        by_stage = sorted((s, r) for r in reports for s in r["stages"])
+        f, b = ([_mean(r, kind, stage=s) for s, r in by_stage] for kind in "FB")
+        u = [_mean(r, "A") / C for _, r in by_stage]  # a rank's update, shared by its stages
+        costs = uniform_costs(C * P, forward=f, backward_input=b, backward_weight=0.0, optimizer=u)
+        sched = make_schedule(name, P, m, steps, num_chunks=C)
+        summary = summarize(simulate(sched, costs))
         pred[name], span[name] = summary.bubble, summary.makespan
-        fc, bc = ([_mean(r, kind, cpu=True) for r in reports] for kind in "FB")
+        fc, bc = ([_mean(r, kind, cpu=True, stage=s) for s, r in by_stage] for kind in "FB")
+        u = [_mean(r, "A") for r in reports]
         cost_ms[name] = (
             1e3 * (sum(f) + sum(b)) / P,
             1e3 * (sum(fc) + sum(bc)) / P,
@@ -425,7 +464,8 @@ def _print_row(m: int, rounds: list[dict], args) -> None:
         f"  2bw / 1f1b = {ratio('2bw', '1f1b')} (goal >= {goal:.3f}; simulated from "
         f"the measured costs: {span['1f1b'] / span['2bw']:.3f}); "
         f"1f1b / torch-1f1b = {ratio('1f1b', 'torch-1f1b')} (goal >= 0.95); "
-        f"gpipe / torch-gpipe = {ratio('gpipe', 'torch-gpipe')}",
+        f"gpipe / torch-gpipe = {ratio('gpipe', 'torch-gpipe')}; interleaved-1f1b / "
+        f"torch-interleaved = {ratio('interleaved-1f1b', 'torch-interleaved')}",
         flush=True,
     )
     best = max(TORCH, key=lambda k: tok[k])

@@ -45,6 +45,7 @@ def make_cfg(tmp_path, excerpt_data_dir):
         tied: bool = True,
         optim: str = "adamw",
         dp: int = 1,
+        chunks: int = 1,
         dropout: float = 0.0,
         name: str = "dist",
         **train_kw,
@@ -81,6 +82,7 @@ def make_cfg(tmp_path, excerpt_data_dir):
                 engine="distributed",
                 schedule=schedule,
                 num_replicas=dp,
+                num_chunks=chunks,
                 timeout_s=20,
             ),
             train=TrainConfig(num_steps=steps, num_microbatches=m, **train_kw),
@@ -93,7 +95,7 @@ def make_cfg(tmp_path, excerpt_data_dir):
 def run_dist(pool):
     def run(cfg: ExperimentConfig, resume: bool = False) -> list[dict]:
         """Run `cfg` on the pool; returns every rank's report."""
-        world = cfg.pipeline.num_stages * cfg.pipeline.num_replicas
+        world = cfg.pipeline.num_processes
         return pool.run(worker_entry, (cfg, resume, not resume), world, timeout_s=180)
 
     return run
@@ -115,7 +117,7 @@ def reference(cfg: ExperimentConfig, mode: str = "exact", name: str = "ref") -> 
         cfg,
         name=name,
         pipeline=dataclasses.replace(
-            cfg.pipeline, engine="emulate", schedule="1f1b", num_replicas=1
+            cfg.pipeline, engine="emulate", schedule="1f1b", num_replicas=1, num_chunks=1
         ),
         delay=dataclasses.replace(cfg.delay, mode=mode),
     )

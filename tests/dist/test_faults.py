@@ -102,21 +102,21 @@ _POST = textwrap.dedent(
     comm = Comm(Topology(2), rank, "gloo", 10, "cpu")
     t = torch.zeros(4)
     if rank == 1:
-        comm.recv([t], 0, "act", "x").wait()  # both pairs of channels connected
-        comm.send([t], 0, "grad", "y").wait()
+        comm.recv([t], (0, 1), "act", "x").wait()  # both pairs of channels connected
+        comm.send([t], (1, 0), "grad", "y").wait()
         os.kill(os.getpid(), signal.SIGKILL)
-    comm.send([t], 1, "act", "x").wait()
-    comm.recv([t], 1, "grad", "y").wait()
+    comm.send([t], (0, 1), "act", "x").wait()
+    comm.recv([t], (1, 0), "grad", "y").wait()
     time.sleep(1.0)  # rank 1 is dead: gloo has seen its connections close
     op, t0 = sys.argv[1], time.monotonic()
     try:
         if op == "send":
             for _ in range(50):
-                comm.send([t], 1, "act", "the activation of step 1")
+                comm.send([t], (0, 1), "act", "the activation of step 1")
                 time.sleep(0.01)
             comm.flush_sends()
         elif op == "recv":
-            comm.recv([t], 1, "grad", "the gradient of step 1").wait()
+            comm.recv([t], (1, 0), "grad", "the gradient of step 1").wait()
         else:
             work, _ = comm.all_gather(t)
             comm.wait_work(work, "the gradient-norm exchange of step 1", None)
@@ -193,7 +193,7 @@ def test_a_killed_peer_stops_the_wait_for_its_checkpoint_part_at_once(tmp_path):
     assert log0.startswith("== stalepipe rank 0: pid ")  # the log starts before any work
     assert (
         "stalepipe: error: rank 0 (stage 0): rank 1 (stage 1) failed or stopped responding "
-        "while waiting for the checkpoint part of stage 1 at step 5" in log0
+        "while waiting for the checkpoint part of rank 1 (stage 1) at step 5" in log0
     ), log0
     assert "Traceback" not in log0
 

@@ -98,7 +98,7 @@ def test_pipedream_refuses_another_split(make_cfg):
     names = [list(n) for n in state["engine"]["delayed"]["names"]]
     split = [names[0] + names[1], names[2]]
     with pytest.raises(CheckpointError, match="delays each stage differently"):
-        stage_ckpt.stage_state(state, 0, split, {"state": {}, "param_groups": []}, {1})
+        stage_ckpt.stage_state(state, [0], split, {"state": {}, "param_groups": []}, [{1}, set()])
     train(cfg, resume=True, verbose=False)  # the run's own split resumes
 
 

@@ -1,7 +1,10 @@
-"""The runtime's zb-h1 and wpipe schedules, and MoE models on the runtime, against the
-single-process engines (gloo, spawn, one thread each; fixtures in tests/dist/conftest.py).
+"""The runtime's zb-h1, interleaved-1f1b and wpipe schedules, and MoE models on the runtime,
+against the single-process engines (gloo, spawn, one thread each; fixtures in
+tests/dist/conftest.py).
 
 - zb-h1 (sync, backward split into BI and BW) == plain gradient accumulation, bit for bit;
+- interleaved-1f1b (two or three stages per process) == plain gradient accumulation, bit for
+  bit, evaluations and a mid-run checkpoint included; tied: == the emulator's exact mode;
 - wpipe (first half of the stages stale by one, second half fresh; each of WPipe's 2R
   partitions in a process of its own) == the emulator's exact mode, bit for bit, tied
   embeddings included; weight versions kept: 2 in the first half, 1 in the second;
@@ -77,6 +80,62 @@ def test_zb_h1_equals_gradient_accumulation(make_cfg, run_dist, dist_utils):
 @pytest.mark.slow
 def test_zb_h1_equals_gradient_accumulation_p4(make_cfg, run_dist, dist_utils):
     _zb_h1_case(4, 4, make_cfg, run_dist, dist_utils)
+
+
+# --------------------------------------------------------------------------------------------
+# interleaved 1F1B: several stages per process
+# --------------------------------------------------------------------------------------------
+
+
+def _interleaved_case(P, C, m, make_cfg, run_dist, dist_utils, **kw) -> list[dict]:
+    cfg = make_cfg("interleaved-1f1b", P, m, chunks=C, tied=False, **kw)
+    sched = runtime_schedule(cfg)
+    assert (sched.num_ranks, sched.num_chunks) == (P // C, C)
+    reports = run_dist(cfg)
+    assert sorted(r["stages"] for r in reports) == [
+        list(range(r, P, P // C)) for r in range(P // C)
+    ]
+    ref = dist_utils["reference"](cfg, mode="fast")  # sync + fast = the plain loop
+    dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), ref)
+    assert _losses(cfg) == pytest.approx(_losses(cfg, "ref"), rel=1e-6)
+    return reports
+
+
+def test_interleaved_1f1b_equals_gradient_accumulation(make_cfg, run_dist, dist_utils):
+    """Two processes, two stages each (rank 0: stages 0 and 2, rank 1: stages 1 and 3), with
+    evaluations and a checkpoint mid-run (parts of several stages merged)."""
+    cfg_kw = {"steps": 4, "eval_every": 2, "ckpt_every": 2}
+    _interleaved_case(4, 2, 2, make_cfg, run_dist, dist_utils, **cfg_kw)
+    cfg = make_cfg("interleaved-1f1b", 4, 2, chunks=2, tied=False, **cfg_kw)
+    got, want = dist_utils["val_losses"](cfg), dist_utils["val_losses"](cfg, "ref")
+    assert got.keys() == want.keys() == {1, 3}
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_interleaved_1f1b_tied_equals_emulator_exact(make_cfg, run_dist, dist_utils):
+    """A tied embedding between stage 0 (rank 0) and stage 3 (rank 1), dropout on: the
+    emulator's exact mode (per-stage masks, first stage's + last stage's gradient)."""
+    cfg = make_cfg("interleaved-1f1b", 4, 2, chunks=2, tied=True, dropout=0.1)
+    reports = run_dist(cfg)
+    dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), dist_utils["reference"](cfg))
+    first, last = (next(r for r in reports if s in r["stages"]) for s in (0, 3))
+    assert torch.equal(last["tied_head"], first["weights"]["tok_emb.weight"])
+
+
+@pytest.mark.slow
+def test_interleaved_1f1b_three_chunks_equals_gradient_accumulation(
+    make_cfg, run_dist, dist_utils
+):
+    cfg = make_cfg("interleaved-1f1b", 4, 4, chunks=2, tied=False)
+    cfg = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, num_layers=6),
+        pipeline=dataclasses.replace(cfg.pipeline, num_stages=6, num_chunks=3),
+    )
+    assert runtime_schedule(cfg).num_ranks == 2
+    run_dist(cfg)
+    ref = dist_utils["reference"](cfg, mode="fast")
+    dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), ref)
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,6 +275,24 @@ def test_refusals_name_the_fix(make_cfg):
         ConfigError, match=r"set train.num_microbatches to 4 or pipeline.num_stages to 3$"
     ):
         make_cfg("2bw", 4, 2)
+
+
+def test_interleaved_refusals_name_the_fix(make_cfg):
+    check_config(make_cfg("interleaved-1f1b", 4, 2, chunks=2))
+    refused = [
+        (lambda: make_cfg("interleaved-1f1b", 4, 2), r"set pipeline.num_chunks to 2 or more"),
+        (lambda: make_cfg("1f1b", 4, 2, chunks=2), r"set pipeline.num_chunks 1 or pipeline"),
+        (lambda: make_cfg("interleaved-1f1b", 4, 2, chunks=3), r"set pipeline.num_chunks to 2$"),
+        (lambda: make_cfg("interleaved-1f1b", 4, 2, chunks=4), r"set pipeline.num_chunks to 2$"),
+        (  # m a multiple of the 2 processes: the nearest count this batch allows
+            lambda: make_cfg("interleaved-1f1b", 4, 3, chunks=2, batch_size=12),
+            r"must be a multiple of .* = 2; set train.num_microbatches to 4$",
+        ),
+    ]
+    for make, fix in refused:
+        with pytest.raises(ConfigError, match=fix) as e:
+            make()
+        assert "\n" not in str(e.value)
 
 
 def test_cli_wpipe_end_to_end(make_cfg, capfd):

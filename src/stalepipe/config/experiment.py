@@ -123,6 +123,16 @@ class ExperimentConfig:
             f"pipeline.num_replicas ({m} x {D}); set train.batch_size to "
             f"{multiples_near(B, m * D)}",
         )
+        R = pc.num_ranks
+        if pc.schedule == "interleaved-1f1b" and m % R:
+            ok = [n for n in range(R, B // D + 1, R) if B % (n * D) == 0]
+            raise ConfigError(
+                f"pipeline.schedule interleaved-1f1b sends microbatches through in groups of "
+                f"one per process, so train.num_microbatches ({m}) must be a multiple of "
+                f"pipeline.num_stages / pipeline.num_chunks = {R}; set train.num_microbatches "
+                f"to {min(ok, key=lambda n: (abs(n - m), -n)) if ok else R}"
+                + ("" if ok else f" and train.batch_size to a multiple of {R * D}")
+            )
         if pc.schedule == "2bw" and m < P - 1:
             # the fix: the smallest count that works with this batch, or fewer stages
             ok = [n for n in range(P - 1, B // D + 1) if B % (n * D) == 0]
@@ -145,14 +155,14 @@ class ExperimentConfig:
                 f"emulator (pipeline.engine emulate) ignores it and takes the delay from "
                 f"delay.policy ({dc.policy})"
             )
+            plain: Fix = {"pipeline.schedule": DEFAULT_SCHEDULE}
+            if pc.num_chunks != 1:  # chunks are read by interleaved-1f1b alone
+                plain["pipeline.num_chunks"] = 1
             if want == dc.policy:
-                fixes = [
-                    {"pipeline.schedule": DEFAULT_SCHEDULE},
-                    {"pipeline.engine": "distributed"},
-                ]
+                fixes = [plain, {"pipeline.engine": "distributed"}]
             else:
                 fixes = [
-                    {"delay.policy": want, "pipeline.schedule": DEFAULT_SCHEDULE},
+                    {"delay.policy": want, **plain},
                     {"pipeline.engine": "distributed", "delay.policy": want},
                 ]
             yield "pipeline.schedule", why, fixes

@@ -233,6 +233,7 @@ _OPTIM_HYPER_FIELDS = tuple(f.name for f in dataclasses.fields(OptimConfig) if f
 RUNTIME_SCHEDULES: dict[str, str] = {
     "gpipe": "sync",
     "1f1b": "sync",
+    "interleaved-1f1b": "sync",  # pipeline.num_chunks stages per process
     "zb-h1": "sync",
     "2bw": "2bw",
     "pipedream": "pipedream",
@@ -242,7 +243,6 @@ DEFAULT_SCHEDULE = "1f1b"
 # The schedules only the timing simulator has (several stages per process; `stalepipe
 # simulate`), with the policy each realises. pipeline.schedule refuses them by name.
 SIMULATED_SCHEDULES: dict[str, str] = {
-    "interleaved-1f1b": "sync",
     "zb-v": "sync",
     "dualpipev": "sync",
 }
@@ -259,7 +259,8 @@ class PipelineConfig:
     """How the model is split into stages, and which engine runs them.
 
     The emulator (engine=emulate) uses `num_stages` for per-stage staleness in one process; the
-    distributed runtime (engine=distributed) runs one process per stage (times `num_replicas`).
+    distributed runtime (engine=distributed) runs one process per stage (times `num_replicas`),
+    or `num_chunks` stages per process under interleaved-1f1b.
     """
 
     num_stages: int = option(1, "pipeline stages P (<= model.num_layers)")
@@ -267,6 +268,9 @@ class PipelineConfig:
     schedule: str = option(
         DEFAULT_SCHEDULE,
         f"distributed engine's schedule: {' | '.join(RUNTIME_SCHEDULES)} (the emulator has none)",
+    )
+    num_chunks: int = option(
+        1, "stages per process (interleaved-1f1b: >= 2; processes = num_stages / num_chunks)"
     )
     num_replicas: int = option(1, "data-parallel replicas of each stage (distributed engine)")
     backend: str = option("auto", "torch.distributed backend: auto | gloo | nccl")
@@ -292,11 +296,50 @@ class PipelineConfig:
             self.num_replicas >= 1,
             f"pipeline.num_replicas must be >= 1, got {self.num_replicas}",
         )
+        self._check_chunks()
         check(
             self.backend in ("auto", "gloo", "nccl"),
             f"pipeline.backend must be auto, gloo or nccl; got {self.backend!r}",
         )
         check(self.timeout_s > 0, f"pipeline.timeout_s must be > 0, got {self.timeout_s}")
+
+    def _check_chunks(self) -> None:
+        S, C = self.num_stages, self.num_chunks
+        check(C >= 1, f"pipeline.num_chunks must be >= 1, got {C}")
+        if self.schedule != "interleaved-1f1b":
+            check(
+                C == 1,
+                f"pipeline.num_chunks {C} is read by pipeline.schedule interleaved-1f1b only "
+                f"(every other schedule runs one stage per process); set pipeline.num_chunks 1 "
+                f"or pipeline.schedule interleaved-1f1b",
+            )
+            return
+        check(
+            C >= 2,
+            "pipeline.schedule interleaved-1f1b runs several stages per process: set "
+            "pipeline.num_chunks to 2 or more (processes = pipeline.num_stages / num_chunks)",
+        )
+        ok = [c for c in range(2, S // 2 + 1) if S % c == 0]
+        check(
+            S % C == 0 and S // C >= 2,
+            f"pipeline.schedule interleaved-1f1b needs pipeline.num_stages ({S}) = "
+            f"pipeline.num_chunks ({C}) x at least 2 processes; "
+            + (
+                f"set pipeline.num_chunks to {' or '.join(map(str, ok))}"
+                if ok
+                else f"set pipeline.num_stages to {2 * C}"
+            ),
+        )
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes per pipeline (one replica's): num_stages / num_chunks."""
+        return self.num_stages // self.num_chunks
+
+    @property
+    def num_processes(self) -> int:
+        """Processes of a distributed run: num_ranks x num_replicas."""
+        return self.num_ranks * self.num_replicas
 
 
 @dataclass(frozen=True, kw_only=True)

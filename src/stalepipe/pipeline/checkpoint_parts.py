@@ -1,6 +1,7 @@
 """Stage checkpoint parts and the stage-agnostic checkpoint they form.
 
-Each stage saves its part atomically (`parts/step_<k>/stage_<s>.pt`); rank 0 merges the parts
+Each process of replica 0 saves its part, its stages' state, atomically
+(`parts/step_<k>/rank_<r>.pt`, r its pipeline rank); rank 0 merges the parts
 into the ordinary `ckpt_<k>.pt` of single-process training (`train.checkpoint`), which holds:
 
     model   the whole model's state_dict (global names; a tied head appears as in the model)
@@ -14,7 +15,7 @@ stages re-splits it by parameter name (`resplit_state`: `stage_state` for one ru
 (sync, 2bw, fixed:N: each stage keeps the same versions and the trajectory does not depend on
 the split); pipedream and wpipe across different splits are refused (`check_resplit`).
 
-Rank 0 waits for the other stages' parts on the filesystem (`wait_part`); the wait also reads
+Rank 0 waits for the other processes' parts on the filesystem (`wait_part`); the wait also reads
 the run's failure records (`pipeline.failures.Failure`), so a stage that died instead of writing
 its part stops rank 0 within `FAILURE_POLL_S`, not after `pipeline.timeout_s`.
 """
@@ -37,13 +38,13 @@ PARTS_DIR = "parts"
 FAILURE_POLL_S = 0.1  # how often a wait for a part reads the run's failure records
 
 
-def part_path(run_dir: Path, step: int, stage: int) -> Path:
-    return Path(run_dir) / PARTS_DIR / f"step_{step:08d}" / f"stage_{stage:03d}.pt"
+def part_path(run_dir: Path, step: int, pipe_rank: int) -> Path:
+    return Path(run_dir) / PARTS_DIR / f"step_{step:08d}" / f"rank_{pipe_rank:03d}.pt"
 
 
-def save_part(run_dir: Path, step: int, stage: int, part: dict[str, Any]) -> Path:
-    """Write one stage's part atomically (temporary file, fsync, rename)."""
-    path = part_path(run_dir, step, stage)
+def save_part(run_dir: Path, step: int, pipe_rank: int, part: dict[str, Any]) -> Path:
+    """Write one process's part atomically (temporary file, fsync, rename)."""
+    path = part_path(run_dir, step, pipe_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     return torch_save_atomic(path, part)
 
@@ -51,21 +52,21 @@ def save_part(run_dir: Path, step: int, stage: int, part: dict[str, Any]) -> Pat
 def wait_part(
     run_dir: Path,
     step: int,
-    stage: int,
+    pipe_rank: int,
     topo: Topology,
     timeout_s: float,
     store: Any = None,
     rank: int = 0,
 ) -> dict[str, Any]:
-    """Wait (on `rank`, the merging rank 0) until stage `stage` wrote its part of step `step`,
-    then load it. Raises `PeerError` naming the failed rank as soon as any rank of the run has
-    a failure record in `store` (default: `failures.run_store()`): the stage itself, a neighbour
-    that saw it die, or the launcher for a killed one; naming the stage after `timeout_s`
-    without its part (a hung stage)."""
+    """Wait (on `rank`, the merging rank 0) until pipeline rank `pipe_rank` (of replica 0)
+    wrote its part of step `step`, then load it. Raises `PeerError` naming the failed rank as
+    soon as any rank of the run has a failure record in `store` (default:
+    `failures.run_store()`): the process itself, a neighbour that saw it die, or the launcher
+    for a killed one; naming the process after `timeout_s` without its part (a hung one)."""
     store = run_store() if store is None else store
-    path = part_path(run_dir, step, stage)
-    what = f"the checkpoint part of stage {stage} at step {step}"
-    peer = topo.rank(stage)
+    path = part_path(run_dir, step, pipe_rank)
+    peer = topo.rank(pipe_rank)  # its first stage is its pipeline rank
+    what = f"the checkpoint part of {topo.describe(peer)} at step {step}"
     start = time.monotonic()
     next_check = start
     while not path.exists():
@@ -145,9 +146,11 @@ def split_optimizer(full: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]
 def merge_parts(
     parts: list[dict[str, Any]], skeleton_optim: dict[str, Any], model_keys: list[str], tied: bool
 ) -> dict[str, Any]:
-    """The stage-agnostic checkpoint body (`model`, `engine`, `rng`) from every stage's part,
-    first stage first."""
-    P = len(parts)
+    """The stage-agnostic checkpoint body (`model`, `engine`, `rng`) from every process's part
+    (each names its `stages`), pipeline rank 0 first."""
+    by_stage = {s: part for part in parts for s in part["stages"]}
+    P = len(by_stage)
+    assert sorted(by_stage) == list(range(P)), sorted(by_stage)
     weights: dict[str, torch.Tensor] = {}
     for part in parts:
         weights.update(part["model"])
@@ -156,7 +159,7 @@ def merge_parts(
     missing = [k for k in model_keys if k not in weights]
     assert not missing, f"parts miss {missing[:3]}"
     model = {k: weights[k] for k in model_keys}
-    delayed = [p["delayed"] for p in parts]
+    delayed = [by_stage[s]["delayed"] for s in range(P)]  # stage s's process's state
     d0 = delayed[0]
 
     def per_stage(key: str) -> list | None:
@@ -168,7 +171,7 @@ def merge_parts(
         "policy": d0["policy"],
         "num_stages": P,
         "names": [d["names"][s] for s, d in enumerate(delayed)],
-        "optimizer": merge_optimizer(skeleton_optim, [d["optimizer"] for d in delayed]),
+        "optimizer": merge_optimizer(skeleton_optim, [p["delayed"]["optimizer"] for p in parts]),
         "history": [d["history"][s] for s, d in enumerate(delayed)],
         "ef_prev": per_stage("ef_prev"),
         "taylor_ms": per_stage("taylor_ms"),
@@ -270,19 +273,20 @@ def resplit_state(
 
 def stage_state(
     ckpt: dict[str, Any],
-    stage: int,
+    stages: list[int],
     names_per_stage: list[list[str]],
     own_optim: dict[str, Any],
-    needed_versions: set[int],
+    needed_versions: list[set[int]],
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, dict[int, torch.Tensor]]]:
-    """What stage `stage` of a (possibly different) split loads from a merged checkpoint:
-    (weights by name, `DelayedOptimizer` state for this process, per-parameter history).
+    """What the runtime process of `stages` (of a possibly different split) loads from a
+    merged checkpoint: (weights by name, `DelayedOptimizer` state for this process,
+    per-parameter history). `needed_versions[s]`: the past versions stage s keeps.
 
-    Raises CheckpointError when the split cannot change or a weight version this stage must
-    keep is not in the checkpoint."""
-    weights = {n: ckpt["model"][n] for n in names_per_stage[stage]}
-    needed = [needed_versions if s == stage else set() for s in range(len(names_per_stage))]
-    state, per_param = resplit_state(ckpt, names_per_stage, own_optim, needed, [stage])
+    Raises CheckpointError when the split cannot change or a weight version one of these
+    stages must keep is not in the checkpoint."""
+    weights = {n: ckpt["model"][n] for s in stages for n in names_per_stage[s]}
+    needed = [needed_versions[s] if s in stages else set() for s in range(len(names_per_stage))]
+    state, per_param = resplit_state(ckpt, names_per_stage, own_optim, needed, list(stages))
     return weights, state, per_param
 
 

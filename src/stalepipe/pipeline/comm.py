@@ -1,20 +1,23 @@
 """Point-to-point and control communication of the pipeline runtime, with timeouts everywhere.
 
-Ranks: `rank` is the torch.distributed rank, `replica * P + stage` (P stages, one process
-each, D data-parallel replicas); a schedule's lists are indexed by the rank within one replica's
-pipeline (`pipeline.schedule`), which is `rank % P` here. Without data parallelism the two are
-equal, and rank 0 is stage 0 of replica 0 (it logs and writes checkpoints).
+Ranks: `rank` is the torch.distributed rank, `replica * R + r` (R processes per pipeline, D
+data-parallel replicas); a schedule's lists are indexed by the rank within one replica's
+pipeline, r = `rank % R` (`pipeline.schedule`). Without chunks R is the number of stages P and
+r is the stage; with C chunks per process (interleaved 1F1B) R = P / C and rank r runs stages
+r, r + R, ... (`Topology`). Rank 0 runs stage 0 of replica 0 (it logs and writes checkpoints).
 
 Channels. Every message between two stages travels on a *channel*: activations forward
 (`act`), gradients backward (`grad`), evaluation activations (`eval`), the tied embedding's head
 gradient (last stage -> first, `tied_grad`) and its new weights (first -> last, `tied_w`), and
-the evaluation loss (last -> first, `eval_loss`). Both ends of a channel issue their operations
-in the same order (the schedule's (step, microbatch) order), so messages need no headers.
-- gloo (CPU): one process group, a distinct tag per channel; isend/irecv are asynchronous.
-- NCCL (GPU): one two-rank process group per channel and direction, so operations of different
-  channels run on different communicators and can never wait on each other (the deadlock that
-  batched send/recv avoids in single-communicator runtimes); several operations posted at once
-  on one channel go out as one `batch_isend_irecv`.
+the evaluation loss (last -> first, `eval_loss`). A message is addressed by its link, (sending
+stage, receiving stage); both ends of a link's channel issue their operations in the same order
+(the schedule's (step, microbatch) order), so messages need no headers.
+- gloo (CPU): one process group, a distinct tag per (channel, sending stage) (`tag`);
+  isend/irecv are asynchronous.
+- NCCL (GPU): one two-rank process group per (channel, link), so operations of different
+  channels or chunks run on different communicators and can never wait on each other (the
+  deadlock that batched send/recv avoids in single-communicator runtimes); several operations
+  posted at once on one channel go out as one `batch_isend_irecv`.
 
 Timeouts. Every wait has a deadline (`pipeline.timeout_s`); a dead peer (gloo notices a closed
 connection at once, when an operation is posted or while it is waited for) or a silent one
@@ -49,7 +52,15 @@ from stalepipe.pipeline.waits import (
 )
 
 CHANNELS = ("act", "grad", "eval", "tied_grad", "tied_w", "eval_loss")
-_TAGS = {name: i + 1 for i, name in enumerate(CHANNELS)}
+Link = tuple[int, int]  # (sending stage, receiving stage) of a channel's messages
+
+
+def tag(channel: str, src_stage: int) -> int:
+    """gloo's tag of `channel` from `src_stage`: one stream per (channel, sending stage), since
+    with chunks two stages of one rank send to the same peer rank on the same channel."""
+    return 1 + CHANNELS.index(channel) + len(CHANNELS) * src_stage
+
+
 RECORD_WAIT_S = 1.0  # how long a failed collective waits for a peer's record to name it
 
 
@@ -64,28 +75,56 @@ class PeerError(RuntimeError):
 
 @dataclass(frozen=True)
 class Topology:
-    """Where each rank sits: P pipeline stages times D data-parallel replicas."""
+    """Where each rank sits: P pipeline stages, `num_chunks` of them per process (interleaved
+    placement, as `pipeline.schedule`'s: pipeline rank r holds stages r, r + R, ...), times D
+    data-parallel replicas. R = P / num_chunks processes per replica; without chunks a rank's
+    stage is its pipeline rank."""
 
     num_stages: int
     num_replicas: int = 1
+    num_chunks: int = 1
+
+    def __post_init__(self) -> None:
+        assert self.num_stages % self.num_chunks == 0, (self.num_stages, self.num_chunks)
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes per replica's pipeline (R)."""
+        return self.num_stages // self.num_chunks
 
     @property
     def world_size(self) -> int:
-        return self.num_stages * self.num_replicas
+        return self.num_ranks * self.num_replicas
 
     def rank(self, stage: int, replica: int = 0) -> int:
+        """The torch.distributed rank that runs `stage` of `replica`."""
         assert 0 <= stage < self.num_stages and 0 <= replica < self.num_replicas
-        return replica * self.num_stages + stage
+        return replica * self.num_ranks + stage % self.num_ranks
+
+    def pipe_rank(self, rank: int) -> int:
+        """`rank`'s place in its replica's pipeline, 0..R-1 (its row of a schedule)."""
+        return rank % self.num_ranks
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages `rank` runs, first stage first."""
+        r = self.pipe_rank(rank)
+        return tuple(r + c * self.num_ranks for c in range(self.num_chunks))
 
     def stage_of(self, rank: int) -> int:
-        return rank % self.num_stages
+        """The first stage `rank` runs (its only one without chunks)."""
+        return self.pipe_rank(rank)
 
     def replica_of(self, rank: int) -> int:
-        return rank // self.num_stages
+        return rank // self.num_ranks
 
     def describe(self, rank: int) -> str:
-        s, d = self.stage_of(rank), self.replica_of(rank)
-        return f"rank {rank} (stage {s}" + (f", replica {d})" if self.num_replicas > 1 else ")")
+        stages, d = self.stages_of(rank), self.replica_of(rank)
+        where = f"stage {stages[0]}" if len(stages) == 1 else f"stages {_listed(stages)}"
+        return f"rank {rank} ({where}" + (f", replica {d})" if self.num_replicas > 1 else ")")
+
+
+def _listed(items) -> str:
+    return ", ".join(map(str, items))
 
 
 def under_torchrun() -> bool:
@@ -174,7 +213,7 @@ class Comm:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._pg_timeout = datetime.timedelta(seconds=backend_timeout_s(backend, timeout_s))
         self._barriers = 0  # store barriers so far (the same count on every rank)
-        self.stage, self.replica = topo.stage_of(rank), topo.replica_of(rank)
+        self.pipe_rank, self.replica = topo.pipe_rank(rank), topo.replica_of(rank)
         self.pipe_group = None
         self.dp_group = None
         self._groups: dict[tuple[str, int, int], Any] = {}
@@ -185,28 +224,29 @@ class Comm:
         self._sends: deque[Pending] = deque()
 
     def _make_groups(self) -> None:
-        topo, P, D = self.topo, self.topo.num_stages, self.topo.num_replicas
+        topo, R, D = self.topo, self.topo.num_ranks, self.topo.num_replicas
         # Control group (per-step all-gather of grad norms and losses), data-parallel groups.
         # new_group is collective over the whole world: every rank creates every group.
         for d in range(D):
-            ranks = [topo.rank(s, d) for s in range(P)]
-            g = dist.new_group(ranks, timeout=self._pg_timeout) if P > 1 or D > 1 else None
+            ranks = [topo.rank(r, d) for r in range(R)]
+            g = dist.new_group(ranks, timeout=self._pg_timeout) if R > 1 or D > 1 else None
             if d == self.replica:
                 self.pipe_group = g
         if D > 1:
-            for s in range(P):
-                g = dist.new_group([topo.rank(s, d) for d in range(D)], timeout=self._pg_timeout)
-                if s == self.stage:
+            for r in range(R):
+                g = dist.new_group([topo.rank(r, d) for d in range(D)], timeout=self._pg_timeout)
+                if r == topo.pipe_rank(self.rank):
                     self.dp_group = g
-        # NCCL: one communicator per (channel, direction, pair).
+        # NCCL: one communicator per (channel, sending stage, receiving stage): a rank pair
+        # with several chunks carries several streams, and NCCL matches operations by order.
         if self.backend == "nccl":
             for d in range(D):
-                for a, b, chans in self._pairs(P):
+                for a, b, chans in self._pairs(topo.num_stages):
                     for ch in chans:
                         ra, rb = topo.rank(a, d), topo.rank(b, d)
                         g = dist.new_group([ra, rb], timeout=self._pg_timeout)
-                        if self.rank in (ra, rb):
-                            self._groups[(ch, ra, rb)] = g
+                        if d == self.replica and self.rank in (ra, rb):
+                            self._groups[(ch, a, b)] = g
 
     @staticmethod
     def _pairs(P: int) -> list[tuple[int, int, tuple[str, ...]]]:
@@ -223,6 +263,7 @@ class Comm:
     # ---------------------------------------------------------------------------------------
 
     def peer_rank(self, stage: int) -> int:
+        """The rank that runs `stage` of this rank's replica."""
         return self.topo.rank(stage, self.replica)
 
     def peer_error(self, peer: int | None, what: str, cause: object) -> PeerError:
@@ -244,35 +285,39 @@ class Comm:
             f"(timeout {timeout_s:g}s): {_reason(cause)}"
         )
 
-    def _p2p(self, op: str, tensors: list[torch.Tensor], peer: int, channel: str, what: str):
-        if self.backend == "nccl":
-            src, dst = (self.rank, peer) if op == "send" else (peer, self.rank)
-            group = self._groups[(channel, src, dst)]
-        fn = dist.isend if op == "send" else dist.irecv
+    def _p2p(self, op: str, tensors: list[torch.Tensor], link: Link, channel: str, what: str):
+        src, dst = link
+        peer = self.peer_rank(dst if op == "send" else src)
         try:  # posting fails at once when gloo already saw the peer's connection close
             if self.backend == "nccl":
+                group = self._groups[(channel, src, dst)]
+                fn = dist.isend if op == "send" else dist.irecv
                 return dist.batch_isend_irecv([dist.P2POp(fn, t, peer, group) for t in tensors])
-            return [fn(t, peer, tag=_TAGS[channel]) for t in tensors]
+            fn = dist.isend if op == "send" else dist.irecv
+            return [fn(t, peer, tag=tag(channel, src)) for t in tensors]
         except Exception as e:  # RuntimeError or DistBackendError, as in Pending.wait
             raise self.peer_error(peer, what, e) from None
 
-    def send(self, tensors: list[torch.Tensor], peer: int, channel: str, what: str) -> Pending:
-        """Asynchronous send; the tensors are kept alive until the send completed. The
-        returned `Pending` may be waited on (it is also waited by `flush_sends`)."""
+    def send(self, tensors: list[torch.Tensor], link: Link, channel: str, what: str) -> Pending:
+        """Asynchronous send from stage `link[0]` (this rank's) to stage `link[1]` on
+        `channel`; the tensors are kept alive until the send completed. The returned `Pending`
+        may be waited on (it is also waited by `flush_sends`)."""
         tensors = [t.detach().contiguous() for t in tensors]
         what = f"the send of {what}"
+        peer = self.peer_rank(link[1])
         pending = Pending(
-            self._p2p("send", tensors, peer, channel, what), tensors, peer, what, self
+            self._p2p("send", tensors, link, channel, what), tensors, peer, what, self
         )
         self._sends.append(pending)
         while self._sends and self._sends[0].done():
             self._sends.popleft().wait()
         return pending
 
-    def recv(self, tensors: list[torch.Tensor], peer: int, channel: str, what: str) -> Pending:
-        """Post asynchronous receives into `tensors`; `.wait()` returns them."""
-        works = self._p2p("recv", tensors, peer, channel, what)
-        return Pending(works, tensors, peer, what, self)
+    def recv(self, tensors: list[torch.Tensor], link: Link, channel: str, what: str) -> Pending:
+        """Post asynchronous receives into `tensors` of what stage `link[0]` sends stage
+        `link[1]` (this rank's) on `channel`; `.wait()` returns them."""
+        works = self._p2p("recv", tensors, link, channel, what)
+        return Pending(works, tensors, self.peer_rank(link[0]), what, self)
 
     def flush_sends(self) -> None:
         """Wait until every send went out (before a checkpoint or the exit)."""
@@ -283,10 +328,10 @@ class Comm:
         self, t: torch.Tensor, what: str = "the per-step exchange of gradient norms and losses"
     ) -> tuple[Any, list[torch.Tensor]]:
         """Start an all-gather of `t` over this replica's pipeline; wait with `wait_work`."""
-        P = self.topo.num_stages
-        if self.pipe_group is None or P == 1:
+        R = self.topo.num_ranks
+        if self.pipe_group is None or R == 1:
             return None, [t]
-        out = [torch.empty_like(t) for _ in range(P)]
+        out = [torch.empty_like(t) for _ in range(R)]
         return self.post(what, lambda: dist.all_gather(out, t, self.pipe_group, async_op=True)), out
 
     def post(self, what: str, start: Callable[[], Any]) -> Any:

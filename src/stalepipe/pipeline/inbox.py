@@ -16,8 +16,8 @@ LOOKAHEAD = 4  # receives posted ahead per channel
 
 
 class _Channel:
-    def __init__(self, peer_stage: int, name: str, what: str) -> None:
-        self.peer_stage, self.name, self.what = peer_stage, name, what
+    def __init__(self, link: tuple[int, int], name: str, what: str) -> None:
+        self.link, self.name, self.what = link, name, what
         self.keys: deque[tuple[int, int]] = deque()  # (step, microbatch) still to post
         self.posted: deque = deque()  # (key, Pending)
 
@@ -36,8 +36,8 @@ class Inbox:
     ) -> None:
         self.comm, self.shape, self.dtype, self.device = comm, shape, dtype, device
         self.first, self.last = stage == 0, stage == num_stages - 1
-        self._act = _Channel(stage - 1, "act", "activation")
-        self._grad = _Channel(stage + 1, "grad", "gradient")
+        self._act = _Channel((stage - 1, stage), "act", "activation")
+        self._grad = _Channel((stage + 1, stage), "grad", "gradient")
 
     def expect(self, actions: Iterable[Action]) -> None:
         """Register what `actions` will receive, in order."""
@@ -54,8 +54,7 @@ class Inbox:
                 step, mb = key = ch.keys.popleft()
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 what = f"the {ch.what} of step {step} microbatch {mb}"
-                peer = self.comm.peer_rank(ch.peer_stage)
-                ch.posted.append((key, self.comm.recv([buf], peer, ch.name, what)))
+                ch.posted.append((key, self.comm.recv([buf], ch.link, ch.name, what)))
 
     def activation(self, step: int, microbatch: int) -> torch.Tensor:
         return self._take(self._act, (step, microbatch))

@@ -1,4 +1,9 @@
-"""One pipeline stage in its own process: executes the schedule's actions for that stage.
+"""The stages of one pipeline process: executes the schedule's actions of that process.
+
+A process runs one stage, or several with chunks (interleaved 1F1B: rank r runs stages r, r+R,
+...). Each stage has its own module, forward and receives (`_Chunk`); the process has one
+`DelayedOptimizer` over all of its stages' parameters and posts one update per step, at its
+last STEP of that step, so the gradient-norm exchange happens once per process and step.
 
 What each action does (the schedule IR's contract, `pipeline.schedule`):
     F     receive the activation (stage 0: read tokens), run the stage with the weight version
@@ -36,7 +41,7 @@ from stalepipe.delay.rng import seeded
 from stalepipe.pipeline.inbox import Inbox
 from stalepipe.pipeline.reparam import Reparametrized
 from stalepipe.pipeline.schedule import Action, Schedule
-from stalepipe.pipeline.stage_eval import EvalData, evaluate_stage
+from stalepipe.pipeline.stage_eval import EvalData, EvalStage, evaluate_stages
 from stalepipe.pipeline.stage_io import Batches, ModelLayout, Plan, StageIO
 from stalepipe.pipeline.stage_update import StageUpdates, UpdateReport
 from stalepipe.pipeline.tied import TIED_HEAD, TIED_NAME, TiedWeights
@@ -55,13 +60,29 @@ class _Stash:
     grad_out: torch.Tensor | None = None
 
 
+class _Chunk:
+    """One stage of this process: its module, its forward at given weights, its parameters
+    and its receives."""
+
+    def __init__(self, io: StageIO, names: list[str], num_stages: int) -> None:
+        self.io, self.stage, self.module = io, io.stage, io.module
+        self.first, self.last = self.stage == 0, self.stage == num_stages - 1
+        self.run_at = Reparametrized(self.module)
+        params = dict(self.module.named_parameters())
+        self.owned = {n: params[n] for n in names}
+        self.params = params
+        device = next(self.module.parameters()).device
+        self.inbox = Inbox(io.comm, io.stage, num_stages, io.act_shape, io.act_dtype, device)
+
+
 class StageExecutor:
-    """Runs one stage's part of a schedule: build one per process, iterate `run(actions)`.
+    """Runs one process's part of a schedule: build one per process, iterate `run(actions)`.
 
     Args:
-        io: the stage, its communication and its inputs.
-        layout: what the stage needs to know of the whole model.
-        delayed: a `DelayedOptimizer` over this stage's owned parameters (other stages empty).
+        ios: this process's stages, first stage first (one without chunks), each with its
+            communication and inputs.
+        layout: what the stages need to know of the whole model.
+        delayed: a `DelayedOptimizer` over these stages' owned parameters (other stages empty).
         sched: the schedule being run (its `delay` gives every version read).
         plan: the run's LR schedule and its log / eval / checkpoint steps.
         evaluation: the validation batches (`evaluate`), or None for a run that never evaluates.
@@ -72,7 +93,7 @@ class StageExecutor:
 
     def __init__(
         self,
-        io: StageIO,
+        ios: StageIO | list[StageIO],
         layout: ModelLayout,
         delayed: DelayedOptimizer,
         sched: Schedule,
@@ -81,17 +102,19 @@ class StageExecutor:
         tied_versions: dict[int, torch.Tensor] | None = None,
         votes: StepVotes | None = None,
     ) -> None:
-        self.io, self.layout, self.delayed, self.sched, self.plan = (
-            io, layout, delayed, sched, plan,
-        )  # fmt: skip
+        ios = [ios] if isinstance(ios, StageIO) else list(ios)
+        self.layout, self.delayed, self.sched, self.plan = layout, delayed, sched, plan
         self.evaluation, self.votes = evaluation, votes
-        self.module, self.stage, self.comm = io.module, io.stage, io.comm
+        self.comm = ios[0].comm
         self.P, self.m = sched.num_stages, sched.num_microbatches
-        self.first, self.last = self.stage == 0, self.stage == self.P - 1
-        self.device = next(self.module.parameters()).device
-        self._run_at = Reparametrized(self.module)
-        params = dict(self.module.named_parameters())
-        self.owned = {n: params[n] for n in delayed._names[self.stage]}
+        self.chunks = {
+            io.stage: _Chunk(io, delayed._names[io.stage], self.P) for io in ios
+        }  # first stage first
+        assert list(self.chunks) == sorted(self.chunks), list(self.chunks)
+        self.stages = list(self.chunks)
+        self.device = next(ios[0].module.parameters()).device
+        self.first, self.last = 0 in self.chunks, self.P - 1 in self.chunks
+        self.owned = {n: p for c in self.chunks.values() for n, p in c.owned.items()}
         self.updates = StageUpdates(
             self.comm,
             delayed,
@@ -105,19 +128,24 @@ class StageExecutor:
         )
         role = None
         if layout.tied and self.P > 1:
+            assert not (self.first and self.last), "a tied embedding's two ends on one process"
             role = "owner" if self.first else "head" if self.last else None
-        head = params.get(TIED_HEAD) if role == "head" else None
+        head = self.chunks[self.P - 1].params.get(TIED_HEAD) if role == "head" else None
         self.tied = TiedWeights(
             self.comm, role, self._tied_reads(), delayed.step_count, head, tied_versions
         )
         # Per-step state.
         self._batches: dict[int, Batches] = {}
-        self._stash: dict[tuple[int, int], _Stash] = {}
-        self._grads: dict[int, dict[str, torch.Tensor]] = {}
+        self._stash: dict[tuple[int, int, int], _Stash] = {}  # (stage, step, microbatch)
+        self._grads: dict[int, dict[str, torch.Tensor]] = {}  # all stages' (names are global)
         self._loss: dict[int, torch.Tensor] = {}
+        self._steps_seen: Counter[int] = Counter()  # STEPs of each step run (one per stage)
         self._live_inflight: Counter[int] = Counter()  # versions used by stashed graphs
-        self.peak_versions = len(self.delayed.kept_versions()[self.stage])
-        self.inbox = Inbox(io.comm, io.stage, self.P, io.act_shape, io.act_dtype, self.device)
+        self.peak_versions = self._versions_kept()
+
+    def _versions_kept(self) -> int:
+        kept = self.delayed.kept_versions()
+        return max(len(kept[s]) for s in self.stages)
 
     def _tied_reads(self) -> set[int]:
         """Every version of a tied matrix the last stage reads from now on: those its steps
@@ -137,22 +165,27 @@ class StageExecutor:
     # ---------------------------------------------------------------------------------------
 
     def run(self, actions: list[Action]) -> Iterator[UpdateReport]:
-        """Execute `actions` (this stage's, in order), yielding each update's report once it
+        """Execute `actions` (this process's, in order), yielding each update's report once it
         is applied; a sync point's report comes right after its STEP (module docstring)."""
-        self.inbox.expect(actions)
+        for s, c in self.chunks.items():
+            c.inbox.expect(a for a in actions if a.stage == s)
         for a in actions:
-            assert a.stage == self.stage, a
+            chunk = self.chunks[a.stage]
             if (stop := self.plan.stop_step) is not None and a.step > stop:
                 continue  # the run ends after update `stop` (pipeline.votes)
-            self.inbox.prefetch()
+            for c in self.chunks.values():
+                c.inbox.prefetch()
             if a.kind == "F":
-                self.forward(a.step, a.microbatch, a.reads)
+                self.forward(chunk, a.step, a.microbatch, a.reads)
             elif a.kind in ("B", "BI"):
-                self.backward(a.step, a.microbatch, weights=a.kind == "B")
+                self.backward(chunk, a.step, a.microbatch, weights=a.kind == "B")
             elif a.kind == "BW":
-                self.backward_weights(a.step, a.microbatch)
+                self.backward_weights(chunk, a.step, a.microbatch)
             elif a.kind == "STEP":
-                self.post_step(a.step)
+                self._steps_seen[a.step] += 1
+                if self._steps_seen[a.step] == len(self.chunks):  # this process's last
+                    del self._steps_seen[a.step]
+                    self.post_step(a.step)
             else:  # pragma: no cover - validated schedules only
                 raise AssertionError(a)
             yield from self._take_reports()
@@ -172,35 +205,38 @@ class StageExecutor:
     # Weights
     # ---------------------------------------------------------------------------------------
 
-    def _weights(self, version: int, step: int | None = None) -> dict[str, torch.Tensor]:
-        """Fresh leaves over the tensors of `version` (live ones included); for the forward of
-        `step`, the weights that step computes at (`DelayedOptimizer.read_weights`: the
-        predicted point under delay.weight_pred)."""
+    def _weights(
+        self, chunk: _Chunk, version: int, step: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Fresh leaves over the tensors of `chunk`'s `version` (live ones included); for the
+        forward of `step`, the weights that step computes at (`DelayedOptimizer.read_weights`:
+        the predicted point under delay.weight_pred)."""
         self._ensure_version(version)
+        s = chunk.stage
         if step is None:
-            tensors = self.delayed.weights_at(self.stage, version)
+            tensors = self.delayed.weights_at(s, version)
         else:
-            assert self.sched.delay.version(self.stage, step) == version, (step, version)
-            tensors = self.delayed.read_weights(self.stage, step)
+            assert self.sched.delay.version(s, step) == version, (step, version)
+            tensors = self.delayed.read_weights(s, step)
         leaves = {
             n: t.detach().requires_grad_(p.requires_grad)
-            for (n, p), t in zip(self.owned.items(), tensors, strict=True)
+            for (n, p), t in zip(chunk.owned.items(), tensors, strict=True)
         }
-        if self.tied.role == "head":
+        if self.tied.role == "head" and chunk.last:
             leaves[TIED_HEAD] = self._tied_weight(version, step).detach().requires_grad_()
         return leaves
 
     def _tied_weight(self, version: int, step: int | None) -> torch.Tensor:
         """The head's tied matrix at `version`, predicted from versions `version` and
         `version - 1` as `DelayedOptimizer.read_weights` predicts (delay.weight_pred)."""
-        scale = 0.0 if step is None else self.delayed.prediction_scale(self.stage, step)
+        scale = 0.0 if step is None else self.delayed.prediction_scale(self.P - 1, step)
         return self.tied.predicted(version, scale) if scale else self.tied.at(version)
 
     def _ensure_version(self, version: int) -> None:
         while self.delayed.step_count < version:
             if not self.updates.pending:
                 raise AssertionError(
-                    f"stage {self.stage}: version {version} needed before update "
+                    f"stages {self.stages}: version {version} needed before update "
                     f"{self.delayed.step_count} was posted (schedule order)"
                 )
             self.apply_next()
@@ -225,58 +261,57 @@ class StageExecutor:
     # Compute
     # ---------------------------------------------------------------------------------------
 
-    def _batch(self, step: int) -> Batches:
+    def _batch(self, chunk: _Chunk, step: int) -> Batches:
         if step not in self._batches:
-            assert self.io.get_batch is not None, "only the first and last stage read data"
-            self._batches[step] = self.io.get_batch(step)
+            assert chunk.io.get_batch is not None, "only the first and last stage read data"
+            self._batches[step] = chunk.io.get_batch(step)
         return self._batches[step]
 
-    def forward(self, step: int, microbatch: int, version: int) -> None:
-        """F: run microbatch `microbatch` of step `step` through this stage at `version`."""
-        xs, ys = self._batch(step) if (self.first or self.last) else ([], [])
+    def forward(self, chunk: _Chunk, step: int, microbatch: int, version: int) -> None:
+        """F: run microbatch `microbatch` of step `step` through `chunk` at `version`."""
+        s, io = chunk.stage, chunk.io
+        xs, ys = self._batch(chunk, step) if (chunk.first or chunk.last) else ([], [])
         # Weights first: a pending update is applied while the activation is still on its
         # way, not after it arrived (at the start of a step the optimizer step of a later
         # stage then overlaps the earlier stages' work instead of adding to the critical path).
-        weights = self._weights(version, step)
-        if self.first:
+        weights = self._weights(chunk, version, step)
+        if chunk.first:
             inp = xs[microbatch]
         else:
-            inp = self.inbox.activation(step, microbatch).requires_grad_()
-        targets = ys[microbatch] if self.last else None
-        seed = microbatch_seed(self.io.seed, self.stage, step, microbatch, self.comm.replica)
+            inp = chunk.inbox.activation(step, microbatch).requires_grad_()
+        targets = ys[microbatch] if chunk.last else None
+        seed = microbatch_seed(io.seed, s, step, microbatch, self.comm.replica)
         with seeded(seed, self.device):
-            with self.io.autocast():
-                out, aux = self._run_at(weights, inp, targets)
-            if self.last:
+            with io.autocast():
+                out, aux = chunk.run_at(weights, inp, targets)
+            if chunk.last:
                 out = (out if aux is None else out + aux) / self.m
                 aux = None
         if aux is not None:
             aux = aux / self.m
         # The logged loss adds every stage's auxiliary (MoE) loss, as the emulator's does.
-        logged = out.detach() if self.last else aux.detach() if aux is not None else None
+        logged = out.detach() if chunk.last else aux.detach() if aux is not None else None
         if logged is not None:
             logged = logged.float()
             self._loss[step] = logged if step not in self._loss else self._loss[step] + logged
-        if not self.last:
-            if out.shape != self.io.act_shape or out.dtype != self.io.act_dtype:
+        if not chunk.last:
+            if out.shape != io.act_shape or out.dtype != io.act_dtype:
                 raise AssertionError(
-                    f"stage {self.stage} output {tuple(out.shape)} {out.dtype}, expected "
-                    f"{self.io.act_shape} {self.io.act_dtype}"
+                    f"stage {s} output {tuple(out.shape)} {out.dtype}, expected "
+                    f"{io.act_shape} {io.act_dtype}"
                 )
             self.comm.send(
-                [out],
-                self.comm.peer_rank(self.stage + 1),
-                "act",
-                f"the activation of step {step} microbatch {microbatch}",
+                [out], (s, s + 1), "act", f"the activation of step {step} microbatch {microbatch}"
             )
-        self._stash[(step, microbatch)] = _Stash(inp, out, weights, version, aux)
+        self._stash[(s, step, microbatch)] = _Stash(inp, out, weights, version, aux)
         self._live_inflight[version] += 1
 
-    def backward(self, step: int, microbatch: int, weights: bool = True) -> None:
+    def backward(self, chunk: _Chunk, step: int, microbatch: int, weights: bool = True) -> None:
         """B (weights=True) or BI (input gradient only; BW follows)."""
-        st = self._stash[(step, microbatch)]
-        grad_out = None if self.last else self.inbox.gradient(step, microbatch)
-        wants_input = not self.first
+        s = chunk.stage
+        st = self._stash[(s, step, microbatch)]
+        grad_out = None if chunk.last else chunk.inbox.gradient(step, microbatch)
+        wants_input = not chunk.first
         targets = (list(st.leaves.values()) if weights else []) + ([st.inp] if wants_input else [])
         if not targets:  # BI on the first stage: no input gradient to send; BW does the work
             st.grad_out = grad_out
@@ -288,28 +323,28 @@ class StageExecutor:
         if wants_input:
             self.comm.send(
                 [grads[-1]],
-                self.comm.peer_rank(self.stage - 1),
+                (s, s - 1),
                 "grad",
                 f"the gradient of step {step} microbatch {microbatch}",
             )
         if weights:
             self._accumulate(step, st.leaves, grads[: len(st.leaves)])
-            self._release(step, microbatch)
+            self._release(s, step, microbatch)
         else:
             st.grad_out = grad_out
 
-    def backward_weights(self, step: int, microbatch: int) -> None:
+    def backward_weights(self, chunk: _Chunk, step: int, microbatch: int) -> None:
         """BW: the weight half of a split backward."""
-        st = self._stash[(step, microbatch)]
+        st = self._stash[(chunk.stage, step, microbatch)]
         outs, gouts = _outputs(st, st.grad_out)
         grads = torch.autograd.grad(
             outs, list(st.leaves.values()), grad_outputs=gouts, allow_unused=True
         )
         self._accumulate(step, st.leaves, grads)
-        self._release(step, microbatch)
+        self._release(chunk.stage, step, microbatch)
 
-    def _release(self, step: int, microbatch: int) -> None:
-        v = self._stash.pop((step, microbatch)).version
+    def _release(self, stage: int, step: int, microbatch: int) -> None:
+        v = self._stash.pop((stage, step, microbatch)).version
         self._live_inflight[v] -= 1
         if not self._live_inflight[v]:
             del self._live_inflight[v]
@@ -335,7 +370,8 @@ class StageExecutor:
     # ---------------------------------------------------------------------------------------
 
     def post_step(self, step: int) -> None:
-        """STEP: complete step `step`'s gradient and start the exchanges its update needs."""
+        """This process's last STEP of `step`: complete the step's gradient (all of its
+        stages') and start the exchanges its update needs."""
         if self.votes is not None and (outcome := self.votes.decide(step)) is not None:
             self._agree(*outcome)
         while self.updates.pending:  # one update in flight at a time: updates apply in order
@@ -344,7 +380,7 @@ class StageExecutor:
         self._batches.pop(step, None)
         self.tied.exchange_grad(grads, step)
         loss = self._loss.pop(step, torch.zeros((), device=self.device))
-        self.updates.post(step, grads, loss, self.module)
+        self.updates.post(step, grads, loss, [c.module for c in self.chunks.values()])
         # Apply at once where someone waits for the result: a sync point (eval, checkpoint),
         # and the tied matrix the last stage reads next (it may need it before this stage
         # needs W_{k+1}).
@@ -360,7 +396,8 @@ class StageExecutor:
         steps not posted yet when the run ends there."""
         self.plan.agree(step, bits)
         if (stop := self.plan.stop_step) is not None:
-            self.inbox.forget_after(stop)
+            for c in self.chunks.values():
+                c.inbox.forget_after(stop)
 
     def settle(self) -> None:
         """Finish this process's part of the communication of the steps run so far (before
@@ -375,8 +412,7 @@ class StageExecutor:
         """Apply the oldest posted update, then send a tied version the last stage reads."""
         k = self.delayed.step_count
         self.updates.apply_next(live_in_use=bool(self._live_inflight.get(k)))
-        kept = len(self.delayed.kept_versions()[self.stage])
-        self.peak_versions = max(self.peak_versions, kept)
+        self.peak_versions = max(self.peak_versions, self._versions_kept())
         if self.tied.owner_must_send(k + 1):
             self.tied.send(k + 1, self.owned[TIED_NAME])
         if self.tied.role == "head":
@@ -388,11 +424,12 @@ class StageExecutor:
 
     def evaluate(self) -> float | None:
         """Validation loss at the newest weights (all stages together; see
-        `stage_eval.evaluate_stage`): the loss on stage 0, None elsewhere."""
+        `stage_eval.evaluate_stages`): the loss on stage 0's process, None elsewhere."""
         assert self.evaluation is not None, "no validation data was given"
         assert not self.updates.pending, "evaluate only at a sync point"
-        weights = self._weights(self.delayed.step_count)
-        return evaluate_stage(self.io, self._run_at, weights, self.evaluation, self.m)
+        k = self.delayed.step_count
+        stages = [EvalStage(c.io, c.run_at, self._weights(c, k)) for c in self.chunks.values()]
+        return evaluate_stages(stages, self.evaluation, self.m)
 
 
 def _outputs(st: _Stash, grad_out: torch.Tensor | None) -> tuple[list, list]:

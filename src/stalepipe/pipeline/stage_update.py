@@ -1,8 +1,8 @@
 """The update of a pipeline stage: post at STEP, apply when first needed, report in order.
 
-At STEP k the stage finishes step k's gradient (tied-head sum, data-parallel all-reduce) and
-starts one all-gather over the pipeline of [per-parameter gradient norms | raw MoE router sums |
-loss]. The update is *applied* when first needed: before an action that reads version k+1,
+At its last STEP of step k a process finishes step k's gradient (tied-head sum, data-parallel
+all-reduce) and starts one all-gather over the pipeline of [per-parameter gradient norms | raw
+MoE router sums | loss], each stage of the process at its own offset (`_Layout`). The update is *applied* when first needed: before an action that reads version k+1,
 before the next STEP, at a sync point (an eval or checkpoint reads W_{k+1}), or at the end. This
 keeps the no-flush schedules free of bubbles even though gradient clipping needs every stage's
 norm. The update itself is `delay.DelayedOptimizer.step` -- the emulator's own version
@@ -12,7 +12,7 @@ bookkeeping, Taylor and error-feedback code, so both engines share one implement
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,11 +46,31 @@ class _Posted:
     grads: dict[str, torch.Tensor]
 
 
+class _Layout:
+    """Where each stage's entries sit in the exchanged vectors: stage s is in the vector of
+    pipeline rank `s % R`, after the stages of that rank before it (chunks)."""
+
+    def __init__(self, comm: Comm, param_counts: list[int], stats_widths: list[int]) -> None:
+        topo = comm.topo
+        R, S = topo.num_ranks, topo.num_stages
+        self.rank_of = [s % R for s in range(S)]
+        self.norm_at: list[int] = []
+        self.stats_at: list[int] = []
+        for s in range(S):
+            earlier = range(s % R, s, R)  # the same rank's stages before s
+            self.norm_at.append(sum(param_counts[e] for e in earlier))
+            self.stats_at.append(sum(stats_widths[e] for e in earlier))
+        per_rank = [range(r, S, R) for r in range(R)]
+        self.norm_width = max(sum(param_counts[s] for s in ss) for ss in per_rank)
+        self.stats_width = max(sum(stats_widths[s] for s in ss) for ss in per_rank)
+
+
 class StageUpdates:
-    """Posts, applies and reports this stage's updates, in step order.
+    """Posts, applies and reports this process's updates (all of its stages'), in step order.
 
     Args:
-        comm, delayed, owned: this rank's communication, delay engine and owned parameters.
+        comm, delayed, owned: this rank's communication, delay engine and owned parameters
+            (every stage of the process, first stage first).
         param_counts: number of owned parameters of every stage (the norm exchange's layout).
         router_layers: every stage's MoE (block, experts) layout ([] per stage when dense).
         grad_clip: max global gradient norm (0: no clipping).
@@ -77,8 +97,14 @@ class StageUpdates:
         self.grad_clip, self.lr_multiplier, self.logs = grad_clip, lr_multiplier, logs
         self.per_expert = per_expert
         self.num_stages = len(param_counts)
-        self._norm_width = max(param_counts)
-        self._stats_width = max(raw_stats_width(layers) for layers in router_layers)
+        self._stats_widths = [raw_stats_width(layers) for layers in router_layers]
+        self._at = _Layout(comm, param_counts, self._stats_widths)
+        self._norm_width, self._stats_width = self._at.norm_width, self._at.stats_width
+        self._own = [s for s in range(self.num_stages) if comm.topo.rank(s) == comm.pipe_rank]
+        offsets = {}
+        for s, names in zip(self._own, _split(owned, param_counts, self._own), strict=True):
+            offsets.update({n: self._at.norm_at[s] for n in names})
+        self._norm_offset = offsets  # the stage offset of each owned parameter
         self._posted: deque[_Posted] = deque()
         self._logged: deque[tuple[int, float, Any, list[torch.Tensor]]] = deque()
         self.reports: deque[UpdateReport] = deque()  # applied, not yet taken by the engine
@@ -87,8 +113,11 @@ class StageUpdates:
     def pending(self) -> bool:
         return bool(self._posted)
 
-    def post(self, step: int, grads: dict[str, torch.Tensor], loss: torch.Tensor, module) -> None:
-        """Start the exchange update `step` needs (one update in flight at a time)."""
+    def post(
+        self, step: int, grads: dict[str, torch.Tensor], loss: torch.Tensor, modules: list
+    ) -> None:
+        """Start the exchange update `step` needs (one update in flight at a time); `modules`
+        are this process's stages, first stage first."""
         while self._posted:
             self.apply_next()
         if self.comm.dp_group is not None:
@@ -100,10 +129,19 @@ class StageUpdates:
         names = [n for n in self.owned if n in grads]
         if self.grad_clip > 0 and names:
             norms = torch._foreach_norm([grads[n] for n in names], 2.0)
-            vec[: len(names)] = torch.stack([n.float() for n in norms])
+            # each stage's norms from its offset, in its parameters' order (a parameter
+            # without a gradient is skipped, as clip_grad_norm_ skips it)
+            at, seen = [], Counter()
+            for n in names:
+                base = self._norm_offset[n]
+                at.append(base + seen[base])
+                seen[base] += 1
+            vec[at] = torch.stack([n.float() for n in norms])
         if self._stats_width and self.logs(step):
-            _, raw = module.raw_router_stats(reset=True)
-            vec[self._norm_width : self._norm_width + raw.numel()] = raw.to(vec)
+            for s, module in zip(self._own, modules, strict=True):
+                _, raw = module.raw_router_stats(reset=True)
+                lo = self._norm_width + self._at.stats_at[s]
+                vec[lo : lo + raw.numel()] = raw.to(vec)
         vec[-1] = loss
         work, gathered = self.comm.all_gather(vec, f"the gradient-norm exchange of step {step}")
         self._posted.append(_Posted(step, work, gathered, grads))
@@ -131,8 +169,12 @@ class StageUpdates:
             p.grad = post.grads.get(n)
         if self.grad_clip > 0:
             self.comm.wait_work(post.work, f"the gradient-norm exchange of step {k}", None)
-            norms = torch.cat(
-                [g[:c] for g, c in zip(post.gathered, self.param_counts, strict=True)]
+            at, g = self._at, post.gathered
+            norms = torch.cat(  # the model's order: stage by stage
+                [
+                    g[at.rank_of[s]][at.norm_at[s] : at.norm_at[s] + c]
+                    for s, c in enumerate(self.param_counts)
+                ]
             )
             total = torch.linalg.vector_norm(norms, 2.0)
             grad_norm = total.item()
@@ -162,10 +204,10 @@ class StageUpdates:
     def _report(self, k: int, gathered: list[torch.Tensor], grad_norm: float, lr: float) -> None:
         router: dict[str, float] = {}
         if self._stats_width and self.logs(k):
-            lo = self._norm_width
+            at, lo = self._at, self._norm_width
             raws = [
-                g[lo : lo + raw_stats_width(layers)]
-                for g, layers in zip(gathered, self.router_layers, strict=True)
+                gathered[at.rank_of[s]][lo + at.stats_at[s] : lo + at.stats_at[s] + w]
+                for s, w in enumerate(self._stats_widths)
             ]
             layers = [layer for stage in self.router_layers for layer in stage]
             router = summarize_router_stats(layers, torch.cat(raws), per_expert=self.per_expert)
@@ -173,3 +215,13 @@ class StageUpdates:
         # One copy to the host (not one per stage), then the same sum in the same order.
         loss = sum(torch.stack([g[-1] for g in gathered[::-1]]).tolist())
         self.reports.append(UpdateReport(k, loss, grad_norm, lr, router))
+
+
+def _split(owned: dict[str, Any], param_counts: list[int], stages: list[int]) -> list[list[str]]:
+    """The names of `owned` (stage by stage, first stage first) per stage in `stages`."""
+    names, out, i = list(owned), [], 0
+    for s in stages:
+        out.append(names[i : i + param_counts[s]])
+        i += param_counts[s]
+    assert i == len(names), (i, len(names))
+    return out

@@ -55,8 +55,8 @@ class TiedWeights:
             self.versions = dict(older or {})
             self.versions[start] = live_head.detach().clone()
             self._to_receive = sorted(v for v in versions_read if v > start)
-        self._owner_peer = comm.peer_rank(0)
-        self._head_peer = comm.peer_rank(comm.topo.num_stages - 1)
+        last = comm.topo.num_stages - 1
+        self._to_head, self._to_owner = (0, last), (last, 0)  # the two links
 
     # ---- the last stage ----------------------------------------------------------------------
 
@@ -91,7 +91,7 @@ class TiedWeights:
         self._expect = self._to_receive.pop(0)
         buf = torch.empty_like(self._like)
         what = f"tied embedding version {self._expect}"
-        self._recv = self.comm.recv([buf], self._owner_peer, "tied_w", what)
+        self._recv = self.comm.recv([buf], self._to_head, "tied_w", what)
 
     def receive_up_to(self, version: int) -> None:
         """The head takes every version up to `version` that the owner has sent: before a run
@@ -119,10 +119,10 @@ class TiedWeights:
         then last stage's)."""
         what = f"the head gradient of step {step}"
         if self.role == "head":
-            self.comm.send([grads.pop(TIED_HEAD)], self._owner_peer, "tied_grad", what)
+            self.comm.send([grads.pop(TIED_HEAD)], self._to_owner, "tied_grad", what)
         elif self.role == "owner":
             buf = torch.empty_like(grads[TIED_NAME])
-            (head,) = self.comm.recv([buf], self._head_peer, "tied_grad", what).wait()
+            (head,) = self.comm.recv([buf], self._to_owner, "tied_grad", what).wait()
             grads[TIED_NAME] = grads[TIED_NAME] + head
 
     def owner_must_send(self, version: int) -> bool:
@@ -132,4 +132,4 @@ class TiedWeights:
     def send(self, version: int, weight: torch.Tensor) -> None:
         """The owner's newest matrix, `version`, to the last stage."""
         what = f"tied embedding version {version}"
-        self.comm.send([weight.detach().clone()], self._head_peer, "tied_w", what)
+        self.comm.send([weight.detach().clone()], self._to_head, "tied_w", what)

@@ -68,7 +68,7 @@ def local_processes(cfg: ExperimentConfig) -> int:
     if "LOCAL_WORLD_SIZE" in os.environ:
         return int(os.environ["LOCAL_WORLD_SIZE"])
     if cfg.pipeline.engine == "distributed":
-        return cfg.pipeline.num_stages * cfg.pipeline.num_replicas
+        return cfg.pipeline.num_processes
     return 1
 
 

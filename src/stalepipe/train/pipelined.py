@@ -90,15 +90,18 @@ def check_config(cfg: ExperimentConfig) -> None:
 
 
 def runtime_schedule(cfg: ExperimentConfig, num_steps: int | None = None) -> Schedule:
-    """The schedule the runtime executes for `cfg`: one rank per stage. WPipe's generator puts
-    two stages (one of each group) on each of num_stages / 2 ranks; the runtime runs every
-    stage in its own process, each in its rank's order (`one_stage_per_rank`)."""
+    """The schedule the runtime executes for `cfg`: pipeline.num_chunks stages per process.
+    Interleaved 1F1B runs its ranks as generated (rank r: stages r, r + R, ...). WPipe's
+    generator puts two stages (one of each group) on each of num_stages / 2 ranks; the runtime
+    runs every stage in its own process, each in its rank's order (`one_stage_per_rank`)."""
     pc, tc = cfg.pipeline, cfg.train
     steps = tc.num_steps if num_steps is None else num_steps
     delay = DelaySchedule.from_config(cfg.delay, pc.num_stages, steps, tc)
-    sched = schedule_for(pc.schedule, delay, tc.num_microbatches)
-    sched = one_stage_per_rank(sched)
+    sched = schedule_for(pc.schedule, delay, tc.num_microbatches, num_chunks=pc.num_chunks)
+    if pc.num_chunks == 1:
+        sched = one_stage_per_rank(sched)
     assert sched.num_stages == pc.num_stages, (sched.num_stages, pc.num_stages)
+    assert sched.num_chunks == pc.num_chunks, (sched.num_chunks, pc.num_chunks)
     return sched
 
 
@@ -110,12 +113,13 @@ def run_worker(
     `main_worker` turns it into a non-zero exit."""
     check_config(cfg)
     pc, tc = cfg.pipeline, cfg.train
-    topo = Topology(pc.num_stages, pc.num_replicas)
+    topo = Topology(pc.num_stages, pc.num_replicas, pc.num_chunks)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != topo.world_size:
+        per = f" / pipeline.num_chunks {pc.num_chunks}" if pc.num_chunks > 1 else ""
         raise ConfigError(
-            f"{world} processes for pipeline.num_stages x pipeline.num_replicas = "
-            f"{pc.num_stages} x {pc.num_replicas} = {topo.world_size}; start "
+            f"{world} processes for pipeline.num_stages {pc.num_stages}{per} x "
+            f"pipeline.num_replicas {pc.num_replicas} = {topo.world_size}; start "
             f"{topo.world_size} processes (torchrun --nproc-per-node {topo.world_size})"
         )
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
@@ -173,7 +177,8 @@ class WorkerResult:
     tied matrix, the most weight versions it kept, and (rank 0) the run's `TrainResult`."""
 
     rank: int
-    stage: int
+    stage: int  # its first stage
+    stages: list[int]  # every stage it ran (several with chunks)
     weights: dict[str, torch.Tensor]
     tied_head: torch.Tensor | None
     peak_versions: int
@@ -206,23 +211,27 @@ class PipelineEngine:
         pc, tc = cfg.pipeline, cfg.train
         self.cfg, self.comm, self.device, self.run_dir = cfg, comm, device, run_dir
         self.rank, topo = comm.rank, comm.topo
-        self.stage, self.replica = topo.stage_of(self.rank), topo.replica_of(self.rank)
+        self.stages, self.replica = list(topo.stages_of(self.rank)), topo.replica_of(self.rank)
+        self.pipe_rank = topo.pipe_rank(self.rank)
         P = pc.num_stages
         # The whole model only as shapes and names (meta device); this process materialises and
-        # initialises its own stage, with the values the whole model would have.
+        # initialises its own stages, with the values the whole model would have.
         with torch.device("meta"):
             full = Transformer(cfg.model)
         stages = partition(full, P, cfg.data.seq_len)
-        self.module = build_stage(cfg.model, tc.seed, P, self.stage, cfg.data.seq_len, device)
+        self.modules = {
+            s: build_stage(cfg.model, tc.seed, P, s, cfg.data.seq_len, device) for s in self.stages
+        }
         self.names_per_stage = [list(s.owned_parameters()) for s in stages]
         self.router_layers = [s.router_layers() for s in stages]
-        self.owned = self.module.owned_parameters()
+        own = {s: m.owned_parameters() for s, m in self.modules.items()}
+        self.owned = {n: p for s in self.stages for n, p in own[s].items()}  # stage order
         self.optimizer = build_optimizer(cfg.optim, list(self.owned.items()))
         set_peak_lr(self.optimizer)
         self.sched = runtime_schedule(cfg)
         self.delayed = DelayedOptimizer(
             self.optimizer,
-            [self.owned if s == self.stage else {} for s in range(P)],
+            [own.get(s, {}) for s in range(P)],
             cfg.delay,
             schedule=self.sched.delay,
         )
@@ -247,9 +256,9 @@ class PipelineEngine:
         """The newest complete (merged) checkpoint, re-split for this stage."""
         state = load_checkpoint(ckpt)
         start = int(state["step"])
-        needed = self.delayed.versions_to_keep(start)[self.stage]
+        needed = self.delayed.versions_to_keep(start)
         weights, dstate, per_param = stage_ckpt.stage_state(
-            state, self.stage, self.names_per_stage, self.optimizer.state_dict(), needed
+            state, self.stages, self.names_per_stage, self.optimizer.state_dict(), needed
         )
         if dstate["policy"] is None:  # a checkpoint without delay state
             dstate["policy"] = self.cfg.delay.policy
@@ -257,7 +266,8 @@ class PipelineEngine:
             for n, p in self.owned.items():
                 p.copy_(weights[n])
             if self._tied_role() == "head":
-                self.module.get_parameter(TIED_HEAD).copy_(state["model"][TIED_HEAD])
+                head = self.modules[self.stages[-1]].get_parameter(TIED_HEAD)
+                head.copy_(state["model"][TIED_HEAD])
                 self.tied_versions = {
                     v: t.to(self.device) for v, t in per_param.get(TIED_NAME, {}).items()
                 }
@@ -269,25 +279,29 @@ class PipelineEngine:
         P = self.cfg.pipeline.num_stages
         if not (self.cfg.model.tie_embeddings and P > 1):
             return None
-        return "owner" if self.stage == 0 else "head" if self.stage == P - 1 else None
+        return "owner" if 0 in self.stages else "head" if P - 1 in self.stages else None
 
     def _executor(self, plan: StepPlan) -> StageExecutor:
         cfg, tc, P = self.cfg, self.cfg.train, self.cfg.pipeline.num_stages
         B, D, m = tc.batch_size, cfg.pipeline.num_replicas, tc.num_microbatches
-        io = StageIO(
-            module=self.module,
-            stage=self.stage,
-            comm=self.comm,
-            get_batch=self._batch_reader(),
-            act_shape=(B // D // m, cfg.data.seq_len, cfg.model.dim),
-            act_dtype=torch.float32,
-            seed=tc.seed,
-            autocast=(
-                (lambda: torch.autocast(device_type=self.device.type, dtype=torch.bfloat16))
-                if tc.dtype == "bfloat16"
-                else contextlib.nullcontext
-            ),
-        )
+        get_batch = self._batch_reader()
+        ios = [
+            StageIO(
+                module=self.modules[s],
+                stage=s,
+                comm=self.comm,
+                get_batch=get_batch if s in (0, P - 1) else None,
+                act_shape=(B // D // m, cfg.data.seq_len, cfg.model.dim),
+                act_dtype=torch.float32,
+                seed=tc.seed,
+                autocast=(
+                    (lambda: torch.autocast(device_type=self.device.type, dtype=torch.bfloat16))
+                    if tc.dtype == "bfloat16"
+                    else contextlib.nullcontext
+                ),
+            )
+            for s in self.stages
+        ]
         layout = ModelLayout(
             param_counts=[len(n) for n in self.names_per_stage],
             router_layers=self.router_layers,
@@ -296,7 +310,7 @@ class PipelineEngine:
             per_expert=cfg.model.num_experts * cfg.model.num_layers <= 64,
         )
         return StageExecutor(
-            io,
+            ios,
             layout,
             self.delayed,
             self.sched,
@@ -309,7 +323,7 @@ class PipelineEngine:
     def _batch_reader(self):
         """step -> this replica's microbatches (first and last stage only: inputs, targets)."""
         cfg, tc = self.cfg, self.cfg.train
-        if self.stage not in (0, cfg.pipeline.num_stages - 1):
+        if not self._reads_data():
             return None
         loader = TokenLoader(self._data_dir(), "train", cfg.data.seq_len, cfg.data.seed)
         B, D, m = tc.batch_size, cfg.pipeline.num_replicas, tc.num_microbatches
@@ -327,7 +341,7 @@ class PipelineEngine:
         rows, replicas take turns), each run as chunks of the microbatch's size."""
         cfg, tc = self.cfg, self.cfg.train
         chunks = tc.num_microbatches * cfg.pipeline.num_replicas
-        if self.stage not in (0, cfg.pipeline.num_stages - 1):
+        if not self._reads_data():
             return EvalData(None, tc.num_eval_batches)
         loader = TokenLoader(self._data_dir(), "val", cfg.data.seq_len, EVAL_SEED)
 
@@ -338,6 +352,9 @@ class PipelineEngine:
 
         return EvalData(batch, tc.num_eval_batches)
 
+    def _reads_data(self) -> bool:
+        return bool({0, self.cfg.pipeline.num_stages - 1} & set(self.stages))
+
     def _data_dir(self) -> Path:
         return run_data_dir(self.run_dir, self.cfg)  # the dir meta.json recorded
 
@@ -345,7 +362,7 @@ class PipelineEngine:
 
     def steps(self, plan: StepPlan) -> Iterator[StepResult]:
         self.executor = self._executor(plan)
-        own = self.sched.ranks[self.sched.rank_of(self.stage)]  # one stage per process
+        own = self.sched.ranks[self.pipe_rank]
         actions = [a for a in own if a.step >= self.start_step]
         for r in self.executor.run(actions):
             self.losses.append((r.step, r.loss))
@@ -366,19 +383,20 @@ class PipelineEngine:
         # Non-finite weights are never checkpointed: this rank stops (its peers follow within
         # the timeout) and the newest complete checkpoint stays the last good one.
         ok = all(bool(torch.isfinite(p).all()) for p in self.owned.values())
-        return None if ok else f"non-finite weights on stage {self.stage}"
+        where = "stage" if len(self.stages) == 1 else "stages"
+        return None if ok else f"non-finite weights on {where} {', '.join(map(str, self.stages))}"
 
     def checkpoint(self, step: int) -> Path | None:
         if self.replica == 0:  # the other replicas hold the same stage state
             part = {
-                "stage": self.stage,
+                "stages": self.stages,
                 "num_stages": self.cfg.pipeline.num_stages,
                 "step": step,
                 "model": {n: p.detach().cpu() for n, p in self.owned.items()},
                 "delayed": self.delayed.state_dict(),
                 "rng": torch.get_rng_state(),
             }
-            stage_ckpt.save_part(self.run_dir, step, self.stage, part)
+            stage_ckpt.save_part(self.run_dir, step, self.pipe_rank, part)
         path = self._merge(step) if self.rank == 0 else None
         # The others wait for rank 0's merge here, with a deadline for long work, not in their
         # next receive (pipeline.timeout_s): a slow save is not a dead peer.
@@ -388,8 +406,11 @@ class PipelineEngine:
 
     def _merge(self, step: int) -> Path:
         cfg, topo = self.cfg, self.comm.topo
-        P, timeout = cfg.pipeline.num_stages, cfg.pipeline.timeout_s
-        parts = [stage_ckpt.wait_part(self.run_dir, step, s, topo, timeout) for s in range(P)]
+        timeout = cfg.pipeline.timeout_s
+        parts = [
+            stage_ckpt.wait_part(self.run_dir, step, r, topo, timeout)
+            for r in range(topo.num_ranks)
+        ]
         body = stage_ckpt.merge_parts(
             parts, self.skeleton, self.model_keys, cfg.model.tie_embeddings
         )
@@ -407,7 +428,8 @@ class PipelineEngine:
         tied = None if ex is None or ex.tied_live() is None else ex.tied_live().cpu()
         return WorkerResult(
             rank=self.rank,
-            stage=self.stage,
+            stage=self.stages[0],
+            stages=self.stages,
             weights={n: p.detach().cpu().clone() for n, p in self.owned.items()},
             tied_head=tied,
             peak_versions=0 if ex is None else ex.peak_versions,

@@ -46,6 +46,7 @@ RESUMABLE_CHANGES = {
     # (docs/runtime.md, "Checkpoints and resume"); data parallelism changes fp32 rounding only.
     "pipeline.engine",
     "pipeline.schedule",
+    "pipeline.num_chunks",
     "pipeline.num_replicas",
     "pipeline.backend",
     "pipeline.timeout_s",
