@@ -19,6 +19,7 @@ IR_NAME = {
     "1f1b": "1f1b",
     "2bw": "2bw",
     "interleaved-1f1b": "interleaved-1f1b",
+    "zb-v": "zb-v",
     "torch-gpipe": "gpipe",
     "torch-1f1b": "1f1b",
     "torch-interleaved": "interleaved-1f1b",

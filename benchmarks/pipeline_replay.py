@@ -44,9 +44,12 @@ def action_times(report: dict, actions: tuple[Action, ...]) -> dict[tuple, float
     sp, keys = report["spans"], report["keys"]
     times: dict[tuple, float] = {}
     inner = sorted(sp["W"] + sp["A"])
-    for kind in ("F", "B"):
-        for (a, b, _), (stage, step, microbatch) in zip(sp[kind], keys[kind], strict=True):
-            times[(kind, stage, step, microbatch)] = _net(a, b, inner)
+    for (a, b, _), (stage, step, microbatch) in zip(sp["F"], keys["F"], strict=True):
+        times[("F", stage, step, microbatch)] = _net(a, b, inner)
+    for (a, b, _), (stage, step, microbatch, kind) in zip(sp["B"], keys["B"], strict=True):
+        times[(kind, stage, step, microbatch)] = _net(a, b, inner)  # B or BI
+    for (a, b, _), (stage, step, microbatch) in zip(sp["V"], keys["V"], strict=True):
+        times[("BW", stage, step, microbatch)] = _net(a, b, inner)
     last_step = {}
     for a in actions:
         if a.kind == "STEP":

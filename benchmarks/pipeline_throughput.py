@@ -43,8 +43,8 @@ from stalepipe.pipeline.timing import simulate, summarize, uniform_costs
 from stalepipe.pipeline.votes import StepVotes, lookahead
 
 P = 2
-POLICY = {"gpipe": "sync", "1f1b": "sync", "interleaved-1f1b": "sync", "2bw": "2bw"}
-CHUNKS = {"interleaved-1f1b": 2}  # stages per process of our schedules (1 otherwise)
+POLICY = {"gpipe": "sync", "1f1b": "sync", "interleaved-1f1b": "sync", "zb-v": "sync", "2bw": "2bw"}
+CHUNKS = {"interleaved-1f1b": 2, "zb-v": 2}  # stages per process of our schedules (1 otherwise)
 
 
 def _setup(model_cfg: ModelConfig):
@@ -89,12 +89,13 @@ def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: 
     rank, _, _ = init_from_env("gloo", 120)
     torch.set_num_threads(1)
     parts = partition(build_model(model_cfg, seed=0), C * P)
-    ids = [rank + c * P for c in range(C)]  # interleaved placement: rank r runs r, r + P
+    topo = Topology(C * P, 1, C, "v" if schedule == "zb-v" else "interleaved")
+    ids = list(topo.stages_of(rank))  # interleaved: r, r + P; V: r, 2P-1-r
     owned = {s: parts[s].owned_parameters() for s in ids}
     params = [(n, p) for s in ids for n, p in owned[s].items()]
     opt = build_optimizer(resolve_config(OptimConfig(name="adamw")), params)
     set_peak_lr(opt)
-    comm = Comm(Topology(C * P, 1, C), rank, "gloo", 120, "cpu")
+    comm = Comm(topo, rank, "gloo", 120, "cpu")
     delayed = DelayedOptimizer(
         opt,
         [owned.get(s, {}) for s in range(C * P)],
@@ -128,8 +129,9 @@ def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: 
     # The per-step vote runs as in a training run (pipeline.votes): its cost is measured too.
     votes = StepVotes(comm, max(lookahead(list(acts)) for acts in sched.ranks))
     ex = StageExecutor(ios, layout, delayed, sched, _NoCadence(), votes=votes)
-    spans: dict[str, list[tuple[float, float]]] = {k: [] for k in "FBSAW"}
-    keys: dict[str, list[tuple]] = {k: [] for k in "FBSAW"}  # each span's (stage, step, mb)
+    # F, B (B and BI), V (BW: the weight half of a split backward), S (STEP), A (update), W
+    spans: dict[str, list[tuple[float, float]]] = {k: [] for k in "FBVSAW"}
+    keys: dict[str, list[tuple]] = {k: [] for k in "FBVSAW"}  # each span's (stage, step, mb)
     marks: dict[str, float] = {}
     forward = ex.forward
 
@@ -140,18 +142,22 @@ def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: 
         marks["stashed"] = max(marks.get("stashed", 0), len(ex._stash))
         return out
 
-    def action(a: tuple) -> tuple:  # F / B (chunk, step, microbatch) -> (stage, step, mb)
+    def action(a: tuple, kw: dict) -> tuple:  # (chunk, step, microbatch) -> (stage, step, mb)
         return (a[0].stage, a[1], a[2])
+
+    def backward_key(a: tuple, kw: dict) -> tuple:  # B, or BI (weights=False)
+        return (*action(a, kw), "B" if kw.get("weights", True) else "BI")
 
     ex.forward = _timed_call(forward_marked, spans["F"], keys["F"], action)
     # The update is work too: STEP (post_step) and the optimizer step (apply_next, which runs
     # inside a forward or a STEP) count as busy, as the simulator's optimizer cost does.
     # Waiting for a peer inside F/B (the inboxes' _take) is bubble, not work.
-    ex.backward = _timed_call(ex.backward, spans["B"], keys["B"], action)
+    ex.backward = _timed_call(ex.backward, spans["B"], keys["B"], backward_key)
+    ex.backward_weights = _timed_call(ex.backward_weights, spans["V"], keys["V"], action)
     for attr, kind in (("post_step", "S"), ("apply_next", "A")):
         setattr(ex, attr, _timed_call(getattr(ex, attr), spans[kind], keys[kind]))
     for c in ex.chunks.values():
-        c.inbox._take = _timed_call(c.inbox._take, spans["W"], keys["W"], lambda a: ())
+        c.inbox._take = _timed_call(c.inbox._take, spans["W"], keys["W"], lambda a, kw: ())
     comm.barrier("benchmark start")
     for _ in ex.run(list(sched.ranks[rank])):
         pass
@@ -172,9 +178,9 @@ def _window(reports: list[dict]) -> tuple[float, float]:
     return reports[0]["marks"]["start"], max(r["marks"]["end"] for r in reports)
 
 
-def _timed_call(fn, out: list, keys: list, key=lambda a: a[:1]):
+def _timed_call(fn, out: list, keys: list, key=lambda a, kw: a[:1]):
     """`fn`, recording (wall start, wall end, this thread's CPU seconds) per call into `out`
-    and `key` of its positional arguments (default: the first, a STEP's step) into `keys`: CPU
+    and `key` of its arguments (default: the first, a STEP's step) into `keys`: CPU
     time tells a schedule's own work from the machine's (a core shared with the other process
     or with another job stretches the wall time, not the CPU time)."""
 
@@ -182,7 +188,7 @@ def _timed_call(fn, out: list, keys: list, key=lambda a: a[:1]):
         t, c = time.perf_counter(), time.thread_time()
         r = fn(*a, **kw)
         out.append((t, time.perf_counter(), time.thread_time() - c))
-        keys.append(key(a))
+        keys.append(key(a, kw))
         return r
 
     return run
@@ -201,7 +207,8 @@ def _union(spans: list[tuple[float, float]], t0: float, t1: float) -> float:
 
 def _busy(report: dict, t0: float, t1: float) -> float:
     sp = report["spans"]
-    return _union(sp["F"] + sp["B"] + sp["S"] + sp["A"], t0, t1) - _union(sp["W"], t0, t1)
+    work = sp["F"] + sp["B"] + sp["V"] + sp["S"] + sp["A"]
+    return _union(work, t0, t1) - _union(sp["W"], t0, t1)
 
 
 def _mean(report: dict, kind: str, cpu: bool = False, stage: int | None = None) -> float:
@@ -212,6 +219,8 @@ def _mean(report: dict, kind: str, cpu: bool = False, stage: int | None = None) 
     spans = report["spans"][kind]
     if stage is not None:
         spans = [sp for sp, k in zip(spans, report["keys"][kind]) if k[0] == stage]
+    if not spans:
+        return 0.0  # no action of this kind (BW without a split backward)
     for a, b, c in spans:
         nested = [(x, y, z) for x, y, z in inner if x < b and y > a]
         if cpu:
@@ -431,17 +440,17 @@ def _print_row(m: int, rounds: list[dict], args) -> None:
     for name in OURS:  # each from its own measured costs (last round)
         reports, C = rounds[-1][name], CHUNKS.get(name, 1)
         by_stage = sorted((s, r) for r in reports for s in r["stages"])
-        f, b = ([_mean(r, kind, stage=s) for s, r in by_stage] for kind in "FB")
+        f, b, w = ([_mean(r, kind, stage=s) for s, r in by_stage] for kind in "FBV")
         u = [_mean(r, "A") / C for _, r in by_stage]  # a rank's update, shared by its stages
-        costs = uniform_costs(C * P, forward=f, backward_input=b, backward_weight=0.0, optimizer=u)
+        costs = uniform_costs(C * P, forward=f, backward_input=b, backward_weight=w, optimizer=u)
         sched = make_schedule(name, P, m, steps, num_chunks=C)
         summary = summarize(simulate(sched, costs))
         pred[name], span[name] = summary.bubble, summary.makespan
-        fc, bc = ([_mean(r, kind, cpu=True, stage=s) for s, r in by_stage] for kind in "FB")
+        fc, bc, wc = ([_mean(r, k, cpu=True, stage=s) for s, r in by_stage] for k in "FBV")
         u = [_mean(r, "A") for r in reports]
         cost_ms[name] = (
-            1e3 * (sum(f) + sum(b)) / P,
-            1e3 * (sum(fc) + sum(bc)) / P,
+            1e3 * (sum(f) + sum(b) + sum(w)) / P,
+            1e3 * (sum(fc) + sum(bc) + sum(wc)) / P,
             1e3 * sum(u) / P,
         )
     print(
@@ -465,7 +474,13 @@ def _print_row(m: int, rounds: list[dict], args) -> None:
         f"the measured costs: {span['1f1b'] / span['2bw']:.3f}); "
         f"1f1b / torch-1f1b = {ratio('1f1b', 'torch-1f1b')} (goal >= 0.95); "
         f"gpipe / torch-gpipe = {ratio('gpipe', 'torch-gpipe')}; interleaved-1f1b / "
-        f"torch-interleaved = {ratio('interleaved-1f1b', 'torch-interleaved')}",
+        f"torch-interleaved = {ratio('interleaved-1f1b', 'torch-interleaved')}; zb-v / "
+        f"torch-zbv = {ratio('zb-v', 'torch-zbv')}",
+        flush=True,
+    )
+    ours_sync = max((k for k in OURS if POLICY[k] == "sync"), key=lambda k: tok[k])
+    print(
+        f"  2bw / the best of our synchronous schedules ({ours_sync}) = {ratio('2bw', ours_sync)}",
         flush=True,
     )
     best = max(TORCH, key=lambda k: tok[k])

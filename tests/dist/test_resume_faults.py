@@ -58,7 +58,7 @@ def test_bad_configs_are_refused(make_cfg):
     with pytest.raises(ConfigError, match="num_microbatches 1"):
         check_config(make_cfg("pipedream", 2, 2))
     # Refused by the config itself (the runtime's schedules) or by check_config.
-    with pytest.raises(ConfigError, match="runs in the timing simulator only"):
+    with pytest.raises(ConfigError, match="set pipeline.num_chunks to 2 or more"):
         cfg = make_cfg("1f1b")
         check_config(
             dataclasses.replace(

@@ -122,6 +122,32 @@ def test_interleaved_1f1b_tied_equals_emulator_exact(make_cfg, run_dist, dist_ut
     assert torch.equal(last["tied_head"], first["weights"]["tok_emb.weight"])
 
 
+@pytest.mark.parametrize(("schedule", "P", "m"), [("zb-v", 4, 4), ("dualpipev", 4, 4)])
+def test_v_schedules_equal_gradient_accumulation(schedule, P, m, make_cfg, run_dist, dist_utils):
+    """ZB-V and DualPipeV: rank r runs stages r and 2R-1-r, so rank 0 holds the embedding and
+    the loss and rank R-1 hands stage R-1's output to stage R without a message; backward
+    split into BI and BW."""
+    cfg = make_cfg(schedule, P, m, chunks=2, tied=False, eval_every=2)
+    sched = runtime_schedule(cfg)
+    assert (sched.num_ranks, sched.placement) == (P // 2, "v")
+    assert any(a.kind == "BW" for a in sched.ranks[0])
+    reports = run_dist(cfg)
+    assert sorted(r["stages"] for r in reports) == [[r, P - 1 - r] for r in range(P // 2)]
+    ref = dist_utils["reference"](cfg, mode="fast")
+    dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), ref)
+    assert _losses(cfg) == pytest.approx(_losses(cfg, "ref"), rel=1e-6)
+    got, want = dist_utils["val_losses"](cfg), dist_utils["val_losses"](cfg, "ref")
+    assert got.keys() == want.keys() and got == pytest.approx(want, rel=1e-6)
+
+
+def test_zb_v_tied_on_one_process_equals_emulator_exact(make_cfg, run_dist, dist_utils):
+    """Both ends of the tied embedding on rank 0: the head reads the owner's matrix, the
+    gradients are summed first stage's + last stage's, as in the emulator's exact mode."""
+    cfg = make_cfg("zb-v", 4, 4, chunks=2, tied=True, dropout=0.1)
+    run_dist(cfg)
+    dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), dist_utils["reference"](cfg))
+
+
 @pytest.mark.slow
 def test_interleaved_1f1b_three_chunks_equals_gradient_accumulation(
     make_cfg, run_dist, dist_utils
@@ -281,7 +307,13 @@ def test_interleaved_refusals_name_the_fix(make_cfg):
     check_config(make_cfg("interleaved-1f1b", 4, 2, chunks=2))
     refused = [
         (lambda: make_cfg("interleaved-1f1b", 4, 2), r"set pipeline.num_chunks to 2 or more"),
-        (lambda: make_cfg("1f1b", 4, 2, chunks=2), r"set pipeline.num_chunks 1 or pipeline"),
+        (lambda: make_cfg("1f1b", 4, 2, chunks=2), r"set pipeline.num_chunks 1 or one of"),
+        (lambda: make_cfg("zb-v", 4, 4), r"in a V .*: set pipeline.num_chunks 2$"),
+        (lambda: make_cfg("zb-v", 6, 4, chunks=3), r"set pipeline.num_chunks 2$"),
+        (
+            lambda: make_cfg("dualpipev", 4, 2, chunks=2, batch_size=16),
+            r"dualpipev needs train.num_microbatches >= .* = 4, got 2; set .* to 4$",
+        ),
         (lambda: make_cfg("interleaved-1f1b", 4, 2, chunks=3), r"set pipeline.num_chunks to 2$"),
         (lambda: make_cfg("interleaved-1f1b", 4, 2, chunks=4), r"set pipeline.num_chunks to 2$"),
         (  # m a multiple of the 2 processes: the nearest count this batch allows

@@ -133,6 +133,12 @@ class ExperimentConfig:
                 f"to {min(ok, key=lambda n: (abs(n - m), -n)) if ok else R}"
                 + ("" if ok else f" and train.batch_size to a multiple of {R * D}")
             )
+        if pc.schedule == "dualpipev" and m < P:
+            raise ConfigError(
+                f"pipeline.schedule dualpipev needs train.num_microbatches >= 2 x processes = "
+                f"pipeline.num_stages = {P}, got {m}; set train.num_microbatches to "
+                f"{next((n for n in range(P, B // D + 1) if B % (n * D) == 0), P)}"
+            )
         if pc.schedule == "2bw" and m < P - 1:
             # the fix: the smallest count that works with this batch, or fewer stages
             ok = [n for n in range(P - 1, B // D + 1) if B % (n * D) == 0]

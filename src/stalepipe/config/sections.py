@@ -235,23 +235,16 @@ RUNTIME_SCHEDULES: dict[str, str] = {
     "1f1b": "sync",
     "interleaved-1f1b": "sync",  # pipeline.num_chunks stages per process
     "zb-h1": "sync",
+    "zb-v": "sync",  # two stages per process, in a V
+    "dualpipev": "sync",  # two stages per process, in a V
     "2bw": "2bw",
     "pipedream": "pipedream",
     "wpipe": "wpipe",
 }
 DEFAULT_SCHEDULE = "1f1b"
-# The schedules only the timing simulator has (several stages per process; `stalepipe
-# simulate`), with the policy each realises. pipeline.schedule refuses them by name.
-SIMULATED_SCHEDULES: dict[str, str] = {
-    "zb-v": "sync",
-    "dualpipev": "sync",
-}
-
-
-def _simulated_only(name: str) -> str | None:
-    """The simulator-only schedule `name` spells (ignoring case, '-' and '_'), if any."""
-    squash = name.lower().replace("-", "").replace("_", "")
-    return next((s for s in SIMULATED_SCHEDULES if s.replace("-", "") == squash), None)
+# The runtime schedules with several stages per process, and how many: None = any >= 2.
+CHUNKED_SCHEDULES: dict[str, int | None] = {"interleaved-1f1b": None, "zb-v": 2, "dualpipev": 2}
+V_SCHEDULES = ("zb-v", "dualpipev")  # rank r runs stages r and 2R-1-r
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -282,12 +275,6 @@ class PipelineConfig:
             self.engine in ("emulate", "distributed"),
             f"pipeline.engine must be emulate or distributed; got {self.engine!r}",
         )
-        if self.schedule not in RUNTIME_SCHEDULES and (sim := _simulated_only(self.schedule)):
-            raise ConfigError(
-                f"pipeline.schedule={self.schedule!r}: {sim} runs in the timing simulator only "
-                f"(stalepipe simulate --schedule {sim}); the runtime runs "
-                f"{' | '.join(RUNTIME_SCHEDULES)}"
-            )
         if self.schedule not in RUNTIME_SCHEDULES:
             raise unknown_choice(
                 "pipeline schedule", self.schedule, RUNTIME_SCHEDULES, key="pipeline.schedule"
@@ -306,13 +293,22 @@ class PipelineConfig:
     def _check_chunks(self) -> None:
         S, C = self.num_stages, self.num_chunks
         check(C >= 1, f"pipeline.num_chunks must be >= 1, got {C}")
-        if self.schedule != "interleaved-1f1b":
+        if self.schedule not in CHUNKED_SCHEDULES:
             check(
                 C == 1,
-                f"pipeline.num_chunks {C} is read by pipeline.schedule interleaved-1f1b only "
-                f"(every other schedule runs one stage per process); set pipeline.num_chunks 1 "
-                f"or pipeline.schedule interleaved-1f1b",
+                f"pipeline.num_chunks {C} is read by pipeline.schedule "
+                f"{' | '.join(CHUNKED_SCHEDULES)} only (every other schedule runs one stage per "
+                f"process); set pipeline.num_chunks 1 or one of those schedules",
             )
+            return
+        if self.schedule in V_SCHEDULES:
+            check(
+                C == 2,
+                f"pipeline.schedule {self.schedule} runs two stages per process, in a V (rank "
+                f"r: stages r and 2R-1-r): set pipeline.num_chunks 2",
+            )
+            check(S % 2 == 0, f"pipeline.schedule {self.schedule} needs an even "
+                  f"pipeline.num_stages (two per process), got {S}")  # fmt: skip
             return
         check(
             C >= 2,
@@ -330,6 +326,11 @@ class PipelineConfig:
                 else f"set pipeline.num_stages to {2 * C}"
             ),
         )
+
+    @property
+    def placement(self) -> str:
+        """How stages map to processes (`pipeline.schedule.stage_rank`)."""
+        return "v" if self.schedule in V_SCHEDULES else "interleaved"
 
     @property
     def num_ranks(self) -> int:

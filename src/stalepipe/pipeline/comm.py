@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from stalepipe.pipeline.failures import AGENT_STORE_ENV, run_store, set_run_store, wait_failure
+from stalepipe.pipeline.schedule import PLACEMENTS, stage_rank
 from stalepipe.pipeline.waits import (
     backend_timeout_s,
     poll_work,
@@ -75,17 +76,25 @@ class PeerError(RuntimeError):
 
 @dataclass(frozen=True)
 class Topology:
-    """Where each rank sits: P pipeline stages, `num_chunks` of them per process (interleaved
-    placement, as `pipeline.schedule`'s: pipeline rank r holds stages r, r + R, ...), times D
-    data-parallel replicas. R = P / num_chunks processes per replica; without chunks a rank's
-    stage is its pipeline rank."""
+    """Where each rank sits: P pipeline stages, `num_chunks` of them per process, placed as
+    `pipeline.schedule.stage_rank` says ("interleaved": pipeline rank r holds stages r, r + R,
+    ...; "v": r and 2R-1-r), times D data-parallel replicas. R = P / num_chunks processes per
+    replica; without chunks a rank's stage is its pipeline rank."""
 
     num_stages: int
     num_replicas: int = 1
     num_chunks: int = 1
+    placement: str = "interleaved"
 
     def __post_init__(self) -> None:
         assert self.num_stages % self.num_chunks == 0, (self.num_stages, self.num_chunks)
+        assert self.placement in PLACEMENTS, self.placement
+
+    @classmethod
+    def of(cls, pipeline: Any) -> Topology:
+        """The topology of a run's `config.PipelineConfig`."""
+        p = pipeline
+        return cls(p.num_stages, p.num_replicas, p.num_chunks, p.placement)
 
     @property
     def num_ranks(self) -> int:
@@ -99,7 +108,7 @@ class Topology:
     def rank(self, stage: int, replica: int = 0) -> int:
         """The torch.distributed rank that runs `stage` of `replica`."""
         assert 0 <= stage < self.num_stages and 0 <= replica < self.num_replicas
-        return replica * self.num_ranks + stage % self.num_ranks
+        return replica * self.num_ranks + stage_rank(self.placement, stage, self.num_ranks)
 
     def pipe_rank(self, rank: int) -> int:
         """`rank`'s place in its replica's pipeline, 0..R-1 (its row of a schedule)."""
@@ -107,8 +116,8 @@ class Topology:
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages `rank` runs, first stage first."""
-        r = self.pipe_rank(rank)
-        return tuple(r + c * self.num_ranks for c in range(self.num_chunks))
+        r, R = self.pipe_rank(rank), self.num_ranks
+        return tuple(s for s in range(self.num_stages) if stage_rank(self.placement, s, R) == r)
 
     def stage_of(self, rank: int) -> int:
         """The first stage `rank` runs (its only one without chunks)."""
@@ -202,6 +211,21 @@ class Pending:
         return all(w.is_completed() for w in self.works)
 
 
+class _Handover:
+    """A receive from a stage of this process: the tensors its send left (the schedule runs
+    the send first; waiting for it here would wait forever)."""
+
+    def __init__(self, queue: deque[list[torch.Tensor]], what: str) -> None:
+        self.queue, self.what = queue, what
+
+    def wait(self) -> list[torch.Tensor]:
+        assert self.queue, f"{self.what}: received before this process sent it (schedule order)"
+        return self.queue.popleft()
+
+    def done(self) -> bool:
+        return bool(self.queue)
+
+
 class Comm:
     """The runtime's communication: channels to the neighbouring stages of this replica, the
     per-step control all-gather over the replica's pipeline, and the data-parallel all-reduce
@@ -222,6 +246,7 @@ class Comm:
         except Exception as e:
             raise self.peer_error(None, "the start-up (creating the process groups)", e) from None
         self._sends: deque[Pending] = deque()
+        self._local: dict[tuple[str, Link], deque[list[torch.Tensor]]] = {}  # hand-overs
 
     def _make_groups(self) -> None:
         topo, R, D = self.topo, self.topo.num_ranks, self.topo.num_replicas
@@ -244,6 +269,8 @@ class Comm:
                 for a, b, chans in self._pairs(topo.num_stages):
                     for ch in chans:
                         ra, rb = topo.rank(a, d), topo.rank(b, d)
+                        if ra == rb:  # two stages of one process: handed over locally
+                            continue
                         g = dist.new_group([ra, rb], timeout=self._pg_timeout)
                         if d == self.replica and self.rank in (ra, rb):
                             self._groups[(ch, a, b)] = g
@@ -301,10 +328,14 @@ class Comm:
     def send(self, tensors: list[torch.Tensor], link: Link, channel: str, what: str) -> Pending:
         """Asynchronous send from stage `link[0]` (this rank's) to stage `link[1]` on
         `channel`; the tensors are kept alive until the send completed. The returned `Pending`
-        may be waited on (it is also waited by `flush_sends`)."""
+        may be waited on (it is also waited by `flush_sends`). Between two stages of this
+        process (rank R-1 of a V) the tensors are handed over without a message."""
         tensors = [t.detach().contiguous() for t in tensors]
         what = f"the send of {what}"
         peer = self.peer_rank(link[1])
+        if peer == self.rank:
+            self._local.setdefault((channel, link), deque()).append(tensors)
+            return Pending([], tensors, peer, what, self)
         pending = Pending(
             self._p2p("send", tensors, link, channel, what), tensors, peer, what, self
         )
@@ -316,8 +347,11 @@ class Comm:
     def recv(self, tensors: list[torch.Tensor], link: Link, channel: str, what: str) -> Pending:
         """Post asynchronous receives into `tensors` of what stage `link[0]` sends stage
         `link[1]` (this rank's) on `channel`; `.wait()` returns them."""
+        peer = self.peer_rank(link[0])
+        if peer == self.rank:  # what this process's stage link[0] sends (`send`)
+            return _Handover(self._local.setdefault((channel, link), deque()), what)
         works = self._p2p("recv", tensors, link, channel, what)
-        return Pending(works, tensors, self.peer_rank(link[0]), what, self)
+        return Pending(works, tensors, peer, what, self)
 
     def flush_sends(self) -> None:
         """Wait until every send went out (before a checkpoint or the exit)."""

@@ -127,8 +127,10 @@ class StageExecutor:
             per_expert=layout.per_expert,
         )
         role = None
-        if layout.tied and self.P > 1:
-            assert not (self.first and self.last), "a tied embedding's two ends on one process"
+        # Both ends of a tied embedding on this process (a V's rank 0): the head reads the
+        # owner's version itself, and the gradients are summed here (`post_step`).
+        self.tied_local = layout.tied and self.P > 1 and self.first and self.last
+        if layout.tied and self.P > 1 and not self.tied_local:
             role = "owner" if self.first else "head" if self.last else None
         head = self.chunks[self.P - 1].params.get(TIED_HEAD) if role == "head" else None
         self.tied = TiedWeights(
@@ -224,6 +226,11 @@ class StageExecutor:
         }
         if self.tied.role == "head" and chunk.last:
             leaves[TIED_HEAD] = self._tied_weight(version, step).detach().requires_grad_()
+        if self.tied_local and chunk.last:  # the owner's matrix at the version the head reads
+            assert step is None or not self.delayed.prediction_scale(s, step)
+            owner = self.chunks[0]
+            i = list(owner.owned).index(TIED_NAME)
+            leaves[TIED_HEAD] = self.delayed.weights_at(0, version)[i].detach().requires_grad_()
         return leaves
 
     def _tied_weight(self, version: int, step: int | None) -> torch.Tensor:
@@ -379,6 +386,8 @@ class StageExecutor:
         grads = self._grads.pop(step, {})
         self._batches.pop(step, None)
         self.tied.exchange_grad(grads, step)
+        if self.tied_local and TIED_HEAD in grads:  # first stage's, then last stage's
+            grads[TIED_NAME] = grads[TIED_NAME] + grads.pop(TIED_HEAD)
         loss = self._loss.pop(step, torch.zeros((), device=self.device))
         self.updates.post(step, grads, loss, [c.module for c in self.chunks.values()])
         # Apply at once where someone waits for the result: a sync point (eval, checkpoint),

@@ -48,19 +48,19 @@ class _Posted:
 
 class _Layout:
     """Where each stage's entries sit in the exchanged vectors: stage s is in the vector of
-    pipeline rank `s % R`, after the stages of that rank before it (chunks)."""
+    the pipeline rank that runs it, after that rank's lower stages (chunks)."""
 
     def __init__(self, comm: Comm, param_counts: list[int], stats_widths: list[int]) -> None:
         topo = comm.topo
         R, S = topo.num_ranks, topo.num_stages
-        self.rank_of = [s % R for s in range(S)]
+        per_rank = [topo.stages_of(r) for r in range(R)]  # replica 0's ranks are 0..R-1
+        self.rank_of = [topo.pipe_rank(topo.rank(s)) for s in range(S)]
         self.norm_at: list[int] = []
         self.stats_at: list[int] = []
         for s in range(S):
-            earlier = range(s % R, s, R)  # the same rank's stages before s
+            earlier = [e for e in per_rank[self.rank_of[s]] if e < s]
             self.norm_at.append(sum(param_counts[e] for e in earlier))
             self.stats_at.append(sum(stats_widths[e] for e in earlier))
-        per_rank = [range(r, S, R) for r in range(R)]
         self.norm_width = max(sum(param_counts[s] for s in ss) for ss in per_rank)
         self.stats_width = max(sum(stats_widths[s] for s in ss) for ss in per_rank)
 
@@ -100,7 +100,7 @@ class StageUpdates:
         self._stats_widths = [raw_stats_width(layers) for layers in router_layers]
         self._at = _Layout(comm, param_counts, self._stats_widths)
         self._norm_width, self._stats_width = self._at.norm_width, self._at.stats_width
-        self._own = [s for s in range(self.num_stages) if comm.topo.rank(s) == comm.pipe_rank]
+        self._own = list(comm.topo.stages_of(comm.rank))
         offsets = {}
         for s, names in zip(self._own, _split(owned, param_counts, self._own), strict=True):
             offsets.update({n: self._at.norm_at[s] for n in names})

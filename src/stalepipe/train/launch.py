@@ -46,7 +46,7 @@ def launch_train(cfg: ExperimentConfig, start: StartUp = FRESH, *, verbose: bool
     for warning in cfg.warnings() if verbose else ():
         print(f"stalepipe: warning: {warning}", file=sys.stderr)
     pc = cfg.pipeline
-    topo = Topology(pc.num_stages, pc.num_replicas, pc.num_chunks)
+    topo = Topology.of(pc)
     jobs = [(_train_rank, (cfg, start, verbose))] * topo.world_size  # run dir opened: PREPARED_ENV
     return spawn_ranks(jobs, run_dir, pc.timeout_s, topo=topo, console=verbose)
 

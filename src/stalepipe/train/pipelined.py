@@ -113,7 +113,7 @@ def run_worker(
     `main_worker` turns it into a non-zero exit."""
     check_config(cfg)
     pc, tc = cfg.pipeline, cfg.train
-    topo = Topology(pc.num_stages, pc.num_replicas, pc.num_chunks)
+    topo = Topology.of(pc)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != topo.world_size:
         per = f" / pipeline.num_chunks {pc.num_chunks}" if pc.num_chunks > 1 else ""
