@@ -78,6 +78,26 @@ def test_sync_checkpoint_is_stage_agnostic(make_cfg, run_dist, dist_utils):
     dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), want)
 
 
+def test_chunked_checkpoints_resume_on_other_layouts(make_cfg, run_dist, dist_utils):
+    """A sync run's checkpoint written by processes of two stages each (interleaved-1f1b,
+    zb-v) continues on one stage per process and the other way round, bit for bit."""
+    cfg = make_cfg("interleaved-1f1b", 4, 2, chunks=2, steps=6, ckpt_every=2, keep_last=3)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tie_embeddings=False))
+    run_dist(cfg)
+    want = dist_utils["final_model"](cfg)
+
+    def on(schedule: str, chunks: int):
+        pc = dataclasses.replace(cfg.pipeline, schedule=schedule, num_chunks=chunks)
+        return dataclasses.replace(cfg, pipeline=pc)
+
+    _drop_after(cfg, 2)  # interleaved (2 processes) -> 1f1b (4 processes)
+    run_dist(on("1f1b", 1), resume=True)
+    dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), want)
+    _drop_after(cfg, 4)  # 1f1b (4 processes) -> zb-v (2 processes, a V)
+    run_dist(on("zb-v", 2), resume=True)
+    dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), want)
+
+
 def test_pipedream_refuses_another_split(make_cfg):
     cfg = _on(make_cfg("pipedream", 3, 1, steps=4, ckpt_every=2, name="pd"), "emulate", 3)
     torch.set_num_threads(1)
