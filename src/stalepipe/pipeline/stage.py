@@ -41,6 +41,7 @@ from stalepipe.delay.rng import seeded
 from stalepipe.pipeline.inbox import Inbox
 from stalepipe.pipeline.reparam import Reparametrized
 from stalepipe.pipeline.schedule import Action, Schedule
+from stalepipe.pipeline.split_backward import WeightBranches, backward_input, backward_weights
 from stalepipe.pipeline.stage_eval import EvalData, EvalStage, evaluate_stages
 from stalepipe.pipeline.stage_io import Batches, ModelLayout, Plan, StageIO
 from stalepipe.pipeline.stage_update import StageUpdates, UpdateReport
@@ -58,6 +59,7 @@ class _Stash:
     version: int
     aux: torch.Tensor | None = None  # this stage's MoE auxiliary loss / m (not the last stage)
     grad_out: torch.Tensor | None = None
+    branches: WeightBranches | None = None  # what BI kept for BW (pipeline.split_backward)
 
 
 class _Chunk:
@@ -319,34 +321,34 @@ class StageExecutor:
         st = self._stash[(s, step, microbatch)]
         grad_out = None if chunk.last else chunk.inbox.gradient(step, microbatch)
         wants_input = not chunk.first
-        targets = (list(st.leaves.values()) if weights else []) + ([st.inp] if wants_input else [])
-        if not targets:  # BI on the first stage: no input gradient to send; BW does the work
-            st.grad_out = grad_out
-            return
         outs, gouts = _outputs(st, grad_out)
-        grads = torch.autograd.grad(
-            outs, targets, grad_outputs=gouts, allow_unused=True, retain_graph=not weights
-        )
-        if wants_input:
-            self.comm.send(
-                [grads[-1]],
-                (s, s - 1),
-                "grad",
-                f"the gradient of step {step} microbatch {microbatch}",
-            )
-        if weights:
-            self._accumulate(step, st.leaves, grads[: len(st.leaves)])
-            self._release(s, step, microbatch)
-        else:
+        if not weights:  # BI: the input gradient now, the weights' at BW
             st.grad_out = grad_out
+            if not wants_input:  # the first stage has none to send: BW does all the work
+                return
+            grad_inp, st.branches = backward_input(outs, gouts, st.inp, list(st.leaves.values()))
+            self._send_grad(s, step, microbatch, grad_inp)
+            return
+        targets = list(st.leaves.values()) + ([st.inp] if wants_input else [])
+        grads = torch.autograd.grad(outs, targets, grad_outputs=gouts, allow_unused=True)
+        if wants_input:
+            self._send_grad(s, step, microbatch, grads[-1])
+        self._accumulate(step, st.leaves, grads[: len(st.leaves)])
+        self._release(s, step, microbatch)
+
+    def _send_grad(self, stage: int, step: int, microbatch: int, grad: torch.Tensor) -> None:
+        what = f"the gradient of step {step} microbatch {microbatch}"
+        self.comm.send([grad], (stage, stage - 1), "grad", what)
 
     def backward_weights(self, chunk: _Chunk, step: int, microbatch: int) -> None:
         """BW: the weight half of a split backward."""
         st = self._stash[(chunk.stage, step, microbatch)]
-        outs, gouts = _outputs(st, st.grad_out)
-        grads = torch.autograd.grad(
-            outs, list(st.leaves.values()), grad_outputs=gouts, allow_unused=True
-        )
+        weights = list(st.leaves.values())
+        if st.branches is not None:  # only the weight branches BI left (split_backward)
+            grads = backward_weights(st.branches, weights)
+        else:  # the first stage: the whole backward, now
+            outs, gouts = _outputs(st, st.grad_out)
+            grads = torch.autograd.grad(outs, weights, grad_outputs=gouts, allow_unused=True)
         self._accumulate(step, st.leaves, grads)
         self._release(chunk.stage, step, microbatch)
 
