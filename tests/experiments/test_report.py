@@ -87,6 +87,21 @@ def test_tables_match_hand_computed(sweep_dir):
     assert ef.recovered_p == pytest.approx(stats.welch_t_test(ef.values, bw.values).p)
 
 
+def test_a_record_from_before_a_new_setting_joins_its_configuration(sweep_dir):
+    """Seed 0 of each arm written before `pipeline.num_chunks` existed (no key), seeds 1-2
+    after (the key at its default): one configuration of 3 seeds each, as before."""
+    for d in sweep_dir.glob("*_s0"):
+        cfg = json.loads((d / "config.json").read_text())
+        del cfg["pipeline"]["num_chunks"]
+        (d / "config.json").write_text(json.dumps(cfg))
+    rows = rows_by_label(sweep_dir)
+    assert set(rows) == {"adamw_sync", "adamw_2bw", "adamw_2bw+ef"}
+    assert all(len(r.values) == 3 for r in rows.values())
+    # a setting away from its default still tells two configurations apart
+    make_run(sweep_dir, "adamw_sync_b2_s0", {**SYNC, "optim.beta2": "0.9"}, 0, 2.0)
+    assert len(rows_by_label(sweep_dir)) == 4
+
+
 def test_report_files_and_claims(sweep_dir):
     out = write_report(sweep_dir)
     md = (out / "report.md").read_text()

@@ -16,13 +16,15 @@ mitigations off.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stalepipe.config import upgrade_record
+from stalepipe.config import ExperimentConfig, upgrade_record
+from stalepipe.config.overrides import default_of
 from stalepipe.experiments import overhead, stats
 from stalepipe.experiments.sweep import ERROR_FILE, SPEC_FILE, run_status
 from stalepipe.fileio import flatten_dict
@@ -117,17 +119,33 @@ def load_runs(root: str | Path) -> list[Run]:
 
 
 def config_key(config: dict[str, Any], drop: tuple[str, ...] = ()) -> tuple:
-    """A hashable identity of a configuration (seeds and `drop` keys left out)."""
+    """A hashable identity of a configuration (seeds and `drop` keys left out). A setting at
+    its default is left out too: a record written before the setting existed (a mitigation, a
+    corrector, `pipeline.num_chunks`) means the default, and the two are one configuration."""
     return tuple(
         sorted(
             (k, json.dumps(v))
             for k, v in config.items()
-            if k not in NON_CONFIG_KEYS
-            and k not in drop
-            # a mitigation at its default is a mitigation off, as in a record without the key
-            and not (k in MITIGATION_DEFAULTS and v == MITIGATION_DEFAULTS[k])
+            if k not in NON_CONFIG_KEYS and k not in drop and not _at_default(k, v)
         )
     )
+
+
+@functools.cache
+def _default(key: str) -> Any:
+    try:
+        return default_of(ExperimentConfig, key)
+    except KeyError:  # not a config field (an old record's key): never at a default
+        return _NO_DEFAULT
+
+
+_NO_DEFAULT = object()
+
+
+def _at_default(key: str, value: Any) -> bool:
+    if key in MITIGATION_DEFAULTS:
+        return value == MITIGATION_DEFAULTS[key]
+    return _default(key) is not _NO_DEFAULT and value == _default(key)
 
 
 @dataclass
