@@ -67,3 +67,14 @@ def test_the_135m_claims_script_plans_its_18_runs_and_refuses_a_dir_without_shar
     assert "18 runs, 18 to run" in out.stderr + out.stdout
     assert "GPU-hours on one H100" in out.stderr + out.stdout
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
+
+
+def test_split_backward_benchmark_runs():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "split_backward.py"), "--dim", "32",
+         "--repeats", "3"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "split (BI + BW)" in out.stdout and "two calls (before)" in out.stdout
