@@ -34,12 +34,13 @@ from stalepipe.delay import DelayedOptimizer
 from stalepipe.models import build_model, partition
 from stalepipe.optim import build_optimizer, resolve_config
 from stalepipe.optim.schedules import set_peak_lr
-from stalepipe.pipeline.comm import Comm, Topology, init_from_env
+from stalepipe.pipeline.comm import Comm, init_from_env
 from stalepipe.pipeline.generators import make_schedule
 from stalepipe.pipeline.pool import WorkerPool
 from stalepipe.pipeline.stage import StageExecutor
 from stalepipe.pipeline.stage_io import ModelLayout, StageIO
 from stalepipe.pipeline.timing import simulate, summarize, uniform_costs
+from stalepipe.pipeline.topology import Topology
 from stalepipe.pipeline.votes import StepVotes, lookahead
 
 P = 2

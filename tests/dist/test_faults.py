@@ -33,7 +33,7 @@ import pytest
 
 from stalepipe.errors import EXIT_PEER, EXIT_PREEMPTED, EXIT_USER, TrainingError, UserError
 from stalepipe.pipeline.checkpoint_parts import wait_part
-from stalepipe.pipeline.comm import Topology
+from stalepipe.pipeline.topology import Topology
 from stalepipe.pipeline.processes import host_store, supervise, worker_env
 from stalepipe.train.checkpoint import load_checkpoint
 from stalepipe.train.launch import launch_train, spawn_ranks
@@ -96,7 +96,8 @@ _POST = textwrap.dedent(
     """
     import os, signal, sys, time
     import torch
-    from stalepipe.pipeline.comm import Comm, PeerError, Topology, init_from_env
+    from stalepipe.pipeline.comm import Comm, PeerError, init_from_env
+    from stalepipe.pipeline.topology import Topology
 
     rank, _, _ = init_from_env("gloo", 10)
     comm = Comm(Topology(2), rank, "gloo", 10, "cpu")

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from stalepipe.errors import UserError
 from stalepipe.pipeline import comm as comm_mod
-from stalepipe.pipeline.comm import Comm, PeerError, Topology
+from stalepipe.pipeline.comm import Comm, PeerError
+from stalepipe.pipeline.topology import Topology
 from stalepipe.pipeline.waits import backend_timeout_s, poll_work, store_barrier
 from stalepipe.train import distributed as dist_mod
 from stalepipe.train.distributed import DistContext, on_main_outside_collectives

@@ -31,8 +31,9 @@ import torch
 from stalepipe.delay import DelayedOptimizer, DelaySchedule
 from stalepipe.errors import CheckpointError
 from stalepipe.fileio import torch_save_atomic
-from stalepipe.pipeline.comm import PeerError, Topology, peer_error
+from stalepipe.pipeline.comm import PeerError, peer_error
 from stalepipe.pipeline.failures import first_failure, run_store
+from stalepipe.pipeline.topology import Topology
 
 PARTS_DIR = "parts"
 FAILURE_POLL_S = 0.1  # how often a wait for a part reads the run's failure records

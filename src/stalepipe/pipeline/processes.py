@@ -36,7 +36,6 @@ from typing import Any
 import torch.distributed as dist
 
 from stalepipe.errors import EXIT_PEER, EXIT_PREEMPTED, EXIT_USER, TrainingError, UserError
-from stalepipe.pipeline.comm import Topology
 from stalepipe.pipeline.failures import (
     AGENT_STORE_ENV,
     Failure,
@@ -44,6 +43,7 @@ from stalepipe.pipeline.failures import (
     rank_failure,
     report_failure,
 )
+from stalepipe.pipeline.topology import Topology
 
 GRACE_S = 10.0  # after the first failure: timeout_s + GRACE_S for the rest to stop, then kill
 HUNG_GRACE_S = 2.0  # a rank still running this long after all others stopped is hung

@@ -1,7 +1,7 @@
 """The stages of one pipeline process: executes the schedule's actions of that process.
 
 A process runs one stage, or several with chunks (interleaved 1F1B: rank r runs stages r, r+R,
-...). Each stage has its own module, forward and receives (`_Chunk`); the process has one
+...). Each stage has its own module, forward and receives (`Chunk`); the process has one
 `DelayedOptimizer` over all of its stages' parameters and posts one update per step, at its
 last STEP of that step, so the gradient-norm exchange happens once per process and step.
 
@@ -38,12 +38,10 @@ import torch
 
 from stalepipe.delay import DelayedOptimizer, microbatch_seed
 from stalepipe.delay.rng import seeded
-from stalepipe.pipeline.inbox import Inbox
-from stalepipe.pipeline.reparam import Reparametrized
 from stalepipe.pipeline.schedule import Action, Schedule
 from stalepipe.pipeline.split_backward import WeightBranches, backward_input, backward_weights
 from stalepipe.pipeline.stage_eval import EvalData, EvalStage, evaluate_stages
-from stalepipe.pipeline.stage_io import Batches, ModelLayout, Plan, StageIO
+from stalepipe.pipeline.stage_io import Batches, Chunk, ModelLayout, Plan, StageIO
 from stalepipe.pipeline.stage_update import StageUpdates, UpdateReport
 from stalepipe.pipeline.tied import TIED_HEAD, TIED_NAME, TiedWeights
 from stalepipe.pipeline.votes import StepVotes
@@ -60,21 +58,6 @@ class _Stash:
     aux: torch.Tensor | None = None  # this stage's MoE auxiliary loss / m (not the last stage)
     grad_out: torch.Tensor | None = None
     branches: WeightBranches | None = None  # what BI kept for BW (pipeline.split_backward)
-
-
-class _Chunk:
-    """One stage of this process: its module, its forward at given weights, its parameters
-    and its receives."""
-
-    def __init__(self, io: StageIO, names: list[str], num_stages: int) -> None:
-        self.io, self.stage, self.module = io, io.stage, io.module
-        self.first, self.last = self.stage == 0, self.stage == num_stages - 1
-        self.run_at = Reparametrized(self.module)
-        params = dict(self.module.named_parameters())
-        self.owned = {n: params[n] for n in names}
-        self.params = params
-        device = next(self.module.parameters()).device
-        self.inbox = Inbox(io.comm, io.stage, num_stages, io.act_shape, io.act_dtype, device)
 
 
 class StageExecutor:
@@ -110,7 +93,7 @@ class StageExecutor:
         self.comm = ios[0].comm
         self.P, self.m = sched.num_stages, sched.num_microbatches
         self.chunks = {
-            io.stage: _Chunk(io, delayed._names[io.stage], self.P) for io in ios
+            io.stage: Chunk(io, delayed._names[io.stage], self.P) for io in ios
         }  # first stage first
         assert list(self.chunks) == sorted(self.chunks), list(self.chunks)
         self.stages = list(self.chunks)
@@ -210,7 +193,7 @@ class StageExecutor:
     # ---------------------------------------------------------------------------------------
 
     def _weights(
-        self, chunk: _Chunk, version: int, step: int | None = None
+        self, chunk: Chunk, version: int, step: int | None = None
     ) -> dict[str, torch.Tensor]:
         """Fresh leaves over the tensors of `chunk`'s `version` (live ones included); for the
         forward of `step`, the weights that step computes at (`DelayedOptimizer.read_weights`:
@@ -270,13 +253,13 @@ class StageExecutor:
     # Compute
     # ---------------------------------------------------------------------------------------
 
-    def _batch(self, chunk: _Chunk, step: int) -> Batches:
+    def _batch(self, chunk: Chunk, step: int) -> Batches:
         if step not in self._batches:
             assert chunk.io.get_batch is not None, "only the first and last stage read data"
             self._batches[step] = chunk.io.get_batch(step)
         return self._batches[step]
 
-    def forward(self, chunk: _Chunk, step: int, microbatch: int, version: int) -> None:
+    def forward(self, chunk: Chunk, step: int, microbatch: int, version: int) -> None:
         """F: run microbatch `microbatch` of step `step` through `chunk` at `version`."""
         s, io = chunk.stage, chunk.io
         xs, ys = self._batch(chunk, step) if (chunk.first or chunk.last) else ([], [])
@@ -315,7 +298,7 @@ class StageExecutor:
         self._stash[(s, step, microbatch)] = _Stash(inp, out, weights, version, aux)
         self._live_inflight[version] += 1
 
-    def backward(self, chunk: _Chunk, step: int, microbatch: int, weights: bool = True) -> None:
+    def backward(self, chunk: Chunk, step: int, microbatch: int, weights: bool = True) -> None:
         """B (weights=True) or BI (input gradient only; BW follows)."""
         s = chunk.stage
         st = self._stash[(s, step, microbatch)]
@@ -340,7 +323,7 @@ class StageExecutor:
         what = f"the gradient of step {step} microbatch {microbatch}"
         self.comm.send([grad], (stage, stage - 1), "grad", what)
 
-    def backward_weights(self, chunk: _Chunk, step: int, microbatch: int) -> None:
+    def backward_weights(self, chunk: Chunk, step: int, microbatch: int) -> None:
         """BW: the weight half of a split backward."""
         st = self._stash[(chunk.stage, step, microbatch)]
         weights = list(st.leaves.values())

@@ -1,5 +1,6 @@
 """What a stage executor is given: its place and inputs (`StageIO`), facts about the whole
-model (`ModelLayout`) and what it asks of the run's plan (`Plan`)."""
+model (`ModelLayout`) and what it asks of the run's plan (`Plan`); and what it builds of each
+stage it runs (`Chunk`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 from torch import nn
 
 from stalepipe.pipeline.comm import Comm
+from stalepipe.pipeline.inbox import Inbox
+from stalepipe.pipeline.reparam import Reparametrized
 
 Batches = tuple[list[torch.Tensor], list[torch.Tensor]]
 
@@ -61,3 +64,18 @@ class ModelLayout:
     tied: bool
     grad_clip: float
     per_expert: bool = True
+
+
+class Chunk:
+    """One stage a runtime process runs (`pipeline.stage.StageExecutor` holds one per stage):
+    its module, its forward at given weights, its owned parameters and its receives."""
+
+    def __init__(self, io: StageIO, names: list[str], num_stages: int) -> None:
+        self.io, self.stage, self.module = io, io.stage, io.module
+        self.first, self.last = self.stage == 0, self.stage == num_stages - 1
+        self.run_at = Reparametrized(self.module)
+        params = dict(self.module.named_parameters())
+        self.owned = {n: params[n] for n in names}
+        self.params = params
+        device = next(self.module.parameters()).device
+        self.inbox = Inbox(io.comm, io.stage, num_stages, io.act_shape, io.act_dtype, device)

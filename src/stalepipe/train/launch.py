@@ -22,9 +22,10 @@ from pathlib import Path
 
 from stalepipe.config import ExperimentConfig
 from stalepipe.errors import EXIT_BUG, EXIT_PEER, EXIT_PREEMPTED, Preempted, UserError
-from stalepipe.pipeline.comm import PeerError, Topology, under_torchrun
+from stalepipe.pipeline.comm import PeerError, under_torchrun
 from stalepipe.pipeline.failures import Failure, first_failure, report_failure, run_store
 from stalepipe.pipeline.processes import EXIT_INTERRUPTED, host_store, supervise, worker_env
+from stalepipe.pipeline.topology import Topology
 from stalepipe.train.checkpoint import latest_checkpoint
 from stalepipe.train.devices import check_device
 from stalepipe.train.loop import with_resolved_optim

@@ -38,7 +38,6 @@ from stalepipe.pipeline import checkpoint_parts as stage_ckpt
 from stalepipe.pipeline.comm import (
     Comm,
     PeerError,
-    Topology,
     barrier_on_store,
     init_from_env,
     leave_process_group,
@@ -50,6 +49,7 @@ from stalepipe.pipeline.stage import StageExecutor
 from stalepipe.pipeline.stage_eval import EvalData
 from stalepipe.pipeline.stage_io import ModelLayout, StageIO
 from stalepipe.pipeline.tied import TIED_HEAD, TIED_NAME
+from stalepipe.pipeline.topology import Topology
 from stalepipe.pipeline.votes import StepVotes, lookahead
 from stalepipe.train.checkpoint import load_checkpoint, save_checkpoint
 from stalepipe.train.devices import check_device, set_tf32
