@@ -10,7 +10,8 @@ PYTHONPATH=src; nothing is installed). On one H100/H200 it takes under 8 minutes
 - resume on the GPU: a run interrupted after a checkpoint and resumed ends with the weights of
   the uninterrupted run (deterministic algorithms on, for both);
 - the pipeline runtime's CUDA path (NCCL, one process per GPU) at the largest stage count the
-  GPUs allow.
+  GPUs allow, with 2bw and with ZB-V's two stages per process (on one GPU: both stages in one
+  process, the hand-over and the tied embedding local, the split backward on CUDA).
 
 Output: one table on stdout and a JSON file (`--json`). Exit 0 when every check passed, 1 when
 one failed or was skipped, 2 when a package the check needs is missing (the line says which
@@ -268,27 +269,31 @@ def runtime_stages(s: Setup) -> int:
     return min(s.num_gpus, 8) if s.cuda else 2
 
 
-def runtime_config(s: Setup, P: int):
-    schedule = "2bw" if P > 1 else "1f1b"
-    m = max(4, P)
+def runtime_config(s: Setup, P: int, v_shape: bool = False):
+    """2bw on P processes (1f1b on one); or, with `v_shape`, ZB-V's two stages per process
+    on P processes (one GPU runs both stages: the local hand-over, the tied embedding's two
+    ends on one process, the split backward)."""
+    schedule = "zb-v" if v_shape else "2bw" if P > 1 else "1f1b"
+    m = max(4, 2 * P if v_shape else P)
     over = {
         "pipeline.engine": "distributed",
         "pipeline.schedule": schedule,
-        "pipeline.num_stages": str(P),
-        "delay.policy": "2bw" if P > 1 else "sync",
+        "pipeline.num_stages": str(2 * P if v_shape else P),
+        "pipeline.num_chunks": "2" if v_shape else "1",
+        "delay.policy": "2bw" if schedule == "2bw" else "sync",
         "train.num_microbatches": str(m),
         "train.batch_size": str(8 * m if s.cuda else 2 * m),
     }
-    return config(s, f"runtime-p{P}", **over)
+    return config(s, f"runtime-{schedule}-p{P}", **over)
 
 
-def runtime_row(s: Setup) -> Row:
+def runtime_row(s: Setup, v_shape: bool = False) -> Row:
     """The runtime at the largest P this machine allows (`runtime_stages`)."""
     from stalepipe.train.launch import launch_train
     from stalepipe.train.metrics import read_metrics
 
     P = runtime_stages(s)
-    cfg = runtime_config(s, P)
+    cfg = runtime_config(s, P, v_shape)
     if s.cuda:  # what this process cached stays out of the workers' way
         import torch
 
@@ -321,6 +326,9 @@ def plan(s: Setup, compile_too: bool) -> list[tuple[Row, Any]]:
                 (Row("resume", "emulator", "2bw+EF", "adamw", False), lambda: resume_row(s))
             )
             jobs.append((Row("runtime", "runtime", "", "adamw", False), lambda: runtime_row(s)))
+            jobs.append(
+                (Row("runtime", "runtime", "zb-v", "adamw", False), lambda: runtime_row(s, True))
+            )
     return jobs
 
 

@@ -76,10 +76,11 @@ def test_the_reduced_cpu_mode_runs_every_check(tmp_path):
     rows = [line.split()[:3] for line in lines[2:-1]]
     policies = ["sync", "2bw", "2bw+EF"]
     want = [["throughput", p, o] for o in ("adamw", "muon") for p in policies]
-    assert rows == [*want, ["resume", "2bw+EF", "adamw"], ["runtime", "P=2", "2bw"]]
+    runtime = [["runtime", "P=2", "2bw"], ["runtime", "P=2", "zb-v"]]
+    assert rows == [*want, ["resume", "2bw+EF", "adamw"], *runtime]
     assert "bitwise equal" in out.stdout and lines[-1].startswith("all checks passed")
     result = json.loads((tmp_path / "r.json").read_text())
-    assert result["ok"] and len(result["rows"]) == 8
+    assert result["ok"] and len(result["rows"]) == 9
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in result["rows"])
     assert all(r["timed_from_step"] == 3 for r in result["rows"])  # after the warm-up
 
@@ -104,3 +105,6 @@ def test_every_config_the_gpu_mode_builds_is_valid(gpu_check, tmp_path, num_gpus
     from stalepipe.train.pipelined import check_config
 
     check_config(cfg)  # what the runtime itself refuses
+    v = gpu_check.runtime_config(s, P, v_shape=True)  # two stages per GPU, in a V
+    assert (v.pipeline.num_stages, v.pipeline.num_chunks, v.pipeline.num_processes) == (2 * P, 2, P)
+    check_config(v)
