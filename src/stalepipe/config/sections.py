@@ -253,7 +253,7 @@ class PipelineConfig:
 
     The emulator (engine=emulate) uses `num_stages` for per-stage staleness in one process; the
     distributed runtime (engine=distributed) runs one process per stage (times `num_replicas`),
-    or `num_chunks` stages per process under interleaved-1f1b.
+    or `num_chunks` stages per process under interleaved-1f1b, zb-v and dualpipev.
     """
 
     num_stages: int = option(1, "pipeline stages P (<= model.num_layers)")
@@ -263,7 +263,9 @@ class PipelineConfig:
         f"distributed engine's schedule: {' | '.join(RUNTIME_SCHEDULES)} (the emulator has none)",
     )
     num_chunks: int = option(
-        1, "stages per process (interleaved-1f1b: >= 2; processes = num_stages / num_chunks)"
+        1,
+        "stages per process (interleaved-1f1b: >= 2; zb-v, dualpipev: 2; "
+        "processes = num_stages / num_chunks)",
     )
     num_replicas: int = option(1, "data-parallel replicas of each stage (distributed engine)")
     backend: str = option("auto", "torch.distributed backend: auto | gloo | nccl")
