@@ -3,10 +3,11 @@
     python benchmarks/pipeline_throughput.py [--microbatches 2 4 8] [--steps 26] [--repeats 3]
 
 Same model, P=2 processes (gloo, one CPU thread each), m microbatches of 8x64 tokens per step,
-AdamW, no clipping. For each m: tokens/s of our gpipe, 1f1b and 2bw (executing the schedule
-IR) and of torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B and
-ScheduleZBVZeroBubble (the last two over 2 model chunks per process: the same blocks split
-into 2P stages, looped for interleaving, V-shaped for ZB-V); the measured bubble fraction of our
+AdamW, no clipping. For each m: tokens/s of our gpipe, 1f1b, interleaved-1f1b, zb-v and 2bw
+(executing the schedule IR) and of torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B
+and ScheduleZBVZeroBubble (the interleaved and ZB-V ones, ours and torch's, over 2 model chunks
+per process: the same blocks split into 2P stages, looped for interleaving, V-shaped for
+ZB-V); the measured bubble fraction of our
 schedules (1 - busy / wall, per rank, averaged; busy = forward, backward and the update) next
 to the timing simulator's prediction from that run's measured forward, backward and optimizer
 times. Goals (issue 6): 2bw / our 1f1b >= 0.95 (m+P-1)/m; our 1f1b >= 0.95x torch's
