@@ -2,8 +2,9 @@
 
 At its last STEP of step k a process finishes step k's gradient (tied-head sum, data-parallel
 all-reduce) and starts one all-gather over the pipeline of [per-parameter gradient norms | raw
-MoE router sums | loss], each stage of the process at its own offset (`_Layout`). The update is *applied* when first needed: before an action that reads version k+1,
-before the next STEP, at a sync point (an eval or checkpoint reads W_{k+1}), or at the end. This
+MoE router sums | loss], each stage of the process at its own offset (`_Layout`). The update
+is *applied* when first needed: before an action that reads version k+1, before the next
+STEP, at a sync point (an eval or checkpoint reads W_{k+1}), or at the end. This
 keeps the no-flush schedules free of bubbles even though gradient clipping needs every stage's
 norm. The update itself is `delay.DelayedOptimizer.step` -- the emulator's own version
 bookkeeping, Taylor and error-feedback code, so both engines share one implementation.
@@ -12,7 +13,7 @@ bookkeeping, Taylor and error-feedback code, so both engines share one implement
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,10 +102,7 @@ class StageUpdates:
         self._at = _Layout(comm, param_counts, self._stats_widths)
         self._norm_width, self._stats_width = self._at.norm_width, self._at.stats_width
         self._own = list(comm.topo.stages_of(comm.rank))
-        offsets = {}
-        for s, names in zip(self._own, _split(owned, param_counts, self._own), strict=True):
-            offsets.update({n: self._at.norm_at[s] for n in names})
-        self._norm_offset = offsets  # the stage offset of each owned parameter
+        self._names = dict(zip(self._own, _split(owned, param_counts, self._own), strict=True))
         self._posted: deque[_Posted] = deque()
         self._logged: deque[tuple[int, float, Any, list[torch.Tensor]]] = deque()
         self.reports: deque[UpdateReport] = deque()  # applied, not yet taken by the engine
@@ -126,17 +124,14 @@ class StageUpdates:
         # [per-parameter norms in the model's order (what clip_grad_norm_ stacks) |
         #  raw router sums | loss]
         vec = torch.zeros(self._norm_width + self._stats_width + 1, device=device)
-        names = [n for n in self.owned if n in grads]
-        if self.grad_clip > 0 and names:
-            norms = torch._foreach_norm([grads[n] for n in names], 2.0)
+        for s in self._own if self.grad_clip > 0 else ():
             # each stage's norms from its offset, in its parameters' order (a parameter
             # without a gradient is skipped, as clip_grad_norm_ skips it)
-            at, seen = [], Counter()
-            for n in names:
-                base = self._norm_offset[n]
-                at.append(base + seen[base])
-                seen[base] += 1
-            vec[at] = torch.stack([n.float() for n in norms])
+            names = [n for n in self._names[s] if n in grads]
+            if names:
+                norms = torch._foreach_norm([grads[n] for n in names], 2.0)
+                lo = self._at.norm_at[s]
+                vec[lo : lo + len(names)] = torch.stack([n.float() for n in norms])
         if self._stats_width and self.logs(step):
             for s, module in zip(self._own, modules, strict=True):
                 _, raw = module.raw_router_stats(reset=True)
