@@ -1,8 +1,8 @@
 """Pipelined training on the multi-process runtime: what each process runs (`run_worker`).
 
-One process per (stage, replica). Every process builds only its own stage
-(`models.build_stage`, the values the whole model would have), builds the optimizer from the
-stage's named parameters, wraps it in the delay engine's `DelayedOptimizer` (so versions,
+One process per (stage, replica), or per `pipeline.num_chunks` stages (interleaved 1F1B, ZB-V,
+DualPipeV). Every process builds only its own stages (`models.build_stage`, the values the
+whole model would have), builds the optimizer from their named parameters, wraps it in the delay engine's `DelayedOptimizer` (so versions,
 Taylor and EF are the emulator's code), generates the schedule (`pipeline.generators`, the
 lists the timing simulator times) and executes its own list with `pipeline.stage
 .StageExecutor`. Rank 0 writes metrics, prints progress and merges the stage checkpoint parts
@@ -191,10 +191,11 @@ class WorkerResult:
 
 
 class PipelineEngine:
-    """One stage of the pipeline runtime as a training engine (`train.engine.Engine`).
+    """One process of the pipeline runtime (its stage, or its stages with chunks) as a
+    training engine (`train.engine.Engine`).
 
-    Builds only its own stage (`models.build_stage`, the values the whole model would have),
-    the optimizer over the stage's named parameters, wrapped in the delay engine's
+    Builds only its own stages (`models.build_stage`, the values the whole model would have),
+    the optimizer over their named parameters, wrapped in the delay engine's
     `DelayedOptimizer` (so versions, Taylor and EF are the emulator's code), and the schedule
     (`pipeline.generators`, the lists the timing simulator times); `steps` executes this rank's
     list with `pipeline.stage.StageExecutor`. Checkpoints: every stage writes its part, rank 0
