@@ -2,10 +2,10 @@
 
 One process per (stage, replica), or per `pipeline.num_chunks` stages (interleaved 1F1B, ZB-V,
 DualPipeV). Every process builds only its own stages (`models.build_stage`, the values the
-whole model would have), builds the optimizer from their named parameters, wraps it in the delay engine's `DelayedOptimizer` (so versions,
-Taylor and EF are the emulator's code), generates the schedule (`pipeline.generators`, the
-lists the timing simulator times) and executes its own list with `pipeline.stage
-.StageExecutor`. Rank 0 writes metrics, prints progress and merges the stage checkpoint parts
+whole model would have), builds the optimizer from their named parameters, wraps it in the
+delay engine's `DelayedOptimizer` (so versions, Taylor and EF are the emulator's code),
+generates the schedule (`pipeline.generators`, the lists the timing simulator times) and
+executes its own list with `pipeline.stage.StageExecutor`. Rank 0 writes metrics, prints progress and merges the stage checkpoint parts
 into the stage-agnostic checkpoint of single-process training.
 
 Launch with `torchrun ... -m stalepipe train --pipeline.engine distributed ...` or let
