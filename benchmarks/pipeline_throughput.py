@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from pipeline_memory import print_memory, stage_sizes  # benchmarks/pipeline_memory.py
 from pipeline_replay import replayed_bubble  # benchmarks/pipeline_replay.py
+from pipeline_spans import busy, median_span, timed_call, window  # benchmarks/pipeline_spans.py
 
 from stalepipe.config import DelayConfig, ModelConfig, OptimConfig
 from stalepipe.delay import DelayedOptimizer
@@ -150,16 +151,16 @@ def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: 
     def backward_key(a: tuple, kw: dict) -> tuple:  # B, or BI (weights=False)
         return (*action(a, kw), "B" if kw.get("weights", True) else "BI")
 
-    ex.forward = _timed_call(forward_marked, spans["F"], keys["F"], action)
+    ex.forward = timed_call(forward_marked, spans["F"], keys["F"], action)
     # The update is work too: STEP (post_step) and the optimizer step (apply_next, which runs
     # inside a forward or a STEP) count as busy, as the simulator's optimizer cost does.
     # Waiting for a peer inside F/B (the inboxes' _take) is bubble, not work.
-    ex.backward = _timed_call(ex.backward, spans["B"], keys["B"], backward_key)
-    ex.backward_weights = _timed_call(ex.backward_weights, spans["V"], keys["V"], action)
+    ex.backward = timed_call(ex.backward, spans["B"], keys["B"], backward_key)
+    ex.backward_weights = timed_call(ex.backward_weights, spans["V"], keys["V"], action)
     for attr, kind in (("post_step", "S"), ("apply_next", "A")):
-        setattr(ex, attr, _timed_call(getattr(ex, attr), spans[kind], keys[kind]))
+        setattr(ex, attr, timed_call(getattr(ex, attr), spans[kind], keys[kind]))
     for c in ex.chunks.values():
-        c.inbox._take = _timed_call(c.inbox._take, spans["W"], keys["W"], lambda a, kw: ())
+        c.inbox._take = timed_call(c.inbox._take, spans["W"], keys["W"], lambda a, kw: ())
     comm.barrier("benchmark start")
     for _ in ex.run(list(sched.ranks[rank])):
         pass
@@ -173,63 +174,6 @@ def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: 
         "tokens": (steps - warm) * m * mb * T,
         "stages": ids,
     }
-
-
-def _window(reports: list[dict]) -> tuple[float, float]:
-    """From the first stage's first forward of step `warm` to the last rank's end."""
-    return reports[0]["marks"]["start"], max(r["marks"]["end"] for r in reports)
-
-
-def _timed_call(fn, out: list, keys: list, key=lambda a, kw: a[:1]):
-    """`fn`, recording (wall start, wall end, this thread's CPU seconds) per call into `out`
-    and `key` of its arguments (default: the first, a STEP's step) into `keys`: CPU
-    time tells a schedule's own work from the machine's (a core shared with the other process
-    or with another job stretches the wall time, not the CPU time)."""
-
-    def run(*a, **kw):
-        t, c = time.perf_counter(), time.thread_time()
-        r = fn(*a, **kw)
-        out.append((t, time.perf_counter(), time.thread_time() - c))
-        keys.append(key(a, kw))
-        return r
-
-    return run
-
-
-def _union(spans: list[tuple[float, float]], t0: float, t1: float) -> float:
-    """Length of the union of `spans` clipped to [t0, t1] (apply spans nest in F and STEP)."""
-    total, end = 0.0, t0
-    for a, b, _ in sorted(spans):
-        a, b = max(a, end), min(b, t1)
-        if b > a:
-            total += b - a
-            end = b
-    return total
-
-
-def _busy(report: dict, t0: float, t1: float) -> float:
-    sp = report["spans"]
-    work = sp["F"] + sp["B"] + sp["V"] + sp["S"] + sp["A"]
-    return _union(work, t0, t1) - _union(sp["W"], t0, t1)
-
-
-def _mean(report: dict, kind: str, cpu: bool = False, stage: int | None = None) -> float:
-    """Median duration of `kind` spans (wall, or with `cpu` the thread's CPU time), minus the
-    waits and the updates nested inside; F and B of `stage` only when given."""
-    inner = sorted(report["spans"]["W"] + (report["spans"]["A"] if kind != "A" else []))
-    xs = []
-    spans = report["spans"][kind]
-    if stage is not None:
-        spans = [sp for sp, k in zip(spans, report["keys"][kind]) if k[0] == stage]
-    if not spans:
-        return 0.0  # no action of this kind (BW without a split backward)
-    for a, b, c in spans:
-        nested = [(x, y, z) for x, y, z in inner if x < b and y > a]
-        if cpu:
-            xs.append(c - sum(z for x, y, z in nested if x >= a and y <= b))
-        else:
-            xs.append(b - a - sum(min(y, b) - max(x, a) for x, y, _ in nested))
-    return sorted(xs)[len(xs) // 2]  # median: robust to the shared machine's hiccups
 
 
 class _TorchStage(torch.nn.Module):
@@ -406,9 +350,9 @@ def _measure(res: dict) -> tuple[dict, dict]:
         if k.startswith("torch-"):
             tok[k] = reports[0]["tokens"] / max(r["wall"] for r in reports)
             continue
-        t0, t1 = _window(reports)
+        t0, t1 = window(reports)
         tok[k] = reports[0]["tokens"] / (t1 - t0)
-        bubble[k] = sum(1 - _busy(r, t0, t1) / (t1 - t0) for r in reports) / P
+        bubble[k] = sum(1 - busy(r, t0, t1) / (t1 - t0) for r in reports) / P
     return tok, bubble
 
 
@@ -442,14 +386,14 @@ def _print_row(m: int, rounds: list[dict], args) -> None:
     for name in OURS:  # each from its own measured costs (last round)
         reports, C = rounds[-1][name], CHUNKS.get(name, 1)
         by_stage = sorted((s, r) for r in reports for s in r["stages"])
-        f, b, w = ([_mean(r, kind, stage=s) for s, r in by_stage] for kind in "FBV")
-        u = [_mean(r, "A") / C for _, r in by_stage]  # a rank's update, shared by its stages
+        f, b, w = ([median_span(r, kind, stage=s) for s, r in by_stage] for kind in "FBV")
+        u = [median_span(r, "A") / C for _, r in by_stage]  # a rank's update, shared by its stages
         costs = uniform_costs(C * P, forward=f, backward_input=b, backward_weight=w, optimizer=u)
         sched = make_schedule(name, P, m, steps, num_chunks=C)
         summary = summarize(simulate(sched, costs))
         pred[name], span[name] = summary.bubble, summary.makespan
-        fc, bc, wc = ([_mean(r, k, cpu=True, stage=s) for s, r in by_stage] for k in "FBV")
-        u = [_mean(r, "A") for r in reports]
+        fc, bc, wc = ([median_span(r, k, cpu=True, stage=s) for s, r in by_stage] for k in "FBV")
+        u = [median_span(r, "A") for r in reports]
         cost_ms[name] = (
             1e3 * (sum(f) + sum(b) + sum(w)) / P,
             1e3 * (sum(fc) + sum(bc) + sum(wc)) / P,
