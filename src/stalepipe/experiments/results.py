@@ -143,8 +143,6 @@ _NO_DEFAULT = object()
 
 
 def _at_default(key: str, value: Any) -> bool:
-    if key in MITIGATION_DEFAULTS:
-        return value == MITIGATION_DEFAULTS[key]
     return _default(key) is not _NO_DEFAULT and value == _default(key)
 
 

@@ -252,12 +252,11 @@ class Comm:
     def _p2p(self, op: str, tensors: list[torch.Tensor], link: Link, channel: str, what: str):
         src, dst = link
         peer = self.peer_rank(dst if op == "send" else src)
+        fn = dist.isend if op == "send" else dist.irecv
         try:  # posting fails at once when gloo already saw the peer's connection close
             if self.backend == "nccl":
                 group = self._groups[(channel, src, dst)]
-                fn = dist.isend if op == "send" else dist.irecv
                 return dist.batch_isend_irecv([dist.P2POp(fn, t, peer, group) for t in tensors])
-            fn = dist.isend if op == "send" else dist.irecv
             return [fn(t, peer, tag=tag(channel, src)) for t in tensors]
         except Exception as e:  # RuntimeError or DistBackendError, as in Pending.wait
             raise self.peer_error(peer, what, e) from None

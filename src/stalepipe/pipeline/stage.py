@@ -115,6 +115,8 @@ class StageExecutor:
         # Both ends of a tied embedding on this process (a V's rank 0): the head reads the
         # owner's version itself, and the gradients are summed here (`post_step`).
         self.tied_local = layout.tied and self.P > 1 and self.first and self.last
+        if self.tied_local:  # where the matrix sits among stage 0's weights
+            self._tied_index = list(self.chunks[0].owned).index(TIED_NAME)
         if layout.tied and self.P > 1 and not self.tied_local:
             role = "owner" if self.first else "head" if self.last else None
         head = self.chunks[self.P - 1].params.get(TIED_HEAD) if role == "head" else None
@@ -213,9 +215,8 @@ class StageExecutor:
             leaves[TIED_HEAD] = self._tied_weight(version, step).detach().requires_grad_()
         if self.tied_local and chunk.last:  # the owner's matrix at the version the head reads
             assert step is None or not self.delayed.prediction_scale(s, step)
-            owner = self.chunks[0]
-            i = list(owner.owned).index(TIED_NAME)
-            leaves[TIED_HEAD] = self.delayed.weights_at(0, version)[i].detach().requires_grad_()
+            w = self.delayed.weights_at(0, version)[self._tied_index]
+            leaves[TIED_HEAD] = w.detach().requires_grad_()
         return leaves
 
     def _tied_weight(self, version: int, step: int | None) -> torch.Tensor:
