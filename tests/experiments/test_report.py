@@ -12,7 +12,7 @@ from stalepipe.config import ExperimentConfig, apply_overrides
 from stalepipe.errors import UserError
 from stalepipe.experiments import stats
 from stalepipe.experiments.report import claims, write_report
-from stalepipe.experiments.results import build_rows, load_runs
+from stalepipe.experiments.results import best_row, build_rows, load_runs
 from stalepipe.experiments.studies import STUDIES, declared_claims
 from stalepipe.experiments.sweep import SPEC_FILE, write_error
 from stalepipe.optim import resolve_config
@@ -230,6 +230,47 @@ def test_momentum_verdict_sees_a_drifting_baseline(tmp_path):
     checked = {c[0]: c for c in claims(build_rows(load_runs(root)))}
     verdict, evidence = checked["Higher momentum shrinks the gap (adamw 2bw)"][1:]
     assert verdict == "partly" and "sync 2.0050-3.0050" in evidence
+
+
+def test_momentum_reads_each_beta1_at_its_best_sync_lr(tmp_path):
+    """With an LR axis, each beta1's gap is taken at the LR best on sync (over the seeds every
+    LR finished), not split into one series per LR; a beta1 whose best LR has no delayed run
+    is left out rather than read at a worse LR."""
+    root = tmp_path / "tuned"
+    # beta1 -> {lr: sync loss}; the 2bw gap is 0.1 at the best LR and 0.9 elsewhere
+    grid = {"0.8": {"0.001": 2.3, "0.003": 2.0}, "0.9": {"0.001": 2.1, "0.003": 2.2},
+            "0.95": {"0.001": 2.05, "0.003": 2.4}, "0.98": {"0.001": 2.5, "0.003": 2.1}}  # fmt: skip
+    best = {b: min(lrs, key=lrs.get) for b, lrs in grid.items()}
+    gap = {"0.8": 0.5, "0.9": 0.3, "0.95": 0.1}
+    for b1, lrs in grid.items():
+        for lr, sync in lrs.items():
+            o = {"optim.beta1": b1, "optim.lr": lr}
+            seeds = range(3) if lr == best[b1] else range(1)  # the tuning LRs: seed 0 only
+            for s in seeds:
+                make_run(root, f"adamw_b1{b1}_lr{lr}_sync_s{s}", {**o, **SYNC}, s, sync + 0.01 * s)
+                if b1 == "0.98" and lr == best[b1]:
+                    continue  # its best LR's delayed arm is missing
+                g = gap[b1] if lr == best[b1] else 0.9
+                make_run(root, f"adamw_b1{b1}_lr{lr}_2bw_s{s}", {**o, **BW}, s, sync + g + 0.01 * s)
+    rows = build_rows(load_runs(root))
+    checked = {c[0]: c for c in claims(rows)}
+    verdict, evidence = checked["Higher momentum shrinks the gap (adamw 2bw)"][1:]
+    assert "beta1 0.8 (lr 0.003): 0.5000" in evidence
+    assert "beta1 0.9 (lr 0.001): 0.3000" in evidence
+    assert "beta1 0.95 (lr 0.001): 0.1000" in evidence
+    assert "0.98" not in evidence and "Spearman rho -1.00" in evidence
+    assert len([c for c in checked if c.startswith("Higher momentum")]) == 1
+
+
+def test_best_row_compares_on_the_seeds_all_rows_share(tmp_path):
+    """A row is not chosen for the luck of seeds the others lack."""
+    root = tmp_path / "best"
+    for s, v in enumerate([2.0, 1.0, 1.0]):  # seed 0 worse, seeds 1-2 lucky
+        make_run(root, f"a_s{s}", {**SYNC, "optim.lr": "0.001"}, s, v)
+    make_run(root, "b_s0", {**SYNC, "optim.lr": "0.003"}, 0, 1.5)
+    rows = build_rows(load_runs(root))
+    chosen = best_row(rows)
+    assert chosen.config["optim.lr"] == 0.003
 
 
 def test_report_checks_every_claim_a_study_declares_in_order():

@@ -132,7 +132,8 @@ def claim_ef_recovers_gap(rows: list[Row]) -> list[Claim]:
 
 
 def claim_momentum_shrinks_gap(rows: list[Row]) -> list[Claim]:
-    """Per beta1 series of at least 3 points: the gap falls with beta1 (Spearman <= -0.8)."""
+    """Per beta1 series of at least 3 points: the gap falls with beta1 (Spearman <= -0.8).
+    Where the LR was swept too, each beta1 is read at its best LR on sync."""
     from stalepipe.experiments import plots
 
     out = []
@@ -140,6 +141,8 @@ def claim_momentum_shrinks_gap(rows: list[Row]) -> list[Claim]:
         if len(pts) < 3:
             continue
         gaps = [r.gap for _, r in pts]
+        lrs = {r.config.get("optim.lr") for _, r in pts}  # retuned per beta1 (plots._TUNED_KEYS)
+        at = {b: f" (lr {r.config.get('optim.lr'):g})" if len(lrs) > 1 else "" for b, r in pts}
         rho = stats.spearman([b for b, _ in pts], gaps)
         # Shrinking counts only if every gap is real and the synchronous baseline moves less
         # than the gap does (a baseline that gets worse shrinks the gap without helping).
@@ -151,7 +154,7 @@ def claim_momentum_shrinks_gap(rows: list[Row]) -> list[Claim]:
         out.append((
             f"Higher momentum shrinks the gap ({name})",
             verdict,
-            ", ".join(f"beta1 {b:g}: {fmt(r.gap)} (p {fmt_p(r.gap_p)})" for b, r in pts)
+            ", ".join(f"beta1 {b:g}{at[b]}: {fmt(r.gap)} (p {fmt_p(r.gap_p)})" for b, r in pts)
             + f"; Spearman rho {rho:+.2f}; sync {fmt(min(syncs, default=math.nan))}"
             f"-{fmt(max(syncs, default=math.nan))}",
         ))  # fmt: skip

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stalepipe.delay import DelaySchedule
-from stalepipe.experiments.results import Row
+from stalepipe.experiments.results import Row, best_row, config_key
 
 
 def _plt() -> Any:
@@ -120,6 +120,9 @@ _AXIS_KEYS = {
     "delay": ("delay.policy",),
     "tokens": ("train.num_steps", "train.warmup_steps", "train.eval_every"),
 }
+# Keys retuned at each x on the synchronous baseline: a series reads each x at the value whose
+# sync run is best (the momentum study retunes the LR per beta1; RESULTS.md, study 2).
+_TUNED_KEYS = {"momentum": ("optim.lr",)}
 
 
 _SHOWN = ("optim.lr", "optim.beta1", "optim.beta2", "optim.weight_decay", "pipeline.num_stages",
@@ -138,8 +141,6 @@ def gap_series(rows: list[Row], kind: str) -> dict[str, list[tuple[float, Row | 
     """Series name -> [(x, row)] for unmitigated delayed rows with a gap, when x takes at least
     two values within a series. A series is a set of rows equal in everything but the x-axis
     keys. Depth series of pipedream start at P = 1 (sync by definition: row None, gap 0)."""
-    from stalepipe.experiments.results import config_key
-
     _, fx = AXES[kind]
     cands = [
         r
@@ -147,7 +148,7 @@ def gap_series(rows: list[Row], kind: str) -> dict[str, list[tuple[float, Row | 
         if not r.is_sync and not r.mitigations and math.isfinite(r.gap)
         and (kind != "delay" or r.policy.startswith("fixed:"))
     ]  # fmt: skip
-    drop = _AXIS_KEYS[kind]
+    drop = _AXIS_KEYS[kind] + _TUNED_KEYS.get(kind, ())
     # a series is named by its optimizer, policy and the shown keys that differ from the value
     # most of that optimizer's rows have (so the main runs are just "adamw 2bw")
     usual: dict[tuple[str, str], Any] = {}
@@ -175,11 +176,47 @@ def gap_series(rows: list[Row], kind: str) -> dict[str, list[tuple[float, Row | 
         series.setdefault(key, []).append((float(x), r))
     out = {}
     for k, pts in series.items():
+        if kind in _TUNED_KEYS:
+            pts = _tuned_on_sync(pts, rows, kind)
         pts.sort(key=lambda p: p[0])
         if kind == "depth" and " pipedream" in names[k] and pts[0][0] > 1:
             pts.insert(0, (1.0, None))  # pipedream at P = 1 is sync: gap 0 by definition
         if len({p[0] for p in pts}) >= 2:
             out[names[k]] = pts
+    return out
+
+
+def tuned_tags(rows: list[Row], kind: str) -> dict[tuple[float, float], str]:
+    """(x, gap) -> "lr=..." for the points of series whose tuned setting varies with x (empty
+    when nothing is tuned), to print beside the points."""
+    tags = {}
+    for pts in gap_series(rows, kind).values():
+        for key in _TUNED_KEYS.get(kind, ()):
+            values = {json.dumps(r.config.get(key)) for _, r in pts if r is not None}
+            if len(values) > 1:
+                tags.update({(x, r.gap): f"{key.split('.')[-1]}={r.config.get(key):g}"
+                             for x, r in pts if r is not None})  # fmt: skip
+    return tags
+
+
+def _tuned_on_sync(
+    pts: list[tuple[float, Row | None]], rows: list[Row], kind: str
+) -> list[tuple[float, Row | None]]:
+    """At each x, the delayed row at the setting of `_TUNED_KEYS[kind]` whose sync run is best
+    (`results.best_row`); an x whose best sync setting has no delayed run is left out rather
+    than read at a worse one."""
+    drop = _AXIS_KEYS[kind] + _TUNED_KEYS[kind]
+    _, fx = AXES[kind]
+    out = []
+    for x in sorted({x for x, _ in pts}):
+        here = [r for xx, r in pts if xx == x and r is not None and r.baseline is not None]
+        if not here:
+            continue
+        family = config_key(here[0].baseline.config, drop)
+        syncs = [s for s in rows if s.is_sync and s.values and fx(s) == x
+                 and config_key(s.config, drop) == family]  # fmt: skip
+        best = best_row(syncs)
+        out += [(x, r) for r in here if r.baseline is best]
     return out
 
 
@@ -194,13 +231,16 @@ def gap_plot(rows: list[Row], kind: str) -> bytes | None:
         xs, ys, es = zip(*pts)
         es = [0.0 if not math.isfinite(e) else e for e in es]
         ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=name)
+    tags = tuned_tags(rows, kind)
+    for (x, y), tag in tags.items():
+        ax.annotate(tag, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=6)
     ax.axhline(0.0, color="black", lw=0.8)
     label = AXES[kind][0]
     ax.set_xlabel(label)
     if kind in ("depth", "delay", "tokens"):
         ax.set_xscale("log", base=2 if kind != "tokens" else 10)
     ax.set_ylabel("final val loss gap to sync")
-    ax.set_title(f"gap vs {kind}")
+    ax.set_title(f"gap vs {kind}" + (" (each point at its best LR on sync)" if tags else ""))
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -294,6 +294,27 @@ def _link_one_baseline(r: Row, by_key: dict, by_key_any_depth: dict, ignore: tup
         r.gap_p = stats.welch_t_test(r.values, base.values).p
 
 
+def seed_values(row: Row) -> dict[int, float]:
+    """Seed -> final val loss, for the row's finished runs with a seed."""
+    return {
+        int(r.seed): r.final_val
+        for r in row.runs
+        if r.status == "finished" and math.isfinite(r.final_val) and r.seed is not None
+    }
+
+
+def best_row(rows: list[Row]) -> Row:
+    """The row with the lowest mean final val loss over the seeds every row finished (over its
+    own seeds when they share none), so a setting with more seeds is not favoured by them."""
+    common = set.intersection(*(set(seed_values(r)) for r in rows))
+
+    def score(r: Row) -> float:
+        vals = seed_values(r)
+        return stats.mean([vals[s] for s in sorted(common)]) if common else r.mean
+
+    return min(rows, key=score)
+
+
 def val_curves(row: Row) -> dict[int, overhead.Curve]:
     """Seed -> val loss against tokens, for the row's finished runs with a seed."""
     return {
