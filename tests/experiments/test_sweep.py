@@ -172,6 +172,45 @@ def test_sweep_resume_skip_and_retry(tiny_config, tmp_path):
     assert not (out / "2bw_s0" / ERROR_FILE).exists()
 
 
+def test_the_same_run_under_two_names_is_trained_once(tiny_config, tmp_path):
+    """A grid point equal to another (a setting spelled at its default) and a run finished in
+    the sweep directory under another name (a study swept beside another) are not repeated:
+    the dry run lists them as the same, the sweep counts them and trains the rest."""
+    import dataclasses
+
+    from stalepipe.experiments.sweep import plan_status
+    from stalepipe.optim import resolve_config
+
+    base = dataclasses.replace(
+        tiny_config, train=dataclasses.replace(tiny_config.train, num_steps=3, eval_every=0)
+    )
+    out = tmp_path / "sweep"
+    first = expand([[("sync", {"delay.policy": "sync"})]])
+    assert run_sweep(first, base, out, log=lambda m: None).ran == ["sync_s0"]
+    lr0 = resolve_config(base.optim).lr  # the default, as train() records it
+    lr = str(lr0)
+    specs = expand(
+        [
+            [("lr", {"optim.lr": lr}), ("lr2", {"optim.lr": str(lr0 * 2)})],
+            [("sync", {"delay.policy": "sync"}), ("2bw", {"delay.policy": "2bw"})],
+        ]
+    )
+    specs.append(expand([[("again_2bw", {"delay.policy": "2bw", "optim.lr": lr})]])[0])
+    plan = {p.spec.name: p.same for p in plan_status(specs, base, out)}
+    assert plan == {"lr_sync_s0": "sync_s0", "lr_2bw_s0": "", "lr2_sync_s0": "",
+                    "lr2_2bw_s0": "", "again_2bw_s0": "lr_2bw_s0"}  # fmt: skip
+    logs = []
+    res = run_sweep(specs, base, out, log=logs.append)
+    assert sorted(res.ran) == ["lr2_2bw_s0", "lr2_sync_s0", "lr_2bw_s0"]
+    assert res.same == {"lr_sync_s0": "sync_s0", "again_2bw_s0": "lr_2bw_s0"}
+    assert "2 the same as another run (not repeated), 0 failed earlier, 3 to run" in logs[0]
+    assert "3/3 finished" in logs[-1]
+    assert not (out / "lr_sync_s0").exists() and not (out / "again_2bw_s0").exists()
+    # a different seed is a different run
+    other_seed = expand([[("sync", {"delay.policy": "sync"})]], seeds=[1])
+    assert [p.same for p in plan_status(other_seed, base, out)] == [""]
+
+
 @pytest.mark.slow
 def test_parallel_failure_is_isolated(tiny_config, tmp_path):
     """Two worker processes (spawn): a run that raises is recorded in its error.json; the

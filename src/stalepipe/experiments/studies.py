@@ -8,7 +8,7 @@ configs and each optimizer's LR at each are `experiments/scales.py`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from stalepipe.config import (
@@ -113,9 +113,17 @@ def study_hparams(scale: str) -> list[list[list[Bundle]]]:
         grids += [
             [opt, axis("train.batch_size", [bs // 2, bs, bs * 2]), [SYNC, TWO_BW]],
             [opt, _lr_axis(scale, name), [SYNC, TWO_BW]],
-            [opt, axis("optim.weight_decay", ["0", "0.1", "0.3"]), [SYNC, TWO_BW]],
+            [opt, _wd_axis(scale, name), [SYNC, TWO_BW]],
         ]
     return grids
+
+
+def _wd_axis(scale: str, name: str) -> list[Bundle]:
+    """No weight decay, the optimizer's default and three times it (AdamW 0.1, Muon 0.01)."""
+    from stalepipe.optim import resolve_config  # here, not at the top: it imports torch
+
+    wd = resolve_config(replace(base_config(scale).optim, name=name)).weight_decay
+    return axis("optim.weight_decay", ["0", f"{wd:g}", f"{wd * 3:g}"])
 
 
 def study_delay(scale: str) -> list[list[list[Bundle]]]:
@@ -348,17 +356,21 @@ def _dry_run(
     log: Callable[[str], None],
 ) -> None:
     """`stalepipe sweep --dry-run`: each run's status and overrides, and the CPU time left."""
-    from stalepipe.experiments.sweep import run_status
+    from stalepipe.experiments.sweep import plan_status
 
     todo = []
-    for spec in specs:
-        cfg = spec.config(base, out_dir)
-        shown = " ".join(f"--{k} {v}" for k, v in spec.overrides.items())
-        status = run_status(Path(out_dir) / spec.name, cfg.train.num_steps)
-        log(f"{status:<9} {spec.name}: {shown}")
-        if status != "finished" and (status != "failed" or retry_failed):
-            todo.append(spec)
-    msg = f"{len(specs)} runs, {len(todo)} to run"
+    plan = plan_status(specs, base, Path(out_dir))
+    for p in plan:
+        shown = " ".join(f"--{k} {v}" for k, v in p.spec.overrides.items())
+        if p.same:
+            log(f"{'same':<9} {p.spec.name}: the same run as {p.same} (not repeated)")
+            continue
+        log(f"{p.status:<9} {p.spec.name}: {shown}")
+        if p.status != "finished" and (p.status != "failed" or retry_failed):
+            todo.append(p.spec)
+    same = sum(bool(p.same) for p in plan)
+    msg = f"{len(specs)} runs" + (f" ({same} the same as another)" if same else "")
+    msg += f", {len(todo)} to run"
     if scale in CPU_SCALES and todo:
         cost = estimate_cpu_seconds(todo, base, scale)
         msg += (f": ~{_duration(cost)} of CPU core time (~{_duration(cost / workers)} with "

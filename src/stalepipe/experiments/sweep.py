@@ -93,6 +93,75 @@ def record_files(out: str | Path) -> list[Path]:
     return files
 
 
+def run_identity(flat: dict[str, Any]) -> tuple:
+    """What makes two runs one run: the configuration as the report groups it
+    (`results.config_key`: names, logging knobs and settings at their defaults left out) and
+    the seeds. A flattened config as train() records it (optimizer defaults resolved)."""
+    from stalepipe.experiments.results import config_key  # results imports this module
+
+    return config_key(flat), json.dumps(flat.get("train.seed")), json.dumps(flat.get("data.seed"))
+
+
+def _recorded(cfg: ExperimentConfig) -> dict[str, Any]:
+    """`cfg` flattened as train() writes it to config.json (optimizer defaults resolved)."""
+    from stalepipe.fileio import flatten_dict  # here, not at the top: it imports torch
+    from stalepipe.optim import resolve_config
+
+    return flatten_dict(dataclasses.replace(cfg, optim=resolve_config(cfg.optim)).to_dict())
+
+
+def _saved(run_dir: Path) -> dict[str, Any] | None:
+    """The run's config.json, upgraded and flattened; None when absent or unreadable."""
+    from stalepipe.fileio import flatten_dict
+
+    try:
+        return flatten_dict(upgrade_record(json.loads((run_dir / "config.json").read_text())))
+    except (OSError, ValueError):
+        return None
+
+
+def _finished_runs(out: Path) -> dict[tuple, str]:
+    """`run_identity` -> name of each finished run directory under `out` (one without a
+    readable config.json is matched by its name only)."""
+    index: dict[tuple, str] = {}
+    for d in sorted(p for p in out.iterdir() if p.is_dir()) if out.is_dir() else []:
+        saved = _saved(d) if run_status(d) == "finished" else None
+        if saved is not None:
+            index.setdefault(run_identity(saved), d.name)
+    return index
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A run of a sweep as the sweep finds it: its config, status and, when the same run
+    (`run_identity`) is finished under another name in the sweep directory or comes earlier
+    in the sweep, that run's name (`same`): the sweep does not repeat it."""
+
+    spec: RunSpec
+    config: ExperimentConfig
+    status: str  # run_status
+    same: str = ""
+
+
+def plan_status(specs: Sequence[RunSpec], base: ExperimentConfig, out: Path) -> list[Planned]:
+    """Every spec's `Planned` entry, in order (reads the sweep directory, changes nothing).
+    Studies list one configuration under several names (each hparams grid repeats the
+    baseline) and share arms with other studies swept into one directory (study 1's sync
+    runs in the momentum grid): each such run is trained once."""
+    finished, planned = _finished_runs(out), {}
+    result = []
+    for spec in specs:
+        cfg = spec.config(base, out)
+        status = run_status(out / spec.name, cfg.train.num_steps)
+        same = ""
+        if status != "finished":
+            ident = run_identity(_recorded(cfg))
+            same = finished.get(ident) or planned.get(ident, "")
+            planned.setdefault(ident, spec.name)
+        result.append(Planned(spec, cfg, status, same))
+    return result
+
+
 def write_error(run_dir: Path, message: str, tb: str = "") -> None:
     """Record a failed run: error.json holds the message and traceback."""
     from stalepipe.train.rundir import RUN_KIND
@@ -137,6 +206,7 @@ class SweepResult:
     ran: list[str] = field(default_factory=list)  # trained (to the end) by this call
     failed: dict[str, str] = field(default_factory=dict)  # name -> error message
     skipped_failed: list[str] = field(default_factory=list)  # failed earlier, not retried
+    same: dict[str, str] = field(default_factory=dict)  # name -> the run it repeats (not run)
     changed: dict[str, list[str]] = field(default_factory=dict)  # finished with another config
     wall_s: float = 0.0
 
@@ -145,15 +215,12 @@ def _changed_keys(run_dir: Path, cfg: ExperimentConfig) -> list[str]:
     """Config keys whose saved value (config.json) differs from `cfg` (optimizer defaults
     resolved as train() records them; keys the saved file lacks, e.g. added later, and fields
     that do not change the trajectory are ignored)."""
-    from stalepipe.fileio import flatten_dict  # here, not at the top: it imports torch
-    from stalepipe.optim import resolve_config
     from stalepipe.train.resume import RESUMABLE_CHANGES
 
-    try:
-        saved = flatten_dict(upgrade_record(json.loads((run_dir / "config.json").read_text())))
-    except (OSError, ValueError):
+    saved = _saved(run_dir)
+    if saved is None:
         return []
-    now = flatten_dict(dataclasses.replace(cfg, optim=resolve_config(cfg.optim)).to_dict())
+    now = _recorded(cfg)
     skip = RESUMABLE_CHANGES | {"name", "out_dir", "data.data_dir"}
     return sorted(k for k in saved if k in now and k not in skip and saved[k] != now[k])
 
@@ -203,7 +270,8 @@ def run_sweep(
     todo = _plan(specs, base, out, retry_failed, res)
     log(
         f"sweep {out}: {len(specs)} runs: {len(res.finished)} finished, "
-        f"{len(res.skipped_failed)} failed earlier"
+        + (f"{len(res.same)} the same as another run (not repeated), " if res.same else "")
+        + f"{len(res.skipped_failed)} failed earlier"
         + (" (rerun with --retry-failed)" if res.skipped_failed else "")
         + f", {len(todo)} to run with {workers} worker(s)"
     )
@@ -234,8 +302,8 @@ def run_sweep(
         run_spawned(_run_one, jobs, workers, lambda f: progress.done(f.key, f.exitcode, f.seconds))
     res.wall_s = time.perf_counter() - t0
     log(
-        f"sweep {out}: {len(res.finished)}/{len(specs)} finished, {len(res.failed)} failed "
-        f"({_fmt_s(res.wall_s)})"
+        f"sweep {out}: {len(res.finished)}/{len(specs) - len(res.same)} finished, "
+        f"{len(res.failed)} failed ({_fmt_s(res.wall_s)})"
     )
     return res
 
@@ -248,16 +316,16 @@ def _plan(
     res: SweepResult,
 ) -> list[tuple[RunSpec, ExperimentConfig]]:
     """The runs still to do, with their configs; finished runs (and those made with another
-    config) and failed ones not retried go into `res`. A failed run to retry, and one that
+    config), repeats of another run (`plan_status`) and failed ones not retried go into `res`. A failed run to retry, and one that
     stopped before its first checkpoint, is deleted (it starts over)."""
     from stalepipe.train.rundir import RUN_ENTRIES, RUN_KIND
 
     todo = []
-    for spec in specs:
-        cfg = spec.config(base, out)
-        run_dir = out / spec.name
-        status = run_status(run_dir, cfg.train.num_steps)
-        if status == "finished":
+    for p in plan_status(specs, base, out):
+        spec, cfg, status, run_dir = p.spec, p.config, p.status, out / p.spec.name
+        if p.same:
+            res.same[spec.name] = p.same
+        elif status == "finished":
             res.finished.append(spec.name)
             changed = _changed_keys(run_dir, cfg)
             if changed:
