@@ -262,6 +262,34 @@ def test_momentum_reads_each_beta1_at_its_best_sync_lr(tmp_path):
     assert len([c for c in checked if c.startswith("Higher momentum")]) == 1
 
 
+def test_gap_plots_over_batch_size_weight_decay_and_lr(tmp_path):
+    """The hparams study's one-at-a-time grids each give a gap series over their axis (the
+    x1 point shared), and the report draws them."""
+    from stalepipe.experiments import plots
+
+    root = tmp_path / "hparams"
+    points = {"train.batch_size": ["2", "4", "8"], "optim.weight_decay": ["0", "0.3"],
+              "optim.lr": ["0.003", "0.01"]}  # fmt: skip
+    for s in range(2):
+        make_run(root, f"base_sync_s{s}", {**SYNC}, s, 2.0 + 0.01 * s)
+        make_run(root, f"base_2bw_s{s}", {**BW}, s, 2.3 + 0.01 * s)
+        for key, values in points.items():
+            for i, v in enumerate(values):
+                o = {key: v}
+                make_run(root, f"{key}{v}_sync_s{s}", {**o, **SYNC}, s, 2.0 + 0.01 * s)
+                make_run(root, f"{key}{v}_2bw_s{s}", {**o, **BW}, s, 2.1 + 0.1 * i + 0.01 * s)
+    rows = build_rows(load_runs(root))
+    bs = plots.gap_series(rows, "batch_size")
+    assert list(bs) == ["adamw 2bw"]
+    assert [(x, round(r.gap, 4)) for x, r in bs["adamw 2bw"]] == [
+        (2.0, 0.1), (4.0, 0.2), (8.0, 0.3), (16.0, 0.3)]  # fmt: skip  # 16: the base config
+    assert [x for x, _ in plots.gap_series(rows, "weight_decay")["adamw 2bw"]] == [0.0, 0.1, 0.3]
+    out = write_report(root)
+    names = {p.name for p in out.iterdir()}
+    assert {"gap_vs_batch_size.png", "gap_vs_weight_decay.png", "gap_vs_lr.png"} <= names
+    assert "## Gap vs sequences per step" in (out / "report.md").read_text()
+
+
 def test_best_row_compares_on_the_seeds_all_rows_share(tmp_path):
     """A row is not chosen for the luck of seeds the others lack."""
     root = tmp_path / "best"

@@ -112,6 +112,9 @@ AXES: dict[str, tuple[str, Callable[[Row], float]]] = {
     "depth": ("pipeline stages P", lambda r: r.config.get("pipeline.num_stages", 1)),
     "delay": ("max staleness (steps)", _delay),
     "tokens": ("training tokens", _tokens),
+    "lr": ("learning rate", lambda r: r.config.get("optim.lr", math.nan)),
+    "batch_size": ("sequences per step", lambda r: r.config.get("train.batch_size", math.nan)),
+    "weight_decay": ("weight decay", lambda r: r.config.get("optim.weight_decay", math.nan)),
 }
 # Keys that define the x-axis of each plot (excluded from the series label).
 _AXIS_KEYS = {
@@ -119,7 +122,11 @@ _AXIS_KEYS = {
     "depth": ("pipeline.num_stages",),
     "delay": ("delay.policy",),
     "tokens": ("train.num_steps", "train.warmup_steps", "train.eval_every"),
+    "lr": ("optim.lr",),
+    "batch_size": ("train.batch_size",),
+    "weight_decay": ("optim.weight_decay",),
 }
+_LOG_BASE = {"depth": 2, "delay": 2, "tokens": 10, "lr": 10, "batch_size": 2}
 # Keys retuned at each x on the synchronous baseline: a series reads each x at the value whose
 # sync run is best (the momentum study retunes the LR per beta1; RESULTS.md, study 2).
 _TUNED_KEYS = {"momentum": ("optim.lr",)}
@@ -237,10 +244,11 @@ def gap_plot(rows: list[Row], kind: str) -> bytes | None:
     ax.axhline(0.0, color="black", lw=0.8)
     label = AXES[kind][0]
     ax.set_xlabel(label)
-    if kind in ("depth", "delay", "tokens"):
-        ax.set_xscale("log", base=2 if kind != "tokens" else 10)
+    if kind in _LOG_BASE:
+        ax.set_xscale("log", base=_LOG_BASE[kind])
     ax.set_ylabel("final val loss gap to sync")
-    ax.set_title(f"gap vs {kind}" + (" (each point at its best LR on sync)" if tags else ""))
+    ax.set_title(f"gap vs {label}" + (" (each point at its best LR on sync)" if tags else ""),
+                 fontsize=10)  # fmt: skip
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

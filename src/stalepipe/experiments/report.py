@@ -158,7 +158,7 @@ def build_report(root: Path, title: str | None = None) -> tuple[list[Block], lis
         png = plots.gap_plot(rows, kind)
         if png:
             blocks += [
-                Block("h", f"Gap vs {kind}"),
+                Block("h", f"Gap vs {plots.AXES[kind][0]}"),
                 Block("img", text=f"gap_vs_{kind}.png", png=png),
             ]
     return blocks, rows, runs
