@@ -18,11 +18,14 @@ moves it by 5x, so benchmarks/regime_throughput.py measures speed side by side.
 
     python benchmarks/regime_probe.py --candidates bpe2k-d96,byte-d96 --arms adamw:sync,adamw:2bw
     python benchmarks/regime_probe.py --seeds 3 --table-only       # the table of what has run
+    python benchmarks/regime_probe.py --candidates cpu-regime --runs docs/results/momentum-regime \
+        --table-only --groups 'adamw_b1*'                            # any study's run groups
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import math
 import statistics
@@ -227,6 +230,34 @@ def table(
     return "\n".join(lines + [""] + verdicts)
 
 
+def group_table(run_root: Path, pattern: str, candidate: str) -> str:
+    """One row per run group in `run_root` (a run's name without its `_s<seed>`) matching the
+    glob `pattern`, for any study's names: the gap is to the group named with the last part
+    (the arm: `2bw`, `2bw+ef`, ...) replaced by `sync`."""
+    entropy = unigram_entropy(candidate_config(candidate).data.resolved_dir())
+    groups: dict[str, list[dict[str, float]]] = {}
+    for d in sorted(p for p in run_root.iterdir() if p.is_dir()):
+        group, _, seed = d.name.rpartition("_s")
+        summary = run_summary(d, entropy) if seed.isdigit() else None
+        if summary is not None:
+            groups.setdefault(group, []).append(summary)
+    lines = ["| run group | seeds | val (mean ± std) | gap to sync | plateau exit (worst seed) "
+             "| end slope /10% |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for group, runs in groups.items():
+        if not fnmatch.fnmatch(group, pattern):
+            continue
+        v = [r["val"] for r in runs]
+        sync = groups.get(group.rpartition("_")[0] + "_sync")
+        gap = "" if group.endswith("_sync") or not sync else (
+            f"{statistics.mean(v) - statistics.mean(r['val'] for r in sync):+.4f}")  # fmt: skip
+        std = f" ± {statistics.stdev(v):.4f}" if len(v) > 1 else ""
+        lines.append(
+            f"| {group} | {len(v)} | {statistics.mean(v):.4f}{std} | {gap} | "
+            f"{_fmt_exit(max(r['exit'] for r in runs))} | {max(r['slope'] for r in runs):+.4f} |"
+        )
+    return "\n".join(lines)
+
+
 def _criteria(
     name: str, vals: dict[str, list[float]], worst_exit: float, slopes: list[float], adamw: str
 ) -> str:
@@ -262,8 +293,16 @@ def main() -> None:
     p.add_argument("--study-names", action="store_true",
                    help="name an arm at its study LR (scales.LRS) as the optimizers study does, "
                    "for --runs in a study's sweep directory; otherwise every name holds its LR")  # fmt: skip
+    p.add_argument("--groups", metavar="GLOB",
+                   help="with --runs and --table-only: every run group whose name matches GLOB "
+                   "(any study's names, e.g. 'adamw_b1*'), instead of --arms")  # fmt: skip
     args = p.parse_args()
     names = args.candidates.split(",")
+    if args.groups:
+        if not (args.runs and args.table_only and len(names) == 1):
+            p.error("--groups reads one candidate's --runs with --table-only")
+        print(group_table(Path(args.runs), args.groups, names[0]))
+        return
     if args.runs and len(names) != 1:
         p.error("--runs takes one candidate")
     if args.study_names and not all(n in SCALES for n in names):
