@@ -138,9 +138,13 @@ _SHOWN = ("optim.lr", "optim.beta1", "optim.beta2", "optim.weight_decay", "pipel
 
 def gap_points(rows: list[Row], kind: str) -> dict[str, list[tuple[float, float, float]]]:
     """Series name -> [(x, gap, std of the delayed runs)] (see `gap_series`)."""
+    return _points(gap_series(rows, kind))
+
+
+def _points(series: dict[str, list[tuple[float, Row | None]]]) -> dict[str, list]:
     return {
         name: [(x, r.gap, r.std) if r is not None else (x, 0.0, 0.0) for x, r in pts]
-        for name, pts in gap_series(rows, kind).items()
+        for name, pts in series.items()
     }
 
 
@@ -193,11 +197,13 @@ def gap_series(rows: list[Row], kind: str) -> dict[str, list[tuple[float, Row | 
     return out
 
 
-def tuned_tags(rows: list[Row], kind: str) -> dict[tuple[float, float], str]:
-    """(x, gap) -> "lr=..." for the points of series whose tuned setting varies with x (empty
-    when nothing is tuned), to print beside the points."""
+def tuned_tags(
+    series: dict[str, list[tuple[float, Row | None]]], kind: str
+) -> dict[tuple[float, float], str]:
+    """(x, gap) -> "lr=..." for the points of `gap_series` whose tuned setting varies with x
+    (empty when nothing is tuned), to print beside the points."""
     tags = {}
-    for pts in gap_series(rows, kind).values():
+    for pts in series.values():
         for key in _TUNED_KEYS.get(kind, ()):
             values = {json.dumps(r.config.get(key)) for _, r in pts if r is not None}
             if len(values) > 1:
@@ -229,16 +235,16 @@ def _tuned_on_sync(
 
 def gap_plot(rows: list[Row], kind: str) -> bytes | None:
     """The gap to sync (mean over seeds; bars: std of the delayed runs) against `kind`."""
-    series = gap_points(rows, kind)
+    series = gap_series(rows, kind)
     if not series:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for name, pts in series.items():
+    for name, pts in _points(series).items():
         xs, ys, es = zip(*pts)
         es = [0.0 if not math.isfinite(e) else e for e in es]
         ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=name)
-    tags = tuned_tags(rows, kind)
+    tags = tuned_tags(series, kind)
     for (x, y), tag in tags.items():
         ax.annotate(tag, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=6)
     ax.axhline(0.0, color="black", lw=0.8)
