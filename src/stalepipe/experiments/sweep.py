@@ -316,8 +316,9 @@ def _plan(
     res: SweepResult,
 ) -> list[tuple[RunSpec, ExperimentConfig]]:
     """The runs still to do, with their configs; finished runs (and those made with another
-    config), repeats of another run (`plan_status`) and failed ones not retried go into `res`. A failed run to retry, and one that
-    stopped before its first checkpoint, is deleted (it starts over)."""
+    config), repeats of another run (`plan_status`) and failed ones not retried go into
+    `res`. A failed run to retry, and one that stopped before its first checkpoint, is
+    deleted (it starts over)."""
     from stalepipe.train.rundir import RUN_ENTRIES, RUN_KIND
 
     todo = []
