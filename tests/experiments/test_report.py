@@ -198,6 +198,10 @@ def test_claims_optimizer_ratio_and_momentum(tmp_path):
             o = {"optim.beta1": b1}
             make_run(root, f"adamw_b1{b1}_sync_s{s}", {**o, **SYNC}, s, 2.0 + 0.01 * s)
             make_run(root, f"adamw_b1{b1}_2bw_s{s}", {**o, **BW}, s, 2.0 + gap + 0.01 * s)
+        for bs in ("8", "32"):  # the batch-size grid: not the main rows
+            o = {"train.batch_size": bs}
+            make_run(root, f"adamw_bs{bs}_sync_s{s}", {**o, **SYNC}, s, 2.0 + 0.01 * s)
+            make_run(root, f"adamw_bs{bs}_2bw_s{s}", {**o, **BW}, s, 2.9 + 0.01 * s)
     checked = {c[0]: c for c in claims(build_rows(load_runs(root)))}
     opt = checked["AdamW's gap (2bw) is much larger than Muon's"]
     assert opt[1] == "reproduced" and "ratio 6.0x" in opt[2]  # 0.6 / 0.1

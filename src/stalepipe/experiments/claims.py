@@ -57,12 +57,16 @@ def _defaults(optimizer: str) -> Any:
 
 def _main_row(rows: list[Row], optimizer: str) -> Row | None:
     """The optimizer's unmitigated 2bw row at its defaults (P = 1, the study's main training
-    length, the most common one) and at the LR most of its runs use; ties (an even LR grid)
-    go to the LR with the best synchronous loss."""
-    lengths = Counter(r.config.get("train.num_steps") for r in rows).most_common(1)
-    main_steps = lengths[0][0] if lengths else None
+    length and batch size, the most common ones) and at the LR most of its runs use; ties (an
+    even LR grid) go to the LR with the best synchronous loss."""
+
+    def most_common(key: str) -> Any:
+        top = Counter(r.config.get(key) for r in rows).most_common(1)
+        return top[0][0] if top else None
+
     d = _defaults(optimizer)
-    eq = {"pipeline.num_stages": 1, "train.num_steps": main_steps, "optim.beta1": d.beta1,
+    eq = {"pipeline.num_stages": 1, "train.num_steps": most_common("train.num_steps"),
+          "train.batch_size": most_common("train.batch_size"), "optim.beta1": d.beta1,
           "optim.beta2": d.beta2, "optim.weight_decay": d.weight_decay}  # fmt: skip
     lrs = Counter(r.config.get("optim.lr") for r in rows if r.config.get("optim.name") == optimizer)
     top = [lr for lr, n in lrs.items() if n == max(lrs.values())]
