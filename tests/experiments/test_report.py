@@ -294,6 +294,32 @@ def test_gap_plots_over_batch_size_weight_decay_and_lr(tmp_path):
     assert "## Gap vs sequences per step" in (out / "report.md").read_text()
 
 
+def test_the_delay_series_reads_2bw_as_one_step(tmp_path):
+    """fixed:N rows give the gap over the delay; 2bw (tau 1 on every stage) is its N = 1, and
+    a fixed:1 run beside it stands for N = 1 once; PipeDream (tau by stage) is not a point."""
+    from stalepipe.experiments import plots
+
+    root = tmp_path / "delay"
+    for s in range(2):
+        make_run(root, f"adamw_sync_s{s}", SYNC, s, 2.0 + 0.01 * s)
+        make_run(root, f"adamw_2bw_s{s}", BW, s, 2.2 + 0.01 * s)
+        for n in (2, 4):
+            make_run(root, f"adamw_fixed{n}_s{s}", {"delay.policy": f"fixed:{n}"}, s,
+                     2.0 + 0.1 * n + 0.01 * s)  # fmt: skip
+        make_run(root, f"adamw_pd_s{s}", {"delay.policy": "pipedream",
+                 "pipeline.num_stages": "2"}, s, 2.9)  # fmt: skip
+    series = plots.gap_series(build_rows(load_runs(root)), "delay")
+    assert list(series) == ["adamw"]
+    assert [(x, r.policy, round(r.gap, 4)) for x, r in series["adamw"]] == [
+        (1.0, "2bw", 0.2), (2.0, "fixed:2", 0.2), (4.0, "fixed:4", 0.4)]  # fmt: skip
+    for s in range(2):
+        make_run(root, f"adamw_fixed1_s{s}", {"delay.policy": "fixed:1"}, s, 2.2 + 0.01 * s)
+    series = plots.gap_series(build_rows(load_runs(root)), "delay")
+    assert [(x, r.policy) for x, r in series["adamw"]] == [
+        (1.0, "fixed:1"), (2.0, "fixed:2"), (4.0, "fixed:4")]  # fmt: skip
+    assert "gap_vs_delay.png" in {p.name for p in write_report(root).iterdir()}
+
+
 def test_best_row_compares_on_the_seeds_all_rows_share(tmp_path):
     """A row is not chosen for the luck of seeds the others lack."""
     root = tmp_path / "best"

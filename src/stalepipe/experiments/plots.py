@@ -103,6 +103,12 @@ def _tokens(r: Row) -> float:
     return c.get("train.num_steps", 0) * c.get("train.batch_size", 0) * c.get("data.seq_len", 0)
 
 
+def _uniform_delay(policy: str) -> bool:
+    """Policies whose staleness is the same on every stage at every depth: fixed:N, and 2bw
+    (tau = 1 everywhere, fixed:1 by definition), so 2bw's runs are the delay series' N = 1."""
+    return policy.startswith("fixed:") or policy == "2bw"
+
+
 def _delay(r: Row) -> float:
     return max(DelaySchedule.build(r.policy, int(r.config.get("pipeline.num_stages", 1))).max_tau)
 
@@ -157,7 +163,7 @@ def gap_series(rows: list[Row], kind: str) -> dict[str, list[tuple[float, Row | 
         r
         for r in rows
         if not r.is_sync and not r.mitigations and math.isfinite(r.gap)
-        and (kind != "delay" or r.policy.startswith("fixed:"))
+        and (kind != "delay" or _uniform_delay(r.policy))
     ]  # fmt: skip
     drop = _AXIS_KEYS[kind] + _TUNED_KEYS.get(kind, ())
     # a series is named by its optimizer, policy and the shown keys that differ from the value
@@ -187,6 +193,8 @@ def gap_series(rows: list[Row], kind: str) -> dict[str, list[tuple[float, Row | 
         series.setdefault(key, []).append((float(x), r))
     out = {}
     for k, pts in series.items():
+        if kind == "delay":  # 2bw and fixed:1 are one delay: keep fixed:1 where both ran
+            pts = list({x: (x, r) for x, r in sorted(pts, key=lambda p: p[1].policy)}.values())
         if kind in _TUNED_KEYS:
             pts = _tuned_on_sync(pts, rows, kind)
         pts.sort(key=lambda p: p[0])
