@@ -13,7 +13,7 @@ from stalepipe.errors import UserError
 from stalepipe.experiments import stats
 from stalepipe.experiments.report import claims, write_report
 from stalepipe.experiments.results import best_row, build_rows, load_runs
-from stalepipe.experiments.studies import STUDIES, declared_claims
+from stalepipe.experiments.studies import STUDIES, declared_claims, study_mitigations
 from stalepipe.experiments.sweep import SPEC_FILE, write_error
 from stalepipe.optim import resolve_config
 
@@ -100,6 +100,27 @@ def test_a_record_from_before_a_new_setting_joins_its_configuration(sweep_dir):
     # a setting away from its default still tells two configurations apart
     make_run(sweep_dir, "adamw_sync_b2_s0", {**SYNC, "optim.beta2": "0.9"}, 0, 2.0)
     assert len(rows_by_label(sweep_dir)) == 4
+
+
+@pytest.mark.parametrize("scale", ["cpu", "cpu-regime"])
+def test_every_mitigation_of_the_study_finds_its_baseline_and_unmitigated_arm(tmp_path, scale):
+    """Each variant of the mitigations study (a corrector whose knob is not `delay.taylor`,
+    e.g. DC-ASGD-EMA's curvature, included) is compared with sync and with plain 2bw."""
+    ((_, variants),) = study_mitigations(scale)
+    for label, overrides in variants:
+        val = {"sync": 2.0, "2bw": 2.5}.get(label, 2.2)
+        for s in range(2):
+            make_run(tmp_path, f"adamw_{label}_s{s}", overrides, s, val + 0.1 * s)
+    rows = rows_by_label(tmp_path)
+    for label, _ in variants:
+        row = rows[f"adamw_{label}"]
+        if label == "sync":
+            assert row.is_sync
+            continue
+        assert row.baseline is rows["adamw_sync"], label
+        if label != "2bw":
+            assert row.unmitigated is rows["adamw_2bw"], label
+            assert math.isfinite(row.recovered), label
 
 
 def test_report_files_and_claims(sweep_dir):

@@ -46,6 +46,7 @@ MITIGATION_DEFAULTS = {
     "delay.ef": False,
     "delay.taylor": 0.0,
     "delay.taylor_adaptive": False,
+    "delay.taylor_curvature": "g2",  # ema: DC-ASGD-EMA
     "delay.sync_start": 0,
     "delay.sync_cooldown": 0.0,
     "delay.sync_cooldown_wsd": False,
