@@ -89,6 +89,11 @@ def study_mitigations(scale: str) -> list[list[list[Bundle]]]:
             ("2bw+dcasgd-ema", {"delay.policy": "2bw", "delay.taylor": "0.1", "delay.taylor_curvature": "ema"}),
             ("2bw+wpred", {"delay.policy": "2bw", "delay.weight_pred": "true"}),
             ("2bw+adamom", {"delay.policy": "2bw", "delay.adaptive_momentum": "true"}),
+            # adaptive momentum where it was designed: per-stage delays (tau 3, 2, 1, 0 at
+            # P = 4); at P = 1 under 2bw (tau = P) it sets every momentum to the 0.99 cap
+            ("pipedream_P4", {"delay.policy": "pipedream", "pipeline.num_stages": "4"}),
+            ("pipedream_P4+adamom", {"delay.policy": "pipedream", "pipeline.num_stages": "4",
+                                     "delay.adaptive_momentum": "true"}),
         ]  # fmt: skip
     return [[optimizer_axis(scale, ("adamw", "muon")), variants]]
 
