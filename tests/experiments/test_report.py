@@ -198,7 +198,34 @@ def test_labels_without_sweep_json_and_depth_matching(tmp_path):
     assert rows["pipedream num_stages=3"].baseline is rows["sync num_stages=1"]
     assert rows["pipedream num_stages=3"].gap == pytest.approx(0.6)
     verdict = claims(list(rows.values()))
-    assert verdict[0][1] == "reproduced" and "P=3: 0.6000" in verdict[0][2]
+    assert verdict[0][1] == "inconclusive (2 seeds at P=3)" and "P=3: 0.6000" in verdict[0][2]
+
+
+def _depth_runs(root, gaps: dict[int, float], seeds: int, noise: float) -> None:
+    """sync, then pipedream at each P with the given mean gap (+- noise between seeds)."""
+    for s in range(seeds):
+        make_run(root, f"sync_s{s}", SYNC, s, 2.0)
+        for p, gap in gaps.items():
+            o = {"delay.policy": "pipedream", "pipeline.num_stages": str(p)}
+            make_run(root, f"pd{p}_s{s}", o, s, 2.0 + gap + noise * (s - (seeds - 1) / 2))
+
+
+@pytest.mark.parametrize(
+    ("gaps", "seeds", "noise", "verdict"),
+    [
+        ({2: 0.1, 3: 0.5}, 3, 0.01, "reproduced"),
+        ({2: 0.5, 3: 0.1}, 3, 0.01, "not reproduced"),
+        ({3: 0.5}, 3, 0.01, "inconclusive (2 depths)"),  # P = 1 and 3: two points rank +-1
+        ({2: 0.1, 3: 0.5}, 2, 0.01, "inconclusive (2 seeds at P=3)"),
+        ({2: 0.1, 3: 0.2}, 3, 0.5, "inconclusive (p 0.560 at P=3)"),  # within the seed noise
+    ],
+)
+def test_depth_claim_needs_three_depths_and_a_real_deepest_gap(
+    tmp_path, gaps, seeds, noise, verdict
+):
+    _depth_runs(tmp_path / "d", gaps, seeds, noise)
+    (checked,) = claims(build_rows(load_runs(tmp_path / "d")))
+    assert checked[1] == verdict
 
 
 def test_report_errors(tmp_path):

@@ -104,10 +104,8 @@ def _depths(scale: str) -> list[int]:
 
 def study_depth(scale: str) -> list[list[list[Bundle]]]:
     policies = [("pipedream", {"delay.policy": "pipedream"}), TWO_BW]
-    return [
-        [optimizer_axis(scale, ("adamw",)), [SYNC]],
-        [optimizer_axis(scale, ("adamw",)), policies, axis("pipeline.num_stages", _depths(scale))],
-    ]
+    opt = optimizer_axis(scale, ("adamw",) if scale == "cpu" else ("adamw", "muon"))
+    return [[opt, [SYNC]], [opt, policies, axis("pipeline.num_stages", _depths(scale))]]
 
 
 def study_hparams(scale: str) -> list[list[list[Bundle]]]:
@@ -209,7 +207,7 @@ STUDIES: dict[str, Study] = {
               claims=(claim_momentum_shrinks_gap,)),
         Study("mitigations", study_mitigations, "EF, Taylor, sync start/cooldown, EF+cooldown; the correctors beyond cpu",
               claims=(claim_ef_recovers_gap,)),
-        Study("depth", study_depth, "pipedream vs 2bw for P in 2, 4, 8, 16 (up to num_layers)",
+        Study("depth", study_depth, "pipedream vs 2bw for P in 2-16 (AdamW, + Muon beyond cpu)",
               claims=(claim_pipedream_gap_grows_with_depth,)),
         Study("hparams", study_hparams, "batch size, LR, weight decay (one at a time; AdamW, + Muon beyond cpu)"),
         Study("delay", study_delay, "fixed:N for N in 0, 1, 2, 4, 8"),
