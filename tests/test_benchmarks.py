@@ -78,3 +78,31 @@ def test_split_backward_benchmark_runs():
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "split (BI + BW)" in out.stdout and "two calls (before)" in out.stdout
+
+
+def test_study_walltime_groups_committed_records_by_command(tmp_path):
+    """`benchmarks/study_walltime.py` on copies of two committed run records: one row per
+    command, the span from the first start to the last run's start plus its training time,
+    the load where the record has it; a directory without records is one line and exit 2."""
+    import json
+    import shutil
+
+    src = ROOT / "docs" / "results" / "optimizers-regime"
+    for name, started, load in [("adamw_sync_s0", "2026-12-03T06:00:00+0000", None),
+                                ("muon_sync_s0", "2026-12-03T06:10:00+0000", [1.5, 1.0, 0.5])]:  # fmt: skip
+        shutil.copytree(src / name, tmp_path / name)
+        meta = json.loads((tmp_path / name / "meta.json").read_text())
+        for record in [meta, *meta["invocations"]]:
+            record.update(started=started, argv=["/x/bin/stalepipe", "sweep", "optimizers"])
+            record.update(load_avg=load) if load else record.pop("load_avg", None)
+        (tmp_path / name / "meta.json").write_text(json.dumps(meta))
+    script = [sys.executable, str(ROOT / "benchmarks" / "study_walltime.py")]
+    out = subprocess.run([*script, str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith("| `")]
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[:4] == ["`stalepipe sweep optimizers`", "2", "2026-12-03 06:00", "12-03 06:10"]
+    assert 10 < int(cells[4].split()[0]) < 30 and cells[7] == "1.5-1.5"  # 10 min + one run
+    empty = subprocess.run([*script, str(tmp_path / "adamw_sync_s0")], capture_output=True,
+                           text=True, cwd=ROOT)  # fmt: skip
+    assert empty.returncode == 2 and "no finished runs" in empty.stderr

@@ -287,6 +287,9 @@ def invocation_record(run_dir: Path, data_dir: Path, resumed_from: Path | None) 
         "host": socket.gethostname(),
         "argv": sys.argv,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        # the machine's 1/5/15-minute load at the start: a run's speed moves with it, and a
+        # study's wall time is only comparable with the load beside it
+        "load_avg": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
         "cwd": os.getcwd(),
         "run_dir": str(run_dir.resolve()),
         # absolute: config.json keeps data_dir as given (portable); readers of the run find

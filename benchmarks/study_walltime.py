@@ -1,0 +1,101 @@
+"""Wall time, run counts and machine load of the studies in a sweep directory, from its records.
+
+A study swept into one directory over several days and machines leaves only its run records
+(`meta.json`, `metrics.jsonl`; checkpoints are not committed). This groups the finished runs by
+the command that started them (`meta.json`'s first invocation) and prints, per command: the
+runs, the first and last start, the wall span (first start to the last run's start plus its
+training time), the median training time of one run (the loop's own clock, evaluations left
+out, one thread), the commits, and the 1-minute load average at the runs' starts where the
+records have it (stalepipe records it since 2026-12-03; older records show "-").
+
+    python benchmarks/study_walltime.py docs/results/optimizers-regime
+    python benchmarks/study_walltime.py docs/results/optimizers-regime --since 2026-12-03
+
+The span is an upper bound on the study's cost: a command that was stopped and resumed later
+counts the pause too (its runs' start times show it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from regime_probe import train_seconds  # benchmarks/ is the script's directory
+
+from stalepipe.experiments.sweep import run_status
+from stalepipe.train.metrics import read_metrics
+from stalepipe.train.rundir import invocations
+
+
+def _command(argv: list[str]) -> str:
+    """The command without its program's directory (`stalepipe sweep ...`, `regime_probe.py
+    ...`) and without the absolute path of this checkout (a sweep directory given as one)."""
+    cwd = str(Path.cwd()) + "/"
+    return " ".join([Path(argv[0]).name, *(a.replace(cwd, "") for a in argv[1:])])
+
+
+def run_records(root: Path, since: str = "") -> list[dict]:
+    """One record per finished run under `root`: command, start, training seconds, commit."""
+    out = []
+    for d in sorted(p for p in root.iterdir() if (p / "meta.json").is_file()):
+        if run_status(d) != "finished":
+            continue
+        first = invocations(json.loads((d / "meta.json").read_text()))[0]
+        if first.get("started", "") < since:
+            continue
+        load = first.get("load_avg")
+        out.append({
+            "command": _command(first.get("argv", ["?"])),
+            "started": datetime.strptime(first["started"], "%Y-%m-%dT%H:%M:%S%z"),
+            "seconds": train_seconds(d, read_metrics(d)),
+            "commit": str(first.get("git_commit", "?"))[:7],
+            "load": load[0] if load else None,
+        })  # fmt: skip
+    return out
+
+
+def table(records: list[dict]) -> str:
+    """The markdown table: one row per command, in order of its first run's start."""
+    groups: dict[str, list[dict]] = {}
+    for r in sorted(records, key=lambda r: r["started"]):
+        groups.setdefault(r["command"], []).append(r)
+    lines = [
+        "| command | runs | first start | last start | wall span | median run s | commits "
+        "| load at starts |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for command, runs in groups.items():
+        first, last = runs[0], runs[-1]
+        tail = last["seconds"] if math.isfinite(last["seconds"]) else 0.0  # no tokens_per_s
+        span = last["started"] + timedelta(seconds=tail) - first["started"]
+        secs = [r["seconds"] for r in runs if math.isfinite(r["seconds"])]
+        loads = [r["load"] for r in runs if r["load"] is not None]
+        load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
+        commits = ", ".join(sorted({r["commit"] for r in runs}))
+        lines.append(
+            f"| `{command}` | {len(runs)} | {first['started']:%Y-%m-%d %H:%M} "
+            f"| {last['started']:%m-%d %H:%M} | {span.total_seconds() / 60:.0f} min "
+            f"| {statistics.median(secs) if secs else math.nan:.0f} | {commits} | {load} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", type=Path, help="a sweep directory")
+    p.add_argument("--since", default="", help="only runs started at or after this ISO time")
+    args = p.parse_args()
+    if not args.runs.is_dir():
+        p.error(f"{args.runs} is not a directory; pass a sweep directory (stalepipe sweep --out)")
+    records = run_records(args.runs, args.since)
+    if not records:
+        p.error(f"no finished runs with a meta.json under {args.runs}")
+    print(table(records))
+
+
+if __name__ == "__main__":
+    main()
