@@ -159,6 +159,19 @@ def _name_of(model, param):
     return next(n for n, p in model.named_parameters() if p is param)
 
 
+@pytest.mark.parametrize("P", [1, 4])
+def test_fixed_1_is_2bw_bit_for_bit(P):
+    """The delay study reads 2bw's runs as N = 1 instead of training fixed:1 again: the same
+    staleness on every stage gives the same trajectory, with EF and a sync start too."""
+    runs = []
+    for policy in ("2bw", "fixed:1"):
+        model, engine = make(policy, P, T=7, ef=True, sync_start=2)
+        runs.append((train(engine, 0, 7), weights(model)))
+    (losses, final), (losses1, final1) = runs
+    assert losses1 == losses
+    assert all(torch.equal(final[n], final1[n]) for n in final)
+
+
 @pytest.mark.filterwarnings("ignore:delay.ef is on")
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("mit", list(MITIGATIONS))
