@@ -10,9 +10,12 @@ records have it (stalepipe records it since 2026-12-03; older records show "-").
 
     python benchmarks/study_walltime.py docs/results/optimizers-regime
     python benchmarks/study_walltime.py docs/results/optimizers-regime --since 2026-12-03
+    python benchmarks/study_walltime.py docs/results/optimizers-regime --by-study
 
-The span is an upper bound on the study's cost: a command that was stopped and resumed later
-counts the pause too (its runs' start times show it).
+`--by-study` adds the commands of one study up (`stalepipe sweep STUDY ...` whatever its
+flags; an ad-hoc `--grid` sweep and each script count as one study): runs, the sum of the
+commands' spans, the median run. A span is an upper bound on the command's cost: a command
+that was stopped and resumed later counts the pause too (its runs' start times show it).
 """
 
 from __future__ import annotations
@@ -58,28 +61,74 @@ def run_records(root: Path, since: str = "") -> list[dict]:
     return out
 
 
-def table(records: list[dict]) -> str:
-    """The markdown table: one row per command, in order of its first run's start."""
+def study_of(command: str) -> str:
+    """`stalepipe sweep STUDY` for a study's sweep, `stalepipe sweep --grid` for an ad-hoc
+    one, the script's name otherwise."""
+    words = command.split()
+    if words[:2] == ["stalepipe", "sweep"]:
+        return (
+            " ".join(words[:3])
+            if len(words) > 2 and not words[2].startswith("-")
+            else ("stalepipe sweep --grid")
+        )
+    return words[0]
+
+
+def _span(runs: list[dict]) -> timedelta:
+    """First start to the last run's start plus its training time (0 without tokens_per_s)."""
+    last = runs[-1]
+    tail = last["seconds"] if math.isfinite(last["seconds"]) else 0.0
+    return last["started"] + timedelta(seconds=tail) - runs[0]["started"]
+
+
+def _load(runs: list[dict]) -> str:
+    loads = [r["load"] for r in runs if r["load"] is not None]
+    return f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
+
+
+def _median_seconds(runs: list[dict]) -> float:
+    secs = [r["seconds"] for r in runs if math.isfinite(r["seconds"])]
+    return statistics.median(secs) if secs else math.nan
+
+
+def _grouped(records: list[dict], key) -> dict[str, list[dict]]:
     groups: dict[str, list[dict]] = {}
     for r in sorted(records, key=lambda r: r["started"]):
-        groups.setdefault(r["command"], []).append(r)
+        groups.setdefault(key(r), []).append(r)
+    return groups
+
+
+def table(records: list[dict]) -> str:
+    """The markdown table: one row per command, in order of its first run's start."""
     lines = [
         "| command | runs | first start | last start | wall span | median run s | commits "
         "| load at starts |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for command, runs in groups.items():
-        first, last = runs[0], runs[-1]
-        tail = last["seconds"] if math.isfinite(last["seconds"]) else 0.0  # no tokens_per_s
-        span = last["started"] + timedelta(seconds=tail) - first["started"]
-        secs = [r["seconds"] for r in runs if math.isfinite(r["seconds"])]
-        loads = [r["load"] for r in runs if r["load"] is not None]
-        load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
+    for command, runs in _grouped(records, lambda r: r["command"]).items():
         commits = ", ".join(sorted({r["commit"] for r in runs}))
         lines.append(
-            f"| `{command}` | {len(runs)} | {first['started']:%Y-%m-%d %H:%M} "
-            f"| {last['started']:%m-%d %H:%M} | {span.total_seconds() / 60:.0f} min "
-            f"| {statistics.median(secs) if secs else math.nan:.0f} | {commits} | {load} |"
+            f"| `{command}` | {len(runs)} | {runs[0]['started']:%Y-%m-%d %H:%M} "
+            f"| {runs[-1]['started']:%m-%d %H:%M} | {_span(runs).total_seconds() / 60:.0f} min "
+            f"| {_median_seconds(runs):.0f} | {commits} | {_load(runs)} |"
+        )
+    return "\n".join(lines)
+
+
+def study_table(records: list[dict]) -> str:
+    """One row per study: its commands' spans added up (overlapping commands count twice)."""
+    lines = [
+        "| study | commands | runs | first start | wall time (sum of spans) | median run s "
+        "| load at starts |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for study, runs in _grouped(records, lambda r: study_of(r["command"])).items():
+        commands = _grouped(runs, lambda r: r["command"])
+        wall = sum((_span(c) for c in commands.values()), timedelta())
+        lines.append(
+            f"| `{study}` | {len(commands)} | {len(runs)} | {runs[0]['started']:%Y-%m-%d %H:%M} "
+            f"| {wall.total_seconds() / 3600:.1f} h | {_median_seconds(runs):.0f} "
+            f"| {_load(runs)} |"
         )
     return "\n".join(lines)
 
@@ -88,13 +137,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", type=Path, help="a sweep directory")
     p.add_argument("--since", default="", help="only runs started at or after this ISO time")
+    p.add_argument("--by-study", action="store_true", help="one row per study, not per command")
     args = p.parse_args()
     if not args.runs.is_dir():
         p.error(f"{args.runs} is not a directory; pass a sweep directory (stalepipe sweep --out)")
     records = run_records(args.runs, args.since)
     if not records:
         p.error(f"no finished runs with a meta.json under {args.runs}")
-    print(table(records))
+    print(study_table(records) if args.by_study else table(records))
 
 
 if __name__ == "__main__":

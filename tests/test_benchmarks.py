@@ -103,6 +103,10 @@ def test_study_walltime_groups_committed_records_by_command(tmp_path):
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[:4] == ["`stalepipe sweep optimizers`", "2", "2026-12-03 06:00", "12-03 06:10"]
     assert 10 < int(cells[4].split()[0]) < 30 and cells[7] == "1.5-1.5"  # 10 min + one run
+    by_study = subprocess.run([*script, str(tmp_path), "--by-study"], capture_output=True,
+                              text=True, cwd=ROOT)  # fmt: skip
+    (row,) = [line for line in by_study.stdout.splitlines() if line.startswith("| `")]
+    assert row.startswith("| `stalepipe sweep optimizers` | 1 | 2 | 2026-12-03 06:00 |")
     empty = subprocess.run([*script, str(tmp_path / "adamw_sync_s0")], capture_output=True,
                            text=True, cwd=ROOT)  # fmt: skip
     assert empty.returncode == 2 and "no finished runs" in empty.stderr
