@@ -369,6 +369,27 @@ def test_the_delay_series_reads_2bw_as_one_step(tmp_path):
     assert "gap_vs_delay.png" in {p.name for p in write_report(root).iterdir()}
 
 
+@pytest.mark.parametrize(
+    ("gaps", "seeds", "verdict"),
+    [
+        ({"2bw": 0.1, "fixed:2": 0.3, "fixed:4": 0.6}, 3, "reproduced"),
+        ({"2bw": 0.6, "fixed:2": 0.3, "fixed:4": 0.1}, 3, "not reproduced"),
+        ({"2bw": 0.1, "fixed:4": 0.6}, 3, "inconclusive (2 delays)"),
+        ({"2bw": 0.1, "fixed:2": 0.3, "fixed:4": 0.6}, 2, "inconclusive (2 seeds at N=4)"),
+    ],
+)
+def test_delay_claim_reads_2bw_as_n_1_and_needs_three_delays(tmp_path, gaps, seeds, verdict):
+    root = tmp_path / "delay"
+    for s in range(seeds):
+        make_run(root, f"sync_s{s}", SYNC, s, 2.0 + 0.01 * s)
+        for policy, gap in gaps.items():
+            name = policy.replace(":", "")
+            make_run(root, f"{name}_s{s}", {"delay.policy": policy}, s, 2.0 + gap + 0.01 * s)
+    (checked,) = [c for c in claims(build_rows(load_runs(root))) if "longer delay" in c[0]]
+    assert checked[1] == verdict
+    assert checked[2].startswith("N=1: ")  # 2bw is the series' N = 1
+
+
 def test_best_row_compares_on_the_seeds_all_rows_share(tmp_path):
     """A row is not chosen for the luck of seeds the others lack."""
     root = tmp_path / "best"
@@ -385,8 +406,11 @@ def test_report_checks_every_claim_a_study_declares_in_order():
     paper-mini tests all of them."""
     names = [check.__name__ for check in declared_claims()]
     assert names == ["claim_adamw_gap_exceeds_muon", "claim_ef_recovers_gap",
-                     "claim_momentum_shrinks_gap", "claim_pipedream_gap_grows_with_depth"]  # fmt: skip
-    assert set(STUDIES["paper-mini"].claims) == set(declared_claims())
+                     "claim_momentum_shrinks_gap", "claim_pipedream_gap_grows_with_depth",
+                     "claim_gap_grows_with_delay"]  # fmt: skip
+    # paper-mini tests the paper's four; the delay study the premise of 2bw's constant delay
+    assert set(STUDIES["paper-mini"].claims) == set(declared_claims()[:4])
+    assert STUDIES["delay"].claims == (declared_claims()[4],)
 
 
 @pytest.mark.parametrize("check", declared_claims(), ids=lambda f: f.__name__)

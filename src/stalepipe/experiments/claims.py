@@ -191,10 +191,7 @@ def claim_pipedream_gap_grows_with_depth(rows: list[Row]) -> list[Claim]:
         flat = max(bw_gaps) - min(bw_gaps) if bw_gaps else math.nan
         ok = rho >= 0.8 and growth > 0 and (not math.isfinite(flat) or flat < growth / 3)
         depth, deepest = int(pts[-1][0]), pts[-1][1]
-        why = (f"{len(pts)} depths" if len(pts) < 3
-               else f"{len(deepest.values)} seeds at P={depth}" if len(deepest.values) < 3
-               else f"p {fmt_p(deepest.gap_p)} at P={depth}" if not deepest.gap_p < 0.05
-               else "")  # fmt: skip
+        why = _trend_inconclusive(pts, "depths", f"P={depth}")
         out.append((
             f"PipeDream's gap grows with depth, 2bw's stays flat ({opt})",
             ("reproduced" if ok else "not reproduced") if not why else f"inconclusive ({why})",
@@ -209,3 +206,41 @@ def claim_pipedream_gap_grows_with_depth(rows: list[Row]) -> list[Claim]:
 def _gap(row: Row | None) -> float:
     """A depth series' gap: P = 1 of pipedream is sync by definition (no row, gap 0)."""
     return 0.0 if row is None else row.gap
+
+
+def _trend_inconclusive(pts: list[tuple[float, Row | None]], points: str, at: str) -> str:
+    """Why a rising-gap trend cannot be read ("" when it can): fewer than three points (two
+    rank +-1 whatever they are), fewer than 3 seeds at the last point, or a last gap with
+    p >= 0.05."""
+    last = pts[-1][1]
+    if len(pts) < 3:
+        return f"{len(pts)} {points}"
+    if len(last.values) < 3:
+        return f"{len(last.values)} seeds at {at}"
+    return f"p {fmt_p(last.gap_p)} at {at}" if not last.gap_p < 0.05 else ""
+
+
+# ------------------------------------------------------------------------------------------
+# A longer delay costs more (fixed:N; 2bw is N = 1)
+# ------------------------------------------------------------------------------------------
+
+
+def claim_gap_grows_with_delay(rows: list[Row]) -> list[Claim]:
+    """Per optimizer: the gap of a uniform delay of N steps (fixed:N, 2bw as N = 1) rises with
+    N (Spearman >= 0.8 and the longest delay's gap above the shortest's). Inconclusive with
+    fewer than three delays, fewer than 3 seeds at the longest or its gap with p >= 0.05."""
+    from stalepipe.experiments import plots
+
+    out = []
+    for name, pts in plots.gap_series(rows, "delay").items():
+        rho = stats.spearman([x for x, _ in pts], [r.gap for _, r in pts])
+        longest = int(pts[-1][0])
+        why = _trend_inconclusive(pts, "delays", f"N={longest}")
+        ok = rho >= 0.8 and pts[-1][1].gap > pts[0][1].gap
+        out.append((
+            f"A longer delay costs more ({name})",
+            ("reproduced" if ok else "not reproduced") if not why else f"inconclusive ({why})",
+            ", ".join(f"N={int(x)}: {fmt(r.gap)} (p {fmt_p(r.gap_p)})" for x, r in pts)
+            + f"; Spearman rho {rho:+.2f}",
+        ))  # fmt: skip
+    return out

@@ -20,6 +20,7 @@ from stalepipe.experiments.claims import (
     ClaimCheck,
     claim_adamw_gap_exceeds_muon,
     claim_ef_recovers_gap,
+    claim_gap_grows_with_delay,
     claim_momentum_shrinks_gap,
     claim_pipedream_gap_grows_with_depth,
 )
@@ -216,7 +217,8 @@ STUDIES: dict[str, Study] = {
         Study("depth", study_depth, "pipedream vs 2bw for P in 2-16 (AdamW, + Muon beyond cpu)",
               claims=(claim_pipedream_gap_grows_with_depth,)),
         Study("hparams", study_hparams, "batch size, LR, weight decay (one at a time; AdamW, + Muon beyond cpu)"),
-        Study("delay", study_delay, "sync, 2bw (N = 1) and fixed:N for N in 2, 4, 8"),
+        Study("delay", study_delay, "sync, 2bw (N = 1) and fixed:N for N in 2, 4, 8",
+              claims=(claim_gap_grows_with_delay,)),
         Study("tokens", study_tokens, "the gap as the training length grows (x1/4 .. x2)"),
         Study("paper-mini", study_paper_mini, "CPU check of the paper's 4 qualitative claims",
               scales=("cpu",),
