@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from stalepipe.cli import main
 from stalepipe.errors import CheckpointError, DataError, UserError
@@ -195,6 +196,10 @@ def test_meta_keeps_every_invocation(tiny_config):
         k: first[k] for k in ("started", "argv", "git_commit", "host")
     }
     assert Path(records[1]["data_dir"]) == Path(cfg.data.data_dir).resolve()
+    # what a study's wall time and a bitwise comparison across machines need
+    assert len(records[1]["load_avg"]) == 3 and all(x >= 0 for x in records[1]["load_avg"])
+    assert records[1]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert isinstance(records[1]["cpu"], str)
     # an older stalepipe's meta.json (no invocation list) becomes the first record
     legacy = {"stalepipe": "0.0.1", "argv": ["old"], "started": "then", "resumed": False}
     (run_dir / "meta.json").write_text(json.dumps(legacy))

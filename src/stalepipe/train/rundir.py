@@ -284,6 +284,10 @@ def invocation_record(run_dir: Path, data_dir: Path, resumed_from: Path | None) 
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        # the kernels torch picks follow the CPU: the same run on another CPU can differ in
+        # the last bits (docs/RESULTS.md: Muon's runs did), so a bitwise comparison needs both
+        "cpu": _cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "host": socket.gethostname(),
         "argv": sys.argv,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -297,6 +301,17 @@ def invocation_record(run_dir: Path, data_dir: Path, resumed_from: Path | None) 
         "data_dir": str(data_dir.resolve()),
         "resumed_from_step": None if resumed_from is None else checkpoint_step(resumed_from),
     }
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux; platform.processor() elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def read_meta(run_dir: Path) -> dict[str, Any] | None:
