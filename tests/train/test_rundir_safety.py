@@ -282,3 +282,32 @@ def test_resume_from_another_working_directory(tiny_config, tmp_path, monkeypatc
     assert invocations(meta)[-1]["data_dir"] == str(data_dir)
     assert invocations(meta)[-1]["cwd"] == str(elsewhere.resolve())
     assert saved_run_location(tmp_path / "config.json") is None
+
+
+def test_git_dirty_counts_code_not_docs_or_markdown(tmp_path, monkeypatch):
+    """A sweep rewriting committed records under docs/, or an edited README, leaves a run's
+    `git_dirty` False; a changed source file makes it True."""
+    import subprocess
+
+    import stalepipe
+    from stalepipe.train.rundir import git_dirty
+
+    repo = tmp_path / "repo"
+    for rel in ("src/pkg/__init__.py", "docs/results/run/sweep.json", "README.md"):
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text("x\n")
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo,
+                       check=True, capture_output=True)  # fmt: skip
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "init")
+    monkeypatch.setattr(stalepipe, "__file__", str(repo / "src" / "pkg" / "__init__.py"))
+    assert git_dirty() is False
+    (repo / "docs/results/run/sweep.json").write_text("y\n")
+    (repo / "README.md").write_text("y\n")
+    assert git_dirty() is False
+    (repo / "src/pkg/__init__.py").write_text("y\n")
+    assert git_dirty() is True
