@@ -15,7 +15,9 @@ records have it (stalepipe records it since 2026-12-03; older records show "-").
 `--by-study` adds the commands of one study up (`stalepipe sweep STUDY ...` whatever its
 flags; an ad-hoc `--grid` sweep and each script count as one study): runs, the sum of the
 commands' spans, the median run. A span is an upper bound on the command's cost: a command
-that was stopped and resumed later counts the pause too (its runs' start times show it).
+that was stopped and resumed later counts the pause too, unless no run of it started for
+`GAP` (30 minutes) after the previous one ended: then the runs after the pause count as a
+separate invocation of the command (the same command run again a day later).
 """
 
 from __future__ import annotations
@@ -91,11 +93,27 @@ def _median_seconds(runs: list[dict]) -> float:
     return statistics.median(secs) if secs else math.nan
 
 
+GAP = timedelta(minutes=30)
+
+
 def _grouped(records: list[dict], key) -> dict[str, list[dict]]:
     groups: dict[str, list[dict]] = {}
     for r in sorted(records, key=lambda r: r["started"]):
         groups.setdefault(key(r), []).append(r)
     return groups
+
+
+def _invocations(runs: list[dict]) -> list[list[dict]]:
+    """A command's runs (by start) split where none started for GAP after the last ended."""
+    out: list[list[dict]] = []
+    end = None
+    for r in runs:
+        if end is None or r["started"] - end > GAP:
+            out.append([])
+        out[-1].append(r)
+        secs = r["seconds"] if math.isfinite(r["seconds"]) else 0.0
+        end = max(end or r["started"], r["started"] + timedelta(seconds=secs))
+    return out
 
 
 def table(records: list[dict]) -> str:
@@ -105,7 +123,12 @@ def table(records: list[dict]) -> str:
         "| load at starts |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for command, runs in _grouped(records, lambda r: r["command"]).items():
+    invocations = [
+        (command, runs)
+        for command, all_runs in _grouped(records, lambda r: r["command"]).items()
+        for runs in _invocations(all_runs)
+    ]
+    for command, runs in sorted(invocations, key=lambda c: c[1][0]["started"]):
         commits = ", ".join(sorted({r["commit"] for r in runs}))
         lines.append(
             f"| `{command}` | {len(runs)} | {runs[0]['started']:%Y-%m-%d %H:%M} "
@@ -118,15 +141,16 @@ def table(records: list[dict]) -> str:
 def study_table(records: list[dict]) -> str:
     """One row per study: its commands' spans added up (overlapping commands count twice)."""
     lines = [
-        "| study | commands | runs | first start | wall time (sum of spans) | median run s "
+        "| study | invocations | runs | first start | wall time (sum of spans) | median run s "
         "| load at starts |",
         "|---|---|---|---|---|---|---|",
     ]
     for study, runs in _grouped(records, lambda r: study_of(r["command"])).items():
         commands = _grouped(runs, lambda r: r["command"])
-        wall = sum((_span(c) for c in commands.values()), timedelta())
+        parts = [part for c in commands.values() for part in _invocations(c)]
+        wall = sum((_span(part) for part in parts), timedelta())
         lines.append(
-            f"| `{study}` | {len(commands)} | {len(runs)} | {runs[0]['started']:%Y-%m-%d %H:%M} "
+            f"| `{study}` | {len(parts)} | {len(runs)} | {runs[0]['started']:%Y-%m-%d %H:%M} "
             f"| {wall.total_seconds() / 3600:.1f} h | {_median_seconds(runs):.0f} "
             f"| {_load(runs)} |"
         )

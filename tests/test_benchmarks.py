@@ -89,7 +89,8 @@ def test_study_walltime_groups_committed_records_by_command(tmp_path):
 
     src = ROOT / "docs" / "results" / "optimizers-regime"
     for name, started, load in [("adamw_sync_s0", "2026-12-03T06:00:00+0000", None),
-                                ("muon_sync_s0", "2026-12-03T06:10:00+0000", [1.5, 1.0, 0.5])]:  # fmt: skip
+                                ("muon_sync_s0", "2026-12-03T06:10:00+0000", [1.5, 1.0, 0.5]),
+                                ("soap_sync_s0", "2026-12-04T06:00:00+0000", None)]:  # fmt: skip
         shutil.copytree(src / name, tmp_path / name)
         meta = json.loads((tmp_path / name / "meta.json").read_text())
         for record in [meta, *meta["invocations"]]:
@@ -99,14 +100,16 @@ def test_study_walltime_groups_committed_records_by_command(tmp_path):
     script = [sys.executable, str(ROOT / "benchmarks" / "study_walltime.py")]
     out = subprocess.run([*script, str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
-    (row,) = [line for line in out.stdout.splitlines() if line.startswith("| `")]
+    # the same command a day later is a second invocation, not a 24-hour span
+    row, later = [line for line in out.stdout.splitlines() if line.startswith("| `")]
+    assert later.split("|")[2:4] == [" 1 ", " 2026-12-04 06:00 "]
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[:4] == ["`stalepipe sweep optimizers`", "2", "2026-12-03 06:00", "12-03 06:10"]
     assert 10 < int(cells[4].split()[0]) < 30 and cells[7] == "1.5-1.5"  # 10 min + one run
     by_study = subprocess.run([*script, str(tmp_path), "--by-study"], capture_output=True,
                               text=True, cwd=ROOT)  # fmt: skip
     (row,) = [line for line in by_study.stdout.splitlines() if line.startswith("| `")]
-    assert row.startswith("| `stalepipe sweep optimizers` | 1 | 2 | 2026-12-03 06:00 |")
+    assert row.startswith("| `stalepipe sweep optimizers` | 2 | 3 | 2026-12-03 06:00 |")
     empty = subprocess.run([*script, str(tmp_path / "adamw_sync_s0")], capture_output=True,
                            text=True, cwd=ROOT)  # fmt: skip
     assert empty.returncode == 2 and "no finished runs" in empty.stderr
