@@ -165,6 +165,11 @@ def main() -> None:
     args = p.parse_args()
     if not args.runs.is_dir():
         p.error(f"{args.runs} is not a directory; pass a sweep directory (stalepipe sweep --out)")
+    if args.since:
+        try:
+            datetime.fromisoformat(args.since)
+        except ValueError:
+            p.error(f"--since {args.since!r} is not an ISO date or time; e.g. --since 2026-12-03")
     records = run_records(args.runs, args.since)
     if not records:
         p.error(f"no finished runs with a meta.json under {args.runs}")
