@@ -142,11 +142,6 @@ _SHOWN = ("optim.lr", "optim.beta1", "optim.beta2", "optim.weight_decay", "pipel
           "train.batch_size", "train.num_steps")  # fmt: skip
 
 
-def gap_points(rows: list[Row], kind: str) -> dict[str, list[tuple[float, float, float]]]:
-    """Series name -> [(x, gap, std of the delayed runs)] (see `gap_series`)."""
-    return _points(gap_series(rows, kind))
-
-
 def _points(series: dict[str, list[tuple[float, Row | None]]]) -> dict[str, list]:
     return {
         name: [(x, r.gap, r.std) if r is not None else (x, 0.0, 0.0) for x, r in pts]

@@ -96,7 +96,7 @@ def study_mitigations(scale: str) -> list[list[list[Bundle]]]:
             ("pipedream_P4+adamom", {"delay.policy": "pipedream", "pipeline.num_stages": "4",
                                      "delay.adaptive_momentum": "true"}),
             # PipeMare's LR (identity at tau = 1, so not under 2bw): stage s starts at
-            # lr / tau_s and reaches lr over the warmup's length
+            # lr / tau_s and reaches lr over the first tenth of the run (the LR warmup here)
             ("pipedream_P4+pipemare", {"delay.policy": "pipedream", "pipeline.num_stages": "4",
                                        "delay.lr_correction_steps": str(max(steps // 10, 1))}),
         ]  # fmt: skip

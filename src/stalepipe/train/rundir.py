@@ -65,8 +65,8 @@ def git_dirty() -> bool | None:
     Markdown, i.e. whether `git_commit` alone does not describe the code that ran (None
     outside a git checkout). A sweep into a committed study directory under docs/ rewrites
     its tracked records, and a README being edited changes no code: neither counts."""
-    prose = (":(top)", ":(top,exclude)docs", ":(top,exclude,glob)**/*.md")
-    out = _git("status", "--porcelain", "--untracked-files=no", "--", *prose)
+    code = (":(top)", ":(top,exclude)docs", ":(top,exclude,glob)**/*.md")
+    out = _git("status", "--porcelain", "--untracked-files=no", "--", *code)
     return bool(out.stdout.strip()) if out is not None and out.returncode == 0 else None
 
 
