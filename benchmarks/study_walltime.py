@@ -23,7 +23,6 @@ separate invocation of the command (the same command run again a day later).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 from datetime import datetime, timedelta
@@ -33,14 +32,18 @@ from regime_probe import train_seconds  # benchmarks/ is the script's directory
 
 from stalepipe.experiments.sweep import run_status
 from stalepipe.train.metrics import read_metrics
-from stalepipe.train.rundir import invocations
+from stalepipe.train.rundir import invocations, read_meta
 
 
-def _command(argv: list[str]) -> str:
+def _command(argv: list[str], cwd: str) -> str:
     """The command without its program's directory (`stalepipe sweep ...`, `regime_probe.py
-    ...`) and without the absolute path of this checkout (a sweep directory given as one)."""
-    cwd = str(Path.cwd()) + "/"
-    return " ".join([Path(argv[0]).name, *(a.replace(cwd, "") for a in argv[1:])])
+    ...`) and without the directory it ran in or this one (a sweep directory given as an
+    absolute path: a clean checkout elsewhere may have run it on this checkout's records)."""
+    prefixes = {d.rstrip("/") + "/" for d in (cwd, str(Path.cwd())) if d}
+    args = argv[1:]
+    for prefix in prefixes:
+        args = [a.replace(prefix, "") for a in args]
+    return " ".join([Path(argv[0]).name, *args])
 
 
 def run_records(root: Path, since: str = "") -> list[dict]:
@@ -49,12 +52,12 @@ def run_records(root: Path, since: str = "") -> list[dict]:
     for d in sorted(p for p in root.iterdir() if (p / "meta.json").is_file()):
         if run_status(d) != "finished":
             continue
-        first = invocations(json.loads((d / "meta.json").read_text()))[0]
+        first = invocations(read_meta(d))[0]
         if first.get("started", "") < since:
             continue
         load = first.get("load_avg")
         out.append({
-            "command": _command(first.get("argv", ["?"])),
+            "command": _command(first.get("argv", ["?"]), first.get("cwd", "")),
             "started": datetime.strptime(first["started"], "%Y-%m-%dT%H:%M:%S%z"),
             "seconds": train_seconds(d, read_metrics(d)),
             "commit": str(first.get("git_commit", "?"))[:7],
