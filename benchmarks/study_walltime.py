@@ -30,6 +30,7 @@ from pathlib import Path
 
 from regime_probe import train_seconds  # benchmarks/ is the script's directory
 
+from stalepipe.errors import UserError
 from stalepipe.experiments.sweep import run_status
 from stalepipe.train.metrics import read_metrics
 from stalepipe.train.rundir import invocations, read_meta
@@ -173,7 +174,10 @@ def main() -> None:
             datetime.fromisoformat(args.since)
         except ValueError:
             p.error(f"--since {args.since!r} is not an ISO date or time; e.g. --since 2026-12-03")
-    records = run_records(args.runs, args.since)
+    try:
+        records = run_records(args.runs, args.since)
+    except UserError as e:  # a corrupt meta.json: the message names the fix
+        p.error(str(e))
     if not records:
         p.error(f"no finished runs with a meta.json under {args.runs}")
     print(study_table(records) if args.by_study else table(records))
