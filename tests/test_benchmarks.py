@@ -113,3 +113,25 @@ def test_study_walltime_groups_committed_records_by_command(tmp_path):
     empty = subprocess.run([*script, str(tmp_path / "adamw_sync_s0")], capture_output=True,
                            text=True, cwd=ROOT)  # fmt: skip
     assert empty.returncode == 2 and "no finished runs" in empty.stderr
+
+
+def test_per_arm_gap_compares_run_groups_across_directories(tmp_path):
+    """`benchmarks/per_arm_gap.py` on copies of committed records: AdamW 2bw at 3e-3 against
+    sync at 9e-3 (its 3-seed optimum), as RESULTS reads it; a bad pair is one line, exit 2."""
+    import shutil
+
+    src = ROOT / "docs" / "results" / "optimizers-regime"
+    for group, where in [("adamw_2bw", "a"), ("adamw_lr0.009_sync", "b")]:
+        for s in range(3):
+            shutil.copytree(src / f"{group}_s{s}", tmp_path / where / f"{group}_s{s}")
+    script = [sys.executable, str(ROOT / "benchmarks" / "per_arm_gap.py")]
+    pair = f"{tmp_path}/a/adamw_2bw={tmp_path}/b/adamw_lr0.009_sync"
+    out = subprocess.run([*script, pair], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| adamw_2bw | 3 | 1.8199 ± 0.0082 | adamw_lr0.009_sync | 3 |" in out.stdout
+    assert out.stdout.rstrip().endswith("| +0.2258 | 4.8e-06 |")
+    bad = subprocess.run([*script, "adamw_2bw"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "is not ARM=SYNC" in bad.stderr
+    gone = subprocess.run([*script, f"{tmp_path}/a/nope={tmp_path}/b/adamw_lr0.009_sync"],
+                          capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert gone.returncode == 1 and "name a run group" in gone.stderr
