@@ -71,20 +71,21 @@ def study_of(command: str) -> str:
     """`stalepipe sweep STUDY` for a study's sweep, `stalepipe sweep --grid` for an ad-hoc
     one, the script's name otherwise."""
     words = command.split()
-    if words[:2] == ["stalepipe", "sweep"]:
-        return (
-            " ".join(words[:3])
-            if len(words) > 2 and not words[2].startswith("-")
-            else ("stalepipe sweep --grid")
-        )
-    return words[0]
+    if words[:2] != ["stalepipe", "sweep"]:
+        return words[0]
+    named = len(words) > 2 and not words[2].startswith("-")
+    return " ".join(words[:3]) if named else "stalepipe sweep --grid"
+
+
+def _end(run: dict) -> datetime:
+    """A run's start plus its training time (its start alone without tokens_per_s)."""
+    secs = run["seconds"] if math.isfinite(run["seconds"]) else 0.0
+    return run["started"] + timedelta(seconds=secs)
 
 
 def _span(runs: list[dict]) -> timedelta:
-    """First start to the last run's start plus its training time (0 without tokens_per_s)."""
-    last = runs[-1]
-    tail = last["seconds"] if math.isfinite(last["seconds"]) else 0.0
-    return last["started"] + timedelta(seconds=tail) - runs[0]["started"]
+    """First start to the last end."""
+    return max(map(_end, runs)) - runs[0]["started"]
 
 
 def _load(runs: list[dict]) -> str:
@@ -115,8 +116,7 @@ def _invocations(runs: list[dict]) -> list[list[dict]]:
         if end is None or r["started"] - end > GAP:
             out.append([])
         out[-1].append(r)
-        secs = r["seconds"] if math.isfinite(r["seconds"]) else 0.0
-        end = max(end or r["started"], r["started"] + timedelta(seconds=secs))
+        end = max(end, _end(r)) if end else _end(r)
     return out
 
 
