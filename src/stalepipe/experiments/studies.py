@@ -155,6 +155,15 @@ def study_tokens(scale: str) -> list[list[list[Bundle]]]:
     return [[optimizer_axis(scale, ("adamw", "muon")), grid_steps, [SYNC, TWO_BW]]]
 
 
+def study_length(scale: str) -> list[list[list[Bundle]]]:
+    """AdamW and Muon, sync / 2bw / 2bw+EF at 1x, 2x and 4x the scale's tokens (the schedule
+    stretched: warmup a tenth, the same number of evaluations); 1x is study 1's run."""
+    tc = base_config(scale).train
+    steps, evals = tc.num_steps, tc.num_steps // (tc.eval_every or tc.num_steps)
+    lengths = [_length(n, evals) for n in (steps, steps * 2, steps * 4)]
+    return [[optimizer_axis(scale, ("adamw", "muon")), lengths, [SYNC, TWO_BW, TWO_BW_EF]]]
+
+
 def study_paper_mini(scale: str) -> list[list[list[Bundle]]]:
     """The CPU subset that checks the paper's four qualitative claims (docs/RESULTS.md)."""
     opt2 = optimizer_axis(scale, ("adamw", "muon"))
@@ -220,6 +229,7 @@ STUDIES: dict[str, Study] = {
         Study("delay", study_delay, "sync, 2bw (N = 1) and fixed:N for N in 2, 4, 8",
               claims=(claim_gap_grows_with_delay,)),
         Study("tokens", study_tokens, "the gap as the training length grows (x1/4 .. x2)"),
+        Study("length", study_length, "AdamW & Muon sync / 2bw / 2bw+EF at 1x, 2x, 4x the tokens"),
         Study("paper-mini", study_paper_mini, "CPU check of the paper's 4 qualitative claims",
               scales=("cpu",),
               claims=(claim_adamw_gap_exceeds_muon, claim_ef_recovers_gap,
