@@ -29,7 +29,7 @@ import torch
 from stalepipe.config import DataConfig, ExperimentConfig, apply_overrides
 from stalepipe.data import prepare_corpus
 from stalepipe.presets import get_preset
-from stalepipe.train.checkpoint import latest_checkpoint
+from stalepipe.rundir.checkpoint import latest_checkpoint
 from stalepipe.train.distributed import SINGLE_PROCESS
 from stalepipe.train.emulated import EmulatorEngine
 from stalepipe.train.engine import StepPlan

@@ -5,7 +5,7 @@ PYTHONPATH=src; nothing is installed). On one H100/H200 it takes under 8 minutes
 
 - the emulator on smollm-135m in bf16: sync / 2bw / 2bw+EF, with AdamW and with Muon, eager and
   compiled (`train.compile`), through the training loop: tokens/s after the warm-up steps
-  (`train.metrics.TIMING_WARMUP_STEPS`), MFU against this exact GPU's dense bf16 peak, peak
+  (`rundir.metrics.TIMING_WARMUP_STEPS`), MFU against this exact GPU's dense bf16 peak, peak
   memory, final loss;
 - resume on the GPU: a run interrupted after a checkpoint and resumed ends with the weights of
   the uninterrupted run (deterministic algorithms on, for both);
@@ -117,7 +117,7 @@ class Setup:
 def setup(args: argparse.Namespace, work: Path) -> Setup:
     import torch
 
-    from stalepipe.train.metrics import TIMING_WARMUP_STEPS
+    from stalepipe.rundir.metrics import TIMING_WARMUP_STEPS
 
     cuda = not args.cpu_smoke
     timed = args.steps if args.steps is not None else 20 if cuda else 3
@@ -164,7 +164,7 @@ def config(s: Setup, name: str, **overrides: str):
 
 
 def last_record(run_dir: Path) -> dict[str, Any]:
-    from stalepipe.train.metrics import read_metrics
+    from stalepipe.rundir.metrics import read_metrics
 
     return [r for r in read_metrics(run_dir) if "tokens_per_s" in r][-1]
 
@@ -210,7 +210,7 @@ def resume_row(s: Setup) -> Row:
     then differs from the first too, and the note gives both differences)."""
     import torch
 
-    from stalepipe.train.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint
+    from stalepipe.rundir.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint
     from stalepipe.train.loop import train
 
     row = Row("resume", "emulator", "2bw+EF", "adamw", False)
@@ -289,8 +289,8 @@ def runtime_config(s: Setup, P: int, v_shape: bool = False):
 
 def runtime_row(s: Setup, v_shape: bool = False) -> Row:
     """The runtime at the largest P this machine allows (`runtime_stages`)."""
-    from stalepipe.train.launch import launch_train
-    from stalepipe.train.metrics import read_metrics
+    from stalepipe.launch.train import launch_train
+    from stalepipe.rundir.metrics import read_metrics
 
     P = runtime_stages(s)
     cfg = runtime_config(s, P, v_shape)
@@ -382,7 +382,7 @@ def scratch() -> str | None:
 def describe_machine(cuda: bool) -> dict[str, Any]:
     import torch
 
-    from stalepipe.pipeline.devices import peak_bf16_flops
+    from stalepipe.sim.devices import peak_bf16_flops
 
     name = torch.cuda.get_device_name() if cuda else "cpu"
     return {
@@ -460,7 +460,7 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    from stalepipe.train.metrics import TIMING_WARMUP_STEPS
+    from stalepipe.rundir.metrics import TIMING_WARMUP_STEPS
 
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="stalepipe-gpu-check-", dir=scratch()) as tmp:
@@ -475,7 +475,7 @@ def main() -> int:
     )
     print(table(rows))
     if s.cuda and machine["peak_bf16_flops"] is None:
-        print(f"no MFU: {machine['device']!r} is not in stalepipe.pipeline.devices.PEAK_BF16_FLOPS")
+        print(f"no MFU: {machine['device']!r} is not in stalepipe.sim.devices.PEAK_BF16_FLOPS")
     elapsed = time.monotonic() - t0
     print(
         f"{'all checks passed' if ok else 'SOME CHECKS FAILED OR WERE SKIPPED'} "

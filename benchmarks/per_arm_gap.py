@@ -18,9 +18,9 @@ import argparse
 import statistics
 from pathlib import Path
 
-from stalepipe.experiments.stats import welch_t_test
-from stalepipe.experiments.sweep import run_status
-from stalepipe.train.metrics import read_metrics
+from stalepipe.analysis.stats import welch_t_test
+from stalepipe.rundir.metrics import read_metrics
+from stalepipe.rundir.status import run_status
 
 
 def final_losses(group: Path) -> list[float]:

@@ -1,5 +1,5 @@
 """Peak memory per rank of `pipeline_throughput.py`'s contenders: the schedule IR's order
-(`pipeline.memory`) with the sizes measured on the benchmark's model, and our executors' held
+(`sim.memory`) with the sizes measured on the benchmark's model, and our executors' held
 stashes and weight versions beside the IR's count."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 from stalepipe.config import ModelConfig
 from stalepipe.models import build_model, partition
-from stalepipe.pipeline.generators import make_schedule
-from stalepipe.pipeline.memory import rank_memory
+from stalepipe.schedules.generators import make_schedule
+from stalepipe.sim.memory import rank_memory
 
 P = 2  # processes, as in pipeline_throughput.py
 
@@ -66,7 +66,7 @@ def stage_sizes(cfg: ModelConfig, mb: int, T: int) -> dict[int, tuple[tuple, tup
 def print_memory(
     m: int, steps: int, sizes: dict, rounds: list[dict], contenders: tuple, ours: dict
 ) -> None:
-    """Peak bytes per rank of every contender (the schedule's order, `pipeline.memory`, with
+    """Peak bytes per rank of every contender (the schedule's order, `sim.memory`, with
     the measured sizes), and ours checked against what the executor actually held."""
     print(
         "  peak memory per rank, MB (max over ranks; weight versions + gradient + AdamW "

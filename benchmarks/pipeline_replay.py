@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from stalepipe.pipeline.generators import make_schedule
-from stalepipe.pipeline.schedule import Action
-from stalepipe.pipeline.timing import CostModel, simulate, summarize, uniform_costs
+from stalepipe.schedules.generators import make_schedule
+from stalepipe.schedules.schedule import Action
+from stalepipe.sim.timing import CostModel, simulate, summarize, uniform_costs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,7 +39,7 @@ def _net(a: float, b: float, inner: list[tuple[float, float, float]]) -> float:
 def action_times(report: dict, actions: tuple[Action, ...]) -> dict[tuple, float]:
     """Every action of one rank's report (a benchmark worker's spans and their keys) with its
     measured wall time, keyed like `Action.key`; `actions` is the rank's list. A process posts
-    one update per step, at its last STEP of that step (`pipeline.stage`): that STEP gets the
+    one update per step, at its last STEP of that step (`runtime.stage`): that STEP gets the
     measured time, the rank's other STEPs of the step (other chunks) none."""
     sp, keys = report["spans"], report["keys"]
     times: dict[tuple, float] = {}

@@ -33,17 +33,17 @@ from pipeline_spans import busy, median_span, timed_call, window  # benchmarks/p
 
 from stalepipe.config import DelayConfig, ModelConfig, OptimConfig
 from stalepipe.delay import DelayedOptimizer
+from stalepipe.launch.pool import WorkerPool
 from stalepipe.models import build_model, partition
 from stalepipe.optim import build_optimizer, resolve_config
 from stalepipe.optim.schedules import set_peak_lr
-from stalepipe.pipeline.comm import Comm, init_from_env
-from stalepipe.pipeline.generators import make_schedule
-from stalepipe.pipeline.pool import WorkerPool
-from stalepipe.pipeline.stage import StageExecutor
-from stalepipe.pipeline.stage_io import ModelLayout, StageIO
-from stalepipe.pipeline.timing import simulate, summarize, uniform_costs
-from stalepipe.pipeline.topology import Topology
-from stalepipe.pipeline.votes import StepVotes, lookahead
+from stalepipe.runtime.comm import Comm, init_from_env
+from stalepipe.runtime.stage import StageExecutor
+from stalepipe.runtime.stage_io import ModelLayout, StageIO
+from stalepipe.runtime.topology import Topology
+from stalepipe.runtime.votes import StepVotes, lookahead
+from stalepipe.schedules.generators import make_schedule
+from stalepipe.sim.timing import simulate, summarize, uniform_costs
 
 P = 2
 POLICY = {"gpipe": "sync", "1f1b": "sync", "interleaved-1f1b": "sync", "zb-v": "sync", "2bw": "2bw"}
@@ -129,7 +129,7 @@ def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: 
         tied=model_cfg.tie_embeddings,
         grad_clip=0.0,
     )
-    # The per-step vote runs as in a training run (pipeline.votes): its cost is measured too.
+    # The per-step vote runs as in a training run (runtime.votes): its cost is measured too.
     votes = StepVotes(comm, max(lookahead(list(acts)) for acts in sched.ranks))
     ex = StageExecutor(ios, layout, delayed, sched, _NoCadence(), votes=votes)
     # F, B (B and BI), V (BW: the weight half of a split backward), S (STEP), A (update), W

@@ -41,7 +41,7 @@ from stalepipe.experiments.grid import RunSpec
 from stalepipe.experiments.studies import LRS, SCALES, base_config, paper_mini_base
 from stalepipe.experiments.sweep import run_status, run_sweep
 from stalepipe.models import count_params
-from stalepipe.train.metrics import read_metrics
+from stalepipe.rundir.metrics import read_metrics
 
 MARGIN = 0.3  # nats below the unigram entropy that count as "off the plateau"
 

@@ -26,8 +26,8 @@ import torch
 from stalepipe.config import apply_overrides
 from stalepipe.data import ensure_prepared
 from stalepipe.experiments.studies import base_config
+from stalepipe.rundir.metrics import read_metrics
 from stalepipe.train.loop import train
-from stalepipe.train.metrics import read_metrics
 
 
 def variants(steps: int) -> dict[str, dict[str, str]]:

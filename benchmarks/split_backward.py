@@ -6,7 +6,7 @@ One middle stage of pipeline_throughput.py's model (a quarter of 4 blocks, 8x64 
 microbatch, one thread). Times, median of `--repeats` fresh graphs each:
 - full: one `autograd.grad` for the input and every weight (what B does);
 - two calls: the input, then the weights, over the same retained graph (what BI + BW did
-  before `pipeline.split_backward`);
+  before `runtime.split_backward`);
 - split: `backward_input` then `backward_weights` (what BI + BW do now), with BI alone and the
   graph walk that finds the weight branches beside it.
 """
@@ -21,8 +21,8 @@ from torch.autograd.graph import get_gradient_edge
 
 from stalepipe.config import ModelConfig
 from stalepipe.models import build_model, partition
-from stalepipe.pipeline.reparam import Reparametrized
-from stalepipe.pipeline.split_backward import (
+from stalepipe.runtime.reparam import Reparametrized
+from stalepipe.runtime.split_backward import (
     _weight_branches,
     backward_input,
     backward_weights,

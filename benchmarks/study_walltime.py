@@ -31,9 +31,9 @@ from pathlib import Path
 from regime_probe import train_seconds  # benchmarks/ is the script's directory
 
 from stalepipe.errors import UserError
-from stalepipe.experiments.sweep import run_status
-from stalepipe.train.metrics import read_metrics
-from stalepipe.train.rundir import invocations, read_meta
+from stalepipe.rundir.directory import invocations, read_meta
+from stalepipe.rundir.metrics import read_metrics
+from stalepipe.rundir.status import run_status
 
 
 def _command(argv: list[str], cwd: str) -> str:

@@ -21,8 +21,8 @@ from stalepipe.config import apply_overrides
 from stalepipe.data import TokenLoader, ensure_prepared
 from stalepipe.models import build_model
 from stalepipe.presets import get_preset
+from stalepipe.rundir.metrics import TIMING_WARMUP_STEPS, read_metrics
 from stalepipe.train.loop import train
-from stalepipe.train.metrics import TIMING_WARMUP_STEPS, read_metrics
 
 
 def hand_written(cfg, data_dir: str, steps: int) -> float:

@@ -1,6 +1,8 @@
-"""The import direction of GUIDE section 3: models, optim, data -> delay -> pipeline -> train ->
-experiments -> cli. A module may import its own layer and the layers below, never above
-(function-level imports included: they are dependencies too)."""
+"""The rooms of docs/design.md ("Architecture") and their one-way import order: config ->
+models, optim, data -> delay -> schedules -> sim, runtime -> rundir -> train -> launch ->
+analysis -> experiments -> cli. A module may import its own layer and the layers below, never
+above (function-level imports included: they are dependencies too); no two modules import each
+other, directly or through others; no room holds more than 15 Python files."""
 
 import ast
 from pathlib import Path
@@ -19,16 +21,21 @@ LAYER = {
     "optim": 1,
     "data": 1,
     "delay": 2,
-    "pipeline": 3,
-    "train": 4,
-    "experiments": 5,
-    "cli": 6,
-    "__main__": 6,
+    "schedules": 3,
+    "sim": 4,
+    "runtime": 4,
+    "rundir": 5,
+    "train": 6,
+    "launch": 7,
+    "analysis": 8,
+    "experiments": 9,
+    "cli": 10,
+    "__main__": 10,
 }
 
 
 def _part(module: str) -> str:
-    """'stalepipe.pipeline.stage' -> 'pipeline'."""
+    """'stalepipe.runtime.stage' -> 'runtime'."""
     return module.split(".")[1]
 
 
@@ -62,3 +69,86 @@ def test_imports_point_down(path):
         f"line {line}: {name}" for line, name in _imports(path) if LAYER[_part(name)] > LAYER[here]
     ]
     assert not bad, f"{path.relative_to(PACKAGE)} imports from a higher layer: {bad}"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _target(node: ast.AST, name: str, modules: set[str]) -> list[str]:
+    """The modules an import statement loads: `from stalepipe.a import b` is stalepipe.a.b
+    when that is a module, else stalepipe.a."""
+    if isinstance(node, ast.ImportFrom):
+        subs = [f"{name}.{a.name}" for a in node.names if f"{name}.{a.name}" in modules]
+        return subs or [name]
+    return [name]
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p) for p in MODULES}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for path in MODULES:
+        here = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                name = node.module
+            elif isinstance(node, ast.Import):
+                name = node.names[0].name
+            else:
+                continue
+            if name.startswith("stalepipe."):
+                graph[here] |= {t for t in _target(node, name, modules) if t in modules} - {here}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle():
+    assert _cycles(_graph()) == []
+
+
+def test_the_circle_finder_finds_one():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_room_holds_more_than_15_python_files():
+    rooms = {p.parent for p in MODULES}
+    crowded = {
+        str(r.relative_to(PACKAGE)): n for r in rooms if (n := len(list(r.glob("*.py")))) > 15
+    }
+    assert not crowded

@@ -138,13 +138,13 @@ def test_every_command_has_help(capsys):
     ("argv", "target", "signature"),
     [
         (["data", "prepare"], "stalepipe.data:prepare_main", None),
-        (["simulate"], "stalepipe.pipeline.simulate:simulate_main", None),
+        (["simulate"], "stalepipe.sim.simulate:simulate_main", None),
         (["eval", "RUN"], "stalepipe.experiments.evaluate:eval_main", None),
         (["export", "RUN", "--out", "hf"], "stalepipe.experiments.export:export_main", None),
         (["demo"], "stalepipe.experiments.demo:run_demo", None),
         # verdict_main passes its keywords on to run_verdict: the flags must fit run_verdict
-        (["verdict", "RUNS"], "stalepipe.experiments.verdict:verdict_main",
-         "stalepipe.experiments.verdict:run_verdict"),
+        (["verdict", "RUNS"], "stalepipe.analysis.verdict:verdict_main",
+         "stalepipe.analysis.verdict:run_verdict"),
     ],
 )  # fmt: skip
 def test_flags_are_the_keywords_of_the_function_a_command_calls(argv, target, signature):

@@ -4,7 +4,7 @@ import os
 import sys
 
 from stalepipe.cli import main
-from stalepipe.pipeline.comm import under_torchrun
+from stalepipe.runtime.comm import under_torchrun
 
 code = main()
 if under_torchrun():

@@ -242,7 +242,7 @@ def test_a_run_recorded_before_the_correctors_resumes():
     import copy
 
     from stalepipe.config import ExperimentConfig
-    from stalepipe.train.resume import config_diff
+    from stalepipe.rundir.resume import config_diff
 
     current = ExperimentConfig(delay=DelayConfig(policy="2bw")).to_dict()
     old = copy.deepcopy(current)

@@ -20,11 +20,11 @@ from stalepipe.config import (
     PipelineConfig,
     TrainConfig,
 )
-from stalepipe.pipeline.pool import WorkerPool
-from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint
+from stalepipe.launch.pool import WorkerPool
+from stalepipe.rundir.checkpoint import latest_checkpoint, load_checkpoint
 from stalepipe.train.loop import train
-from stalepipe.train.metrics import read_metrics
-from stalepipe.train.pooled import worker_entry
+from stalepipe.rundir.metrics import read_metrics
+from stalepipe.launch.pooled import worker_entry
 
 
 @pytest.fixture(scope="session")

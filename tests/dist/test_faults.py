@@ -32,12 +32,12 @@ from pathlib import Path
 import pytest
 
 from stalepipe.errors import EXIT_PEER, EXIT_PREEMPTED, EXIT_USER, TrainingError, UserError
-from stalepipe.pipeline.checkpoint_parts import wait_part
-from stalepipe.pipeline.topology import Topology
-from stalepipe.pipeline.processes import host_store, supervise, worker_env
-from stalepipe.train.checkpoint import load_checkpoint
-from stalepipe.train.launch import launch_train, spawn_ranks
-from stalepipe.train.startup import StartUp
+from stalepipe.runtime.checkpoint_parts import wait_part
+from stalepipe.runtime.topology import Topology
+from stalepipe.launch.processes import host_store, supervise, worker_env
+from stalepipe.rundir.checkpoint import load_checkpoint
+from stalepipe.launch.train import launch_train, spawn_ranks
+from stalepipe.rundir.startup import StartUp
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,8 +96,8 @@ _POST = textwrap.dedent(
     """
     import os, signal, sys, time
     import torch
-    from stalepipe.pipeline.comm import Comm, PeerError, init_from_env
-    from stalepipe.pipeline.topology import Topology
+    from stalepipe.runtime.comm import Comm, PeerError, init_from_env
+    from stalepipe.runtime.topology import Topology
 
     rank, _, _ = init_from_env("gloo", 10)
     comm = Comm(Topology(2), rank, "gloo", 10, "cpu")
@@ -267,7 +267,7 @@ _LAUNCHER = textwrap.dedent(
     """
     import os, signal, sys, time
     from pathlib import Path
-    from stalepipe.train.launch import spawn_ranks
+    from stalepipe.launch.train import spawn_ranks
 
     def worker(run):
         got = []

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from stalepipe.errors import EXIT_FAILED, EXIT_PEER, TrainingError
-from stalepipe.train.checkpoint import list_checkpoints
-from stalepipe.train.launch import launch_train
-from stalepipe.train.startup import StartUp
+from stalepipe.rundir.checkpoint import list_checkpoints
+from stalepipe.launch.train import launch_train
+from stalepipe.rundir.startup import StartUp
 
 pytestmark = pytest.mark.gpu
 

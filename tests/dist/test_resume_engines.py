@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from stalepipe.errors import CheckpointError, UserError
-from stalepipe.pipeline import checkpoint_parts as stage_ckpt
-from stalepipe.train.checkpoint import list_checkpoints, load_checkpoint
+from stalepipe.runtime import checkpoint_parts as stage_ckpt
+from stalepipe.rundir.checkpoint import list_checkpoints, load_checkpoint
 from stalepipe.train.loop import train
-from stalepipe.train.resume import config_diff
+from stalepipe.rundir.resume import config_diff
 
 
 def _on(cfg, engine: str, P: int):

@@ -18,9 +18,9 @@ import torch
 
 from stalepipe.config import ConfigError
 from stalepipe.errors import EXIT_FAILED, EXIT_PEER, TrainingError
-from stalepipe.train.checkpoint import list_checkpoints, load_checkpoint
-from stalepipe.train.launch import launch_train
-from stalepipe.train.startup import StartUp
+from stalepipe.rundir.checkpoint import list_checkpoints, load_checkpoint
+from stalepipe.launch.train import launch_train
+from stalepipe.rundir.startup import StartUp
 from stalepipe.train.pipelined import check_config
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from stalepipe.config import ConfigError, OptimConfig
-from stalepipe.train.checkpoint import list_checkpoints
+from stalepipe.rundir.checkpoint import list_checkpoints
 from stalepipe.train.loop import train
 
 CASES = {

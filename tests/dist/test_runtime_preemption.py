@@ -1,5 +1,5 @@
 """The pipeline runtime under SIGTERM: every rank checkpoints after the same update (agreed
-through `pipeline.votes`), the run exits 75, and `--resume` ends bit for bit where an
+through `runtime.votes`), the run exits 75, and `--resume` ends bit for bit where an
 uninterrupted run ends."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from stalepipe.errors import EXIT_PREEMPTED
-from stalepipe.pipeline.votes import lookahead
-from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint
+from stalepipe.runtime.votes import lookahead
+from stalepipe.rundir.checkpoint import latest_checkpoint, load_checkpoint
 from stalepipe.train.pipelined import runtime_schedule
 
 STEPS = 300

@@ -29,10 +29,10 @@ from stalepipe.cli import main
 from stalepipe.config import ConfigError
 from stalepipe.data import TokenLoader
 from stalepipe.models import build_model
-from stalepipe.pipeline.generators import make_schedule, one_stage_per_rank
-from stalepipe.pipeline.schedule import peak_versions, validate
+from stalepipe.schedules.generators import make_schedule, one_stage_per_rank
+from stalepipe.schedules.schedule import peak_versions, validate
 from stalepipe.presets import PRESETS
-from stalepipe.train.metrics import read_metrics
+from stalepipe.rundir.metrics import read_metrics
 from stalepipe.train.pipelined import check_config, runtime_schedule
 
 

@@ -11,7 +11,7 @@ from stalepipe.config import DataConfig, ExperimentConfig, ModelConfig, TrainCon
 from stalepipe.experiments.export import ExportError, export_hf
 from stalepipe.fileio import NotOwnedError
 from stalepipe.models import build_model
-from stalepipe.train.checkpoint import save_checkpoint
+from stalepipe.rundir.checkpoint import save_checkpoint
 
 BASE = dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128,
             max_seq_len=32, rope_theta=500.0, norm_eps=1e-6)  # fmt: skip

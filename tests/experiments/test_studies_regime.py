@@ -66,7 +66,7 @@ def test_beyond_cpu_the_studies_retune_the_lr_and_add_muon_and_the_correctors():
 
 def test_gpu_estimates_are_the_runs_training_flops_at_the_stated_mfu():
     from stalepipe.models import flops_per_token
-    from stalepipe.pipeline.devices import get_device
+    from stalepipe.sim.devices import get_device
 
     base = studies.base_config("135m")
     specs = studies.STUDIES["optimizers"].specs("135m", 1)[:2]

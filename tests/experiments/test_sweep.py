@@ -268,7 +268,7 @@ def test_a_signal_stops_the_sweep_with_its_run_checkpointed_not_failed(
     import signal
 
     from stalepipe.errors import Preempted
-    from stalepipe.train import metrics
+    from stalepipe.rundir import metrics
 
     base = dataclasses.replace(
         tiny_config, train=dataclasses.replace(tiny_config.train, num_steps=8, eval_every=0)

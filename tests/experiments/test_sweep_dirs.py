@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
+from stalepipe.analysis.results import load_runs
 from stalepipe.experiments.grid import axis, expand
-from stalepipe.experiments.results import load_runs
 from stalepipe.experiments.sweep import (
     ERROR_FILE,
     RECORD_FILES,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint
+from stalepipe.rundir.checkpoint import latest_checkpoint, load_checkpoint
 from stalepipe.train.loop import train
 
 

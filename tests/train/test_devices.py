@@ -95,9 +95,9 @@ def _cuda_run(tmp_path, excerpt_data_dir, engine: str):
 @pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU-only torch build")
 @pytest.mark.parametrize("engine", ["emulate", "distributed"])
 def test_train_refuses_before_touching_the_run_directory(tmp_path, excerpt_data_dir, engine):
-    from stalepipe.train.launch import launch_train
+    from stalepipe.launch.train import launch_train
+    from stalepipe.rundir.startup import StartUp
     from stalepipe.train.loop import train
-    from stalepipe.train.startup import StartUp
 
     cfg = _cuda_run(tmp_path, excerpt_data_dir, engine)
     with pytest.raises(DeviceError):

@@ -15,11 +15,11 @@ import torch
 
 from stalepipe.config import ConfigError, apply_overrides
 from stalepipe.errors import EXIT_USER
-from stalepipe.pipeline.devices import PEAK_BF16_FLOPS, peak_bf16_flops
 from stalepipe.presets import get_preset
-from stalepipe.train import metrics as metrics_mod
+from stalepipe.rundir import metrics as metrics_mod
+from stalepipe.rundir.metrics import TIMING_WARMUP_STEPS, Meter, read_metrics
+from stalepipe.sim.devices import PEAK_BF16_FLOPS, peak_bf16_flops
 from stalepipe.train.devices import DeviceError, peak_flops, set_tf32
-from stalepipe.train.metrics import TIMING_WARMUP_STEPS, Meter, read_metrics
 
 CUDA = torch.device("cuda")  # a device object only: nothing here runs a CUDA kernel
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from stalepipe.errors import EXIT_PREEMPTED, Preempted
-from stalepipe.train import metrics as metrics_file
-from stalepipe.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from stalepipe.rundir import metrics as metrics_file
+from stalepipe.rundir.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from stalepipe.train.loop import train
 
 

@@ -19,9 +19,8 @@ import torch
 from stalepipe.cli import main
 from stalepipe.errors import CheckpointError, DataError, UserError
 from stalepipe.fileio import MARKER, NotOwnedError, make_owned_dir, mark_owned, remove_owned_dir
-from stalepipe.train.checkpoint import list_checkpoints
-from stalepipe.train.loop import train, with_resolved_optim
-from stalepipe.train.rundir import (
+from stalepipe.rundir.checkpoint import list_checkpoints
+from stalepipe.rundir.directory import (
     RUN_ENTRIES,
     RUN_KIND,
     invocations,
@@ -30,6 +29,7 @@ from stalepipe.train.rundir import (
     run_data_dir,
     saved_run_location,
 )
+from stalepipe.train.loop import train, with_resolved_optim
 
 
 def _cfg(tiny_config, **train_fields):
@@ -290,7 +290,7 @@ def test_git_dirty_counts_code_not_docs_or_markdown(tmp_path, monkeypatch):
     import subprocess
 
     import stalepipe
-    from stalepipe.train.rundir import git_dirty
+    from stalepipe.rundir.directory import git_dirty
 
     repo = tmp_path / "repo"
     for rel in ("src/pkg/__init__.py", "docs/results/run/sweep.json", "README.md"):

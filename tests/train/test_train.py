@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from stalepipe.errors import CheckpointError, TrainingError, UserError
-from stalepipe.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from stalepipe.rundir.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from stalepipe.rundir.metrics import TIMING_FIELDS, read_metrics
 from stalepipe.train.loop import train
-from stalepipe.train.metrics import TIMING_FIELDS, read_metrics
 
 
 def _with(cfg, **sections):
@@ -100,7 +100,7 @@ def test_corrupt_checkpoint_is_reported_with_the_fix(tiny_config):
 
 def test_checkpoint_of_another_model_is_refused(tiny_config, tmp_path):
     from stalepipe.models import build_model
-    from stalepipe.train.checkpoint import load_model_state
+    from stalepipe.rundir.checkpoint import load_model_state
 
     run = train(_with(tiny_config, train={"num_steps": 2}), verbose=False).run_dir
     state = load_checkpoint(latest_checkpoint(run))

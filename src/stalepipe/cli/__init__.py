@@ -93,9 +93,9 @@ def _add_train(sub: Subparsers) -> None:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.rundir.directory import saved_run_location
+    from stalepipe.rundir.resume import parent_checkpoint
     from stalepipe.train.loop import train
-    from stalepipe.train.resume import parent_checkpoint
-    from stalepipe.train.rundir import saved_run_location
 
     overrides = parse_overrides(extra)
     cfg = build_config(args.preset, args.config, overrides)
@@ -110,8 +110,8 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         return 0
     init_from = parent_checkpoint(args.init_from, cfg.train.num_steps) if args.init_from else None
     if cfg.pipeline.engine == "distributed":  # one process per stage (docs/runtime.md)
-        from stalepipe.train.launch import launch_train
-        from stalepipe.train.startup import StartUp
+        from stalepipe.launch.train import launch_train
+        from stalepipe.rundir.startup import StartUp
 
         start = StartUp(resume=args.resume, overwrite=args.overwrite, init_from=init_from)
         return launch_train(cfg, start)
@@ -173,7 +173,7 @@ def _add_simulate(sub: Subparsers) -> None:
     add("--plot", help="write a Gantt chart (.png / .svg / .pdf)")
     add("--csv", help="write the timed actions (.csv)")
     add("--text", help="write the schedules' compact text form (.txt)")
-    p.set_defaults(fn=runs("stalepipe.pipeline.simulate:simulate_main"))
+    p.set_defaults(fn=runs("stalepipe.sim.simulate:simulate_main"))
 
 
 def _add_info(sub: Subparsers) -> None:

@@ -95,7 +95,7 @@ def _add_report(sub: Subparsers) -> None:
 
 
 def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.experiments.report import write_report
+    from stalepipe.analysis.report import write_report
 
     out = write_report(args.runs, args.out, title=args.title)
     print(f"report written to {out}/report.md, report.html, summary.csv, runs.csv")
@@ -130,7 +130,7 @@ def _add_verdict(sub: Subparsers) -> None:
     add("--costs", metavar="FILE", help="measured tokens/s per schedule (.json / .csv) instead "
         "of --model")  # fmt: skip
     add("--out", help="output directory (default SWEEP_DIR/verdict)")
-    p.set_defaults(fn=runs("stalepipe.experiments.verdict:verdict_main"))
+    p.set_defaults(fn=runs("stalepipe.analysis.verdict:verdict_main"))
 
 
 def _add_toy(sub: Subparsers) -> None:

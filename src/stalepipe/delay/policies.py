@@ -218,7 +218,7 @@ class DelaySchedule:
 
         Steps past the end of the run count too (as delayed steps, unless a cooldown runs to
         the end): the final checkpoint keeps what a longer run would read, so it can be
-        extended (`train.resume`).
+        extended (`rundir.resume`).
         """
         stages = list(stages)
         depth = max((self.max_tau[s] for s in stages), default=0)

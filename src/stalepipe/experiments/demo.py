@@ -7,9 +7,9 @@ checkpoint), trained by `train.loop.train`. The demo prints final validation los
 the delay opens over sync, and the share of that gap EF recovers, and writes
 `out_dir/loss_curves.png` and `out_dir/demo.json`.
 
-It ends with `stalepipe verdict` on its six runs (experiments/verdict.py): the token overhead of
+It ends with `stalepipe verdict` on its six runs (analysis/verdict.py): the token overhead of
 each delayed run, measured from these runs' val curves, against throughputs simulated for the
-cluster profile VERDICT (SmolLM-360M on H100s, pipeline/devices.py's `h100`, P = 8, m = 16),
+cluster profile VERDICT (SmolLM-360M on H100s, sim/devices.py's `h100`, P = 8, m = 16),
 net as a time-to-target ratio against the best synchronous schedule. One seed per run, so every
 verdict reads "inconclusive" by the rule; the point estimates are what the demo shows.
 """
@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from stalepipe.analysis.verdict import VerdictReport, run_verdict
 from stalepipe.config import ConfigError, DelayConfig, ExperimentConfig, OptimConfig, PipelineConfig
 from stalepipe.errors import TrainingError
-from stalepipe.experiments.verdict import VerdictReport, run_verdict
 from stalepipe.experiments.workers import Finished, run_spawned
 from stalepipe.presets import cpu_tiny
 
@@ -42,7 +42,7 @@ OPTIMIZERS: dict[str, OptimConfig] = {
     "muon": OptimConfig(name="muon", lr=0.02),
 }
 DEFAULT_STEPS = 400
-# The cluster profile of the closing verdict: a GPU-scale model on H100s (pipeline/devices.py),
+# The cluster profile of the closing verdict: a GPU-scale model on H100s (sim/devices.py),
 # the sizes the issue asks about (`stalepipe verdict --help` for the meaning of each).
 VERDICT = {"model": "smollm-360m", "device": "h100", "stages": 8, "microbatches": 16}
 

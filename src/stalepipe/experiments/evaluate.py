@@ -32,7 +32,7 @@ from stalepipe.data import EVAL_SEED, Tokenizer, TokenLoader, check_vocab
 from stalepipe.errors import UserError
 from stalepipe.experiments.trained import load_trained
 from stalepipe.fileio import write_json_atomic
-from stalepipe.train.rundir import run_data_dir
+from stalepipe.rundir.directory import run_data_dir
 
 BUILTIN_TASKS = ("shakespeare-cloze",)
 

@@ -38,7 +38,7 @@ from stalepipe.fileio import (
     refuse_protected,
     remove_owned_dir,
 )
-from stalepipe.train.rundir import locate_run_data
+from stalepipe.rundir.directory import locate_run_data
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_SHARD_BYTES = 5 * 2**30  # the shard size Hugging Face uses for large models

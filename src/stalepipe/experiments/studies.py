@@ -11,12 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from stalepipe.config import (
-    ExperimentConfig,
-    unknown_choice,
-)
-from stalepipe.errors import UserError
-from stalepipe.experiments.claims import (
+from stalepipe.analysis.claims import (
     ClaimCheck,
     claim_adamw_gap_exceeds_muon,
     claim_ef_recovers_gap,
@@ -24,6 +19,11 @@ from stalepipe.experiments.claims import (
     claim_momentum_shrinks_gap,
     claim_pipedream_gap_grows_with_depth,
 )
+from stalepipe.config import (
+    ExperimentConfig,
+    unknown_choice,
+)
+from stalepipe.errors import UserError
 from stalepipe.experiments.grid import Bundle, RunSpec, axis, dedupe, expand
 from stalepipe.experiments.scales import (  # noqa: F401 - studies.X names stay importable
     ALL_OPTIMIZER_NAMES,
@@ -287,7 +287,7 @@ def estimate_gpu_seconds(specs: list[RunSpec], base: ExperimentConfig) -> float:
     """GPU-seconds of a sweep on `GPU_DEVICE` at `GPU_MFU`: each run's training FLOPs (the
     model's per-token count, attention included, times its tokens) over the device's peak."""
     from stalepipe.models import flops_per_token
-    from stalepipe.pipeline.devices import get_device
+    from stalepipe.sim.devices import get_device
 
     rate = get_device(GPU_DEVICE).peak_flops * GPU_MFU
     total = 0.0

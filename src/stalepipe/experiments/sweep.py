@@ -31,50 +31,12 @@ from stalepipe.errors import EXIT_PREEMPTED, Preempted
 from stalepipe.experiments.grid import RunSpec
 from stalepipe.experiments.workers import run_spawned
 from stalepipe.fileio import MARKER, check_removable, make_owned_dir, remove_owned_dir
+from stalepipe.rundir.status import ERROR_FILE, SPEC_FILE, run_status
 
-ERROR_FILE = "error.json"
-SPEC_FILE = "sweep.json"
 SWEEP_KIND = "sweep"  # the kind in a sweep directory's marker
 SWEEP_FIX = "choose another --out"
 # `stalepipe report`'s default output inside a sweep (RUNS/report) and what it writes there.
 REPORT_DIR, REPORT_ENTRIES = "report", ("*.md", "*.html", "*.csv", "*.png")
-
-# ------------------------------------------------------------------------------------------
-# Run status
-# ------------------------------------------------------------------------------------------
-
-
-def run_status(run_dir: Path, steps: int | None = None) -> str:
-    """'finished', 'failed', 'partial' (started, resumable) or 'missing'.
-
-    Finished is read from the run's records alone, so a run directory committed or copied
-    without its checkpoints still counts: the last line of metrics.jsonl is the final step's
-    (`steps - 1`) and holds its val_loss. The loop writes that line only after the last update
-    and its evaluation, so a run stopped by a signal (it ends at an earlier step), a crash
-    before the end, or a torn last line (skipped) never reads as finished; a crash after it
-    writes error.json, which wins. The final checkpoint, when present, also counts (it is
-    written after that line). `steps` defaults to the run's own config.json."""
-    from stalepipe.train.checkpoint import checkpoint_path
-    from stalepipe.train.metrics import read_metrics
-
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return "missing"
-    if (run_dir / ERROR_FILE).exists():
-        return "failed"
-    if steps is None:
-        try:
-            saved = upgrade_record(json.loads((run_dir / "config.json").read_text()))
-            steps = int(saved["train"]["num_steps"])
-        except (OSError, ValueError, KeyError):
-            return "partial" if any(run_dir.iterdir()) else "missing"
-    if checkpoint_path(run_dir, steps).exists():
-        return "finished"
-    records = read_metrics(run_dir)
-    if records and records[-1].get("step") == steps - 1 and "val_loss" in records[-1]:
-        return "finished"
-    return "partial" if any(run_dir.iterdir()) else "missing"
-
 
 # What a finished run needs to be read back and skipped by a later sweep (no checkpoints).
 RECORD_FILES = (MARKER, "config.json", "meta.json", "metrics.jsonl", SPEC_FILE)
@@ -97,7 +59,7 @@ def run_identity(flat: dict[str, Any]) -> tuple:
     """What makes two runs one run: the configuration as the report groups it
     (`results.config_key`: names, logging knobs and settings at their defaults left out) and
     the seeds. A flattened config as train() records it (optimizer defaults resolved)."""
-    from stalepipe.experiments.results import config_key  # results imports this module
+    from stalepipe.analysis.results import config_key
 
     return config_key(flat), json.dumps(flat.get("train.seed")), json.dumps(flat.get("data.seed"))
 
@@ -164,7 +126,7 @@ def plan_status(specs: Sequence[RunSpec], base: ExperimentConfig, out: Path) -> 
 
 def write_error(run_dir: Path, message: str, tb: str = "") -> None:
     """Record a failed run: error.json holds the message and traceback."""
-    from stalepipe.train.rundir import RUN_KIND
+    from stalepipe.rundir.directory import RUN_KIND
 
     make_owned_dir(run_dir, RUN_KIND)
     info = {"error": message, "traceback": tb, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -215,7 +177,7 @@ def _changed_keys(run_dir: Path, cfg: ExperimentConfig) -> list[str]:
     """Config keys whose saved value (config.json) differs from `cfg` (optimizer defaults
     resolved as train() records them; keys the saved file lacks, e.g. added later, and fields
     that do not change the trajectory are ignored)."""
-    from stalepipe.train.resume import RESUMABLE_CHANGES
+    from stalepipe.rundir.resume import RESUMABLE_CHANGES
 
     saved = _saved(run_dir)
     if saved is None:
@@ -319,7 +281,7 @@ def _plan(
     config), repeats of another run (`plan_status`) and failed ones not retried go into
     `res`. A failed run to retry, and one that stopped before its first checkpoint, is
     deleted (it starts over)."""
-    from stalepipe.train.rundir import RUN_ENTRIES, RUN_KIND
+    from stalepipe.rundir.directory import RUN_ENTRIES, RUN_KIND
 
     todo = []
     for p in plan_status(specs, base, out):
@@ -343,8 +305,8 @@ def _plan(
 
 def _stopped_before_checkpoint(run_dir: Path) -> bool:
     """A run that trained some steps but wrote no checkpoint: --resume cannot continue it."""
-    from stalepipe.train.checkpoint import latest_checkpoint
-    from stalepipe.train.rundir import run_state
+    from stalepipe.rundir.checkpoint import latest_checkpoint
+    from stalepipe.rundir.directory import run_state
 
     return run_state(run_dir) == "trained" and latest_checkpoint(run_dir) is None
 
@@ -353,7 +315,7 @@ def remove_sweep_dir(out: Path) -> None:
     """Delete the sweep directory `out` (NotOwnedError, nothing deleted, unless every part is
     stalepipe's): marked as a sweep, each subdirectory a run directory `remove_owned_dir`
     may delete or the report, and nothing else at its top."""
-    from stalepipe.train.rundir import RUN_ENTRIES, RUN_KIND
+    from stalepipe.rundir.directory import RUN_ENTRIES, RUN_KIND
 
     allowed = [".*.deleting-*"]  # a deletion interrupted by a crash
     for child in sorted(out.iterdir()):
@@ -376,7 +338,7 @@ def _is_report_file(path: Path) -> bool:
 def _write_spec_files(out: Path, specs: Sequence[RunSpec], todo: list[RunSpec]) -> None:
     """sweep.json in every run directory that exists or is about to: it lets the report label
     runs the way the sweep named them, and list planned runs not started yet."""
-    from stalepipe.train.rundir import RUN_KIND
+    from stalepipe.rundir.directory import RUN_KIND
 
     for spec in specs:
         d = out / spec.name
@@ -423,7 +385,7 @@ class _Progress:
 
 
 def _final_val(run_dir: Path) -> float:
-    from stalepipe.train.metrics import read_metrics
+    from stalepipe.rundir.metrics import read_metrics
 
     vals = [r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r]
     return vals[-1] if vals else math.nan

@@ -16,7 +16,7 @@ import torch
 from stalepipe.config import ExperimentConfig
 from stalepipe.errors import CheckpointError
 from stalepipe.models import Transformer, build_model
-from stalepipe.train.checkpoint import latest_checkpoint, load_checkpoint, load_model_state
+from stalepipe.rundir.checkpoint import latest_checkpoint, load_checkpoint, load_model_state
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 
 from stalepipe.config import ExperimentConfig
 from stalepipe.errors import UserError
-from stalepipe.pipeline.devices import peak_bf16_flops
+from stalepipe.sim.devices import peak_bf16_flops
 
 
 class DeviceError(UserError):
@@ -89,7 +89,7 @@ def set_tf32(enabled: bool, device: torch.device) -> None:
 
 def peak_flops(device: torch.device, world_size: int = 1) -> float:
     """Dense bf16 peak FLOP/s of `world_size` GPUs like `device` (the MFU denominator): 0 on
-    CPU and for a GPU not in `pipeline.devices.PEAK_BF16_FLOPS` (no MFU rather than a wrong
+    CPU and for a GPU not in `sim.devices.PEAK_BF16_FLOPS` (no MFU rather than a wrong
     one)."""
     if device.type != "cuda":
         return 0.0

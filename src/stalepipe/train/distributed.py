@@ -27,15 +27,15 @@ import torch.distributed as dist
 
 from stalepipe.config import ConfigError, ExperimentConfig
 from stalepipe.errors import UserError
-from stalepipe.pipeline.comm import (
+from stalepipe.runtime.comm import (
     PeerError,
     init_from_env,
     leave_process_group,
     resolve_backend,
     under_torchrun,
 )
-from stalepipe.pipeline.failures import run_store
-from stalepipe.pipeline.waits import STORE_POLL_S, restart_prefix
+from stalepipe.runtime.failures import run_store
+from stalepipe.runtime.waits import STORE_POLL_S, restart_prefix
 
 T = TypeVar("T")
 

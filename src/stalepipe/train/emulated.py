@@ -25,12 +25,12 @@ from stalepipe.delay import DelayEmulator, DelaySchedule
 from stalepipe.models import Transformer, build_model
 from stalepipe.optim import build_optimizer
 from stalepipe.optim.schedules import apply_lr, config_peak_lr
-from stalepipe.pipeline.checkpoint_parts import emulator_state
-from stalepipe.train.checkpoint import (
+from stalepipe.rundir.checkpoint import (
     load_checkpoint,
     load_model_state,
     save_checkpoint,
 )
+from stalepipe.runtime.checkpoint_parts import emulator_state
 from stalepipe.train.distributed import (
     SINGLE_PROCESS,
     DistContext,
@@ -84,7 +84,7 @@ class EmulatorEngine:
     """The delay emulator over the whole model in this process (one data-parallel replica).
 
     Build it after the run directory is open; it continues from `start_from`, a checkpoint
-    (`train.startup.StartUp.checkpoint`: the run's own, or its parent's; of either engine, any
+    (`rundir.startup.StartUp.checkpoint`: the run's own, or its parent's; of either engine, any
     stage split the policy allows), or starts at step 0."""
 
     def __init__(

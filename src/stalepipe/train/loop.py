@@ -24,7 +24,9 @@ from stalepipe.config import ExperimentConfig
 from stalepipe.errors import Preempted, TrainingError
 from stalepipe.models import flops_per_token
 from stalepipe.optim import resolve_config
-from stalepipe.train.checkpoint import latest_checkpoint
+from stalepipe.rundir.checkpoint import latest_checkpoint
+from stalepipe.rundir.metrics import Meter, MetricsWriter, read_metrics
+from stalepipe.rundir.startup import StartUp, begin_run
 from stalepipe.train.devices import check_device, peak_flops, set_tf32
 from stalepipe.train.distributed import (
     init_data_parallel,
@@ -35,9 +37,7 @@ from stalepipe.train.distributed import (
 from stalepipe.train.emulated import EmulatorEngine
 from stalepipe.train.engine import Engine, StepPlan, StepResult
 from stalepipe.train.interrupts import Interrupts
-from stalepipe.train.metrics import Meter, MetricsWriter, read_metrics
 from stalepipe.train.progress import Progress
-from stalepipe.train.startup import StartUp, begin_run
 
 
 @dataclass
@@ -175,7 +175,7 @@ def _finished(run_dir: Path, steps: int, verbose: bool) -> TrainResult:
 
 
 def run_meter(cfg: ExperimentConfig, start: int, device: torch.device) -> Meter:
-    """The run's `train.metrics.Meter`: tokens of a global batch, model FLOPs per token, and
+    """The run's `rundir.metrics.Meter`: tokens of a global batch, model FLOPs per token, and
     the peak of every process's GPU (MFU; the runtime's P x D ranks or the data-parallel
     ranks, each on one GPU like this one)."""
     dist = torch.distributed

@@ -4,12 +4,12 @@ One process per (stage, replica), or per `pipeline.num_chunks` stages (interleav
 DualPipeV). Every process builds only its own stages (`models.build_stage`, the values the
 whole model would have), builds the optimizer from their named parameters, wraps it in the
 delay engine's `DelayedOptimizer` (so versions, Taylor and EF are the emulator's code),
-generates the schedule (`pipeline.generators`, the lists the timing simulator times) and
-executes its own list with `pipeline.stage.StageExecutor`. Rank 0 writes metrics, prints progress and merges the stage checkpoint parts
+generates the schedule (`schedules.generators`, the lists the timing simulator times) and
+executes its own list with `runtime.stage.StageExecutor`. Rank 0 writes metrics, prints progress and merges the stage checkpoint parts
 into the stage-agnostic checkpoint of single-process training.
 
 Launch with `torchrun ... -m stalepipe train --pipeline.engine distributed ...` or let
-`stalepipe train --pipeline.engine distributed` spawn the processes (`train.launch`).
+`stalepipe train --pipeline.engine distributed` spawn the processes (`launch.train`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,11 @@ from stalepipe.errors import Preempted
 from stalepipe.models import Transformer, build_stage, partition
 from stalepipe.optim import build_optimizer
 from stalepipe.optim.schedules import config_peak_lr, set_peak_lr
-from stalepipe.pipeline import checkpoint_parts as stage_ckpt
-from stalepipe.pipeline.comm import (
+from stalepipe.rundir.checkpoint import load_checkpoint, save_checkpoint
+from stalepipe.rundir.directory import run_data_dir
+from stalepipe.rundir.startup import FRESH, StartUp, begin_run
+from stalepipe.runtime import checkpoint_parts as stage_ckpt
+from stalepipe.runtime.comm import (
     Comm,
     PeerError,
     barrier_on_store,
@@ -43,22 +46,19 @@ from stalepipe.pipeline.comm import (
     leave_process_group,
     resolve_backend,
 )
-from stalepipe.pipeline.generators import one_stage_per_rank, schedule_for
-from stalepipe.pipeline.schedule import Schedule, validate
-from stalepipe.pipeline.stage import StageExecutor
-from stalepipe.pipeline.stage_eval import EvalData
-from stalepipe.pipeline.stage_io import ModelLayout, StageIO
-from stalepipe.pipeline.tied import TIED_HEAD, TIED_NAME
-from stalepipe.pipeline.topology import Topology
-from stalepipe.pipeline.votes import StepVotes, lookahead
-from stalepipe.train.checkpoint import load_checkpoint, save_checkpoint
+from stalepipe.runtime.stage import StageExecutor
+from stalepipe.runtime.stage_eval import EvalData
+from stalepipe.runtime.stage_io import ModelLayout, StageIO
+from stalepipe.runtime.tied import TIED_HEAD, TIED_NAME
+from stalepipe.runtime.topology import Topology
+from stalepipe.runtime.votes import StepVotes, lookahead
+from stalepipe.schedules.generators import one_stage_per_rank, schedule_for
+from stalepipe.schedules.schedule import Schedule, validate
 from stalepipe.train.devices import check_device, set_tf32
 from stalepipe.train.distributed import MAIN_WORK_TIMEOUT_S
 from stalepipe.train.engine import StepPlan, StepResult
 from stalepipe.train.loop import TrainResult, run_loop, with_resolved_optim
 from stalepipe.train.ranklog import tee_rank_log
-from stalepipe.train.rundir import run_data_dir
-from stalepipe.train.startup import FRESH, StartUp, begin_run
 
 # Schedules the runtime executes, and the delay policy each one realises.
 PREPARED_ENV = "STALEPIPE_RUN_PREPARED"  # set by the spawning launcher: run dir already open
@@ -108,7 +108,7 @@ def runtime_schedule(cfg: ExperimentConfig, num_steps: int | None = None) -> Sch
 def run_worker(
     cfg: ExperimentConfig, start: StartUp = FRESH, *, verbose: bool = True
 ) -> WorkerResult:
-    """Run this process's stage of `cfg` (environment from torchrun or `train.launch.launch_train`) through
+    """Run this process's stage of `cfg` (environment from torchrun or `launch.train.launch_train`) through
     the training loop. Any failure exits through an exception whose message names the rank;
     `main_worker` turns it into a non-zero exit."""
     check_config(cfg)
@@ -197,8 +197,8 @@ class PipelineEngine:
     Builds only its own stages (`models.build_stage`, the values the whole model would have),
     the optimizer over their named parameters, wrapped in the delay engine's
     `DelayedOptimizer` (so versions, Taylor and EF are the emulator's code), and the schedule
-    (`pipeline.generators`, the lists the timing simulator times); `steps` executes this rank's
-    list with `pipeline.stage.StageExecutor`. Checkpoints: every stage writes its part, rank 0
+    (`schedules.generators`, the lists the timing simulator times); `steps` executes this rank's
+    list with `runtime.stage.StageExecutor`. Checkpoints: every stage writes its part, rank 0
     merges them into the stage-agnostic checkpoint of single-process training."""
 
     def __init__(
@@ -243,7 +243,7 @@ class PipelineEngine:
         )
         self.model_keys = list(full.state_dict())
         self.start_step, self.resumed_from, self.tied_versions = 0, None, None
-        if start_from is not None:  # a checkpoint (train.startup.StartUp.checkpoint)
+        if start_from is not None:  # a checkpoint (rundir.startup.StartUp.checkpoint)
             self._resume(start_from)
         if len(self.sched.ranks[0]) * P <= 20000:
             validate(self.sched)
@@ -369,7 +369,7 @@ class PipelineEngine:
             self.losses.append((r.step, r.loss))
             tau = self.sched.delay.taus(r.step)
             yield StepResult(r.step, r.loss, r.grad_norm, tau, r.lr, r.router)
-            if plan.stops(r.step):  # checkpointed: end here, with every peer (pipeline.votes)
+            if plan.stops(r.step):  # checkpointed: end here, with every peer (runtime.votes)
                 self.executor.settle()
                 return
 

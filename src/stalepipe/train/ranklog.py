@@ -2,7 +2,7 @@
 
 A rank's log holds everything the rank prints (stdout and stderr, Python-level), its one-line
 error and, for a bug, its traceback; a fatal signal's Python traceback too (faulthandler). The
-spawning launcher starts the tee first thing in each worker (`train.launch`), so nothing printed
+spawning launcher starts the tee first thing in each worker (`launch.train`), so nothing printed
 before training starts is lost; a second `tee_rank_log` of the same file (the worker's own, in
 `train.pipelined.run_worker`) joins the running one. Lines are flushed as they are written, so
 a log is complete even when the process ends with `os._exit`.

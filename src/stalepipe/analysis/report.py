@@ -1,0 +1,281 @@
+"""`stalepipe report runs/STUDY`: tables, significance tests and plots from run directories.
+
+Writes into `<runs>/report/` (or `--out`): `report.md` (plots as PNG files next to it),
+`report.html` (one file, plots embedded as base64 PNG), `summary.csv` (one row per
+configuration, with the token overhead's columns) and `runs.csv` (one row per run). Reads only the run directories (see
+`results.py`); works on partial sweeps and lists what is missing.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from stalepipe.analysis import plots
+from stalepipe.analysis.claims import CLAIMS, Claim, fmt, fmt_p, fmt_share
+from stalepipe.analysis.overhead import DEFAULT_RULE, Overhead
+from stalepipe.analysis.results import Row, Run, build_rows, load_runs, missing_summary
+from stalepipe.errors import UserError
+
+
+@dataclass
+class Block:
+    """One piece of a report: kind is 'h' (heading), 'p' (paragraph), 'ul' (list),
+    'table' (header + rows) or 'img' (PNG bytes + file name)."""
+
+    kind: str
+    text: str = ""
+    items: list[str] | None = None
+    header: list[str] | None = None
+    rows: list[list[str]] | None = None
+    png: bytes | None = None
+
+
+def summary_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
+    """Per configuration: seeds, final val loss mean +- std, gap to sync with its Welch p-value,
+    and for mitigations the share of the unmitigated gap recovered (with its p-value)."""
+    header = ["configuration", "seeds", "val loss (mean ± std)", "gap to sync", "p (gap)",
+              "recovered", "p (vs unmitigated)", "baseline"]  # fmt: skip
+    body = []
+    for r in rows:
+        body.append(
+            [
+                r.label,
+                f"{r.seeds_done}/{len(r.runs)}",
+                f"{fmt(r.mean)} ± {fmt(r.std)}" if r.values else "-",
+                ("0 (baseline)" if r.values else "-") if r.is_sync else fmt(r.gap),
+                fmt_p(r.gap_p),
+                fmt_share(r.recovered),
+                fmt_p(r.recovered_p),
+                r.baseline.label if r.baseline else "-",
+            ]
+        )
+    return header, body
+
+
+def overhead_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
+    """Per delayed configuration with a baseline: the token overhead at the baseline's losses
+    (geometric mean over seeds of each seed's median over the band, 95% t-interval), the
+    per-seed medians, the band of targets and the quality floor."""
+    header = ["configuration", "baseline", "seeds paired", "token overhead (95% CI)",
+              "per seed", "band (val loss)", "quality floor"]  # fmt: skip
+    body = []
+    for r in rows:
+        o = r.token_overhead
+        if o is None or r.baseline is None:
+            continue
+        per_seed = " ".join(
+            "floor" if p.floor else fmt(p.median, 2) if p.has_band else "-" for p in o.pairs
+        )
+        top, bottom = _band(o)
+        band = f"{fmt(top, 3)} → {fmt(bottom, 3)}" if math.isfinite(top) else "-"
+        floor = (
+            f"{o.num_floors}/{o.num_seeds} seeds, gap {o.floor_gap:+.4f}" if o.num_floors else "no"
+        )
+        body.append([r.label, r.baseline.label, str(o.num_seeds), o.describe(), per_seed or "-",
+                     band, floor])  # fmt: skip
+    return header, body
+
+
+def _band(o: Overhead) -> tuple[float, float]:
+    """The band shown for a configuration: its seed-mean curves' (the seeds' bands differ a
+    little), else the widest over seeds; (nan, nan) when there is none."""
+    if o.mean_pair is not None and o.mean_pair.has_band:
+        return o.mean_pair.band
+    bands = [p.band for p in o.pairs if p.has_band]
+    if not bands:
+        return math.nan, math.nan
+    return max(b[0] for b in bands), min(b[1] for b in bands)
+
+
+OVERHEAD_TEXT = (
+    "Token overhead: T_delayed(L) / T_sync(L), T(L) the tokens a run needs to first reach val "
+    "loss L; per seed (runs paired by seed) the median over a band of targets, over seeds the "
+    "geometric mean with a 95% Student-t interval on the logarithms. A quality floor: the "
+    "delayed run never reaches the band's bottom, so it reports its final-loss gap, not a "
+    "multiplier (at equal token budgets that also covers a tax too large for the budget). "
+    "Definitions: " + DEFAULT_RULE.describe() + " (docs/verdict.md)."
+)
+
+
+def claims(rows: list[Row]) -> list[Claim]:
+    """The paper's qualitative claims, checked on whatever rows exist: (claim, verdict,
+    evidence). Every claim function runs once, in `claims.CLAIMS` order; a claim
+    whose configurations are absent is left out."""
+    return [c for check in CLAIMS for c in check(rows)]
+
+
+def build_report(root: Path, title: str | None = None) -> tuple[list[Block], list[Row], list[Run]]:
+    runs = load_runs(root)
+    if not runs:
+        raise UserError(
+            f"{root} holds no run directories (none with a config.json); run "
+            f"`stalepipe sweep STUDY --out {root}` first"
+        )
+    rows = build_rows(runs)
+    n_fin = sum(r.status == "finished" for r in runs)
+    blocks = [Block("h", title or f"Report: {root.name}")]
+    blocks.append(Block(
+        "p",
+        f"{n_fin} of {len(runs)} runs finished, {len(rows)} configurations. "
+        f"Generated {time.strftime('%Y-%m-%d %H:%M')} from the run directories in `{root}`. "
+        "Val loss: final validation loss (same held-out batches for every run); mean ± sample std "
+        "over seeds. Gap: mean minus the mean of the synchronous baseline (same config with "
+        "`delay.policy sync`, mitigations off). p: two-sided Welch t-test across seeds. "
+        "Recovered: (gap without − gap with the mitigation) / gap without.",
+    ))  # fmt: skip
+    missing = missing_summary(runs, rows)
+    if missing:
+        blocks += [Block("h", "Missing"), Block("ul", items=missing)]
+    header, body = summary_table(rows)
+    blocks += [Block("h", "Final validation loss by configuration"),
+               Block("table", header=header, rows=body)]  # fmt: skip
+    header, body = overhead_table(rows)
+    if body:
+        blocks += [Block("h", "Token overhead at the baseline's losses"),
+                   Block("p", OVERHEAD_TEXT), Block("table", header=header, rows=body)]  # fmt: skip
+    checked = claims(rows)
+    if checked:
+        blocks += [
+            Block("h", "The paper's qualitative claims"),
+            Block("table", header=["claim", "verdict", "evidence"],
+                  rows=[list(c) for c in checked]),
+        ]  # fmt: skip
+    png = plots.loss_curves(rows)
+    if png:
+        blocks += [Block("h", "Loss curves"), Block("img", text="loss_curves.png", png=png)]
+    png = plots.overhead_plot(rows)
+    if png:
+        blocks += [Block("h", "Val loss against tokens, with the token overhead"),
+                   Block("img", text="token_overhead.png", png=png)]  # fmt: skip
+    for kind in plots.AXES:
+        png = plots.gap_plot(rows, kind)
+        if png:
+            blocks += [
+                Block("h", f"Gap vs {plots.AXES[kind][0]}"),
+                Block("img", text=f"gap_vs_{kind}.png", png=png),
+            ]
+    return blocks, rows, runs
+
+
+def to_markdown(blocks: list[Block]) -> str:
+    out, level = [], 1
+    for b in blocks:
+        if b.kind == "h":
+            out.append(("#" * level) + " " + b.text + "\n")
+            level = 2
+        elif b.kind == "p":
+            out.append(b.text + "\n")
+        elif b.kind == "ul":
+            out.append("\n".join(f"- {i}" for i in b.items or []) + "\n")
+        elif b.kind == "table":
+            out.append(md_table(b.header or [], b.rows or []))
+        elif b.kind == "img":
+            out.append(f"![{b.text}]({b.text})\n")
+    return "\n".join(out)
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    def cell(s: str) -> str:
+        return str(s).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(cell(h) for h in header) + " |",
+             "|" + "|".join("---" for _ in header) + "|"]  # fmt: skip
+    lines += ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def to_html(blocks: list[Block]) -> str:
+    parts, level = [], 1
+    title = next((b.text for b in blocks if b.kind == "h"), "report")
+    for b in blocks:
+        if b.kind == "h":
+            parts.append(f"<h{level}>{html.escape(b.text)}</h{level}>")
+            level = 2
+        elif b.kind == "p":
+            parts.append(f"<p>{html.escape(b.text)}</p>")
+        elif b.kind == "ul":
+            parts.append(
+                "<ul>" + "".join(f"<li>{html.escape(i)}</li>" for i in b.items or []) + "</ul>"
+            )
+        elif b.kind == "table":
+            head = "".join(f"<th>{html.escape(h)}</th>" for h in b.header or [])
+            body = "".join(
+                "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>"
+                for r in b.rows or []
+            )
+            parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        elif b.kind == "img" and b.png:
+            data = base64.b64encode(b.png).decode("ascii")
+            parts.append(f'<img alt="{html.escape(b.text)}" src="data:image/png;base64,{data}">')
+    style = (
+        "body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
+        "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 7px}"
+        "th{background:#f3f3f3}img{max-width:100%}"
+    )
+    return (
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{style}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n"
+    )
+
+
+OVERHEAD_COLUMNS = ["token_overhead_status", "token_overhead", "token_overhead_ci_low",
+                    "token_overhead_ci_high", "token_overhead_seeds", "token_overhead_per_seed",
+                    "floor_seeds", "floor_gap", "band_top", "band_bottom",
+                    "token_overhead_mean_curve"]  # fmt: skip
+
+
+def overhead_cells(r: Row) -> list[object]:
+    """The OVERHEAD_COLUMNS of summary.csv for one row (empty for rows without an overhead).
+    Per seed: the medians over the band, "floor" or "nan" (no band); mean curve: the median
+    over the band of the seed-mean curves (nan for a floor), beside the per-seed estimate."""
+    o = r.token_overhead
+    if o is None:
+        return [""] * len(OVERHEAD_COLUMNS)
+    return [o.status, o.estimate, o.ci_low, o.ci_high, o.num_seeds,
+            " ".join("floor" if p.floor else f"{p.median:.6f}" for p in o.pairs),
+            o.num_floors, o.floor_gap, *_band(o),
+            o.mean_pair.median if o.mean_pair else ""]  # fmt: skip
+
+
+def write_csvs(out: Path, rows: list[Row], runs: list[Run]) -> None:
+    with open(out / "summary.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["configuration", "seeds_finished", "seeds_total", "val_loss_mean",
+                    "val_loss_std", "values", "gap", "gap_p", "baseline", "recovered",
+                    "recovered_p", "unmitigated", *OVERHEAD_COLUMNS])  # fmt: skip
+        for r in rows:
+            w.writerow([r.label, r.seeds_done, len(r.runs), r.mean, r.std,
+                        " ".join(f"{v:.6f}" for v in r.values), r.gap, r.gap_p,
+                        r.baseline.label if r.baseline else "", r.recovered, r.recovered_p,
+                        r.unmitigated.label if r.unmitigated else "",
+                        *overhead_cells(r)])  # fmt: skip
+    with open(out / "runs.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["run", "status", "seed", "steps_done", "final_val_loss", "group", "error"])
+        for r in runs:
+            w.writerow([r.name, r.status, r.seed, r.steps_done, r.final_val, r.group, r.error])
+
+
+def write_report(root: str | Path, out: str | Path | None = None, title: str | None = None) -> Path:
+    """Build and write the report of the run directories under `root`; returns its directory."""
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(
+            f"{root} is not a directory; pass the --out of a sweep (e.g. runs/paper-mini)"
+        )
+    blocks, rows, runs = build_report(root, title)
+    out_dir = Path(out) if out else root / "report"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for b in blocks:
+        if b.kind == "img" and b.png:
+            (out_dir / b.text).write_bytes(b.png)
+    (out_dir / "report.md").write_text(to_markdown(blocks))
+    (out_dir / "report.html").write_text(to_html(blocks))
+    write_csvs(out_dir, rows, runs)
+    return out_dir

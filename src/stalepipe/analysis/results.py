@@ -1,0 +1,359 @@
+"""Read a sweep's run directories and reduce them to one row per configuration.
+
+Only files in the run directories are read (config.json, metrics.jsonl, sweep.json,
+error.json), never a model. Runs are grouped into *configurations* by their config.json with the
+seeds removed; for each configuration the table holds the final val loss over seeds, the gap to
+its synchronous baseline, the token overhead over it (overhead.py: the tokens the delayed runs
+need to reach the baseline's losses, paired by seed) and, for mitigated runs, the share of the
+unmitigated gap recovered.
+
+Matching is done on the full config, not on names: the sync baseline of a configuration is the
+one whose config is equal after setting the delay policy to `sync` and every mitigation off
+(ignoring `pipeline.num_stages` when no sync run of the same depth exists, since synchronous
+training does not depend on the split); the unmitigated counterpart is equal after switching the
+mitigations off.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stalepipe.analysis import overhead, stats
+from stalepipe.config import ExperimentConfig, upgrade_record
+from stalepipe.config.overrides import default_of
+from stalepipe.fileio import flatten_dict
+from stalepipe.rundir.status import ERROR_FILE, SPEC_FILE, run_status
+
+# Keys that do not define a configuration (the seed axis, names, logging and speed knobs).
+NON_CONFIG_KEYS = {
+    "name",
+    "out_dir",
+    "train.seed",
+    "data.seed",
+    "train.progress",
+    "train.log_every",
+    "train.ckpt_every",
+    "train.keep_last",
+    "train.threads",
+    "data.data_dir",
+}
+MITIGATION_DEFAULTS = {
+    "delay.ef": False,
+    "delay.taylor": 0.0,
+    "delay.taylor_adaptive": False,
+    "delay.taylor_curvature": "g2",  # ema: DC-ASGD-EMA
+    "delay.sync_start": 0,
+    "delay.sync_cooldown": 0.0,
+    "delay.sync_cooldown_wsd": False,
+    # the correctors beyond the paper (docs/delay.md); records from before them lack the keys
+    "delay.weight_pred": False,
+    "delay.lr_correction_steps": 0,
+    "delay.adaptive_momentum": False,
+}
+# The Taylor knobs only matter when Taylor is on; ignored when matching.
+_TAYLOR_DETAILS = ("delay.taylor_ema", "delay.taylor_eps")
+
+
+@dataclass
+class Run:
+    """One run directory as the report sees it."""
+
+    name: str
+    path: Path
+    status: str  # finished | partial | failed | missing
+    config: dict[str, Any]  # flattened config.json ({} if absent)
+    group: str = ""  # sweep.json's group label, or ""
+    seed: int | None = None
+    final_val: float = math.nan
+    steps_done: int = 0
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (step, train loss)
+    val_curve: list[tuple[int, float]] = field(default_factory=list)
+    error: str = ""
+
+
+def load_runs(root: str | Path) -> list[Run]:
+    """Every run directory directly under `root` (a directory holding a config.json or a
+    sweep.json), sorted by name."""
+    from stalepipe.rundir.metrics import read_metrics
+
+    root = Path(root)
+    runs = []
+    for d in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+        if not ((d / "config.json").exists() or (d / SPEC_FILE).exists()):
+            continue
+        config: dict[str, Any] = {}
+        if (d / "config.json").exists():
+            try:
+                config = flatten_dict(upgrade_record(json.loads((d / "config.json").read_text())))
+            except ValueError:
+                config = {}
+        spec = {}
+        if (d / SPEC_FILE).exists():
+            try:
+                spec = json.loads((d / SPEC_FILE).read_text())
+            except ValueError:
+                spec = {}
+        status = run_status(d)
+        if status == "partial" and not (d / "metrics.jsonl").exists():
+            status = "missing"  # planned by the sweep, not started
+        run = Run(d.name, d, status, config, spec.get("group", ""), spec.get("seed"))
+        if run.seed is None and config:
+            run.seed = config.get("train.seed")
+        records = read_metrics(d)
+        run.curve = [(r["step"], r["loss"]) for r in records if "loss" in r]
+        run.val_curve = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+        run.steps_done = records[-1]["step"] + 1 if records else 0
+        if status == "finished" and run.val_curve:
+            run.final_val = run.val_curve[-1][1]
+        if status == "failed":
+            try:
+                run.error = json.loads((d / ERROR_FILE).read_text()).get("error", "")
+            except (OSError, ValueError):
+                run.error = "unreadable error.json"
+        runs.append(run)
+    return runs
+
+
+def config_key(config: dict[str, Any], drop: tuple[str, ...] = ()) -> tuple:
+    """A hashable identity of a configuration (seeds and `drop` keys left out). A setting at
+    its default is left out too: a record written before the setting existed (a mitigation, a
+    corrector, `pipeline.num_chunks`) means the default, and the two are one configuration."""
+    return tuple(
+        sorted(
+            (k, json.dumps(v))
+            for k, v in config.items()
+            if k not in NON_CONFIG_KEYS and k not in drop and not _at_default(k, v)
+        )
+    )
+
+
+@functools.cache
+def _default(key: str) -> Any:
+    try:
+        return default_of(ExperimentConfig, key)
+    except KeyError:  # not a config field (an old record's key): never at a default
+        return _NO_DEFAULT
+
+
+_NO_DEFAULT = object()
+
+
+def _at_default(key: str, value: Any) -> bool:
+    return _default(key) is not _NO_DEFAULT and value == _default(key)
+
+
+@dataclass
+class Row:
+    """One configuration: its runs over seeds and its statistics."""
+
+    label: str
+    config: dict[str, Any]
+    runs: list[Run]
+    values: list[float]  # final val losses of finished seeds
+    mean: float = math.nan
+    std: float = math.nan
+    baseline: Row | None = None  # the sync configuration it is compared with
+    gap: float = math.nan
+    gap_p: float = math.nan  # Welch t-test vs the baseline, two-sided
+    unmitigated: Row | None = None
+    recovered: float = math.nan  # share of the unmitigated gap this mitigation removes
+    recovered_p: float = math.nan  # Welch t-test vs the unmitigated configuration
+    token_overhead: overhead.Overhead | None = None  # over the baseline (overhead.py)
+
+    @property
+    def policy(self) -> str:
+        return str(self.config.get("delay.policy", "sync"))
+
+    @property
+    def mitigations(self) -> dict[str, Any]:
+        return {
+            k: self.config.get(k, d)
+            for k, d in MITIGATION_DEFAULTS.items()
+            if self.config.get(k, d) != d
+        }
+
+    @property
+    def is_sync(self) -> bool:
+        return self.policy in ("sync", "fixed:0") and not self.mitigations
+
+    @property
+    def seeds_done(self) -> int:
+        return len(self.values)
+
+
+def _short(key: str) -> str:
+    return key.split(".")[-1]
+
+
+def _label(config: dict[str, Any], varying: list[str]) -> str:
+    parts = []
+    for k in varying:
+        v = config.get(k)
+        if k in ("optim.name", "delay.policy"):
+            parts.append(str(v))
+        elif isinstance(v, bool):
+            if v:
+                parts.append(_short(k))
+        else:
+            parts.append(f"{_short(k)}={v}")
+    return " ".join(parts) or "base"
+
+
+def _implied_by_optimizer(key: str, runs: list[Run]) -> bool:
+    """Whether `key` takes one value per optimizer (its defaults, e.g. beta1 or lr per
+    optimizer): the optimizer's name already says it, so labels leave it out."""
+    values: dict[str, set[str]] = {}
+    for r in runs:
+        values.setdefault(str(r.config.get("optim.name")), set()).add(json.dumps(r.config.get(key)))
+    return len(values) > 1 and all(len(v) == 1 for v in values.values())
+
+
+def build_rows(runs: list[Run]) -> list[Row]:
+    """Group runs into configurations and fill in every statistic."""
+    with_cfg = [r for r in runs if r.config]
+    groups: dict[tuple, list[Run]] = {}
+    for r in with_cfg:
+        groups.setdefault(config_key(r.config), []).append(r)
+    all_keys = sorted({k for r in with_cfg for k in r.config} - NON_CONFIG_KEYS)
+    varying = [k for k in all_keys if len({json.dumps(r.config.get(k)) for r in with_cfg}) > 1]
+    varying = [k for k in varying if k == "optim.name" or not _implied_by_optimizer(k, with_cfg)]
+    # optimizer-implied defaults vary with optim.name; keep them out of labels when a sweep
+    # label exists, and order the label: optimizer, policy, then the rest
+    varying.sort(key=lambda k: (k != "optim.name", k != "delay.policy", k))
+    rows = []
+    for members in groups.values():
+        members.sort(key=lambda r: (r.seed if r.seed is not None else 0, r.name))
+        labels = {r.group for r in members}
+        label = labels.pop() if len(labels) == 1 and "" not in labels else ""
+        config = members[0].config
+        vals = [
+            r.final_val for r in members if r.status == "finished" and math.isfinite(r.final_val)
+        ]
+        row = Row(label or _label(config, varying), config, members, vals)
+        row.mean, row.std = stats.mean(vals), stats.std(vals)
+        rows.append(row)
+    _link(rows)
+    for row in rows:
+        if row.baseline is not None:
+            row.token_overhead = row_overhead(row, row.baseline)
+    # each sync baseline, then the configurations compared with it
+    rows.sort(key=lambda r: (r.baseline.label if r.baseline else r.label, not r.is_sync, r.label))
+    return rows
+
+
+def _sync_version(config: dict[str, Any]) -> dict[str, Any]:
+    c = dict(config)
+    c["delay.policy"] = "sync"
+    c.update(MITIGATION_DEFAULTS)
+    return c
+
+
+def _link(rows: list[Row]) -> None:
+    """Find each row's sync baseline and unmitigated counterpart; compute gaps and shares."""
+    ignore = _TAYLOR_DETAILS + ("delay.mode",)
+    by_key = {config_key(r.config, ignore): r for r in rows}
+    by_key_any_depth = {}
+    for r in rows:
+        if r.is_sync:
+            by_key_any_depth.setdefault(config_key(r.config, ignore + ("pipeline.num_stages",)), r)
+    for r in rows:
+        if r.is_sync:
+            continue
+        target = _sync_version(r.config)
+        base = by_key.get(config_key(target, ignore))
+        if base is None or not base.is_sync:
+            base = by_key_any_depth.get(config_key(target, ignore + ("pipeline.num_stages",)))
+        if base is not None and base.values:
+            r.baseline = base
+            r.gap = stats.gap(r.values, base.values) if r.values else math.nan
+            r.gap_p = stats.welch_t_test(r.values, base.values).p
+        if r.mitigations:
+            plain = dict(r.config)
+            plain.update(MITIGATION_DEFAULTS)
+            un = by_key.get(config_key(plain, ignore))
+            if un is not None and un.values:
+                r.unmitigated = un
+                if un.baseline is None:
+                    _link_one_baseline(un, by_key, by_key_any_depth, ignore)
+                r.recovered = stats.recovered_share(r.gap, un.gap)
+                r.recovered_p = stats.welch_t_test(r.values, un.values).p if r.values else math.nan
+
+
+def _link_one_baseline(r: Row, by_key: dict, by_key_any_depth: dict, ignore: tuple) -> None:
+    target = _sync_version(r.config)
+    base = by_key.get(config_key(target, ignore)) or by_key_any_depth.get(
+        config_key(target, ignore + ("pipeline.num_stages",))
+    )
+    if base is not None and base.values and r.values:
+        r.baseline = base
+        r.gap = stats.gap(r.values, base.values)
+        r.gap_p = stats.welch_t_test(r.values, base.values).p
+
+
+def seed_values(row: Row) -> dict[int, float]:
+    """Seed -> final val loss, for the row's finished runs with a seed."""
+    return {
+        int(r.seed): r.final_val
+        for r in row.runs
+        if r.status == "finished" and math.isfinite(r.final_val) and r.seed is not None
+    }
+
+
+def best_row(rows: list[Row]) -> Row:
+    """The row with the lowest mean final val loss over the seeds every row finished (over its
+    own seeds when they share none), so a setting with more seeds is not favoured by them."""
+    common = set.intersection(*(set(seed_values(r)) for r in rows))
+
+    def score(r: Row) -> float:
+        vals = seed_values(r)
+        return stats.mean([vals[s] for s in sorted(common)]) if common else r.mean
+
+    return min(rows, key=score)
+
+
+def val_curves(row: Row) -> dict[int, overhead.Curve]:
+    """Seed -> val loss against tokens, for the row's finished runs with a seed."""
+    return {
+        int(r.seed): overhead.token_curve(r.val_curve, overhead.tokens_per_step(r.config))
+        for r in row.runs
+        if r.status == "finished" and r.val_curve and r.seed is not None
+    }
+
+
+def row_overhead(
+    row: Row, baseline: Row, rule: overhead.BandRule = overhead.DEFAULT_RULE
+) -> overhead.Overhead:
+    """The token overhead of `row` over its sync `baseline`, finished runs paired by seed."""
+    return overhead.overhead_over_seeds(val_curves(baseline), val_curves(row), rule)
+
+
+def missing_summary(runs: list[Run], rows: list[Row]) -> list[str]:
+    """Human-readable lines on what is not finished yet (empty when everything is)."""
+    lines = []
+    by_status: dict[str, list[Run]] = {}
+    for r in runs:
+        by_status.setdefault(r.status, []).append(r)
+    if by_status.get("missing"):
+        lines.append(
+            f"{len(by_status['missing'])} planned run(s) not started: "
+            + ", ".join(r.name for r in by_status["missing"][:12])
+            + (" ..." if len(by_status["missing"]) > 12 else "")
+        )
+    if by_status.get("partial"):
+        lines.append(
+            f"{len(by_status['partial'])} run(s) unfinished: "
+            + ", ".join(f"{r.name} (step {r.steps_done})" for r in by_status["partial"][:12])
+        )
+    for r in by_status.get("failed", []):
+        lines.append(f"failed: {r.name}: {r.error}")
+    for row in rows:
+        if not row.is_sync and row.baseline is None and row.values:
+            lines.append(f"{row.label}: no finished sync baseline, so no gap")
+        if row.mitigations and row.unmitigated is None and row.values:
+            lines.append(f"{row.label}: no finished unmitigated counterpart, so no recovery share")
+    return lines

@@ -1,0 +1,365 @@
+"""`stalepipe verdict SWEEP_DIR`: does the asynchronous schedule reach the target loss sooner
+than the best synchronous one, net of its token overhead? (GUIDE section 2, docs/verdict.md)
+
+    time to target (async / best sync) = token overhead / (throughput_async / throughput_best_sync)
+
+The token overhead is measured: the runs under SWEEP_DIR, each delayed configuration against its
+synchronous baseline (`results.build_rows`, `overhead.py`), paired by seed, with its interval
+over seeds. The throughputs are simulated (`throughput.simulated`: the timing simulator on a
+model, device, P and m) or measured (`throughput.load_costs`: a small JSON or CSV file), and the
+output says which. The interval of the ratio is the overhead's divided by the throughput ratio,
+a constant: the verdict is about the seeds' spread, not the throughput's.
+
+Writes `verdict.md`, `verdict.csv` and `verdict.png` into SWEEP_DIR/verdict (or `out`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stalepipe.analysis import plots
+from stalepipe.analysis.overhead import Overhead
+from stalepipe.analysis.results import Row, build_rows, load_runs
+from stalepipe.analysis.throughput import (
+    ScheduleThroughput,
+    Throughputs,
+    async_schedule,
+    load_costs,
+    simulated,
+)
+from stalepipe.errors import UserError
+
+# The rule printed beside every verdict (GUIDE section 2: intervals over seeds; fewer than 3
+# seeds is inconclusive).
+RULE = (
+    "rule: 'async sooner' when the 95% interval of the time-to-target ratio lies below 1, "
+    "'sync sooner' when above 1 or when the delayed run has a quality floor; otherwise, or "
+    "with fewer than 3 seeds, 'inconclusive'"
+)
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """Time to target of the async schedule over one synchronous schedule, with its interval."""
+
+    value: float
+    low: float
+    high: float
+
+
+def time_to_target(overhead: Overhead, speedup: float) -> Ratio:
+    """token overhead / (throughput_async / throughput_sync), the overhead's interval carried
+    through (the speedup is a constant); nan without a multiplier (floor, no band)."""
+    if overhead.status != "tax" or not speedup > 0:
+        return Ratio(math.nan, math.nan, math.nan)
+    return Ratio(overhead.estimate / speedup, overhead.ci_low / speedup, overhead.ci_high / speedup)
+
+
+def call(overhead: Overhead, ratio: Ratio) -> str:
+    """The verdict on one configuration, by RULE."""
+    if overhead.status == "floor":
+        return "sync sooner (quality floor)"
+    if overhead.status != "tax":
+        return f"inconclusive ({overhead.describe()})"
+    if overhead.num_seeds < 3:
+        return f"inconclusive ({overhead.num_seeds} seed{'s' * (overhead.num_seeds != 1)} < 3)"
+    if ratio.high < 1:
+        return "async sooner"
+    if ratio.low > 1:
+        return "sync sooner"
+    return "inconclusive (interval holds 1)"
+
+
+@dataclass
+class Verdict:
+    """One delayed configuration: its token overhead and its time to target per sync schedule."""
+
+    label: str
+    baseline: str
+    schedule: str  # the asynchronous schedule realising its delay policy
+    overhead: Overhead
+    sync_window_share: float  # share of steps in a sync window (run at the flushed rate)
+    async_tokens_per_s: float  # with the sync windows
+    best_sync: ScheduleThroughput | None
+    ratios: dict[str, Ratio] = field(default_factory=dict)  # per sync schedule
+    verdict: str = ""
+
+    @property
+    def speedup(self) -> float:
+        if self.best_sync is None:
+            return math.nan
+        return self.async_tokens_per_s / self.best_sync.tokens_per_s
+
+    @property
+    def ratio(self) -> Ratio:
+        """Against the best synchronous schedule that fits."""
+        nan = Ratio(math.nan, math.nan, math.nan)
+        return self.ratios.get(self.best_sync.name, nan) if self.best_sync else nan
+
+
+def _label(row: Row) -> str:
+    """The sweep's label, or `optimizer policy +mitigation` for plain run directories."""
+    if all(r.group for r in row.runs):
+        return row.label
+    mit = " ".join(
+        ("+" + k.split(".")[-1]) if v is True else f"+{k.split('.')[-1]}={v}"
+        for k, v in row.mitigations.items()
+    )
+    return " ".join(filter(None, [str(row.config.get("optim.name", "")), row.policy, mit]))
+
+
+def sync_window_share(row: Row) -> float:
+    """Share of the run's steps with tau = 0 (delay.sync_start / sync_cooldown windows, the
+    WSD-aligned cooldown included), from its first run's config.json."""
+    from stalepipe.config import ExperimentConfig, upgrade_record
+    from stalepipe.delay import DelaySchedule
+
+    record = json.loads((row.runs[0].path / "config.json").read_text())
+    cfg = ExperimentConfig.from_dict(upgrade_record(record), strict=False)
+    steps = cfg.train.num_steps
+    delay = DelaySchedule.from_config(cfg.delay, cfg.pipeline.num_stages, steps, cfg.train)
+    return sum(delay.in_sync_window(k) for k in range(steps)) / steps
+
+
+def judge(row: Row, tp: Throughputs, schedule: str) -> Verdict:
+    """The verdict of one delayed row (with a token overhead) on the throughputs `tp`."""
+    assert row.token_overhead is not None and row.baseline is not None
+    share = sync_window_share(row)
+    rate = tp.get(schedule).tokens_per_s
+    if share:  # window steps run at the flushed rate: time per token adds up
+        rate = 1.0 / (share / tp.window_tokens_per_s + (1.0 - share) / rate)
+    best = tp.best_sync()
+    v = Verdict(_label(row), _label(row.baseline), schedule, row.token_overhead, share, rate, best)
+    for s in tp.sync():
+        v.ratios[s.name] = time_to_target(row.token_overhead, rate / s.tokens_per_s)
+    v.verdict = call(row.token_overhead, v.ratio)
+    return v
+
+
+def judge_sweep(rows: list[Row], tp: Throughputs) -> tuple[list[Verdict], list[str]]:
+    """Verdicts of every delayed row with a baseline; and why other delayed rows have none."""
+    verdicts, skipped = [], []
+    for row in rows:
+        if row.is_sync:
+            continue
+        if row.baseline is None or row.token_overhead is None:
+            skipped.append(f"{_label(row)}: no finished synchronous baseline with its config")
+            continue
+        sched = async_schedule(row.policy)
+        if sched is None:
+            skipped.append(
+                f"{_label(row)}: no pipeline schedule realises delay.policy {row.policy}"
+            )
+            continue
+        if not tp.has(sched):
+            skipped.append(f"{_label(row)}: no throughput for schedule {sched} ({tp.why(sched)})")
+            continue
+        run_stages = int(row.config.get("pipeline.num_stages", 1))
+        if row.policy != "2bw" and run_stages != tp.num_stages:
+            skipped.append(f"{_label(row)}: {row.policy}'s delay depends on P; its runs have "
+                           f"P={run_stages}, the throughputs P={tp.num_stages}")  # fmt: skip
+            continue
+        verdicts.append(judge(row, tp, sched))
+    return verdicts, skipped
+
+
+def _cells(r: Ratio) -> str:
+    if not math.isfinite(r.value):
+        return "-"
+    ci = f" [{r.low:.2f}, {r.high:.2f}]" if math.isfinite(r.low) else ""
+    return f"{r.value:.2f}x{ci}"
+
+
+def align(rows: list[list[str]]) -> str:
+    """Rows of cells as left-aligned text columns (the first row is the header)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+SUMMARY_HEADER = ["configuration", "token overhead (95% CI)", "seeds", "best sync",
+                  "throughput async/sync", "time to target (95% CI)", "verdict"]  # fmt: skip
+
+
+def summary_rows(verdicts: list[Verdict]) -> list[list[str]]:
+    """One row per configuration, against the best synchronous schedule."""
+    return [
+        [v.label, v.overhead.describe(), str(v.overhead.num_seeds),
+         v.best_sync.name if v.best_sync else "-",
+         f"{v.speedup:.3f}" if math.isfinite(v.speedup) else "-", _cells(v.ratio), v.verdict]
+        for v in verdicts
+    ]  # fmt: skip
+
+
+def detail_rows(v: Verdict, tp: Throughputs) -> list[list[str]]:
+    """One configuration's table: every schedule, its throughput and memory, and the async
+    schedule's time to target against each synchronous one."""
+    head = ["schedule", "policy", "tokens/s", "bubble", "peak mem/rank GB", "fits",
+            f"{v.schedule} time to target vs it"]  # fmt: skip
+    out = [head]
+    for s in tp.rows:
+        if s.policy != "sync" and s.name != v.schedule:
+            continue  # another delay policy's schedule
+        name = s.name + (" (best sync)" if v.best_sync and s.name == v.best_sync.name else "")
+        if s.refused:
+            out.append([name, s.policy, "refused: " + s.refused, "", "", "", ""])
+            continue
+        rate = v.async_tokens_per_s if s.name == v.schedule else s.tokens_per_s
+        ratio = _cells(v.ratios[s.name]) if s.name in v.ratios else "-"
+        out.append([name, s.policy, s.rate_text(rate), s.bubble_text(), s.memory_text(),
+                    s.fits_text(), ratio])  # fmt: skip
+    return out
+
+
+def format_verdict(
+    verdicts: list[Verdict], skipped: list[str], tp: Throughputs, inputs: list[str]
+) -> str:
+    """The text `stalepipe verdict` prints: inputs, the summary table, one table per
+    configuration, what was left out, and the rule."""
+    out = ["inputs:", *(f"  {line}" for line in inputs), ""]
+    out += [align([SUMMARY_HEADER, *summary_rows(verdicts)]), ""]
+    for v in verdicts:
+        windows = (f"; {v.sync_window_share:.0%} of its steps in sync windows, at the flushed "
+                   "rate" if v.sync_window_share else "")  # fmt: skip
+        out += [f"{v.label} (vs {v.baseline}): token overhead {v.overhead.describe()} over "
+                f"{v.overhead.num_seeds} seed(s){windows}", align(detail_rows(v, tp)), ""]  # fmt: skip
+    out += [f"no verdict: {s}" for s in skipped]
+    out += [RULE]
+    return "\n".join(out)
+
+
+def write_csv(path: Path, verdicts: list[Verdict], tp: Throughputs) -> None:
+    """One row per (configuration, synchronous schedule)."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["configuration", "baseline", "async_schedule", "token_overhead",
+                    "token_overhead_ci_low", "token_overhead_ci_high", "token_overhead_status",
+                    "seeds", "sync_schedule", "best_sync", "async_tokens_per_s",
+                    "sync_tokens_per_s", "time_to_target", "time_to_target_ci_low",
+                    "time_to_target_ci_high", "async_peak_memory_gb", "sync_peak_memory_gb",
+                    "throughput_source", "verdict"])  # fmt: skip
+        for v in verdicts:
+            a = tp.get(v.schedule)
+            for s in tp.sync():
+                r = v.ratios[s.name]
+                w.writerow([v.label, v.baseline, v.schedule, v.overhead.estimate,
+                            v.overhead.ci_low, v.overhead.ci_high, v.overhead.status,
+                            v.overhead.num_seeds, s.name,
+                            v.best_sync is not None and s.name == v.best_sync.name,
+                            v.async_tokens_per_s, s.tokens_per_s, r.value, r.low, r.high,
+                            a.memory_list(), s.memory_list(), s.source, v.verdict])  # fmt: skip
+
+
+def _rows_of(sweep_dir: Path) -> list[Row]:
+    if not sweep_dir.is_dir():
+        raise UserError(f"{sweep_dir} is not a directory; pass a sweep's --out (e.g. runs/demo)")
+    runs = load_runs(sweep_dir)
+    if not runs:
+        raise UserError(f"{sweep_dir} holds no run directories (none with a config.json); run "
+                        f"`stalepipe sweep STUDY --out {sweep_dir}` or `stalepipe demo` first")  # fmt: skip
+    rows = build_rows(runs)
+    if not any(r.is_sync and r.values for r in rows):
+        raise UserError(f"{sweep_dir} has no finished synchronous run (delay.policy sync, no "
+                        "mitigation): the token overhead is measured against one; add sync runs "
+                        "with the same configs")  # fmt: skip
+    if not any(not r.is_sync and r.values for r in rows):
+        raise UserError(f"{sweep_dir} has no finished delayed run: nothing to judge")
+    return rows
+
+
+@dataclass
+class VerdictReport:
+    """What `run_verdict` found and wrote."""
+
+    verdicts: list[Verdict]
+    skipped: list[str]
+    throughputs: Throughputs
+    inputs: list[str]
+    out_dir: Path
+
+    def text(self) -> str:
+        """The full text: inputs, summary, one table per configuration, the rule."""
+        return format_verdict(self.verdicts, self.skipped, self.throughputs, self.inputs)
+
+    def summary(self) -> str:
+        """The short form: inputs, the summary table and the rule."""
+        lines = ["inputs:", *(f"  {line}" for line in self.inputs), ""]
+        lines += [align([SUMMARY_HEADER, *summary_rows(self.verdicts)]), RULE]
+        return "\n".join(lines)
+
+
+def run_verdict(
+    sweep_dir: str | Path,
+    *,
+    model: str | None = None,
+    stages: int = 8,
+    microbatches: int = 16,
+    device: str = "h100",
+    mfu: float = 0.4,
+    seq_len: int | None = None,
+    microbatch_size: int = 1,
+    costs: str | None = None,
+    out: str | Path | None = None,
+) -> VerdictReport:
+    """The verdict of the runs under `sweep_dir` on simulated (`model` on `device`, `stages`
+    ranks, `microbatches` per step) or measured (`costs` file) throughputs; writes verdict.md,
+    verdict.csv and verdict.png into `out` (default SWEEP_DIR/verdict). Bad input raises
+    UserError before anything is written."""
+    sweep_dir = Path(sweep_dir)
+    if (model is None) == (costs is None):
+        raise UserError("give --model PRESET (simulated throughputs) or --costs FILE (measured "
+                        "ones), one of the two")  # fmt: skip
+    rows = _rows_of(sweep_dir)
+    if costs is not None:
+        tp = load_costs(costs)
+    else:
+        assert model is not None
+        tp = simulated(model, device, stages, microbatches, mfu=mfu, seq_len=seq_len,
+                       microbatch_size=microbatch_size)  # fmt: skip
+    verdicts, skipped = judge_sweep(rows, tp)
+    if not verdicts:
+        raise UserError(f"no verdict for any configuration in {sweep_dir}: " + "; ".join(skipped))
+    inputs = [overhead_source(sweep_dir, rows), *tp.describe()]
+    report = VerdictReport(
+        verdicts, skipped, tp, inputs, Path(out) if out else sweep_dir / "verdict"
+    )
+    _write(report, sweep_dir.name)
+    return report
+
+
+def _write(r: VerdictReport, title: str) -> None:
+    r.out_dir.mkdir(parents=True, exist_ok=True)
+    (r.out_dir / "verdict.md").write_text(f"# Verdict: {title}\n\n```\n{r.text()}\n```\n")
+    write_csv(r.out_dir / "verdict.csv", r.verdicts, r.throughputs)
+    used = {v.schedule for v in r.verdicts}
+    (r.out_dir / "verdict.png").write_bytes(plots.verdict_plot(
+        [(s.name, s.tokens_per_s, s.policy) for s in r.throughputs.rows
+         if not s.refused and (s.policy == "sync" or s.name in used)],
+        [(v.label, v.ratio.value, v.ratio.low, v.ratio.high, v.overhead.status)
+         for v in r.verdicts],
+        title=r.throughputs.title(),
+    ))  # fmt: skip
+
+
+def verdict_main(sweep_dir: str | Path, **kw: object) -> str:
+    """`stalepipe verdict`: `run_verdict`'s full text and where it wrote the files."""
+    r = run_verdict(sweep_dir, **kw)  # type: ignore[arg-type]
+    return r.text() + f"\nwritten to {r.out_dir}/verdict.md, verdict.csv, verdict.png"
+
+
+def overhead_source(sweep_dir: Path, rows: list[Row]) -> str:
+    """The 'measured' input line: which runs, engine, model shape and P the overhead is from."""
+    runs = [r for row in rows for r in row.runs if r.status == "finished"]
+
+    def values(key: str, default: object) -> str:
+        return "/".join(sorted({str(r.config.get(key, default)) for r in runs}))
+
+    return (
+        f"token overhead: measured, val curves of {len(runs)} finished runs in {sweep_dir} "
+        f"(engine {values('pipeline.engine', 'emulate')}, model {values('model.num_layers', '?')} "
+        f"layers x dim {values('model.dim', '?')}, P={values('pipeline.num_stages', 1)}); "
+        "assumed to carry over to the throughputs' model and P"
+    )

@@ -1,0 +1,1 @@
+"""Run directories: config and meta records, metrics files, checkpoints, resume rules."""

@@ -1,0 +1,1 @@
+"""The multi-process pipeline runtime: stage executor, communication, checkpoint parts."""

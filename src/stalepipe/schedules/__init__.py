@@ -1,0 +1,1 @@
+"""Pipeline schedules as data: the action IR, its generators and validation."""

@@ -1,0 +1,1 @@
+"""The timing simulator: per-action costs, simulated runs, memory, Gantt charts."""

@@ -1,0 +1,423 @@
+"""Report tables from fixture run directories (fake config.json / metrics.jsonl) against
+hand-computed values; partial sweeps are reported with what is missing."""
+
+import csv
+import dataclasses
+import json
+import math
+
+import pytest
+
+from stalepipe.analysis import stats
+from stalepipe.analysis.claims import CLAIMS
+from stalepipe.analysis.report import claims, write_report
+from stalepipe.analysis.results import best_row, build_rows, load_runs
+from stalepipe.config import ExperimentConfig, apply_overrides
+from stalepipe.errors import UserError
+from stalepipe.experiments.studies import STUDIES, declared_claims, study_mitigations
+from stalepipe.experiments.sweep import SPEC_FILE, write_error
+from stalepipe.optim import resolve_config
+
+STEPS = 4
+
+
+def make_run(root, name, overrides, seed, val, *, finished=True, group=None):
+    """A run directory as `train` writes it: config.json, metrics.jsonl (+ sweep.json)."""
+    cfg = apply_overrides(
+        ExperimentConfig(),
+        {
+            "train.num_steps": str(STEPS),
+            "train.seed": str(seed),
+            "data.seed": str(seed),
+            **overrides,
+        },
+    )
+    cfg = dataclasses.replace(cfg, optim=resolve_config(cfg.optim))  # as train() writes it
+    d = root / name
+    d.mkdir(parents=True)
+    d.joinpath("config.json").write_text(json.dumps(dict(cfg.to_dict(), name=name)))
+    last = STEPS if finished else 2
+    lines = [{"step": s, "loss": 3.0 - 0.1 * s} for s in range(last)]
+    if finished:
+        lines[-1]["val_loss"] = val
+    d.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    spec = {"name": name, "group": group or name.rsplit("_s", 1)[0], "seed": seed,
+            "overrides": overrides}  # fmt: skip
+    d.joinpath(SPEC_FILE).write_text(json.dumps(spec))
+    return d
+
+
+SYNC = {"delay.policy": "sync"}
+BW = {"delay.policy": "2bw"}
+EF = {"delay.policy": "2bw", "delay.ef": "true"}
+
+
+@pytest.fixture
+def sweep_dir(tmp_path):
+    root = tmp_path / "study"
+    for s, v in enumerate([2.0, 2.1, 2.2]):
+        make_run(root, f"adamw_sync_s{s}", SYNC, s, v)
+    for s, v in enumerate([2.5, 2.6, 2.7]):
+        make_run(root, f"adamw_2bw_s{s}", BW, s, v)
+    for s, v in enumerate([2.2, 2.2, 2.3]):
+        make_run(root, f"adamw_2bw+ef_s{s}", EF, s, v)
+    return root
+
+
+def rows_by_label(root):
+    return {r.label: r for r in build_rows(load_runs(root))}
+
+
+def test_tables_match_hand_computed(sweep_dir):
+    rows = rows_by_label(sweep_dir)
+    assert set(rows) == {"adamw_sync", "adamw_2bw", "adamw_2bw+ef"}
+    sync, bw, ef = rows["adamw_sync"], rows["adamw_2bw"], rows["adamw_2bw+ef"]
+    assert sync.is_sync and sync.mean == pytest.approx(2.1) and sync.std == pytest.approx(0.1)
+    # gap: 2.6 - 2.1; Welch with equal variances 0.01 and n = 3: t = 0.5 / sqrt(2 * 0.01 / 3),
+    # df = 4
+    assert bw.baseline is sync and bw.gap == pytest.approx(0.5)
+    t = 0.5 / math.sqrt(0.02 / 3)
+    assert bw.gap_p == pytest.approx(stats.t_sf_two_sided(t, 4.0), rel=1e-9)
+    assert bw.gap_p < 0.01
+    # EF: mean 6.7 / 3, gap 6.7/3 - 2.1 = 0.1333; recovered (0.5 - 0.1333) / 0.5 = 0.7333
+    assert ef.unmitigated is bw and ef.baseline is sync
+    assert ef.mean == pytest.approx(6.7 / 3)
+    assert ef.std == pytest.approx(math.sqrt(((2.2 - 6.7 / 3) ** 2 * 2 + (2.3 - 6.7 / 3) ** 2) / 2))
+    assert ef.gap == pytest.approx(6.7 / 3 - 2.1)
+    assert ef.recovered == pytest.approx((0.5 - (6.7 / 3 - 2.1)) / 0.5)
+    assert ef.recovered_p == pytest.approx(stats.welch_t_test(ef.values, bw.values).p)
+
+
+def test_a_record_from_before_a_new_setting_joins_its_configuration(sweep_dir):
+    """Seed 0 of each arm written before `pipeline.num_chunks` existed (no key), seeds 1-2
+    after (the key at its default): one configuration of 3 seeds each, as before."""
+    for d in sweep_dir.glob("*_s0"):
+        cfg = json.loads((d / "config.json").read_text())
+        del cfg["pipeline"]["num_chunks"]
+        (d / "config.json").write_text(json.dumps(cfg))
+    rows = rows_by_label(sweep_dir)
+    assert set(rows) == {"adamw_sync", "adamw_2bw", "adamw_2bw+ef"}
+    assert all(len(r.values) == 3 for r in rows.values())
+    # a setting away from its default still tells two configurations apart
+    make_run(sweep_dir, "adamw_sync_b2_s0", {**SYNC, "optim.beta2": "0.9"}, 0, 2.0)
+    assert len(rows_by_label(sweep_dir)) == 4
+
+
+@pytest.mark.parametrize("scale", ["cpu", "cpu-regime"])
+def test_every_mitigation_of_the_study_finds_its_baseline_and_unmitigated_arm(tmp_path, scale):
+    """Each variant of the mitigations study (a corrector whose knob is not `delay.taylor`,
+    e.g. DC-ASGD-EMA's curvature, included) is compared with sync and with its plain policy."""
+    ((_, variants),) = study_mitigations(scale)
+    for label, overrides in variants:
+        val = 2.0 if label == "sync" else 2.2 if "+" in label else 2.5
+        for s in range(2):
+            deep = {**overrides, "model.num_layers": "4"}  # room for pipedream's P = 4
+            make_run(tmp_path, f"adamw_{label}_s{s}", deep, s, val + 0.1 * s)
+    rows = rows_by_label(tmp_path)
+    for label, _ in variants:
+        row = rows[f"adamw_{label}"]
+        if label == "sync":
+            assert row.is_sync
+            continue
+        assert row.baseline is rows["adamw_sync"], label
+        if "+" in label:  # e.g. 2bw+ef against 2bw, pipedream_P4+adamom against pipedream_P4
+            assert row.unmitigated is rows[f"adamw_{label.split('+')[0]}"], label
+            assert math.isfinite(row.recovered), label
+
+
+def test_report_files_and_claims(sweep_dir):
+    out = write_report(sweep_dir)
+    md = (out / "report.md").read_text()
+    assert "| adamw_2bw | 3/3 | 2.6000 ± 0.1000 | 0.5000 |" in md
+    assert "73%" in md  # EF's recovered share
+    assert "Missing" not in md
+    html = (out / "report.html").read_text()
+    assert html.startswith("<!DOCTYPE html>") and "data:image/png;base64," in html
+    assert (out / "loss_curves.png").stat().st_size > 1000
+    with open(out / "summary.csv") as f:
+        summary = {r["configuration"]: r for r in csv.DictReader(f)}
+    assert float(summary["adamw_2bw"]["gap"]) == pytest.approx(0.5)
+    assert summary["adamw_2bw+ef"]["unmitigated"] == "adamw_2bw"
+    with open(out / "runs.csv") as f:
+        assert len(list(csv.DictReader(f))) == 9
+    verdicts = {c[0]: c[1] for c in claims(build_rows(load_runs(sweep_dir)))}
+    assert verdicts == {"Error feedback recovers most of each gap": "reproduced"}
+
+
+def test_partial_sweep_says_what_is_missing(sweep_dir):
+    make_run(sweep_dir, "muon_sync_s0", {"optim.name": "muon", **SYNC}, 0, 2.0)
+    make_run(sweep_dir, "muon_sync_s1", {"optim.name": "muon", **SYNC}, 1, 0, finished=False)
+    d = make_run(sweep_dir, "muon_2bw_s0", {"optim.name": "muon", **BW}, 0, 0, finished=False)
+    write_error(d, "TrainingError: non-finite loss")
+    planned = sweep_dir / "muon_2bw_s1"  # planned by the sweep, never started
+    planned.mkdir()
+    planned.joinpath(SPEC_FILE).write_text(
+        json.dumps({"name": "muon_2bw_s1", "group": "muon_2bw", "seed": 1})
+    )
+    make_run(sweep_dir, "muon_2bw+ef_s0", {"optim.name": "muon", **EF}, 0, 2.1)
+
+    rows = rows_by_label(sweep_dir)
+    assert rows["muon_sync"].values == [2.0] and math.isnan(rows["muon_sync"].std)
+    assert rows["muon_2bw+ef"].gap == pytest.approx(0.1)
+    assert math.isnan(rows["muon_2bw+ef"].gap_p)  # one seed each: no test
+    assert rows["muon_2bw+ef"].unmitigated is None  # its 2bw run failed
+    md = (write_report(sweep_dir) / "report.md").read_text()
+    assert "## Missing" in md
+    assert "1 planned run(s) not started: muon_2bw_s1" in md
+    assert "1 run(s) unfinished: muon_sync_s1 (step 2)" in md
+    assert "failed: muon_2bw_s0: TrainingError: non-finite loss" in md
+    assert "muon_2bw+ef: no finished unmitigated counterpart" in md
+    assert "| muon_sync | 1/2 | 2.0000 ± - |" in md
+    # the adamw rows are unchanged by the muon runs
+    assert rows["adamw_2bw"].gap == pytest.approx(0.5)
+
+
+def test_labels_without_sweep_json_and_depth_matching(tmp_path):
+    """Plain `stalepipe train` run directories: labels come from the keys that vary; a
+    pipedream run at P stages is compared with the sync run (sync does not depend on P)."""
+    root = tmp_path / "adhoc"
+    for s in range(2):
+        make_run(root, f"a{s}", SYNC, s, 2.0 + 0.1 * s)
+        make_run(
+            root,
+            f"b{s}",
+            {"delay.policy": "pipedream", "pipeline.num_stages": "2"},
+            s,
+            2.3 + 0.1 * s,
+        )
+        make_run(
+            root,
+            f"c{s}",
+            {"delay.policy": "pipedream", "pipeline.num_stages": "3"},
+            s,
+            2.6 + 0.1 * s,
+        )
+    for p in root.glob("*/" + SPEC_FILE):
+        p.unlink()
+    rows = rows_by_label(root)
+    assert set(rows) == {"sync num_stages=1", "pipedream num_stages=2", "pipedream num_stages=3"}
+    assert rows["pipedream num_stages=3"].baseline is rows["sync num_stages=1"]
+    assert rows["pipedream num_stages=3"].gap == pytest.approx(0.6)
+    verdict = claims(list(rows.values()))
+    assert verdict[0][1] == "inconclusive (2 seeds at P=3)" and "P=3: 0.6000" in verdict[0][2]
+
+
+def _depth_runs(root, gaps: dict[int, float], seeds: int, noise: float) -> None:
+    """sync, then pipedream at each P with the given mean gap (+- noise between seeds)."""
+    for s in range(seeds):
+        make_run(root, f"sync_s{s}", SYNC, s, 2.0)
+        for p, gap in gaps.items():
+            o = {"delay.policy": "pipedream", "pipeline.num_stages": str(p)}
+            make_run(root, f"pd{p}_s{s}", o, s, 2.0 + gap + noise * (s - (seeds - 1) / 2))
+
+
+@pytest.mark.parametrize(
+    ("gaps", "seeds", "noise", "verdict"),
+    [
+        ({2: 0.1, 3: 0.5}, 3, 0.01, "reproduced"),
+        ({2: 0.5, 3: 0.1}, 3, 0.01, "not reproduced"),
+        ({3: 0.5}, 3, 0.01, "inconclusive (2 depths)"),  # P = 1 and 3: two points rank +-1
+        ({2: 0.1, 3: 0.5}, 2, 0.01, "inconclusive (2 seeds at P=3)"),
+        ({2: 0.1, 3: 0.2}, 3, 0.5, "inconclusive (p 0.560 at P=3)"),  # within the seed noise
+    ],
+)
+def test_depth_claim_needs_three_depths_and_a_real_deepest_gap(
+    tmp_path, gaps, seeds, noise, verdict
+):
+    _depth_runs(tmp_path / "d", gaps, seeds, noise)
+    (checked,) = claims(build_rows(load_runs(tmp_path / "d")))
+    assert checked[1] == verdict
+
+
+def test_report_errors(tmp_path):
+    with pytest.raises(UserError, match="not a directory"):
+        write_report(tmp_path / "nope")
+    with pytest.raises(UserError, match="no run directories"):
+        write_report(tmp_path)
+
+
+def test_claims_optimizer_ratio_and_momentum(tmp_path):
+    """AdamW-vs-Muon ratio at the default momentum; the momentum trend from beta1 rows."""
+    root = tmp_path / "claims"
+    for s in range(2):
+        make_run(root, f"adamw_sync_s{s}", SYNC, s, 2.0 + 0.01 * s)
+        make_run(root, f"adamw_2bw_s{s}", BW, s, 2.6 + 0.01 * s)
+        make_run(root, f"muon_sync_s{s}", {"optim.name": "muon", **SYNC}, s, 2.0 + 0.01 * s)
+        make_run(root, f"muon_2bw_s{s}", {"optim.name": "muon", **BW}, s, 2.1 + 0.01 * s)
+        for b1, gap in [("0.8", 0.8), ("0.95", 0.3), ("0.98", 0.1)]:
+            o = {"optim.beta1": b1}
+            make_run(root, f"adamw_b1{b1}_sync_s{s}", {**o, **SYNC}, s, 2.0 + 0.01 * s)
+            make_run(root, f"adamw_b1{b1}_2bw_s{s}", {**o, **BW}, s, 2.0 + gap + 0.01 * s)
+        for bs in ("8", "32"):  # the batch-size grid: not the main rows
+            o = {"train.batch_size": bs}
+            make_run(root, f"adamw_bs{bs}_sync_s{s}", {**o, **SYNC}, s, 2.0 + 0.01 * s)
+            make_run(root, f"adamw_bs{bs}_2bw_s{s}", {**o, **BW}, s, 2.9 + 0.01 * s)
+    checked = {c[0]: c for c in claims(build_rows(load_runs(root)))}
+    opt = checked["AdamW's gap (2bw) is much larger than Muon's"]
+    assert opt[1] == "reproduced" and "ratio 6.0x" in opt[2]  # 0.6 / 0.1
+    mom = checked["Higher momentum shrinks the gap (adamw 2bw)"]
+    assert mom[1] == "reproduced" and "Spearman rho -1.00" in mom[2]
+    assert "beta1 0.9: 0.6000" in mom[2]
+
+
+def test_optimizer_ratio_needs_a_significant_adamw_gap(tmp_path):
+    """A large ratio built on an AdamW gap the seeds do not support is only 'partly'."""
+    root = tmp_path / "noisy"
+    for s, (sync, bw) in enumerate([(2.0, 2.7), (3.0, 3.3)]):  # gap 0.5, seeds disagree
+        make_run(root, f"adamw_sync_s{s}", SYNC, s, sync)
+        make_run(root, f"adamw_2bw_s{s}", BW, s, bw)
+        make_run(root, f"muon_sync_s{s}", {"optim.name": "muon", **SYNC}, s, 2.0 + 0.01 * s)
+        make_run(root, f"muon_2bw_s{s}", {"optim.name": "muon", **BW}, s, 2.1 + 0.01 * s)
+    checked = {c[0]: c for c in claims(build_rows(load_runs(root)))}
+    verdict, evidence = checked["AdamW's gap (2bw) is much larger than Muon's"][1:]
+    assert verdict == "partly" and "ratio 5.0x" in evidence
+
+
+def test_momentum_verdict_sees_a_drifting_baseline(tmp_path):
+    """Gaps that shrink because the synchronous baseline gets worse are only 'partly'."""
+    root = tmp_path / "drift"
+    for s in range(2):
+        for b1, sync, gap in [("0.9", 2.0, 0.6), ("0.95", 2.5, 0.3), ("0.98", 3.0, 0.1)]:
+            o = {"optim.beta1": b1}
+            make_run(root, f"adamw_b1{b1}_sync_s{s}", {**o, **SYNC}, s, sync + 0.01 * s)
+            make_run(root, f"adamw_b1{b1}_2bw_s{s}", {**o, **BW}, s, sync + gap + 0.01 * s)
+    checked = {c[0]: c for c in claims(build_rows(load_runs(root)))}
+    verdict, evidence = checked["Higher momentum shrinks the gap (adamw 2bw)"][1:]
+    assert verdict == "partly" and "sync 2.0050-3.0050" in evidence
+
+
+def test_momentum_reads_each_beta1_at_its_best_sync_lr(tmp_path):
+    """With an LR axis, each beta1's gap is taken at the LR best on sync (over the seeds every
+    LR finished), not split into one series per LR; a beta1 whose best LR has no delayed run
+    is left out rather than read at a worse LR."""
+    root = tmp_path / "tuned"
+    # beta1 -> {lr: sync loss}; the 2bw gap is 0.1 at the best LR and 0.9 elsewhere
+    grid = {"0.8": {"0.001": 2.3, "0.003": 2.0}, "0.9": {"0.001": 2.1, "0.003": 2.2},
+            "0.95": {"0.001": 2.05, "0.003": 2.4}, "0.98": {"0.001": 2.5, "0.003": 2.1}}  # fmt: skip
+    best = {b: min(lrs, key=lrs.get) for b, lrs in grid.items()}
+    gap = {"0.8": 0.5, "0.9": 0.3, "0.95": 0.1}
+    for b1, lrs in grid.items():
+        for lr, sync in lrs.items():
+            o = {"optim.beta1": b1, "optim.lr": lr}
+            seeds = range(3) if lr == best[b1] else range(1)  # the tuning LRs: seed 0 only
+            for s in seeds:
+                make_run(root, f"adamw_b1{b1}_lr{lr}_sync_s{s}", {**o, **SYNC}, s, sync + 0.01 * s)
+                if b1 == "0.98" and lr == best[b1]:
+                    continue  # its best LR's delayed arm is missing
+                g = gap[b1] if lr == best[b1] else 0.9
+                make_run(root, f"adamw_b1{b1}_lr{lr}_2bw_s{s}", {**o, **BW}, s, sync + g + 0.01 * s)
+    rows = build_rows(load_runs(root))
+    checked = {c[0]: c for c in claims(rows)}
+    verdict, evidence = checked["Higher momentum shrinks the gap (adamw 2bw)"][1:]
+    assert "beta1 0.8 (lr 0.003): 0.5000" in evidence
+    assert "beta1 0.9 (lr 0.001): 0.3000" in evidence
+    assert "beta1 0.95 (lr 0.001): 0.1000" in evidence
+    assert "0.98" not in evidence and "Spearman rho -1.00" in evidence
+    assert len([c for c in checked if c.startswith("Higher momentum")]) == 1
+
+
+def test_gap_plots_over_batch_size_weight_decay_and_lr(tmp_path):
+    """The hparams study's one-at-a-time grids each give a gap series over their axis (the
+    x1 point shared), and the report draws them."""
+    from stalepipe.analysis import plots
+
+    root = tmp_path / "hparams"
+    points = {"train.batch_size": ["2", "4", "8"], "optim.weight_decay": ["0", "0.3"],
+              "optim.lr": ["0.003", "0.01"]}  # fmt: skip
+    for s in range(2):
+        make_run(root, f"base_sync_s{s}", {**SYNC}, s, 2.0 + 0.01 * s)
+        make_run(root, f"base_2bw_s{s}", {**BW}, s, 2.3 + 0.01 * s)
+        for key, values in points.items():
+            for i, v in enumerate(values):
+                o = {key: v}
+                make_run(root, f"{key}{v}_sync_s{s}", {**o, **SYNC}, s, 2.0 + 0.01 * s)
+                make_run(root, f"{key}{v}_2bw_s{s}", {**o, **BW}, s, 2.1 + 0.1 * i + 0.01 * s)
+    rows = build_rows(load_runs(root))
+    bs = plots.gap_series(rows, "batch_size")
+    assert list(bs) == ["adamw 2bw"]
+    assert [(x, round(r.gap, 4)) for x, r in bs["adamw 2bw"]] == [
+        (2.0, 0.1), (4.0, 0.2), (8.0, 0.3), (16.0, 0.3)]  # fmt: skip  # 16: the base config
+    assert [x for x, _ in plots.gap_series(rows, "weight_decay")["adamw 2bw"]] == [0.0, 0.1, 0.3]
+    out = write_report(root)
+    names = {p.name for p in out.iterdir()}
+    assert {"gap_vs_batch_size.png", "gap_vs_weight_decay.png", "gap_vs_lr.png"} <= names
+    assert "## Gap vs sequences per step" in (out / "report.md").read_text()
+
+
+def test_the_delay_series_reads_2bw_as_one_step(tmp_path):
+    """fixed:N rows give the gap over the delay; 2bw (tau 1 on every stage) is its N = 1, and
+    a fixed:1 run beside it stands for N = 1 once; PipeDream (tau by stage) is not a point."""
+    from stalepipe.analysis import plots
+
+    root = tmp_path / "delay"
+    for s in range(2):
+        make_run(root, f"adamw_sync_s{s}", SYNC, s, 2.0 + 0.01 * s)
+        make_run(root, f"adamw_2bw_s{s}", BW, s, 2.2 + 0.01 * s)
+        for n in (2, 4):
+            make_run(root, f"adamw_fixed{n}_s{s}", {"delay.policy": f"fixed:{n}"}, s,
+                     2.0 + 0.1 * n + 0.01 * s)  # fmt: skip
+        make_run(root, f"adamw_pd_s{s}", {"delay.policy": "pipedream",
+                 "pipeline.num_stages": "2"}, s, 2.9)  # fmt: skip
+    series = plots.gap_series(build_rows(load_runs(root)), "delay")
+    assert list(series) == ["adamw"]
+    assert [(x, r.policy, round(r.gap, 4)) for x, r in series["adamw"]] == [
+        (1.0, "2bw", 0.2), (2.0, "fixed:2", 0.2), (4.0, "fixed:4", 0.4)]  # fmt: skip
+    for s in range(2):
+        make_run(root, f"adamw_fixed1_s{s}", {"delay.policy": "fixed:1"}, s, 2.2 + 0.01 * s)
+    series = plots.gap_series(build_rows(load_runs(root)), "delay")
+    assert [(x, r.policy) for x, r in series["adamw"]] == [
+        (1.0, "fixed:1"), (2.0, "fixed:2"), (4.0, "fixed:4")]  # fmt: skip
+    assert "gap_vs_delay.png" in {p.name for p in write_report(root).iterdir()}
+
+
+@pytest.mark.parametrize(
+    ("gaps", "seeds", "verdict"),
+    [
+        ({"2bw": 0.1, "fixed:2": 0.3, "fixed:4": 0.6}, 3, "reproduced"),
+        ({"2bw": 0.6, "fixed:2": 0.3, "fixed:4": 0.1}, 3, "not reproduced"),
+        ({"2bw": 0.1, "fixed:4": 0.6}, 3, "inconclusive (2 delays)"),
+        ({"2bw": 0.1, "fixed:2": 0.3, "fixed:4": 0.6}, 2, "inconclusive (2 seeds at N=4)"),
+    ],
+)
+def test_delay_claim_reads_2bw_as_n_1_and_needs_three_delays(tmp_path, gaps, seeds, verdict):
+    root = tmp_path / "delay"
+    for s in range(seeds):
+        make_run(root, f"sync_s{s}", SYNC, s, 2.0 + 0.01 * s)
+        for policy, gap in gaps.items():
+            name = policy.replace(":", "")
+            make_run(root, f"{name}_s{s}", {"delay.policy": policy}, s, 2.0 + gap + 0.01 * s)
+    (checked,) = [c for c in claims(build_rows(load_runs(root))) if "longer delay" in c[0]]
+    assert checked[1] == verdict
+    assert checked[2].startswith("N=1: ")  # 2bw is the series' N = 1
+
+
+def test_best_row_compares_on_the_seeds_all_rows_share(tmp_path):
+    """A row is not chosen for the luck of seeds the others lack."""
+    root = tmp_path / "best"
+    for s, v in enumerate([2.0, 1.0, 1.0]):  # seed 0 worse, seeds 1-2 lucky
+        make_run(root, f"a_s{s}", {**SYNC, "optim.lr": "0.001"}, s, v)
+    make_run(root, "b_s0", {**SYNC, "optim.lr": "0.003"}, 0, 1.5)
+    rows = build_rows(load_runs(root))
+    chosen = best_row(rows)
+    assert chosen.config["optim.lr"] == 0.003
+
+
+def test_report_checks_every_claim_a_study_declares_in_order():
+    """The claims table runs each declared claim once, in the order studies declare them;
+    paper-mini tests all of them."""
+    names = [check.__name__ for check in declared_claims()]
+    assert names == ["claim_adamw_gap_exceeds_muon", "claim_ef_recovers_gap",
+                     "claim_momentum_shrinks_gap", "claim_pipedream_gap_grows_with_depth",
+                     "claim_gap_grows_with_delay"]  # fmt: skip
+    # paper-mini tests the paper's four; the delay study the premise of 2bw's constant delay
+    assert set(STUDIES["paper-mini"].claims) == set(declared_claims()[:4])
+    assert STUDIES["delay"].claims == (declared_claims()[4],)
+    assert declared_claims() == list(CLAIMS)  # the report's order is the studies' order
+
+
+@pytest.mark.parametrize("check", declared_claims(), ids=lambda f: f.__name__)
+def test_a_claim_without_its_configurations_is_left_out(check, sweep_dir):
+    assert check([]) == []
+    rows = build_rows(load_runs(sweep_dir))  # adamw only: no Muon, momentum or depth series
+    expected = 1 if check.__name__ == "claim_ef_recovers_gap" else 0
+    assert len(check(rows)) == expected

@@ -1,0 +1,197 @@
+"""`stalepipe verdict`: the time-to-target arithmetic and its rule, end to end on a fixture
+sweep with known token taxes and on a tiny trained sweep, measured costs, and bad input."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+
+import pytest
+
+from stalepipe.analysis import overhead as oh
+from stalepipe.analysis.results import build_rows, load_runs
+from stalepipe.analysis.throughput import load_costs, simulated
+from stalepipe.analysis.verdict import Ratio, call, judge_sweep, time_to_target
+from stalepipe.cli import main
+
+SIM = ["--model", "smollm-135m", "--stages", "4", "--microbatches", "8"]
+
+
+def tax(*medians: float) -> oh.Overhead:
+    pairs = [oh.PairOverhead(s, (3.0, 2.0), (3.0, 2.0), (1.0, 2.0), (m, 2 * m), (m, m), m,
+                             False, 0.01, m) for s, m in enumerate(medians)]  # fmt: skip
+    return oh.summarize_pairs(pairs)
+
+
+def test_time_to_target_divides_the_overhead_and_its_interval():
+    o = tax(1.2, 1.3, 1.4)
+    r = time_to_target(o, 1.25)
+    assert r.value == pytest.approx(o.estimate / 1.25)
+    assert (r.low, r.high) == (pytest.approx(o.ci_low / 1.25), pytest.approx(o.ci_high / 1.25))
+    floor = oh.summarize_pairs([dataclasses.replace(o.pairs[0], floor=True, median=math.nan)])
+    assert math.isnan(time_to_target(floor, 1.25).value)
+
+
+def test_call_follows_the_printed_rule():
+    o3 = tax(1.2, 1.3, 1.4)
+    assert call(o3, Ratio(0.8, 0.7, 0.9)) == "async sooner"
+    assert call(o3, Ratio(1.2, 1.1, 1.3)) == "sync sooner"
+    assert call(o3, Ratio(1.0, 0.9, 1.1)) == "inconclusive (interval holds 1)"
+    assert call(tax(1.1, 1.2), Ratio(0.5, 0.4, 0.6)) == "inconclusive (2 seeds < 3)"
+    floor = oh.summarize_pairs([dataclasses.replace(o3.pairs[0], floor=True)])
+    assert call(floor, Ratio(math.nan, math.nan, math.nan)) == "sync sooner (quality floor)"
+
+
+def test_verdict_end_to_end_on_known_taxes(curve_sweep, capsys):
+    assert main(["verdict", str(curve_sweep), *SIM]) == 0
+    text = capsys.readouterr().out
+    assert main(["report", str(curve_sweep)]) == 0  # the same overhead in the report's CSV
+    tp = simulated("smollm-135m", "h100", 4, 8)
+    best = tp.best_sync()
+    speedup = tp.get("2bw").tokens_per_s / best.tokens_per_s
+    assert speedup > 1  # no flush: 2bw is faster than every synchronous schedule
+    out = curve_sweep / "verdict"
+    with open(out / "verdict.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["best_sync"] == "True"]
+    by = {r["configuration"]: r for r in rows}
+    assert set(by) == {"adamw_2bw", "adamw_2bw+ef", "muon_2bw"}
+    bw = by["adamw_2bw"]
+    assert float(bw["token_overhead"]) == pytest.approx(1.3, rel=0.03)
+    assert float(bw["time_to_target"]) == pytest.approx(float(bw["token_overhead"]) / speedup)
+    assert float(bw["time_to_target_ci_low"]) < float(bw["time_to_target"])
+    assert bw["sync_schedule"] == best.name and bw["throughput_source"] == "simulated"
+    assert float(by["adamw_2bw+ef"]["token_overhead"]) == pytest.approx(1.1, rel=0.03)
+    assert by["muon_2bw"]["token_overhead_status"] == "floor"
+    assert by["muon_2bw"]["verdict"] == "sync sooner (quality floor)"
+    with open(curve_sweep / "report" / "summary.csv") as f:
+        summary = {r["configuration"]: r for r in csv.DictReader(f)}
+    assert float(summary["adamw_2bw"]["token_overhead_mean_curve"]) == pytest.approx(1.3, rel=0.03)
+    assert summary["muon_2bw"]["token_overhead_per_seed"] == "floor floor floor"
+    assert (
+        summary["muon_2bw"]["floor_seeds"] == "3" and summary["adamw_sync"]["token_overhead"] == ""
+    )
+    # the printed tables: inputs say what is measured and what simulated, the rule is printed
+    assert "token overhead: measured" in text and "throughput and memory: simulated" in text
+    assert f"{best.name} (best sync)" in text and "peak mem/rank GB" in text
+    assert "floor (gap +0.2962; 1.00x where reached)" in text and text.count("rule: ") == 1
+    assert (out / "verdict.png").stat().st_size > 1000 and (out / "verdict.md").is_file()
+
+
+def test_sync_windows_run_at_the_flushed_rate(curve_sweep, curve_run):
+    curve_run(curve_sweep, "adamw_2bw+cool_s0",
+                    {"delay.policy": "2bw", "delay.sync_cooldown": "0.25"}, 0, stretch=1.2)  # fmt: skip
+    tp = simulated("smollm-135m", "h100", 4, 8)
+    verdicts, skipped = judge_sweep(build_rows(load_runs(curve_sweep)), tp)
+    v = next(v for v in verdicts if v.label == "adamw_2bw+cool")
+    assert v.sync_window_share == pytest.approx(0.25) and not skipped
+    rate = 1 / (0.25 / tp.window_tokens_per_s + 0.75 / tp.get("2bw").tokens_per_s)
+    assert v.async_tokens_per_s == pytest.approx(rate)
+    assert tp.window_tokens_per_s < v.async_tokens_per_s < tp.get("2bw").tokens_per_s
+
+
+def test_measured_costs_json_and_csv(curve_sweep, tmp_path, capsys):
+    doc = {"source": "benchmark, P=2, m=8", "num_stages": 2, "schedules": [
+        {"name": "1f1b", "tokens_per_s": 1000},
+        {"name": "torch-zbv", "policy": "sync", "tokens_per_s": 1100, "peak_memory_gb": 1.5},
+        {"name": "2bw", "tokens_per_s": 1210, "peak_memory_gb": [1.2, 1.0]},
+    ]}  # fmt: skip
+    (tmp_path / "c.json").write_text(json.dumps(doc))
+    assert main(["verdict", str(curve_sweep), "--costs", str(tmp_path / "c.json")]) == 0
+    text = capsys.readouterr().out
+    assert "throughput and memory: measured" in text and "torch-zbv (best sync)" in text
+    with open(curve_sweep / "verdict" / "verdict.csv") as f:
+        r = next(r for r in csv.DictReader(f) if r["configuration"] == "adamw_2bw"
+                 and r["best_sync"] == "True")  # fmt: skip
+    assert float(r["time_to_target"]) == pytest.approx(float(r["token_overhead"]) / 1.1)
+    assert r["async_peak_memory_gb"] == "1.200 1.000" and r["throughput_source"] == "measured"
+    (tmp_path / "c.csv").write_text("name,policy,tokens_per_s,peak_memory_gb\n1f1b,,1000,\n"
+                                    "2bw,,1210,1.2 1.0\n")  # fmt: skip
+    tp = load_costs(tmp_path / "c.csv")
+    assert tp.best_sync().name == "1f1b" and tp.get("2bw").peak_memory == (1.2e9, 1.0e9)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["MISSING", *SIM], "is not a directory"),
+        (["EMPTY", *SIM], "holds no run directories"),
+        (["NOSYNC", *SIM], "no finished synchronous run"),
+        (["SWEEP", "--model", "smollm-999m"], "unknown --model 'smollm-999m'"),
+        (["SWEEP", *SIM, "--device", "h900"], "device"),
+        (["SWEEP"], "give --model PRESET"),
+        (["SWEEP", *SIM, "--costs", "c.json"], "one of the two"),
+        (["SWEEP", "--costs", "NOFILE.json"], "no such file"),
+        (["SWEEP", "--costs", "BAD"], "cannot read it"),
+        (["SWEEP", "--costs", "ONLYSYNC"], "needs an asynchronous schedule"),
+        (["SWEEP", "--costs", "UNKNOWN"], "give its policy"),
+        (["SWEEP", *SIM[:2], "--stages", "0"], "must be >= 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(
+    args, message, curve_sweep, curve_run, tmp_path, capsys
+):
+    (tmp_path / "EMPTY").mkdir()
+    curve_run(tmp_path / "NOSYNC", "a_2bw_s0", {"delay.policy": "2bw"}, 0, stretch=1.2)
+    (tmp_path / "BAD.json").write_text("{not json")
+    (tmp_path / "ONLYSYNC.json").write_text(json.dumps({"schedules": [
+        {"name": "1f1b", "tokens_per_s": 1}]}))  # fmt: skip
+    (tmp_path / "UNKNOWN.csv").write_text("name,tokens_per_s\nmine,5\n2bw,6\n")
+    files = {"SWEEP": curve_sweep, "BAD": tmp_path / "BAD.json",
+             "ONLYSYNC": tmp_path / "ONLYSYNC.json", "UNKNOWN": tmp_path / "UNKNOWN.csv"}  # fmt: skip
+    argv = [str(files.get(a, tmp_path / a if a.isupper() else a)) for a in args]
+    assert main(["verdict", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("stalepipe: error: ") and "\n" not in err and message in err, err
+    assert not (curve_sweep / "verdict").exists() and not (tmp_path / "NOSYNC" / "verdict").exists()
+
+
+def test_verdict_on_a_tiny_trained_sweep(tiny_config, tmp_path, capsys):
+    """A real sweep: cpu-sized sync and 2bw runs of the tiny model, 2 seeds, through the CLI."""
+    from stalepipe.experiments.grid import expand
+    from stalepipe.experiments.sweep import run_sweep
+
+    base = dataclasses.replace(
+        tiny_config, train=dataclasses.replace(tiny_config.train, num_steps=24, eval_every=3)
+    )
+    specs = expand([[("sync", {"delay.policy": "sync"}), ("2bw", {"delay.policy": "2bw"})]],
+                   seeds=2)  # fmt: skip
+    res = run_sweep(specs, base, tmp_path / "tiny", log=lambda m: None)
+    assert len(res.ran) == 4 and not res.failed
+    assert main(["verdict", str(tmp_path / "tiny"), *SIM, "--device", "a100"]) == 0
+    text = capsys.readouterr().out
+    assert "NVIDIA A100" in text and "4 finished runs" in text
+    line = next(x for x in text.splitlines() if x.startswith("2bw "))
+    assert "zb-h1" in line or "1f1b" in line or "gpipe" in line
+    with open(tmp_path / "tiny" / "verdict" / "verdict.csv") as f:
+        assert {r["seeds"] for r in csv.DictReader(f)} == {"2"}
+
+
+def test_best_sync_is_the_fastest_that_fits():
+    from stalepipe.analysis.throughput import ScheduleThroughput as T
+    from stalepipe.analysis.throughput import Throughputs
+
+    rows = [T("gpipe", "sync", 10.0, fits=True), T("zb-h1", "sync", 20.0, fits=False),
+            T("1f1b", "sync", 15.0, fits=True), T("2bw", "2bw", 30.0, fits=True),
+            T("zb-v", "sync", math.nan, refused="needs m >= P")]  # fmt: skip
+    tp = Throughputs(rows, 10.0, 4, [], "")
+    assert tp.best_sync().name == "1f1b"
+    assert [s.name for s in tp.sync()] == ["gpipe", "zb-h1", "1f1b"]
+    assert not tp.has("zb-v") and tp.why("zb-v") == "needs m >= P"
+    # the simulator's profile has a capacity: every schedule of a 135M model fits an H100
+    assert all(s.fits for s in simulated("smollm-135m", "h100", 4, 8).sync())
+
+
+def test_policies_without_a_transferable_schedule_are_listed(curve_sweep, curve_run, capsys):
+    """pipedream's delay grows with P: its P=2 runs say nothing about P=4; fixed:N has no
+    pipeline schedule. Both are named under 'no verdict', the others still judged."""
+    for s in range(2):
+        curve_run(curve_sweep, f"adamw_pd_s{s}",
+                  {"delay.policy": "pipedream", "pipeline.num_stages": "2"}, s, stretch=1.2)  # fmt: skip
+        curve_run(curve_sweep, f"adamw_f2_s{s}", {"delay.policy": "fixed:2"}, s, stretch=1.2)
+    assert main(["verdict", str(curve_sweep), *SIM]) == 0
+    out = capsys.readouterr().out
+    assert "no verdict: adamw_pd: pipedream's delay depends on P; its runs have P=2" in out
+    assert "no verdict: adamw_f2: no pipeline schedule realises delay.policy fixed:2" in out
+    assert "adamw_2bw+ef " in out
