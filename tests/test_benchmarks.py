@@ -1,5 +1,6 @@
 """The GPU check must run on CPU in its reduced mode (it is what a GPU session runs first)."""
 
+import json
 import os
 import re
 import subprocess
@@ -135,3 +136,26 @@ def test_per_arm_gap_compares_run_groups_across_directories(tmp_path):
     gone = subprocess.run([*script, f"{tmp_path}/a/nope={tmp_path}/b/adamw_lr0.009_sync"],
                           capture_output=True, text=True, cwd=ROOT)  # fmt: skip
     assert gone.returncode == 1 and "name a run group" in gone.stderr
+
+
+def test_committed_records_name_no_machine_paths(tmp_path):
+    """Every meta.json under docs/results is portable (`benchmarks/portable_meta.py --check`),
+    and the rewrite makes an old record's absolute paths relative to its run directory."""
+    script = [sys.executable, str(ROOT / "benchmarks" / "portable_meta.py")]
+    out = subprocess.run([*script, "docs/results", "--check"], capture_output=True, text=True,
+                         cwd=ROOT)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:]
+    run = tmp_path / "repo" / "docs" / "results" / "s" / "r"
+    run.mkdir(parents=True)
+    old = {"cwd": str(tmp_path / "repo"), "run_dir": str(run), "data_dir": str(tmp_path / "data"),
+           "argv": [str(tmp_path / "repo/.venv/bin/stalepipe"), "sweep", "--out",
+                    str(tmp_path / "repo/docs/results/s")]}  # fmt: skip
+    (run / "meta.json").write_text(json.dumps({**old, "invocations": [old]}))
+    bad = subprocess.run([*script, str(tmp_path), "--check"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "run_dir=" in bad.stdout
+    subprocess.run([*script, str(tmp_path)], check=True, capture_output=True)
+    new = json.loads((run / "meta.json").read_text())
+    want = {"cwd": "../../../..", "data_dir": "../../../../../data",
+            "argv": ["stalepipe", "sweep", "--out", "docs/results/s"]}  # fmt: skip
+    assert {k: new["invocations"][0][k] for k in want} == want and "run_dir" not in new
+    assert subprocess.run([*script, str(tmp_path), "--check"], capture_output=True).returncode == 0

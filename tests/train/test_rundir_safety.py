@@ -195,7 +195,7 @@ def test_meta_keeps_every_invocation(tiny_config):
     assert {k: meta[k] for k in ("started", "argv", "git_commit", "host")} == {
         k: first[k] for k in ("started", "argv", "git_commit", "host")
     }
-    assert Path(records[1]["data_dir"]) == Path(cfg.data.data_dir).resolve()
+    assert (run_dir / records[1]["data_dir"]).resolve() == Path(cfg.data.data_dir).resolve()
     # what a study's wall time and a bitwise comparison across machines need
     assert len(records[1]["load_avg"]) == 3 and all(x >= 0 for x in records[1]["load_avg"])
     assert records[1]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
@@ -279,8 +279,10 @@ def test_resume_from_another_working_directory(tiny_config, tmp_path, monkeypatc
     open_run_dir(moved, resume=True, overwrite=False, data_dir=data_dir)
     assert (run_dir / "config.json").read_text() == saved_text  # out_dir still "runs"
     meta = json.loads((run_dir / "meta.json").read_text())
-    assert invocations(meta)[-1]["data_dir"] == str(data_dir)
-    assert invocations(meta)[-1]["cwd"] == str(elsewhere.resolve())
+    # places relative to the run directory: no machine's paths in a committed record
+    assert (run_dir / invocations(meta)[-1]["data_dir"]).resolve() == data_dir
+    assert (run_dir / invocations(meta)[-1]["cwd"]).resolve() == elsewhere.resolve()
+    assert not any(str(tmp_path) in json.dumps(r) for r in invocations(meta)[-1:])
     assert saved_run_location(tmp_path / "config.json") is None
 
 

@@ -292,18 +292,31 @@ def invocation_record(run_dir: Path, data_dir: Path, resumed_from: Path | None) 
         "cpu": _cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "host": socket.gethostname(),
-        "argv": sys.argv,
+        "argv": portable_argv(sys.argv),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         # the machine's 1/5/15-minute load at the start: a run's speed moves with it, and a
         # study's wall time is only comparable with the load beside it
         "load_avg": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
-        "cwd": os.getcwd(),
-        "run_dir": str(run_dir.resolve()),
-        # absolute: config.json keeps data_dir as given (portable); readers of the run find
-        # the data from here when they run elsewhere (run_data_dir)
-        "data_dir": str(data_dir.resolve()),
+        # places relative to the run directory, so a committed record names no machine's
+        # paths: where the command ran, and the data it read (run_data_dir looks there)
+        "cwd": os.path.relpath(os.getcwd(), run_dir.resolve()),
+        "data_dir": os.path.relpath(data_dir.resolve(), run_dir.resolve()),
         "resumed_from_step": None if resumed_from is None else checkpoint_step(resumed_from),
     }
+
+
+def portable_argv(argv: list[str]) -> list[str]:
+    """The command line without this machine's paths: the program by its name, absolute
+    paths inside the working directory relative to it (others stay: the user typed them)."""
+    cwd = Path.cwd()
+
+    def rel(arg: str) -> str:
+        p = Path(arg)
+        if p.is_absolute() and p.is_relative_to(cwd):
+            return str(p.relative_to(cwd)) or "."
+        return arg
+
+    return [Path(argv[0]).name, *map(rel, argv[1:])] if argv else []
 
 
 def _cpu_model() -> str:
@@ -372,7 +385,7 @@ def locate_run_data(run_dir: str | os.PathLike | None, cfg: ExperimentConfig) ->
 
     config.json keeps `data.data_dir` as the user gave it (often relative, so the file stays
     portable between machines), so a reader running elsewhere looks, in order, at: an absolute
-    `data_dir`; the absolute directories meta.json recorded (newest invocation first); the
+    `data_dir`; the directories meta.json recorded (newest invocation first); the
     directory the run was started in, inferred from where the run directory is and its
     relative `out_dir` (runs of older versions); the working directory. Nothing is prepared.
     """
@@ -384,8 +397,8 @@ def locate_run_data(run_dir: str | os.PathLike | None, cfg: ExperimentConfig) ->
         run_dir = Path(run_dir)
         with_meta = _meta_or_none(run_dir)
         for record in reversed(invocations(with_meta) if with_meta else []):
-            if isinstance(record.get("data_dir"), str):
-                candidates.append(Path(record["data_dir"]))
+            if isinstance(record.get("data_dir"), str):  # relative to the run (older: absolute)
+                candidates.append((run_dir / record["data_dir"]).resolve())
         started_in = _started_in(run_dir, cfg)
         if started_in is not None:
             candidates.append(started_in / rel)
