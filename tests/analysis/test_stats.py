@@ -57,3 +57,37 @@ def test_gap_recovered_spearman():
     assert math.isnan(stats.recovered_share(0.1, 0.0))
     assert stats.spearman([1, 2, 3, 4], [10, 8, 5, 1]) == pytest.approx(-1.0)
     assert stats.spearman([1, 2, 3], [1, 1, 2]) == pytest.approx(math.sqrt(3) / 2)
+
+
+def test_paired_difference_by_hand():
+    """Differences 1, 2, 3 over seeds 0-2 (seed 3 has no partner): mean 2, sd 1, t = 2 sqrt(3)
+    with df 2; the interval is 2 -+ t_{0.975, 2} / sqrt(3) = 2 -+ 4.3027 / 1.7321."""
+    a = {0: 3.0, 1: 5.0, 2: 7.0, 3: 9.0}
+    b = {0: 2.0, 1: 3.0, 2: 4.0}
+    d = stats.paired_difference(a, b)
+    assert d.paired and d.n == 3 and d.diff == pytest.approx(2.0)
+    assert d.p == pytest.approx(stats.t_sf_two_sided(2 * math.sqrt(3), 2), rel=1e-12)
+    half = 4.302652729749464 / math.sqrt(3)
+    assert (d.low, d.high) == pytest.approx((2 - half, 2 + half), rel=1e-9)
+    one = stats.paired_difference({0: 1.0}, {0: 0.0})
+    assert one.n == 1 and math.isnan(one.p) and math.isnan(one.low)
+    flat = stats.paired_difference({0: 1.0, 1: 2.0}, {0: 0.5, 1: 1.5})
+    assert flat.p == 0.0 and flat.low == flat.high == pytest.approx(0.5)
+
+
+def test_welch_difference_interval_by_hand():
+    """Two samples of 3 with variance 1 each: se = sqrt(2/3), df = 4, t_{0.975, 4} = 2.7764."""
+    d = stats.welch_difference([1.0, 2.0, 3.0], [0.0, 1.0, 2.0])
+    assert not d.paired and d.diff == pytest.approx(1.0)
+    half = 2.7764451051977987 * math.sqrt(2 / 3)
+    assert (d.low, d.high) == pytest.approx((1 - half, 1 + half), rel=1e-9)
+    assert d.p == pytest.approx(stats.welch_t_test([1.0, 2.0, 3.0], [0.0, 1.0, 2.0]).p)
+
+
+def test_holm_by_hand():
+    """p = 0.01, 0.04, 0.03, nan: sorted 0.01 x 3, 0.03 x 2, 0.04 x 1 -> 0.03, 0.06, 0.06 (the
+    step-down keeps them monotone); nan is neither counted nor changed; capped at 1."""
+    adj = stats.holm([0.01, 0.04, 0.03, math.nan])
+    assert adj[:3] == pytest.approx([0.03, 0.06, 0.06]) and math.isnan(adj[3])
+    assert stats.holm([0.5, 0.6]) == [1.0, 1.0]
+    assert stats.holm([]) == []

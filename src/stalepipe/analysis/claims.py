@@ -1,10 +1,14 @@
-"""The paper's qualitative claims, one function each, checked on a report's rows.
+"""The paper's qualitative claims, one function each, checked on a report's rows, and the rule
+that labels them.
 
-A claim function takes the rows of `results.build_rows` and returns its verdicts as
-`(claim, verdict, evidence)` triples: none when the configurations it needs are absent, several
-when it checks one series each (momentum per optimizer, depth per optimizer). The study that
-tests a claim names its function (`experiments.studies.Study.claims`); `report.claims` runs
-every one in `CLAIMS` on whatever rows exist.
+A claim function takes the rows of `results.build_rows` and returns `Finding`s: none when the
+configurations it needs are absent, several when it checks one series or one configuration
+each (momentum per optimizer, EF per optimizer). A finding says what was measured (does the
+claimed effect hold in direction and size), its test's p-value (paired by seed where seeds
+pair) and what could make it unreadable. `label` then corrects the p-values of one table
+together (Holm-Bonferroni) and applies `RULE`, the written rule docs/RESULTS.md states. The
+study that tests a claim names its function (`experiments.studies.Study.claims`);
+`report.claims` runs every one in `CLAIMS` on whatever rows exist.
 
 This module is imported by `studies`, which `stalepipe --help` imports: `plots` (which imports
 torch through `stalepipe.delay`) is imported inside the functions that need it.
@@ -15,15 +19,97 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from stalepipe.analysis import stats
 
 if TYPE_CHECKING:
     from stalepipe.analysis.results import Row
 
-Claim = tuple[str, str, str]  # (claim, verdict, evidence)
-ClaimCheck = Callable[[list["Row"]], list[Claim]]
+ALPHA = 0.05
+HEADLINE_SEEDS = 5  # the paper's headline claims: AdamW's gap >> Muon's; EF recovers most
+SEEDS = 3  # every other claim
+
+RULE = (
+    "Labels: **inconclusive** when a claim cannot be read (too few points or seeds: "
+    f"{HEADLINE_SEEDS} for the headline claims, {SEEDS} for the others) or its test is not "
+    f"significant after Holm-Bonferroni over the table (corrected p >= {ALPHA}); else **not "
+    "reproduced** when the measured effect misses the claim's direction or size; else "
+    "**partly** when an arm it reads fails a regime check (or a confound is named); else "
+    "**reproduced**. Tests are paired by seed where the seeds pair (same data order and "
+    "initialisation), Welch's otherwise."
+)
+
+
+class Finding(NamedTuple):
+    """One claim as measured, before the table's correction and labels."""
+
+    claim: str
+    holds: bool  # the claimed direction and size, as measured
+    p: float  # its test, two-sided, uncorrected
+    evidence: str
+    seeds: int  # fewest seeds the test reads
+    need: int = SEEDS
+    why: str = ""  # why it cannot be read at all (e.g. "2 depths")
+    partly: str = ""  # why it holds only in part (a regime check, a confound)
+
+
+class Claim(NamedTuple):
+    """A labelled claim: (claim, verdict, evidence) first, so it reads as the old triple."""
+
+    claim: str
+    verdict: str
+    evidence: str
+    p: float = math.nan
+    p_holm: float = math.nan
+
+
+ClaimCheck = Callable[[list["Row"]], list[Finding]]
+
+
+def label(findings: list[Finding]) -> list[Claim]:
+    """`RULE` applied to one table's findings, their p-values corrected together."""
+    adjusted = stats.holm([f.p if not f.why and f.seeds >= f.need else math.nan for f in findings])
+    out = []
+    for f, q in zip(findings, adjusted):
+        if f.why:
+            verdict = f"inconclusive ({f.why})"
+        elif f.seeds < f.need:
+            verdict = f"inconclusive ({f.seeds} seeds < {f.need})"
+        elif not q < ALPHA:
+            verdict = f"inconclusive (Holm p {fmt_p(q)})"
+        elif not f.holds:
+            verdict = "not reproduced"
+        elif f.partly:
+            verdict = f"partly ({f.partly})"
+        else:
+            verdict = "reproduced"
+        p_text = f"p {fmt_p(f.p)}, Holm {fmt_p(q)}" if math.isfinite(q) else f"p {fmt_p(f.p)}"
+        out.append(Claim(f.claim, verdict, f"{f.evidence} [{p_text}]", f.p, q))
+    return out
+
+
+def _seed_gaps(row: Row) -> dict[int, float]:
+    """Seed -> the row's final val loss minus its baseline's at that seed."""
+    from stalepipe.analysis.results import seed_values
+
+    if row.baseline is None:
+        return {}
+    mine, base = seed_values(row), seed_values(row.baseline)
+    return {s: mine[s] - base[s] for s in mine.keys() & base.keys()}
+
+
+def _test(a: dict[int, float], b: dict[int, float]) -> stats.Difference:
+    """mean(a - b), paired by seed where two or more pair, else Welch's."""
+    paired = stats.paired_difference(a, b)
+    return paired if paired.n >= 2 else stats.welch_difference(list(a.values()), list(b.values()))
+
+
+def fmt_ci(d: stats.Difference | None, digits: int = 4) -> str:
+    """'[low, high]' of a difference's 95 % interval ('' when it has none)."""
+    if d is None or not math.isfinite(d.low):
+        return ""
+    return f"[{d.low:+.{digits}f}, {d.high:+.{digits}f}]"
 
 
 def fmt(x: float, digits: int = 4) -> str:
@@ -94,19 +180,23 @@ def _main_row(rows: list[Row], optimizer: str) -> Row | None:
     return None
 
 
-def claim_adamw_gap_exceeds_muon(rows: list[Row]) -> list[Claim]:
-    """AdamW's 2bw gap at least twice Muon's; 'partly' when AdamW's gap is not significant."""
+def claim_adamw_gap_exceeds_muon(rows: list[Row]) -> list[Finding]:
+    """AdamW's 2bw gap at least twice Muon's; the test: AdamW's gap minus Muon's per seed."""
     adam, muon = _main_row(rows, "adamw"), _main_row(rows, "muon")
     if not (adam and muon):
         return []
+    ga, gm = _seed_gaps(adam), _seed_gaps(muon)
     ratio = adam.gap / muon.gap if muon.gap > 0 else math.inf
-    larger = adam.gap > 0 and ratio >= 2
-    significant = adam.gap_p < 0.05  # NaN (one seed) is not significant
-    return [(
+    test = _test(ga, gm)
+    return [Finding(
         "AdamW's gap (2bw) is much larger than Muon's",
-        ("reproduced" if significant else "partly") if larger else "not reproduced",
-        f"AdamW {fmt(adam.gap)} (p {fmt_p(adam.gap_p)}), Muon {fmt(muon.gap)} "
-        f"(p {fmt_p(muon.gap_p)}); ratio {ratio:.1f}x",
+        adam.gap > 0 and ratio >= 2,
+        test.p,
+        f"AdamW {fmt(adam.gap)} {fmt_ci(adam.gap_test)}, Muon {fmt(muon.gap)} "
+        f"{fmt_ci(muon.gap_test)}; ratio {ratio:.1f}x; difference {fmt(test.diff)} {fmt_ci(test)}",
+        min(len(ga), len(gm)),
+        need=HEADLINE_SEEDS,
+        partly=_regime(adam, muon),
     )]  # fmt: skip
 
 
@@ -115,19 +205,33 @@ def claim_adamw_gap_exceeds_muon(rows: list[Row]) -> list[Claim]:
 # ------------------------------------------------------------------------------------------
 
 
-def claim_ef_recovers_gap(rows: list[Row]) -> list[Claim]:
-    """Every EF-only row recovers more than half of its unmitigated gap."""
+def claim_ef_recovers_gap(rows: list[Row]) -> list[Finding]:
+    """Per EF-only row: more than half of the unmitigated gap recovered. The test, per seed:
+    EF's loss against the midpoint of sync's and the unmitigated arm's (below it = more than
+    half recovered)."""
+    from stalepipe.analysis.results import seed_values
+
     ef = [r for r in rows if r.mitigations.keys() == {"delay.ef"} and math.isfinite(r.recovered)]
-    if not ef:
-        return []
-    most = [r.recovered > 0.5 for r in ef]
-    verdict = "reproduced" if all(most) else ("partly" if any(most) else "not reproduced")
-    return [(
-        "Error feedback recovers most of each gap",
-        verdict,
-        "; ".join(f"{r.label}: {fmt_share(r.recovered)} of {fmt(r.unmitigated.gap)}"
-                  for r in ef),
-    )]  # fmt: skip
+    out = []
+    for r in ef:
+        plain, sync = seed_values(r.unmitigated), seed_values(r.unmitigated.baseline)
+        mid = {s: (plain[s] + sync[s]) / 2 for s in plain.keys() & sync.keys()}
+        mine = seed_values(r)
+        test = _test(mine, mid)
+        shares = [(plain[s] - mine[s]) / (plain[s] - sync[s]) for s in sorted(mine.keys() & mid.keys())
+                  if plain[s] != sync[s]]  # fmt: skip
+        _, low, high = stats.t_interval(shares)
+        ci = f" [{fmt_share(low)}, {fmt_share(high)}]" if math.isfinite(low) else ""
+        out.append(Finding(
+            f"Error feedback recovers most of the gap ({r.unmitigated.label})",
+            r.recovered > 0.5,
+            test.p,
+            f"{fmt_share(r.recovered)}{ci} of {fmt(r.unmitigated.gap)}",
+            len(shares),
+            need=HEADLINE_SEEDS,
+            partly=_regime(r, r.unmitigated),
+        ))  # fmt: skip
+    return out
 
 
 # ------------------------------------------------------------------------------------------
@@ -135,9 +239,10 @@ def claim_ef_recovers_gap(rows: list[Row]) -> list[Claim]:
 # ------------------------------------------------------------------------------------------
 
 
-def claim_momentum_shrinks_gap(rows: list[Row]) -> list[Claim]:
-    """Per beta1 series of at least 3 points: the gap falls with beta1 (Spearman <= -0.8).
-    Where the LR was swept too, each beta1 is read at its best LR on sync."""
+def claim_momentum_shrinks_gap(rows: list[Row]) -> list[Finding]:
+    """Per beta1 series of at least 3 points: the gap falls with beta1 (Spearman <= -0.8); the
+    test: the gap at the highest beta1 against the lowest, per seed. Where the LR was swept
+    too, each beta1 is read at its best LR on sync."""
     from stalepipe.analysis import plots
 
     out = []
@@ -148,19 +253,21 @@ def claim_momentum_shrinks_gap(rows: list[Row]) -> list[Claim]:
         lrs = {r.config.get("optim.lr") for _, r in pts}  # retuned per beta1 (plots._TUNED_KEYS)
         at = {b: f" (lr {r.config.get('optim.lr'):g})" if len(lrs) > 1 else "" for b, r in pts}
         rho = stats.spearman([b for b, _ in pts], gaps)
-        # Shrinking counts only if every gap is real and the synchronous baseline moves less
-        # than the gap does (a baseline that gets worse shrinks the gap without helping).
-        significant = all(r.gap_p < 0.05 for _, r in pts)
+        first, last = _seed_gaps(pts[0][1]), _seed_gaps(pts[-1][1])
+        test = _test(last, first)
+        # a baseline that gets worse shrinks the gap without helping: a confound
         syncs = [r.baseline.mean for _, r in pts if r.baseline is not None]
         drift = max(syncs) - min(syncs) if syncs else math.inf
-        clean = significant and drift < gaps[0] - gaps[-1]
-        verdict = ("reproduced" if clean else "partly") if rho <= -0.8 else "not reproduced"
-        out.append((
+        confound = "sync moves more than the gap" if drift >= gaps[0] - gaps[-1] else ""
+        out.append(Finding(
             f"Higher momentum shrinks the gap ({name})",
-            verdict,
-            ", ".join(f"beta1 {b:g}{at[b]}: {fmt(r.gap)} (p {fmt_p(r.gap_p)})" for b, r in pts)
-            + f"; Spearman rho {rho:+.2f}; sync {fmt(min(syncs, default=math.nan))}"
-            f"-{fmt(max(syncs, default=math.nan))}",
+            rho <= -0.8,
+            test.p,
+            ", ".join(f"beta1 {b:g}{at[b]}: {fmt(r.gap)}" for b, r in pts)
+            + f"; Spearman rho {rho:+.2f}; last - first {fmt(test.diff)} {fmt_ci(test)}"
+            f"; sync {fmt(min(syncs, default=math.nan))}-{fmt(max(syncs, default=math.nan))}",
+            min(len(first), len(last)),
+            partly=confound or _regime(*(r for _, r in pts)),
         ))  # fmt: skip
     return out
 
@@ -170,11 +277,11 @@ def claim_momentum_shrinks_gap(rows: list[Row]) -> list[Claim]:
 # ------------------------------------------------------------------------------------------
 
 
-def claim_pipedream_gap_grows_with_depth(rows: list[Row]) -> list[Claim]:
+def claim_pipedream_gap_grows_with_depth(rows: list[Row]) -> list[Finding]:
     """Per optimizer: pipedream's gap rises with P (Spearman >= 0.8) while 2bw's (when there
-    is a 2bw depth series) varies by less than a third of that rise. Inconclusive with fewer
-    than three depths (P = 1 counts: sync by definition), fewer than 3 seeds at the deepest
-    P, or a deepest gap with p >= 0.05: two points make any rank correlation +-1."""
+    is a 2bw depth series) varies by less than a third of that rise; the test: the deepest
+    gap. Unreadable with fewer than three depths (P = 1 counts: sync by definition): two
+    points make any rank correlation +-1."""
     from stalepipe.analysis import plots
 
     series = plots.gap_series(rows, "depth")
@@ -191,14 +298,17 @@ def claim_pipedream_gap_grows_with_depth(rows: list[Row]) -> list[Claim]:
         flat = max(bw_gaps) - min(bw_gaps) if bw_gaps else math.nan
         ok = rho >= 0.8 and growth > 0 and (not math.isfinite(flat) or flat < growth / 3)
         depth, deepest = int(pts[-1][0]), pts[-1][1]
-        why = _trend_inconclusive(pts, "depths", f"P={depth}")
-        out.append((
+        out.append(Finding(
             f"PipeDream's gap grows with depth, 2bw's stays flat ({opt})",
-            ("reproduced" if ok else "not reproduced") if not why else f"inconclusive ({why})",
+            ok,
+            deepest.gap_p,
             "pipedream: " + ", ".join(f"P={int(x)}: {fmt(_gap(r))}" for x, r in pts)
-            + f" (p {fmt_p(deepest.gap_p)} at P={depth})"
+            + f" ({fmt_ci(deepest.gap_test)} at P={depth})"
             + ("; 2bw: " + ", ".join(f"P={int(x)}: {fmt(_gap(r))}" for x, r in bw) if bw else "")
             + f"; Spearman rho {rho:+.2f}",
+            len(_seed_gaps(deepest)),
+            why=f"{len(pts)} depths" if len(pts) < 3 else "",
+            partly=_regime(*(r for _, r in pts if r is not None)),
         ))  # fmt: skip
     return out
 
@@ -208,42 +318,51 @@ def _gap(row: Row | None) -> float:
     return 0.0 if row is None else row.gap
 
 
-def _trend_inconclusive(pts: list[tuple[float, Row | None]], points: str, at: str) -> str:
-    """Why a rising-gap trend cannot be read ("" when it can): fewer than three points (two
-    rank +-1 whatever they are), fewer than 3 seeds at the last point, or a last gap with
-    p >= 0.05."""
-    last = pts[-1][1]
-    if len(pts) < 3:
-        return f"{len(pts)} {points}"
-    if len(last.values) < 3:
-        return f"{len(last.values)} seeds at {at}"
-    return f"p {fmt_p(last.gap_p)} at {at}" if not last.gap_p < 0.05 else ""
-
-
 # ------------------------------------------------------------------------------------------
 # A longer delay costs more (fixed:N; 2bw is N = 1)
 # ------------------------------------------------------------------------------------------
 
 
-def claim_gap_grows_with_delay(rows: list[Row]) -> list[Claim]:
+def claim_gap_grows_with_delay(rows: list[Row]) -> list[Finding]:
     """Per optimizer: the gap of a uniform delay of N steps (fixed:N, 2bw as N = 1) rises with
-    N (Spearman >= 0.8 and the longest delay's gap above the shortest's). Inconclusive with
-    fewer than three delays, fewer than 3 seeds at the longest or its gap with p >= 0.05."""
+    N (Spearman >= 0.8 and the longest delay's gap above the shortest's); the test: the
+    longest delay's gap. Unreadable with fewer than three delays."""
     from stalepipe.analysis import plots
 
     out = []
     for name, pts in plots.gap_series(rows, "delay").items():
         rho = stats.spearman([x for x, _ in pts], [r.gap for _, r in pts])
-        longest = int(pts[-1][0])
-        why = _trend_inconclusive(pts, "delays", f"N={longest}")
-        ok = rho >= 0.8 and pts[-1][1].gap > pts[0][1].gap
-        out.append((
+        longest = pts[-1][1]
+        out.append(Finding(
             f"A longer delay costs more ({name})",
-            ("reproduced" if ok else "not reproduced") if not why else f"inconclusive ({why})",
-            ", ".join(f"N={int(x)}: {fmt(r.gap)} (p {fmt_p(r.gap_p)})" for x, r in pts)
-            + f"; Spearman rho {rho:+.2f}",
+            rho >= 0.8 and longest.gap > pts[0][1].gap,
+            longest.gap_p,
+            ", ".join(f"N={int(x)}: {fmt(r.gap)}" for x, r in pts)
+            + f" ({fmt_ci(longest.gap_test)} at N={int(pts[-1][0])}); Spearman rho {rho:+.2f}",
+            len(_seed_gaps(longest)),
+            why=f"{len(pts)} delays" if len(pts) < 3 else "",
+            partly=_regime(*(r for _, r in pts)),
         ))  # fmt: skip
     return out
+
+
+def regime_check(r: Row) -> str:
+    """The regime check a delayed row fails ('' when it passes or cannot be read): (b) the seed
+    spread of its synchronous baseline above a fifth of its gap, so the gap is not much larger
+    than the noise between seeds."""
+    base = r.baseline
+    readable = base is not None and len(base.values) >= 2 and math.isfinite(r.gap) and r.gap > 0
+    if readable and base.std > r.gap / 5:
+        return f"(b) sync std {fmt(base.std)} > gap/5"
+    return ""
+
+
+def _regime(*rows: Row) -> str:
+    """The first regime check an arm the claim reads fails, named with the arm ('' if none)."""
+    for r in rows:
+        if why := regime_check(r):
+            return f"{why} for {r.label}"
+    return ""
 
 
 # Every claim, in the order the report's claims table lists them; each study names the ones its

@@ -159,10 +159,12 @@ class Row:
     std: float = math.nan
     baseline: Row | None = None  # the sync configuration it is compared with
     gap: float = math.nan
-    gap_p: float = math.nan  # Welch t-test vs the baseline, two-sided
+    gap_p: float = math.nan  # two-sided, paired by seed where >= 2 seeds pair, else Welch
+    gap_test: stats.Difference | None = None  # that test, with the gap's 95 % interval
+    gap_p_welch: float = math.nan  # Welch's test beside it (unpaired)
     unmitigated: Row | None = None
     recovered: float = math.nan  # share of the unmitigated gap this mitigation removes
-    recovered_p: float = math.nan  # Welch t-test vs the unmitigated configuration
+    recovered_p: float = math.nan  # vs the unmitigated configuration (paired as gap_p)
     token_overhead: overhead.Overhead | None = None  # over the baseline (overhead.py)
 
     @property
@@ -269,9 +271,7 @@ def _link(rows: list[Row]) -> None:
         if base is None or not base.is_sync:
             base = by_key_any_depth.get(config_key(target, ignore + ("pipeline.num_stages",)))
         if base is not None and base.values:
-            r.baseline = base
-            r.gap = stats.gap(r.values, base.values) if r.values else math.nan
-            r.gap_p = stats.welch_t_test(r.values, base.values).p
+            _set_gap(r, base)
         if r.mitigations:
             plain = dict(r.config)
             plain.update(MITIGATION_DEFAULTS)
@@ -281,7 +281,7 @@ def _link(rows: list[Row]) -> None:
                 if un.baseline is None:
                     _link_one_baseline(un, by_key, by_key_any_depth, ignore)
                 r.recovered = stats.recovered_share(r.gap, un.gap)
-                r.recovered_p = stats.welch_t_test(r.values, un.values).p if r.values else math.nan
+                r.recovered_p = compare(r, un).p if r.values else math.nan
 
 
 def _link_one_baseline(r: Row, by_key: dict, by_key_any_depth: dict, ignore: tuple) -> None:
@@ -290,9 +290,23 @@ def _link_one_baseline(r: Row, by_key: dict, by_key_any_depth: dict, ignore: tup
         config_key(target, ignore + ("pipeline.num_stages",))
     )
     if base is not None and base.values and r.values:
-        r.baseline = base
-        r.gap = stats.gap(r.values, base.values)
-        r.gap_p = stats.welch_t_test(r.values, base.values).p
+        _set_gap(r, base)
+
+
+def compare(a: Row, b: Row) -> stats.Difference:
+    """mean(a) - mean(b) with its test and interval: paired by seed when at least two seeds
+    are in both (the runs of a seed share data order and initialisation, so the paired test
+    is the right one), else Welch's."""
+    paired = stats.paired_difference(seed_values(a), seed_values(b))
+    return paired if paired.n >= 2 else stats.welch_difference(a.values, b.values)
+
+
+def _set_gap(r: Row, base: Row) -> None:
+    r.baseline = base
+    r.gap = stats.gap(r.values, base.values) if r.values else math.nan
+    r.gap_test = compare(r, base) if r.values else None
+    r.gap_p = r.gap_test.p if r.gap_test else math.nan
+    r.gap_p_welch = stats.welch_t_test(r.values, base.values).p
 
 
 def seed_values(row: Row) -> dict[int, float]:

@@ -173,3 +173,53 @@ def t_interval(xs: Sequence[float], confidence: float = 0.95) -> tuple[float, fl
         return m, math.nan, math.nan
     half = t_quantile(0.5 + confidence / 2.0, len(xs) - 1) * std(xs) / math.sqrt(len(xs))
     return m, m - half, m + half
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A mean difference with its test and 95 % interval: `paired` says whether the values
+    were paired (by seed: same data order and initialisation) or compared as two samples."""
+
+    diff: float
+    low: float
+    high: float
+    p: float  # two-sided
+    n: int  # pairs (paired) or the smaller sample (Welch)
+    paired: bool
+
+
+def paired_difference(a: dict[int, float], b: dict[int, float]) -> Difference:
+    """mean(a[s] - b[s]) over the keys both have (seeds), Student's paired t-test and its
+    95 % interval; nan test and interval with fewer than 2 pairs. With zero spread, p = 1
+    for a zero difference and 0 otherwise (as `welch_t_test`)."""
+    d = [a[s] - b[s] for s in sorted(a.keys() & b.keys())]
+    m, low, high = t_interval(d)
+    if len(d) < 2:
+        return Difference(m, low, high, math.nan, len(d), True)
+    sd = std(d)
+    if sd == 0.0:
+        return Difference(m, m, m, 1.0 if m == 0 else 0.0, len(d), True)
+    t = m / (sd / math.sqrt(len(d)))
+    return Difference(m, low, high, t_sf_two_sided(t, len(d) - 1), len(d), True)
+
+
+def welch_difference(a: Sequence[float], b: Sequence[float]) -> Difference:
+    """mean(a) - mean(b), Welch's t-test and its 95 % interval (Welch-Satterthwaite df)."""
+    test = welch_t_test(a, b)
+    diff = mean(a) - mean(b) if a and b else math.nan
+    if not math.isfinite(test.df):
+        return Difference(diff, math.nan, math.nan, test.p, min(len(a), len(b)), False)
+    half = t_quantile(0.975, test.df) * math.sqrt(std(a) ** 2 / len(a) + std(b) ** 2 / len(b))
+    return Difference(diff, diff - half, diff + half, test.p, min(len(a), len(b)), False)
+
+
+def holm(ps: Sequence[float]) -> list[float]:
+    """Holm-Bonferroni adjusted p-values (step-down, monotone, capped at 1), in the input's
+    order; a nan p (a test that could not run) is left nan and not counted."""
+    finite = sorted((p, i) for i, p in enumerate(ps) if math.isfinite(p))
+    out = [math.nan] * len(ps)
+    running = 0.0
+    for rank, (p, i) in enumerate(finite):
+        running = max(running, min(1.0, (len(finite) - rank) * p))
+        out[i] = running
+    return out
