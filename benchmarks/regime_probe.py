@@ -5,9 +5,10 @@ the probe trains a few arms (optimizer x delay policy x seed) as an ordinary swe
 `OUT/<candidate>/` (resumable: a rerun trains only what is missing) and prints one table row
 per candidate and arm with the issue's three criteria:
 
-- (a) plateau exit: the first step at which the train loss, smoothed by a trailing mean over
-  `smooth_window(steps)` steps, is below the unigram entropy of the training tokens minus
-  `MARGIN` nats, as a fraction of the run (the worst seed). Criterion: <= 10% for every arm.
+- (a) plateau exit (`analysis.regime.plateau_exit`, which the report's regime column also
+  reads): the first step at which the train loss, smoothed by a trailing mean, is below the
+  unigram entropy of the training tokens minus 0.3 nats, as a fraction of the run (the worst
+  seed). Criterion: <= 10% for every arm.
 - (b) seed std of the synchronous final val loss <= 1/5 of AdamW's 2bw gap (mean over seeds).
 - (c) end slope: least-squares slope of the train loss over the last 20% of steps, in nats per
   10% of the run. Criterion: < 0 (still falling).
@@ -31,19 +32,14 @@ import math
 import statistics
 from pathlib import Path
 
-import numpy as np
-
+from stalepipe.analysis.regime import end_slope, plateau_exit, unigram_entropy
 from stalepipe.config import ExperimentConfig, apply_overrides
 from stalepipe.data import ensure_prepared
-from stalepipe.data.manifest import split_shards
-from stalepipe.data.shards import read_shard
 from stalepipe.experiments.grid import RunSpec
 from stalepipe.experiments.studies import LRS, SCALES, base_config, paper_mini_base
 from stalepipe.experiments.sweep import run_status, run_sweep
 from stalepipe.models import count_params
 from stalepipe.rundir.metrics import read_metrics
-
-MARGIN = 0.3  # nats below the unigram entropy that count as "off the plateau"
 
 
 def _shape(vocab: int, dim: int, ffn: int, layers: int = 4, seq: int = 64) -> dict[str, str]:
@@ -120,42 +116,6 @@ def arm_group(arm: str, lrs: dict[str, str], study_lrs: dict[str, str] | None = 
     return f"{opt}_{policy}" if at_study_lr else f"{opt}_lr{lr}_{policy}"
 
 
-def unigram_entropy(data_dir: str | Path) -> float:
-    """Entropy (nats) of the token frequencies of the train split: the loss of the best model
-    that ignores context."""
-    counts = np.zeros(1, dtype=np.int64)
-    for path, _ in split_shards(Path(data_dir), "train"):
-        c = np.bincount(read_shard(path).astype(np.int64))
-        counts = (
-            np.pad(counts, (0, max(0, len(c) - len(counts)))) if len(c) > len(counts) else counts
-        )
-        counts[: len(c)] += c
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
-
-
-def smooth_window(steps: int) -> int:
-    return max(5, steps // 100)
-
-
-def plateau_exit(losses: list[float], entropy: float) -> int | None:
-    """The first step whose trailing mean train loss is below `entropy - MARGIN` (None: never)."""
-    w = smooth_window(len(losses))
-    c = np.cumsum([0.0, *losses])
-    for i in range(w, len(losses) + 1):
-        if (c[i] - c[i - w]) / w < entropy - MARGIN:
-            return i - 1
-    return None
-
-
-def end_slope(losses: list[float]) -> float:
-    """Least-squares slope of the train loss over the last 20% of steps, per 10% of the run."""
-    n = len(losses)
-    tail = np.asarray(losses[int(n * 0.8) :])
-    x = np.arange(len(tail))
-    return float(np.polyfit(x, tail, 1)[0] * n * 0.1)
-
-
 def run_summary(run_dir: Path, entropy: float) -> dict[str, float] | None:
     """Final val loss, plateau-exit fraction, end slope and seconds of one finished run."""
     if run_status(run_dir) != "finished":
@@ -197,7 +157,7 @@ def table(
     verdicts = []
     for name, run_root in dirs.items():
         cfg = candidate_config(name)
-        entropy = unigram_entropy(cfg.data.resolved_dir())
+        entropy = unigram_entropy(str(Path(cfg.data.resolved_dir()).resolve()))
         params = count_params(cfg.model)["total"]
         vals: dict[str, list[float]] = {}
         worst_exit, slopes = 0.0, []
@@ -234,7 +194,7 @@ def group_table(run_root: Path, pattern: str, candidate: str) -> str:
     """One row per run group in `run_root` (a run's name without its `_s<seed>`) matching the
     glob `pattern`, for any study's names: the gap is to the group named with the last part
     (the arm: `2bw`, `2bw+ef`, ...) replaced by `sync`."""
-    entropy = unigram_entropy(candidate_config(candidate).data.resolved_dir())
+    entropy = unigram_entropy(str(Path(candidate_config(candidate).data.resolved_dir()).resolve()))
     groups: dict[str, list[dict[str, float]]] = {}
     for d in sorted(p for p in run_root.iterdir() if p.is_dir()):
         group, _, seed = d.name.rpartition("_s")

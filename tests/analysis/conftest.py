@@ -74,3 +74,12 @@ def curve_sweep(tmp_path) -> Path:
 def curve_run():
     """`write_curve_run`, for tests that add runs of their own."""
     return write_curve_run
+
+
+@pytest.fixture(autouse=True)
+def _synthetic_runs_have_no_token_data(monkeypatch):
+    """Hand-made run records name data they never trained on; a data_cache in the working
+    directory (a real run's) must not feed their regime check (a) with its entropy."""
+    from stalepipe.analysis import regime
+
+    monkeypatch.setattr(regime, "run_entropy", lambda run: math.nan)

@@ -347,12 +347,23 @@ def claim_gap_grows_with_delay(rows: list[Row]) -> list[Finding]:
 
 
 def regime_check(r: Row) -> str:
-    """The regime check a delayed row fails ('' when it passes or cannot be read): (b) the seed
-    spread of its synchronous baseline above a fifth of its gap, so the gap is not much larger
-    than the noise between seeds."""
-    base = r.baseline
-    readable = base is not None and len(base.values) >= 2 and math.isfinite(r.gap) and r.gap > 0
-    if readable and base.std > r.gap / 5:
+    """The regime check a delayed row fails ('' when it passes or cannot be read,
+    `analysis.regime`): (a) it or its baseline leaves the initial plateau after the first tenth
+    of the run in some seed; (b) the seed spread of its synchronous baseline above a fifth of
+    its gap, so the gap is not much larger than the noise between seeds."""
+    from stalepipe.analysis.regime import EXIT_BY
+
+    for arm in (r, r.baseline):
+        if arm is not None and arm.plateau_exit > EXIT_BY:  # nan: not read, not a failure
+            late = arm.plateau_exit
+            when = "never" if math.isinf(late) else f"at {100 * late:.0f}%"
+            return (
+                f"(a) {'sync ' if arm is not r else ''}plateau exit {when} > {100 * EXIT_BY:.0f}%"
+            )
+    # (b) against the delay's gap: a mitigated row's own gap is small by design
+    base, effect = r.baseline, (r.unmitigated or r).gap
+    readable = base is not None and len(base.values) >= 2 and math.isfinite(effect) and effect > 0
+    if readable and base.std > effect / 5:
         return f"(b) sync std {fmt(base.std)} > gap/5"
     return ""
 

@@ -1,0 +1,113 @@
+"""The regime checks of a run's curve, read from its records (and its token data when found).
+
+A delay study says something about pretraining only if its runs behave like pretraining runs
+(docs/RESULTS.md, "Regime"):
+
+- (a) every arm leaves the initial plateau early: the first step at which the train loss,
+  smoothed by a trailing mean over `smooth_window(steps)` logged steps, is below the unigram
+  entropy of the training tokens minus `MARGIN` nats, as a fraction of the run, is at most
+  `EXIT_BY` for every seed. A delayed arm that escapes late has a gap that mixes delay damage
+  with a late escape.
+- (b) the seed spread of the synchronous baseline is at most a fifth of the gap
+  (`claims.regime_check`).
+- (c) the train loss is still falling at the end (`end_slope` < 0), read by
+  benchmarks/regime_probe.py when a scale is chosen.
+
+(a) needs the unigram entropy of the run's training tokens: `run_entropy` finds the run's data
+from its records (`rundir.directory.locate_run_data`); where the data is not on this machine
+the check reads nan ("not read"), never a pass.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stalepipe.analysis.results import Run
+
+MARGIN = 0.3  # nats below the unigram entropy that count as "off the plateau"
+EXIT_BY = 0.1  # criterion (a): off the plateau within the first tenth of the run
+
+
+def smooth_window(steps: int) -> int:
+    """The trailing-mean window over logged train losses."""
+    return max(5, steps // 100)
+
+
+def plateau_exit(losses: list[float], entropy: float) -> int | None:
+    """The first index whose trailing mean train loss is below `entropy - MARGIN` (None:
+    never)."""
+    w = smooth_window(len(losses))
+    total = sum(losses[:w])
+    for i in range(w, len(losses) + 1):
+        if i > w:
+            total += losses[i - 1] - losses[i - 1 - w]
+        if total / w < entropy - MARGIN:
+            return i - 1
+    return None
+
+
+def end_slope(losses: list[float]) -> float:
+    """Least-squares slope of the train loss over the last 20% of steps, per 10% of the run."""
+    n = len(losses)
+    tail = losses[int(n * 0.8) :]
+    if len(tail) < 2:
+        return math.nan
+    xm, ym = (len(tail) - 1) / 2, sum(tail) / len(tail)
+    num = sum((x - xm) * (y - ym) for x, y in enumerate(tail))
+    den = sum((x - xm) ** 2 for x in range(len(tail)))
+    return num / den * n * 0.1
+
+
+@functools.cache
+def unigram_entropy(data_dir: str) -> float:
+    """Entropy (nats) of the token frequencies of the train split: the loss of the best model
+    that ignores context."""
+    import numpy as np
+
+    from stalepipe.data.manifest import split_shards
+    from stalepipe.data.shards import read_shard
+
+    counts = np.zeros(1, dtype=np.int64)
+    for path, _ in split_shards(Path(data_dir), "train"):
+        c = np.bincount(read_shard(path).astype(np.int64))
+        if len(c) > len(counts):
+            counts = np.pad(counts, (0, len(c) - len(counts)))
+        counts[: len(c)] += c
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def run_entropy(run: Run) -> float:
+    """The unigram entropy of the tokens `run` trained on; nan when its data is not found."""
+    from stalepipe.config import ExperimentConfig, upgrade_record
+    from stalepipe.rundir.directory import locate_run_data
+
+    try:
+        import json
+
+        cfg = ExperimentConfig.from_dict(
+            upgrade_record(json.loads((run.path / "config.json").read_text())), strict=False
+        )
+        found = locate_run_data(run.path, cfg)
+    except Exception:  # an unreadable or foreign config only loses this check
+        return math.nan
+    if found is None or not found.is_dir():
+        return math.nan
+    try:
+        return unigram_entropy(str(found.resolve()))
+    except (OSError, ValueError):
+        return math.nan
+
+
+def exit_fraction(run: Run, entropy: float) -> float:
+    """When `run` leaves the plateau, as a fraction of its logged steps (inf: never; nan: not
+    read)."""
+    losses = [loss for _, loss in run.curve]
+    if not losses or not math.isfinite(entropy):
+        return math.nan
+    i = plateau_exit(losses, entropy)
+    return math.inf if i is None else (i + 1) / len(losses)

@@ -1,0 +1,48 @@
+"""The regime checks (analysis/regime.py, claims.regime_check) on hand-made curves."""
+
+import math
+
+import pytest
+
+from stalepipe.analysis import regime, stats
+from stalepipe.analysis.claims import regime_check
+from stalepipe.analysis.results import Row, Run
+
+
+def test_plateau_exit_and_end_slope_by_hand():
+    # 100 logged steps: window 5; loss 5.0 for 30 steps, then 4.0: the trailing mean drops
+    # below 5.0 - 0.3 = 4.7 once at least 2 of its 5 values are 4.0 (mean 4.6), at index 31
+    losses = [5.0] * 30 + [4.0] * 70
+    assert regime.plateau_exit(losses, 5.0) == 31
+    assert regime.plateau_exit([5.0] * 100, 5.0) is None
+    # a line falling 0.01 per step: -0.01 x 10 steps (10% of 100) = -0.1 per tenth of the run
+    assert regime.end_slope([10 - 0.01 * i for i in range(100)]) == pytest.approx(-0.1)
+    run = Run("r", None, "finished", {}, curve=[(i, x) for i, x in enumerate(losses)])
+    assert regime.exit_fraction(run, 5.0) == pytest.approx(0.32)
+    assert math.isnan(regime.exit_fraction(run, math.nan))  # data not found: not read
+
+
+def _row(label, exit_at, values, gap=math.nan, baseline=None):
+    r = Row(label, {}, [], values, baseline=baseline, gap=gap)
+    r.mean = sum(values) / len(values)
+    r.std = stats.std(values)
+    r._exit = exit_at
+    return r
+
+
+def test_regime_check_reads_a_late_exit_then_the_seed_spread():
+    sync = _row("sync", 0.05, [2.0, 2.1, 2.2])  # std 0.1
+    assert regime_check(_row("late", 0.3, [3.0, 3.0], 1.0, sync)) == "(a) plateau exit at 30% > 10%"
+    assert regime_check(_row("never", math.inf, [3.0], 1.0, sync)).startswith(
+        "(a) plateau exit never"
+    )
+    late_sync = _row("sync", 0.2, [2.0, 2.1, 2.2])
+    assert regime_check(_row("ok", 0.05, [3.0], 1.0, late_sync)).startswith("(a) sync plateau exit")
+    assert regime_check(_row("small gap", 0.05, [2.5], 0.3, sync)) == "(b) sync std 0.1000 > gap/5"
+    assert regime_check(_row("fine", 0.05, [3.0], 1.0, sync)) == ""
+    assert regime_check(_row("unread", math.nan, [3.0], 1.0, sync)) == ""  # nan is no failure
+    # a mitigation is held to the unmitigated gap: EF's small remaining gap is the point
+    plain = _row("2bw", 0.05, [3.0], 1.0, sync)
+    ef = _row("2bw+ef", 0.05, [2.2], 0.1, sync)
+    ef.unmitigated = plain
+    assert regime_check(ef) == ""
