@@ -52,18 +52,24 @@ def _smooth(ys: list[float], window: int) -> list[float]:
     return out
 
 
-def mean_curve(row: Row) -> tuple[list[int], list[float]]:
-    """Train loss averaged over the row's finished seeds, per step."""
+def seed_curves(row: Row) -> tuple[list[int], list[list[float]]]:
+    """Train loss of each finished seed of `row`, on the steps every seed logged."""
     curves = [dict(r.curve) for r in row.runs if r.status == "finished" and r.curve]
     if not curves:
         return [], []
     steps = sorted(set.intersection(*(set(c) for c in curves)))
-    return steps, [sum(c[s] for c in curves) / len(curves) for s in steps]
+    return steps, [[c[s] for s in steps] for c in curves]
 
 
-def loss_curves(rows: list[Row], max_panels: int = 18) -> bytes | None:
-    """One panel per sync baseline: its train loss and that of every configuration compared
-    with it (mean over seeds, running mean over 1/20 of the run)."""
+def mean_curve(row: Row) -> tuple[list[int], list[float]]:
+    """Train loss averaged over the row's finished seeds, per step."""
+    steps, curves = seed_curves(row)
+    return steps, [sum(ys) / len(ys) for ys in zip(*curves)]
+
+
+def loss_curve_panels(rows: list[Row]) -> dict[str, list[Row]]:
+    """Baseline label -> [baseline, every configuration compared with it]: the panels of
+    `loss_curves`, one per sync baseline with a finished run, none left out."""
     panels: dict[str, list[Row]] = {}
     for r in rows:
         if r.is_sync and r.values:
@@ -71,29 +77,47 @@ def loss_curves(rows: list[Row], max_panels: int = 18) -> bytes | None:
     for r in rows:
         if r.baseline is not None and r.values:
             panels.setdefault(r.baseline.label, [r.baseline]).append(r)
-    if not panels:
+    return panels
+
+
+def _legend_outside(ax: Any, fontsize: int = 7) -> None:
+    """The legend right of the panel, never over the data."""
+    ax.legend(fontsize=fontsize, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+
+
+def loss_curves(rows: list[Row]) -> bytes | None:
+    """One panel per sync baseline: its train loss and that of every configuration compared
+    with it (each configuration one curve: the mean over its seeds, the band between its
+    seeds' lowest and highest, running means over 1/20 of the run)."""
+    items = list(loss_curve_panels(rows).items())
+    if not items:
         return None
-    items = list(panels.items())[:max_panels]
     plt = _plt()
-    cols = min(3, len(items))
+    cols = min(2, len(items))
     nrows = math.ceil(len(items) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, cols, figsize=(7.5 * cols, 3.4 * nrows), squeeze=False)
     for ax, (title, members) in zip(axes.flat, items):
         lo = math.inf
-        for r in members:
-            steps, ys = mean_curve(r)
+        for i, r in enumerate(members):
+            steps, curves = seed_curves(r)
             if not steps:
                 continue
-            ys = _smooth(ys, max(len(ys) // 20, 1))
-            ax.plot(steps, ys, label=r.label, lw=1.4 if r.is_sync else 1.1,
-                    color="black" if r.is_sync else None)  # fmt: skip
-            lo = min(lo, min(ys[len(ys) // 3 :]))
+            w = max(len(steps) // 20, 1)
+            smooth = [_smooth(ys, w) for ys in curves]
+            mean = [sum(v) / len(v) for v in zip(*smooth)]
+            color = "black" if r.is_sync else f"C{i % 10}"
+            width = 1.4 if r.is_sync else 1.1
+            ax.plot(steps, mean, lw=width, color=color, label=f"{r.label} ({len(curves)} seeds)")
+            if len(curves) > 1:
+                low, high = [min(v) for v in zip(*smooth)], [max(v) for v in zip(*smooth)]
+                ax.fill_between(steps, low, high, color=color, alpha=0.15, lw=0)
+            lo = min(lo, min(mean[len(mean) // 3 :]))
         if math.isfinite(lo):
             ax.set_ylim(lo - 0.05, lo + 1.0)
         ax.set_title(f"baseline: {title}", fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("train loss (smoothed)")
-        ax.legend(fontsize=7)
+        _legend_outside(ax, 6)
         ax.grid(alpha=0.3)
     return _finish_grid(fig, axes, len(items))
 
@@ -258,13 +282,19 @@ def gap_plot(rows: list[Row], kind: str) -> bytes | None:
     ax.set_ylabel("final val loss gap to sync")
     ax.set_title(f"gap vs {label}" + (" (each point at its best LR on sync)" if tags else ""),
                  fontsize=10)  # fmt: skip
-    ax.legend(fontsize=8)
+    _legend_outside(ax, 8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return _png(fig)
 
 
-def overhead_plot(rows: list[Row], max_panels: int = 12, marks: int = 4) -> bytes | None:
+def overhead_panels(rows: list[Row]) -> list[Row]:
+    """The delayed configurations `overhead_plot` draws: every one with a token overhead."""
+    return [r for r in rows if r.token_overhead is not None and r.baseline is not None
+            and r.token_overhead.mean_pair is not None]  # fmt: skip
+
+
+def overhead_plot(rows: list[Row], marks: int = 4) -> bytes | None:
     """One panel per delayed configuration with a token overhead: the seed-mean val loss
     against tokens of it and its sync baseline, the band of targets shaded, and at `marks`
     targets of the band an arrow from T_sync(L) to T_delayed(L) labelled with the multiplier
@@ -272,14 +302,13 @@ def overhead_plot(rows: list[Row], max_panels: int = 12, marks: int = 4) -> byte
     from stalepipe.analysis.overhead import mean_curve
     from stalepipe.analysis.results import val_curves
 
-    items = [r for r in rows if r.token_overhead is not None and r.baseline is not None
-             and r.token_overhead.mean_pair is not None][:max_panels]  # fmt: skip
+    items = overhead_panels(rows)
     if not items:
         return None
     plt = _plt()
-    cols = min(3, len(items))
+    cols = min(4, len(items))
     nrows = math.ceil(len(items) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.6 * cols, 3.4 * nrows), squeeze=False)
     for ax, r in zip(axes.flat, items):
         o, base = r.token_overhead, r.baseline
         assert o is not None and o.mean_pair is not None and base is not None
@@ -294,7 +323,7 @@ def overhead_plot(rows: list[Row], max_panels: int = 12, marks: int = 4) -> byte
         ax.set_xlabel("tokens")
         ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
         ax.set_ylabel(f"val loss (mean of {len(seeds)} seed(s))")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, loc="upper right", frameon=False)  # the curves fall to the lower left
         ax.grid(alpha=0.3)
     return _finish_grid(fig, axes, len(items))
 
