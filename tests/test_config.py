@@ -151,7 +151,7 @@ def test_distributed_engine_rules_apply_to_it_alone():
     assert dist.pipeline.schedule == "2bw" and dist.train.num_microbatches == 2
 
 
-# ---- settings the run would ignore are refused (GUIDE 4.12) --------------------------------
+# ---- settings the run would ignore are refused (docs/design.md, 'Style', rule 12) -------------
 
 
 def _offered_fixes(msg: str) -> list[dict[str, str]]:

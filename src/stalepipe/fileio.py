@@ -4,11 +4,11 @@ rule for the directories stalepipe owns.
 An atomic write goes to a temporary file beside the target, is fsynced, then renamed over it:
 a reader sees the old file or the new one, never half of either, even after a crash or a kill.
 
-Owned directories (GUIDE 4.13: nothing stalepipe does can destroy what it did not make): every
-directory stalepipe creates for a run, a sweep, an export or prepared data carries a marker file
-(`MARKER`, naming its kind). `remove_owned_dir` deletes only such a directory, and only when it
-holds nothing but what stalepipe writes there; it never deletes the working directory, the home
-directory or one of their parents. Files and directories follow the user's umask.
+Owned directories (docs/design.md, 'Style', rule 13: nothing stalepipe does can destroy what it did
+not make): every directory stalepipe creates for a run, a sweep, an export or prepared data carries
+a marker file (`MARKER`, naming its kind). `remove_owned_dir` deletes only such a directory, and
+only when it holds nothing but what stalepipe writes there; it never deletes the working directory,
+the home directory or one of their parents. Files and directories follow the user's umask.
 """
 
 from __future__ import annotations

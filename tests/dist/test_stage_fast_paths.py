@@ -1,5 +1,5 @@
-"""The runtime's fast paths against the obvious references they replace (GUIDE 4.6):
-`Reparametrized` vs `torch.func.functional_call`, `seeded` vs `fork_rng` + `manual_seed`.
+"""The runtime's fast paths against the obvious references they replace (docs/design.md, 'Style',
+rule 6): `Reparametrized` vs `torch.func.functional_call`, `seeded` vs `fork_rng` + `manual_seed`.
 In-process; the multi-process tests check the whole runtime bit for bit on top."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Token overhead at a target loss: how many more tokens a delayed run needs to reach the losses
-its synchronous reference reaches (GUIDE section 2, "What we report"). Pure functions, no I/O.
+its synchronous reference reaches (docs/design.md, 'What we report'). Pure functions, no I/O.
 
 Definitions (docs/verdict.md has the why):
 

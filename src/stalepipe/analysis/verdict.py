@@ -1,5 +1,6 @@
 """`stalepipe verdict SWEEP_DIR`: does the asynchronous schedule reach the target loss sooner
-than the best synchronous one, net of its token overhead? (GUIDE section 2, docs/verdict.md)
+than the best synchronous one, net of its token overhead? (docs/design.md, 'What we report';
+docs/verdict.md)
 
     time to target (async / best sync) = token overhead / (throughput_async / throughput_best_sync)
 
@@ -33,8 +34,8 @@ from stalepipe.analysis.throughput import (
 )
 from stalepipe.errors import UserError
 
-# The rule printed beside every verdict (GUIDE section 2: intervals over seeds; fewer than 3
-# seeds is inconclusive).
+# The rule printed beside every verdict (docs/design.md, 'What we report': intervals over seeds;
+# fewer than 3 seeds is inconclusive).
 RULE = (
     "rule: 'async sooner' when the 95% interval of the time-to-target ratio lies below 1, "
     "'sync sooner' when above 1 or when the delayed run has a quality floor; otherwise, or "

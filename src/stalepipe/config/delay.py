@@ -1,5 +1,5 @@
 """The delay section: which policy gives each stage its staleness, and the mitigations and
-correctors on top of it (GUIDE section 2; `delay/` implements them)."""
+correctors on top of it (docs/design.md, 'The delay contract'; `delay/` implements them)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ POLICY_NAMES = ("sync", "2bw", "pipedream", "wpipe")
 
 @dataclass(frozen=True, kw_only=True)
 class DelayConfig:
-    """Gradient-delay policy and mitigations (GUIDE section 2)."""
+    """Gradient-delay policy and mitigations (docs/design.md, 'The delay contract')."""
 
     policy: str = option("sync", "delay policy: sync | 2bw | pipedream | wpipe | fixed:N")
     ef: bool = option(False, "update-level error feedback W+ = W - 2U_k + U_{k-1}")

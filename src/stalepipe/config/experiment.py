@@ -1,12 +1,12 @@
 """`ExperimentConfig`: the sections composed into one run, and the rules that join them.
 
-Besides values out of range, a config refuses settings the run would ignore (GUIDE 4.12): a
-pipeline schedule or replica count under the emulator, a delay policy or mitigation that has no
-delay to act on, a cooldown that another field overrides. Each refusal names the setting and the
-changes that fix it; the fixes offered are tried first, so every one of them validates. Run
-records (a checkpoint's config, a config.json read back) load with `from_dict(d, strict=False)`,
-which skips only these rules: an old run made with such a setting still loads for eval, export
-and as the base of `--config`, and the setting is refused once something changes it.
+Besides values out of range, a config refuses settings the run would ignore (docs/design.md,
+'Style', rule 12): a pipeline schedule or replica count under the emulator, a delay policy or
+mitigation that has no delay to act on, a cooldown that another field overrides. Each refusal names
+the setting and the changes that fix it; the fixes offered are tried first, so every one of them
+validates. Run records (a checkpoint's config, a config.json read back) load with `from_dict(d,
+strict=False)`, which skips only these rules: an old run made with such a setting still loads for
+eval, export and as the base of `--config`, and the setting is refused once something changes it.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class ExperimentConfig:
                 f"set {more}pipeline.num_stages to {m + 1}"
             )
 
-    # ---- settings the run would ignore (GUIDE 4.12) ----------------------------------------
+    # ---- settings the run would ignore (docs/design.md, 'Style', rule 12) ---------------------
 
     def _ignored(self) -> Iterator[tuple[str, str, list[Fix]]]:
         """Each setting this run would ignore: (its key, why, the fixes to offer, best first)."""

@@ -17,8 +17,9 @@ from stalepipe.config.base import ConfigError
 
 T = TypeVar("T")
 
-# Keys renamed so that counts read `num_*` (GUIDE 4.10): old run records still load (their keys
-# are translated), a command line or a new config file with an old key gets a one-line hint.
+# Keys renamed so that counts read `num_*` (docs/design.md, 'Style', rule 10): old run records
+# still load (their keys are translated), a command line or a new config file with an old key
+# gets a one-line hint.
 RENAMED_KEYS = {
     "train.steps": "train.num_steps",
     "train.eval_batches": "train.num_eval_batches",

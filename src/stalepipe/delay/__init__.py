@@ -1,6 +1,7 @@
 """Gradient-delay policies, mitigations and the single-process delay emulator.
 
-- `policies`: tau_s(k) and `DelaySchedule`, the one definition of staleness (GUIDE section 2);
+- `policies`: tau_s(k) and `DelaySchedule`, the one definition of staleness (docs/design.md,
+  'The delay contract');
 - `mitigations`: error feedback, Taylor compensation, sync-window resolution (pure math);
 - `correctors`: weight prediction, PipeMare's LR schedule, adaptive momentum (pure math) and
   the per-stage param groups they need;

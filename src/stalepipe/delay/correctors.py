@@ -1,5 +1,5 @@
-"""Delay correctors beyond the paper (GUIDE section 2), as pure math plus the per-stage groups
-they need. With `v = k - tau_s(k)` the version stage s reads at step k:
+"""Delay correctors beyond the paper (docs/design.md, 'Correctors beyond the paper'), as pure math
+plus the per-stage groups they need. With `v = k - tau_s(k)` the version stage s reads at step k:
 
 - weight prediction (SpecTrain, Chen et al. 2018; PipeMare, Yang et al. 2021):
       the gradient is taken at  W_hat = W_v + c * tau_s(k) * (W_v - W_{v-1}),  W_{-1} = W_0

@@ -2,7 +2,7 @@
 
 It owns the weight versions a delay policy needs (per stage), swaps the stale ones in while the
 gradient is computed, and applies the base optimizer's update to the newest weights, followed by
-the mitigations (GUIDE section 2). Use it in a plain training loop:
+the mitigations (docs/design.md, 'The delay contract'). Use it in a plain training loop:
 
     opt = DelayedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4),
                            [model.parameters()], DelayConfig(policy="2bw", ef=True), steps)

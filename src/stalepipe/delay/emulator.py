@@ -63,7 +63,7 @@ class _SharedUse:
 
 class DelayEmulator:
     """Trains `model` with `optimizer` exactly as a `num_stages`-stage asynchronous pipeline
-    under `delay_cfg` would, in one process (GUIDE section 2).
+    under `delay_cfg` would, in one process (docs/design.md, 'The delay contract').
 
     Args:
         model: a `Transformer` (split with `models.partition`), or any module whose

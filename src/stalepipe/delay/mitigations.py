@@ -1,4 +1,5 @@
-"""Delay mitigations as pure tensor math (GUIDE section 2); the classes only own the buffers.
+"""Delay mitigations as pure tensor math (docs/design.md, 'Mitigations'); the classes only own
+the buffers.
 
 - error feedback (EF), update level:       W_{k+1} = W_k - 2 U_k + U_{k-1},  U_{-1} = 0
 - Taylor / DC-ASGD compensation:           g <- g + lambda * g * g * (W_k - W_stale)

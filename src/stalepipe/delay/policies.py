@@ -1,4 +1,5 @@
-"""Delay policies and the delay schedule: the one definition of gradient staleness (GUIDE 2).
+"""Delay policies and the delay schedule: the one definition of gradient staleness
+(docs/design.md, 'The delay contract').
 
 A `Policy` says how stale each stage's weights are outside synchronous windows, as a pure
 function of (stage, step, num_stages). A `DelaySchedule` is that policy bound, once, to a run:

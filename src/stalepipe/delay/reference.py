@@ -1,8 +1,9 @@
-"""The slow, obvious delayed-training reference (GUIDE 4.6): every weight version is kept, the
-stale point is assembled name by name from `DelaySchedule.version`, and the gradient is taken with
-`torch.func.functional_call` on fresh leaves (weight prediction and DC-ASGD-EMA included; the
-per-stage LR and momentum are tested on closed forms). Tests check `DelayEmulator` and
-`DelayedOptimizer` against it; never use it for real training (memory grows with the steps).
+"""The slow, obvious delayed-training reference (docs/design.md, 'Style', rule 6): every weight
+version is kept, the stale point is assembled name by name from `DelaySchedule.version`, and the
+gradient is taken with `torch.func.functional_call` on fresh leaves (weight prediction and
+DC-ASGD-EMA included; the per-stage LR and momentum are tested on closed forms). Tests check
+`DelayEmulator` and `DelayedOptimizer` against it; never use it for real training (memory grows with
+the steps).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Stage 0 owns the embedding, stage P-1 the final norm and output head; transforme
 assigned in contiguous runs that balance per-stage forward FLOPs (the head counts towards the
 last stage; MoE blocks count their active experts only). With tied embeddings the shared matrix is *owned* by stage 0 (it appears in its
 `named_parameters`) and *used* by stage P-1 too; the delay engine and the pipeline runtime treat
-that use explicitly (GUIDE section 2: never silently diverging).
+that use explicitly (docs/design.md, 'Exactness': never silently diverging).
 """
 
 from __future__ import annotations

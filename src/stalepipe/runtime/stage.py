@@ -21,11 +21,11 @@ update is applied at its STEP and reported right after it, so the caller -- the 
 through `train.pipelined.PipelineEngine` -- can evaluate (`evaluate`) or checkpoint at exactly
 W_{k+1} before the executor moves on.
 
-Exactness with the emulator's exact mode (GUIDE section 2): the same per-stage forward (RNG
-seeded per (stage, step, microbatch)), the loss divided by m on the last stage, per-stage
-gradients summed in microbatch order, the tied embedding's gradient = first stage's + last
-stage's (`runtime.tied`), the global grad norm from per-parameter norms in the model's order
-(as `clip_grad_norm_` computes it), the same optimizer class and the same update code.
+Exactness with the emulator's exact mode (docs/design.md, 'Exactness'): the same per-stage forward
+(RNG seeded per (stage, step, microbatch)), the loss divided by m on the last stage, per-stage
+gradients summed in microbatch order, the tied embedding's gradient = first stage's + last stage's
+(`runtime.tied`), the global grad norm from per-parameter norms in the model's order (as
+`clip_grad_norm_` computes it), the same optimizer class and the same update code.
 """
 
 from __future__ import annotations

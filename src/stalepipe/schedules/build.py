@@ -2,8 +2,8 @@
 
 A generator (`schedules.generators`, `schedules.vshape`) decides only the order of work on each
 rank, as ops `(kind, stage, step, microbatch)`; `build_schedule` attaches the weight version
-every op reads from the run's `DelaySchedule` (GUIDE section 2), so no generator can get a
-version wrong by itself, and `validate` checks the rest.
+every op reads from the run's `DelaySchedule` (docs/design.md, 'The delay contract'), so no
+generator can get a version wrong by itself, and `validate` checks the rest.
 """
 
 from __future__ import annotations

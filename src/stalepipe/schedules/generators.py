@@ -273,7 +273,7 @@ def wpipe(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
     )
 
 
-# The delay policy each schedule realises (GUIDE section 2): the runtime's
+# The delay policy each schedule realises (docs/design.md, 'The delay contract'): the runtime's
 # (config.RUNTIME_SCHEDULES: the runtime runs every schedule the simulator times).
 SCHEDULE_POLICY = dict(RUNTIME_SCHEDULES)
 

@@ -1,8 +1,9 @@
-"""Pipeline schedules as data: one ordered list of actions per rank (GUIDE section 4, rule 8).
+"""Pipeline schedules as data: one ordered list of actions per rank (docs/design.md, 'Style',
+rule 8).
 
 The runtime executes these lists, the timing simulator times them, the tests diff them.
 
-Vocabulary (GUIDE rule 10):
+Vocabulary (docs/design.md, 'Style', rule 10):
     rank       a process / device of one pipeline replica, by its rank in the replica's pipeline
                group, 0..R-1 (`comm.Topology` gives the torch.distributed rank of pipeline rank r
                in replica d; with one replica the two are the same number, and without chunks
@@ -14,7 +15,7 @@ Vocabulary (GUIDE rule 10):
                on odd ones, so with two chunks rank r holds stages r and 2R-1-r (the first and
                last stage share rank 0, stages R-1 and R share rank R-1 and hand over locally).
                Without chunks (num_chunks = 1) both give stage == rank.
-    step k     one optimizer update over m microbatches (GUIDE section 2).
+    step k     one optimizer update over m microbatches (docs/design.md, 'Steps and stages').
     version v  the weights of a stage after v updates. The version every action reads comes from
                the schedule's `delay.DelaySchedule` (the one definition of staleness); a STEP
                makes the next one.
@@ -161,7 +162,8 @@ class Schedule:
                 yield r, i, a
 
     def expected_version(self, stage: int, step: int) -> int:
-        """The version step `step` reads on `stage`, from the delay policy (GUIDE section 2)."""
+        """The version step `step` reads on `stage`, from the delay policy (docs/design.md,
+        'The delay contract')."""
         return self.delay.version(stage, step)
 
     def backward_kind(self, stage: int, step: int, microbatch: int) -> str:

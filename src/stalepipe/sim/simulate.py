@@ -397,7 +397,7 @@ def compare_schedules(
 
 def best_sync(rows: Sequence[ScheduleRow]) -> ScheduleRow | None:
     """The fastest synchronous schedule of `rows` that runs these sizes and fits in memory
-    (GUIDE section 2's `best_sync`); None when none does."""
+    (`best_sync` of docs/design.md, 'What we report'); None when none does."""
     ok = [r for r in rows if r.policy == "sync" and r.refused is None and r.fits]
     return max(ok, key=lambda r: r.tokens_per_s, default=None)
 

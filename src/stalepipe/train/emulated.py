@@ -1,10 +1,10 @@
 """`EmulatorEngine`: the delay emulator as a training engine (`train.engine.Engine`).
 
-One process trains the whole model; the delay engine (`delay.DelayEmulator`) computes each
-step's gradient at the weights an asynchronous pipeline would use (GUIDE section 2); with
-`delay.policy sync` it is the plain training step. Under `torchrun` every process is one
-data-parallel replica: it reads its rows of each batch, gradients and losses are averaged
-across replicas, the main process writes the checkpoint.
+One process trains the whole model; the delay engine (`delay.DelayEmulator`) computes each step's
+gradient at the weights an asynchronous pipeline would use (docs/design.md, 'The delay contract');
+with `delay.policy sync` it is the plain training step. Under `torchrun` every process is one
+data-parallel replica: it reads its rows of each batch, gradients and losses are averaged across
+replicas, the main process writes the checkpoint.
 
 The data position is the step itself: batch k is a pure function of (data.seed, k), so a
 resumed run reads exactly the batches an uninterrupted one would have read.

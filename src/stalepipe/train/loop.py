@@ -1,4 +1,5 @@
-"""The training loop, explicit and on one screen (GUIDE 4.9), for both engines:
+"""The training loop, explicit and on one screen (docs/design.md, 'Style', rule 9), for both
+engines:
 
     lr -> forward/backward -> (delayed) step -> log -> eval -> checkpoint
 
