@@ -152,3 +152,39 @@ def test_no_room_holds_more_than_15_python_files():
         str(r.relative_to(PACKAGE)): n for r in rooms if (n := len(list(r.glob("*.py")))) > 15
     }
     assert not crowded
+
+
+def test_sim_and_runtime_are_apart():
+    """The simulator times schedules without torch.distributed; the runtime executes them
+    without the cost model: neither room imports the other."""
+    for path in MODULES:
+        here = path.relative_to(PACKAGE).parts[0]
+        if here in ("sim", "runtime"):
+            other = "runtime" if here == "sim" else "sim"
+            bad = [n for _, n in _imports(path) if _part(n) == other]
+            assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}"
+
+
+def _function_lengths(path: Path) -> list[tuple[str, int]]:
+    tree = ast.parse(path.read_text())
+    return [
+        (node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+
+
+def test_files_and_functions_fit_on_a_screen():
+    """docs/design.md, 'Style', rule 1: no file over 450 lines, no function over 80."""
+    long_files = {
+        str(p.relative_to(PACKAGE)): n
+        for p in MODULES
+        if (n := len(p.read_text().splitlines())) > 450
+    }
+    long_functions = {
+        f"{p.relative_to(PACKAGE)}::{name}": n
+        for p in MODULES
+        for name, n in _function_lengths(p)
+        if n > 80
+    }
+    assert not long_files and not long_functions, (long_files, long_functions)

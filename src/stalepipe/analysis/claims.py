@@ -351,11 +351,11 @@ def regime_check(r: Row) -> str:
     `analysis.regime`): (a) it or its baseline leaves the initial plateau after the first tenth
     of the run in some seed; (b) the seed spread of its synchronous baseline above a fifth of
     its gap, so the gap is not much larger than the noise between seeds."""
-    from stalepipe.analysis.regime import EXIT_BY
+    from stalepipe.analysis.regime import EXIT_BY, plateau_exit_of
 
     for arm in (r, r.baseline):
-        if arm is not None and arm.plateau_exit > EXIT_BY:  # nan: not read, not a failure
-            late = arm.plateau_exit
+        if arm is not None and plateau_exit_of(arm) > EXIT_BY:  # nan: not read, not a failure
+            late = plateau_exit_of(arm)
             when = "never" if math.isinf(late) else f"at {100 * late:.0f}%"
             return (
                 f"(a) {'sync ' if arm is not r else ''}plateau exit {when} > {100 * EXIT_BY:.0f}%"

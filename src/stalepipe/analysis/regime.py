@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from stalepipe.analysis.results import Run
+    from stalepipe.analysis.results import Row, Run
 
 MARGIN = 0.3  # nats below the unigram entropy that count as "off the plateau"
 EXIT_BY = 0.1  # criterion (a): off the plateau within the first tenth of the run
@@ -111,3 +111,14 @@ def exit_fraction(run: Run, entropy: float) -> float:
         return math.nan
     i = plateau_exit(losses, entropy)
     return math.inf if i is None else (i + 1) / len(losses)
+
+
+def plateau_exit_of(row: Row) -> float:
+    """The latest plateau exit over the row's finished seeds, as a fraction of the run
+    (criterion (a)): inf if a seed never leaves, nan if not read. Cached on the row."""
+    if row._exit is None:
+        done = [r for r in row.runs if r.status == "finished"]
+        entropy = run_entropy(done[0]) if done else math.nan
+        fractions = [exit_fraction(r, entropy) for r in done]
+        row._exit = max(fractions) if fractions and math.isfinite(entropy) else math.nan
+    return row._exit

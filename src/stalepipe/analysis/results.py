@@ -166,20 +166,7 @@ class Row:
     recovered: float = math.nan  # share of the unmitigated gap this mitigation removes
     recovered_p: float = math.nan  # vs the unmitigated configuration (paired as gap_p)
     token_overhead: overhead.Overhead | None = None  # over the baseline (overhead.py)
-    _exit: float | None = None  # cache of `plateau_exit`
-
-    @property
-    def plateau_exit(self) -> float:
-        """The latest plateau exit over the row's finished seeds, as a fraction of the run
-        (regime check (a), `analysis.regime`): inf if a seed never leaves, nan if not read."""
-        if self._exit is None:
-            from stalepipe.analysis import regime
-
-            done = [r for r in self.runs if r.status == "finished"]
-            entropy = regime.run_entropy(done[0]) if done else math.nan
-            fractions = [regime.exit_fraction(r, entropy) for r in done]
-            self._exit = max(fractions) if fractions and math.isfinite(entropy) else math.nan
-        return self._exit
+    _exit: float | None = None  # cache of `regime.plateau_exit_of`
 
     @property
     def policy(self) -> str:
