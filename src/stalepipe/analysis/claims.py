@@ -143,7 +143,7 @@ def _defaults(optimizer: str) -> Any:
 
 def _main_row(rows: list[Row], optimizer: str) -> Row | None:
     """The optimizer's unmitigated 2bw row at its defaults (P = 1, the study's main training
-    length and batch size, the most common ones) and at the LR most of its runs use; ties (an
+    length, batch size and model width, the most common ones) and at the LR most of its runs use; ties (an
     even LR grid) go to the LR with the best synchronous loss."""
 
     def most_common(key: str) -> Any:
@@ -152,7 +152,8 @@ def _main_row(rows: list[Row], optimizer: str) -> Row | None:
 
     d = _defaults(optimizer)
     eq = {"pipeline.num_stages": 1, "train.num_steps": most_common("train.num_steps"),
-          "train.batch_size": most_common("train.batch_size"), "optim.beta1": d.beta1,
+          "train.batch_size": most_common("train.batch_size"),
+          "model.dim": most_common("model.dim"), "optim.beta1": d.beta1,
           "optim.beta2": d.beta2, "optim.weight_decay": d.weight_decay}  # fmt: skip
     lrs = Counter(r.config.get("optim.lr") for r in rows if r.config.get("optim.name") == optimizer)
     top = [lr for lr, n in lrs.items() if n == max(lrs.values())]

@@ -164,6 +164,31 @@ def study_length(scale: str) -> list[list[list[Bundle]]]:
     return [[optimizer_axis(scale, ("adamw", "muon")), lengths, [SYNC, TWO_BW, TWO_BW_EF]]]
 
 
+# Model sizes of the size study: (width, SwiGLU width, heads), 4 layers each; 0.43M, 1.67M and
+# 3.62M parameters at the byte vocabulary. Every size trains on the scale's tokens (the same
+# budget, so larger models are further from convergence); AdamW's LR scales as 1/width from the
+# scale's tuned value (the muP rule for hidden matrices), Muon's is kept (its update is
+# normalised per matrix).
+SIZES = ((96, 256, 4), (192, 512, 4), (288, 768, 6))
+
+
+def _size(width: int, ffn: int, heads: int) -> Bundle:
+    return (f"d{width}", {"model.dim": str(width), "model.ffn_dim": str(ffn),
+                          "model.num_heads": str(heads)})  # fmt: skip
+
+
+def study_size(scale: str) -> list[list[list[Bundle]]]:
+    base_width = base_config(scale).model.dim
+    grids = []
+    for name in ("adamw", "muon"):
+        for width, ffn, heads in SIZES:
+            lr = float(LRS[scale].get(name, "1e-3"))
+            lr = lr * base_width / width if name == "adamw" else lr
+            opt = [(name, {"optim.name": name, "optim.lr": f"{lr:.3g}"})]
+            grids.append([opt, [_size(width, ffn, heads)], [SYNC, TWO_BW, TWO_BW_EF]])
+    return grids
+
+
 def study_paper_mini(scale: str) -> list[list[list[Bundle]]]:
     """The CPU subset that checks the paper's four qualitative claims (docs/RESULTS.md)."""
     opt2 = optimizer_axis(scale, ("adamw", "muon"))
@@ -230,6 +255,8 @@ STUDIES: dict[str, Study] = {
               claims=(claim_gap_grows_with_delay,)),
         Study("tokens", study_tokens, "the gap as the training length grows (x1/4 .. x2)"),
         Study("length", study_length, "AdamW & Muon sync / 2bw / 2bw+EF at 1x, 2x, 4x the tokens"),
+        Study("size", study_size, "AdamW & Muon sync / 2bw / 2bw+EF at 0.43M, 1.7M, 3.6M params",
+              scales=CPU_SCALES[1:]),
         Study("paper-mini", study_paper_mini, "CPU check of the paper's 4 qualitative claims",
               scales=("cpu",),
               claims=(claim_adamw_gap_exceeds_muon, claim_ef_recovers_gap,
