@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stalepipe.experiments import studies
+from stalepipe.experiments import plan, studies
 
 
 def test_cpu_regime_runs_all_seven_optimizers_and_cpu_keeps_its_six():
@@ -33,14 +33,14 @@ def test_the_tokens_study_keeps_each_scales_eval_density():
 def test_estimates_scale_with_tokens_per_step_at_each_cpu_scale():
     study = studies.STUDIES["hparams"]
     specs = study.specs("cpu-regime", 1)
-    seconds = studies.estimate_cpu_seconds(specs, study.base("cpu-regime"), "cpu-regime")
-    per_run = studies.REGIME_STEPS * studies.CPU_SECONDS_PER_STEP["cpu-regime"]
+    seconds = plan.estimate_cpu_seconds(specs, study.base("cpu-regime"), "cpu-regime")
+    per_run = studies.REGIME_STEPS * plan.CPU_SECONDS_PER_STEP["cpu-regime"]
     # AdamW and Muon: batch sizes /2, x1, x2 (x sync / 2bw), six runs each of the LR and wd
     # grids at x1
     assert abs(seconds - 2 * per_run * (2 * (0.5 + 1 + 2) + 12)) < 1e-6
     # paper-mini runs at cpu only: the cpu-regime table leaves it out instead of failing
-    assert "paper-mini" in studies.study_table(3)
-    assert "paper-mini" not in studies.study_table(3, "cpu-regime")
+    assert "paper-mini" in plan.study_table(3)
+    assert "paper-mini" not in plan.study_table(3, "cpu-regime")
 
 
 def test_beyond_cpu_the_studies_retune_the_lr_and_add_muon_and_the_correctors():
@@ -73,8 +73,8 @@ def test_gpu_estimates_are_the_runs_training_flops_at_the_stated_mfu():
     cfg = specs[0].config(base, ".")
     tokens = cfg.train.num_steps * cfg.train.batch_size * cfg.data.seq_len
     one = flops_per_token(cfg.model, cfg.data.seq_len)["total"] * tokens
-    rate = get_device(studies.GPU_DEVICE).peak_flops * studies.GPU_MFU
-    assert abs(studies.estimate_gpu_seconds(specs, base) - 2 * one / rate) < 1e-6 * one / rate
+    rate = get_device(plan.GPU_DEVICE).peak_flops * plan.GPU_MFU
+    assert abs(plan.estimate_gpu_seconds(specs, base) - 2 * one / rate) < 1e-6 * one / rate
     # ~6 N D for a 135M model on 2.6B tokens: the right order of magnitude, attention on top
     assert 6 * 134e6 * tokens < one < 9 * 134e6 * tokens
-    assert "GPU-h" in studies.study_table(3, "135m")
+    assert "GPU-h" in plan.study_table(3, "135m")

@@ -7,7 +7,7 @@ import pytest
 
 from stalepipe.config import ConfigError
 from stalepipe.errors import UserError
-from stalepipe.experiments import studies
+from stalepipe.experiments import plan, studies
 from stalepipe.experiments.grid import (
     axis,
     check_overrides,
@@ -109,7 +109,7 @@ def test_paper_mini_contents():
         studies.STUDIES["paper-mini"].specs("135m", 1)
     with pytest.raises(UserError, match="did you mean 'depth'"):
         studies.get_study("deptj")
-    assert "paper-mini" in studies.study_table(seeds=3)
+    assert "paper-mini" in plan.study_table(seeds=3)
 
 
 def test_run_status(tmp_path):

@@ -151,20 +151,28 @@ def _main_row(rows: list[Row], optimizer: str) -> Row | None:
         return top[0][0] if top else None
 
     d = _defaults(optimizer)
-    eq = {"pipeline.num_stages": 1, "train.num_steps": most_common("train.num_steps"),
-          "train.batch_size": most_common("train.batch_size"),
-          "model.dim": most_common("model.dim"), "optim.beta1": d.beta1,
-          "optim.beta2": d.beta2, "optim.weight_decay": d.weight_decay}  # fmt: skip
+    eq = {
+        "pipeline.num_stages": 1,
+        "train.num_steps": most_common("train.num_steps"),
+        "train.batch_size": most_common("train.batch_size"),
+        "model.dim": most_common("model.dim"),
+        "optim.beta1": d.beta1,
+        "optim.beta2": d.beta2,
+        "optim.weight_decay": d.weight_decay,
+    }
     lrs = Counter(r.config.get("optim.lr") for r in rows if r.config.get("optim.name") == optimizer)
     top = [lr for lr, n in lrs.items() if n == max(lrs.values())]
 
     def sync_loss(lr: object) -> float:
         c = {**eq, "optim.name": optimizer, "optim.lr": lr}
         return min(
-            (r.mean for r in rows if r.is_sync and r.values
-             and all(r.config.get(k) == v for k, v in c.items())),
+            (
+                r.mean
+                for r in rows
+                if r.is_sync and r.values and all(r.config.get(k) == v for k, v in c.items())
+            ),
             default=math.inf,
-        )  # fmt: skip
+        )
 
     lr = min(top, key=lambda v: (sync_loss(v), str(v))) if top else None
     want = {**eq, "optim.lr": lr}
@@ -189,16 +197,18 @@ def claim_adamw_gap_exceeds_muon(rows: list[Row]) -> list[Finding]:
     ga, gm = _seed_gaps(adam), _seed_gaps(muon)
     ratio = adam.gap / muon.gap if muon.gap > 0 else math.inf
     test = _test(ga, gm)
-    return [Finding(
-        "AdamW's gap (2bw) is much larger than Muon's",
-        adam.gap > 0 and ratio >= 2,
-        test.p,
-        f"AdamW {fmt(adam.gap)} {fmt_ci(adam.gap_test)}, Muon {fmt(muon.gap)} "
-        f"{fmt_ci(muon.gap_test)}; ratio {ratio:.1f}x; difference {fmt(test.diff)} {fmt_ci(test)}",
-        min(len(ga), len(gm)),
-        need=HEADLINE_SEEDS,
-        partly=_regime(adam, muon),
-    )]  # fmt: skip
+    return [
+        Finding(
+            "AdamW's gap (2bw) is much larger than Muon's",
+            adam.gap > 0 and ratio >= 2,
+            test.p,
+            f"AdamW {fmt(adam.gap)} {fmt_ci(adam.gap_test)}, Muon {fmt(muon.gap)} "
+            f"{fmt_ci(muon.gap_test)}; ratio {ratio:.1f}x; difference {fmt(test.diff)} {fmt_ci(test)}",
+            min(len(ga), len(gm)),
+            need=HEADLINE_SEEDS,
+            partly=_regime(adam, muon),
+        )
+    ]
 
 
 # ------------------------------------------------------------------------------------------
@@ -219,19 +229,24 @@ def claim_ef_recovers_gap(rows: list[Row]) -> list[Finding]:
         mid = {s: (plain[s] + sync[s]) / 2 for s in plain.keys() & sync.keys()}
         mine = seed_values(r)
         test = _test(mine, mid)
-        shares = [(plain[s] - mine[s]) / (plain[s] - sync[s]) for s in sorted(mine.keys() & mid.keys())
-                  if plain[s] != sync[s]]  # fmt: skip
+        shares = [
+            (plain[s] - mine[s]) / (plain[s] - sync[s])
+            for s in sorted(mine.keys() & mid.keys())
+            if plain[s] != sync[s]
+        ]
         _, low, high = stats.t_interval(shares)
         ci = f" [{fmt_share(low)}, {fmt_share(high)}]" if math.isfinite(low) else ""
-        out.append(Finding(
-            f"Error feedback recovers most of the gap ({r.unmitigated.label})",
-            r.recovered > 0.5,
-            test.p,
-            f"{fmt_share(r.recovered)}{ci} of {fmt(r.unmitigated.gap)}",
-            len(shares),
-            need=HEADLINE_SEEDS,
-            partly=_regime(r, r.unmitigated),
-        ))  # fmt: skip
+        out.append(
+            Finding(
+                f"Error feedback recovers most of the gap ({r.unmitigated.label})",
+                r.recovered > 0.5,
+                test.p,
+                f"{fmt_share(r.recovered)}{ci} of {fmt(r.unmitigated.gap)}",
+                len(shares),
+                need=HEADLINE_SEEDS,
+                partly=_regime(r, r.unmitigated),
+            )
+        )
     return out
 
 
@@ -260,16 +275,18 @@ def claim_momentum_shrinks_gap(rows: list[Row]) -> list[Finding]:
         syncs = [r.baseline.mean for _, r in pts if r.baseline is not None]
         drift = max(syncs) - min(syncs) if syncs else math.inf
         confound = "sync moves more than the gap" if drift >= gaps[0] - gaps[-1] else ""
-        out.append(Finding(
-            f"Higher momentum shrinks the gap ({name})",
-            rho <= -0.8,
-            test.p,
-            ", ".join(f"beta1 {b:g}{at[b]}: {fmt(r.gap)}" for b, r in pts)
-            + f"; Spearman rho {rho:+.2f}; last - first {fmt(test.diff)} {fmt_ci(test)}"
-            f"; sync {fmt(min(syncs, default=math.nan))}-{fmt(max(syncs, default=math.nan))}",
-            min(len(first), len(last)),
-            partly=confound or _regime(*(r for _, r in pts)),
-        ))  # fmt: skip
+        out.append(
+            Finding(
+                f"Higher momentum shrinks the gap ({name})",
+                rho <= -0.8,
+                test.p,
+                ", ".join(f"beta1 {b:g}{at[b]}: {fmt(r.gap)}" for b, r in pts)
+                + f"; Spearman rho {rho:+.2f}; last - first {fmt(test.diff)} {fmt_ci(test)}"
+                f"; sync {fmt(min(syncs, default=math.nan))}-{fmt(max(syncs, default=math.nan))}",
+                min(len(first), len(last)),
+                partly=confound or _regime(*(r for _, r in pts)),
+            )
+        )
     return out
 
 
@@ -299,18 +316,25 @@ def claim_pipedream_gap_grows_with_depth(rows: list[Row]) -> list[Finding]:
         flat = max(bw_gaps) - min(bw_gaps) if bw_gaps else math.nan
         ok = rho >= 0.8 and growth > 0 and (not math.isfinite(flat) or flat < growth / 3)
         depth, deepest = int(pts[-1][0]), pts[-1][1]
-        out.append(Finding(
-            f"PipeDream's gap grows with depth, 2bw's stays flat ({opt})",
-            ok,
-            deepest.gap_p,
-            "pipedream: " + ", ".join(f"P={int(x)}: {fmt(_gap(r))}" for x, r in pts)
-            + f" ({fmt_ci(deepest.gap_test)} at P={depth})"
-            + ("; 2bw: " + ", ".join(f"P={int(x)}: {fmt(_gap(r))}" for x, r in bw) if bw else "")
-            + f"; Spearman rho {rho:+.2f}",
-            len(_seed_gaps(deepest)),
-            why=f"{len(pts)} depths" if len(pts) < 3 else "",
-            partly=_regime(*(r for _, r in pts if r is not None)),
-        ))  # fmt: skip
+        out.append(
+            Finding(
+                f"PipeDream's gap grows with depth, 2bw's stays flat ({opt})",
+                ok,
+                deepest.gap_p,
+                "pipedream: "
+                + ", ".join(f"P={int(x)}: {fmt(_gap(r))}" for x, r in pts)
+                + f" ({fmt_ci(deepest.gap_test)} at P={depth})"
+                + (
+                    "; 2bw: " + ", ".join(f"P={int(x)}: {fmt(_gap(r))}" for x, r in bw)
+                    if bw
+                    else ""
+                )
+                + f"; Spearman rho {rho:+.2f}",
+                len(_seed_gaps(deepest)),
+                why=f"{len(pts)} depths" if len(pts) < 3 else "",
+                partly=_regime(*(r for _, r in pts if r is not None)),
+            )
+        )
     return out
 
 
@@ -334,16 +358,18 @@ def claim_gap_grows_with_delay(rows: list[Row]) -> list[Finding]:
     for name, pts in plots.gap_series(rows, "delay").items():
         rho = stats.spearman([x for x, _ in pts], [r.gap for _, r in pts])
         longest = pts[-1][1]
-        out.append(Finding(
-            f"A longer delay costs more ({name})",
-            rho >= 0.8 and longest.gap > pts[0][1].gap,
-            longest.gap_p,
-            ", ".join(f"N={int(x)}: {fmt(r.gap)}" for x, r in pts)
-            + f" ({fmt_ci(longest.gap_test)} at N={int(pts[-1][0])}); Spearman rho {rho:+.2f}",
-            len(_seed_gaps(longest)),
-            why=f"{len(pts)} delays" if len(pts) < 3 else "",
-            partly=_regime(*(r for _, r in pts)),
-        ))  # fmt: skip
+        out.append(
+            Finding(
+                f"A longer delay costs more ({name})",
+                rho >= 0.8 and longest.gap > pts[0][1].gap,
+                longest.gap_p,
+                ", ".join(f"N={int(x)}: {fmt(r.gap)}" for x, r in pts)
+                + f" ({fmt_ci(longest.gap_test)} at N={int(pts[-1][0])}); Spearman rho {rho:+.2f}",
+                len(_seed_gaps(longest)),
+                why=f"{len(pts)} delays" if len(pts) < 3 else "",
+                partly=_regime(*(r for _, r in pts)),
+            )
+        )
     return out
 
 

@@ -27,6 +27,13 @@ def _plt() -> Any:
     return plt
 
 
+def _grid(n: int, max_cols: int, width: float, height: float) -> tuple[Any, Any]:
+    """A figure of `n` panels, `max_cols` to a row, each `width` x `height` inches."""
+    cols = min(max_cols, n)
+    nrows = math.ceil(n / cols)
+    return _plt().subplots(nrows, cols, figsize=(width * cols, height * nrows), squeeze=False)
+
+
 def _finish_grid(fig, axes, used: int) -> bytes:
     """Blank the unused panels of a grid figure and return it as PNG bytes."""
     for ax in list(axes.flat)[used:]:
@@ -92,10 +99,7 @@ def loss_curves(rows: list[Row]) -> bytes | None:
     items = list(loss_curve_panels(rows).items())
     if not items:
         return None
-    plt = _plt()
-    cols = min(2, len(items))
-    nrows = math.ceil(len(items) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(7.5 * cols, 3.4 * nrows), squeeze=False)
+    fig, axes = _grid(len(items), 2, 7.5, 3.4)
     for ax, (title, members) in zip(axes.flat, items):
         lo = math.inf
         for i, r in enumerate(members):
@@ -162,8 +166,15 @@ _LOG_BASE = {"depth": 2, "delay": 2, "tokens": 10, "lr": 10, "batch_size": 2}
 _TUNED_KEYS = {"momentum": ("optim.lr",)}
 
 
-_SHOWN = ("optim.lr", "optim.beta1", "optim.beta2", "optim.weight_decay", "pipeline.num_stages",
-          "train.batch_size", "train.num_steps")  # fmt: skip
+_SHOWN = (
+    "optim.lr",
+    "optim.beta1",
+    "optim.beta2",
+    "optim.weight_decay",
+    "pipeline.num_stages",
+    "train.batch_size",
+    "train.num_steps",
+)
 
 
 def _points(series: dict[str, list[tuple[float, Row | None]]]) -> dict[str, list]:
@@ -181,9 +192,11 @@ def gap_series(rows: list[Row], kind: str) -> dict[str, list[tuple[float, Row | 
     cands = [
         r
         for r in rows
-        if not r.is_sync and not r.mitigations and math.isfinite(r.gap)
+        if not r.is_sync
+        and not r.mitigations
+        and math.isfinite(r.gap)
         and (kind != "delay" or _uniform_delay(r.policy))
-    ]  # fmt: skip
+    ]
     drop = _AXIS_KEYS[kind] + _TUNED_KEYS.get(kind, ())
     # a series is named by its optimizer, policy and the shown keys that differ from the value
     # most of that optimizer's rows have (so the main runs are just "adamw 2bw")
@@ -234,8 +247,13 @@ def tuned_tags(
         for key in _TUNED_KEYS.get(kind, ()):
             values = {json.dumps(r.config.get(key)) for _, r in pts if r is not None}
             if len(values) > 1:
-                tags.update({(x, r.gap): f"{key.split('.')[-1]}={r.config.get(key):g}"
-                             for x, r in pts if r is not None})  # fmt: skip
+                tags.update(
+                    {
+                        (x, r.gap): f"{key.split('.')[-1]}={r.config.get(key):g}"
+                        for x, r in pts
+                        if r is not None
+                    }
+                )
     return tags
 
 
@@ -253,8 +271,11 @@ def _tuned_on_sync(
         if not here:
             continue
         family = config_key(here[0].baseline.config, drop)
-        syncs = [s for s in rows if s.is_sync and s.values and fx(s) == x
-                 and config_key(s.config, drop) == family]  # fmt: skip
+        syncs = [
+            s
+            for s in rows
+            if s.is_sync and s.values and fx(s) == x and config_key(s.config, drop) == family
+        ]
         best = best_row(syncs)
         out += [(x, r) for r in here if r.baseline is best]
     return out
@@ -280,8 +301,9 @@ def gap_plot(rows: list[Row], kind: str) -> bytes | None:
     if kind in _LOG_BASE:
         ax.set_xscale("log", base=_LOG_BASE[kind])
     ax.set_ylabel("final val loss gap to sync")
-    ax.set_title(f"gap vs {label}" + (" (each point at its best LR on sync)" if tags else ""),
-                 fontsize=10)  # fmt: skip
+    ax.set_title(
+        f"gap vs {label}" + (" (each point at its best LR on sync)" if tags else ""), fontsize=10
+    )
     _legend_outside(ax, 8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -290,8 +312,13 @@ def gap_plot(rows: list[Row], kind: str) -> bytes | None:
 
 def overhead_panels(rows: list[Row]) -> list[Row]:
     """The delayed configurations `overhead_plot` draws: every one with a token overhead."""
-    return [r for r in rows if r.token_overhead is not None and r.baseline is not None
-            and r.token_overhead.mean_pair is not None]  # fmt: skip
+    return [
+        r
+        for r in rows
+        if r.token_overhead is not None
+        and r.baseline is not None
+        and r.token_overhead.mean_pair is not None
+    ]
 
 
 def overhead_plot(rows: list[Row], marks: int = 4) -> bytes | None:
@@ -305,10 +332,7 @@ def overhead_plot(rows: list[Row], marks: int = 4) -> bytes | None:
     items = overhead_panels(rows)
     if not items:
         return None
-    plt = _plt()
-    cols = min(4, len(items))
-    nrows = math.ceil(len(items) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.6 * cols, 3.4 * nrows), squeeze=False)
+    fig, axes = _grid(len(items), 4, 4.6, 3.4)
     for ax, r in zip(axes.flat, items):
         o, base = r.token_overhead, r.baseline
         assert o is not None and o.mean_pair is not None and base is not None
@@ -343,8 +367,9 @@ def _mark_multipliers(ax: Any, pair: Any, marks: int) -> None:
             pair.multipliers[i],
         )
         if math.isfinite(td):
-            ax.annotate("", xy=(td, L), xytext=(ts, L),
-                        arrowprops=dict(arrowstyle="->", color="C0", lw=1))  # fmt: skip
+            ax.annotate(
+                "", xy=(td, L), xytext=(ts, L), arrowprops=dict(arrowstyle="->", color="C0", lw=1)
+            )
             ax.text(td, L, f" {m:.2f}x", va="center", fontsize=7, color="C0")
         else:
             ax.plot([ts], [L], "x", color="C0")
@@ -366,8 +391,11 @@ def verdict_plot(
         1, 2, figsize=(11, max(3.2, 0.45 * max(len(schedules), len(ratios)) + 1.5))
     )
     names = [s[0] for s in schedules]
-    left.barh(names, [s[1] for s in schedules],
-              color=["C3" if s[2] != "sync" else "C0" for s in schedules])  # fmt: skip
+    left.barh(
+        names,
+        [s[1] for s in schedules],
+        color=["C3" if s[2] != "sync" else "C0" for s in schedules],
+    )
     left.invert_yaxis()
     left.set_xlabel("tokens/s")
     left.set_title(title, fontsize=8)

@@ -50,8 +50,19 @@ def summary_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
     """Per configuration: seeds, final val loss mean +- std, gap to sync with its 95 % interval
     and p-value (paired by seed where seeds pair; Welch's beside it), the regime check, and for
     mitigations the share of the unmitigated gap recovered (with its p-value)."""
-    header = ["configuration", "seeds", "val loss (mean ± std)", "gap to sync", "95% CI",
-              "p (gap)", "p (Welch)", "regime", "recovered", "p (vs unmitigated)", "baseline"]  # fmt: skip
+    header = [
+        "configuration",
+        "seeds",
+        "val loss (mean ± std)",
+        "gap to sync",
+        "95% CI",
+        "p (gap)",
+        "p (Welch)",
+        "regime",
+        "recovered",
+        "p (vs unmitigated)",
+        "baseline",
+    ]
     body = []
     for r in rows:
         body.append(
@@ -76,8 +87,15 @@ def overhead_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
     """Per delayed configuration with a baseline: the token overhead at the baseline's losses
     (geometric mean over seeds of each seed's median over the band, 95% t-interval), the
     per-seed medians, the band of targets and the quality floor."""
-    header = ["configuration", "baseline", "seeds paired", "token overhead (95% CI)",
-              "per seed", "band (val loss)", "quality floor"]  # fmt: skip
+    header = [
+        "configuration",
+        "baseline",
+        "seeds paired",
+        "token overhead (95% CI)",
+        "per seed",
+        "band (val loss)",
+        "quality floor",
+    ]
     body = []
     for r in rows:
         o = r.token_overhead
@@ -91,8 +109,17 @@ def overhead_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
         floor = (
             f"{o.num_floors}/{o.num_seeds} seeds, gap {o.floor_gap:+.4f}" if o.num_floors else "no"
         )
-        body.append([r.label, r.baseline.label, str(o.num_seeds), o.describe(), per_seed or "-",
-                     band, floor])  # fmt: skip
+        body.append(
+            [
+                r.label,
+                r.baseline.label,
+                str(o.num_seeds),
+                o.describe(),
+                per_seed or "-",
+                band,
+                floor,
+            ]
+        )
     return header, body
 
 
@@ -134,41 +161,53 @@ def build_report(root: Path, title: str | None = None) -> tuple[list[Block], lis
     rows = build_rows(runs)
     n_fin = sum(r.status == "finished" for r in runs)
     blocks = [Block("h", title or f"Report: {root.name}")]
-    blocks.append(Block(
-        "p",
-        f"{n_fin} of {len(runs)} runs finished, {len(rows)} configurations. "
-        f"Generated {time.strftime('%Y-%m-%d %H:%M')} from the run directories in `{root}`. "
-        "Val loss: final validation loss (same held-out batches for every run); mean ± sample std "
-        "over seeds. Gap: mean minus the mean of the synchronous baseline (same config with "
-        "`delay.policy sync`, mitigations off), with its 95 % interval. p: two-sided t-test, "
-        "paired by seed where the seeds pair (Welch's beside it). "
-        "Recovered: (gap without − gap with the mitigation) / gap without.",
-    ))  # fmt: skip
+    blocks.append(
+        Block(
+            "p",
+            f"{n_fin} of {len(runs)} runs finished, {len(rows)} configurations. "
+            f"Generated {time.strftime('%Y-%m-%d %H:%M')} from the run directories in `{root}`. "
+            "Val loss: final validation loss (same held-out batches for every run); mean ± sample std "
+            "over seeds. Gap: mean minus the mean of the synchronous baseline (same config with "
+            "`delay.policy sync`, mitigations off), with its 95 % interval. p: two-sided t-test, "
+            "paired by seed where the seeds pair (Welch's beside it). "
+            "Recovered: (gap without − gap with the mitigation) / gap without.",
+        )
+    )
     missing = missing_summary(runs, rows)
     if missing:
         blocks += [Block("h", "Missing"), Block("ul", items=missing)]
     header, body = summary_table(rows)
-    blocks += [Block("h", "Final validation loss by configuration"),
-               Block("table", header=header, rows=body)]  # fmt: skip
+    blocks += [
+        Block("h", "Final validation loss by configuration"),
+        Block("table", header=header, rows=body),
+    ]
     header, body = overhead_table(rows)
     if body:
-        blocks += [Block("h", "Token overhead at the baseline's losses"),
-                   Block("p", OVERHEAD_TEXT), Block("table", header=header, rows=body)]  # fmt: skip
+        blocks += [
+            Block("h", "Token overhead at the baseline's losses"),
+            Block("p", OVERHEAD_TEXT),
+            Block("table", header=header, rows=body),
+        ]
     checked = claims(rows)
     if checked:
         blocks += [
             Block("h", "The paper's qualitative claims"),
             Block("p", RULE),
-            Block("table", header=["claim", "verdict", "evidence"],
-                  rows=[list(c[:3]) for c in checked]),
-        ]  # fmt: skip
+            Block(
+                "table",
+                header=["claim", "verdict", "evidence"],
+                rows=[list(c[:3]) for c in checked],
+            ),
+        ]
     png = plots.loss_curves(rows)
     if png:
         blocks += [Block("h", "Loss curves"), Block("img", text="loss_curves.png", png=png)]
     png = plots.overhead_plot(rows)
     if png:
-        blocks += [Block("h", "Val loss against tokens, with the token overhead"),
-                   Block("img", text="token_overhead.png", png=png)]  # fmt: skip
+        blocks += [
+            Block("h", "Val loss against tokens, with the token overhead"),
+            Block("img", text="token_overhead.png", png=png),
+        ]
     for kind in plots.AXES:
         png = plots.gap_plot(rows, kind)
         if png:
@@ -200,8 +239,10 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
     def cell(s: str) -> str:
         return str(s).replace("|", "\\|")
 
-    lines = ["| " + " | ".join(cell(h) for h in header) + " |",
-             "|" + "|".join("---" for _ in header) + "|"]  # fmt: skip
+    lines = [
+        "| " + " | ".join(cell(h) for h in header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
+    ]
     lines += ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
@@ -240,10 +281,19 @@ def to_html(blocks: list[Block]) -> str:
     )
 
 
-OVERHEAD_COLUMNS = ["token_overhead_status", "token_overhead", "token_overhead_ci_low",
-                    "token_overhead_ci_high", "token_overhead_seeds", "token_overhead_per_seed",
-                    "floor_seeds", "floor_gap", "band_top", "band_bottom",
-                    "token_overhead_mean_curve"]  # fmt: skip
+OVERHEAD_COLUMNS = [
+    "token_overhead_status",
+    "token_overhead",
+    "token_overhead_ci_low",
+    "token_overhead_ci_high",
+    "token_overhead_seeds",
+    "token_overhead_per_seed",
+    "floor_seeds",
+    "floor_gap",
+    "band_top",
+    "band_bottom",
+    "token_overhead_mean_curve",
+]
 
 
 def overhead_cells(r: Row) -> list[object]:
@@ -253,24 +303,58 @@ def overhead_cells(r: Row) -> list[object]:
     o = r.token_overhead
     if o is None:
         return [""] * len(OVERHEAD_COLUMNS)
-    return [o.status, o.estimate, o.ci_low, o.ci_high, o.num_seeds,
-            " ".join("floor" if p.floor else f"{p.median:.6f}" for p in o.pairs),
-            o.num_floors, o.floor_gap, *_band(o),
-            o.mean_pair.median if o.mean_pair else ""]  # fmt: skip
+    return [
+        o.status,
+        o.estimate,
+        o.ci_low,
+        o.ci_high,
+        o.num_seeds,
+        " ".join("floor" if p.floor else f"{p.median:.6f}" for p in o.pairs),
+        o.num_floors,
+        o.floor_gap,
+        *_band(o),
+        o.mean_pair.median if o.mean_pair else "",
+    ]
 
 
 def write_csvs(out: Path, rows: list[Row], runs: list[Run]) -> None:
     with open(out / "summary.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["configuration", "seeds_finished", "seeds_total", "val_loss_mean",
-                    "val_loss_std", "values", "gap", "gap_p", "baseline", "recovered",
-                    "recovered_p", "unmitigated", *OVERHEAD_COLUMNS])  # fmt: skip
+        w.writerow(
+            [
+                "configuration",
+                "seeds_finished",
+                "seeds_total",
+                "val_loss_mean",
+                "val_loss_std",
+                "values",
+                "gap",
+                "gap_p",
+                "baseline",
+                "recovered",
+                "recovered_p",
+                "unmitigated",
+                *OVERHEAD_COLUMNS,
+            ]
+        )
         for r in rows:
-            w.writerow([r.label, r.seeds_done, len(r.runs), r.mean, r.std,
-                        " ".join(f"{v:.6f}" for v in r.values), r.gap, r.gap_p,
-                        r.baseline.label if r.baseline else "", r.recovered, r.recovered_p,
-                        r.unmitigated.label if r.unmitigated else "",
-                        *overhead_cells(r)])  # fmt: skip
+            w.writerow(
+                [
+                    r.label,
+                    r.seeds_done,
+                    len(r.runs),
+                    r.mean,
+                    r.std,
+                    " ".join(f"{v:.6f}" for v in r.values),
+                    r.gap,
+                    r.gap_p,
+                    r.baseline.label if r.baseline else "",
+                    r.recovered,
+                    r.recovered_p,
+                    r.unmitigated.label if r.unmitigated else "",
+                    *overhead_cells(r),
+                ]
+            )
     with open(out / "runs.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["run", "status", "seed", "steps_done", "final_val_loss", "group", "error"])

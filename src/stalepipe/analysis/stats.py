@@ -97,8 +97,9 @@ def welch_t_test(a: Sequence[float], b: Sequence[float]) -> TTest:
     diff = mean(a) - mean(b)
     se2 = va + vb
     if se2 == 0.0:
-        return TTest(0.0 if diff == 0 else math.copysign(math.inf, diff), math.nan,
-                     1.0 if diff == 0 else 0.0)  # fmt: skip
+        return TTest(
+            0.0 if diff == 0 else math.copysign(math.inf, diff), math.nan, 1.0 if diff == 0 else 0.0
+        )
     t = diff / math.sqrt(se2)
     # Welch-Satterthwaite degrees of freedom
     df = se2**2 / (va**2 / (na - 1) + vb**2 / (nb - 1))

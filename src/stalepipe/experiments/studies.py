@@ -7,9 +7,8 @@ configs and each optimizer's LR at each are `experiments/scales.py`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from stalepipe.analysis.claims import (
     ClaimCheck,
@@ -67,10 +66,14 @@ def study_momentum(scale: str) -> list[list[list[Bundle]]]:
         return [[opt2, axis("optim.beta1", MOMENTA), [SYNC, TWO_BW]]]
     # each momentum at three LRs, so the gap is read at each momentum's own best LR
     return [
-        [optimizer_axis(scale, (name,)), axis("optim.beta1", MOMENTA), _lr_axis(scale, name),
-         [SYNC, TWO_BW]]
+        [
+            optimizer_axis(scale, (name,)),
+            axis("optim.beta1", MOMENTA),
+            _lr_axis(scale, name),
+            [SYNC, TWO_BW],
+        ]
         for name in ("adamw", "muon")
-    ]  # fmt: skip
+    ]
 
 
 def study_mitigations(scale: str) -> list[list[list[Bundle]]]:
@@ -79,27 +82,48 @@ def study_mitigations(scale: str) -> list[list[list[Bundle]]]:
         SYNC,
         TWO_BW,
         TWO_BW_EF,
-        ("2bw+taylor", {"delay.policy": "2bw", "delay.taylor": "0.1", "delay.taylor_adaptive": "true"}),
+        (
+            "2bw+taylor",
+            {"delay.policy": "2bw", "delay.taylor": "0.1", "delay.taylor_adaptive": "true"},
+        ),
         ("2bw+syncstart", {"delay.policy": "2bw", "delay.sync_start": str(max(steps // 10, 1))}),
         ("2bw+synccool", {"delay.policy": "2bw", "delay.sync_cooldown": "0.2"}),
-        ("2bw+ef+synccool", {"delay.policy": "2bw", "delay.ef": "true", "delay.sync_cooldown": "0.2"}),
-    ]  # fmt: skip
+        (
+            "2bw+ef+synccool",
+            {"delay.policy": "2bw", "delay.ef": "true", "delay.sync_cooldown": "0.2"},
+        ),
+    ]
     if scale != "cpu":  # the correctors beyond the paper (docs/delay.md; untuned lambda 0.1)
         variants += [
             ("2bw+taylor-const", {"delay.policy": "2bw", "delay.taylor": "0.1"}),
-            ("2bw+dcasgd-ema", {"delay.policy": "2bw", "delay.taylor": "0.1", "delay.taylor_curvature": "ema"}),
+            (
+                "2bw+dcasgd-ema",
+                {"delay.policy": "2bw", "delay.taylor": "0.1", "delay.taylor_curvature": "ema"},
+            ),
             ("2bw+wpred", {"delay.policy": "2bw", "delay.weight_pred": "true"}),
             ("2bw+adamom", {"delay.policy": "2bw", "delay.adaptive_momentum": "true"}),
             # adaptive momentum where it was designed: per-stage delays (tau 3, 2, 1, 0 at
             # P = 4); at P = 1 under 2bw (tau = P) it sets every momentum to the 0.99 cap
             ("pipedream_P4", {"delay.policy": "pipedream", "pipeline.num_stages": "4"}),
-            ("pipedream_P4+adamom", {"delay.policy": "pipedream", "pipeline.num_stages": "4",
-                                     "delay.adaptive_momentum": "true"}),
+            (
+                "pipedream_P4+adamom",
+                {
+                    "delay.policy": "pipedream",
+                    "pipeline.num_stages": "4",
+                    "delay.adaptive_momentum": "true",
+                },
+            ),
             # PipeMare's LR (identity at tau = 1, so not under 2bw): stage s starts at
             # lr / tau_s and reaches lr over the first tenth of the run (the LR warmup here)
-            ("pipedream_P4+pipemare", {"delay.policy": "pipedream", "pipeline.num_stages": "4",
-                                       "delay.lr_correction_steps": str(max(steps // 10, 1))}),
-        ]  # fmt: skip
+            (
+                "pipedream_P4+pipemare",
+                {
+                    "delay.policy": "pipedream",
+                    "pipeline.num_stages": "4",
+                    "delay.lr_correction_steps": str(max(steps // 10, 1)),
+                },
+            ),
+        ]
     return [[optimizer_axis(scale, ("adamw", "muon")), variants]]
 
 
@@ -143,8 +167,14 @@ def study_delay(scale: str) -> list[list[list[Bundle]]]:
 
 def _length(n: int, evals: int = 4) -> Bundle:
     """A training length of n steps (warmup 10%, `evals` evaluations)."""
-    return (f"steps{n}", {"train.num_steps": str(n), "train.warmup_steps": str(max(n // 10, 1)),
-                          "train.eval_every": str(max(n // evals, 1))})  # fmt: skip
+    return (
+        f"steps{n}",
+        {
+            "train.num_steps": str(n),
+            "train.warmup_steps": str(max(n // 10, 1)),
+            "train.eval_every": str(max(n // evals, 1)),
+        },
+    )
 
 
 def study_tokens(scale: str) -> list[list[list[Bundle]]]:
@@ -173,8 +203,10 @@ SIZES = ((96, 256, 4), (192, 512, 4), (288, 768, 6))
 
 
 def _size(width: int, ffn: int, heads: int) -> Bundle:
-    return (f"d{width}", {"model.dim": str(width), "model.ffn_dim": str(ffn),
-                          "model.num_heads": str(heads)})  # fmt: skip
+    return (
+        f"d{width}",
+        {"model.dim": str(width), "model.ffn_dim": str(ffn), "model.num_heads": str(heads)},
+    )
 
 
 def study_size(scale: str) -> list[list[list[Bundle]]]:
@@ -199,20 +231,35 @@ def study_paper_mini(scale: str) -> list[list[list[Bundle]]]:
         # higher momentum shrinks the gap (AdamW beta1; 0.9 is the default run above) ...
         [adamw, axis("optim.beta1", ["0.8", "0.95", "0.98"]), [SYNC, TWO_BW]],
         # ... with beta2 0.99 (beta1 0.95/0.98 with AdamW's default beta2 0.95 are unstable here)
-        [adamw, axis("optim.beta2", ["0.99"]), axis("optim.beta1", ["0.8", "0.9", "0.95", "0.98"]),
-         [SYNC, TWO_BW]],
+        [
+            adamw,
+            axis("optim.beta2", ["0.99"]),
+            axis("optim.beta1", ["0.8", "0.9", "0.95", "0.98"]),
+            [SYNC, TWO_BW],
+        ],
         # ... and Muon's (0.95 is the default run above)
-        [optimizer_axis(scale, ("muon",)), axis("optim.beta1", ["0.8", "0.9", "0.98"]),
-         [SYNC, TWO_BW]],
+        [
+            optimizer_axis(scale, ("muon",)),
+            axis("optim.beta1", ["0.8", "0.9", "0.98"]),
+            [SYNC, TWO_BW],
+        ],
         # (not a claim of the list: does the gap close as training gets longer?)
         [opt2, [_length(CPU_STEPS * 2), _length(CPU_STEPS * 4)], [SYNC, TWO_BW, TWO_BW_EF]],
         # (does EF recover more where the gap is smaller? AdamW at a third of its LR)
-        [[("adamw", {"optim.name": "adamw"})], axis("optim.lr", ["1e-3"]), [SYNC, TWO_BW, TWO_BW_EF]],
+        [
+            [("adamw", {"optim.name": "adamw"})],
+            axis("optim.lr", ["1e-3"]),
+            [SYNC, TWO_BW, TWO_BW_EF],
+        ],
         # pipedream's gap grows with depth, 2bw's stays flat
-        [adamw, [("pipedream", {"delay.policy": "pipedream"})], axis("pipeline.num_stages", [2, 4])],
+        [
+            adamw,
+            [("pipedream", {"delay.policy": "pipedream"})],
+            axis("pipeline.num_stages", [2, 4]),
+        ],
         # 2bw's staleness is 1 on every stage at any P: P = 4 next to adamw_2bw (P = 1) shows it
         [adamw, [TWO_BW], axis("pipeline.num_stages", [4])],
-    ]  # fmt: skip
+    ]
 
 
 @dataclass(frozen=True)
@@ -242,27 +289,63 @@ class Study:
 STUDIES: dict[str, Study] = {
     s.name: s
     for s in [
-        Study("optimizers", study_optimizers, "6 optimizers (7 with NAdamW beyond cpu) x sync / 2bw / 2bw+EF",
-              claims=(claim_adamw_gap_exceeds_muon, claim_ef_recovers_gap)),
-        Study("momentum", study_momentum, "AdamW & Muon beta1 in 0.8-0.98 under sync and 2bw (x 3 LRs beyond cpu)",
-              claims=(claim_momentum_shrinks_gap,)),
-        Study("mitigations", study_mitigations, "EF, Taylor, sync start/cooldown, EF+cooldown; the correctors beyond cpu",
-              claims=(claim_ef_recovers_gap,)),
-        Study("depth", study_depth, "pipedream vs 2bw for P in 2-16 (AdamW, + Muon beyond cpu)",
-              claims=(claim_pipedream_gap_grows_with_depth,)),
-        Study("hparams", study_hparams, "batch size, LR, weight decay (one at a time; AdamW, + Muon beyond cpu)"),
-        Study("delay", study_delay, "sync, 2bw (N = 1) and fixed:N for N in 2, 4, 8",
-              claims=(claim_gap_grows_with_delay,)),
+        Study(
+            "optimizers",
+            study_optimizers,
+            "6 optimizers (7 with NAdamW beyond cpu) x sync / 2bw / 2bw+EF",
+            claims=(claim_adamw_gap_exceeds_muon, claim_ef_recovers_gap),
+        ),
+        Study(
+            "momentum",
+            study_momentum,
+            "AdamW & Muon beta1 in 0.8-0.98 under sync and 2bw (x 3 LRs beyond cpu)",
+            claims=(claim_momentum_shrinks_gap,),
+        ),
+        Study(
+            "mitigations",
+            study_mitigations,
+            "EF, Taylor, sync start/cooldown, EF+cooldown; the correctors beyond cpu",
+            claims=(claim_ef_recovers_gap,),
+        ),
+        Study(
+            "depth",
+            study_depth,
+            "pipedream vs 2bw for P in 2-16 (AdamW, + Muon beyond cpu)",
+            claims=(claim_pipedream_gap_grows_with_depth,),
+        ),
+        Study(
+            "hparams",
+            study_hparams,
+            "batch size, LR, weight decay (one at a time; AdamW, + Muon beyond cpu)",
+        ),
+        Study(
+            "delay",
+            study_delay,
+            "sync, 2bw (N = 1) and fixed:N for N in 2, 4, 8",
+            claims=(claim_gap_grows_with_delay,),
+        ),
         Study("tokens", study_tokens, "the gap as the training length grows (x1/4 .. x2)"),
         Study("length", study_length, "AdamW & Muon sync / 2bw / 2bw+EF at 1x, 2x, 4x the tokens"),
-        Study("size", study_size, "AdamW & Muon sync / 2bw / 2bw+EF at 0.43M, 1.7M, 3.6M params",
-              scales=CPU_SCALES[1:]),
-        Study("paper-mini", study_paper_mini, "CPU check of the paper's 4 qualitative claims",
-              scales=("cpu",),
-              claims=(claim_adamw_gap_exceeds_muon, claim_ef_recovers_gap,
-                      claim_momentum_shrinks_gap, claim_pipedream_gap_grows_with_depth)),
+        Study(
+            "size",
+            study_size,
+            "AdamW & Muon sync / 2bw / 2bw+EF at 0.43M, 1.7M, 3.6M params",
+            scales=CPU_SCALES[1:],
+        ),
+        Study(
+            "paper-mini",
+            study_paper_mini,
+            "CPU check of the paper's 4 qualitative claims",
+            scales=("cpu",),
+            claims=(
+                claim_adamw_gap_exceeds_muon,
+                claim_ef_recovers_gap,
+                claim_momentum_shrinks_gap,
+                claim_pipedream_gap_grows_with_depth,
+            ),
+        ),
     ]
-}  # fmt: skip
+}
 
 
 def declared_claims() -> list[ClaimCheck]:
@@ -277,154 +360,3 @@ def get_study(name: str) -> Study:
     if name not in STUDIES:
         raise unknown_choice("study", name, STUDIES)
     return STUDIES[name]
-
-
-# Core-seconds per step of each CPU scale's base config (spawn, evals and checkpoints included),
-# measured on a 2-core machine shared with other jobs. `cpu`: over the paper-mini sweep, 0.09 s
-# at a load of ~3, 0.18 s at ~8. `cpu-regime`: benchmarks/regime_throughput.py at a load of
-# ~5 (AdamW; 247 s per 1200-step run with its 20 evals; docs/RESULTS.md "Regime"). Used only
-# for the estimates in `stalepipe sweep --help` / --dry-run.
-CPU_SECONDS_PER_STEP = {"cpu": 0.1, "cpu-regime": 0.2}
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{max(seconds / 60, 1):.0f} min"
-
-
-def estimate_cpu_seconds(specs: list[RunSpec], base: ExperimentConfig, scale: str = "cpu") -> float:
-    """Core-seconds of a sweep at CPU scale `scale`: steps x the base's per-step cost, scaled
-    by tokens per step (read from the overrides, so no config is built: `stalepipe --help`
-    stays fast)."""
-    total, base_tokens = 0.0, base.train.batch_size * base.data.seq_len
-    for spec in specs:
-        o = spec.overrides
-        steps = int(o.get("train.num_steps", base.train.num_steps))
-        batch = int(o.get("train.batch_size", base.train.batch_size))
-        seq = int(o.get("data.seq_len", base.data.seq_len))
-        total += steps * CPU_SECONDS_PER_STEP[scale] * batch * seq / base_tokens
-    return total
-
-
-# The GPU estimate's assumptions: one H100 SXM per run at 40% model FLOPs utilisation (what a
-# tuned dense LLaMA-style run reaches in bf16; pipeline bubbles and evaluations not counted).
-GPU_DEVICE, GPU_MFU = "h100", 0.4
-
-
-def estimate_gpu_seconds(specs: list[RunSpec], base: ExperimentConfig) -> float:
-    """GPU-seconds of a sweep on `GPU_DEVICE` at `GPU_MFU`: each run's training FLOPs (the
-    model's per-token count, attention included, times its tokens) over the device's peak."""
-    from stalepipe.models import flops_per_token
-    from stalepipe.sim.devices import get_device
-
-    rate = get_device(GPU_DEVICE).peak_flops * GPU_MFU
-    total = 0.0
-    for spec in specs:
-        cfg = spec.config(base, ".")
-        tokens = cfg.train.num_steps * cfg.train.batch_size * cfg.data.seq_len
-        total += flops_per_token(cfg.model, cfg.data.seq_len)["total"] * tokens / rate
-    return total
-
-
-def study_table(seeds: int = 3, scale: str = "cpu") -> str:
-    """One line per study: its runs at `scale` and the CPU core-hours (CPU scales) or the
-    GPU-hours (`estimate_gpu_seconds`) they take."""
-    lines = []
-    for s in STUDIES.values():
-        if scale not in s.scales:
-            continue
-        specs = s.specs(scale, seeds)
-        if scale in CPU_SCALES:
-            cost = f"~{estimate_cpu_seconds(specs, s.base(scale), scale) / 3600:4.1f} CPU core-h"
-        else:
-            cost = f"~{estimate_gpu_seconds(specs, s.base(scale)) / 3600:6.0f} GPU-h"
-        lines.append(f"  {s.name:<12} {len(specs):>4} runs  {cost}   {s.about}")
-    if scale == "cpu":
-        lines.append(
-            "  toy          (seconds) delayed Muon +- EF on matrix least squares: theory check"
-        )
-    return "\n".join(lines)
-
-
-def sweep_main(
-    study: str | None,
-    *,
-    scale: str = "cpu",
-    seeds: int = 3,
-    workers: int = 1,
-    out: str | None = None,
-    grids: list[str] = (),  # type: ignore[assignment]
-    fixed: dict[str, str] | None = None,
-    only: Sequence[str] = (),
-    retry_failed: bool = False,
-    dry_run: bool = False,
-    log: Callable[[str], None] | None = None,
-) -> int:
-    """`stalepipe sweep`: run a named study or an ad-hoc grid (`--grid KEY=V1,V2` axes); returns
-    the number of failed runs. `fixed` overrides apply to every run (e.g. train.num_steps);
-    `only` (`--only KEY=V1,V2`) keeps the runs that match (`grid.select_runs`)."""
-    from stalepipe.config import apply_overrides
-    from stalepipe.experiments.grid import check_overrides, parse_grid_arg, select_runs
-    from stalepipe.experiments.sweep import main_progress_stream, run_sweep
-
-    log = log or main_progress_stream()
-    if seeds < 1:
-        raise UserError(f"--seeds must be >= 1, got {seeds}")
-    if workers < 1:
-        raise UserError(f"--workers must be >= 1, got {workers}")
-    if study is None and not grids:
-        raise UserError("name a STUDY or give at least one --grid KEY=V1,V2 (see --help)")
-    if study is not None and grids:
-        raise UserError("--grid builds an ad-hoc sweep; drop the STUDY name to use it")
-    if study is not None:
-        st = get_study(study)
-        specs = st.specs(scale, seeds)
-        base = st.base(scale)
-    else:
-        specs = dedupe(expand([parse_grid_arg(g) for g in grids], seeds))
-        base = base_config(scale)
-    base = apply_overrides(base, fixed or {})
-    check_overrides(specs, base)
-    specs = select_runs(specs, base, only)
-    out_dir = out or f"runs/{study or 'grid'}"
-    if dry_run:
-        _dry_run(specs, base, out_dir, scale, workers, retry_failed, log)
-        return 0
-    res = run_sweep(specs, base, out_dir, workers=workers, retry_failed=retry_failed, log=log)
-    log(f"next: stalepipe report {out_dir}")
-    return len(res.failed)
-
-
-def _dry_run(
-    specs: list[RunSpec],
-    base: ExperimentConfig,
-    out_dir: str,
-    scale: str,
-    workers: int,
-    retry_failed: bool,
-    log: Callable[[str], None],
-) -> None:
-    """`stalepipe sweep --dry-run`: each run's status and overrides, and the CPU time left."""
-    from stalepipe.experiments.sweep import plan_status
-
-    todo = []
-    plan = plan_status(specs, base, Path(out_dir))
-    for p in plan:
-        shown = " ".join(f"--{k} {v}" for k, v in p.spec.overrides.items())
-        if p.same:
-            log(f"{'same':<9} {p.spec.name}: the same run as {p.same} (not repeated)")
-            continue
-        log(f"{p.status:<9} {p.spec.name}: {shown}")
-        if p.status != "finished" and (p.status != "failed" or retry_failed):
-            todo.append(p.spec)
-    same = sum(bool(p.same) for p in plan)
-    msg = f"{len(specs)} runs" + (f" ({same} the same as another)" if same else "")
-    msg += f", {len(todo)} to run"
-    if scale in CPU_SCALES and todo:
-        cost = estimate_cpu_seconds(todo, base, scale)
-        msg += (f": ~{_duration(cost)} of CPU core time (~{_duration(cost / workers)} with "
-                f"{workers} worker(s) on a lightly loaded machine)")  # fmt: skip
-    elif todo:
-        cost = estimate_gpu_seconds(todo, base)
-        msg += (f": ~{cost / 3600:.0f} GPU-hours on one {GPU_DEVICE.upper()} per run at "
-                f"{GPU_MFU:.0%} MFU (bubbles and evaluations not counted)")  # fmt: skip
-    log(msg)

@@ -121,14 +121,30 @@ def toy_table(
 ) -> tuple[list[str], list[list[str]]]:
     """Rows: (beta, eta); columns: final suboptimality of each variant and the delay penalty
     (ratio to sync) without and with EF."""
-    header = ["beta", "eta", "sync f/f0", "delay f/f0", "delay+EF f/f0", "delay / sync",
-              "delay+EF / sync"]  # fmt: skip
+    header = [
+        "beta",
+        "eta",
+        "sync f/f0",
+        "delay f/f0",
+        "delay+EF f/f0",
+        "delay / sync",
+        "delay+EF / sync",
+    ]
     body = []
     for beta in sorted({b for b, _ in results}):
         for i, eta in enumerate(etas):
             s, d, e = (results[(beta, v)][i, -1].item() for v in VARIANTS)
-            body.append([f"{beta:g}", f"{eta:g}", f"{s:.2e}", f"{d:.2e}", f"{e:.2e}",
-                         f"{d / s:.2f}", f"{e / s:.2f}"])  # fmt: skip
+            body.append(
+                [
+                    f"{beta:g}",
+                    f"{eta:g}",
+                    f"{s:.2e}",
+                    f"{d:.2e}",
+                    f"{e:.2e}",
+                    f"{d / s:.2f}",
+                    f"{e / s:.2f}",
+                ]
+            )
     return header, body
 
 
@@ -151,8 +167,14 @@ def toy_plot(
             axes[0].semilogy(
                 c[eta_index].numpy(), styles[v], color=color, label=f"beta {beta:g} {v}"
             )
-            axes[1].loglog(etas, c[:, -1].numpy(), styles[v], marker="o", color=color,
-                           label=f"beta {beta:g} {v}")  # fmt: skip
+            axes[1].loglog(
+                etas,
+                c[:, -1].numpy(),
+                styles[v],
+                marker="o",
+                color=color,
+                label=f"beta {beta:g} {v}",
+            )
     axes[0].set_title(f"convergence at eta = {etas[eta_index]:g} (linear decay)")
     axes[0].set_xlabel("step")
     axes[0].set_ylabel("f(X_t) / f(X_0)")
