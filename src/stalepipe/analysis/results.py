@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from stalepipe.analysis import overhead, stats
+from stalepipe.analysis import targets as targets_mod
 from stalepipe.config import ExperimentConfig, upgrade_record
 from stalepipe.config.overrides import default_of
 from stalepipe.fileio import flatten_dict
@@ -166,6 +167,7 @@ class Row:
     recovered: float = math.nan  # share of the unmitigated gap this mitigation removes
     recovered_p: float = math.nan  # vs the unmitigated configuration (paired as gap_p)
     token_overhead: overhead.Overhead | None = None  # over the baseline (overhead.py)
+    targets: dict[str, targets_mod.TargetOverhead] = field(default_factory=dict)  # targets.py
     _exit: float | None = None  # cache of `regime.plateau_exit_of`
 
     @property
@@ -241,9 +243,11 @@ def build_rows(runs: list[Run]) -> list[Row]:
         row.mean, row.std = stats.mean(vals), stats.std(vals)
         rows.append(row)
     _link(rows)
+    longer = _longer_runs(rows)
     for row in rows:
         if row.baseline is not None:
             row.token_overhead = row_overhead(row, row.baseline)
+            row.targets = row_targets(row, row.baseline, longer.get(id(row), []))
     # each sync baseline, then the configurations compared with it
     rows.sort(key=lambda r: (r.baseline.label if r.baseline else r.label, not r.is_sync, r.label))
     return rows
@@ -345,6 +349,38 @@ def row_overhead(
 ) -> overhead.Overhead:
     """The token overhead of `row` over its sync `baseline`, finished runs paired by seed."""
     return overhead.overhead_over_seeds(val_curves(baseline), val_curves(row), rule)
+
+
+_LENGTH_KEYS = ("train.num_steps", "train.warmup_steps", "train.eval_every")
+
+
+def _longer_runs(rows: list[Row]) -> dict[int, list[Row]]:
+    """id(row) -> the rows equal to it but for a longer training length (the same delayed arm
+    planned longer: its runs count toward reaching sync's final loss, `targets.py`)."""
+    by_key: dict[tuple, list[Row]] = {}
+    for r in rows:
+        by_key.setdefault(config_key(r.config, _LENGTH_KEYS), []).append(r)
+    steps = lambda r: int(r.config.get("train.num_steps", 0))  # noqa: E731
+    return {
+        id(r): [o for o in group if steps(o) > steps(r)]
+        for group in by_key.values()
+        for r in group
+        if not r.is_sync
+    }
+
+
+def row_targets(
+    row: Row, baseline: Row, longer: list[Row]
+) -> dict[str, targets_mod.TargetOverhead]:
+    """The token overhead of `row` at sync's final loss and at shares of its drop, counting
+    the same arm's longer planned runs (`targets.target_overheads`)."""
+    delayed: dict[int, list[overhead.Curve]] = {}
+    for r in (row, *longer):
+        for seed, curve in val_curves(r).items():
+            delayed.setdefault(seed, []).append(curve)
+    c = baseline.config
+    warmup = int(c.get("train.warmup_steps", 0)) * overhead.tokens_per_step(c)
+    return targets_mod.target_overheads(val_curves(baseline), delayed, warmup)
 
 
 def missing_summary(runs: list[Run], rows: list[Row]) -> list[str]:
