@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from stalepipe.config import ExperimentConfig, upgrade_record
-from stalepipe.errors import EXIT_PREEMPTED, Preempted
+from stalepipe.errors import EXIT_CLAIMED, EXIT_PREEMPTED, Preempted
 from stalepipe.experiments.grid import RunSpec
 from stalepipe.experiments.workers import run_spawned
 from stalepipe.fileio import MARKER, check_removable, make_owned_dir, remove_owned_dir
@@ -139,8 +139,10 @@ def write_error(run_dir: Path, message: str, tb: str = "") -> None:
 
 
 def _run_one(cfg_dict: dict[str, Any], threads: int) -> None:
-    """Worker body: train one run, resuming from its last checkpoint if it has one (a run
-    directory holding only sweep.json starts fresh); an exception goes to error.json."""
+    """Worker body: claim the run (`rundir.claim`: exit EXIT_CLAIMED, touching nothing, when a
+    live owner elsewhere trains it), then train it, resuming from its last checkpoint if it has
+    one (a run directory holding only sweep.json starts fresh); an exception goes to
+    error.json."""
     import torch
 
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -148,9 +150,17 @@ def _run_one(cfg_dict: dict[str, Any], threads: int) -> None:
     cfg = ExperimentConfig.from_dict(cfg_dict)
     run_dir = Path(cfg.out_dir) / cfg.name
     try:
+        from stalepipe.rundir.claim import RunClaimed, claim_run
+        from stalepipe.rundir.directory import RUN_KIND
         from stalepipe.train.loop import train
 
-        train(cfg, resume=True, verbose=False)
+        make_owned_dir(run_dir, RUN_KIND)
+        with claim_run(run_dir) as me:
+            if run_status(run_dir, cfg.train.num_steps) == "finished":  # another owner's, since
+                raise RunClaimed(run_dir, me)  # this sweep planned: not trained here
+            train(cfg, resume=True, verbose=False)
+    except RunClaimed as e:  # another sweep or job trains it: not ours, nothing touched
+        raise SystemExit(e.exit_code) from None
     except KeyboardInterrupt:
         raise
     except Preempted as e:  # a signal: the run checkpointed; a rerun of the sweep resumes it
@@ -169,6 +179,7 @@ class SweepResult:
     failed: dict[str, str] = field(default_factory=dict)  # name -> error message
     skipped_failed: list[str] = field(default_factory=list)  # failed earlier, not retried
     same: dict[str, str] = field(default_factory=dict)  # name -> the run it repeats (not run)
+    elsewhere: list[str] = field(default_factory=list)  # claimed by a live owner: not ours
     changed: dict[str, list[str]] = field(default_factory=dict)  # finished with another config
     wall_s: float = 0.0
 
@@ -233,6 +244,7 @@ def run_sweep(
     log(
         f"sweep {out}: {len(specs)} runs: {len(res.finished)} finished, "
         + (f"{len(res.same)} the same as another run (not repeated), " if res.same else "")
+        + (f"{len(res.elsewhere)} trained by another sweep or job now, " if res.elsewhere else "")
         + f"{len(res.skipped_failed)} failed earlier"
         + (" (rerun with --retry-failed)" if res.skipped_failed else "")
         + f", {len(todo)} to run with {workers} worker(s)"
@@ -281,6 +293,7 @@ def _plan(
     config), repeats of another run (`plan_status`) and failed ones not retried go into
     `res`. A failed run to retry, and one that stopped before its first checkpoint, is
     deleted (it starts over)."""
+    from stalepipe.rundir.claim import live_owner
     from stalepipe.rundir.directory import RUN_ENTRIES, RUN_KIND
 
     todo = []
@@ -293,6 +306,8 @@ def _plan(
             changed = _changed_keys(run_dir, cfg)
             if changed:
                 res.changed[spec.name] = changed
+        elif live_owner(run_dir) is not None:  # trained elsewhere now: never delete or rerun it
+            res.elsewhere.append(spec.name)
         elif status == "failed" and not retry_failed:
             res.skipped_failed.append(spec.name)
             res.failed[spec.name] = _read_error(run_dir)
@@ -371,6 +386,9 @@ class _Progress:
             what = f"val {_final_val(run_dir):.4f}"
         elif exitcode == EXIT_PREEMPTED:  # checkpointed after a signal: a rerun resumes it
             what = "stopped by a signal (checkpointed; rerun the sweep to resume it)"
+        elif exitcode == EXIT_CLAIMED:  # another sweep or job trains it right now
+            res.elsewhere.append(spec.name)
+            what = "trained by another sweep or job (claimed); skipped"
         else:
             if not (run_dir / ERROR_FILE).exists():
                 write_error(run_dir, f"worker exited without finishing (exit status {exitcode})")

@@ -88,6 +88,7 @@ RUN_ENTRIES = (
     "eval_*.json",
     "sweep.json",
     "error.json",
+    ".claim.json*",  # rundir.claim: the owner training it (and a stale claim being replaced)
 )
 RUN_FIX = "choose another --name"
 META_FORMAT = 2  # meta.json with the list of invocations

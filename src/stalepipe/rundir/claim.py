@@ -1,0 +1,188 @@
+"""A run is trained by one owner at a time: a claim file in its directory, taken atomically.
+
+Two sweeps on one directory, a resubmitted job array or a requeued job all plan the same
+unfinished runs; without a claim each would train them, and two processes writing one run's
+checkpoints and metrics make a run neither of them made. `claim_run` creates `.claim.json`
+with `O_CREAT | O_EXCL` (atomic on a local and on an NFS v3+ file system), holding the owner's
+host, pid, job id and start time; a daemon thread touches it every `heartbeat_s` seconds while
+the run trains, and the owner removes it when done.
+
+A claim is **stale**, and taken over, when its owner is dead: on the same host its pid no
+longer runs; on any host its heartbeat is older than `stale_s`; or it is the same SLURM job
+(a requeued job finding its own claim). The takeover renames the stale file away first (only
+one process can win that rename), so two takers never both proceed. A live claim raises
+`RunClaimed`: the caller skips the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from stalepipe.errors import EXIT_CLAIMED, UserError
+
+CLAIM_FILE = ".claim.json"
+HEARTBEAT_S = 30.0
+STALE_S = 300.0  # ten missed heartbeats
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who holds a claim."""
+
+    host: str
+    pid: int
+    job: str  # SLURM's array job + task or job id; "" outside SLURM
+    started: str
+
+    def describe(self) -> str:
+        return f"{self.host}:{self.pid}" + (f" (job {self.job})" if self.job else "")
+
+
+class RunClaimed(UserError):
+    """The run is being trained by a live owner elsewhere."""
+
+    exit_code = EXIT_CLAIMED
+
+    def __init__(self, run_dir: Path, owner: Owner) -> None:
+        super().__init__(f"{run_dir} is being trained by {owner.describe()}; skipped")
+        self.run_dir = run_dir
+        self.owner = owner
+
+
+def this_job() -> str:
+    """This process's SLURM job: array job and task when in an array, else the job id."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return os.environ.get("SLURM_JOB_ID", "")
+
+
+def owner_here() -> Owner:
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    return Owner(socket.gethostname(), os.getpid(), this_job(), started)
+
+
+def read_claim(run_dir: Path) -> tuple[Owner, float] | None:
+    """The claim's owner and the time of its last heartbeat; None when there is no claim. A
+    torn or foreign file reads as an owner with no heartbeat (stale after `stale_s`)."""
+    return read_claim_file(Path(run_dir) / CLAIM_FILE)
+
+
+def read_claim_file(path: Path) -> tuple[Owner, float] | None:
+    """`read_claim` of one claim file."""
+    try:
+        beat = path.stat().st_mtime
+        data = json.loads(path.read_text())
+        return Owner(**{k: data[k] for k in ("host", "pid", "job", "started")}), beat
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return Owner("?", -1, "", "?"), 0.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it runs
+        return True
+    return True
+
+
+def is_stale(owner: Owner, heartbeat: float, *, stale_s: float = STALE_S) -> bool:
+    """Whether a claim's owner is gone (module docstring)."""
+    if time.time() - heartbeat > stale_s:
+        return True
+    if owner.job and owner.job == this_job():
+        return True  # this very job, requeued: its earlier incarnation is gone
+    return owner.host == socket.gethostname() and owner.pid != os.getpid() and not _alive(owner.pid)
+
+
+def live_owner(run_dir: Path, *, stale_s: float = STALE_S) -> Owner | None:
+    """The owner of a live claim on `run_dir`, or None (no claim, or a stale one)."""
+    found = read_claim(run_dir)
+    if found is None or is_stale(*found, stale_s=stale_s):
+        return None
+    return found[0]
+
+
+def _create(path: Path, owner: Owner) -> bool:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(owner), f)
+    return True
+
+
+def _take(run_dir: Path, owner: Owner, stale_s: float) -> None:
+    """Create the claim, taking over a stale one; RunClaimed when a live owner holds it."""
+    path = run_dir / CLAIM_FILE
+    for _ in range(3):
+        if _create(path, owner):
+            return
+        found = read_claim(run_dir)
+        if found is not None and not is_stale(*found, stale_s=stale_s):
+            raise RunClaimed(run_dir, found[0])
+        _move_stale(run_dir, found)
+    found = read_claim(run_dir)
+    raise RunClaimed(run_dir, found[0] if found else owner)
+
+
+def _move_stale(run_dir: Path, seen: tuple[Owner, float] | None) -> None:
+    """Move the stale claim `seen` out of the way. Of several takers only one rename succeeds;
+    a taker that moved a claim other than the one it judged (another taker's fresh claim,
+    created in between) puts it back."""
+    path = run_dir / CLAIM_FILE
+    moved = run_dir / f"{CLAIM_FILE}.stale-{os.getpid()}-{time.time_ns()}"
+    try:
+        os.rename(path, moved)
+    except FileNotFoundError:
+        return  # another taker moved it
+    now = read_claim_file(moved)
+    if seen is not None and now is not None and now[0] != seen[0]:
+        with suppress(FileExistsError):
+            os.link(moved, path)  # a fresh claim: back where its owner expects it
+    moved.unlink(missing_ok=True)
+
+
+@contextmanager
+def claim_run(
+    run_dir: str | os.PathLike, *, heartbeat_s: float = HEARTBEAT_S, stale_s: float = STALE_S
+) -> Iterator[Owner]:
+    """Hold `run_dir`'s claim while the body runs (module docstring); RunClaimed, with nothing
+    touched, when a live owner holds it. The directory must exist."""
+    run_dir = Path(run_dir)
+    owner = owner_here()
+    _take(run_dir, owner, stale_s)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(heartbeat_s):
+            try:
+                os.utime(run_dir / CLAIM_FILE)
+            except OSError:
+                return
+
+    thread = threading.Thread(target=beat, name="claim-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield owner
+    finally:
+        stop.set()
+        thread.join()
+        found = read_claim(run_dir)
+        if found is not None and found[0] == owner:
+            (run_dir / CLAIM_FILE).unlink(missing_ok=True)
+        for old in run_dir.glob(f"{CLAIM_FILE}.stale-*"):
+            old.unlink(missing_ok=True)
