@@ -17,6 +17,7 @@ from stalepipe.experiments.evaluate import (
     choice_logprobs,
     continuation_logprob,
     evaluate_run,
+    format_results,
     load_task,
     multiple_choice_metrics,
     save_results,
@@ -45,7 +46,8 @@ def test_scores_pick_the_likelier_choice_and_normalise_by_bytes():
     la, lb = math.log(0.9), math.log(0.1 / 255)
     assert lps[0] == pytest.approx([4 * lb, 4 * la], rel=1e-5)
     m = multiple_choice_metrics(items, lps)
-    assert m == {"acc": pytest.approx(2 / 3), "acc_norm": 1.0, "num_items": 3}
+    # chance: two choices each, so guessing gets half right
+    assert m == {"acc": pytest.approx(2 / 3), "acc_norm": 1.0, "chance": 0.5, "num_items": 3}
     assert lps[2] == pytest.approx([lb, 9 * la + lb], rel=1e-5)
 
 
@@ -91,6 +93,12 @@ def test_eval_of_a_trained_moe_run_offline(tiny_config, tmp_path):
     # the defaults evaluate the batches the loop validated on: the same loss
     assert out["val"]["loss"] == pytest.approx(result.final_val_loss, rel=1e-5)
     assert out["val"]["perplexity"] == pytest.approx(math.exp(out["val"]["loss"]))
+    # chance beside it: uniform over the vocabulary, and the training tokens' unigram entropy
+    assert out["val"]["uniform_loss"] == pytest.approx(math.log(cfg.model.vocab_size))
+    assert 0 < out["val"]["unigram_loss"] < out["val"]["uniform_loss"]
+    text = format_results(out)
+    assert f"chance: uniform {math.log(cfg.model.vocab_size):.4f}, unigram" in text
+    assert "chance 0.250)" in text  # four choices per cloze item
     assert out["tasks"]["shakespeare-cloze"]["num_items"] == 12
     assert out["tasks"][str(task)]["num_items"] == 8
     assert 0.0 <= out["tasks"][str(task)]["acc"] <= 1.0

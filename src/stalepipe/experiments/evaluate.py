@@ -17,10 +17,8 @@ For lm-evaluation-harness itself, see docs/moe.md ("Downstream evaluation").
 
 from __future__ import annotations
 
-import json
 import math
-import random
-from dataclasses import dataclass
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -29,145 +27,19 @@ import torch.nn.functional as F
 
 from stalepipe.config import ExperimentConfig
 from stalepipe.data import EVAL_SEED, Tokenizer, TokenLoader, check_vocab
-from stalepipe.errors import UserError
+from stalepipe.experiments.eval_tasks import (  # re-exported: part of evaluate's API
+    BUILTIN_TASKS,
+    EvalError,
+    MCItem,
+    get_task,
+    load_task,
+    shakespeare_cloze,
+    write_lm_eval_task,
+    write_task,
+)
 from stalepipe.experiments.trained import load_trained
 from stalepipe.fileio import write_json_atomic
 from stalepipe.rundir.directory import run_data_dir
-
-BUILTIN_TASKS = ("shakespeare-cloze",)
-
-
-class EvalError(UserError):
-    """Bad eval input (task file, data directory); the message names the fix."""
-
-
-@dataclass(frozen=True)
-class MCItem:
-    """One multiple-choice item: `choices[answer]` is the right continuation of `context`."""
-
-    context: str
-    choices: tuple[str, ...]
-    answer: int
-
-
-# --------------------------------------------------------------------------------------------
-# Tasks
-# --------------------------------------------------------------------------------------------
-
-
-def load_task(path: str | Path) -> list[MCItem]:
-    """Read a JSONL multiple-choice task; EvalError naming the line for a malformed item."""
-    path = Path(path)
-    if not path.is_file():
-        raise EvalError(f"task file {path} does not exist")
-    items = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-            context = d["context"] if "context" in d else d["question"]
-            choices, answer = tuple(str(c) for c in d["choices"]), int(d["answer"])
-            assert isinstance(context, str) and len(choices) >= 2 and 0 <= answer < len(choices)
-        except (ValueError, KeyError, TypeError, AssertionError):
-            raise EvalError(
-                f"{path}:{lineno} is not a task item; expected "
-                '{"context": str, "choices": [>= 2 str], "answer": index into choices}'
-            ) from None
-        items.append(MCItem(context, choices, answer))
-    if not items:
-        raise EvalError(f"task file {path} has no items")
-    return items
-
-
-def write_task(items: list[MCItem], path: str | Path) -> Path:
-    """Write `items` as JSONL (the format `load_task` reads)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for item in items:
-            d = {"context": item.context, "choices": list(item.choices), "answer": item.answer}
-            f.write(json.dumps(d, ensure_ascii=False) + "\n")
-    return path
-
-
-def write_lm_eval_task(jsonl_path: str | Path, task_name: str | None = None) -> Path:
-    """Write an lm-evaluation-harness task config (`<stem>.yaml`) beside a JSONL task, so that
-    `lm_eval --include_path DIR --tasks NAME` scores it from the local file, offline.
-
-    Same scoring as ours (log-likelihood of each choice, acc and acc_norm), except that lm-eval
-    does not prepend `eot` to the context. `target_delimiter: ""` because our contexts end in the
-    separator (a newline) already.
-    """
-    jsonl_path = Path(jsonl_path).resolve()
-    name = task_name or "stalepipe_" + jsonl_path.stem.replace("-", "_")
-    yaml_path = jsonl_path.with_suffix(".yaml")
-    yaml_path.write_text(
-        f"task: {name}\n"
-        "dataset_path: json\n"
-        "dataset_kwargs:\n"
-        "  data_files:\n"
-        f"    test: {json.dumps(str(jsonl_path))}\n"
-        "test_split: test\n"
-        "output_type: multiple_choice\n"
-        'doc_to_text: "{{context}}"\n'
-        'doc_to_choice: "{{choices}}"\n'
-        'doc_to_target: "{{answer}}"\n'
-        'target_delimiter: ""\n'
-        "metric_list:\n"
-        "  - metric: acc\n"
-        "  - metric: acc_norm\n"
-    )
-    return yaml_path
-
-
-def shakespeare_cloze(
-    num_items: int = 200, seed: int = 0, num_choices: int = 4, context_lines: int = 2
-) -> list[MCItem]:
-    """ "Which line comes next?" from the excerpt's held-out document (deterministic in seed).
-
-    Context: `context_lines` consecutive lines, each ending in a newline. Choices: the real next
-    line and `num_choices - 1` other lines of the same document, in a seeded random order; only
-    lines of >= 20 characters are asked about or used as distractors.
-    """
-    from stalepipe.config import DataConfig
-    from stalepipe.data import load_corpus, val_mask
-
-    docs = list(load_corpus("excerpt", None, progress=False).documents())
-    mask = val_mask([name for name, _ in docs], DataConfig().val_fraction)
-    text = "\n".join(t for (_, t), is_val in zip(docs, mask, strict=True) if is_val)
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    long = sorted({ln for ln in lines if len(ln) >= 20})
-    rng = random.Random(seed)
-    candidates = [i for i in range(context_lines, len(lines)) if len(lines[i]) >= 20]
-    # Spread the items over the document; never two items on the same line.
-    picks = sorted(rng.sample(candidates, min(num_items, len(candidates))))
-    items = []
-    for i in picks:
-        answer_text = lines[i]
-        distractors = rng.sample([ln for ln in long if ln != answer_text], num_choices - 1)
-        choices = [answer_text, *distractors]
-        rng.shuffle(choices)
-        context = "".join(ln + "\n" for ln in lines[i - context_lines : i])
-        items.append(MCItem(context, tuple(choices), choices.index(answer_text)))
-    return items
-
-
-def get_task(name_or_path: str, num_items: int = 200) -> list[MCItem]:
-    """A built-in task by name, or a JSONL file by path."""
-    if name_or_path == "shakespeare-cloze":
-        return shakespeare_cloze(num_items)
-    if not name_or_path.endswith(".jsonl") and not Path(name_or_path).exists():
-        raise EvalError(
-            f"unknown task {name_or_path!r}: give a built-in task ({', '.join(BUILTIN_TASKS)}) "
-            "or a .jsonl file"
-        )
-    return load_task(name_or_path)
-
-
-# --------------------------------------------------------------------------------------------
-# Scoring
-# --------------------------------------------------------------------------------------------
 
 
 def continuation_logprob(logits: torch.Tensor, tokens: torch.Tensor, start: int) -> float:
@@ -205,7 +77,7 @@ def choice_logprobs(
             toks = (ctx + cont)[-(max_len + 1) :]
             seqs.append((toks, max(1, len(toks) - len(cont))))
     scores: list[float] = []
-    for b in range(0, len(seqs), batch_size):
+    for b in _bar(range(0, len(seqs), batch_size), "choices", "batch"):
         chunk = seqs[b : b + batch_size]
         width = max(len(t) for t, _ in chunk) - 1
         x = torch.zeros(len(chunk), width, dtype=torch.long)
@@ -223,15 +95,24 @@ def choice_logprobs(
     return out
 
 
+def _bar(it: Any, desc: str, unit: str) -> Any:
+    """A progress bar on stderr while `stalepipe eval` works (silent when not a terminal)."""
+    from tqdm import tqdm
+
+    return tqdm(it, desc=desc, unit=unit, leave=False, disable=None)
+
+
 def multiple_choice_metrics(items: list[MCItem], logprobs: list[list[float]]) -> dict[str, float]:
-    """acc (argmax of the log-likelihood) and acc_norm (argmax per UTF-8 byte), lm-eval style."""
+    """acc (argmax of the log-likelihood) and acc_norm (argmax per UTF-8 byte), lm-eval style,
+    and `chance`: the accuracy of guessing (the mean of 1 / number of choices)."""
     acc = acc_norm = 0
     for item, lps in zip(items, logprobs, strict=True):
         per_byte = [lp / max(1, len(c.encode("utf-8"))) for lp, c in zip(lps, item.choices)]
         acc += max(range(len(lps)), key=lps.__getitem__) == item.answer
         acc_norm += max(range(len(lps)), key=per_byte.__getitem__) == item.answer
     n = len(items)
-    return {"acc": acc / n, "acc_norm": acc_norm / n, "num_items": n}
+    chance = sum(1 / len(item.choices) for item in items) / n
+    return {"acc": acc / n, "acc_norm": acc_norm / n, "chance": chance, "num_items": n}
 
 
 @torch.no_grad()
@@ -252,7 +133,7 @@ def validation_loss(
     was_training = model.training
     model.eval()  # MoE: CE only, no auxiliary losses
     total = 0.0
-    for i in range(num_batches):
+    for i in _bar(range(num_batches), f"{split} loss", "batch"):
         x, y = loader.batch(i, batch_size)
         total += model(x.to(device), y.to(device)).item()
     model.train(was_training)
@@ -341,7 +222,8 @@ def evaluate_run(
                 split=split,
                 device=device,
             )
-            result["val"] = {"data_dir": str(data_path), "split": split, **val}
+            chance = chance_losses(data_path, cfg.model.vocab_size)
+            result["val"] = {"data_dir": str(data_path), "split": split, **val, **chance}
         result["tasks"] = {}
         if tasks:
             tokenizer = run_tokenizer(cfg.data.tokenizer, data_path)
@@ -352,6 +234,18 @@ def evaluate_run(
                 )
                 result["tasks"][task] = multiple_choice_metrics(items, lps)
     return result
+
+
+def chance_losses(data_dir: Path, vocab_size: int) -> dict[str, float]:
+    """What a model that learned nothing scores: `uniform_loss` = ln(vocab size), and
+    `unigram_loss` = the entropy of the training tokens' frequencies (a model that learned
+    only which tokens are common; `analysis.regime.unigram_entropy`)."""
+    from stalepipe.analysis.regime import unigram_entropy
+
+    out = {"uniform_loss": math.log(vocab_size)}
+    with suppress(OSError, ValueError):  # shards of another tool without a train split
+        out["unigram_loss"] = unigram_entropy(str(Path(data_dir).resolve()))
+    return out
 
 
 def save_results(result: dict[str, Any], path: str | Path | None = None) -> Path:
@@ -417,9 +311,13 @@ def format_results(result: dict[str, Any]) -> str:
             f"{val['split']} loss {val['loss']:.4f}  perplexity {val['perplexity']:.2f}  "
             f"({val['tokens']:,} tokens of {val['data_dir']})"
         )
+        if "uniform_loss" in val:
+            unigram = f", unigram {val['unigram_loss']:.4f}" if "unigram_loss" in val else ""
+            lines.append(f"  chance: uniform {val['uniform_loss']:.4f}{unigram}")
     for name, m in result.get("tasks", {}).items():
         lines.append(
-            f"{name}: acc {m['acc']:.3f}  acc_norm {m['acc_norm']:.3f}  ({m['num_items']} items)"
+            f"{name}: acc {m['acc']:.3f}  acc_norm {m['acc_norm']:.3f}  ({m['num_items']} items; "
+            f"chance {m.get('chance', math.nan):.3f})"
         )
     return "\n".join(lines)
 
