@@ -62,8 +62,67 @@ def _add_sweep(sub: Subparsers) -> None:
         help="run only the runs whose config has one of these values (repeatable)",
     )
     add("--retry-failed", action="store_true", help="rerun runs that failed before")
-    add("--dry-run", action="store_true", help="list the runs and their status, run none")
+    add(
+        "--dry-run",
+        action="store_true",
+        help="list the runs and their status, run none "
+        "(with --executor slurm: and print the sbatch array script)",
+    )
+    _add_executor(p)
     p.set_defaults(fn=cmd_sweep)
+
+
+def _add_executor(p: argparse.ArgumentParser) -> None:
+    """Where the runs execute: the local pool, or SLURM job arrays through submitit."""
+    g = p.add_argument_group("executor (docs/cluster.md)")
+    add = g.add_argument
+    add(
+        "--executor",
+        default="local",
+        choices=["local", "slurm", "submitit-local", "submitit-debug"],
+        help="local: this machine, --workers at a time; slurm: one job array (submitit), "
+        "one task per run; submitit-local/-debug: submitit's local executors (checks)",
+    )
+    add("--slurm-partition", metavar="NAME")
+    add("--slurm-account", metavar="NAME")
+    add("--slurm-qos", metavar="NAME")
+    add("--slurm-time", type=int, metavar="MIN", help="time limit per run (default 240)")
+    add("--slurm-gpus-per-run", type=int, metavar="N", help="GPUs per run (default 0)")
+    add("--slurm-cpus-per-run", type=int, metavar="N", help="CPUs per run (default 1)")
+    add("--slurm-mem", metavar="SIZE", help="memory per run, e.g. 64G")
+    add("--slurm-array-parallelism", type=int, metavar="N", help="runs at once (default 64)")
+    add(
+        "--slurm-sbatch",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an extra #SBATCH line, e.g. constraint=h100 (repeatable)",
+    )
+    add(
+        "--slurm-setup",
+        action="append",
+        metavar="LINE",
+        help="a shell line before each run, e.g. 'module load cuda' (repeatable)",
+    )
+
+
+def slurm_options(args: argparse.Namespace) -> object:
+    """The --slurm-* flags as SlurmOptions (None when none is given)."""
+    from stalepipe.experiments.executors import SlurmOptions
+
+    given = {
+        "partition": args.slurm_partition,
+        "account": args.slurm_account,
+        "qos": args.slurm_qos,
+        "time_min": args.slurm_time,
+        "gpus_per_run": args.slurm_gpus_per_run,
+        "cpus_per_run": args.slurm_cpus_per_run,
+        "mem": args.slurm_mem,
+        "array_parallelism": args.slurm_array_parallelism,
+        "sbatch": tuple(args.slurm_sbatch or ()) or None,
+        "setup": tuple(args.slurm_setup or ()) or None,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    return SlurmOptions(**given) if given else None
 
 
 def cmd_sweep(args: argparse.Namespace, extra: list[str]) -> int:
@@ -83,6 +142,8 @@ def cmd_sweep(args: argparse.Namespace, extra: list[str]) -> int:
         only=args.only or [],
         retry_failed=args.retry_failed,
         dry_run=args.dry_run,
+        executor=args.executor,
+        slurm=slurm_options(args),
     )
     return 1 if failed else 0
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from stalepipe.config import ExperimentConfig
 from stalepipe.errors import UserError
+from stalepipe.experiments.executors import EXECUTORS, SlurmOptions, sbatch_script
 from stalepipe.experiments.grid import RunSpec, dedupe, expand
 from stalepipe.experiments.scales import CPU_SCALES, base_config
 from stalepipe.experiments.studies import STUDIES, get_study
@@ -92,10 +93,13 @@ def sweep_main(
     retry_failed: bool = False,
     dry_run: bool = False,
     log: Callable[[str], None] | None = None,
+    executor: str = "local",
+    slurm: SlurmOptions | None = None,
 ) -> int:
     """`stalepipe sweep`: run a named study or an ad-hoc grid (`--grid KEY=V1,V2` axes); returns
     the number of failed runs. `fixed` overrides apply to every run (e.g. train.num_steps);
-    `only` (`--only KEY=V1,V2`) keeps the runs that match (`grid.select_runs`)."""
+    `only` (`--only KEY=V1,V2`) keeps the runs that match (`grid.select_runs`); `executor`
+    and `slurm` say where the runs execute (`experiments.executors`)."""
     from stalepipe.config import apply_overrides
     from stalepipe.experiments.grid import check_overrides, parse_grid_arg, select_runs
     from stalepipe.experiments.sweep import main_progress_stream, run_sweep
@@ -120,10 +124,26 @@ def sweep_main(
     check_overrides(specs, base)
     specs = select_runs(specs, base, only)
     out_dir = out or f"runs/{study or 'grid'}"
+    if executor not in EXECUTORS:
+        raise UserError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    if slurm is not None and executor != "slurm":
+        raise UserError("--slurm-* options configure --executor slurm; add it or drop them")
     if dry_run:
-        _dry_run(specs, base, out_dir, scale, workers, retry_failed, log)
+        todo = _dry_run(specs, base, out_dir, scale, workers, retry_failed, log)
+        if executor == "slurm" and todo:
+            log(f"sbatch script of the job array ({todo} tasks):")
+            log(sbatch_script(Path(out_dir), slurm or SlurmOptions(), todo))
         return 0
-    res = run_sweep(specs, base, out_dir, workers=workers, retry_failed=retry_failed, log=log)
+    res = run_sweep(
+        specs,
+        base,
+        out_dir,
+        workers=workers,
+        retry_failed=retry_failed,
+        log=log,
+        executor=executor,
+        slurm=slurm,
+    )
     log(f"next: stalepipe report {out_dir}")
     return len(res.failed)
 
@@ -136,8 +156,9 @@ def _dry_run(
     workers: int,
     retry_failed: bool,
     log: Callable[[str], None],
-) -> None:
-    """`stalepipe sweep --dry-run`: each run's status and overrides, and the CPU time left."""
+) -> int:
+    """`stalepipe sweep --dry-run`: each run's status and overrides, and the CPU time left;
+    returns how many runs it would run."""
     from stalepipe.experiments.sweep import plan_status
 
     todo = []
@@ -166,3 +187,4 @@ def _dry_run(
             f"{GPU_MFU:.0%} MFU (bubbles and evaluations not counted)"
         )
     log(msg)
+    return len(todo)

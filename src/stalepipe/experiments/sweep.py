@@ -227,13 +227,17 @@ def run_sweep(
     retry_failed: bool = False,
     overwrite: bool = False,
     log: Callable[[str], None] = print,
+    executor: str = "local",
+    slurm: Any = None,
 ) -> SweepResult:
     """Run every spec not finished yet under `out_dir`, `workers` at a time.
 
     `workers=1` runs in this process (no spawn cost; a hard crash stops the sweep, which a
     rerun resumes); `workers>1` spawns one process per run. Never raises for a failed run:
     failures are recorded in the run's error.json and returned in `SweepResult.failed`.
-    `overwrite` first deletes the sweep directory, if `remove_sweep_dir` allows it."""
+    `overwrite` first deletes the sweep directory, if `remove_sweep_dir` allows it.
+    `executor` other than "local" goes through submitit (`experiments.executors`, with
+    `slurm` its SlurmOptions): "slurm" submits a job array and returns without waiting."""
     out = Path(out_dir)
     if overwrite and out.is_dir() and any(out.iterdir()):
         remove_sweep_dir(out)
@@ -260,7 +264,12 @@ def run_sweep(
         _prepare_data([c for _, c in todo])
     _write_spec_files(out, specs, [s for s, _ in todo])
     progress = _Progress(out, res, len(todo), workers, log)
-    if workers <= 1:
+    if executor != "local" and todo:
+        from stalepipe.experiments.executors import run_array
+
+        tasks = [(spec, cfg.to_dict(), threads) for spec, cfg in todo]
+        run_array(executor, out, slurm, tasks, progress.done, log, workers)
+    elif workers <= 1:
         for spec, cfg in todo:
             t = time.perf_counter()
             try:
@@ -332,7 +341,7 @@ def remove_sweep_dir(out: Path) -> None:
     may delete or the report, and nothing else at its top."""
     from stalepipe.rundir.directory import RUN_ENTRIES, RUN_KIND
 
-    allowed = [".*.deleting-*"]  # a deletion interrupted by a crash
+    allowed = [".*.deleting-*", ".submitit"]  # an interrupted deletion; submitit's job files
     for child in sorted(out.iterdir()):
         if child.name == REPORT_DIR and child.is_dir() and not child.is_symlink():
             foreign = [p.name for p in child.iterdir() if not _is_report_file(p)]

@@ -1,0 +1,174 @@
+"""Where a sweep's runs execute: this machine's process pool, or submitit (SLURM job arrays, and
+its local and debug executors for checking the same path without a cluster).
+
+- `local` (the default): `experiments.workers.run_spawned`, one spawned process per run,
+  `--workers` at a time. Measured against submitit's LocalExecutor on short runs
+  (benchmarks/sweep_executors.py, docs/benchmarks.md): the pool is faster, it starts each run
+  without writing pickles and log files or polling them, so it stays the local executor.
+- `slurm`: one job array through submitit, one array task per run, at most
+  `array_parallelism` at once. `stalepipe sweep` submits and returns (the runs outlive it);
+  running it again shows what finished, skips what runs (claimed: `rundir.claim`) and submits
+  only the rest.
+- `submitit-local` / `submitit-debug`: submitit's local and in-process executors, which run
+  the very task a SLURM array task runs; used by the tests and for debugging a job locally.
+
+A task that SLURM preempts gets SIGTERM, and SIGUSR1 90 s before its time limit (the array's
+`--signal`): the run checkpoints and exits 75 (docs/failures.md), and the task requeues itself
+(`scontrol requeue`); the requeued task finds its own claim (same job id), takes it over and
+resumes from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stalepipe.errors import EXIT_PREEMPTED, UserError
+
+EXECUTORS = ("local", "slurm", "submitit-local", "submitit-debug")
+SUBMITIT_DIR = ".submitit"  # inside the sweep directory: job scripts, pickles and logs
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlurmOptions:
+    """What a team sets for a SLURM job array (`stalepipe sweep --slurm-*`)."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_min: int = 240
+    gpus_per_run: int = 0
+    cpus_per_run: int = 1
+    mem: str | None = None  # e.g. "32G"
+    array_parallelism: int = 64
+    sbatch: tuple[str, ...] = field(default_factory=tuple)  # extra lines: "constraint=h100"
+    setup: tuple[str, ...] = field(default_factory=tuple)  # shell lines before the task
+
+    def __post_init__(self) -> None:
+        flags = {
+            "time_min": "time",
+            "cpus_per_run": "cpus-per-run",
+            "array_parallelism": "array-parallelism",
+        }  # the CLI's names
+        for name, flag in flags.items():
+            if getattr(self, name) < 1:
+                raise UserError(f"--slurm-{flag} must be >= 1, got {getattr(self, name)}")
+        if self.gpus_per_run < 0:
+            raise UserError("--slurm-gpus-per-run must be >= 0")
+        for line in self.sbatch:
+            if "=" not in line and not line.lstrip("-").isidentifier():
+                raise UserError(f"--slurm-sbatch {line!r}: give KEY=VALUE (e.g. constraint=h100)")
+
+    def parameters(self) -> dict[str, Any]:
+        """submitit's SLURM parameters for one run per array task."""
+        # SIGUSR1 90 s before the time limit: the run's own handler checkpoints and exits 75,
+        # and the task requeues itself (submitit's USR2 handler would exit mid-step instead)
+        extra: dict[str, Any] = {"signal": "USR1@90"}
+        for line in self.sbatch:
+            key, _, value = line.lstrip("-").partition("=")
+            extra[key.replace("-", "_")] = value or True
+        params: dict[str, Any] = {
+            "time": self.time_min,
+            "nodes": 1,
+            "ntasks_per_node": 1,
+            "cpus_per_task": self.cpus_per_run,
+            "array_parallelism": self.array_parallelism,
+            "job_name": "stalepipe-sweep",
+            "setup": list(self.setup),
+            "additional_parameters": extra,
+        }
+        if self.gpus_per_run:
+            params["gpus_per_node"] = self.gpus_per_run
+        for key in ("partition", "account", "qos", "mem"):
+            if getattr(self, key) is not None:
+                params[key] = getattr(self, key)
+        return params
+
+
+def sbatch_script(out: Path, opts: SlurmOptions, num_runs: int) -> str:
+    """The sbatch array script `--executor slurm` would submit for `num_runs` runs."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    folder = out / SUBMITIT_DIR / "%j"
+    python = shlex.quote(sys.executable)
+    command = f"{python} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+    return _make_sbatch_string(
+        command=command, folder=folder, map_count=num_runs, **opts.parameters()
+    )
+
+
+def make_executor(kind: str, out: Path, opts: SlurmOptions) -> Any:
+    """A submitit executor of `kind` (a name of EXECUTORS other than `local`)."""
+    import submitit
+
+    folder = out / SUBMITIT_DIR / "%j"
+    if kind == "slurm":
+        ex = submitit.SlurmExecutor(folder=folder)
+        ex.update_parameters(**opts.parameters())
+        return ex
+    if kind == "submitit-debug":
+        return submitit.DebugExecutor(folder=folder)
+    ex = submitit.LocalExecutor(folder=folder)
+    ex.update_parameters(timeout_min=opts.time_min)
+    return ex
+
+
+def run_task(cfg_dict: dict[str, Any], threads: int) -> int:
+    """One array task: the sweep's worker body (claim, train or resume); a run stopped by a
+    signal after its checkpoint requeues its task under SLURM. Returns the worker's exit code."""
+    from stalepipe.experiments.sweep import _run_one
+
+    try:
+        _run_one(cfg_dict, threads)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+        if code == EXIT_PREEMPTED:
+            _requeue()
+        return code
+    return 0
+
+
+def _requeue() -> bool:
+    """Ask SLURM to requeue this array task (False outside SLURM)."""
+    job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    task = os.environ.get("SLURM_ARRAY_TASK_ID")
+    job_id = f"{job}_{task}" if job and task else os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return False
+    return subprocess.run(["scontrol", "requeue", job_id], check=False).returncode == 0
+
+
+def run_array(
+    kind: str,
+    out: Path,
+    opts: SlurmOptions | None,
+    tasks: Sequence[tuple[Any, dict[str, Any], int]],
+    on_done: Callable[[Any, int, float], None],
+    log: Callable[[str], None],
+    workers: int = 1,
+) -> None:
+    """Submit one task per run, (key, config dict, threads) each, as a job array. SLURM:
+    submitted and left running. submitit's local and debug executors: waited for, each
+    task's exit code handed to `on_done(key, code, seconds)` as the sweep's pool does, in
+    waves of `workers` (submitit's local executor starts every task of an array at once)."""
+    ex = make_executor(kind, out, opts or SlurmOptions())
+    if kind == "slurm":
+        jobs = ex.map_array(run_task, [t[1] for t in tasks], [t[2] for t in tasks])
+        array = str(jobs[0].job_id).split("_")[0]
+        where = out / SUBMITIT_DIR
+        log(f"submitted job array {array}: {len(jobs)} runs, logs in {where}")
+        log("run the same command again to see what finished (runs in flight are skipped)")
+        return
+    for i in range(0, len(tasks), max(workers, 1)):
+        wave = tasks[i : i + max(workers, 1)]
+        t = time.perf_counter()
+        jobs = ex.map_array(run_task, [w[1] for w in wave], [w[2] for w in wave])
+        for (key, _, _), job in zip(wave, jobs):
+            on_done(key, job.result(), time.perf_counter() - t)

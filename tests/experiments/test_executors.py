@@ -1,0 +1,78 @@
+"""Sweeps through submitit (experiments/executors.py): the SLURM array script, submitit's local
+executor giving the pool's records, a preempted task requeueing itself, and bad flags."""
+
+import dataclasses
+import json
+import subprocess
+
+import pytest
+
+from stalepipe.errors import UserError
+from stalepipe.experiments import executors
+from stalepipe.experiments.executors import SlurmOptions, sbatch_script
+from stalepipe.experiments.grid import expand
+from stalepipe.experiments.sweep import run_sweep
+
+
+def test_the_sbatch_array_script_carries_every_option(tmp_path):
+    opts = SlurmOptions(partition="gpu", account="proj", qos="high", time_min=120,
+                        gpus_per_run=1, cpus_per_run=8, mem="64G", array_parallelism=4,
+                        sbatch=("constraint=h100", "exclusive"), setup=("module load cuda",))  # fmt: skip
+    text = sbatch_script(tmp_path / "sweep", opts, 10)
+    for line in ["#SBATCH --array=0-9%4", "#SBATCH --partition=gpu", "#SBATCH --account=proj",
+                 "#SBATCH --qos=high", "#SBATCH --time=120", "#SBATCH --gpus-per-node=1",
+                 "#SBATCH --cpus-per-task=8", "#SBATCH --mem=64G", "#SBATCH --constraint=h100",
+                 "#SBATCH --exclusive", "#SBATCH --signal=USR1@90", "module load cuda",
+                 "submitit.core._submit"]:  # fmt: skip
+        assert line in text, line
+    assert str(tmp_path / "sweep" / executors.SUBMITIT_DIR) in text
+
+
+def test_bad_slurm_options_are_one_line_errors():
+    with pytest.raises(UserError, match="--slurm-time must be >= 1"):
+        SlurmOptions(time_min=0)
+    with pytest.raises(UserError, match="give KEY=VALUE"):
+        SlurmOptions(sbatch=("not a line",))
+
+
+def test_cli_refuses_slurm_flags_without_the_slurm_executor(capsys):
+    from stalepipe.cli import main
+
+    code = main(["sweep", "--grid", "delay.policy=sync", "--slurm-partition", "gpu", "--dry-run"])
+    assert code == 2 and "--slurm-* options configure --executor slurm" in capsys.readouterr().err
+
+
+def test_a_preempted_task_requeues_itself(monkeypatch):
+    calls = []
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "12")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 0))  # fmt: skip
+
+    def preempted(cfg, threads):
+        raise SystemExit(75)
+
+    monkeypatch.setattr("stalepipe.experiments.sweep._run_one", preempted)
+    assert executors.run_task({}, 1) == 75 and calls == [["scontrol", "requeue", "12_3"]]
+
+
+def _finals(out, names):
+    rows = {n: [json.loads(x) for x in (out / n / "metrics.jsonl").read_text().splitlines()]
+            for n in names}  # fmt: skip
+    return {n: [r["loss"] for r in rs if "loss" in r] for n, rs in rows.items()}
+
+
+def test_submitit_local_gives_the_pools_records(tiny_config, tmp_path):
+    """The same two runs through the pool and through submitit's LocalExecutor (a real
+    subprocess, as a SLURM array task runs it): the same losses, bit for bit."""
+    base = dataclasses.replace(
+        tiny_config, train=dataclasses.replace(tiny_config.train, num_steps=4, eval_every=0)
+    )
+    specs = expand([[("sync", {"delay.policy": "sync"}), ("2bw", {"delay.policy": "2bw"})]])
+    pool = run_sweep(specs, base, tmp_path / "pool", log=lambda m: None)
+    sub = run_sweep(specs, base, tmp_path / "sub", log=lambda m: None, executor="submitit-local",
+                    workers=2)  # fmt: skip
+    assert sorted(pool.ran) == sorted(sub.ran) == ["2bw_s0", "sync_s0"] and not sub.failed
+    names = ["sync_s0", "2bw_s0"]
+    assert _finals(tmp_path / "pool", names) == _finals(tmp_path / "sub", names)
+    assert (tmp_path / "sub" / executors.SUBMITIT_DIR).is_dir()
