@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stalepipe.config import ConfigError
+from stalepipe.config import ConfigError, DelayConfig
 from stalepipe.delay import DelaySchedule
 from stalepipe.schedules.generators import SCHEDULES, make_schedule
 from stalepipe.schedules.schedule import (
@@ -59,7 +59,9 @@ def test_versions_come_from_the_delay_policy(name):
         if a.kind == "STEP":
             assert (a.reads, a.makes) == (-1, a.step + 1)
         else:
-            want = DelaySchedule.build(sched.policy, S, N, 1, 1).version(a.stage, a.step)
+            want = DelaySchedule.build(
+                DelayConfig(policy=sched.policy, sync_start=1, sync_cooldown=1), S, N
+            ).version(a.stage, a.step)
             assert (a.reads, a.makes) == (want, -1), a
 
 

@@ -41,7 +41,7 @@ from torch import nn
 from stalepipe.config import ConfigError, DelayConfig
 from stalepipe.delay import correctors, mitigations
 from stalepipe.delay.policies import DelaySchedule
-from stalepipe.delay.stage_params import StageParams, schedule_for, stage_parameters
+from stalepipe.delay.stage_params import StageParams, checked_delay_schedule, stage_parameters
 
 
 class DelayedOptimizer:
@@ -79,7 +79,7 @@ class DelayedOptimizer:
         cfg = cfg or DelayConfig()
         if not stages:
             raise ConfigError("DelayedOptimizer needs at least one stage of parameters")
-        schedule = schedule_for(cfg, len(stages), total_steps, schedule)
+        schedule = checked_delay_schedule(cfg, len(stages), total_steps, schedule)
         self.optimizer = optimizer
         self.cfg = cfg
         self.schedule = schedule

@@ -111,7 +111,7 @@ def same_past(saved: dict[str, Any], current: dict[str, Any], step: int) -> bool
     if step >= new.train.num_steps:
         return False
     plans = [
-        DelaySchedule.from_config(c.delay, c.pipeline.num_stages, c.train.num_steps, c.train)
+        DelaySchedule.build(c.delay, c.pipeline.num_stages, c.train.num_steps, train=c.train)
         for c in (old, new)
     ]
     return all(

@@ -11,7 +11,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from stalepipe.config import RUNTIME_SCHEDULES, ConfigError
+from stalepipe.config import RUNTIME_SCHEDULES, ConfigError, DelayConfig
 from stalepipe.delay.policies import DelaySchedule
 from stalepipe.schedules.build import Op, build_schedule, check_sizes
 from stalepipe.schedules.schedule import Action, Key, Schedule
@@ -331,7 +331,7 @@ def make_schedule(
     (`SCHEDULE_POLICY`) with these sync windows; an unknown name raises ConfigError listing
     them. `num_chunks` is used by interleaved-1f1b only; sync windows by 2bw, pipedream, wpipe
     (a synchronous schedule has no delay to lift, so `--compare` may pass them to all). The entry point of the
-    simulator and its CLI; an engine that has its `DelaySchedule` calls `schedule_for`."""
+    simulator and its CLI; an engine that has its `DelaySchedule` calls `pipeline_schedule_for`."""
     if name not in SCHEDULES:
         raise ConfigError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
     if num_ranks < 1:
@@ -344,11 +344,12 @@ def make_schedule(
     if policy == "sync":
         sync_start, sync_cooldown = 0, 0.0  # every step is synchronous already
     num_stages = schedule_stages(name, num_ranks, num_chunks)
-    delay = DelaySchedule.build(policy, num_stages, num_steps, sync_start, sync_cooldown)
-    return schedule_for(name, delay, num_microbatches, num_chunks=num_chunks)
+    windows = DelayConfig(policy=policy, sync_start=sync_start, sync_cooldown=sync_cooldown)
+    delay = DelaySchedule.build(windows, num_stages, num_steps)
+    return pipeline_schedule_for(name, delay, num_microbatches, num_chunks=num_chunks)
 
 
-def schedule_for(
+def pipeline_schedule_for(
     name: str, delay: DelaySchedule, num_microbatches: int, *, num_chunks: int = 2
 ) -> Schedule:
     """The schedule `name` realising `delay` (its policy must be `SCHEDULE_POLICY[name]`) over

@@ -57,6 +57,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from stalepipe.config import DelayConfig
 from stalepipe.delay.policies import DelaySchedule
 from stalepipe.errors import UserError
 
@@ -210,11 +211,13 @@ class Schedule:
                 num_microbatches=int(meta["microbatches"]),
                 num_steps=num_steps,
                 delay=DelaySchedule.build(
-                    meta["policy"],
+                    DelayConfig(
+                        policy=meta["policy"],
+                        sync_start=int(meta.get("sync_start", 0)),
+                        sync_cooldown=float(meta.get("sync_cooldown", 0.0)),
+                    ),
                     num_ranks * num_chunks,
                     num_steps,
-                    int(meta.get("sync_start", 0)),
-                    float(meta.get("sync_cooldown", 0.0)),
                 ),
             )
         except (KeyError, ValueError) as e:

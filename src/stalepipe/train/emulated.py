@@ -104,7 +104,7 @@ class EmulatorEngine:
         if tc.compile:  # compiles forward only; the emulator's weight swaps keep the same graph
             self.model.compile()
         self.optimizer = build_optimizer(cfg.optim, self.model.named_parameters())
-        self.delay = DelaySchedule.from_config(cfg.delay, cfg.pipeline.num_stages, tc.num_steps, tc)
+        self.delay = DelaySchedule.build(cfg.delay, cfg.pipeline.num_stages, tc.num_steps, train=tc)
         self.emulator = DelayEmulator(
             self.model,
             self.optimizer,

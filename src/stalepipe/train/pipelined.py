@@ -52,7 +52,7 @@ from stalepipe.runtime.stage_io import ModelLayout, StageIO
 from stalepipe.runtime.tied import TIED_HEAD, TIED_NAME
 from stalepipe.runtime.topology import Topology
 from stalepipe.runtime.votes import StepVotes, lookahead
-from stalepipe.schedules.generators import one_stage_per_rank, schedule_for
+from stalepipe.schedules.generators import one_stage_per_rank, pipeline_schedule_for
 from stalepipe.schedules.schedule import Schedule, validate
 from stalepipe.train.devices import check_device, set_tf32
 from stalepipe.train.distributed import MAIN_WORK_TIMEOUT_S
@@ -96,8 +96,8 @@ def runtime_schedule(cfg: ExperimentConfig, num_steps: int | None = None) -> Sch
     runs every stage in its own process, each in its rank's order (`one_stage_per_rank`)."""
     pc, tc = cfg.pipeline, cfg.train
     steps = tc.num_steps if num_steps is None else num_steps
-    delay = DelaySchedule.from_config(cfg.delay, pc.num_stages, steps, tc)
-    sched = schedule_for(pc.schedule, delay, tc.num_microbatches, num_chunks=pc.num_chunks)
+    delay = DelaySchedule.build(cfg.delay, pc.num_stages, steps, train=tc)
+    sched = pipeline_schedule_for(pc.schedule, delay, tc.num_microbatches, num_chunks=pc.num_chunks)
     if pc.num_chunks == 1:
         sched = one_stage_per_rank(sched)
     assert sched.num_stages == pc.num_stages, (sched.num_stages, pc.num_stages)
