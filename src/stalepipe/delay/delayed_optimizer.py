@@ -242,9 +242,9 @@ class DelayedOptimizer:
 
     @torch.no_grad()
     def step(self, *, live_in_use: bool = False) -> dict[str, Any]:
-        """Apply step k's update: Taylor compensation of the stale gradient, `optimizer.step()`
-        on the newest weights, error feedback, version bookkeeping. Returns {"tau": [per
-        stage]}, the staleness this step's gradient had.
+        """Apply step k's update: Taylor compensation of the stale gradient, version bookkeeping
+        (W_k stored where a later step reads it), `optimizer.step()` on the newest weights,
+        error feedback. Returns {"tau": [per stage]}, the staleness this step's gradient had.
 
         `live_in_use`: autograd graphs still hold the live tensors (the pipeline runtime's
         forwards in flight), so they must not change: the parameters move to new storage and
@@ -335,8 +335,8 @@ class DelayedOptimizer:
 
     def _correct_gradients(self, k: int, taus: list[int]) -> None:
         """Taylor / DC-ASGD: each stale gradient moved from the point it was taken at to W_k."""
-        # from `read_weights`' point; adaptive lambda and / or the EMA curvature (DC-ASGD-EMA)
-        # read one EMA of g^2
+        # the point is `read_weights`'; adaptive lambda and / or the EMA curvature
+        # (DC-ASGD-EMA) read one EMA of g^2
         cfg = self.cfg
         used = [max(k - t, 0) for t in taus]
         ema = cfg.taylor_curvature == "ema"
