@@ -53,7 +53,7 @@ from stalepipe.runtime.tied import TIED_HEAD, TIED_NAME
 from stalepipe.runtime.topology import Topology
 from stalepipe.runtime.votes import StepVotes, lookahead
 from stalepipe.schedules.generators import one_stage_per_rank, pipeline_schedule_for
-from stalepipe.schedules.schedule import Schedule, validate
+from stalepipe.schedules.schedule import PipelineSchedule, validate
 from stalepipe.train.devices import check_device, set_tf32
 from stalepipe.train.distributed import MAIN_WORK_TIMEOUT_S
 from stalepipe.train.engine import StepPlan, StepResult
@@ -89,7 +89,7 @@ def check_config(cfg: ExperimentConfig) -> None:
         ) from None
 
 
-def runtime_schedule(cfg: ExperimentConfig, num_steps: int | None = None) -> Schedule:
+def runtime_schedule(cfg: ExperimentConfig, num_steps: int | None = None) -> PipelineSchedule:
     """The schedule the runtime executes for `cfg`: pipeline.num_chunks stages per process.
     Interleaved 1F1B runs its ranks as generated (rank r: stages r, r + R, ...). WPipe's
     generator puts two stages (one of each group) on each of num_stages / 2 ranks; the runtime
