@@ -23,7 +23,7 @@ from stalepipe.config.overrides import default_of
 from stalepipe.delay import DelaySchedule
 from stalepipe.errors import CheckpointError
 from stalepipe.fileio import flatten_dict
-from stalepipe.optim.schedules import lr_multiplier
+from stalepipe.optim.lr_schedule import lr_multiplier
 from stalepipe.rundir.checkpoint import (
     checkpoint_path,
     checkpoint_step,

@@ -24,7 +24,7 @@ from stalepipe.data import EVAL_SEED, TokenLoader
 from stalepipe.delay import DelayEmulator, DelaySchedule
 from stalepipe.models import Transformer, build_model
 from stalepipe.optim import build_optimizer
-from stalepipe.optim.schedules import apply_lr, config_peak_lr
+from stalepipe.optim.lr_schedule import apply_lr, config_peak_lr
 from stalepipe.rundir.checkpoint import (
     load_checkpoint,
     load_model_state,

@@ -33,7 +33,7 @@ from stalepipe.delay import DelayedOptimizer, DelaySchedule
 from stalepipe.errors import Preempted
 from stalepipe.models import Transformer, build_stage, partition
 from stalepipe.optim import build_optimizer
-from stalepipe.optim.schedules import config_peak_lr, set_peak_lr
+from stalepipe.optim.lr_schedule import config_peak_lr, set_peak_lr
 from stalepipe.rundir.checkpoint import load_checkpoint, save_checkpoint
 from stalepipe.rundir.directory import run_data_dir
 from stalepipe.rundir.startup import FRESH, StartUp, begin_run
