@@ -36,7 +36,7 @@ from stalepipe.delay import DelayedOptimizer
 from stalepipe.launch.pool import WorkerPool
 from stalepipe.models import build_model, partition
 from stalepipe.optim import build_optimizer, resolve_config
-from stalepipe.optim.schedules import set_peak_lr
+from stalepipe.optim.lr_schedule import set_peak_lr
 from stalepipe.runtime.comm import Comm, init_from_env
 from stalepipe.runtime.stage import StageExecutor
 from stalepipe.runtime.stage_io import ModelLayout, StageIO

@@ -57,7 +57,7 @@ def closed_form(cfg: DelayConfig, T: int, momentum: float = 0.0):
     g += lam V (W_k - point), V = ema V + (1 - ema) g^2;
     mu_s = mu + tau (0.99 - mu) / P;  buf = mu_s buf + g (buf = g first);
     W_{k+1} = W_k - lr tau^-(1 - min(k/K, 1)) buf."""
-    delay = DelaySchedule.from_config(cfg, P, T)
+    delay = DelaySchedule.build(cfg, P, T)
     c = cfg.weight_pred_scale if cfg.weight_pred else 0.0
     traj = [[w.detach().clone() for w in init()]]
     bufs: list[torch.Tensor | None] = [None] * P

@@ -51,7 +51,7 @@ def run(cfg: DelayConfig, T: int, n: int = P, opt_fn=None):
 
 def closed_form(cfg: DelayConfig, T: int, n: int = P):
     """W_{k+1} = W_k - lr * grad(W^0_{v_0(k)}, ..., W^{n-1}_{v_{n-1}(k)}), v_s = version_used."""
-    delay = DelaySchedule.from_config(cfg, n, T)
+    delay = DelaySchedule.build(cfg, n, T)
     traj = [[w.detach().clone() for w in init(n)]]
     for k in range(T):
         point = [traj[delay.version(s, k)][s] for s in range(n)]

@@ -10,7 +10,11 @@ from stalepipe.delay.policies import cooldown_steps, wpipe_group
 
 
 def sched(policy: str, P: int, T: int, sync_start: int = 0, sync_cooldown: float = 0.0):
-    return DelaySchedule.build(policy, P, T, sync_start, sync_cooldown)
+    if not (sync_start or sync_cooldown):  # a bare name: the policy's own error messages
+        return DelaySchedule.build(policy, P, T)
+    return DelaySchedule.build(
+        DelayConfig(policy=policy, sync_start=sync_start, sync_cooldown=sync_cooldown), P, T
+    )
 
 
 def staleness(policy, stage, step, P, T, **kw) -> int:

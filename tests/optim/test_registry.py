@@ -13,8 +13,8 @@ import torch
 from stalepipe.config import FIXED_OPTIM_FIELDS, OPTIMIZER_FIELDS, ConfigError, OptimConfig
 from stalepipe.models import build_model
 from stalepipe.optim import DEFAULTS, OPTIMIZERS, build_optimizer, resolve_config, split_params
+from stalepipe.optim.lr_schedule import apply_lr
 from stalepipe.optim.registry import AUX_ADAMW_EPS
-from stalepipe.optim.schedules import apply_lr
 from stalepipe.presets import cpu_tiny
 
 NAMES = list(OPTIMIZERS)

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from stalepipe.config import ConfigError
+from stalepipe.config import ConfigError, DelayConfig
 from stalepipe.delay import DelaySchedule
 from stalepipe.schedules.generators import SCHEDULES, make_schedule
 from stalepipe.schedules.schedule import (
     Action,
-    Schedule,
+    PipelineSchedule,
     ScheduleError,
     execution_order,
     peak_activations,
@@ -27,7 +27,7 @@ GRID = [(P, m) for P in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 7, 8, 16)]
 GOLDEN = Path(__file__).parent / "golden"
 
 
-def build(name: str, P: int, m: int, N: int = 1, **kw) -> Schedule | None:
+def build(name: str, P: int, m: int, N: int = 1, **kw) -> PipelineSchedule | None:
     """The schedule, or None where the generator refuses these sizes by design."""
     try:
         return make_schedule(name, P, m, N, **kw)
@@ -59,7 +59,9 @@ def test_versions_come_from_the_delay_policy(name):
         if a.kind == "STEP":
             assert (a.reads, a.makes) == (-1, a.step + 1)
         else:
-            want = DelaySchedule.build(sched.policy, S, N, 1, 1).version(a.stage, a.step)
+            want = DelaySchedule.build(
+                DelayConfig(policy=sched.policy, sync_start=1, sync_cooldown=1), S, N
+            ).version(a.stage, a.step)
             assert (a.reads, a.makes) == (want, -1), a
 
 
@@ -131,7 +133,7 @@ def test_sync_windows_flush_the_async_pipeline():
 def test_text_form_round_trips(name):
     sched = make_schedule(name, 4, 8, 2, sync_cooldown=1)
     text = sched.to_text()
-    back = Schedule.from_text(text)
+    back = PipelineSchedule.from_text(text)
     assert back == sched and back.to_text() == text
 
 
@@ -145,12 +147,12 @@ def test_text_form_example():
 def test_bad_text_is_refused():
     text = make_schedule("1f1b", 2, 2).to_text()
     with pytest.raises(ScheduleError, match="bad action token 'X0.0@v0'"):
-        Schedule.from_text(text.replace("F0.0@v0", "X0.0@v0", 1))
+        PipelineSchedule.from_text(text.replace("F0.0@v0", "X0.0@v0", 1))
     with pytest.raises(ScheduleError, match="must start with"):
-        Schedule.from_text("rank 0: F0.0@v0")
+        PipelineSchedule.from_text("rank 0: F0.0@v0")
 
 
-def _replace_rank(sched: Schedule, rank: int, acts: list[Action]) -> Schedule:
+def _replace_rank(sched: PipelineSchedule, rank: int, acts: list[Action]) -> PipelineSchedule:
     ranks = list(sched.ranks)
     ranks[rank] = tuple(acts)
     return dataclasses.replace(sched, ranks=tuple(ranks), _index={})

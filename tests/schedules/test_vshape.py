@@ -14,7 +14,13 @@ import pytest
 
 from stalepipe.config import RUNTIME_SCHEDULES, ConfigError, PipelineConfig
 from stalepipe.schedules.generators import SCHEDULES, make_schedule
-from stalepipe.schedules.schedule import Action, Schedule, ScheduleError, stage_rank, validate
+from stalepipe.schedules.schedule import (
+    Action,
+    PipelineSchedule,
+    ScheduleError,
+    stage_rank,
+    validate,
+)
 from stalepipe.sim.memory import rank_memory
 from stalepipe.sim.timing import SimResult, simulate, summarize, uniform_costs
 
@@ -52,11 +58,12 @@ def test_text_form_keeps_the_placement(name):
     sched = make_schedule(name, 3, 6, 2)
     text = sched.to_text()
     assert "placement=v" in text.splitlines()[0]
-    assert Schedule.from_text(text) == sched
+    assert PipelineSchedule.from_text(text) == sched
     old = make_schedule("interleaved-1f1b", 2, 2).to_text().replace(" placement=interleaved", "")
-    assert Schedule.from_text(old).placement == "interleaved"  # headers from before placement
+    # headers from before placement
+    assert PipelineSchedule.from_text(old).placement == "interleaved"
     with pytest.raises(ScheduleError, match="placement must be one of interleaved, v"):
-        Schedule.from_text(text.replace("placement=v", "placement=w"))
+        PipelineSchedule.from_text(text.replace("placement=v", "placement=w"))
 
 
 def test_validator_checks_ranks_under_the_v_placement():

@@ -122,7 +122,7 @@ def sync_window_share(row: Row) -> float:
     record = json.loads((row.runs[0].path / "config.json").read_text())
     cfg = ExperimentConfig.from_dict(upgrade_record(record), strict=False)
     steps = cfg.train.num_steps
-    delay = DelaySchedule.from_config(cfg.delay, cfg.pipeline.num_stages, steps, cfg.train)
+    delay = DelaySchedule.build(cfg.delay, cfg.pipeline.num_stages, steps, train=cfg.train)
     return sum(delay.in_sync_window(k) for k in range(steps)) / steps
 
 

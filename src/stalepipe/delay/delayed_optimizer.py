@@ -41,7 +41,7 @@ from torch import nn
 from stalepipe.config import ConfigError, DelayConfig
 from stalepipe.delay import correctors, mitigations
 from stalepipe.delay.policies import DelaySchedule
-from stalepipe.delay.stage_params import StageParams, schedule_for, stage_parameters
+from stalepipe.delay.stage_params import StageParams, checked_delay_schedule, stage_parameters
 
 
 class DelayedOptimizer:
@@ -79,7 +79,7 @@ class DelayedOptimizer:
         cfg = cfg or DelayConfig()
         if not stages:
             raise ConfigError("DelayedOptimizer needs at least one stage of parameters")
-        schedule = schedule_for(cfg, len(stages), total_steps, schedule)
+        schedule = checked_delay_schedule(cfg, len(stages), total_steps, schedule)
         self.optimizer = optimizer
         self.cfg = cfg
         self.schedule = schedule
@@ -242,23 +242,28 @@ class DelayedOptimizer:
 
     @torch.no_grad()
     def step(self, *, live_in_use: bool = False) -> dict[str, Any]:
-        """Apply step k's update: Taylor compensation of the stale gradient, `optimizer.step()`
-        on the newest weights, error feedback, version bookkeeping. Returns {"tau": [per
-        stage]}, the staleness this step's gradient had.
+        """Apply step k's update: Taylor compensation of the stale gradient, version bookkeeping
+        (W_k stored where a later step reads it), `optimizer.step()` on the newest weights,
+        error feedback. Returns {"tau": [per stage]}, the staleness this step's gradient had.
 
         `live_in_use`: autograd graphs still hold the live tensors (the pipeline runtime's
         forwards in flight), so they must not change: the parameters move to new storage and
         the old storage becomes the stored W_k (one copy, where clone-then-store makes two).
         """
         k = self._check_step(None)
-        cfg = self.cfg
         taus = self.staleness(k)
-        used = [max(k - t, 0) for t in taus]
+        if self.cfg.taylor > 0:
+            self._correct_gradients(k, taus)
+        stored = self._retire_versions(k, live_in_use)
+        w_k = self._weights_before_update(stored) if self.cfg.ef else None
+        self._base_step(k, taus)
+        if w_k is not None:
+            self._apply_error_feedback(w_k)
+        self._step += 1
+        return {"tau": taus}
 
-        if cfg.taylor > 0:
-            self._taylor(k, used)
-
-        # Keep W_k if a later step reads it; recycle the buffers nobody reads any more.
+    def _retire_versions(self, k: int, live_in_use: bool) -> list[list[torch.Tensor] | None]:
+        """Store W_k where a later step reads it and recycle what nobody reads; W_k per stage."""
         w_k: list[list[torch.Tensor] | None] = [None] * self.num_stages
         for s in range(self.num_stages):
             needed = self.schedule.versions_needed_after(self._consumers[s], k, self._predict)
@@ -266,18 +271,7 @@ class DelayedOptimizer:
             for v in [v for v in hist if v not in needed]:
                 self._spare[s] = hist.pop(v)
             if k in needed or live_in_use:
-                buf = self._spare[s]
-                self._spare[s] = None
-                if buf is None:
-                    buf = [p.detach().clone() for p in self._params[s]]
-                else:
-                    for b, p in zip(buf, self._params[s], strict=True):
-                        b.copy_(p.detach())
-                if live_in_use:  # the copy becomes the live weights; the original is W_k
-                    held = [p.data for p in self._params[s]]
-                    for b, p in zip(buf, self._params[s], strict=True):
-                        p.data = b
-                    buf = held
+                buf = self._copy_live(s, live_in_use)
                 if k in needed:
                     hist[k] = buf
                     w_k[s] = buf
@@ -286,27 +280,45 @@ class DelayedOptimizer:
             cache = self._predicted[s]
             for key in [key for key in cache if key[0] - 1 not in hist]:
                 del cache[key]  # no later step reads this prediction
+        return w_k
 
-        if cfg.ef:
-            w_k = [
-                w if w is not None else [p.detach().clone() for p in self._params[s]]
-                for s, w in enumerate(w_k)
-            ]
+    def _copy_live(self, s: int, live_in_use: bool) -> list[torch.Tensor]:
+        """A copy of stage s's live weights (in the spare buffer when there is one)."""
+        buf = self._spare[s]
+        self._spare[s] = None
+        if buf is None:
+            buf = [p.detach().clone() for p in self._params[s]]
+        else:
+            for b, p in zip(buf, self._params[s], strict=True):
+                b.copy_(p.detach())
+        if live_in_use:  # the copy becomes the live weights; the original is W_k
+            held = [p.data for p in self._params[s]]
+            for b, p in zip(buf, self._params[s], strict=True):
+                p.data = b
+            buf = held
+        return buf
 
+    def _weights_before_update(
+        self, stored: list[list[torch.Tensor] | None]
+    ) -> list[list[torch.Tensor]]:
+        """W_k of every stage, for error feedback: the stored copy, else a fresh clone."""
+        return [
+            w if w is not None else [p.detach().clone() for p in self._params[s]]
+            for s, w in enumerate(stored)
+        ]
+
+    def _base_step(self, k: int, taus: list[int]) -> None:
+        """The base optimizer's update on the live weights, with step k's per-stage groups."""
         with self._stage_hyperparameters(k, taus):
             self.optimizer.step()
 
-        if cfg.ef:
-            if self._ef_prev is None:
-                self._ef_prev = [[torch.zeros_like(p) for p in ps] for ps in self._params]
-            for s, params in enumerate(self._params):
-                for i, p in enumerate(params):
-                    self._ef_prev[s][i] = mitigations.error_feedback_(
-                        p, w_k[s][i], self._ef_prev[s][i]
-                    )
-
-        self._step += 1
-        return {"tau": taus}
+    def _apply_error_feedback(self, w_k: list[list[torch.Tensor]]) -> None:
+        """Error feedback: W+ = W - 2U_k + U_{k-1}, with U_k the update just applied to W_k."""
+        if self._ef_prev is None:
+            self._ef_prev = [[torch.zeros_like(p) for p in ps] for ps in self._params]
+        for s, params in enumerate(self._params):
+            for i, p in enumerate(params):
+                self._ef_prev[s][i] = mitigations.error_feedback_(p, w_k[s][i], self._ef_prev[s][i])
 
     def _stage_hyperparameters(self, k: int, taus: list[int]):
         """The PipeMare LR factor and adaptive momentum of step k on every stage's groups."""
@@ -321,10 +333,12 @@ class DelayedOptimizer:
             self.optimizer, self._group_stage, lr, momenta, self.num_stages
         )
 
-    def _taylor(self, k: int, used: list[int]) -> None:
-        """DC-ASGD from the point each stage's gradient was taken at (`read_weights`) to W_k;
-        adaptive lambda and / or the EMA curvature (DC-ASGD-EMA) read one EMA of g^2."""
+    def _correct_gradients(self, k: int, taus: list[int]) -> None:
+        """Taylor / DC-ASGD: each stale gradient moved from the point it was taken at to W_k."""
+        # the point is `read_weights`'; adaptive lambda and / or the EMA curvature
+        # (DC-ASGD-EMA) read one EMA of g^2
         cfg = self.cfg
+        used = [max(k - t, 0) for t in taus]
         ema = cfg.taylor_curvature == "ema"
         if (cfg.taylor_adaptive or ema) and self._taylor_ms is None:
             self._taylor_ms = [[torch.zeros_like(p) for p in ps] for ps in self._params]

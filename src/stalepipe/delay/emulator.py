@@ -100,7 +100,7 @@ class DelayEmulator:
         if schedule is None:
             if num_stages is None:
                 raise ConfigError("DelayEmulator needs num_stages (or a DelaySchedule)")
-            schedule = DelaySchedule.from_config(delay_cfg, num_stages, total_steps)
+            schedule = DelaySchedule.build(delay_cfg, num_stages, total_steps)
         num_stages = schedule.num_stages
         if stages is None:
             stages = _split_transformer(model, num_stages, delay_cfg.policy, seq_len)

@@ -81,9 +81,9 @@ def resolve_delay_config(delay: DelayConfig, train: TrainConfig) -> DelayConfig:
     """`delay` with the synchronous cooldown as a step count the engine can use directly.
 
     With `sync_cooldown_wsd` the cooldown is exactly WSD's LR decay phase
-    (`optim.schedules.wsd_decay_steps`); the schedule must then be 'wsd'.
+    (`optim.lr_schedule.wsd_decay_steps`); the schedule must then be 'wsd'.
     """
-    from stalepipe.optim.schedules import wsd_decay_steps
+    from stalepipe.optim.lr_schedule import wsd_decay_steps
 
     if not delay.sync_cooldown_wsd:
         return delay

@@ -31,7 +31,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from stalepipe.config import ConfigError
+from stalepipe.config import ConfigError, DelayConfig, TrainConfig
 
 UNBOUNDED = 2**62  # total_steps of a run whose length is unknown (no cooldown then)
 
@@ -110,8 +110,8 @@ def cooldown_steps(sync_cooldown: float, total_steps: int) -> int:
 class DelaySchedule:
     """`policy` bound to a run of `total_steps` steps on `num_stages` stages, with its sync
     windows: the first `sync_start` steps and the last `sync_cooldown` steps (a count if >= 1,
-    else a fraction of the run) have tau = 0. Built once (`DelaySchedule.build`, or
-    `delay.schedule_for` from the configs); every engine and report asks it.
+    else a fraction of the run) have tau = 0. Built once, by `DelaySchedule.build` (the one
+    constructor: from a `DelayConfig` or a policy name); every engine and report asks it.
 
     Not for: a run whose length is unknown and has a cooldown (`total_steps=None` refuses one).
     """
@@ -145,17 +145,33 @@ class DelaySchedule:
     @classmethod
     def build(
         cls,
-        policy: str,
+        delay: DelayConfig | str,
         num_stages: int,
         total_steps: int | None = None,
-        sync_start: int = 0,
-        sync_cooldown: float = 0.0,
+        *,
+        train: TrainConfig | None = None,
     ) -> DelaySchedule:
-        """The schedule of a run; `total_steps=None` for a run of unknown length."""
+        """The one way to make a delay schedule: the policy and sync windows of `delay` (a
+        `DelayConfig`, or a bare policy name: no windows) on `num_stages` stages over
+        `total_steps` steps (None: a run of unknown length, which allows no cooldown). A
+        cooldown aligned with WSD's decay (`delay.sync_cooldown_wsd`) needs `train` (the
+        `TrainConfig` whose decay phase it is)."""
+        steps = UNBOUNDED if total_steps is None else total_steps
+        if isinstance(delay, str):
+            return cls(delay, num_stages, steps)
+        if delay.sync_cooldown_wsd:
+            if train is None:
+                raise ConfigError(
+                    "delay.sync_cooldown_wsd needs the train config (its WSD decay phase) to "
+                    "resolve the cooldown: pass train=... (to DelayedOptimizer: "
+                    "schedule=DelaySchedule.build(delay_cfg, num_stages, steps, train=train_cfg))"
+                )
+            from stalepipe.delay.mitigations import resolve_delay_config
+
+            delay = resolve_delay_config(delay, train)
         return cls(
-            policy, num_stages, UNBOUNDED if total_steps is None else total_steps,
-            int(sync_start), float(sync_cooldown),
-        )  # fmt: skip
+            delay.policy, num_stages, steps, int(delay.sync_start), float(delay.sync_cooldown)
+        )
 
     def with_total_steps(self, total_steps: int) -> DelaySchedule:
         """The same policy and windows over `total_steps` steps (a fractional cooldown scales)."""
@@ -238,21 +254,3 @@ class DelaySchedule:
         """The stored versions a state at the start of `step` holds for `stages` (those steps
         >= `step` still read): what a checkpoint at `step` must carry."""
         return set() if step == 0 else self.versions_needed_after(stages, step - 1, predict)
-
-    @classmethod
-    def from_config(cls, delay, num_stages: int, total_steps: int | None, train=None):
-        """The schedule of `delay` (a `DelayConfig`) on `num_stages` stages over `total_steps`
-        steps. A cooldown aligned with WSD's decay (`delay.sync_cooldown_wsd`) needs `train`
-        (a `TrainConfig`) to resolve it."""
-        if delay.sync_cooldown_wsd:
-            if train is None:
-                raise ConfigError(
-                    "delay.sync_cooldown_wsd needs the train config (its WSD decay phase) to "
-                    "resolve the cooldown: pass train=..."
-                )
-            from stalepipe.delay.mitigations import resolve_delay_config
-
-            delay = resolve_delay_config(delay, train)
-        return cls.build(
-            delay.policy, num_stages, total_steps, delay.sync_start, delay.sync_cooldown
-        )

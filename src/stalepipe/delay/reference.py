@@ -54,7 +54,7 @@ def reference_train(
     for use, (pname, stage) in uses.items():
         if use == pname:
             owner_stage[pname] = stage
-    delay = DelaySchedule.from_config(cfg, num_stages, total_steps)
+    delay = DelaySchedule.build(cfg, num_stages, total_steps)
 
     def read(stage: int, k: int, pname: str) -> torch.Tensor:
         """What `stage` computes step k at: W_v, or weight prediction's point (docs/delay.md)."""

@@ -14,18 +14,13 @@ from stalepipe.delay.policies import DelaySchedule
 StageParams = Iterable[nn.Parameter] | Mapping[str, nn.Parameter]
 
 
-def schedule_for(
+def checked_delay_schedule(
     cfg: DelayConfig, num_stages: int, total_steps: int | None, schedule: DelaySchedule | None
 ) -> DelaySchedule:
     """The run's delay schedule: `schedule` when given (it must match cfg's policy and the
-    stage count), else built from cfg's windows and `total_steps`."""
+    stage count), else `DelaySchedule.build` of cfg's windows over `total_steps`."""
     if schedule is None:
-        if cfg.sync_cooldown_wsd:
-            raise ConfigError(
-                "delay.sync_cooldown_wsd must be resolved to a step count first: pass "
-                "schedule=DelaySchedule.from_config(delay_cfg, num_stages, steps, train_cfg)"
-            )
-        schedule = DelaySchedule.from_config(cfg, num_stages, total_steps)
+        schedule = DelaySchedule.build(cfg, num_stages, total_steps)
     if schedule.num_stages != num_stages or schedule.policy != cfg.policy:
         raise ConfigError(
             f"the delay schedule ({schedule.policy}, {schedule.num_stages} stages) does not "

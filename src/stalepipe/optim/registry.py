@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from stalepipe.config import FIXED_OPTIM_FIELDS, ConfigError, OptimConfig
-from stalepipe.optim import schedules
+from stalepipe.optim import lr_schedule
 from stalepipe.optim.adan import Adan
 from stalepipe.optim.groups import ParamSplit, split_params
 from stalepipe.optim.lion import Lion
@@ -217,5 +217,5 @@ def build_optimizer(
     if not split.kinds():
         raise ConfigError("build_optimizer got no trainable parameters")
     opt = OPTIMIZERS[cfg.name](cfg, split)
-    schedules.set_peak_lr(opt)
+    lr_schedule.set_peak_lr(opt)
     return opt

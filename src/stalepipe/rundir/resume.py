@@ -23,7 +23,7 @@ from stalepipe.config.overrides import default_of
 from stalepipe.delay import DelaySchedule
 from stalepipe.errors import CheckpointError
 from stalepipe.fileio import flatten_dict
-from stalepipe.optim.schedules import lr_multiplier
+from stalepipe.optim.lr_schedule import lr_multiplier
 from stalepipe.rundir.checkpoint import (
     checkpoint_path,
     checkpoint_step,
@@ -111,7 +111,7 @@ def same_past(saved: dict[str, Any], current: dict[str, Any], step: int) -> bool
     if step >= new.train.num_steps:
         return False
     plans = [
-        DelaySchedule.from_config(c.delay, c.pipeline.num_stages, c.train.num_steps, c.train)
+        DelaySchedule.build(c.delay, c.pipeline.num_stages, c.train.num_steps, train=c.train)
         for c in (old, new)
     ]
     return all(

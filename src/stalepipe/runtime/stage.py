@@ -44,7 +44,7 @@ from stalepipe.runtime.stage_io import Batches, Chunk, ModelLayout, Plan, StageI
 from stalepipe.runtime.stage_update import StageUpdates, UpdateReport
 from stalepipe.runtime.tied import TIED_HEAD, TIED_NAME, TiedWeights
 from stalepipe.runtime.votes import StepVotes
-from stalepipe.schedules.schedule import Action, Schedule
+from stalepipe.schedules.schedule import Action, PipelineSchedule
 
 
 @dataclass
@@ -81,7 +81,7 @@ class StageExecutor:
         ios: StageIO | list[StageIO],
         layout: ModelLayout,
         delayed: DelayedOptimizer,
-        sched: Schedule,
+        sched: PipelineSchedule,
         plan: Plan,
         evaluation: EvalData | None = None,
         tied_versions: dict[int, torch.Tensor] | None = None,

@@ -22,7 +22,7 @@ import torch
 
 from stalepipe.delay import DelayedOptimizer
 from stalepipe.models.moe import raw_stats_width, summarize_router_stats
-from stalepipe.optim.schedules import apply_lr
+from stalepipe.optim.lr_schedule import apply_lr
 from stalepipe.runtime.comm import Comm
 
 

@@ -1,4 +1,4 @@
-"""From per-rank op lists to a `Schedule`: the step every generator ends with.
+"""From per-rank op lists to a `PipelineSchedule`: the step every generator ends with.
 
 A generator (`schedules.generators`, `schedules.vshape`) decides only the order of work on each
 rank, as ops `(kind, stage, step, microbatch)`; `build_schedule` attaches the weight version
@@ -12,7 +12,7 @@ import functools
 
 from stalepipe.config import ConfigError
 from stalepipe.delay.policies import DelaySchedule
-from stalepipe.schedules.schedule import Action, Schedule
+from stalepipe.schedules.schedule import Action, PipelineSchedule
 
 Op = tuple[str, int, int, int]  # an action before its version is filled in: a schedule Key
 
@@ -33,7 +33,7 @@ def build_schedule(
     num_microbatches: int,
     orders: list[list[Op]],
     placement: str = "interleaved",
-) -> Schedule:
+) -> PipelineSchedule:
     """The schedule whose rank r runs `orders[r]`, each op with the version `delay` gives it."""
     ver = functools.cache(delay.version)
     ranks = tuple(
@@ -43,7 +43,7 @@ def build_schedule(
         )
         for ops in orders
     )
-    return Schedule(
+    return PipelineSchedule(
         name=name,
         num_ranks=len(orders),
         num_chunks=num_chunks,

@@ -1,4 +1,4 @@
-"""Schedule generators: (delay schedule, num_microbatches) -> `Schedule`.
+"""Schedule generators: (delay schedule, num_microbatches) -> `PipelineSchedule`.
 
 GPipe, 1F1B (PipeDream-Flush), interleaved 1F1B, ZB-H1, PipeDream-2BW, PipeDream (weight
 stashing) and WPipe, behind the `SCHEDULES` registry and `make_schedule`. The IR, the validator
@@ -11,10 +11,10 @@ import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from stalepipe.config import RUNTIME_SCHEDULES, ConfigError
+from stalepipe.config import RUNTIME_SCHEDULES, ConfigError, DelayConfig
 from stalepipe.delay.policies import DelaySchedule
 from stalepipe.schedules.build import Op, build_schedule, check_sizes
-from stalepipe.schedules.schedule import Action, Key, Schedule
+from stalepipe.schedules.schedule import Action, Key, PipelineSchedule
 from stalepipe.schedules.vshape import dualpipev, zb_v
 
 
@@ -50,7 +50,7 @@ def _segments(delay: DelaySchedule) -> list[list[int]]:
     return segs
 
 
-def gpipe(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
+def gpipe(delay: DelaySchedule, num_microbatches: int, **_: object) -> PipelineSchedule:
     """GPipe (Huang et al. 2019): all m forwards, then all m backwards, then the update; a full
     flush every step. Stashes m microbatches per stage."""
     num_ranks = check_sizes(delay, num_microbatches)
@@ -64,7 +64,7 @@ def gpipe(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
     return build_schedule("gpipe", delay, 1, m, orders)
 
 
-def one_f_one_b(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
+def one_f_one_b(delay: DelaySchedule, num_microbatches: int, **_: object) -> PipelineSchedule:
     """1F1B / PipeDream-Flush (Narayanan et al. 2021): stage s runs min(P-s-1, m) warm-up
     forwards, then one forward / one backward; flush and update every step. Same bubble as
     GPipe, stash min(P-s, m)."""
@@ -82,7 +82,7 @@ def one_f_one_b(delay: DelaySchedule, num_microbatches: int, **_: object) -> Sch
 
 def interleaved_1f1b(
     delay: DelaySchedule, num_microbatches: int, *, num_chunks: int = 2, **_: object
-) -> Schedule:
+) -> PipelineSchedule:
     """Interleaved 1F1B (Megatron-LM, Narayanan et al. SC'21): each rank holds `num_chunks`
     stages (rank r: stages r, r+R, ...); microbatches go through in groups of R, so the
     bubble shrinks by the number of chunks. Needs m divisible by R (as in Megatron)."""
@@ -116,7 +116,7 @@ def interleaved_1f1b(
     return build_schedule("interleaved-1f1b", delay, v, m, orders)
 
 
-def two_bw(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
+def two_bw(delay: DelaySchedule, num_microbatches: int, **_: object) -> PipelineSchedule:
     """PipeDream-2BW (Narayanan et al. ICML'21): 1F1B over all N*m microbatches without a
     flush; step k uses version k-1 (double-buffered weights). Needs m >= P-1, else the version
     a forward needs is not yet created. Sync start/cooldown steps get a flush before them."""
@@ -138,7 +138,7 @@ def two_bw(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule
     return build_schedule("2bw", delay, 1, m, orders)
 
 
-def pipedream(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
+def pipedream(delay: DelaySchedule, num_microbatches: int, **_: object) -> PipelineSchedule:
     """PipeDream (Narayanan et al. SOSP'19): weight stashing, one update per microbatch-sized
     minibatch. The N*m microbatches become N*m steps of one microbatch (so the returned
     schedule has num_steps = N*m, num_microbatches = 1); stage s keeps P-s versions and has
@@ -161,7 +161,7 @@ def _list_schedule(
     *,
     split: bool,
     priority: Callable[[Op], tuple],
-) -> Schedule:
+) -> PipelineSchedule:
     """Greedy list scheduling on unit costs (F = 1, B = 2, BI = BW = 1, STEP = 0): whenever a
     rank is idle it starts its ready action of best `priority`. The resulting order is the
     schedule. Per stage, each kind runs in (step, microbatch) order."""
@@ -225,7 +225,7 @@ def _list_schedule(
     return build_schedule(name, delay, v, m, orders)
 
 
-def zb_h1(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
+def zb_h1(delay: DelaySchedule, num_microbatches: int, **_: object) -> PipelineSchedule:
     """ZB-H1 (Qi et al. ICLR'24, "Zero Bubble Pipeline Parallelism"): the backward is split into
     BI (input grad, on the critical path) and BW (weight grad, deferrable). Rank i runs 1F1B's
     P-i-1 warm-up forwards, then F, BI and the BW of the microbatch i places back, so its
@@ -253,7 +253,7 @@ def zb_h1(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
     return build_schedule("zb-h1", delay, 1, m, orders)
 
 
-def wpipe(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
+def wpipe(delay: DelaySchedule, num_microbatches: int, **_: object) -> PipelineSchedule:
     """WPipe (Yang et al. ICLR'22): the model is cut into 2R stages in two groups; rank r holds
     stage r (group 0) and stage R+r (group 1). Group 0 runs the next step's forwards ahead of
     the current step's backwards (stale by one, two versions); group 1 updates before its
@@ -277,7 +277,7 @@ def wpipe(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
 # (config.RUNTIME_SCHEDULES: the runtime runs every schedule the simulator times).
 SCHEDULE_POLICY = dict(RUNTIME_SCHEDULES)
 
-SCHEDULES: dict[str, Callable[..., Schedule]] = {
+SCHEDULES: dict[str, Callable[..., PipelineSchedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved-1f1b": interleaved_1f1b,
@@ -290,7 +290,7 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
 }
 
 
-def one_stage_per_rank(sched: Schedule) -> Schedule:
+def one_stage_per_rank(sched: PipelineSchedule) -> PipelineSchedule:
     """`sched` with every stage on a rank of its own (num_chunks 1, rank = stage): each stage
     keeps its actions in its rank's order, so an interleaved schedule runs on one process per
     stage. Dropping the order between the stages of a rank adds no dependency, so a schedule
@@ -326,12 +326,12 @@ def make_schedule(
     num_chunks: int = 2,
     sync_start: int = 0,
     sync_cooldown: float = 0.0,
-) -> Schedule:
+) -> PipelineSchedule:
     """The schedule `name` from SCHEDULES on `num_ranks` ranks, its delay policy
     (`SCHEDULE_POLICY`) with these sync windows; an unknown name raises ConfigError listing
     them. `num_chunks` is used by interleaved-1f1b only; sync windows by 2bw, pipedream, wpipe
     (a synchronous schedule has no delay to lift, so `--compare` may pass them to all). The entry point of the
-    simulator and its CLI; an engine that has its `DelaySchedule` calls `schedule_for`."""
+    simulator and its CLI; an engine that has its `DelaySchedule` calls `pipeline_schedule_for`."""
     if name not in SCHEDULES:
         raise ConfigError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
     if num_ranks < 1:
@@ -344,13 +344,14 @@ def make_schedule(
     if policy == "sync":
         sync_start, sync_cooldown = 0, 0.0  # every step is synchronous already
     num_stages = schedule_stages(name, num_ranks, num_chunks)
-    delay = DelaySchedule.build(policy, num_stages, num_steps, sync_start, sync_cooldown)
-    return schedule_for(name, delay, num_microbatches, num_chunks=num_chunks)
+    windows = DelayConfig(policy=policy, sync_start=sync_start, sync_cooldown=sync_cooldown)
+    delay = DelaySchedule.build(windows, num_stages, num_steps)
+    return pipeline_schedule_for(name, delay, num_microbatches, num_chunks=num_chunks)
 
 
-def schedule_for(
+def pipeline_schedule_for(
     name: str, delay: DelaySchedule, num_microbatches: int, *, num_chunks: int = 2
-) -> Schedule:
+) -> PipelineSchedule:
     """The schedule `name` realising `delay` (its policy must be `SCHEDULE_POLICY[name]`) over
     `delay.total_steps` steps of `num_microbatches` microbatches."""
     if name not in SCHEDULES:

@@ -42,7 +42,7 @@ deadlocks for a schedule that passes `validate` (the validator executes it abstr
 may free weight version v after the last action in its rank's list that uses it (see
 `version_last_use`), except the newest version.
 
-Text form, one line per rank (`Schedule.to_text` / `Schedule.from_text`):
+Text form, one line per rank (`PipelineSchedule.to_text` / `PipelineSchedule.from_text`):
     # stalepipe-schedule name=2bw ranks=2 chunks=1 placement=interleaved microbatches=2 ...
     rank 0: F0.0@v0 F0.1@v0 B0.0@v0 ... STEP0@v1 ...
 (a header without `placement=` reads as interleaved, the only placement before it existed).
@@ -58,6 +58,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from stalepipe.config import DelayConfig
 from stalepipe.delay.policies import DelaySchedule
 from stalepipe.errors import UserError
 
@@ -118,7 +119,7 @@ _STEP_TOKEN = re.compile(r"^STEP(\d+)@v(\d+)(?::s(\d+))?$")
 
 
 @dataclass(frozen=True)
-class Schedule:
+class PipelineSchedule:
     """Per-rank ordered action lists plus what is needed to check and time them."""
 
     name: str
@@ -192,7 +193,7 @@ class Schedule:
         return "\n".join(lines) + "\n"
 
     @classmethod
-    def from_text(cls, text: str) -> Schedule:
+    def from_text(cls, text: str) -> PipelineSchedule:
         """Parse `to_text` output; raises ScheduleError naming the bad line or token."""
         lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
         if not lines or not lines[0].startswith("# stalepipe-schedule "):
@@ -212,11 +213,13 @@ class Schedule:
                 num_microbatches=int(meta["microbatches"]),
                 num_steps=num_steps,
                 delay=DelaySchedule.build(
-                    meta["policy"],
+                    DelayConfig(
+                        policy=meta["policy"],
+                        sync_start=int(meta.get("sync_start", 0)),
+                        sync_cooldown=float(meta.get("sync_cooldown", 0.0)),
+                    ),
                     num_ranks * num_chunks,
                     num_steps,
-                    int(meta.get("sync_start", 0)),
-                    float(meta.get("sync_cooldown", 0.0)),
                 ),
             )
         except (KeyError, ValueError) as e:
@@ -264,7 +267,7 @@ def _parse_token(tok: str, rank: int, num_ranks: int) -> Action:
 # --------------------------------------------------------------------------------------------
 
 
-def dependencies(sched: Schedule, a: Action) -> list[tuple[Key, str | None]]:
+def dependencies(sched: PipelineSchedule, a: Action) -> list[tuple[Key, str | None]]:
     """What `a` waits for besides its predecessor in its rank's list: (key, message) pairs where
     message is 'act' (activation received from another stage), 'grad' (gradient received), or
     None (local: stash, weight version, accumulated gradients)."""
@@ -293,7 +296,7 @@ def dependencies(sched: Schedule, a: Action) -> list[tuple[Key, str | None]]:
     return deps
 
 
-def execution_order(sched: Schedule) -> list[tuple[int, Action]]:
+def execution_order(sched: PipelineSchedule) -> list[tuple[int, Action]]:
     """Execute the rank lists abstractly (any timing): a rank runs its next action once all its
     dependencies ran. Returns the global order; raises ScheduleError on a deadlock, i.e. a
     dependency that comes later in its own rank's list or a cycle between ranks."""
@@ -323,7 +326,7 @@ def execution_order(sched: Schedule) -> list[tuple[int, Action]]:
     return order
 
 
-def validate(sched: Schedule) -> None:
+def validate(sched: PipelineSchedule) -> None:
     """Raise ScheduleError unless: every (stage, step, microbatch) is forwarded once and
     backwarded once (B, or BI and BW) on the rank owning the stage; every (stage, step) updated
     once; versions are the delay policy's; the lists execute without deadlock (dependencies,
@@ -373,14 +376,14 @@ def validate(sched: Schedule) -> None:
             raise ScheduleError(f"stage {s} keeps {have} weight versions; policy needs {need[s]}")
 
 
-def _stage_lists(sched: Schedule) -> dict[int, list[Action]]:
+def _stage_lists(sched: PipelineSchedule) -> dict[int, list[Action]]:
     out: dict[int, list[Action]] = {s: [] for s in range(sched.num_stages)}
     for _, _, a in sched.actions():
         out[a.stage].append(a)
     return out
 
 
-def version_last_use(sched: Schedule) -> dict[tuple[int, int], int]:
+def version_last_use(sched: PipelineSchedule) -> dict[tuple[int, int], int]:
     """(stage, version) -> position in the rank's list of the last action using that version;
     the runtime may free the version right after it (unless it is the newest)."""
     last: dict[tuple[int, int], int] = {}
@@ -390,7 +393,7 @@ def version_last_use(sched: Schedule) -> dict[tuple[int, int], int]:
     return last
 
 
-def peak_versions(sched: Schedule) -> list[int]:
+def peak_versions(sched: PipelineSchedule) -> list[int]:
     """Per stage, the most weight versions alive at once. A version lives from the update that
     creates it until both its last use and the creation of the next version (the newest is
     always kept); it follows from each rank's order alone, not from timing."""
@@ -408,7 +411,7 @@ def peak_versions(sched: Schedule) -> list[int]:
     return out
 
 
-def peak_activations(sched: Schedule) -> list[int]:
+def peak_activations(sched: PipelineSchedule) -> list[int]:
     """Per stage, the most microbatches stashed at once (forwarded, final backward not done)."""
     out = []
     for acts in _stage_lists(sched).values():
@@ -421,7 +424,7 @@ def peak_activations(sched: Schedule) -> list[int]:
     return out
 
 
-def observed_staleness(sched: Schedule) -> list[int]:
+def observed_staleness(sched: PipelineSchedule) -> list[int]:
     """Per stage, the largest step - version over its forwards (clamping makes early steps
     fresher than the policy's nominal tau)."""
     out = [0] * sched.num_stages

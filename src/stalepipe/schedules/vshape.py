@@ -20,7 +20,7 @@ from collections import defaultdict, deque
 from stalepipe.config import ConfigError
 from stalepipe.delay.policies import DelaySchedule
 from stalepipe.schedules.build import Op, build_schedule, check_sizes
-from stalepipe.schedules.schedule import Schedule
+from stalepipe.schedules.schedule import PipelineSchedule
 
 
 class _RankStep:
@@ -91,7 +91,7 @@ def _zb_v_step(r: int, R: int, k: int, m: int) -> list[Op]:
     return w.with_steps()
 
 
-def zb_v(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
+def zb_v(delay: DelaySchedule, num_microbatches: int, **_: object) -> PipelineSchedule:
     """ZB-V (Qi et al. ICLR'24, "Zero Bubble Pipeline Parallelism", section 6): two chunks
     per rank in a V, split backward. With F = BI = BW its steady state has no bubble and every
     rank stashes at most 2R chunk-microbatches, i.e. R microbatches of one rank's share: 1F1B's
@@ -130,7 +130,7 @@ def _dualpipev_step(r: int, R: int, k: int, m: int) -> list[Op]:
     return w.with_steps()
 
 
-def dualpipev(delay: DelaySchedule, num_microbatches: int, **_: object) -> Schedule:
+def dualpipev(delay: DelaySchedule, num_microbatches: int, **_: object) -> PipelineSchedule:
     """DualPipeV (DeepSeek-V3's DualPipe cut in half, Sea AI Lab; deepseek-ai/DualPipe): two
     chunks per rank in a V, a main phase of forward/backward pairs of two microbatches, split
     backward at the ends. Bubble (PP/2-1)(F&B + B - 3W) with PP = 2R stages, each rank holds

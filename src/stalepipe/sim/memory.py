@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stalepipe.schedules.schedule import Schedule
+from stalepipe.schedules.schedule import PipelineSchedule
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class RankMemory:
     stashed: int  # most microbatch stashes held at once, over all the rank's stages
 
 
-def _version_deltas(sched: Schedule, rank: int, stage: int) -> dict[int, int]:
+def _version_deltas(sched: PipelineSchedule, rank: int, stage: int) -> dict[int, int]:
     """Position in `rank`'s list -> change in `stage`'s live version count after that action
     (position -1: before the first action)."""
     acts = sched.ranks[rank]
@@ -56,7 +56,7 @@ def _version_deltas(sched: Schedule, rank: int, stage: int) -> dict[int, int]:
 
 
 def memory_trace(
-    sched: Schedule,
+    sched: PipelineSchedule,
     rank: int,
     weight: tuple[float, ...],
     state: tuple[float, ...],
@@ -83,7 +83,7 @@ def memory_trace(
 
 
 def rank_memory(
-    sched: Schedule,
+    sched: PipelineSchedule,
     weight: tuple[float, ...],
     state: tuple[float, ...],
     activation: tuple[float, ...],

@@ -18,7 +18,7 @@ from stalepipe.config import ConfigError, ModelConfig
 from stalepipe.errors import UserError
 from stalepipe.presets import PRESETS
 from stalepipe.schedules.generators import SCHEDULE_POLICY, SCHEDULES, make_schedule
-from stalepipe.schedules.schedule import Schedule, validate
+from stalepipe.schedules.schedule import PipelineSchedule, validate
 from stalepipe.sim.devices import Device, get_device
 from stalepipe.sim.table import LEGEND, format_stages, format_table
 from stalepipe.sim.timing import (
@@ -82,7 +82,7 @@ def parse_times(text: str) -> dict[str, list[float]]:
     return out
 
 
-def _given_costs(times: dict[str, list[float]], sched: Schedule) -> CostModel:
+def _given_costs(times: dict[str, list[float]], sched: PipelineSchedule) -> CostModel:
     """Per-stage costs from --times. One number is one rank's whole share: with v chunks per
     rank each chunk costs a v-th of it. A list must have one value per model stage."""
     S, v = sched.num_stages, sched.num_chunks
@@ -171,7 +171,7 @@ def simulate_main(
     dev = get_device(device) if cfg is not None else None
     given = parse_times(times) if times else {}
 
-    def build(name: str) -> tuple[Schedule, list[CostModel]]:
+    def build(name: str) -> tuple[PipelineSchedule, list[CostModel]]:
         sched = make_schedule(
             name,
             stages,
@@ -210,7 +210,7 @@ def simulate_main(
 
 
 def _costs(
-    sched: Schedule,
+    sched: PipelineSchedule,
     cfg: ModelConfig | None,
     dev: Device | None,
     given: dict[str, list[float]],
@@ -254,7 +254,7 @@ def _schedule_names(schedule: str, compare: str | list[str] | None) -> list[str]
     return names
 
 
-def _fastest(sched: Schedule, options: list[CostModel]) -> Timeline:
+def _fastest(sched: PipelineSchedule, options: list[CostModel]) -> Timeline:
     """The timeline of `sched` under the cost model (of `options`, e.g. two stage splits)
     that gives the highest steady-state throughput; the first on a tie."""
     best: tuple[float, Timeline] | None = None
@@ -268,7 +268,7 @@ def _fastest(sched: Schedule, options: list[CostModel]) -> Timeline:
 
 
 def _simulate_each(
-    names: list[str], build: Callable[[str], tuple[Schedule, list[CostModel]]]
+    names: list[str], build: Callable[[str], tuple[PipelineSchedule, list[CostModel]]]
 ) -> tuple[list[tuple[str, SimResult | str]], list[Timeline], CostModel]:
     """Build and time each schedule: its table rows, the timelines, and the first schedule's
     costs (shown in the header). In a comparison, a schedule that refuses the sizes gets a row

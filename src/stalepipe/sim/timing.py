@@ -30,7 +30,7 @@ from stalepipe.models.partition import split_layers
 from stalepipe.models.transformer import block_flops, block_params, head_flops
 from stalepipe.schedules.schedule import (
     Action,
-    Schedule,
+    PipelineSchedule,
     dependencies,
     execution_order,
     observed_staleness,
@@ -235,7 +235,7 @@ class Event:
 
 @dataclass(frozen=True)
 class Timeline:
-    schedule: Schedule
+    schedule: PipelineSchedule
     costs: CostModel
     events: tuple[Event, ...]
 
@@ -285,7 +285,7 @@ class Timeline:
         return buf.getvalue()
 
 
-def simulate(sched: Schedule, costs: CostModel) -> Timeline:
+def simulate(sched: PipelineSchedule, costs: CostModel) -> Timeline:
     """Time every action of `sched` under `costs` (see the module docstring for the rules)."""
     if costs.num_stages != sched.num_stages:
         raise ConfigError(

@@ -24,7 +24,7 @@ from stalepipe.data import EVAL_SEED, TokenLoader
 from stalepipe.delay import DelayEmulator, DelaySchedule
 from stalepipe.models import Transformer, build_model
 from stalepipe.optim import build_optimizer
-from stalepipe.optim.schedules import apply_lr, config_peak_lr
+from stalepipe.optim.lr_schedule import apply_lr, config_peak_lr
 from stalepipe.rundir.checkpoint import (
     load_checkpoint,
     load_model_state,
@@ -104,7 +104,7 @@ class EmulatorEngine:
         if tc.compile:  # compiles forward only; the emulator's weight swaps keep the same graph
             self.model.compile()
         self.optimizer = build_optimizer(cfg.optim, self.model.named_parameters())
-        self.delay = DelaySchedule.from_config(cfg.delay, cfg.pipeline.num_stages, tc.num_steps, tc)
+        self.delay = DelaySchedule.build(cfg.delay, cfg.pipeline.num_stages, tc.num_steps, train=tc)
         self.emulator = DelayEmulator(
             self.model,
             self.optimizer,

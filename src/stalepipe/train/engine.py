@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from stalepipe.config import TrainConfig
-from stalepipe.optim.schedules import lr_multiplier
+from stalepipe.optim.lr_schedule import lr_multiplier
 
 # Requests a process makes to the whole run (bits of an int, OR-ed across processes).
 STOP = 1  # a signal asked the run to stop: checkpoint, then end (train.interrupts)

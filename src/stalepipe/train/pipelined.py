@@ -33,7 +33,7 @@ from stalepipe.delay import DelayedOptimizer, DelaySchedule
 from stalepipe.errors import Preempted
 from stalepipe.models import Transformer, build_stage, partition
 from stalepipe.optim import build_optimizer
-from stalepipe.optim.schedules import config_peak_lr, set_peak_lr
+from stalepipe.optim.lr_schedule import config_peak_lr, set_peak_lr
 from stalepipe.rundir.checkpoint import load_checkpoint, save_checkpoint
 from stalepipe.rundir.directory import run_data_dir
 from stalepipe.rundir.startup import FRESH, StartUp, begin_run
@@ -52,8 +52,8 @@ from stalepipe.runtime.stage_io import ModelLayout, StageIO
 from stalepipe.runtime.tied import TIED_HEAD, TIED_NAME
 from stalepipe.runtime.topology import Topology
 from stalepipe.runtime.votes import StepVotes, lookahead
-from stalepipe.schedules.generators import one_stage_per_rank, schedule_for
-from stalepipe.schedules.schedule import Schedule, validate
+from stalepipe.schedules.generators import one_stage_per_rank, pipeline_schedule_for
+from stalepipe.schedules.schedule import PipelineSchedule, validate
 from stalepipe.train.devices import check_device, set_tf32
 from stalepipe.train.distributed import MAIN_WORK_TIMEOUT_S
 from stalepipe.train.engine import StepPlan, StepResult
@@ -89,15 +89,15 @@ def check_config(cfg: ExperimentConfig) -> None:
         ) from None
 
 
-def runtime_schedule(cfg: ExperimentConfig, num_steps: int | None = None) -> Schedule:
+def runtime_schedule(cfg: ExperimentConfig, num_steps: int | None = None) -> PipelineSchedule:
     """The schedule the runtime executes for `cfg`: pipeline.num_chunks stages per process.
     Interleaved 1F1B runs its ranks as generated (rank r: stages r, r + R, ...). WPipe's
     generator puts two stages (one of each group) on each of num_stages / 2 ranks; the runtime
     runs every stage in its own process, each in its rank's order (`one_stage_per_rank`)."""
     pc, tc = cfg.pipeline, cfg.train
     steps = tc.num_steps if num_steps is None else num_steps
-    delay = DelaySchedule.from_config(cfg.delay, pc.num_stages, steps, tc)
-    sched = schedule_for(pc.schedule, delay, tc.num_microbatches, num_chunks=pc.num_chunks)
+    delay = DelaySchedule.build(cfg.delay, pc.num_stages, steps, train=tc)
+    sched = pipeline_schedule_for(pc.schedule, delay, tc.num_microbatches, num_chunks=pc.num_chunks)
     if pc.num_chunks == 1:
         sched = one_stage_per_rank(sched)
     assert sched.num_stages == pc.num_stages, (sched.num_stages, pc.num_stages)
