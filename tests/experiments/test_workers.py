@@ -43,3 +43,23 @@ def test_an_error_in_on_done_stops_the_running_workers():
     with pytest.raises(RuntimeError, match="stop after fast"):
         run_spawned(operator.call, [("fast", (abs, -1)), ("slow", (time.sleep, 60))], 2, on_done)
     assert time.perf_counter() - t0 < 50  # the sleeping worker was terminated, not awaited
+
+
+def test_each_slot_gets_its_own_gpu_round_robin(monkeypatch):
+    """`gpu_slots`: one visible GPU per worker slot (the CUDA_VISIBLE_DEVICES already set, else
+    0..N-1), and run_spawned gives a job its slot's environment: jobs running together never
+    share a GPU, and a freed slot's GPU goes to the next job."""
+    from stalepipe.experiments.workers import gpu_slots
+
+    assert gpu_slots(0) is None
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [gpu_slots(2)(s)["CUDA_VISIBLE_DEVICES"] for s in range(3)] == ["0", "1", "0"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    slots = gpu_slots(2)
+    assert [slots(s)["CUDA_VISIBLE_DEVICES"] for s in range(2)] == ["4", "5"]
+    done = {}
+    # each job reports the GPU its environment names
+    jobs = [(i, (os.getenv, "CUDA_VISIBLE_DEVICES")) for i in range(4)]
+    run_spawned(operator.call, jobs, 2, lambda f: done.__setitem__(f.key, f.result), slots)
+    assert sorted(done) == [0, 1, 2, 3] and set(done.values()) <= {"4", "5"}
+    assert done[0] == "4" and done[1] == "5"  # the first two start together, one slot each

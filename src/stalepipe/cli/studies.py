@@ -51,7 +51,13 @@ def _add_sweep(sub: Subparsers) -> None:
     )
     add("--scale", default="cpu", choices=SCALES, help="model scale (experiments/scales.py)")
     add("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
-    add("--workers", type=int, default=1, help="runs in parallel (one process each)")
+    add(
+        "--workers",
+        type=int,
+        default=None,
+        help="runs in parallel, one process each "
+        "(default: one per visible GPU when the runs use train.device cuda, else 1)",
+    )
     add("--out", help="sweep directory (default runs/STUDY)")
     add("--grid", action="append", metavar="KEY=V1,V2", help="an ad-hoc axis (repeatable)")
     add("--set", action="append", metavar="KEY=VALUE", help="override for every run (repeatable)")

@@ -85,7 +85,7 @@ def sweep_main(
     *,
     scale: str = "cpu",
     seeds: int = 3,
-    workers: int = 1,
+    workers: int | None = 1,
     out: str | None = None,
     grids: list[str] = (),  # type: ignore[assignment]
     fixed: dict[str, str] | None = None,
@@ -105,6 +105,8 @@ def sweep_main(
     from stalepipe.experiments.sweep import main_progress_stream, run_sweep
 
     log = log or main_progress_stream()
+    if workers is None:
+        workers = _default_workers(fixed or {}, study, scale)
     if seeds < 1:
         raise UserError(f"--seeds must be >= 1, got {seeds}")
     if workers < 1:
@@ -146,6 +148,16 @@ def sweep_main(
     )
     log(f"next: stalepipe report {out_dir}")
     return len(res.failed)
+
+
+def _default_workers(fixed: dict[str, str], study: str | None, scale: str) -> int:
+    """One worker per visible GPU when the runs train on `cuda`, else 1."""
+    base = get_study(study).base(scale) if study else base_config(scale)
+    if fixed.get("train.device", base.train.device) != "cuda":
+        return 1
+    import torch
+
+    return max(torch.cuda.device_count(), 1)
 
 
 def _dry_run(

@@ -29,7 +29,7 @@ from typing import Any
 from stalepipe.config import ExperimentConfig, upgrade_record
 from stalepipe.errors import EXIT_CLAIMED, EXIT_PREEMPTED, Preempted
 from stalepipe.experiments.grid import RunSpec
-from stalepipe.experiments.workers import run_spawned
+from stalepipe.experiments.workers import gpu_slots, run_spawned
 from stalepipe.fileio import MARKER, check_removable, make_owned_dir, remove_owned_dir
 from stalepipe.rundir.status import ERROR_FILE, SPEC_FILE, run_status
 
@@ -282,13 +282,25 @@ def run_sweep(
                 raise Preempted(f"sweep {out} stopped by a signal; rerun it to resume")
     else:
         jobs = [(spec, (cfg.to_dict(), threads)) for spec, cfg in todo]
-        run_spawned(_run_one, jobs, workers, lambda f: progress.done(f.key, f.exitcode, f.seconds))
+        slots = gpu_slots(_gpus_for([cfg for _, cfg in todo]))
+        done = lambda f: progress.done(f.key, f.exitcode, f.seconds)  # noqa: E731
+        run_spawned(_run_one, jobs, workers, done, slots)
     res.wall_s = time.perf_counter() - t0
     log(
         f"sweep {out}: {len(res.finished)}/{len(specs) - len(res.same)} finished, "
         f"{len(res.failed)} failed ({_fmt_s(res.wall_s)})"
     )
     return res
+
+
+def _gpus_for(cfgs: list[ExperimentConfig]) -> int:
+    """How many GPUs to spread runs over: the visible ones when every run asks for plain
+    `cuda` (an explicit `cuda:N` is the user's choice), else 0."""
+    if not cfgs or any(c.train.device != "cuda" for c in cfgs):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _plan(

@@ -34,10 +34,15 @@ class _Worker:
     key: Any
     start: float
     message: tuple[str, Any] | None = None
+    slot: int = 0  # which of the `workers` slots it runs in
 
 
-def _child(conn: Any, fn: Callable[..., Any], args: tuple) -> None:
-    """Worker body: run `fn(*args)` and send ("ok", result) or ("error", exception) back."""
+def _child(conn: Any, fn: Callable[..., Any], args: tuple, env: dict[str, str]) -> None:
+    """Worker body: run `fn(*args)` under `env` (added to the environment) and send ("ok",
+    result) or ("error", exception) back."""
+    import os
+
+    os.environ.update(env)
     try:
         result = fn(*args)
     except Exception as e:  # sent to the parent, which decides; no traceback printed here
@@ -59,12 +64,14 @@ def _receive(w: _Worker) -> None:
         pass
 
 
-def _start(ctx: Any, fn: Callable[..., Any], key: Any, args: tuple) -> _Worker:
+def _start(
+    ctx: Any, fn: Callable[..., Any], key: Any, args: tuple, slot: int, env: dict[str, str]
+) -> _Worker:
     recv, send = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_child, args=(send, fn, args), daemon=True)
+    p = ctx.Process(target=_child, args=(send, fn, args, env), daemon=True)
     p.start()
     send.close()  # the child holds its own copy
-    return _Worker(p, recv, key, time.perf_counter())
+    return _Worker(p, recv, key, time.perf_counter(), slot=slot)
 
 
 def _finish(w: _Worker) -> Finished:
@@ -85,10 +92,13 @@ def run_spawned(
     jobs: Sequence[tuple[Any, tuple]],
     workers: int,
     on_done: Callable[[Finished], None],
+    slot_env: Callable[[int], dict[str, str]] | None = None,
 ) -> None:
     """Run `fn(*args)` for each `(key, args)` of `jobs` in its own spawned process, at most
     `workers` at once, in order; `on_done(Finished)` in this process as each one exits. `fn`
-    must be a module-level function and its arguments and result picklable. An exception from
+    must be a module-level function and its arguments and result picklable. `slot_env(slot)`
+    adds to a job's environment by the slot (0..workers-1) it runs in, a slot being free again
+    when its job exits: e.g. one GPU per slot (`gpu_slots`). An exception from
     `on_done`, SIGTERM or Ctrl-C terminates the running workers and propagates (SIGTERM as
     KeyboardInterrupt). Not for one job at a time in-process: call `fn` directly then."""
     ctx = mp.get_context("spawn")
@@ -102,7 +112,9 @@ def run_spawned(
     try:
         while queue or running:
             while queue and len(running) < workers:
-                running.append(_start(ctx, fn, *queue.pop(0)))
+                slot = min(set(range(workers)) - {w.slot for w in running})
+                env = slot_env(slot) if slot_env else {}
+                running.append(_start(ctx, fn, *queue.pop(0), slot, env))
             time.sleep(0.2)
             for w in list(running):
                 _receive(w)
@@ -114,3 +126,15 @@ def run_spawned(
             w.process.terminate()
             w.process.join()
         signal.signal(signal.SIGTERM, old_handler)
+
+
+def gpu_slots(num_gpus: int) -> Callable[[int], dict[str, str]] | None:
+    """One visible GPU per worker slot, round robin over `num_gpus` (None without GPUs): a
+    run's `cuda` is its slot's GPU, so `--workers 8` on an 8-GPU node puts one run on each."""
+    if num_gpus < 1:
+        return None
+    import os
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d for d in visible.split(",") if d] if visible else [str(i) for i in range(num_gpus)]
+    return lambda slot: {"CUDA_VISIBLE_DEVICES": ids[slot % len(ids)]}
