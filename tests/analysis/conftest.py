@@ -24,13 +24,13 @@ def sync_loss(step: float) -> float:
 
 def write_curve_run(
     root: Path, name: str, overrides: dict[str, str], seed: int, stretch: float = 1.0,
-    floor: float = 0.0, group: str | None = None,
+    floor: float = 0.0, group: str | None = None, steps: int = STEPS,
 ) -> Path:  # fmt: skip
     """A finished run directory: config.json, metrics.jsonl with train loss every step and val
     loss every EVAL_EVERY steps, the sync curve stretched `stretch`x in tokens (a constant
     token tax) and held at or above `floor`; sweep.json unless `group` is ""."""
     cfg = apply_overrides(ExperimentConfig(), {
-        "train.num_steps": str(STEPS), "train.eval_every": str(EVAL_EVERY),
+        "train.num_steps": str(steps), "train.eval_every": str(EVAL_EVERY),
         "train.batch_size": str(BATCH), "data.seq_len": str(SEQ),
         "train.seed": str(seed), "data.seed": str(seed), **overrides,
     })  # fmt: skip
@@ -39,10 +39,10 @@ def write_curve_run(
     d.mkdir(parents=True)
     d.joinpath("config.json").write_text(json.dumps(dict(cfg.to_dict(), name=name)))
     lines = []
-    for s in range(STEPS):
+    for s in range(steps):
         y = max(sync_loss((s + 1) / stretch - 1), floor)
         rec = {"step": s, "loss": y + 0.01}
-        if (s + 1) % EVAL_EVERY == 0 or s == STEPS - 1:
+        if (s + 1) % EVAL_EVERY == 0 or s == steps - 1:
             rec["val_loss"] = y
         lines.append(rec)
     d.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -55,15 +55,21 @@ def write_curve_run(
 @pytest.fixture
 def curve_sweep(tmp_path) -> Path:
     """AdamW sync / 2bw (taxed 1.28x, 1.30x, 1.32x by seed) / 2bw+ef (1.09x, 1.10x, 1.11x) and
-    Muon sync / 2bw (a floor at 2.3), 3 seeds each; the curves flatten early enough for a tax to reach sync's losses."""
+    Muon sync / 2bw (a floor at 2.3), 3 seeds each. A taxed run reaches sync's final loss only
+    past sync's budget, so AdamW's delayed arms also have runs planned twice as long (the
+    same configuration at 2 x STEPS), where they reach it at their tax."""
     root = tmp_path / "sweep"
     for s in range(3):
         write_curve_run(root, f"adamw_sync_s{s}", {"delay.policy": "sync"}, s)
         write_curve_run(
             root, f"adamw_2bw_s{s}", {"delay.policy": "2bw"}, s, stretch=1.28 + 0.02 * s
         )
-        write_curve_run(root, f"adamw_2bw+ef_s{s}", {"delay.policy": "2bw", "delay.ef": "true"},
-                        s, stretch=1.09 + 0.01 * s)  # fmt: skip
+        ef = {"delay.policy": "2bw", "delay.ef": "true"}
+        write_curve_run(root, f"adamw_2bw+ef_s{s}", ef, s, stretch=1.09 + 0.01 * s)
+        for name, o, tax in (("2bw", {"delay.policy": "2bw"}, 1.28), ("2bw+ef", ef, 1.09)):
+            long = {**o, "train.warmup_steps": str(2 * 20)}  # the schedule stretched
+            write_curve_run(root, f"adamw_long_{name}_s{s}", long, s,
+                            stretch=tax + (0.02 if tax > 1.2 else 0.01) * s, steps=2 * STEPS)  # fmt: skip
         muon = {"optim.name": "muon", "optim.lr": "0.02"}
         write_curve_run(root, f"muon_sync_s{s}", {**muon, "delay.policy": "sync"}, s)
         write_curve_run(root, f"muon_2bw_s{s}", {**muon, "delay.policy": "2bw"}, s, floor=2.3)

@@ -63,7 +63,11 @@ def test_verdict_end_to_end_on_known_taxes(curve_sweep, capsys):
     assert float(bw["time_to_target_ci_low"]) < float(bw["time_to_target"])
     assert bw["sync_schedule"] == best.name and bw["throughput_source"] == "simulated"
     assert float(by["adamw_2bw+ef"]["token_overhead"]) == pytest.approx(1.1, rel=0.03)
-    assert by["muon_2bw"]["token_overhead_status"] == "floor"
+    # Muon's delayed arm stalls above sync's final loss: short of it at sync's budget (a bound),
+    # and a quality floor over the band, which is what the verdict calls
+    assert by["muon_2bw"]["token_overhead_status"] == "short"
+    assert float(by["muon_2bw"]["token_overhead"]) == pytest.approx(1.0)
+    assert by["muon_2bw"]["band_token_overhead_status"] == "floor"
     assert by["muon_2bw"]["verdict"] == "sync sooner (quality floor)"
     with open(curve_sweep / "report" / "summary.csv") as f:
         summary = {r["configuration"]: r for r in csv.DictReader(f)}
@@ -195,3 +199,21 @@ def test_policies_without_a_transferable_schedule_are_listed(curve_sweep, curve_
     assert "no verdict: adamw_pd: pipedream's delay depends on P; its runs have P=2" in out
     assert "no verdict: adamw_f2: no pipeline schedule realises delay.policy fixed:2" in out
     assert "adamw_2bw+ef " in out
+
+
+def test_the_band_says_sooner_where_sync_final_loss_says_later(tmp_path, curve_run):
+    """A delayed arm that keeps pace over most of the band (a 1.05x tax) but stalls just above
+    sync's final loss, and needs 1.5x sync's tokens to reach it in a run planned twice as long:
+    the band's median reads a speed-up, the verdict (at sync's final loss) reads 'sync sooner'."""
+    root = tmp_path / "stall"
+    final = 2.0 + 3.0 * math.exp(-200 / 30.0)  # sync's final val loss (conftest.sync_loss)
+    for s in range(3):
+        curve_run(root, f"sync_s{s}", {"delay.policy": "sync"}, s)
+        curve_run(root, f"2bw_s{s}", {"delay.policy": "2bw"}, s, stretch=1.05, floor=final + 1e-3)
+        long = {"delay.policy": "2bw", "train.warmup_steps": "40"}
+        curve_run(root, f"long_2bw_s{s}", long, s, stretch=1.5 + 0.01 * s, steps=400)
+    tp = simulated("smollm-135m", "h100", 4, 8)
+    (v,), skipped = judge_sweep(build_rows(load_runs(root)), tp)
+    assert not skipped and v.overhead.status == "tax" and v.overhead.estimate < v.speedup
+    assert time_to_target(v.overhead, v.speedup).high < 1  # the band alone: async sooner
+    assert v.target.interval()[0] == pytest.approx(1.51, rel=0.02) and v.verdict == "sync sooner"

@@ -243,7 +243,7 @@ def build_rows(runs: list[Run]) -> list[Row]:
         row.mean, row.std = stats.mean(vals), stats.std(vals)
         rows.append(row)
     _link(rows)
-    longer = _longer_runs(rows)
+    longer = longer_runs(rows)
     for row in rows:
         if row.baseline is not None:
             row.token_overhead = row_overhead(row, row.baseline)
@@ -354,7 +354,7 @@ def row_overhead(
 _LENGTH_KEYS = ("train.num_steps", "train.warmup_steps", "train.eval_every")
 
 
-def _longer_runs(rows: list[Row]) -> dict[int, list[Row]]:
+def longer_runs(rows: list[Row]) -> dict[int, list[Row]]:
     """id(row) -> the rows equal to it but for a longer training length (the same delayed arm
     planned longer: its runs count toward reaching sync's final loss, `targets.py`)."""
     by_key: dict[tuple, list[Row]] = {}

@@ -19,87 +19,26 @@ from __future__ import annotations
 import csv
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from stalepipe.analysis import plots
-from stalepipe.analysis.overhead import Overhead
-from stalepipe.analysis.results import Row, build_rows, load_runs
+from stalepipe.analysis.results import Row, build_rows, load_runs, longer_runs
 from stalepipe.analysis.throughput import (
-    ScheduleThroughput,
     Throughputs,
     async_schedule,
     load_costs,
     simulated,
 )
-from stalepipe.errors import UserError
-
-# The rule printed beside every verdict (docs/design.md, 'What we report': intervals over seeds;
-# fewer than 3 seeds is inconclusive).
-RULE = (
-    "rule: 'async sooner' when the 95% interval of the time-to-target ratio lies below 1, "
-    "'sync sooner' when above 1 or when the delayed run has a quality floor; otherwise, or "
-    "with fewer than 3 seeds, 'inconclusive'"
+from stalepipe.analysis.verdict_rule import (
+    RULE,
+    Estimate,
+    Ratio,
+    Verdict,
+    call,
+    time_to_target,
 )
-
-
-@dataclass(frozen=True)
-class Ratio:
-    """Time to target of the async schedule over one synchronous schedule, with its interval."""
-
-    value: float
-    low: float
-    high: float
-
-
-def time_to_target(overhead: Overhead, speedup: float) -> Ratio:
-    """token overhead / (throughput_async / throughput_sync), the overhead's interval carried
-    through (the speedup is a constant); nan without a multiplier (floor, no band)."""
-    if overhead.status != "tax" or not speedup > 0:
-        return Ratio(math.nan, math.nan, math.nan)
-    return Ratio(overhead.estimate / speedup, overhead.ci_low / speedup, overhead.ci_high / speedup)
-
-
-def call(overhead: Overhead, ratio: Ratio) -> str:
-    """The verdict on one configuration, by RULE."""
-    if overhead.status == "floor":
-        return "sync sooner (quality floor)"
-    if overhead.status != "tax":
-        return f"inconclusive ({overhead.describe()})"
-    if overhead.num_seeds < 3:
-        return f"inconclusive ({overhead.num_seeds} seed{'s' * (overhead.num_seeds != 1)} < 3)"
-    if ratio.high < 1:
-        return "async sooner"
-    if ratio.low > 1:
-        return "sync sooner"
-    return "inconclusive (interval holds 1)"
-
-
-@dataclass
-class Verdict:
-    """One delayed configuration: its token overhead and its time to target per sync schedule."""
-
-    label: str
-    baseline: str
-    schedule: str  # the asynchronous schedule realising its delay policy
-    overhead: Overhead
-    sync_window_share: float  # share of steps in a sync window (run at the flushed rate)
-    async_tokens_per_s: float  # with the sync windows
-    best_sync: ScheduleThroughput | None
-    ratios: dict[str, Ratio] = field(default_factory=dict)  # per sync schedule
-    verdict: str = ""
-
-    @property
-    def speedup(self) -> float:
-        if self.best_sync is None:
-            return math.nan
-        return self.async_tokens_per_s / self.best_sync.tokens_per_s
-
-    @property
-    def ratio(self) -> Ratio:
-        """Against the best synchronous schedule that fits."""
-        nan = Ratio(math.nan, math.nan, math.nan)
-        return self.ratios.get(self.best_sync.name, nan) if self.best_sync else nan
+from stalepipe.errors import UserError
 
 
 def _label(row: Row) -> str:
@@ -135,17 +74,25 @@ def judge(row: Row, tp: Throughputs, schedule: str) -> Verdict:
         rate = 1.0 / (share / tp.window_tokens_per_s + (1.0 - share) / rate)
     best = tp.best_sync()
     v = Verdict(_label(row), _label(row.baseline), schedule, row.token_overhead, share, rate, best)
+    v.target = row.targets["final"]
     for s in tp.sync():
-        v.ratios[s.name] = time_to_target(row.token_overhead, rate / s.tokens_per_s)
-    v.verdict = call(row.token_overhead, v.ratio)
+        v.ratios[s.name] = time_to_target(v.target, rate / s.tokens_per_s)
+    # a delayed arm short of sync's final loss that also never reaches the band's bottom is a
+    # quality floor: the band says so with its own margin
+    floor = v.target.missed and row.token_overhead.status == "floor"
+    v.verdict = call(row.token_overhead if floor else v.target, v.ratio, v.speedup)
     return v
 
 
 def judge_sweep(rows: list[Row], tp: Throughputs) -> tuple[list[Verdict], list[str]]:
     """Verdicts of every delayed row with a baseline; and why other delayed rows have none."""
     verdicts, skipped = [], []
+    # a delayed arm's longer planned runs extend it toward sync's final loss (`targets`):
+    # read with it, not configurations of their own
+    longer = longer_runs(rows)
+    extensions = {id(o) for r in rows if r.baseline for o in longer.get(id(r), [])}
     for row in rows:
-        if row.is_sync:
+        if row.is_sync or (row.baseline is None and id(row) in extensions):
             continue
         if row.baseline is None or row.token_overhead is None:
             skipped.append(f"{_label(row)}: no finished synchronous baseline with its config")
@@ -184,8 +131,8 @@ def align(rows: list[list[str]]) -> str:
 
 
 SUMMARY_HEADER = [
-    *("configuration", "token overhead (95% CI)", "seeds", "best sync"),
-    *("throughput async/sync", "time to target (95% CI)", "verdict"),
+    *("configuration", "token overhead at sync's final loss", "band median", "seeds"),
+    *("best sync", "throughput async/sync", "time to target (95% CI)", "verdict"),
 ]
 
 
@@ -194,8 +141,9 @@ def summary_rows(verdicts: list[Verdict]) -> list[list[str]]:
     return [
         [
             v.label,
+            v.target.describe() if v.target else "-",
             v.overhead.describe(),
-            str(v.overhead.num_seeds),
+            str(len(v.target.seeds) if v.target else v.overhead.num_seeds),
             v.best_sync.name if v.best_sync else "-",
             f"{v.speedup:.3f}" if math.isfinite(v.speedup) else "-",
             _cells(v.ratio),
@@ -250,7 +198,8 @@ def format_verdict(
             else ""
         )
         out += [
-            f"{v.label} (vs {v.baseline}): token overhead {v.overhead.describe()} over "
+            f"{v.label} (vs {v.baseline}): token overhead at sync's final loss "
+            f"{v.target.describe() if v.target else '-'}, over the band {v.overhead.describe()}, "
             f"{v.overhead.num_seeds} seed(s){windows}",
             align(detail_rows(v, tp)),
             "",
@@ -268,6 +217,8 @@ CSV_HEADER = [
     "token_overhead_ci_low",
     "token_overhead_ci_high",
     "token_overhead_status",
+    "band_token_overhead",
+    "band_token_overhead_status",
     "seeds",
     "sync_schedule",
     "best_sync",
@@ -297,9 +248,8 @@ def write_csv(path: Path, verdicts: list[Verdict], tp: Throughputs) -> None:
                         v.label,
                         v.baseline,
                         v.schedule,
+                        *_target_cells(v),
                         v.overhead.estimate,
-                        v.overhead.ci_low,
-                        v.overhead.ci_high,
                         v.overhead.status,
                         v.overhead.num_seeds,
                         s.name,
@@ -315,6 +265,19 @@ def write_csv(path: Path, verdicts: list[Verdict], tp: Throughputs) -> None:
                         v.verdict,
                     ]
                 )
+
+
+def _status(v: Verdict) -> str:
+    """What the figure writes where a configuration has no ratio: the final-loss reading."""
+    return v.target.describe() if v.target else v.overhead.status
+
+
+def _target_cells(v: Verdict) -> list[object]:
+    """The final-loss overhead's estimate, interval and status ('short': a bound) for the CSV."""
+    e = Estimate.of(v.target) if v.target else None
+    if e is None:
+        return [math.nan, math.nan, math.nan, "no pairs"]
+    return [e.bound if e.status == "short" else e.value, e.low, e.high, e.status]
 
 
 def _rows_of(sweep_dir: Path) -> list[Row]:
@@ -419,10 +382,7 @@ def _write(r: VerdictReport, title: str) -> None:
                 for s in r.throughputs.rows
                 if not s.refused and (s.policy == "sync" or s.name in used)
             ],
-            [
-                (v.label, v.ratio.value, v.ratio.low, v.ratio.high, v.overhead.status)
-                for v in r.verdicts
-            ],
+            [(v.label, v.ratio.value, v.ratio.low, v.ratio.high, _status(v)) for v in r.verdicts],
             title=r.throughputs.title(),
         )
     )

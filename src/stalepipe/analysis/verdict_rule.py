@@ -1,0 +1,119 @@
+"""The verdict's rule (docs/design.md, 'What we report'): the time-to-target ratio of one
+delayed configuration against a synchronous schedule, and the call it makes, from the token
+overhead at sync's final loss (`analysis.targets`) or over the band (`analysis.overhead`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from stalepipe.analysis.overhead import Overhead
+from stalepipe.analysis.targets import TargetOverhead
+from stalepipe.analysis.throughput import ScheduleThroughput
+
+# The rule printed beside every verdict (docs/design.md, 'What we report': the target is sync's
+# final loss; intervals over seeds; fewer than 3 seeds is inconclusive).
+RULE = (
+    "rule: the target is the synchronous arm's final val loss (per seed); 'async sooner' when "
+    "the 95% interval of the time-to-target ratio lies below 1, 'sync sooner' when above 1, "
+    "when the delayed arm has a quality floor, or when it is still short of the target at a "
+    "token multiple that alone outweighs the throughput edge; otherwise, or with fewer than "
+    "3 seeds, 'inconclusive'"
+)
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """Time to target of the async schedule over one synchronous schedule, with its interval."""
+
+    value: float
+    low: float
+    high: float
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A token overhead as the verdict reads it: at sync's final loss (`targets`), or over the
+    band (`overhead`, the older reading; the tests' synthetic taxes)."""
+
+    status: str  # "tax" (a multiplier), "floor", "short" (a lower bound), or why not read
+    value: float
+    low: float
+    high: float
+    seeds: int
+    bound: float = math.nan  # "short": the token multiple some seed was still short at
+    text: str = ""
+
+    @staticmethod
+    def of(x: Overhead | TargetOverhead) -> Estimate:
+        nan = math.nan
+        if isinstance(x, Overhead):
+            values = (x.estimate, x.ci_low, x.ci_high)
+            return Estimate(x.status, *values, x.num_seeds, text=x.describe())
+        n, text = len(x.seeds), x.describe()
+        if not n or x.in_warmup:
+            return Estimate("in warmup" if n else "no pairs", nan, nan, nan, n, text=text)
+        if x.missed:
+            bound = min(s.bound for s in x.seeds if not math.isfinite(s.tokens_delayed))
+            return Estimate("short", nan, nan, nan, n, bound, text)
+        est, low, high = x.interval()
+        return Estimate("tax", est, low, high, n, text=text)
+
+
+def time_to_target(overhead: Overhead | TargetOverhead, speedup: float) -> Ratio:
+    """token overhead / (throughput_async / throughput_sync), the overhead's interval carried
+    through (the speedup is a constant); nan without a multiplier (floor, short, no band)."""
+    e = Estimate.of(overhead)
+    if e.status != "tax" or not speedup > 0:
+        return Ratio(math.nan, math.nan, math.nan)
+    return Ratio(e.value / speedup, e.low / speedup, e.high / speedup)
+
+
+def call(overhead: Overhead | TargetOverhead, ratio: Ratio, speedup: float = math.nan) -> str:
+    """The verdict on one configuration, by RULE (`speedup`: async over the best sync)."""
+    e = Estimate.of(overhead)
+    if e.status == "floor":
+        return "sync sooner (quality floor)"
+    if e.seeds < 3 and e.status in ("tax", "short"):
+        return f"inconclusive ({e.seeds} seed{'s' * (e.seeds != 1)} < 3)"
+    if e.status == "short":
+        at = e.bound / speedup if speedup > 0 else math.nan
+        if at >= 1:
+            return f"sync sooner (short of sync's final loss at {e.bound:.2f}x its tokens)"
+        within = f"short of sync's final loss within {e.bound:.2f}x its tokens"
+        return f"inconclusive ({within}; run longer delayed arms: stalepipe sweep length)"
+    if e.status != "tax":
+        return f"inconclusive ({e.text})"
+    if ratio.high < 1:
+        return "async sooner"
+    if ratio.low > 1:
+        return "sync sooner"
+    return "inconclusive (interval holds 1)"
+
+
+@dataclass
+class Verdict:
+    """One delayed configuration: its token overhead and its time to target per sync schedule."""
+
+    label: str
+    baseline: str
+    schedule: str  # the asynchronous schedule realising its delay policy
+    overhead: Overhead  # over the band of sync's losses (secondary)
+    sync_window_share: float  # share of steps in a sync window (run at the flushed rate)
+    async_tokens_per_s: float  # with the sync windows
+    best_sync: ScheduleThroughput | None
+    ratios: dict[str, Ratio] = field(default_factory=dict)  # per sync schedule
+    verdict: str = ""
+    target: TargetOverhead | None = None  # at sync's final loss: what the verdict reads
+
+    @property
+    def speedup(self) -> float:
+        if self.best_sync is None:
+            return math.nan
+        return self.async_tokens_per_s / self.best_sync.tokens_per_s
+
+    @property
+    def ratio(self) -> Ratio:
+        """Against the best synchronous schedule that fits."""
+        nan = Ratio(math.nan, math.nan, math.nan)
+        return self.ratios.get(self.best_sync.name, nan) if self.best_sync else nan
