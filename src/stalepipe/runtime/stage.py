@@ -93,7 +93,7 @@ class StageExecutor:
         self.comm = ios[0].comm
         self.P, self.m = sched.num_stages, sched.num_microbatches
         self.chunks = {
-            io.stage: Chunk(io, delayed._names[io.stage], self.P) for io in ios
+            io.stage: Chunk(io, delayed.stage_param_names(io.stage), self.P) for io in ios
         }  # first stage first
         assert list(self.chunks) == sorted(self.chunks), list(self.chunks)
         self.stages = list(self.chunks)
