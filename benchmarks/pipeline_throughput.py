@@ -73,11 +73,11 @@ class _NoCadence:
     evaluates = is_sync_point = logs
     stop_step = None
 
-    def requests(self) -> int:  # no signal, no checkpoint clock; the vote still runs
-        return 0
+    def with_agreed(self, step: int, bits: int) -> _NoCadence:  # no signal: nothing agreed
+        return self
 
-    def agree(self, step: int, bits: int) -> None:
-        pass
+    def agreed_bits(self, step: int) -> int:
+        return 0
 
 
 def _batch(step: int, m: int, mb: int, T: int, V: int):

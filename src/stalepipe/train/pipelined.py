@@ -20,7 +20,7 @@ import math
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,7 @@ from stalepipe.schedules.generators import one_stage_per_rank, schedule_for
 from stalepipe.schedules.schedule import Schedule, validate
 from stalepipe.train.devices import check_device, set_tf32
 from stalepipe.train.distributed import MAIN_WORK_TIMEOUT_S
-from stalepipe.train.engine import StepPlan, StepResult
+from stalepipe.train.engine import StepPlan, StepResult, no_requests
 from stalepipe.train.loop import TrainResult, run_loop, with_resolved_optim
 from stalepipe.train.ranklog import tee_rank_log
 
@@ -282,7 +282,7 @@ class PipelineEngine:
             return None
         return "owner" if 0 in self.stages else "head" if P - 1 in self.stages else None
 
-    def _executor(self, plan: StepPlan) -> StageExecutor:
+    def _executor(self, plan: StepPlan, requests: Callable[[], int]) -> StageExecutor:
         cfg, tc, P = self.cfg, self.cfg.train, self.cfg.pipeline.num_stages
         B, D, m = tc.batch_size, cfg.pipeline.num_replicas, tc.num_microbatches
         get_batch = self._batch_reader()
@@ -319,6 +319,7 @@ class PipelineEngine:
             self._eval_data(),
             self.tied_versions,
             self.votes,
+            requests,
         )
 
     def _batch_reader(self):
@@ -361,14 +362,18 @@ class PipelineEngine:
 
     # ---- the Engine interface ------------------------------------------------------------
 
-    def steps(self, plan: StepPlan) -> Iterator[StepResult]:
-        self.executor = self._executor(plan)
+    def steps(
+        self, plan: StepPlan, requests: Callable[[], int] = no_requests
+    ) -> Iterator[StepResult]:
+        self.executor = self._executor(plan, requests)
         own = self.sched.ranks[self.pipe_rank]
         actions = [a for a in own if a.step >= self.start_step]
         for r in self.executor.run(actions):
             self.losses.append((r.step, r.loss))
             tau = self.sched.delay.taus(r.step)
-            yield StepResult(r.step, r.loss, r.grad_norm, tau, r.lr, r.router)
+            plan = self.executor.plan  # with what the processes agreed on so far
+            agreed = plan.agreed_bits(r.step)
+            yield StepResult(r.step, r.loss, r.grad_norm, tau, r.lr, r.router, agreed)
             if plan.stops(r.step):  # checkpointed: end here, with every peer (runtime.votes)
                 self.executor.settle()
                 return
