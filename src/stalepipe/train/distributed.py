@@ -19,8 +19,8 @@ import os
 import pickle
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,6 @@ from stalepipe.runtime.comm import (
     resolve_backend,
     under_torchrun,
 )
-from stalepipe.runtime.failures import run_store
 from stalepipe.runtime.waits import STORE_POLL_S, restart_prefix
 
 T = TypeVar("T")
@@ -47,6 +46,7 @@ class DistContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    store: Any = field(default=None, repr=False, compare=False)  # the run's rendezvous store
 
     @property
     def is_main(self) -> bool:
@@ -78,10 +78,15 @@ def init_data_parallel(cfg: ExperimentConfig) -> DistContext:
         )
     backend = resolve_backend(cfg.pipeline.backend, tc.device)
     # The store is kept for `on_main_outside_collectives`.
-    rank, world, local_rank = init_from_env(backend, cfg.pipeline.timeout_s)
+    joined = init_from_env(backend, cfg.pipeline.timeout_s)
     if tc.device.startswith("cuda"):
-        torch.cuda.set_device(local_rank)
-    return DistContext(rank=rank, world_size=world, local_rank=local_rank)
+        torch.cuda.set_device(joined.local_rank)
+    return DistContext(
+        rank=joined.rank,
+        world_size=joined.world_size,
+        local_rank=joined.local_rank,
+        store=joined.records.store,
+    )
 
 
 def local_device(cfg: ExperimentConfig, ctx: DistContext) -> torch.device:
@@ -165,7 +170,7 @@ def on_main_outside_collectives(
     global _main_calls
     if not ctx.enabled:
         return fn()
-    store = run_store()
+    store = ctx.store
     assert store is not None, "init_data_parallel keeps the run's store"
     _main_calls += 1
     key = f"{restart_prefix()}main/{_main_calls}"
