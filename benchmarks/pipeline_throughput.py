@@ -51,7 +51,7 @@ CHUNKS = {"interleaved-1f1b": 2, "zb-v": 2}  # stages per process of our schedul
 
 
 def _setup(model_cfg: ModelConfig):
-    rank, _, _ = init_from_env("gloo", 120)
+    rank = init_from_env("gloo", 120).rank
     torch.set_num_threads(1)
     full = build_model(model_cfg, seed=0)
     stage = partition(full, P)[rank]
@@ -73,11 +73,11 @@ class _NoCadence:
     evaluates = is_sync_point = logs
     stop_step = None
 
-    def requests(self) -> int:  # no signal, no checkpoint clock; the vote still runs
-        return 0
+    def with_agreed(self, step: int, bits: int) -> _NoCadence:  # no signal: nothing agreed
+        return self
 
-    def agree(self, step: int, bits: int) -> None:
-        pass
+    def agreed_bits(self, step: int) -> int:
+        return 0
 
 
 def _batch(step: int, m: int, mb: int, T: int, V: int):
@@ -89,7 +89,8 @@ def _batch(step: int, m: int, mb: int, T: int, V: int):
 
 def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: int, warm: int):
     C = CHUNKS.get(schedule, 1)
-    rank, _, _ = init_from_env("gloo", 120)
+    joined = init_from_env("gloo", 120)
+    rank = joined.rank
     torch.set_num_threads(1)
     parts = partition(build_model(model_cfg, seed=0), C * P)
     topo = Topology(C * P, 1, C, "v" if schedule == "zb-v" else "interleaved")
@@ -98,7 +99,7 @@ def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: 
     params = [(n, p) for s in ids for n, p in owned[s].items()]
     opt = build_optimizer(resolve_config(OptimConfig(name="adamw")), params)
     set_peak_lr(opt)
-    comm = Comm(topo, rank, "gloo", 120, "cpu")
+    comm = Comm(topo, rank, "gloo", 120, "cpu", joined.records)
     delayed = DelayedOptimizer(
         opt,
         [owned.get(s, {}) for s in range(C * P)],
@@ -198,7 +199,7 @@ def _torch_stages(model_cfg: ModelConfig, schedule: str):
     if schedule not in CHUNKED:
         rank, stage, _, opt = _setup(model_cfg)
         return [PipelineStage(_TorchStage(stage), rank, P, torch.device("cpu"))], [rank], opt
-    rank, _, _ = init_from_env("gloo", 120)
+    rank = init_from_env("gloo", 120).rank
     torch.set_num_threads(1)
     parts = partition(build_model(model_cfg, seed=0), 2 * P)
     ids = [rank, 2 * P - 1 - rank] if schedule == "zbv" else [rank, rank + P]

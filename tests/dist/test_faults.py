@@ -99,8 +99,9 @@ _POST = textwrap.dedent(
     from stalepipe.runtime.comm import Comm, PeerError, init_from_env
     from stalepipe.runtime.topology import Topology
 
-    rank, _, _ = init_from_env("gloo", 10)
-    comm = Comm(Topology(2), rank, "gloo", 10, "cpu")
+    joined = init_from_env("gloo", 10)
+    rank = joined.rank
+    comm = Comm(Topology(2), rank, "gloo", 10, "cpu", joined.records)
     t = torch.zeros(4)
     if rank == 1:
         comm.recv([t], (0, 1), "act", "x").wait()  # both pairs of channels connected

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from stalepipe.errors import UserError
 from stalepipe.runtime import comm as comm_mod
 from stalepipe.runtime.comm import Comm, PeerError
+from stalepipe.runtime.failures import FailureRecords
 from stalepipe.runtime.topology import Topology
 from stalepipe.runtime.waits import backend_timeout_s, poll_work, store_barrier
-from stalepipe.train import distributed as dist_mod
 from stalepipe.train.distributed import DistContext, on_main_outside_collectives
 
 
@@ -62,11 +62,11 @@ def _nccl_comm(timeout_s: float) -> Comm:
     c = object.__new__(Comm)
     c.topo, c.rank, c.backend = Topology(2), 1, "nccl"
     c.timeout = datetime.timedelta(seconds=timeout_s)
+    c.records = FailureRecords()  # no run store: nothing to name the peer but the wait
     return c
 
 
-def test_a_silent_peer_on_nccl_is_a_peer_error_within_the_timeout(monkeypatch):
-    monkeypatch.setattr(comm_mod, "run_store", lambda: None)
+def test_a_silent_peer_on_nccl_is_a_peer_error_within_the_timeout():
     c = _nccl_comm(0.2)
     pending = comm_mod.Pending([FakeWork(polls=None)], [], 0, "the activation of step 3", c)
     t = time.monotonic()
@@ -119,34 +119,32 @@ def test_store_barrier_ends_early_when_told_a_peer_failed():
 
 
 @pytest.fixture
-def store(monkeypatch):
-    s = dist.HashStore()
-    monkeypatch.setattr(dist_mod, "run_store", lambda: s)
-    return s
+def store():
+    return dist.HashStore()
 
 
-def _as_rank(monkeypatch, rank: int, fn, **kw):
-    monkeypatch.setattr(dist_mod, "_main_calls", 0)  # each "process" counts from 0
-    return on_main_outside_collectives(fn, DistContext(rank=rank, world_size=2), "the save", **kw)
+def _as_rank(store, rank: int, fn, **kw):
+    ctx = DistContext(rank=rank, world_size=2, store=store)  # each "process" counts from 0
+    return on_main_outside_collectives(fn, ctx, "the save", **kw)
 
 
-def test_rank0_works_while_the_others_wait_on_the_store(store, monkeypatch):
-    assert _as_rank(monkeypatch, 0, lambda: "path") == "path"
-    assert _as_rank(monkeypatch, 1, lambda: pytest.fail("rank 1 must not run it")) == "path"
+def test_rank0_works_while_the_others_wait_on_the_store(store):
+    assert _as_rank(store, 0, lambda: "path") == "path"
+    assert _as_rank(store, 1, lambda: pytest.fail("rank 1 must not run it")) == "path"
 
 
-def test_rank0s_user_error_is_raised_on_every_rank(store, monkeypatch):
+def test_rank0s_user_error_is_raised_on_every_rank(store):
     def full_disk():
         raise UserError("no space left for the checkpoint; free some or set --out_dir")
 
     for rank in (0, 1):
         with pytest.raises(UserError, match="no space left"):
-            _as_rank(monkeypatch, rank, full_disk)
+            _as_rank(store, rank, full_disk)
 
 
-def test_a_rank0_that_never_finishes_is_a_peer_error(store, monkeypatch):
+def test_a_rank0_that_never_finishes_is_a_peer_error(store):
     with pytest.raises(PeerError, match=r"rank 0 did not finish the save within 0.2s"):
-        _as_rank(monkeypatch, 1, lambda: None, timeout_s=0.2)
+        _as_rank(store, 1, lambda: None, timeout_s=0.2)
     store.set("stalepipe/0/main/1", pickle.dumps(("failed", "RuntimeError: boom")))
     with pytest.raises(PeerError, match="rank 0 failed during the save: RuntimeError: boom"):
-        _as_rank(monkeypatch, 1, lambda: None, timeout_s=5)
+        _as_rank(store, 1, lambda: None, timeout_s=5)

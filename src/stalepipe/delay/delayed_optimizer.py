@@ -139,6 +139,10 @@ class DelayedOptimizer:
         """Per stage, the versions held now: stored copies plus the live weights."""
         return [sorted(h) + [self._step] for h in self._history]
 
+    def stage_param_names(self, stage: int) -> list[str]:
+        """The names of `stage`'s parameters, in the order its weights are stored."""
+        return list(self._names[stage])
+
     def versions_to_keep(self, step: int) -> list[set[int]]:
         """Per stage, the stored versions a state at `step` holds: the past versions that
         steps >= `step` read on the stage or on stages sharing its weights (what `step()`

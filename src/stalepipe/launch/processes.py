@@ -39,9 +39,7 @@ from stalepipe.errors import EXIT_PEER, EXIT_PREEMPTED, EXIT_USER, TrainingError
 from stalepipe.runtime.failures import (
     AGENT_STORE_ENV,
     Failure,
-    first_failure,
-    rank_failure,
-    report_failure,
+    FailureRecords,
 )
 from stalepipe.runtime.topology import Topology
 
@@ -207,7 +205,7 @@ def supervise(
     if watch.code(root) < 0:  # it could not say it itself
         _append(log, f"== stalepipe launcher: {what}")
     kept = checkpoint_note() if checkpoint_note else "see the run directory for checkpoints"
-    rec = rank_failure(store, root)
+    rec = FailureRecords(store).of_rank(root)
     if watch.code(root) == EXIT_USER and rec is not None and root not in watch.killed:
         raise UserError(rec.line)  # bad input, found by the workers: their one line
     raise TrainingError(f"{what}; all ranks stopped. See {log}; {kept}")
@@ -220,22 +218,22 @@ def _append(path: Path, line: str) -> None:
 
 def _record_exit(store: Any, rank: int, code: int, describe: Callable[[int], str]) -> None:
     """Record a rank that died without recording why (killed, or crashed below Python)."""
-    if store is None or rank_failure(store, rank) is not None:
+    if store is None or FailureRecords(store).of_rank(rank) is not None:
         return
     how = f"was killed ({_signame(-code)})" if code < 0 else f"exited with status {code}"
-    report_failure(store, Failure(rank, "exit", f"{describe(rank)} {how}", code=code))
+    FailureRecords(store).report(Failure(rank, "exit", f"{describe(rank)} {how}", code=code))
 
 
 def _root_cause(watch: _Watch, failed: list[int], store: Any, timeout_s: float) -> tuple[int, str]:
     """(the rank that stopped first, what happened to it), from the exit statuses and the
     failure records: a rank that failed by itself; else the rank the peer errors blame that
     did not stop because of a peer itself (hung); else one that was left running."""
-    describe, records = watch.describe, {r: rank_failure(store, r) for r in watch.exited}
+    describe, records = watch.describe, {r: FailureRecords(store).of_rank(r) for r in watch.exited}
     causes = [r for r in failed if watch.code(r) != EXIT_PEER and r not in watch.killed]
     if causes:
         # A killed rank first (it could not record); else the first to record (ranks record
         # before they exit, so that is more exact than the order their exits were seen in).
-        first = first_failure(store)
+        first = FailureRecords(store).first()
         killed = [r for r in causes if watch.code(r) < 0]
         r = (killed or [first.rank if first and first.rank in causes else causes[0]])[0]
         code, rec = watch.code(r), records.get(r)
@@ -267,7 +265,7 @@ def _root_cause(watch: _Watch, failed: list[int], store: Any, timeout_s: float) 
             f"{describe(r)} stopped responding: it was still running after the others had "
             f"stopped, and the launcher killed it"
         )
-    f = first_failure(store)
+    f = FailureRecords(store).first()
     r = f.rank if f is not None and f.rank in failed else failed[0]
     return r, f"{describe(r)} failed (exit status {watch.code(r)})" + (
         f": {f.line}" if f is not None and f.rank == r else ""

@@ -26,7 +26,7 @@ from stalepipe.launch.processes import EXIT_INTERRUPTED, host_store, supervise, 
 from stalepipe.rundir.checkpoint import latest_checkpoint
 from stalepipe.rundir.startup import FRESH, StartUp, begin_run
 from stalepipe.runtime.comm import PeerError, under_torchrun
-from stalepipe.runtime.failures import Failure, first_failure, report_failure, run_store
+from stalepipe.runtime.failures import Failure, WorkerFailed, launcher_records
 from stalepipe.runtime.topology import Topology
 from stalepipe.train.devices import check_device
 from stalepipe.train.loop import with_resolved_optim
@@ -108,7 +108,7 @@ def _child(
 
 
 def _train_rank(cfg: ExperimentConfig, start: StartUp, verbose: bool) -> int:
-    result = run_worker(cfg, start, verbose=verbose)
+    result = run_worker(cfg, start, verbose=verbose, wrapped=True)
     if result.result is not None and verbose:
         print(result.result.summary(), flush=True)
     return 0
@@ -136,6 +136,9 @@ def run_rank(rank: int, fn: Callable, *args, log: Path | None = None, **kwargs) 
 
 
 def _exit_failed(rank: int, e: BaseException) -> None:
+    logged, records = False, None
+    if isinstance(e, WorkerFailed):  # run_worker printed it, and had joined the run's records
+        logged, records, e = True, e.records, e.error
     if isinstance(e, SystemExit) and isinstance(e.code, int | None):
         _exit(e.code or 0)
     if isinstance(e, KeyboardInterrupt | Preempted):
@@ -152,11 +155,11 @@ def _exit_failed(rank: int, e: BaseException) -> None:
         code = e.exit_code
     elif isinstance(e, PeerError):
         code = EXIT_PEER
-    store = run_store()
-    root = first_failure(store)
+    records = launcher_records() if records is None or records.store is None else records
+    root = records.first()
     kind, peer = ("peer", e.peer) if isinstance(e, PeerError) else ("error", None)
-    report_failure(store, Failure(rank, kind, msg, peer=peer, code=code))
-    if not getattr(e, "stalepipe_logged", False):
+    records.report(Failure(rank, kind, msg, peer=peer, code=code))
+    if not logged:
         print(f"stalepipe: error: {msg}", file=sys.stderr, flush=True)
     if root is not None and root.line != msg:
         print(f"stalepipe: first failure reported: {root.line}", file=sys.stderr, flush=True)

@@ -32,7 +32,7 @@ from stalepipe.delay import DelayedOptimizer, DelaySchedule
 from stalepipe.errors import CheckpointError
 from stalepipe.fileio import torch_save_atomic
 from stalepipe.runtime.comm import PeerError, peer_error
-from stalepipe.runtime.failures import first_failure, run_store
+from stalepipe.runtime.failures import FailureRecords, launcher_records
 from stalepipe.runtime.topology import Topology
 
 PARTS_DIR = "parts"
@@ -56,15 +56,16 @@ def wait_part(
     pipe_rank: int,
     topo: Topology,
     timeout_s: float,
-    store: Any = None,
+    records: FailureRecords | None = None,
     rank: int = 0,
 ) -> dict[str, Any]:
     """Wait (on `rank`, the merging rank 0) until pipeline rank `pipe_rank` (of replica 0)
     wrote its part of step `step`, then load it. Raises `PeerError` naming the failed rank as
-    soon as any rank of the run has a failure record in `store` (default:
-    `failures.run_store()`): the process itself, a neighbour that saw it die, or the launcher
-    for a killed one; naming the process after `timeout_s` without its part (a hung one)."""
-    store = run_store() if store is None else store
+    soon as any rank of the run has a failure record in `records` (the runtime's `Comm.records`;
+    default: `failures.launcher_records()`): the process itself, a neighbour that saw it die,
+    or the launcher for a killed one; naming the process after `timeout_s` without its part
+    (a hung one)."""
+    records = launcher_records() if records is None else records
     path = part_path(run_dir, step, pipe_rank)
     peer = topo.rank(pipe_rank)  # its first stage is its pipeline rank
     what = f"the checkpoint part of {topo.describe(peer)} at step {step}"
@@ -73,7 +74,7 @@ def wait_part(
     while not path.exists():
         now = time.monotonic()
         if now >= next_check:
-            if (f := first_failure(store)) is not None and f.rank != rank:
+            if (f := records.first()) is not None and f.rank != rank:
                 root = f.root if f.root not in (None, rank) else f.rank
                 raise peer_error(topo, rank, root, what, timeout_s, f.line)
             next_check = now + FAILURE_POLL_S

@@ -37,12 +37,13 @@ import datetime
 import os
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from stalepipe.runtime.failures import AGENT_STORE_ENV, run_store, set_run_store, wait_failure
+from stalepipe.runtime.failures import AGENT_STORE_ENV, FailureRecords
 from stalepipe.runtime.topology import Topology
 from stalepipe.runtime.waits import (
     backend_timeout_s,
@@ -87,24 +88,34 @@ def resolve_backend(backend: str, device: str) -> str:
 
 
 def leave_process_group() -> None:
-    """Destroy the process group and drop the run's store while the interpreter is whole (a
-    store left to interpreter shutdown can abort the process: "terminate called without an
-    active exception")."""
+    """Destroy the process group while the interpreter is whole. The run's store goes with
+    the objects that hold it (`Membership.records`, `Comm.records`): keep none of them past
+    the run (a store left to interpreter shutdown can abort the process: "terminate called
+    without an active exception")."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    set_run_store(None)
 
 
-def init_from_env(
-    backend: str, timeout_s: float, *, failure_records: bool = True
-) -> tuple[int, int, int]:
-    """Join the process group torchrun (or `launch.train.launch_train`) describes in the environment
-    (env:// rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE). Returns
-    (rank, world_size, local_rank). `failure_records`: keep the rendezvous store for the
-    pipeline runtime's failure records (`run_store`); the data-parallel emulator, which keeps
-    none, joins through env:// itself."""
+@dataclass(frozen=True)
+class Membership:
+    """This process's place in the process group it joined (`init_from_env`), and the run's
+    failure records in the rendezvous store it joined through (none when it did not keep it,
+    or joined before)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    records: FailureRecords = FailureRecords()
+
+
+def init_from_env(backend: str, timeout_s: float, *, failure_records: bool = True) -> Membership:
+    """Join the process group torchrun (or `launch.train.launch_train`) describes in the
+    environment (env:// rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE).
+    `failure_records`: keep the rendezvous store, for the failure records (`runtime.failures`)
+    and the waits on it; without, the group joins through env:// itself."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    records = FailureRecords()
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=backend_timeout_s(backend, timeout_s))
         kwargs: dict[str, Any] = {}
@@ -121,9 +132,9 @@ def init_from_env(
                 timeout=timeout,
                 multi_tenant=rank == 0 and not hosted,
             )
-            set_run_store(kwargs["store"])
+            records = FailureRecords(kwargs["store"])
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
-    return rank, world, local_rank
+    return Membership(rank, world, local_rank, records)
 
 
 class Pending:
@@ -166,10 +177,21 @@ class _Handover:
 class Comm:
     """The runtime's communication: channels to the neighbouring stages of this replica, the
     per-step control all-gather over the replica's pipeline, and the data-parallel all-reduce
-    over the replicas of this stage. All ranks construct it collectively (same order)."""
+    over the replicas of this stage. All ranks construct it collectively (same order).
+    `records`: the run's failure records (`Membership.records`), which name the rank a failed
+    wait blames; none: the peer the wait had, or none."""
 
-    def __init__(self, topo: Topology, rank: int, backend: str, timeout_s: float, device):
+    def __init__(
+        self,
+        topo: Topology,
+        rank: int,
+        backend: str,
+        timeout_s: float,
+        device,
+        records: FailureRecords | None = None,
+    ):
         self.topo, self.rank, self.backend = topo, rank, backend
+        self.records = FailureRecords() if records is None else records
         self.device = torch.device(device)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._pg_timeout = datetime.timedelta(seconds=backend_timeout_s(backend, timeout_s))
@@ -239,7 +261,7 @@ class Comm:
         timeout_s = self.timeout.total_seconds()
         # A dead peer's record comes within milliseconds; a silent one's may never come.
         silent = "timed out" in str(cause).lower()
-        f = wait_failure(run_store(), 0.0 if silent else RECORD_WAIT_S, self.rank)
+        f = self.records.wait_other(0.0 if silent else RECORD_WAIT_S, self.rank)
         if f is not None and f.root not in (None, self.rank):
             return peer_error(self.topo, self.rank, f.root, what, timeout_s, f.line, via=peer)
         if peer is not None:
@@ -350,10 +372,11 @@ class Comm:
         if dist.get_world_size() == 1:
             return
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else self.timeout
-        if (self.backend != "gloo" or via_store) and run_store() is not None:
+        if (self.backend != "gloo" or via_store) and self.records.store is not None:
             self._barriers += 1
             key = f"barrier/{self._barriers}"
-            barrier_on_store(self.topo, self.rank, key, what, timeout.total_seconds())
+            t = timeout.total_seconds()
+            barrier_on_store(self.topo, self.rank, key, what, t, self.records)
             return
         try:
             if self.backend == "gloo":
@@ -364,12 +387,14 @@ class Comm:
             raise self.peer_error(None, what, e) from None
 
 
-def barrier_on_store(topo: Topology, rank: int, key: str, what: str, timeout_s: float) -> None:
-    """`store_barrier` over the run's store for every rank of `topo` (before or without a
-    `Comm`: the start-up, while rank 0 prepares data), ended early by a peer's failure record.
-    A rank that does not arrive within `timeout_s` is a `PeerError` naming it, or the rank a
-    failure record blames."""
-    store = run_store()
+def barrier_on_store(
+    topo: Topology, rank: int, key: str, what: str, timeout_s: float, records: FailureRecords
+) -> None:
+    """`store_barrier` over the run's store (`records.store`) for every rank of `topo` (before
+    or without a `Comm`: the start-up, while rank 0 prepares data), ended early by a peer's
+    failure record. A rank that does not arrive within `timeout_s` is a `PeerError` naming it,
+    or the rank a failure record blames."""
+    store = records.store
     assert store is not None, "the runtime joins the run's store (init_from_env)"
     missing = store_barrier(
         store,
@@ -377,11 +402,11 @@ def barrier_on_store(topo: Topology, rank: int, key: str, what: str, timeout_s: 
         rank,
         topo.world_size,
         timeout_s,
-        stop=lambda: wait_failure(store, 0.0, rank) is not None,
+        stop=lambda: records.wait_other(0.0, rank) is not None,
     )
     if not missing:
         return
-    f = wait_failure(store, RECORD_WAIT_S, rank)
+    f = records.wait_other(RECORD_WAIT_S, rank)
     if f is not None and f.root not in (None, rank):
         raise peer_error(topo, rank, f.root, what, timeout_s, f.line)
     late = ", ".join(topo.describe(r) for r in missing)

@@ -31,7 +31,7 @@ gradients summed in microbatch order, the tied embedding's gradient = first stag
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +74,9 @@ class StageExecutor:
         tied_versions: older versions of a tied matrix the last stage still reads (resume).
         votes: how the processes agree on a step to checkpoint or stop at (`runtime.votes`);
             None: the plan's own steps only.
+        requests: this process's pending requests (STOP, CHECKPOINT bits), cast in each vote.
+
+    `plan` is the plan as agreed so far: each agreement replaces it (`Plan.with_agreed`).
     """
 
     def __init__(
@@ -86,14 +89,15 @@ class StageExecutor:
         evaluation: EvalData | None = None,
         tied_versions: dict[int, torch.Tensor] | None = None,
         votes: StepVotes | None = None,
+        requests: Callable[[], int] = lambda: 0,
     ) -> None:
         ios = [ios] if isinstance(ios, StageIO) else list(ios)
         self.layout, self.delayed, self.sched, self.plan = layout, delayed, sched, plan
-        self.evaluation, self.votes = evaluation, votes
+        self.evaluation, self.votes, self.requests = evaluation, votes, requests
         self.comm = ios[0].comm
         self.P, self.m = sched.num_stages, sched.num_microbatches
         self.chunks = {
-            io.stage: Chunk(io, delayed._names[io.stage], self.P) for io in ios
+            io.stage: Chunk(io, delayed.stage_param_names(io.stage), self.P) for io in ios
         }  # first stage first
         assert list(self.chunks) == sorted(self.chunks), list(self.chunks)
         self.stages = list(self.chunks)
@@ -384,12 +388,12 @@ class StageExecutor:
             if self.plan.is_sync_point(step):
                 self.updates.drain(all_=True)
         if self.votes is not None:
-            self.votes.start(step, self.plan.requests())
+            self.votes.start(step, self.requests())
 
     def _agree(self, step: int, bits: int) -> None:
         """Every process agreed on `bits` after update `step`; drop the receives of later
         steps not posted yet when the run ends there."""
-        self.plan.agree(step, bits)
+        self.plan = self.plan.with_agreed(step, bits)
         if (stop := self.plan.stop_step) is not None:
             for c in self.chunks.values():
                 c.inbox.forget_after(stop)

@@ -15,12 +15,13 @@ Not for the pipeline runtime (`pipeline.engine distributed`), which has its own 
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,6 @@ from stalepipe.runtime.comm import (
     resolve_backend,
     under_torchrun,
 )
-from stalepipe.runtime.failures import run_store
 from stalepipe.runtime.waits import STORE_POLL_S, restart_prefix
 
 T = TypeVar("T")
@@ -47,6 +47,9 @@ class DistContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    store: Any = field(default=None, repr=False, compare=False)  # the run's rendezvous store
+    # calls of on_main_outside_collectives so far (the same count on every rank)
+    main_calls: Iterator[int] = field(default_factory=itertools.count, repr=False, compare=False)
 
     @property
     def is_main(self) -> bool:
@@ -78,10 +81,15 @@ def init_data_parallel(cfg: ExperimentConfig) -> DistContext:
         )
     backend = resolve_backend(cfg.pipeline.backend, tc.device)
     # The store is kept for `on_main_outside_collectives`.
-    rank, world, local_rank = init_from_env(backend, cfg.pipeline.timeout_s)
+    joined = init_from_env(backend, cfg.pipeline.timeout_s)
     if tc.device.startswith("cuda"):
-        torch.cuda.set_device(local_rank)
-    return DistContext(rank=rank, world_size=world, local_rank=local_rank)
+        torch.cuda.set_device(joined.local_rank)
+    return DistContext(
+        rank=joined.rank,
+        world_size=joined.world_size,
+        local_rank=joined.local_rank,
+        store=joined.records.store,
+    )
 
 
 def local_device(cfg: ExperimentConfig, ctx: DistContext) -> torch.device:
@@ -152,7 +160,6 @@ def on_main(fn: Callable[[], T], ctx: DistContext) -> T:
 # Long work rank 0 may do while the others wait (a checkpoint of a 10B model under 2bw+EF is
 # hundreds of GB): the wait's deadline, far beyond pipeline.timeout_s.
 MAIN_WORK_TIMEOUT_S = 3600.0
-_main_calls = 0  # calls of on_main_outside_collectives so far (the same count on every rank)
 
 
 def on_main_outside_collectives(
@@ -162,13 +169,11 @@ def on_main_outside_collectives(
     run's store (no collective: see the module docstring) up to `timeout_s`. Returns `fn`'s
     result (picklable) on every rank; a UserError raised on rank 0 is raised on every rank, and
     any other failure there is a `PeerError` naming rank 0 on the others."""
-    global _main_calls
     if not ctx.enabled:
         return fn()
-    store = run_store()
+    store = ctx.store
     assert store is not None, "init_data_parallel keeps the run's store"
-    _main_calls += 1
-    key = f"{restart_prefix()}main/{_main_calls}"
+    key = f"{restart_prefix()}main/{next(ctx.main_calls) + 1}"
     if ctx.is_main:
         try:
             result = fn()

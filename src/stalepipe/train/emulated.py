@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -40,7 +40,7 @@ from stalepipe.train.distributed import (
     or_across_ranks,
     shard_rows,
 )
-from stalepipe.train.engine import StepPlan, StepResult
+from stalepipe.train.engine import StepPlan, StepResult, no_requests
 
 Microbatches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -125,7 +125,9 @@ class EmulatorEngine:
             torch.set_rng_state(state["rng"])
             self.start_step, self.resumed_from = int(state["step"]), ckpt
 
-    def steps(self, plan: StepPlan) -> Iterator[StepResult]:
+    def steps(
+        self, plan: StepPlan, requests: Callable[[], int] = no_requests
+    ) -> Iterator[StepResult]:
         """lr -> forward/backward at the stale point -> (clip) -> delayed update, per step."""
         tc, ctx, m = self.cfg.train, self.ctx, self.cfg.model
         per_expert = m.num_experts * m.num_layers <= 64
@@ -146,8 +148,8 @@ class EmulatorEngine:
             router = self.model.router_stats(per_expert=per_expert) if plan.logs(step) else {}
             lr = self.optimizer.param_groups[0]["lr"]
             # One process acts at once; replicas agree through one small collective.
-            plan.agree(step, or_across_ranks(plan.requests(), ctx, self.device))
-            yield StepResult(step, loss, grad_norm, tau, lr, router)
+            plan = plan.with_agreed(step, or_across_ranks(requests(), ctx, self.device))
+            yield StepResult(step, loss, grad_norm, tau, lr, router, plan.agreed_bits(step))
             if plan.stops(step):
                 return
 

@@ -5,7 +5,8 @@ data parallel under torchrun) and `train.pipelined.PipelineEngine` (one stage of
 runtime per process). The loop never asks which one it has.
 
     engine.start_step                      # 0, or the step a resumed checkpoint holds
-    for result in engine.steps(plan):      # one StepResult per update, in order, once applied
+    for result in engine.steps(plan, requests):  # one StepResult per update, in order, applied
+        plan = plan.with_agreed(step, result.agreed)  # what every process agreed on (signals)
         ...                                # at plan.is_sync_point(step) the engine is paused
         engine.evaluate()                  #   right after that update: evaluate and
         engine.checkpoint(step + 1)        #   checkpoint see W_{step+1} and nothing newer
@@ -17,7 +18,7 @@ are collective); only the main process writes metrics and shows progress.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -31,21 +32,26 @@ STOP = 1  # a signal asked the run to stop: checkpoint, then end (train.interrup
 CHECKPOINT = 2  # the checkpoint clock (train.ckpt_every_s) ran out
 
 
-@dataclass
+def no_requests() -> int:
+    """The requests of a process nobody signals (no signal handlers, no checkpoint clock)."""
+    return 0
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """What happens at each step of a run: the LR multiplier and the log, eval and checkpoint
     cadence (the last step always logs, evaluates and checkpoints), a pure function of the
     train config, so every process of a run knows it without asking.
 
-    The one exception is what the processes agree on while the run goes: `requests()` gives
-    this process's pending requests (STOP, CHECKPOINT bits), and the engine, once every process
-    has the same answer, records it with `agree(step, bits)`, before any process has reached
-    that step's update (see the engines). An agreed step then checkpoints, and a STOP ends the
-    run there."""
+    The one thing a run adds while it goes is what its processes agreed on: a process's pending
+    requests (STOP, CHECKPOINT bits; `train.interrupts.Interrupts.requests`) are voted on, and
+    once every process has the same answer the engine takes the plan `with_agreed(step, bits)`
+    in place of the old one, before any process has reached that step's update (see the
+    engines). An agreed step then checkpoints, and a STOP ends the run there. A plan never
+    changes: an agreement is a new plan."""
 
     train: TrainConfig
-    requests: Callable[[], int] = lambda: 0
-    _agreed: dict[int, int] = field(default_factory=dict)
+    agreed: tuple[tuple[int, int], ...] = ()  # (step, request bits), in the order agreed
 
     @property
     def total_steps(self) -> int:
@@ -65,27 +71,37 @@ class StepPlan:
         return self._every(self.train.eval_every, step)
 
     def checkpoints(self, step: int) -> bool:
-        return self._every(self.train.ckpt_every, step) or step in self._agreed
+        return self._every(self.train.ckpt_every, step) or bool(self.agreed_bits(step))
 
     def is_sync_point(self, step: int) -> bool:
         """Whether the engine must pause right after update `step` (an eval or a checkpoint
         reads the weights there): asynchronous engines apply such an update at once."""
         return self.evaluates(step) or self.checkpoints(step)
 
-    def agree(self, step: int, bits: int) -> None:
-        """Record requests every process agreed to act on right after update `step`. The last
-        step checkpoints and ends anyway: a request for it (or beyond) changes nothing."""
-        if bits and step < self.total_steps - 1:
-            self._agreed[step] = self._agreed.get(step, 0) | bits
+    def with_agreed(self, step: int, bits: int) -> StepPlan:
+        """This plan with the requests every process agreed to act on right after update
+        `step`. The last step checkpoints and ends anyway: a request for it (or beyond), or
+        none, changes nothing (the same plan)."""
+        if not bits or step >= self.total_steps - 1:
+            return self
+        return replace(self, agreed=(*self.agreed, (step, bits)))
+
+    def agreed_bits(self, step: int) -> int:
+        """The requests agreed for right after update `step` (0: none)."""
+        bits = 0
+        for k, b in self.agreed:
+            if k == step:
+                bits |= b
+        return bits
 
     def stops(self, step: int) -> bool:
         """Whether the run ends (early) right after update `step`'s checkpoint."""
-        return bool(self._agreed.get(step, 0) & STOP)
+        return bool(self.agreed_bits(step) & STOP)
 
     @property
     def stop_step(self) -> int | None:
         """The step the run stops after (agreed), None while none is."""
-        return min((k for k, b in self._agreed.items() if b & STOP), default=None)
+        return min((k for k, b in self.agreed if b & STOP), default=None)
 
 
 @dataclass
@@ -98,6 +114,7 @@ class StepResult:
     tau: list[int]  # staleness per stage of this step's gradient
     lr: float  # the LR of the first parameter group at this update
     router: dict[str, float] = field(default_factory=dict)  # MoE metrics at log steps
+    agreed: int = 0  # the requests every process agreed to act on right after it (STOP, ...)
 
 
 class Engine(Protocol):
@@ -107,8 +124,12 @@ class Engine(Protocol):
     resumed_from: Path | None  # the checkpoint the engine resumed from
     device: torch.device  # this process's device (the loop's meter reads its peak and memory)
 
-    def steps(self, plan: StepPlan) -> Iterator[StepResult]:
-        """Run steps start_step .. plan.total_steps - 1, yielding each result once applied."""
+    def steps(
+        self, plan: StepPlan, requests: Callable[[], int] = no_requests
+    ) -> Iterator[StepResult]:
+        """Run steps start_step .. plan.total_steps - 1, yielding each result once applied.
+        `requests()`: this process's pending requests, voted on with every other process's;
+        each result carries what was agreed for its step (`StepPlan.with_agreed`)."""
         ...
 
     def evaluate(self) -> float:

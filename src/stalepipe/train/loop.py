@@ -113,9 +113,10 @@ def run_loop(
     losses: list[float] = []
     val_loss, saved = math.nan, None
     with Interrupts(tc.ckpt_every_s, verbose=verbose) as interrupts:
-        plan = StepPlan(tc, requests=interrupts.requests)
+        plan = StepPlan(tc)
         try:
-            for r in engine.steps(plan):
+            for r in engine.steps(plan, interrupts.requests):
+                plan = plan.with_agreed(r.step, r.agreed)  # a checkpoint (and stop) voted on
                 meter.step_done(r.step)
                 if not math.isfinite(r.loss):
                     _diverged(f"non-finite loss ({r.loss})", r.step, run_dir, cfg)

@@ -20,7 +20,7 @@ import math
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ from stalepipe.runtime.comm import (
     leave_process_group,
     resolve_backend,
 )
+from stalepipe.runtime.failures import WorkerFailed
 from stalepipe.runtime.stage import StageExecutor
 from stalepipe.runtime.stage_eval import EvalData
 from stalepipe.runtime.stage_io import ModelLayout, StageIO
@@ -56,7 +57,7 @@ from stalepipe.schedules.generators import one_stage_per_rank, pipeline_schedule
 from stalepipe.schedules.schedule import PipelineSchedule, validate
 from stalepipe.train.devices import check_device, set_tf32
 from stalepipe.train.distributed import MAIN_WORK_TIMEOUT_S
-from stalepipe.train.engine import StepPlan, StepResult
+from stalepipe.train.engine import StepPlan, StepResult, no_requests
 from stalepipe.train.loop import TrainResult, run_loop, with_resolved_optim
 from stalepipe.train.ranklog import tee_rank_log
 
@@ -106,11 +107,12 @@ def runtime_schedule(cfg: ExperimentConfig, num_steps: int | None = None) -> Pip
 
 
 def run_worker(
-    cfg: ExperimentConfig, start: StartUp = FRESH, *, verbose: bool = True
+    cfg: ExperimentConfig, start: StartUp = FRESH, *, verbose: bool = True, wrapped: bool = False
 ) -> WorkerResult:
-    """Run this process's stage of `cfg` (environment from torchrun or `launch.train.launch_train`) through
+    """Run this process's stage of `cfg` (environment from torchrun or `launch.train`) through
     the training loop. Any failure exits through an exception whose message names the rank;
-    `main_worker` turns it into a non-zero exit."""
+    `main_worker` turns it into a non-zero exit. `wrapped`: a failure once training started
+    (not a stop) is printed into the rank log and raised wrapped in `failures.WorkerFailed`."""
     check_config(cfg)
     pc, tc = cfg.pipeline, cfg.train
     topo = Topology.of(pc)
@@ -131,7 +133,8 @@ def run_worker(
         torch.set_num_threads(tc.threads or 1)  # one thread per process unless asked
     set_tf32(tc.tf32, device)  # the emulator's policy (train.loop.train sets the same)
     backend = resolve_backend(pc.backend, str(device))
-    rank, _, _ = init_from_env(backend, pc.timeout_s)
+    joined = init_from_env(backend, pc.timeout_s)
+    rank, records = joined.rank, joined.records
     cfg = with_resolved_optim(cfg)
     run_dir = Path(cfg.out_dir) / cfg.name
     if rank == 0 and not os.environ.get(PREPARED_ENV):  # torchrun: no launcher did it
@@ -141,8 +144,9 @@ def run_worker(
     # Before the groups are made (which waits only pipeline.timeout_s): under torchrun rank 0
     # may have prepared data for long.
     what = "the start-up (data preparation on rank 0)"
-    barrier_on_store(topo, rank, "start-up", what, max(pc.timeout_s, MAIN_WORK_TIMEOUT_S))
-    comm = Comm(topo, rank, backend, pc.timeout_s, device)
+    t = max(pc.timeout_s, MAIN_WORK_TIMEOUT_S)
+    barrier_on_store(topo, rank, "start-up", what, t, records)
+    comm = Comm(topo, rank, backend, pc.timeout_s, device, records)
     restore = tee_rank_log(run_dir / "logs" / f"rank{rank}.log", console=rank == 0 and verbose)
     try:
         engine = PipelineEngine(cfg, comm, device, run_dir, start.checkpoint(run_dir))
@@ -153,14 +157,14 @@ def run_worker(
     except Preempted as e:  # every rank stops alike: rank 0 says so
         if rank == 0:
             print(f"stalepipe: {e}", file=sys.stderr, flush=True)
-        e.stalepipe_logged = True  # type: ignore[attr-defined]
         raise
     except KeyboardInterrupt:  # a second Ctrl-C: every rank stops at once, nothing to add
         raise
     except BaseException as e:
         # Into this rank's log while stdout/stderr still go there; main_worker does the rest.
         print(f"stalepipe: error: {error_line(e, rank)}", file=sys.stderr, flush=True)
-        e.stalepipe_logged = True  # type: ignore[attr-defined]
+        if wrapped:
+            raise WorkerFailed(e, records) from e
         raise
     finally:
         restore()
@@ -282,7 +286,7 @@ class PipelineEngine:
             return None
         return "owner" if 0 in self.stages else "head" if P - 1 in self.stages else None
 
-    def _executor(self, plan: StepPlan) -> StageExecutor:
+    def _executor(self, plan: StepPlan, requests: Callable[[], int]) -> StageExecutor:
         cfg, tc, P = self.cfg, self.cfg.train, self.cfg.pipeline.num_stages
         B, D, m = tc.batch_size, cfg.pipeline.num_replicas, tc.num_microbatches
         get_batch = self._batch_reader()
@@ -319,6 +323,7 @@ class PipelineEngine:
             self._eval_data(),
             self.tied_versions,
             self.votes,
+            requests,
         )
 
     def _batch_reader(self):
@@ -361,14 +366,18 @@ class PipelineEngine:
 
     # ---- the Engine interface ------------------------------------------------------------
 
-    def steps(self, plan: StepPlan) -> Iterator[StepResult]:
-        self.executor = self._executor(plan)
+    def steps(
+        self, plan: StepPlan, requests: Callable[[], int] = no_requests
+    ) -> Iterator[StepResult]:
+        self.executor = self._executor(plan, requests)
         own = self.sched.ranks[self.pipe_rank]
         actions = [a for a in own if a.step >= self.start_step]
         for r in self.executor.run(actions):
             self.losses.append((r.step, r.loss))
             tau = self.sched.delay.taus(r.step)
-            yield StepResult(r.step, r.loss, r.grad_norm, tau, r.lr, r.router)
+            plan = self.executor.plan  # with what the processes agreed on so far
+            agreed = plan.agreed_bits(r.step)
+            yield StepResult(r.step, r.loss, r.grad_norm, tau, r.lr, r.router, agreed)
             if plan.stops(r.step):  # checkpointed: end here, with every peer (runtime.votes)
                 self.executor.settle()
                 return
@@ -409,7 +418,7 @@ class PipelineEngine:
         cfg, topo = self.cfg, self.comm.topo
         timeout = cfg.pipeline.timeout_s
         parts = [
-            stage_ckpt.wait_part(self.run_dir, step, r, topo, timeout)
+            stage_ckpt.wait_part(self.run_dir, step, r, topo, timeout, self.comm.records)
             for r in range(topo.num_ranks)
         ]
         body = stage_ckpt.merge_parts(
