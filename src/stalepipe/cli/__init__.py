@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -43,19 +42,16 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, str]:
 def build_config(
     preset: str | None, config_file: str | None, overrides: dict[str, str]
 ) -> ExperimentConfig:
-    """Preset (or a saved config.json, or the defaults) with dotted overrides applied."""
+    """Preset (or a config file: TOML or JSON, e.g. a run's config.json; or the defaults) with
+    dotted overrides applied."""
     if preset and config_file:
         raise ConfigError("--preset and --config exclude each other; pick one")
     if config_file:
-        try:
-            with open(config_file) as f:
-                cfg = ExperimentConfig.from_dict(json.load(f), strict=False)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {config_file} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(
-                f"config file {config_file} is not valid JSON ({e.msg}, line {e.lineno})"
-            ) from None
+        from stalepipe.config.files import check_types, read_config_file
+
+        data = read_config_file(config_file)
+        check_types(data, ExperimentConfig, f"config file {config_file}")
+        cfg = ExperimentConfig.from_dict(data, strict=False)
     else:
         cfg = get_preset(preset) if preset else ExperimentConfig()
     return apply_overrides(cfg, overrides)
@@ -68,7 +64,11 @@ def build_config(
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help=f"start from a preset: {', '.join(PRESETS)}")
-    p.add_argument("--config", help="start from a config.json (e.g. a run's own)")
+    p.add_argument(
+        "--config",
+        help="start from a config file: .toml or .json (e.g. a run's "
+        "config.json; docs/cluster.md, 'Config files')",
+    )
 
 
 def _add_train(sub: Subparsers) -> None:
@@ -301,9 +301,22 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _spaced_set(argv: list[str]) -> str | None:
+    """`--set KEY VALUE` (a space for the '='), as the fix: 'KEY=VALUE'; None when fine."""
+    for i, tok in enumerate(argv[:-2]):
+        key, value = argv[i + 1], argv[i + 2]
+        if tok == "--set" and "=" not in key and not value.startswith("-"):
+            return f"{key}={value}"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `stalepipe` console script."""
     parser = make_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if (bad := _spaced_set(argv)) is not None:
+        print(f"stalepipe: error: --set expects KEY=VALUE: write --set {bad}", file=sys.stderr)
+        return 2
     args, extra = parser.parse_known_args(argv)
     if extra and args.fn not in (cmd_train, cmd_info):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

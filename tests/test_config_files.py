@@ -1,0 +1,70 @@
+"""Config files (config/files.py): TOML and JSON read into the same config, and every bad file
+is one line naming the fix (through the CLI: exit 2, no traceback)."""
+
+import json
+
+import pytest
+
+from stalepipe.cli import build_config, main
+from stalepipe.config import ConfigError
+
+
+def test_toml_and_json_give_the_same_config(tmp_path):
+    (tmp_path / "c.toml").write_text('name = "x"\n[train]\nnum_steps = 40\n[optim]\nlr = 0.01\n')
+    (tmp_path / "c.json").write_text(
+        json.dumps({"name": "x", "train": {"num_steps": 40}, "optim": {"lr": 0.01}})
+    )
+    a = build_config(None, str(tmp_path / "c.toml"), {})
+    b = build_config(None, str(tmp_path / "c.json"), {})
+    assert a == b and a.train.num_steps == 40 and a.optim.lr == 0.01 and a.name == "x"
+    # flags win over the file
+    assert (
+        build_config(None, str(tmp_path / "c.toml"), {"train.num_steps": "7"}).train.num_steps == 7
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("missing.toml", None, "does not exist; pass a .toml or .json file"),
+        ("broken.toml", "[train\nnum_steps = 4\n", "is not valid TOML (Expected ']'"),
+        ("broken.json", '{"train": ', "is not valid JSON (Expecting value, line 1)"),
+        ("list.json", "[1, 2]", "must hold a table of sections, not a list"),
+        (
+            "type.json",
+            '{"train": {"num_steps": "forty"}}',
+            "train.num_steps must be int, got 'forty'",
+        ),
+        ("bool.toml", "[train]\nnum_steps = true\n", "train.num_steps must be int, got True"),
+        ("float.toml", '[optim]\nlr = "fast"\n', "optim.lr must be float or int, got 'fast'"),
+        (
+            "section.toml",
+            "[trian]\nnum_steps = 4\n",
+            "unknown section or field 'trian'; did you mean 'train'?",
+        ),
+        ("field.toml", "[optim]\nlrr = 1\n", "optim has no field 'lrr'; did you mean optim.lr?"),
+        ("table.toml", "train = 3\n", "[train] must be a table of fields"),
+    ],
+)
+def test_every_bad_file_is_one_line(tmp_path, capsys, name, text, message):
+    path = tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError, match=None) as e:
+        build_config(None, str(path), {})
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert main(["train", "--config", str(path), "--print-config"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_directory_points_at_its_config_json(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["train", "--config", str(tmp_path), "--print-config"]) == 2
+    assert f"is a directory; pass a file (a run directory: --config {tmp_path}/config.json)" in (
+        capsys.readouterr().err
+    )
+
+
+def test_set_with_a_space_names_the_fix(capsys):
+    assert main(["sweep", "--grid", "delay.policy=sync", "--set", "train.num_steps", "40"]) == 2
+    assert "--set expects KEY=VALUE: write --set train.num_steps=40" in capsys.readouterr().err
