@@ -12,6 +12,7 @@ from stalepipe.experiments import executors
 from stalepipe.experiments.executors import SlurmOptions, sbatch_script
 from stalepipe.experiments.grid import expand
 from stalepipe.experiments.sweep import run_sweep
+from stalepipe.experiments.task import run_task
 
 
 def test_the_sbatch_array_script_carries_every_option(tmp_path):
@@ -52,8 +53,8 @@ def test_a_preempted_task_requeues_itself(monkeypatch):
     def preempted(cfg, threads):
         raise SystemExit(75)
 
-    monkeypatch.setattr("stalepipe.experiments.sweep._run_one", preempted)
-    assert executors.run_task({}, 1) == 75 and calls == [["scontrol", "requeue", "12_3"]]
+    monkeypatch.setattr("stalepipe.experiments.task.run_one", preempted)
+    assert run_task({}, 1) == 75 and calls == [["scontrol", "requeue", "12_3"]]
 
 
 def _finals(out, names):

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stalepipe.errors import EXIT_PREEMPTED, UserError
+from stalepipe.errors import UserError
 
 EXECUTORS = ("local", "slurm", "submitit-local", "submitit-debug")
 SUBMITIT_DIR = ".submitit"  # inside the sweep directory: job scripts, pickles and logs
@@ -120,22 +120,7 @@ def make_executor(kind: str, out: Path, opts: SlurmOptions) -> Any:
     return ex
 
 
-def run_task(cfg_dict: dict[str, Any], threads: int) -> int:
-    """One array task: the sweep's worker body (claim, train or resume); a run stopped by a
-    signal after its checkpoint requeues its task under SLURM. Returns the worker's exit code."""
-    from stalepipe.experiments.sweep import _run_one
-
-    try:
-        _run_one(cfg_dict, threads)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-        if code == EXIT_PREEMPTED:
-            _requeue()
-        return code
-    return 0
-
-
-def _requeue() -> bool:
+def requeue() -> bool:
     """Ask SLURM to requeue this array task (False outside SLURM)."""
     job = os.environ.get("SLURM_ARRAY_JOB_ID")
     task = os.environ.get("SLURM_ARRAY_TASK_ID")
@@ -149,18 +134,20 @@ def run_array(
     kind: str,
     out: Path,
     opts: SlurmOptions | None,
+    task: Callable[[dict[str, Any], int], int],
     tasks: Sequence[tuple[Any, dict[str, Any], int]],
     on_done: Callable[[Any, int, float], None],
     log: Callable[[str], None],
     workers: int = 1,
 ) -> None:
-    """Submit one task per run, (key, config dict, threads) each, as a job array. SLURM:
+    """Submit `task` (a module-level function of a config dict and a thread count that
+    returns an exit code) once per run, (key, config dict, threads) each, as a job array. SLURM:
     submitted and left running. submitit's local and debug executors: waited for, each
     task's exit code handed to `on_done(key, code, seconds)` as the sweep's pool does, in
     waves of `workers` (submitit's local executor starts every task of an array at once)."""
     ex = make_executor(kind, out, opts or SlurmOptions())
     if kind == "slurm":
-        jobs = ex.map_array(run_task, [t[1] for t in tasks], [t[2] for t in tasks])
+        jobs = ex.map_array(task, [t[1] for t in tasks], [t[2] for t in tasks])
         array = str(jobs[0].job_id).split("_")[0]
         where = out / SUBMITIT_DIR
         log(f"submitted job array {array}: {len(jobs)} runs, logs in {where}")
@@ -169,6 +156,6 @@ def run_array(
     for i in range(0, len(tasks), max(workers, 1)):
         wave = tasks[i : i + max(workers, 1)]
         t = time.perf_counter()
-        jobs = ex.map_array(run_task, [w[1] for w in wave], [w[2] for w in wave])
+        jobs = ex.map_array(task, [w[1] for w in wave], [w[2] for w in wave])
         for (key, _, _), job in zip(wave, jobs):
             on_done(key, job.result(), time.perf_counter() - t)

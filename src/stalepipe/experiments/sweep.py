@@ -17,10 +17,8 @@ import dataclasses
 import glob
 import json
 import math
-import os
 import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +27,7 @@ from typing import Any
 from stalepipe.config import ExperimentConfig, upgrade_record
 from stalepipe.errors import EXIT_CLAIMED, EXIT_PREEMPTED, Preempted
 from stalepipe.experiments.grid import RunSpec
+from stalepipe.experiments.task import run_one, run_task, write_error
 from stalepipe.experiments.workers import gpu_slots, run_spawned
 from stalepipe.fileio import MARKER, check_removable, make_owned_dir, remove_owned_dir
 from stalepipe.rundir.status import ERROR_FILE, SPEC_FILE, run_status
@@ -122,52 +121,6 @@ def plan_status(specs: Sequence[RunSpec], base: ExperimentConfig, out: Path) -> 
             planned.setdefault(ident, spec.name)
         result.append(Planned(spec, cfg, status, same))
     return result
-
-
-def write_error(run_dir: Path, message: str, tb: str = "") -> None:
-    """Record a failed run: error.json holds the message and traceback."""
-    from stalepipe.rundir.directory import RUN_KIND
-
-    make_owned_dir(run_dir, RUN_KIND)
-    info = {"error": message, "traceback": tb, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    (run_dir / ERROR_FILE).write_text(json.dumps(info, indent=2) + "\n")
-
-
-# ------------------------------------------------------------------------------------------
-# Running
-# ------------------------------------------------------------------------------------------
-
-
-def _run_one(cfg_dict: dict[str, Any], threads: int) -> None:
-    """Worker body: claim the run (`rundir.claim`: exit EXIT_CLAIMED, touching nothing, when a
-    live owner elsewhere trains it), then train it, resuming from its last checkpoint if it has
-    one (a run directory holding only sweep.json starts fresh); an exception goes to
-    error.json."""
-    import torch
-
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
-    cfg = ExperimentConfig.from_dict(cfg_dict)
-    run_dir = Path(cfg.out_dir) / cfg.name
-    try:
-        from stalepipe.rundir.claim import RunClaimed, claim_run
-        from stalepipe.rundir.directory import RUN_KIND
-        from stalepipe.train.loop import train
-
-        make_owned_dir(run_dir, RUN_KIND)
-        with claim_run(run_dir) as me:
-            if run_status(run_dir, cfg.train.num_steps) == "finished":  # another owner's, since
-                raise RunClaimed(run_dir, me)  # this sweep planned: not trained here
-            train(cfg, resume=True, verbose=False)
-    except RunClaimed as e:  # another sweep or job trains it: not ours, nothing touched
-        raise SystemExit(e.exit_code) from None
-    except KeyboardInterrupt:
-        raise
-    except Preempted as e:  # a signal: the run checkpointed; a rerun of the sweep resumes it
-        raise SystemExit(e.exit_code) from None
-    except BaseException as e:  # noqa: BLE001 - recorded, then the process exits non-zero
-        write_error(run_dir, f"{type(e).__name__}: {e}", traceback.format_exc())
-        raise SystemExit(1) from None
 
 
 @dataclass
@@ -268,12 +221,12 @@ def run_sweep(
         from stalepipe.experiments.executors import run_array
 
         tasks = [(spec, cfg.to_dict(), threads) for spec, cfg in todo]
-        run_array(executor, out, slurm, tasks, progress.done, log, workers)
+        run_array(executor, out, slurm, run_task, tasks, progress.done, log, workers)
     elif workers <= 1:
         for spec, cfg in todo:
             t = time.perf_counter()
             try:
-                _run_one(cfg.to_dict(), threads)
+                run_one(cfg.to_dict(), threads)
                 exitcode = 0
             except SystemExit as e:
                 exitcode = e.code if isinstance(e.code, int) else 1
@@ -284,7 +237,7 @@ def run_sweep(
         jobs = [(spec, (cfg.to_dict(), threads)) for spec, cfg in todo]
         slots = gpu_slots(_gpus_for([cfg for _, cfg in todo]))
         done = lambda f: progress.done(f.key, f.exitcode, f.seconds)  # noqa: E731
-        run_spawned(_run_one, jobs, workers, done, slots)
+        run_spawned(run_one, jobs, workers, done, slots)
     res.wall_s = time.perf_counter() - t0
     log(
         f"sweep {out}: {len(res.finished)}/{len(specs) - len(res.same)} finished, "
