@@ -24,9 +24,15 @@ Who calls it:
   module -- `tied_role` says which end a process holds, `head_reads` / `head_floor` which
   versions the last stage receives and keeps, `read_version` what it computes at, and
   `combine_grads` sums the gradients on the owner; it only moves tensors on the `tied_w` and
-  `tied_grad` channels (`runtime.comm`). `runtime.stage.StageExecutor` calls the transport.
-- `train.pipelined` asks `tied_role` and `aliases` (the merged checkpoint's head is the
-  owner's tensor) when it resumes and merges checkpoints (`runtime.checkpoint_parts`).
+  `tied_grad` channels (`runtime.comm`). `runtime.stage.StageExecutor` calls the transport;
+  `runtime.tied.resume_head` restores the head's copies from a checkpoint.
+- `train.pipelined` passes `aliases` (the merged checkpoint's head is the owner's tensor) to
+  `runtime.checkpoint_parts.merge_parts`.
+
+Nothing else in the package decides anything about tying: the model builds the tie
+(`models.transformer`) and names its two ends (`models.partition`); parameter counts
+(`sim.timing`) and the HF export count the matrix once; the rest sees one tensor that may be
+listed twice (optimizer groups, `runtime.reparam`, the slow `delay.reference`).
 """
 
 from __future__ import annotations

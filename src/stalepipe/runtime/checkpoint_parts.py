@@ -4,8 +4,8 @@ Each process of replica 0 saves its part, its stages' state, atomically
 (`parts/step_<k>/rank_<r>.pt`, r its pipeline rank); rank 0 merges the parts
 into the ordinary `ckpt_<k>.pt` of single-process training (`rundir.checkpoint`), which holds:
 
-    model   the whole model's state_dict (global names; a key no part holds, such as a tied
-            head, is its alias's tensor, as in the model)
+    model   the whole model's state_dict (global names; a key no part holds is the tensor of the
+            key it aliases, as in the model)
     engine  `DelayEmulator.state_dict()` for P stages: {"mode", "delayed": {step, policy,
             num_stages, names, optimizer, history, ef_prev, taylor_ms}}; the optimizer state is
             the one a whole-model optimizer would hold (param ids of the whole model)
@@ -153,7 +153,7 @@ def merge_parts(
 ) -> dict[str, Any]:
     """The stage-agnostic checkpoint body (`model`, `engine`, `rng`) from every process's part
     (each names its `stages`), pipeline rank 0 first. `aliases`: model keys whose tensor is
-    another key's (`delay.tied.aliases`: a tied head is the embedding)."""
+    another key's (a matrix the model shares under two names)."""
     by_stage = {s: part for part in parts for s in part["stages"]}
     P = len(by_stage)
     assert sorted(by_stage) == list(range(P)), sorted(by_stage)
