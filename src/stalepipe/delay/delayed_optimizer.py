@@ -25,7 +25,7 @@ forward and backward of stage s run at W_hat = W_v + c tau_s(k) (W_v - W_{v-1}) 
 when tau_s(k) = 0 or v = 0, as W_{-1} = W_0); W_v - W_{v-1} is the change actually applied
 to the stage (EF's correction included); Taylor compensation then corrects from W_hat, the
 point the gradient was taken at; the optimizer's update U_k still lands on the live W_k. A
-tied matrix read by another stage is predicted with the reading stage's tau.
+tied matrix read by another stage is predicted with the reading stage's tau (`delay.tied`).
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ class DelayedOptimizer:
             None when unknown, which forbids a cooldown.
         schedule: the run's `DelaySchedule` instead of (cfg's windows, total_steps), when the
             caller built it already (the engines do); cfg then supplies the mitigations.
-        shared_with: stage -> other stages that also read its weights (a tied embedding used by
-            the last stage); the owner then keeps the versions those stages read too.
+        shared_with: stage -> other stages that also read its weights (`delay.tied.readers`);
+            the owner then keeps the versions those stages read too.
 
     Not for: gradients that must be computed at weights other than the current step's stale
     point (only the versions the policy needs are kept).
@@ -167,30 +167,25 @@ class DelayedOptimizer:
             )
         return self._history[stage][version]
 
-    def read_weights(
-        self, stage: int, step: int, reader: int | None = None, index: int | None = None
-    ) -> list[torch.Tensor]:
-        """The weights of `stage` that step `step`'s gradient is computed at when stage
-        `reader` (default: `stage`; another for a tied matrix) reads them: W_v, v = max(step -
-        tau, 0), or with weight prediction the predicted point (module docstring; a new tensor
-        per parameter, the last two (version, tau) cached). `index`: that parameter only,
-        uncached.
-        Read-only."""
-        tau = self.schedule.tau(stage if reader is None else reader, step)
+    def read_weights(self, stage: int, step: int) -> list[torch.Tensor]:
+        """The weights of `stage` that step `step`'s gradient is computed at: W_v, v =
+        max(step - tau, 0), or with weight prediction the predicted point (module docstring; a
+        new tensor per parameter, the last two (version, tau) cached). Another stage reading
+        a shared matrix reads it through `delay.tied.read_version`. Read-only."""
+        tau = self.schedule.tau(stage, step)
         v = max(step - tau, 0)
-        pick = (lambda ts: ts) if index is None else (lambda ts: [ts[index]])
-        scale = self.prediction_scale(stage if reader is None else reader, step)
+        scale = self.prediction_scale(stage, step)
         if not scale:
-            return pick(self.weights_at(stage, v))
+            return self.weights_at(stage, v)
         cache = self._predicted[stage]
         if (v, tau) in cache:
-            return pick(cache[(v, tau)])
-        w_v, w_prev = pick(self.weights_at(stage, v)), pick(self.weights_at(stage, v - 1))
-        w = correctors.predict_weights(w_v, w_prev, scale)
-        if index is None:
-            cache[(v, tau)] = w
-            if len(cache) > 2:
-                del cache[next(iter(cache))]
+            return cache[(v, tau)]
+        w = correctors.predict_weights(
+            self.weights_at(stage, v), self.weights_at(stage, v - 1), scale
+        )
+        cache[(v, tau)] = w
+        if len(cache) > 2:
+            del cache[next(iter(cache))]
         return w
 
     def prediction_scale(self, reader: int, step: int) -> float:

@@ -13,23 +13,23 @@ Two modes compute the same gradient:
   summed (first stage's, then last stage's): the order the real pipeline runtime reproduces, so
   its weights match this mode bit for bit.
 
-Shared parameters (a tied embedding: owned by stage 0, read by the last stage's head) are never
-silently diverging: the reading stage gets the version *it* would see. In fast mode the head is
-untied for the step only when that version differs from the owner's (pipedream, wpipe), and its
-gradient is added to the owner's after all microbatches.
+Shared parameters (a tied embedding: owned by stage 0, read by the last stage's head) follow
+`delay.tied`'s one rule: the reading stage gets the version *it* would see, and its gradient is
+added to the owner's after all microbatches. In fast mode the head is untied for the step only
+when that version differs from the owner's (pipedream, wpipe).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from stalepipe.config import ConfigError, DelayConfig
+from stalepipe.delay import tied
 from stalepipe.delay.delayed_optimizer import DelayedOptimizer
 from stalepipe.delay.policies import DelaySchedule
 from stalepipe.delay.rng import seeded
@@ -47,18 +47,6 @@ def microbatch_seed(seed: int, stage: int, step: int, microbatch: int, replica: 
     their different rows."""
     mixed = (((seed * 1_000_003 + step) * 1_009 + stage) * 65_537 + microbatch) * 257 + replica
     return mixed % (2**63 - 1)
-
-
-@dataclass
-class _SharedUse:
-    """`module.<attr>` in stage `stage` reads parameter `param`, owned by stage `owner`."""
-
-    param: nn.Parameter
-    owner: int
-    owner_index: int  # position of `param` in the owner's parameter list
-    stage: int
-    module: nn.Module
-    attr: str
 
 
 class DelayEmulator:
@@ -111,16 +99,13 @@ class DelayEmulator:
         self.num_stages = num_stages
         self.stages = list(stages)
         self.seed, self.replica = seed, replica
-        owned, self._shared = _ownership(self.stages)
+        owned, self._shared = tied.find_shared(self.stages)
         covered = {id(p) for ps in owned for p in ps.values()}
         for name, p in model.named_parameters():
             if id(p) not in covered:
                 raise ConfigError(f"model parameter {name} belongs to no stage")
-        shared_with: dict[int, set[int]] = {}
-        for use in self._shared:
-            shared_with.setdefault(use.owner, set()).add(use.stage)
         self.delayed = DelayedOptimizer(
-            optimizer, owned, delay_cfg, schedule=schedule, shared_with=shared_with
+            optimizer, owned, delay_cfg, schedule=schedule, shared_with=tied.readers(self._shared)
         )
         self._params = list(model.parameters())  # clip in the model's order, like a bare loop
 
@@ -157,10 +142,8 @@ class DelayEmulator:
                 loss = self._exact(step, microbatches)
             else:
                 loss = self._fast(step, microbatches)
-        for use, copy in zip(untie, copies, strict=True):
-            if copy.grad is not None:
-                p = use.param
-                p.grad = copy.grad if p.grad is None else p.grad + copy.grad
+        for use, copy in zip(untie, copies, strict=True):  # first stage's, then the reader's
+            use.param.grad = tied.add_head_grad(use.param.grad, copy.grad)
         return loss
 
     def _fast(self, step: int, microbatches: Microbatches) -> float:
@@ -220,12 +203,13 @@ class DelayEmulator:
         return total.item()
 
     @contextlib.contextmanager
-    def _untied(self, uses: list[_SharedUse], step: int) -> Iterator[list[nn.Parameter]]:
+    def _untied(self, uses: list[tied.SharedUse], step: int) -> Iterator[list[nn.Parameter]]:
         """Give each reading stage its own leaf holding the weights that stage computes step
-        `step` at (its version; with weight prediction, predicted with its own tau)."""
+        `step` at (its version; with weight prediction, predicted with its own tau:
+        `delay.tied.read_version`)."""
         copies = []
         for u in uses:
-            (w,) = self.delayed.read_weights(u.owner, step, reader=u.stage, index=u.owner_index)
+            w = self._read_shared(u, step)
             copy = nn.Parameter(w, requires_grad=u.param.requires_grad)
             u.module._parameters[u.attr] = copy
             copies.append(copy)
@@ -234,6 +218,14 @@ class DelayEmulator:
         finally:
             for u in uses:
                 u.module._parameters[u.attr] = u.param
+
+    def _read_shared(self, use: tied.SharedUse, step: int) -> torch.Tensor:
+        d = self.delayed
+        return tied.read_version(
+            lambda v: d.weights_at(use.owner, v)[use.owner_index],
+            d.schedule.version(use.stage, step),
+            d.prediction_scale(use.stage, step),
+        )
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip the stale gradient's global norm (as the bare loop would); returns the norm."""
@@ -278,28 +270,3 @@ def _split_transformer(
             f"--pipeline.num_stages"
         )
     return partition(model, num_stages, seq_len)
-
-
-def _ownership(
-    stages: Sequence[nn.Module],
-) -> tuple[list[dict[str, nn.Parameter]], list[_SharedUse]]:
-    """Per stage, the parameters it owns (first stage listing a parameter owns it), and every
-    place a later stage reads a parameter owned by another."""
-    owner: dict[int, tuple[int, int]] = {}
-    owned: list[dict[str, nn.Parameter]] = []
-    shared: list[_SharedUse] = []
-    for s, stage in enumerate(stages):
-        mine: dict[str, nn.Parameter] = {}
-        for mod_name, module in stage.named_modules():
-            for attr, p in module._parameters.items():
-                if p is None:
-                    continue
-                if id(p) in owner:
-                    o, idx = owner[id(p)]
-                    if o != s:
-                        shared.append(_SharedUse(p, o, idx, s, module, attr))
-                    continue
-                owner[id(p)] = (s, len(mine))
-                mine[f"{mod_name}.{attr}" if mod_name else attr] = p
-        owned.append(mine)
-    return owned, shared

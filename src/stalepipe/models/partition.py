@@ -2,9 +2,9 @@
 
 Stage 0 owns the embedding, stage P-1 the final norm and output head; transformer blocks are
 assigned in contiguous runs that balance per-stage forward FLOPs (the head counts towards the
-last stage; MoE blocks count their active experts only). With tied embeddings the shared matrix is *owned* by stage 0 (it appears in its
-`named_parameters`) and *used* by stage P-1 too; the delay engine and the pipeline runtime treat
-that use explicitly (docs/design.md, 'Exactness': never silently diverging).
+last stage; MoE blocks count their active experts only). With tied embeddings the shared matrix
+(`TIED_OWNER` on stage 0, `TIED_HEAD` on stage P-1) is *owned* by stage 0 and *read* by stage
+P-1 too; how the two ends read versions and combine gradients is `delay.tied`'s one rule.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ from stalepipe.models.transformer import (
     head_flops,
     materialize,
 )
+
+# The tied matrix's two names: the first stage owns the embedding, the last stage's head reads it.
+TIED_OWNER = "tok_emb.weight"
+TIED_HEAD = "lm_head.weight"
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,7 @@ class PipelineStage(nn.Module):
         """Parameters this stage owns; a tied head weight is owned by stage 0, not here."""
         owned = dict(self.named_parameters())
         if self.tied and self.spec.is_last and not self.spec.is_first:
-            owned.pop("lm_head.weight", None)
+            owned.pop(TIED_HEAD, None)
         return owned
 
 

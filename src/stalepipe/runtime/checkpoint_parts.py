@@ -4,7 +4,8 @@ Each process of replica 0 saves its part, its stages' state, atomically
 (`parts/step_<k>/rank_<r>.pt`, r its pipeline rank); rank 0 merges the parts
 into the ordinary `ckpt_<k>.pt` of single-process training (`rundir.checkpoint`), which holds:
 
-    model   the whole model's state_dict (global names; a tied head appears as in the model)
+    model   the whole model's state_dict (global names; a key no part holds is the tensor of the
+            key it aliases, as in the model)
     engine  `DelayEmulator.state_dict()` for P stages: {"mode", "delayed": {step, policy,
             num_stages, names, optimizer, history, ef_prev, taylor_ms}}; the optimizer state is
             the one a whole-model optimizer would hold (param ids of the whole model)
@@ -146,18 +147,23 @@ def split_optimizer(full: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]
 
 
 def merge_parts(
-    parts: list[dict[str, Any]], skeleton_optim: dict[str, Any], model_keys: list[str], tied: bool
+    parts: list[dict[str, Any]],
+    skeleton_optim: dict[str, Any],
+    model_keys: list[str],
+    aliases: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The stage-agnostic checkpoint body (`model`, `engine`, `rng`) from every process's part
-    (each names its `stages`), pipeline rank 0 first."""
+    (each names its `stages`), pipeline rank 0 first. `aliases`: model keys whose tensor is
+    another key's (a matrix the model shares under two names)."""
     by_stage = {s: part for part in parts for s in part["stages"]}
     P = len(by_stage)
     assert sorted(by_stage) == list(range(P)), sorted(by_stage)
     weights: dict[str, torch.Tensor] = {}
     for part in parts:
         weights.update(part["model"])
-    if tied and "lm_head.weight" in model_keys:
-        weights["lm_head.weight"] = weights["tok_emb.weight"]
+    for key, source in (aliases or {}).items():
+        if key in model_keys:
+            weights[key] = weights[source]
     missing = [k for k in model_keys if k not in weights]
     assert not missing, f"parts miss {missing[:3]}"
     model = {k: weights[k] for k in model_keys}

@@ -21,11 +21,11 @@ update is applied at its STEP and reported right after it, so the caller -- the 
 through `train.pipelined.PipelineEngine` -- can evaluate (`evaluate`) or checkpoint at exactly
 W_{k+1} before the executor moves on.
 
-Exactness with the emulator's exact mode (docs/design.md, 'Exactness'): the same per-stage forward
-(RNG seeded per (stage, step, microbatch)), the loss divided by m on the last stage, per-stage
-gradients summed in microbatch order, the tied embedding's gradient = first stage's + last stage's
-(`runtime.tied`), the global grad norm from per-parameter norms in the model's order (as
-`clip_grad_norm_` computes it), the same optimizer class and the same update code.
+Exactness with the emulator's exact mode (docs/design.md, 'Exactness'): the same per-stage forward (RNG
+seeded per (stage, step, microbatch)), the loss divided by m on the last stage, per-stage
+gradients summed in microbatch order, a tied embedding's versions and gradient by `delay.tied`'s
+rule (carried by `runtime.tied`), the global grad norm from per-parameter norms in the model's
+order (as `clip_grad_norm_` computes it), the same optimizer class and the same update code.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from stalepipe.runtime.split_backward import WeightBranches, backward_input, bac
 from stalepipe.runtime.stage_eval import EvalData, EvalStage, evaluate_stages
 from stalepipe.runtime.stage_io import Batches, Chunk, ModelLayout, Plan, StageIO
 from stalepipe.runtime.stage_update import StageUpdates, UpdateReport
-from stalepipe.runtime.tied import TIED_HEAD, TIED_NAME, TiedWeights
+from stalepipe.runtime.tied import TiedWeights
 from stalepipe.runtime.votes import StepVotes
 from stalepipe.schedules.schedule import Action, PipelineSchedule
 
@@ -115,17 +115,8 @@ class StageExecutor:
             logs=plan.logs,
             per_expert=layout.per_expert,
         )
-        role = None
-        # Both ends of a tied embedding on this process (a V's rank 0): the head reads the
-        # owner's version itself, and the gradients are summed here (`post_step`).
-        self.tied_local = layout.tied and self.P > 1 and self.first and self.last
-        if self.tied_local:  # where the matrix sits among stage 0's weights
-            self._tied_index = list(self.chunks[0].owned).index(TIED_NAME)
-        if layout.tied and self.P > 1 and not self.tied_local:
-            role = "owner" if self.first else "head" if self.last else None
-        head = self.chunks[self.P - 1].params.get(TIED_HEAD) if role == "head" else None
         self.tied = TiedWeights(
-            self.comm, role, self._tied_reads(), delayed.step_count, head, tied_versions
+            self.comm, layout.tied, self.chunks, delayed, plan.evaluates, tied_versions
         )
         # Per-step state.
         self._batches: dict[int, Batches] = {}
@@ -139,19 +130,6 @@ class StageExecutor:
     def _versions_kept(self) -> int:
         kept = self.delayed.kept_versions()
         return max(len(kept[s]) for s in self.stages)
-
-    def _tied_reads(self) -> set[int]:
-        """Every version of a tied matrix the last stage reads from now on: those its steps
-        read, those evaluations read, and the final one (both copies end equal)."""
-        N, start, delay = self.sched.num_steps, self.delayed.step_count, self.sched.delay
-        reads = {delay.version(self.P - 1, k) for k in range(start, N)} | {N}
-        # weight prediction reads the version before each predicted one too
-        reads |= {
-            delay.version(self.P - 1, k) - 1
-            for k in range(start, N)
-            if self.delayed.prediction_scale(self.P - 1, k)
-        }
-        return reads | {k + 1 for k in range(start, N) if self.plan.evaluates(k)}
 
     # ---------------------------------------------------------------------------------------
     # Driving
@@ -183,9 +161,7 @@ class StageExecutor:
                 raise AssertionError(a)
             yield from self._take_reports()
         self.apply_all()
-        if self.tied.role == "head":  # take the final version too: both copies end equal
-            self.tied.at(self.sched.num_steps)
-            self._drop_tied()
+        self.tied.finish()
         self.updates.drain(all_=True)
         yield from self._take_reports()
         self.settle()
@@ -215,19 +191,9 @@ class StageExecutor:
             n: t.detach().requires_grad_(p.requires_grad)
             for (n, p), t in zip(chunk.owned.items(), tensors, strict=True)
         }
-        if self.tied.role == "head" and chunk.last:
-            leaves[TIED_HEAD] = self._tied_weight(version, step).detach().requires_grad_()
-        if self.tied_local and chunk.last:  # the owner's matrix at the version the head reads
-            assert step is None or not self.delayed.prediction_scale(s, step)
-            w = self.delayed.weights_at(0, version)[self._tied_index]
-            leaves[TIED_HEAD] = w.detach().requires_grad_()
+        if chunk.last:  # a tied head reads the owner's matrix at its own version
+            leaves.update(self.tied.head_leaves(version, step))
         return leaves
-
-    def _tied_weight(self, version: int, step: int | None) -> torch.Tensor:
-        """The head's tied matrix at `version`, predicted from versions `version` and
-        `version - 1` as `DelayedOptimizer.read_weights` predicts (delay.weight_pred)."""
-        scale = 0.0 if step is None else self.delayed.prediction_scale(self.P - 1, step)
-        return self.tied.predicted(version, scale) if scale else self.tied.at(version)
 
     def _ensure_version(self, version: int) -> None:
         while self.delayed.step_count < version:
@@ -238,21 +204,9 @@ class StageExecutor:
                 )
             self.apply_next()
 
-    def _drop_tied(self) -> None:
-        """Forget tied versions no later step reads."""
-        k, N = self.delayed.step_count, self.sched.num_steps
-        floor = max(self.tied.versions) if k >= N else self.sched.delay.version(self.P - 1, k)
-        # weight prediction: the version before any read from here on (a sync start's end
-        # reads an older one again)
-        delay, last = self.sched.delay, self.P - 1
-        for j in range(k, min(N, k + delay.max_tau[last] + 2)):
-            if self.delayed.prediction_scale(last, j):
-                floor = min(floor, delay.version(last, j) - 1)
-        self.tied.drop_older_than(floor)
-
     def tied_live(self) -> torch.Tensor | None:
         """The last stage's copy of the newest tied matrix (tests compare it with stage 0's)."""
-        return self.tied.newest() if self.tied.role == "head" else None
+        return self.tied.newest()
 
     # ---------------------------------------------------------------------------------------
     # Compute
@@ -375,9 +329,7 @@ class StageExecutor:
             self.apply_next()
         grads = self._grads.pop(step, {})
         self._batches.pop(step, None)
-        self.tied.exchange_grad(grads, step)
-        if self.tied_local and TIED_HEAD in grads:  # first stage's, then last stage's
-            grads[TIED_NAME] = grads[TIED_NAME] + grads.pop(TIED_HEAD)
+        self.tied.exchange_grad(grads, step)  # the head's gradient joins the owner's
         loss = self._loss.pop(step, torch.zeros((), device=self.device))
         self.updates.post(step, grads, loss, [c.module for c in self.chunks.values()])
         # Apply at once where someone waits for the result: a sync point (eval, checkpoint),
@@ -402,7 +354,7 @@ class StageExecutor:
         """Finish this process's part of the communication of the steps run so far (before
         the run ends early): sends delivered, votes completed."""
         if (stop := self.plan.stop_step) is not None:
-            self.tied.receive_up_to(stop + 1)  # the owner sent W_{stop+1} if the head reads it
+            self.tied.settle(stop)  # the owner sent W_{stop+1} if the head reads it
         self.comm.flush_sends()
         if self.votes is not None:
             self.votes.close()
@@ -412,10 +364,7 @@ class StageExecutor:
         k = self.delayed.step_count
         self.updates.apply_next(live_in_use=bool(self._live_inflight.get(k)))
         self.peak_versions = max(self.peak_versions, self._versions_kept())
-        if self.tied.owner_must_send(k + 1):
-            self.tied.send(k + 1, self.owned[TIED_NAME])
-        if self.tied.role == "head":
-            self._drop_tied()
+        self.tied.updated()
 
     def apply_all(self) -> None:
         while self.updates.pending:

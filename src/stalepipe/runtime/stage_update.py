@@ -1,7 +1,7 @@
 """The update of a pipeline stage: post at STEP, apply when first needed, report in order.
 
-At its last STEP of step k a process finishes step k's gradient (tied-head sum, data-parallel
-all-reduce) and starts one all-gather over the pipeline of [per-parameter gradient norms | raw
+At its last STEP of step k a process finishes step k's gradient (data-parallel all-reduce)
+and starts one all-gather over the pipeline of [per-parameter gradient norms | raw
 MoE router sums | loss], each stage of the process at its own offset (`_Layout`). The update
 is *applied* when first needed: before an action that reads version k+1, before the next
 STEP, at a sync point (an eval or checkpoint reads W_{k+1}), or at the end. This

@@ -29,7 +29,7 @@ import torch
 
 from stalepipe.config import RUNTIME_SCHEDULES, ConfigError, ExperimentConfig
 from stalepipe.data import EVAL_SEED, TokenLoader
-from stalepipe.delay import DelayedOptimizer, DelaySchedule
+from stalepipe.delay import DelayedOptimizer, DelaySchedule, tied
 from stalepipe.errors import Preempted
 from stalepipe.models import Transformer, build_stage, partition
 from stalepipe.optim import build_optimizer
@@ -50,7 +50,7 @@ from stalepipe.runtime.failures import WorkerFailed
 from stalepipe.runtime.stage import StageExecutor
 from stalepipe.runtime.stage_eval import EvalData
 from stalepipe.runtime.stage_io import ModelLayout, StageIO
-from stalepipe.runtime.tied import TIED_HEAD, TIED_NAME
+from stalepipe.runtime.tied import resume_head
 from stalepipe.runtime.topology import Topology
 from stalepipe.runtime.votes import StepVotes, lookahead
 from stalepipe.schedules.generators import one_stage_per_rank, pipeline_schedule_for
@@ -270,21 +270,12 @@ class PipelineEngine:
         with torch.no_grad():
             for n, p in self.owned.items():
                 p.copy_(weights[n])
-            if self._tied_role() == "head":
-                head = self.modules[self.stages[-1]].get_parameter(TIED_HEAD)
-                head.copy_(state["model"][TIED_HEAD])
-                self.tied_versions = {
-                    v: t.to(self.device) for v, t in per_param.get(TIED_NAME, {}).items()
-                }
+            self.tied_versions = resume_head(
+                self.cfg.model.tie_embeddings, self.modules, state["model"], per_param
+            )
         with config_peak_lr(self.optimizer):
             self.delayed.load_state_dict(dstate)
         self.start_step, self.resumed_from = start, ckpt
-
-    def _tied_role(self) -> str | None:
-        P = self.cfg.pipeline.num_stages
-        if not (self.cfg.model.tie_embeddings and P > 1):
-            return None
-        return "owner" if 0 in self.stages else "head" if P - 1 in self.stages else None
 
     def _executor(self, plan: StepPlan, requests: Callable[[], int]) -> StageExecutor:
         cfg, tc, P = self.cfg, self.cfg.train, self.cfg.pipeline.num_stages
@@ -421,9 +412,8 @@ class PipelineEngine:
             stage_ckpt.wait_part(self.run_dir, step, r, topo, timeout, self.comm.records)
             for r in range(topo.num_ranks)
         ]
-        body = stage_ckpt.merge_parts(
-            parts, self.skeleton, self.model_keys, cfg.model.tie_embeddings
-        )
+        aliases = tied.aliases(cfg.model.tie_embeddings)
+        body = stage_ckpt.merge_parts(parts, self.skeleton, self.model_keys, aliases)
         path = save_checkpoint(
             self.run_dir, step, {"config": cfg.to_dict(), **body}, cfg.train.keep_last
         )
@@ -435,13 +425,13 @@ class PipelineEngine:
 
     def worker_result(self, result: TrainResult | None) -> WorkerResult:
         ex = self.executor
-        tied = None if ex is None or ex.tied_live() is None else ex.tied_live().cpu()
+        head = None if ex is None or ex.tied_live() is None else ex.tied_live().cpu()
         return WorkerResult(
             rank=self.rank,
             stage=self.stages[0],
             stages=self.stages,
             weights={n: p.detach().cpu().clone() for n, p in self.owned.items()},
-            tied_head=tied,
+            tied_head=head,
             peak_versions=0 if ex is None else ex.peak_versions,
             losses=list(self.losses),
             val_losses={k: v for k, v in self.val_losses.items() if not math.isnan(v)},
