@@ -11,12 +11,11 @@ eval, export and as the base of `--config`, and the setting is refused once some
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from stalepipe.config.base import ConfigError, check, multiples_near, option
@@ -31,11 +30,6 @@ from stalepipe.config.sections import (
     PipelineConfig,
     TrainConfig,
 )
-
-# False while a run record is read (`from_dict(strict=False)`): ignored settings are let through.
-_CHECK_IGNORED = contextvars.ContextVar("check_ignored", default=True)
-# True while a candidate fix is tried: an ignored setting then fails fast, without suggestions.
-_PROBING = contextvars.ContextVar("probing", default=False)
 
 Fix = dict[str, Any]  # dotted key -> new value
 
@@ -52,8 +46,11 @@ class ExperimentConfig:
     delay: DelayConfig = field(default_factory=DelayConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    # Not a field: False lets settings the run would ignore through (run records, `from_dict(
+    # strict=False)`, and the candidates `_validates` tries); `dataclasses.replace` gives True.
+    check_ignored: InitVar[bool] = True
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, check_ignored: bool) -> None:
         self._check_name()
         check(
             self.pipeline.num_stages <= self.model.num_layers,
@@ -68,7 +65,7 @@ class ExperimentConfig:
         self._check_delay()
         if self.pipeline.engine == "distributed":
             self._check_distributed()
-        if _CHECK_IGNORED.get():
+        if check_ignored:
             self._refuse_ignored()
 
     def _check_name(self) -> None:
@@ -263,21 +260,19 @@ class ExperimentConfig:
     def _refuse_ignored(self) -> None:
         """Raise for the first ignored setting, offering the fixes that validate."""
         for key, why, fixes in self._ignored():
-            if _PROBING.get():
-                raise ConfigError(why)
             working = [f for f in fixes if self._validates(f)]
             working = working or [{key: default_of(type(self), key)}]
             raise ConfigError(f"{why}; set {', or '.join(map(_describe, working))}")
 
     def _validates(self, fix: Fix) -> bool:
-        token = _PROBING.set(True)
+        """Whether `fix` gives a config that validates and ignores no setting (its own ignored
+        settings are listed, not refused, so a candidate never tries fixes in turn)."""
+        overrides = {k: _text(v) for k, v in fix.items()}
         try:
-            apply_overrides(self, {k: _text(v) for k, v in fix.items()})
-            return True
+            candidate = apply_overrides(self, overrides, check_ignored=False)
         except ConfigError:
             return False
-        finally:
-            _PROBING.reset(token)
+        return next(candidate._ignored(), None) is None
 
     def warnings(self) -> list[str]:
         """Settings that are legal but probably not meant, one line each (`train` prints them).
@@ -315,11 +310,7 @@ class ExperimentConfig:
         """The config of a parsed config.json. `strict=False` is for run records (a checkpoint's
         or an old run's config): settings a new run would ignore are let through (module
         docstring); every other rule still applies."""
-        token = _CHECK_IGNORED.set(strict)
-        try:
-            return from_dict(cls, upgrade_record(d))
-        finally:
-            _CHECK_IGNORED.reset(token)
+        return from_dict(cls, upgrade_record(d), check_ignored=strict)
 
 
 COMPOSITE = ("muon", "mars")  # optimizers with an AdamW part of fixed betas (optim.registry)
