@@ -21,9 +21,9 @@ from typing import Any
 from stalepipe.config.base import ConfigError, check, multiples_near, option
 from stalepipe.config.delay import DelayConfig
 from stalepipe.config.overrides import apply_overrides, default_of, from_dict, upgrade_record
+from stalepipe.config.registry import DELAY_POLICIES, OPTIMIZERS, PIPELINE_SCHEDULES
 from stalepipe.config.sections import (
     DEFAULT_SCHEDULE,
-    RUNTIME_SCHEDULES,
     DataConfig,
     ModelConfig,
     OptimConfig,
@@ -152,7 +152,7 @@ class ExperimentConfig:
         """Each setting this run would ignore: (its key, why, the fixes to offer, best first)."""
         pc, dc = self.pipeline, self.delay
         if pc.engine == "emulate" and pc.schedule != DEFAULT_SCHEDULE:
-            want = RUNTIME_SCHEDULES[pc.schedule]
+            want = PIPELINE_SCHEDULES[pc.schedule].policy
             why = (
                 f"pipeline.schedule {pc.schedule} is run only by the distributed engine; the "
                 f"emulator (pipeline.engine emulate) ignores it and takes the delay from "
@@ -245,8 +245,9 @@ class ExperimentConfig:
             fixes = [{"delay.lr_correction_steps": 0}, {"delay.policy": "fixed:2"}]
             yield "delay.lr_correction_steps", why, fixes
         # at mu = 0.99, mu + tau (0.99 - mu) / P = mu (muon and mars also have an AdamW part at
-        # beta1 0.9, which it moves); NAdamW's default beta1 is 0.99 (optim.registry)
-        if dc.adaptive_momentum and self.optim.beta1 == 0.99 and self.optim.name not in COMPOSITE:
+        # beta1 0.9, which it moves); NAdamW's default beta1 is 0.99 (optim/specs.py)
+        composite = OPTIMIZERS[self.optim.name].composite
+        if dc.adaptive_momentum and self.optim.beta1 == 0.99 and not composite:
             why = (
                 "delay.adaptive_momentum sets mu_s = mu + tau_s (0.99 - mu) / P, which is mu at "
                 "optim.beta1 0.99"
@@ -313,14 +314,12 @@ class ExperimentConfig:
         return from_dict(cls, upgrade_record(d), check_ignored=strict)
 
 
-COMPOSITE = ("muon", "mars")  # optimizers with an AdamW part of fixed betas (optim.registry)
-
-
 def _max_tau(policy: str, num_stages: int) -> int:
-    """The largest staleness `policy` gives a stage (delay.policies is the full definition)."""
+    """The largest staleness `policy` gives a stage (delay/policies.py defines each one)."""
     if policy.startswith("fixed:"):
         return int(policy.removeprefix("fixed:"))
-    return {"sync": 0, "2bw": 1, "wpipe": 1, "pipedream": num_stages - 1}[policy]
+    bound = DELAY_POLICIES[policy].max_tau
+    return max(bound(s, num_stages) for s in range(num_stages))
 
 
 def _text(value: Any) -> str:

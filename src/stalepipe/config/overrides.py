@@ -166,5 +166,7 @@ def config_help(root: type) -> str:
         tname = getattr(tp, "__name__", str(tp)).replace("NoneType", "None")
         if isinstance(tp, types.UnionType):
             tname = " | ".join(a.__name__ for a in typing.get_args(tp)).replace("NoneType", "None")
-        lines.append(f"  --{key:<26} {tname:<12} default {obj!r}: {f.metadata.get('help', '')}")
+        text = f.metadata.get("help", "")
+        text = text() if callable(text) else text
+        lines.append(f"  --{key:<26} {tname:<12} default {obj!r}: {text}")
     return "\n".join(lines)
