@@ -162,7 +162,7 @@ def simulate_main(
     if model is not None and times is not None:
         raise ConfigError("give --model (analytic costs) or --times (given costs), not both")
     names = _schedule_names(schedule, compare)
-    if chunks is not None and "interleaved-1f1b" not in names:
+    if chunks is not None and all(PIPELINE_SCHEDULES[n].chunks is not None for n in names):
         raise ConfigError(
             f"--chunks is read by interleaved-1f1b only (zb-v, dualpipev and wpipe always hold "
             f"2 stages per rank), not by {', '.join(names)}; drop --chunks"
