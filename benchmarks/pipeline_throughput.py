@@ -31,7 +31,7 @@ from pipeline_memory import print_memory, stage_sizes  # benchmarks/pipeline_mem
 from pipeline_replay import replayed_bubble  # benchmarks/pipeline_replay.py
 from pipeline_spans import busy, median_span, timed_call, window  # benchmarks/pipeline_spans.py
 
-from stalepipe.config import DelayConfig, ModelConfig, OptimConfig
+from stalepipe.config import PIPELINE_SCHEDULES, DelayConfig, ModelConfig, OptimConfig
 from stalepipe.delay import DelayedOptimizer
 from stalepipe.launch.pool import WorkerPool
 from stalepipe.models import build_model, partition
@@ -46,8 +46,10 @@ from stalepipe.schedules.generators import make_schedule
 from stalepipe.sim.timing import simulate, summarize, uniform_costs
 
 P = 2
-POLICY = {"gpipe": "sync", "1f1b": "sync", "interleaved-1f1b": "sync", "zb-v": "sync", "2bw": "2bw"}
-CHUNKS = {"interleaved-1f1b": 2, "zb-v": 2}  # stages per process of our schedules (1 otherwise)
+OURS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v", "2bw")  # the schedules timed here
+POLICY = {name: PIPELINE_SCHEDULES[name].policy for name in OURS}
+# stages per process of our schedules (interleaved-1f1b: 2 here)
+CHUNKS = {name: PIPELINE_SCHEDULES[name].stages_per_rank(2) for name in OURS}
 
 
 def _setup(model_cfg: ModelConfig):
@@ -93,7 +95,7 @@ def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: 
     rank = joined.rank
     torch.set_num_threads(1)
     parts = partition(build_model(model_cfg, seed=0), C * P)
-    topo = Topology(C * P, 1, C, "v" if schedule == "zb-v" else "interleaved")
+    topo = Topology(C * P, 1, C, PIPELINE_SCHEDULES[schedule].placement)
     ids = list(topo.stages_of(rank))  # interleaved: r, r + P; V: r, 2P-1-r
     owned = {s: parts[s].owned_parameters() for s in ids}
     params = [(n, p) for s in ids for n, p in owned[s].items()]
@@ -279,7 +281,6 @@ def contention(model_cfg: ModelConfig, mb: int, T: int, iters: int) -> dict:
 
 
 TORCH = ("torch-gpipe", "torch-1f1b", "torch-interleaved", "torch-zbv")
-OURS = tuple(POLICY)
 CONTENDERS = (*OURS, *TORCH)
 
 

@@ -5,6 +5,8 @@ above (function-level imports included: they are dependencies too); no two modul
 other, directly or through others; no room holds more than 15 Python files."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -188,3 +190,17 @@ def test_files_and_functions_fit_on_a_screen():
         if n > 80
     }
     assert not long_files and not long_functions, (long_files, long_functions)
+
+
+@pytest.mark.parametrize("module", ["stalepipe.config", "stalepipe.cli"])
+def test_config_and_cli_import_no_torch_and_see_every_component(module):
+    """The registries the config validates against fill without torch (config/registry.py), so
+    `stalepipe train --help` stays fast; a fresh process, since this one imported torch."""
+    code = (
+        f"import sys, {module}\n"
+        "from stalepipe.config import DELAY_POLICIES, OPTIMIZERS, PIPELINE_SCHEDULES\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch'}))\n"
+        "print(len(OPTIMIZERS), len(DELAY_POLICIES), len(PIPELINE_SCHEDULES))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["[]", "7 4 9"]

@@ -314,10 +314,15 @@ def test_presets_have_no_warnings(name):
 
 
 def test_delay_policy_names_are_the_implemented_ones():
-    from stalepipe.config import POLICY_NAMES
-    from stalepipe.delay.policies import DELAY_POLICIES
+    from stalepipe import config
+    from stalepipe.config import DELAY_POLICIES
+    from stalepipe.delay.policies import parse_policy
 
-    assert set(POLICY_NAMES) == set(DELAY_POLICIES)
+    assert list(DELAY_POLICIES) == ["sync", "2bw", "pipedream", "wpipe"]
+    for name in DELAY_POLICIES:  # the config accepts each; delay/policies.py implements each
+        assert config.DelayConfig(policy=name).policy == parse_policy(name).name == name
+    with pytest.raises(ConfigError, match="must be sync, 2bw, pipedream, wpipe or fixed:N"):
+        config.DelayConfig(policy="2bq")
 
 
 # ---- optimizer fields --------------------------------------------------------------------
@@ -351,10 +356,10 @@ def test_stored_configs_of_every_optimizer_load():
     import dataclasses
     import json
 
-    from stalepipe.config import OPTIMIZER_FIELDS
+    from stalepipe.config import OPTIMIZERS
     from stalepipe.optim import resolve_config
 
-    for name in OPTIMIZER_FIELDS:
+    for name in OPTIMIZERS:
         for scale in ("original", "match_rms") if name == "muon" else (None,):
             cfg = _cfg(**{"optim.name": name})
             if scale:

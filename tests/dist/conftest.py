@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from stalepipe.config import (
-    RUNTIME_SCHEDULES,
+    PIPELINE_SCHEDULES,
     DataConfig,
     DelayConfig,
     ExperimentConfig,
@@ -76,7 +76,7 @@ def make_cfg(tmp_path, excerpt_data_dir):
             ),
             data=DataConfig(corpus="excerpt", data_dir=excerpt_data_dir, seq_len=16),
             optim=OptimConfig(name=optim),
-            delay=DelayConfig(policy=RUNTIME_SCHEDULES[schedule], mode="exact"),
+            delay=DelayConfig(policy=PIPELINE_SCHEDULES[schedule].policy, mode="exact"),
             pipeline=PipelineConfig(
                 num_stages=P,
                 engine="distributed",

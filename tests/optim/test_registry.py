@@ -10,11 +10,11 @@ import io
 import pytest
 import torch
 
-from stalepipe.config import FIXED_OPTIM_FIELDS, OPTIMIZER_FIELDS, ConfigError, OptimConfig
+from stalepipe.config import OPTIMIZERS, ConfigError, OptimConfig
 from stalepipe.models import build_model
-from stalepipe.optim import DEFAULTS, OPTIMIZERS, build_optimizer, resolve_config, split_params
+from stalepipe.optim import build_optimizer, resolve_config, split_params
 from stalepipe.optim.lr_schedule import apply_lr
-from stalepipe.optim.registry import AUX_ADAMW_EPS
+from stalepipe.optim.specs import AUX_ADAMW_EPS
 from stalepipe.presets import cpu_tiny
 
 NAMES = list(OPTIMIZERS)
@@ -47,7 +47,9 @@ def train_steps(model, opt, steps) -> list[float]:
 
 def test_registry_and_defaults_cover_the_same_names():
     names = {"adamw", "muon", "soap", "adan", "lion", "mars", "nadamw"}
-    assert set(OPTIMIZERS) == set(DEFAULTS) == set(OPTIMIZER_FIELDS) == names
+    assert set(OPTIMIZERS) == names
+    for name, spec in OPTIMIZERS.items():  # defaults only for fields read; muon's depend on scale
+        assert spec.name == name and set(spec.defaults) <= set(spec.reads)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -56,13 +58,14 @@ def test_resolve_fills_exactly_the_fields_the_optimizer_reads(name, scale):
     cfg = OptimConfig(name=name, muon_scale=scale) if name == "muon" else OptimConfig(name=name)
     resolved = resolve_config(cfg)
     filled = {f for f in OptimConfig.__dataclass_fields__ if getattr(resolved, f) is not None}
-    assert filled == {"name", *OPTIMIZER_FIELDS[name], *FIXED_OPTIM_FIELDS.get(name, {})}
-    for f, v in FIXED_OPTIM_FIELDS.get(name, {}).items():
+    assert filled == {"name", *OPTIMIZERS[name].reads, *OPTIMIZERS[name].fixed}
+    for f, v in OPTIMIZERS[name].fixed.items():
         assert getattr(resolved, f) == v
 
 
 def test_muon_records_the_eps_its_adamw_part_uses():
-    assert FIXED_OPTIM_FIELDS == {"muon": {"eps": AUX_ADAMW_EPS}}
+    fixed = {n: spec.fixed for n, spec in OPTIMIZERS.items() if spec.fixed}
+    assert fixed == {"muon": {"eps": AUX_ADAMW_EPS}}
 
 
 def _hyper(opt: torch.optim.Optimizer) -> str:
@@ -81,10 +84,10 @@ def _other(field: str, value):
 
 
 @pytest.mark.parametrize(
-    ("name", "field"), [(n, f) for n, fs in OPTIMIZER_FIELDS.items() for f in fs]
+    ("name", "field"), [(n, f) for n, spec in OPTIMIZERS.items() for f in spec.reads]
 )
 def test_every_field_an_optimizer_reads_changes_what_it_builds(name, field):
-    """OPTIMIZER_FIELDS lists no field the optimizer would ignore (the others are refused)."""
+    """`OptimizerSpec.reads` lists no field the optimizer would ignore (the others are refused)."""
     cfg = resolve_config(OptimConfig(name=name))
     changed = dataclasses.replace(cfg, **{field: _other(field, getattr(cfg, field))})
     params = list(tiny_model().named_parameters())
@@ -104,8 +107,8 @@ def test_muon_scale_selects_consistent_defaults():
     original = resolve_config(OptimConfig(name="muon"))
     assert (original.muon_scale, original.lr, original.adam_lr) == ("original", 0.02, 1e-3)
     rms = resolve_config(OptimConfig(name="muon", muon_scale="match_rms"))
-    assert rms.lr == rms.adam_lr == DEFAULTS["adamw"]["lr"]
-    assert rms.weight_decay == DEFAULTS["adamw"]["weight_decay"]
+    assert rms.lr == rms.adam_lr == OPTIMIZERS["adamw"].defaults["lr"]
+    assert rms.weight_decay == OPTIMIZERS["adamw"].defaults["weight_decay"]
     assert resolve_config(OptimConfig(name="muon", muon_scale="match_rms", lr=2e-3)).adam_lr == 2e-3
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from stalepipe.config import ConfigError, DelayConfig
+from stalepipe.config import PIPELINE_SCHEDULES, ConfigError, DelayConfig
 from stalepipe.delay import DelaySchedule
-from stalepipe.schedules.generators import SCHEDULES, make_schedule
+from stalepipe.schedules.generators import make_schedule
 from stalepipe.schedules.schedule import (
     Action,
     PipelineSchedule,
@@ -37,7 +37,7 @@ def build(name: str, P: int, m: int, N: int = 1, **kw) -> PipelineSchedule | Non
         return None
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("name", list(PIPELINE_SCHEDULES))
 def test_every_generator_validates_on_a_grid(name):
     built = 0
     for P, m in GRID:
@@ -51,7 +51,7 @@ def test_every_generator_validates_on_a_grid(name):
     assert built >= 10
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("name", list(PIPELINE_SCHEDULES))
 def test_versions_come_from_the_delay_policy(name):
     sched = build(name, 4, 8, 5, sync_start=1, sync_cooldown=1)
     S, N = sched.num_stages, sched.num_steps
@@ -129,7 +129,7 @@ def test_sync_windows_flush_the_async_pipeline():
     assert [fwd[(k, 0)] for k in range(8)] == [0, 1, 1, 2, 3, 4, 6, 7]
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("name", list(PIPELINE_SCHEDULES))
 def test_text_form_round_trips(name):
     sched = make_schedule(name, 4, 8, 2, sync_cooldown=1)
     text = sched.to_text()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from stalepipe.config import ConfigError
+from stalepipe.config import PIPELINE_SCHEDULES, ConfigError
 from stalepipe.errors import UserError
 from stalepipe.presets import smollm_360m
-from stalepipe.schedules.generators import SCHEDULES, make_schedule
+from stalepipe.schedules.generators import make_schedule
 from stalepipe.sim.gantt import plot_timelines
 from stalepipe.sim.simulate import best_sync, compare_schedules, parse_times, simulate_main
 from stalepipe.sim.timing import simulate, uniform_costs
@@ -98,7 +98,7 @@ def test_compare_schedules_for_the_verdict():
     cfg = smollm_360m()
     rows = compare_schedules(cfg, "h100", 4, 6, 1, 1024)
     by = {r.name: r for r in rows}
-    assert set(by) == set(SCHEDULES)
+    assert set(by) == set(PIPELINE_SCHEDULES)
     assert "dualpipev needs" in by["dualpipev"].refused and not by["dualpipev"].fits  # m < 2P
     assert "divisible" in by["interleaved-1f1b"].refused
     assert all(r.tokens_per_s > 0 and len(r.peak_memory) == 4 for r in rows if not r.refused)

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stalepipe.config.registry import PIPELINE_SCHEDULES
 from stalepipe.errors import UserError
-from stalepipe.schedules.generators import SCHEDULE_POLICY
 
 SIM_STEPS = 8
 
@@ -110,7 +110,8 @@ class Throughputs:
 
 def async_schedule(policy: str) -> str | None:
     """The simulator's schedule that realises delay policy `policy` (None: none does)."""
-    return next((n for n, p in SCHEDULE_POLICY.items() if p == policy and p != "sync"), None)
+    named = [(n, spec.policy) for n, spec in PIPELINE_SCHEDULES.items()]
+    return next((n for n, p in named if p == policy and p != "sync"), None)
 
 
 def _model(name: str) -> tuple[Any, int]:
@@ -247,7 +248,9 @@ def load_costs(path: str | Path) -> Throughputs:
 def _measured(e: dict[str, Any]) -> ScheduleThroughput:
     """One entry of a costs file; ValueError names what is wrong."""
     name = str(e["name"]).strip()
-    policy = str(e.get("policy") or SCHEDULE_POLICY.get(name, "")).strip()
+    policy = str(
+        e.get("policy") or (PIPELINE_SCHEDULES[name].policy if name in PIPELINE_SCHEDULES else "")
+    ).strip()
     if not policy:
         raise ValueError(f"schedule {name!r} is not one of the simulator's; give its policy")
     rate = float(e["tokens_per_s"])

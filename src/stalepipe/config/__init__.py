@@ -1,7 +1,9 @@
 """Experiment configuration: frozen dataclasses and dotted overrides (presets: `presets.py`).
 
 Each component owns one dataclass (`sections.py`) and receives only that one; `ExperimentConfig`
-(`experiment.py`) composes them. Every field carries a one-line help text in its metadata;
+(`experiment.py`) composes them. The optimizers, delay policies and pipeline schedules a config
+may name are those registered in `registry.py` (each component registers itself next to its
+code); the config validates against those registries and lists no names itself. Every field carries a one-line help text in its metadata;
 `stalepipe train --help` prints them with their defaults. Overrides use dotted keys:
 `--optim.lr 3e-4 --train.num_steps 200` (`overrides.py`).
 
@@ -15,13 +17,18 @@ A setting the run would ignore is refused the same way (`experiment.py`); run re
 
 from stalepipe.config import overrides as _overrides
 from stalepipe.config.base import ConfigError, unknown_choice
-from stalepipe.config.delay import POLICY_NAMES, DelayConfig
+from stalepipe.config.delay import DelayConfig
 from stalepipe.config.experiment import ExperimentConfig
 from stalepipe.config.overrides import RENAMED_KEYS, apply_overrides, upgrade_record
+from stalepipe.config.registry import (
+    DELAY_POLICIES,
+    OPTIMIZERS,
+    PIPELINE_SCHEDULES,
+    OptimizerSpec,
+    ScheduleSpec,
+    register_optimizer,
+)
 from stalepipe.config.sections import (
-    FIXED_OPTIM_FIELDS,
-    OPTIMIZER_FIELDS,
-    RUNTIME_SCHEDULES,
     DataConfig,
     ModelConfig,
     OptimConfig,
@@ -36,21 +43,23 @@ def config_help() -> str:
 
 
 __all__ = [
-    "FIXED_OPTIM_FIELDS",
-    "OPTIMIZER_FIELDS",
-    "POLICY_NAMES",
+    "DELAY_POLICIES",
+    "OPTIMIZERS",
+    "PIPELINE_SCHEDULES",
     "RENAMED_KEYS",
-    "RUNTIME_SCHEDULES",
     "ConfigError",
     "DataConfig",
     "DelayConfig",
     "ExperimentConfig",
     "ModelConfig",
     "OptimConfig",
+    "OptimizerSpec",
     "PipelineConfig",
+    "ScheduleSpec",
     "TrainConfig",
     "apply_overrides",
     "config_help",
+    "register_optimizer",
     "unknown_choice",
     "upgrade_record",
 ]

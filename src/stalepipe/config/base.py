@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import field
 from typing import Any
 
@@ -14,8 +14,9 @@ class ConfigError(UserError, ValueError):
     """A bad configuration value; the message names the field and what it accepts."""
 
 
-def option(default: Any, help: str) -> Any:
-    """A dataclass field with its one-line help (shown by `stalepipe train --help`)."""
+def option(default: Any, help: str | Callable[[], str]) -> Any:
+    """A dataclass field with its one-line help (shown by `stalepipe train --help`); a callable
+    help is asked when shown (a text that lists a registry, which fills after this module)."""
     return field(default=default, metadata={"help": help})
 
 

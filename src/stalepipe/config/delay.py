@@ -6,16 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stalepipe.config.base import check, option
-
-# The delay policies by name (besides fixed:N); delay/policies.py implements each one.
-POLICY_NAMES = ("sync", "2bw", "pipedream", "wpipe")
+from stalepipe.config.registry import DELAY_POLICIES
 
 
 @dataclass(frozen=True, kw_only=True)
 class DelayConfig:
     """Gradient-delay policy and mitigations (docs/design.md, 'The delay contract')."""
 
-    policy: str = option("sync", "delay policy: sync | 2bw | pipedream | wpipe | fixed:N")
+    policy: str = option("sync", lambda: f"delay policy: {DELAY_POLICIES.choices()} | fixed:N")
     ef: bool = option(False, "update-level error feedback W+ = W - 2U_k + U_{k-1}")
     taylor: float = option(0.0, "DC-ASGD Taylor compensation lambda (0 = off)")
     taylor_adaptive: bool = option(False, "adaptive lambda: taylor / sqrt(EMA of g^2)")
@@ -50,8 +48,8 @@ class DelayConfig:
             check(n.isdigit(), f"delay.policy fixed:N needs an integer N >= 0, got {policy!r}")
         else:
             check(
-                policy in POLICY_NAMES,
-                f"delay.policy must be {', '.join(POLICY_NAMES)} or fixed:N (N >= 0 steps); "
+                policy in DELAY_POLICIES,
+                f"delay.policy must be {DELAY_POLICIES.choices(', ')} or fixed:N (N >= 0 steps); "
                 f"got {policy!r}",
             )
         check(self.taylor >= 0, f"delay.taylor must be >= 0, got {self.taylor}")

@@ -11,31 +11,25 @@ eval, export and as the base of `--config`, and the setting is refused once some
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from stalepipe.config.base import ConfigError, check, multiples_near, option
 from stalepipe.config.delay import DelayConfig
 from stalepipe.config.overrides import apply_overrides, default_of, from_dict, upgrade_record
+from stalepipe.config.registry import DELAY_POLICIES, OPTIMIZERS, PIPELINE_SCHEDULES
 from stalepipe.config.sections import (
     DEFAULT_SCHEDULE,
-    RUNTIME_SCHEDULES,
     DataConfig,
     ModelConfig,
     OptimConfig,
     PipelineConfig,
     TrainConfig,
 )
-
-# False while a run record is read (`from_dict(strict=False)`): ignored settings are let through.
-_CHECK_IGNORED = contextvars.ContextVar("check_ignored", default=True)
-# True while a candidate fix is tried: an ignored setting then fails fast, without suggestions.
-_PROBING = contextvars.ContextVar("probing", default=False)
 
 Fix = dict[str, Any]  # dotted key -> new value
 
@@ -52,8 +46,11 @@ class ExperimentConfig:
     delay: DelayConfig = field(default_factory=DelayConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    # Not a field: False lets settings the run would ignore through (run records, `from_dict(
+    # strict=False)`, and the candidates `_validates` tries); `dataclasses.replace` gives True.
+    check_ignored: InitVar[bool] = True
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, check_ignored: bool) -> None:
         self._check_name()
         check(
             self.pipeline.num_stages <= self.model.num_layers,
@@ -68,7 +65,7 @@ class ExperimentConfig:
         self._check_delay()
         if self.pipeline.engine == "distributed":
             self._check_distributed()
-        if _CHECK_IGNORED.get():
+        if check_ignored:
             self._refuse_ignored()
 
     def _check_name(self) -> None:
@@ -155,7 +152,7 @@ class ExperimentConfig:
         """Each setting this run would ignore: (its key, why, the fixes to offer, best first)."""
         pc, dc = self.pipeline, self.delay
         if pc.engine == "emulate" and pc.schedule != DEFAULT_SCHEDULE:
-            want = RUNTIME_SCHEDULES[pc.schedule]
+            want = PIPELINE_SCHEDULES[pc.schedule].policy
             why = (
                 f"pipeline.schedule {pc.schedule} is run only by the distributed engine; the "
                 f"emulator (pipeline.engine emulate) ignores it and takes the delay from "
@@ -248,8 +245,9 @@ class ExperimentConfig:
             fixes = [{"delay.lr_correction_steps": 0}, {"delay.policy": "fixed:2"}]
             yield "delay.lr_correction_steps", why, fixes
         # at mu = 0.99, mu + tau (0.99 - mu) / P = mu (muon and mars also have an AdamW part at
-        # beta1 0.9, which it moves); NAdamW's default beta1 is 0.99 (optim.registry)
-        if dc.adaptive_momentum and self.optim.beta1 == 0.99 and self.optim.name not in COMPOSITE:
+        # beta1 0.9, which it moves); NAdamW's default beta1 is 0.99 (optim/specs.py)
+        composite = OPTIMIZERS[self.optim.name].composite
+        if dc.adaptive_momentum and self.optim.beta1 == 0.99 and not composite:
             why = (
                 "delay.adaptive_momentum sets mu_s = mu + tau_s (0.99 - mu) / P, which is mu at "
                 "optim.beta1 0.99"
@@ -263,21 +261,19 @@ class ExperimentConfig:
     def _refuse_ignored(self) -> None:
         """Raise for the first ignored setting, offering the fixes that validate."""
         for key, why, fixes in self._ignored():
-            if _PROBING.get():
-                raise ConfigError(why)
             working = [f for f in fixes if self._validates(f)]
             working = working or [{key: default_of(type(self), key)}]
             raise ConfigError(f"{why}; set {', or '.join(map(_describe, working))}")
 
     def _validates(self, fix: Fix) -> bool:
-        token = _PROBING.set(True)
+        """Whether `fix` gives a config that validates and ignores no setting (its own ignored
+        settings are listed, not refused, so a candidate never tries fixes in turn)."""
+        overrides = {k: _text(v) for k, v in fix.items()}
         try:
-            apply_overrides(self, {k: _text(v) for k, v in fix.items()})
-            return True
+            candidate = apply_overrides(self, overrides, check_ignored=False)
         except ConfigError:
             return False
-        finally:
-            _PROBING.reset(token)
+        return next(candidate._ignored(), None) is None
 
     def warnings(self) -> list[str]:
         """Settings that are legal but probably not meant, one line each (`train` prints them).
@@ -315,21 +311,15 @@ class ExperimentConfig:
         """The config of a parsed config.json. `strict=False` is for run records (a checkpoint's
         or an old run's config): settings a new run would ignore are let through (module
         docstring); every other rule still applies."""
-        token = _CHECK_IGNORED.set(strict)
-        try:
-            return from_dict(cls, upgrade_record(d))
-        finally:
-            _CHECK_IGNORED.reset(token)
-
-
-COMPOSITE = ("muon", "mars")  # optimizers with an AdamW part of fixed betas (optim.registry)
+        return from_dict(cls, upgrade_record(d), check_ignored=strict)
 
 
 def _max_tau(policy: str, num_stages: int) -> int:
-    """The largest staleness `policy` gives a stage (delay.policies is the full definition)."""
+    """The largest staleness `policy` gives a stage (delay/policies.py defines each one)."""
     if policy.startswith("fixed:"):
         return int(policy.removeprefix("fixed:"))
-    return {"sync": 0, "2bw": 1, "wpipe": 1, "pipedream": num_stages - 1}[policy]
+    bound = DELAY_POLICIES[policy].max_tau
+    return max(bound(s, num_stages) for s in range(num_stages))
 
 
 def _text(value: Any) -> str:

@@ -39,9 +39,12 @@ def upgrade_record(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def from_dict(cls: type, d: dict[str, Any], *, prefix: str = "", root: type | None = None) -> Any:
+def from_dict(
+    cls: type, d: dict[str, Any], *, prefix: str = "", root: type | None = None, **init: Any
+) -> Any:
     """Build dataclass `cls` from nested dicts (a parsed config.json); an unknown key is a
-    ConfigError that suggests the closest key of `root` (the top-level class, default `cls`)."""
+    ConfigError that suggests the closest key of `root` (the top-level class, default `cls`).
+    `init` goes to `cls` alone (its init-only arguments, e.g. `check_ignored`)."""
     root = root or cls
     hints = typing.get_type_hints(cls)
     kwargs = {}
@@ -53,7 +56,7 @@ def from_dict(cls: type, d: dict[str, Any], *, prefix: str = "", root: type | No
             kwargs[key] = from_dict(hints[key], value, prefix=prefix + key + ".", root=root)
         else:
             kwargs[key] = value
-    return cls(**kwargs)
+    return cls(**kwargs, **init)
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,8 +132,9 @@ def parse_field(root: type, key: str, text: str) -> Any:
     return parse_value(text, _leaf_type(root, key), key)
 
 
-def apply_overrides(cfg: T, overrides: dict[str, str]) -> T:
-    """Return `cfg` with dotted-key string overrides applied (validated, typed)."""
+def apply_overrides(cfg: T, overrides: dict[str, str], **init: Any) -> T:
+    """Return `cfg` with dotted-key string overrides applied (validated, typed); `init` goes to
+    the root class (its init-only arguments, e.g. `check_ignored`)."""
     root = type(cfg)
     nested: dict[str, dict[str, Any]] = {}
     top: dict[str, Any] = {}
@@ -142,7 +146,7 @@ def apply_overrides(cfg: T, overrides: dict[str, str]) -> T:
         else:
             top[key] = value
     changes = {s: dataclasses.replace(getattr(cfg, s), **v) for s, v in nested.items()}
-    return dataclasses.replace(cfg, **changes, **top)
+    return dataclasses.replace(cfg, **changes, **top, **init)
 
 
 def config_help(root: type) -> str:
@@ -162,5 +166,7 @@ def config_help(root: type) -> str:
         tname = getattr(tp, "__name__", str(tp)).replace("NoneType", "None")
         if isinstance(tp, types.UnionType):
             tname = " | ".join(a.__name__ for a in typing.get_args(tp)).replace("NoneType", "None")
-        lines.append(f"  --{key:<26} {tname:<12} default {obj!r}: {f.metadata.get('help', '')}")
+        text = f.metadata.get("help", "")
+        text = text() if callable(text) else text
+        lines.append(f"  --{key:<26} {tname:<12} default {obj!r}: {text}")
     return "\n".join(lines)

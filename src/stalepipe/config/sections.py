@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from stalepipe.config.base import ConfigError, check, multiples_near, option, unknown_choice
+from stalepipe.config.base import ConfigError, check, multiples_near, option
+from stalepipe.config.registry import OPTIMIZERS, PIPELINE_SCHEDULES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,30 +144,14 @@ class DataConfig:
         return self.data_dir or f"data_cache/{self.corpus}-{self.tokenizer}"
 
 
-# The OptimConfig fields each optimizer reads; optim/registry.py holds their defaults (and a test
-# checks that each optimizer's build changes with every field listed here).
-OPTIMIZER_FIELDS: dict[str, tuple[str, ...]] = {
-    "adamw": ("lr", "beta1", "beta2", "eps", "weight_decay"),
-    "muon": ("lr", "beta1", "weight_decay", "nesterov", "ns_steps", "muon_scale", "adam_lr"),
-    "soap": ("lr", "beta1", "beta2", "eps", "weight_decay", "precond_freq"),
-    "adan": ("lr", "beta1", "beta2", "beta3", "eps", "weight_decay"),
-    "lion": ("lr", "beta1", "beta2", "weight_decay"),
-    "mars": ("lr", "beta1", "beta2", "eps", "weight_decay", "gamma", "adam_lr"),
-    "nadamw": ("lr", "beta1", "beta2", "eps", "weight_decay"),
-}
-# Fields an optimizer does not let a config change but records at the value it uses (config.json
-# of every muon run so far has optim.eps 1e-8, the fixed eps of Muon's AdamW part); a config may
-# repeat that value.
-FIXED_OPTIM_FIELDS: dict[str, dict[str, Any]] = {"muon": {"eps": 1e-8}}
-
-
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
     """Optimizer choice and hyperparameters. `None` means "the optimizer's own default"
     (see docs/optimizers.md); the resolved values are written to the run's config.json.
-    A field the chosen optimizer does not read (`OPTIMIZER_FIELDS`) must stay `None`."""
+    A field the chosen optimizer does not read (`OptimizerSpec.reads`, config/registry.py) must
+    stay `None`; one it fixes (`OptimizerSpec.fixed`) may repeat the fixed value."""
 
-    name: str = option("adamw", f"optimizer: {' | '.join(OPTIMIZER_FIELDS)}")
+    name: str = option("adamw", lambda: f"optimizer: {OPTIMIZERS.choices()}")
     lr: float | None = option(None, "peak learning rate (matrix params for muon)")
     beta1: float | None = option(None, "first-moment / momentum coefficient")
     beta2: float | None = option(None, "second-moment coefficient")
@@ -185,8 +170,7 @@ class OptimConfig:
     gamma: float | None = option(None, "variance-reduction scale (mars)")
 
     def __post_init__(self) -> None:
-        if self.name not in OPTIMIZER_FIELDS:
-            raise unknown_choice("optimizer", self.name, OPTIMIZER_FIELDS, key="optim.name")
+        spec = OPTIMIZERS[self.name]  # ConfigError for an unknown name
         for names, ok, allowed in (
             (("lr", "adam_lr"), lambda v: v > 0, "> 0"),
             (("beta1", "beta2", "beta3"), lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
@@ -200,12 +184,10 @@ class OptimConfig:
             self.muon_scale in (None, "original", "match_rms"),
             f"optim.muon_scale must be 'original' or 'match_rms', got {self.muon_scale!r}",
         )
-        self._check_fields_read()
+        self._check_fields_read(spec.reads, spec.fixed)
 
-    def _check_fields_read(self) -> None:
+    def _check_fields_read(self, reads: tuple[str, ...], fixed: dict[str, Any]) -> None:
         """Refuse a value in a field the optimizer does not read (it would be ignored)."""
-        reads = OPTIMIZER_FIELDS[self.name]
-        fixed = FIXED_OPTIM_FIELDS.get(self.name, {})
         unused = [
             f
             for f in _OPTIM_HYPER_FIELDS
@@ -217,7 +199,7 @@ class OptimConfig:
         why = "".join(
             f" ({self.name} fixes optim.{f} at {fixed[f]!r})" for f in unused if f in fixed
         )
-        users = [n for n, fs in OPTIMIZER_FIELDS.items() if set(unused) & set(fs)]
+        users = [n for n, spec in OPTIMIZERS.items() if set(unused) & set(spec.reads)]
         raise ConfigError(
             f"{names} {'is' if len(unused) == 1 else 'are'} not used by optim.name="
             f"{self.name!r}{why}, which reads {', '.join(f'optim.{f}' for f in reads)}; set "
@@ -228,23 +210,19 @@ class OptimConfig:
 _OPTIM_HYPER_FIELDS = tuple(f.name for f in dataclasses.fields(OptimConfig) if f.name != "name")
 
 
-# The schedules the distributed engine runs and the delay policy each one realises (the runtime
-# refuses a delay.policy that differs). The emulator has no schedule: its delay is delay.policy.
-RUNTIME_SCHEDULES: dict[str, str] = {
-    "gpipe": "sync",
-    "1f1b": "sync",
-    "interleaved-1f1b": "sync",  # pipeline.num_chunks stages per process
-    "zb-h1": "sync",
-    "zb-v": "sync",  # two stages per process, in a V
-    "dualpipev": "sync",  # two stages per process, in a V
-    "2bw": "2bw",
-    "pipedream": "pipedream",
-    "wpipe": "wpipe",
-}
+# The schedules are `PIPELINE_SCHEDULES` (config/registry.py; schedules/generators.py registers
+# them): the distributed engine runs those with `runtime`, and refuses a delay.policy other than
+# the one a schedule realises. The emulator has no schedule: its delay is delay.policy.
 DEFAULT_SCHEDULE = "1f1b"
-# The runtime schedules with several stages per process, and how many: None = any >= 2.
-CHUNKED_SCHEDULES: dict[str, int | None] = {"interleaved-1f1b": None, "zb-v": 2, "dualpipev": 2}
-V_SCHEDULES = ("zb-v", "dualpipev")  # rank r runs stages r and 2R-1-r
+
+
+def _runtime_schedules() -> list[str]:
+    return [n for n, spec in PIPELINE_SCHEDULES.items() if spec.runtime]
+
+
+def _chunked_schedules() -> list[str]:
+    """The runtime schedules with several stages per process."""
+    return [n for n, spec in PIPELINE_SCHEDULES.items() if spec.runtime and spec.chunks != 1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,7 +238,10 @@ class PipelineConfig:
     engine: str = option("emulate", "emulate (one process) | distributed (one process per stage)")
     schedule: str = option(
         DEFAULT_SCHEDULE,
-        f"distributed engine's schedule: {' | '.join(RUNTIME_SCHEDULES)} (the emulator has none)",
+        lambda: (
+            f"distributed engine's schedule: {' | '.join(_runtime_schedules())} (the "
+            "emulator has none)"
+        ),
     )
     num_chunks: int = option(
         1,
@@ -277,9 +258,10 @@ class PipelineConfig:
             self.engine in ("emulate", "distributed"),
             f"pipeline.engine must be emulate or distributed; got {self.engine!r}",
         )
-        if self.schedule not in RUNTIME_SCHEDULES:
-            raise unknown_choice(
-                "pipeline schedule", self.schedule, RUNTIME_SCHEDULES, key="pipeline.schedule"
+        if not PIPELINE_SCHEDULES[self.schedule].runtime:  # ConfigError for an unknown name
+            raise ConfigError(
+                f"pipeline.schedule {self.schedule} is not run by the distributed engine; "
+                f"choose from {', '.join(_runtime_schedules())}"
             )
         check(
             self.num_replicas >= 1,
@@ -295,15 +277,17 @@ class PipelineConfig:
     def _check_chunks(self) -> None:
         S, C = self.num_stages, self.num_chunks
         check(C >= 1, f"pipeline.num_chunks must be >= 1, got {C}")
-        if self.schedule not in CHUNKED_SCHEDULES:
+        chunks = PIPELINE_SCHEDULES[self.schedule].chunks
+        if chunks == 1:
             check(
                 C == 1,
                 f"pipeline.num_chunks {C} is read by pipeline.schedule "
-                f"{' | '.join(CHUNKED_SCHEDULES)} only (every other schedule runs one stage per "
+                f"{' | '.join(_chunked_schedules())} only (every other schedule runs one stage per "
                 f"process); set pipeline.num_chunks 1 or one of those schedules",
             )
             return
-        if self.schedule in V_SCHEDULES:
+        if chunks is not None:
+            assert chunks == 2 and self.placement == "v", self.schedule  # what the text says
             check(
                 C == 2,
                 f"pipeline.schedule {self.schedule} runs two stages per process, in a V (rank "
@@ -332,7 +316,7 @@ class PipelineConfig:
     @property
     def placement(self) -> str:
         """How stages map to processes (`pipeline.schedule.stage_rank`)."""
-        return "v" if self.schedule in V_SCHEDULES else "interleaved"
+        return PIPELINE_SCHEDULES[self.schedule].placement
 
     @property
     def num_ranks(self) -> int:

@@ -10,10 +10,26 @@
 - `reference`: a slow, obvious implementation the tests compare both against.
 """
 
-from stalepipe.delay.delayed_optimizer import DelayedOptimizer
-from stalepipe.delay.emulator import DelayEmulator, microbatch_seed
-from stalepipe.delay.mitigations import resolve_delay_config
-from stalepipe.delay.policies import DELAY_POLICIES, DelaySchedule, Policy, wpipe_group
+import importlib
+
+from stalepipe.config.registry import DELAY_POLICIES
+from stalepipe.delay.policies import DelaySchedule, Policy, wpipe_group
+
+# Loaded on first use (PEP 562): the package root imports `delay.policies` to register the
+# policies (config/registry.py), and that must not import torch through this file.
+_LAZY = {
+    "DelayedOptimizer": "stalepipe.delay.delayed_optimizer",
+    "DelayEmulator": "stalepipe.delay.emulator",
+    "microbatch_seed": "stalepipe.delay.emulator",
+    "resolve_delay_config": "stalepipe.delay.mitigations",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'stalepipe.delay' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)
+
 
 __all__ = [
     "DELAY_POLICIES",

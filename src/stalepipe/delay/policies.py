@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from stalepipe.config import ConfigError, DelayConfig, TrainConfig
+from stalepipe.config.registry import DELAY_POLICIES
 
 UNBOUNDED = 2**62  # total_steps of a run whose length is unknown (no cooldown then)
 
@@ -71,15 +72,15 @@ def _wpipe_stages(num_stages: int) -> None:
         )
 
 
-DELAY_POLICIES: dict[str, Policy] = {
-    "sync": _constant("sync", lambda s, P: 0),
-    "2bw": _constant("2bw", lambda s, P: 1),
-    "pipedream": _constant("pipedream", lambda s, P: P - 1 - s),
-    # G0 is double-buffered: W_{t+1} = W_t - lr * grad(W_{t-1}) on G0; G1 is always fresh.
-    "wpipe": _constant(
-        "wpipe", lambda s, P: 1 if wpipe_group(s, P) == 0 else 0, stage_rule=_wpipe_stages
-    ),
-}
+# The delay policies by name (`fixed:N` besides), registered for the config to validate against
+# (config/registry.py); this module is torch-free for that reason.
+DELAY_POLICIES.register(_constant("sync", lambda s, P: 0))
+DELAY_POLICIES.register(_constant("2bw", lambda s, P: 1))
+DELAY_POLICIES.register(_constant("pipedream", lambda s, P: P - 1 - s))
+# G0 is double-buffered: W_{t+1} = W_t - lr * grad(W_{t-1}) on G0; G1 is always fresh.
+DELAY_POLICIES.register(
+    _constant("wpipe", lambda s, P: 1 if wpipe_group(s, P) == 0 else 0, stage_rule=_wpipe_stages)
+)
 
 
 def parse_policy(policy: str) -> Policy:

@@ -1,40 +1,44 @@
 """Optimizers behind one registry, parameter grouping, and LR schedules.
 
-`build_optimizer(cfg, named_params)` is the entry point; `OPTIMIZERS` lists the names
-(adamw, muon, soap, adan, lion, mars, nadamw); `resolve_config` shows the defaults a config resolves to.
-Each optimizer module holds a pure `*_update` function and a thin `torch.optim.Optimizer`.
-See docs/optimizers.md.
+`build_optimizer(cfg, named_params)` is the entry point; `OPTIMIZERS` (config/registry.py) holds
+the specs by name (adamw, muon, soap, adan, lion, mars, nadamw: `specs.py`); `resolve_config`
+shows the defaults a config resolves to. Each optimizer module holds a pure `*_update` function
+and a thin `torch.optim.Optimizer`. See docs/optimizers.md.
+
+The names below load on first use (PEP 562): the package root imports the torch-free
+`optim.specs` to register the optimizers, and that must not import torch through this file.
 """
 
-from stalepipe.optim.adamw import adamw_update
-from stalepipe.optim.adan import Adan, adan_update
-from stalepipe.optim.groups import ParamSplit, param_kind, split_params
-from stalepipe.optim.lion import Lion, lion_update
-from stalepipe.optim.mars import MARS, mars_update
-from stalepipe.optim.muon import Muon, muon_update, newton_schulz
-from stalepipe.optim.nadamw import NAdamW
-from stalepipe.optim.registry import DEFAULTS, OPTIMIZERS, build_optimizer, resolve_config
-from stalepipe.optim.soap import SOAP, soap_update
+import importlib
 
-__all__ = [
-    "DEFAULTS",
-    "MARS",
-    "OPTIMIZERS",
-    "SOAP",
-    "Adan",
-    "Lion",
-    "Muon",
-    "NAdamW",
-    "ParamSplit",
-    "adamw_update",
-    "adan_update",
-    "build_optimizer",
-    "lion_update",
-    "mars_update",
-    "muon_update",
-    "newton_schulz",
-    "param_kind",
-    "resolve_config",
-    "soap_update",
-    "split_params",
-]
+from stalepipe.config.registry import OPTIMIZERS
+
+_LAZY = {
+    "adamw_update": "adamw",
+    "Adan": "adan",
+    "adan_update": "adan",
+    "ParamSplit": "groups",
+    "param_kind": "groups",
+    "split_params": "groups",
+    "Lion": "lion",
+    "lion_update": "lion",
+    "MARS": "mars",
+    "mars_update": "mars",
+    "Muon": "muon",
+    "muon_update": "muon",
+    "newton_schulz": "muon",
+    "NAdamW": "nadamw",
+    "build_optimizer": "registry",
+    "resolve_config": "registry",
+    "SOAP": "soap",
+    "soap_update": "soap",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'stalepipe.optim' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"stalepipe.optim.{_LAZY[name]}"), name)
+
+
+__all__ = ["OPTIMIZERS", *_LAZY]

@@ -1,8 +1,11 @@
 """Schedule generators: (delay schedule, num_microbatches) -> `PipelineSchedule`.
 
 GPipe, 1F1B (PipeDream-Flush), interleaved 1F1B, ZB-H1, PipeDream-2BW, PipeDream (weight
-stashing) and WPipe, behind the `SCHEDULES` registry and `make_schedule`. The IR, the validator
-and the schedule analyses live in `pipeline.schedule`; see its docstring for the vocabulary.
+stashing) and WPipe here, ZB-V and DualPipeV in `vshape`; each is registered below with its
+facts (`config.registry.ScheduleSpec`: the delay policy it realises, its stages per process), the
+one list of pipeline schedules, which the config validates against. `make_schedule` builds one
+by name. The IR, the validator and the schedule analyses live in `schedules.schedule`; see its
+docstring for the vocabulary. Torch-free: the package root imports this module (registry).
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from stalepipe.config import RUNTIME_SCHEDULES, ConfigError, DelayConfig
+from stalepipe.config import ConfigError, DelayConfig
+from stalepipe.config.registry import PIPELINE_SCHEDULES, ScheduleSpec
 from stalepipe.delay.policies import DelaySchedule
 from stalepipe.schedules.build import Op, build_schedule, check_sizes
 from stalepipe.schedules.schedule import Action, Key, PipelineSchedule
@@ -273,21 +277,21 @@ def wpipe(delay: DelaySchedule, num_microbatches: int, **_: object) -> PipelineS
     )
 
 
-# The delay policy each schedule realises (docs/design.md, 'The delay contract'): the runtime's
-# (config.RUNTIME_SCHEDULES: the runtime runs every schedule the simulator times).
-SCHEDULE_POLICY = dict(RUNTIME_SCHEDULES)
-
-SCHEDULES: dict[str, Callable[..., PipelineSchedule]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved-1f1b": interleaved_1f1b,
-    "zb-h1": zb_h1,
-    "2bw": two_bw,
-    "pipedream": pipedream,
-    "wpipe": wpipe,
-    "zb-v": zb_v,
-    "dualpipev": dualpipev,
-}
+# The pipeline schedules, in the order of listings (help, simulator tables); each with the delay
+# policy it realises (docs/design.md, 'The delay contract') and its stages per process.
+for _spec in (
+    ScheduleSpec(name="gpipe", policy="sync", generate=gpipe),
+    ScheduleSpec(name="1f1b", policy="sync", generate=one_f_one_b),
+    ScheduleSpec(name="interleaved-1f1b", policy="sync", generate=interleaved_1f1b, chunks=None),
+    ScheduleSpec(name="zb-h1", policy="sync", generate=zb_h1),
+    ScheduleSpec(name="2bw", policy="2bw", generate=two_bw),
+    ScheduleSpec(name="pipedream", policy="pipedream", generate=pipedream),
+    # two groups of stages on each rank in the generated order; one stage per runtime process
+    ScheduleSpec(name="wpipe", policy="wpipe", generate=wpipe, rank_stages=2),
+    ScheduleSpec(name="zb-v", policy="sync", generate=zb_v, chunks=2, placement="v"),
+    ScheduleSpec(name="dualpipev", policy="sync", generate=dualpipev, chunks=2, placement="v"),
+):
+    PIPELINE_SCHEDULES.register(_spec)
 
 
 def one_stage_per_rank(sched: PipelineSchedule) -> PipelineSchedule:
@@ -313,8 +317,7 @@ def one_stage_per_rank(sched: PipelineSchedule) -> PipelineSchedule:
 def schedule_stages(name: str, num_ranks: int, num_chunks: int = 2) -> int:
     """How many stages schedule `name` runs on `num_ranks` ranks (interleaved-1f1b puts
     `num_chunks` stages on each rank; wpipe, zb-v and dualpipev two)."""
-    two = {"wpipe": 2, "zb-v": 2, "dualpipev": 2}
-    return num_ranks * {"interleaved-1f1b": num_chunks, **two}.get(name, 1)
+    return num_ranks * PIPELINE_SCHEDULES[name].stages_per_rank(num_chunks)
 
 
 def make_schedule(
@@ -327,20 +330,22 @@ def make_schedule(
     sync_start: int = 0,
     sync_cooldown: float = 0.0,
 ) -> PipelineSchedule:
-    """The schedule `name` from SCHEDULES on `num_ranks` ranks, its delay policy
-    (`SCHEDULE_POLICY`) with these sync windows; an unknown name raises ConfigError listing
+    """The schedule `name` from `PIPELINE_SCHEDULES` on `num_ranks` ranks, its delay policy
+    with these sync windows; an unknown name raises ConfigError listing
     them. `num_chunks` is used by interleaved-1f1b only; sync windows by 2bw, pipedream, wpipe
     (a synchronous schedule has no delay to lift, so `--compare` may pass them to all). The entry point of the
     simulator and its CLI; an engine that has its `DelaySchedule` calls `pipeline_schedule_for`."""
-    if name not in SCHEDULES:
-        raise ConfigError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+    if name not in PIPELINE_SCHEDULES:
+        raise ConfigError(
+            f"unknown schedule {name!r}; choose from {PIPELINE_SCHEDULES.choices(', ')}"
+        )
     if num_ranks < 1:
         raise ConfigError(f"pipeline stages (--stages) must be >= 1, got {num_ranks}")
     if num_steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {num_steps}")
     if num_chunks < 1:
         raise ConfigError(f"--chunks must be >= 1, got {num_chunks}")
-    policy = SCHEDULE_POLICY[name]
+    policy = PIPELINE_SCHEDULES[name].policy
     if policy == "sync":
         sync_start, sync_cooldown = 0, 0.0  # every step is synchronous already
     num_stages = schedule_stages(name, num_ranks, num_chunks)
@@ -352,9 +357,12 @@ def make_schedule(
 def pipeline_schedule_for(
     name: str, delay: DelaySchedule, num_microbatches: int, *, num_chunks: int = 2
 ) -> PipelineSchedule:
-    """The schedule `name` realising `delay` (its policy must be `SCHEDULE_POLICY[name]`) over
+    """The schedule `name` realising `delay` (its policy must be the schedule's) over
     `delay.total_steps` steps of `num_microbatches` microbatches."""
-    if name not in SCHEDULES:
-        raise ConfigError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
-    assert delay.policy == SCHEDULE_POLICY[name], (name, delay.policy)
-    return SCHEDULES[name](delay, num_microbatches, num_chunks=num_chunks)
+    if name not in PIPELINE_SCHEDULES:
+        raise ConfigError(
+            f"unknown schedule {name!r}; choose from {PIPELINE_SCHEDULES.choices(', ')}"
+        )
+    spec = PIPELINE_SCHEDULES[name]
+    assert delay.policy == spec.policy, (name, delay.policy)
+    return spec.generate(delay, num_microbatches, num_chunks=num_chunks)

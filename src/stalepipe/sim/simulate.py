@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from stalepipe.config import ConfigError, ModelConfig
+from stalepipe.config.registry import PIPELINE_SCHEDULES
 from stalepipe.errors import UserError
 from stalepipe.presets import PRESETS
-from stalepipe.schedules.generators import SCHEDULE_POLICY, SCHEDULES, make_schedule
+from stalepipe.schedules.generators import make_schedule
 from stalepipe.schedules.schedule import PipelineSchedule, validate
 from stalepipe.sim.devices import Device, get_device
 from stalepipe.sim.table import LEGEND, format_stages, format_table
@@ -161,7 +162,7 @@ def simulate_main(
     if model is not None and times is not None:
         raise ConfigError("give --model (analytic costs) or --times (given costs), not both")
     names = _schedule_names(schedule, compare)
-    if chunks is not None and "interleaved-1f1b" not in names:
+    if chunks is not None and all(PIPELINE_SCHEDULES[n].chunks is not None for n in names):
         raise ConfigError(
             f"--chunks is read by interleaved-1f1b only (zb-v, dualpipev and wpipe always hold "
             f"2 stages per rank), not by {', '.join(names)}; drop --chunks"
@@ -249,8 +250,10 @@ def _schedule_names(schedule: str, compare: str | list[str] | None) -> list[str]
     )
     names = [n.strip() for n in names if n.strip()]
     for n in names:
-        if n not in SCHEDULES:
-            raise ConfigError(f"unknown schedule {n!r}; choose from {', '.join(SCHEDULES)}")
+        if n not in PIPELINE_SCHEDULES:
+            raise ConfigError(
+                f"unknown schedule {n!r}; choose from {PIPELINE_SCHEDULES.choices(', ')}"
+            )
     return names
 
 
@@ -345,7 +348,7 @@ class ScheduleRow:
         """The row of schedule `name` from its simulation, or from its refusal message; it
         fits when its largest rank's peak is <= `memory_limit` (None or 0: no limit)."""
         if isinstance(r, str):
-            return cls(name, SCHEDULE_POLICY[name], 0.0, 1.0, (), False, r)
+            return cls(name, PIPELINE_SCHEDULES[name].policy, 0.0, 1.0, (), False, r)
         fits = not memory_limit or max(r.peak_memory) <= memory_limit
         return cls(
             name, r.policy, r.steady_throughput, r.steady_bubble, r.peak_memory, fits, None, r
@@ -366,7 +369,7 @@ def compare_schedules(
     memory_limit: float | None = None,
     sync_start: int = 0,
 ) -> list[ScheduleRow]:
-    """Simulate each of `schedules` (default: every entry of SCHEDULES) for `model_cfg` on
+    """Simulate each of `schedules` (default: every registered schedule, `PIPELINE_SCHEDULES`) for `model_cfg` on
     `num_stages` pipeline ranks P (the CLI's --stages; a schedule with chunks runs more model
     stages on them) of `device`, `num_microbatches` microbatches of `microbatch_size` x
     `seq_len` tokens per step, over `num_steps` steps (>= 3, so the steady state is seen).
@@ -377,7 +380,9 @@ def compare_schedules(
     if num_steps < 3:
         raise ConfigError(f"num_steps must be >= 3 for a steady state, got {num_steps}")
     limit = dev.memory_bytes if memory_limit is None else memory_limit
-    names = _schedule_names("", list(schedules) if schedules is not None else list(SCHEDULES))
+    names = _schedule_names(
+        "", list(schedules) if schedules is not None else list(PIPELINE_SCHEDULES)
+    )
     rows = []
     for name in names:
         try:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from stalepipe.config import RUNTIME_SCHEDULES, ConfigError, ExperimentConfig
+from stalepipe.config import PIPELINE_SCHEDULES, ConfigError, ExperimentConfig
 from stalepipe.data import EVAL_SEED, TokenLoader
 from stalepipe.delay import DelayedOptimizer, DelaySchedule, tied
 from stalepipe.errors import Preempted
@@ -61,14 +61,13 @@ from stalepipe.train.engine import StepPlan, StepResult, no_requests
 from stalepipe.train.loop import TrainResult, run_loop, with_resolved_optim
 from stalepipe.train.ranklog import tee_rank_log
 
-# Schedules the runtime executes, and the delay policy each one realises.
 PREPARED_ENV = "STALEPIPE_RUN_PREPARED"  # set by the spawning launcher: run dir already open
 
 
 def check_config(cfg: ExperimentConfig) -> None:
     """Refuse configurations the runtime cannot run, with the fix in the message."""
     pc, tc = cfg.pipeline, cfg.train
-    want = RUNTIME_SCHEDULES[pc.schedule]
+    want = PIPELINE_SCHEDULES[pc.schedule].policy
     if cfg.delay.policy != want:
         raise ConfigError(
             f"pipeline.schedule {pc.schedule} realises delay policy {want!r}, but delay.policy is "

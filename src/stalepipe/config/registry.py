@@ -1,0 +1,129 @@
+"""One registry per kind of component: optimizers, delay policies, pipeline schedules.
+
+Each component states its facts (its name, the config fields it reads, its defaults, the delay
+policy a schedule realises, how many stages a process runs, ...) next to its code and registers
+them here; the config sections validate against these registries and list no names themselves.
+Iterating a registry gives the names in registration order (the order of help texts and
+"choose from" lists).
+
+Why the registries live in the config room (layer 0) and how they fill before a config is
+validated: the config must check `optim.name` without importing the rooms above it (the import
+order of docs/design.md, 'Architecture') and without importing torch (`stalepipe train --help`
+stays fast; a test). So every spec is torch-free: an optimizer's spec is data plus a builder that
+imports its torch code when called (`optim/specs.py`), a delay policy is a few pure functions
+(`delay/policies.py`), a pipeline schedule's generator is pure Python
+(`schedules/generators.py`). The package root (`stalepipe/__init__.py`) imports those three
+modules, so the registries are full before any `stalepipe.*` module runs a line; a component
+defined elsewhere (a plugin, a test) registers itself when it is imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from stalepipe.config.base import unknown_choice
+
+S = TypeVar("S")
+
+
+class Registry(Generic[S]):
+    """Specs of one kind by name (each spec has a `name`), in registration order."""
+
+    def __init__(self, kind: str, key: str) -> None:
+        self.kind = kind  # 'optimizer', as the error messages say it
+        self.key = key  # the config field that names one, e.g. 'optim.name'
+        self._specs: dict[str, S] = {}
+
+    def register(self, spec: S) -> S:
+        """Add `spec`; a second spec under the same name is a programming error."""
+        name = spec.name  # type: ignore[attr-defined]
+        if name in self._specs:
+            raise ValueError(f"{self.kind} {name!r} is registered twice")
+        self._specs[name] = spec
+        return spec
+
+    def unregister(self, name: str) -> None:
+        """Remove `name` (a test that registered a component cleans up with this)."""
+        del self._specs[name]
+
+    def __getitem__(self, name: str) -> S:
+        """The spec of `name`; ConfigError listing the names (and the closest) otherwise."""
+        if name not in self._specs:
+            raise unknown_choice(self.kind, name, self._specs, key=self.key)
+        return self._specs[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._specs
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._specs))
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def items(self) -> list[tuple[str, S]]:
+        return list(self._specs.items())
+
+    def choices(self, sep: str = " | ") -> str:
+        """The names joined by `sep`, for a help text."""
+        return sep.join(self._specs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSpec:
+    """What the config and the optimizer registry need of one optimizer.
+
+    `reads`: the `OptimConfig` fields it reads (a value in any other field is refused);
+    `defaults`: the value of each field read when the config leaves it `None`; `fixed`: fields it
+    does not let a config change but records at the value it uses; `finish`: a last step of
+    `optim.resolve_config` for defaults that depend on other fields (muon); `composite`: it runs
+    an AdamW part of fixed betas beside its own rule (muon, mars); `build(cfg, split)`: the
+    `torch.optim.Optimizer` over a `ParamSplit`, for a resolved `cfg` (imports torch when called).
+    """
+
+    name: str
+    reads: tuple[str, ...]
+    defaults: dict[str, Any]
+    build: Callable[[Any, Any], Any]
+    fixed: dict[str, Any] = field(default_factory=dict)
+    finish: Callable[[Any], Any] | None = None
+    composite: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleSpec:
+    """What the config, the simulator and the runtime need of one pipeline schedule.
+
+    `policy`: the delay policy it realises (the runtime refuses a `delay.policy` that differs);
+    `generate(delay, num_microbatches, num_chunks=...)`: its `Schedule`; `chunks`: the stages each
+    process runs on the runtime (`pipeline.num_chunks`; None = any count >= 2); `rank_stages`:
+    stages per rank of the generated schedule when that differs from `chunks` (wpipe's two
+    groups); `placement`: 'v' puts rank r's stages at r and 2R-1-r; `runtime`: the distributed
+    engine runs it (every schedule so far: the runtime runs every schedule the simulator times).
+    """
+
+    name: str
+    policy: str
+    generate: Callable[..., Any]
+    chunks: int | None = 1
+    rank_stages: int | None = None
+    placement: str = "interleaved"
+    runtime: bool = True
+
+    def stages_per_rank(self, num_chunks: int) -> int:
+        """Stages on each rank of the generated schedule (`num_chunks` when any count goes)."""
+        return self.rank_stages or self.chunks or num_chunks
+
+
+OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer", "optim.name")
+# Specs of type `delay.policies.Policy` (name, tau, max_tau, stage_rule); `fixed:N` is a family
+# parsed by `delay.policies.parse_policy`, not a registered name.
+DELAY_POLICIES: Registry[Any] = Registry("delay policy", "delay.policy")
+PIPELINE_SCHEDULES: Registry[ScheduleSpec] = Registry("pipeline schedule", "pipeline.schedule")
+
+
+def register_optimizer(spec: OptimizerSpec) -> OptimizerSpec:
+    """Register an optimizer (`stalepipe train --optim.name <spec.name>` then builds it)."""
+    return OPTIMIZERS.register(spec)
