@@ -162,3 +162,27 @@ def test_export_format_choices_are_the_exporters():
 
     fmt = next(a for a in _subcommands()["export"]._actions if a.dest == "format")
     assert set(fmt.choices) == set(EXPORTERS) and fmt.default in EXPORTERS
+
+
+def test_every_help_imports_no_torch():
+    """`stalepipe COMMAND --help` answers before torch loads (under 0.5 s; torch alone takes
+    2 s here): the parsers, their epilogs and the study table are torch-free."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from stalepipe.cli import main, make_parser
+commands = list(make_parser()._subparsers._group_actions[0].choices)
+for c in commands:
+    try:
+        main([c, "--help"])
+    except SystemExit:
+        pass
+loaded = [m for m in ("torch", "numpy.linalg") if m in sys.modules]
+print(len(commands), loaded, file=sys.stderr)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    count, loaded = out.stderr.strip().splitlines()[-1].split(" ", 1)
+    assert int(count) >= 12 and "torch" not in loaded

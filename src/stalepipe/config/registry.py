@@ -19,6 +19,7 @@ defined elsewhere (a plugin, a test) registers itself when it is imported.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -127,3 +128,13 @@ PIPELINE_SCHEDULES: Registry[ScheduleSpec] = Registry("pipeline schedule", "pipe
 def register_optimizer(spec: OptimizerSpec) -> OptimizerSpec:
     """Register an optimizer (`stalepipe train --optim.name <spec.name>` then builds it)."""
     return OPTIMIZERS.register(spec)
+
+
+def resolve_config(cfg: Any) -> Any:
+    """`cfg` (an `OptimConfig`) with every `None` field the optimizer reads replaced by its
+    default, and the fields it fixes (`OptimizerSpec.fixed`) at their values: what the run's
+    config.json records. Torch-free (`stalepipe.optim.resolve_config` is this function)."""
+    spec = OPTIMIZERS[cfg.name]
+    defaults = {**spec.defaults, **spec.fixed}
+    out = dataclasses.replace(cfg, **{f: v for f, v in defaults.items() if getattr(cfg, f) is None})
+    return spec.finish(out) if spec.finish else out

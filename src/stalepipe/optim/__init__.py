@@ -11,7 +11,7 @@ The names below load on first use (PEP 562): the package root imports the torch-
 
 import importlib
 
-from stalepipe.config.registry import OPTIMIZERS
+from stalepipe.config.registry import OPTIMIZERS, resolve_config
 
 _LAZY = {
     "adamw_update": "adamw",
@@ -29,7 +29,6 @@ _LAZY = {
     "newton_schulz": "muon",
     "NAdamW": "nadamw",
     "build_optimizer": "registry",
-    "resolve_config": "registry",
     "SOAP": "soap",
     "soap_update": "soap",
 }
@@ -41,4 +40,4 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(f"stalepipe.optim.{_LAZY[name]}"), name)
 
 
-__all__ = ["OPTIMIZERS", *_LAZY]
+__all__ = ["OPTIMIZERS", "resolve_config", *_LAZY]

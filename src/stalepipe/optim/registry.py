@@ -10,25 +10,15 @@ model, or one pipeline stage). Defaults and their sources are in docs/optimizers
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from stalepipe.config import ConfigError, OptimConfig
-from stalepipe.config.registry import OPTIMIZERS
+from stalepipe.config.registry import OPTIMIZERS, resolve_config
 from stalepipe.optim import lr_schedule
 from stalepipe.optim.groups import split_params
-
-
-def resolve_config(cfg: OptimConfig) -> OptimConfig:
-    """`cfg` with every `None` field the optimizer reads replaced by its default, and the fields
-    it fixes (`OptimizerSpec.fixed`) at their values: what the run's config.json records."""
-    spec = OPTIMIZERS[cfg.name]
-    defaults = {**spec.defaults, **spec.fixed}
-    out = dataclasses.replace(cfg, **{f: v for f, v in defaults.items() if getattr(cfg, f) is None})
-    return spec.finish(out) if spec.finish else out
 
 
 def build_optimizer(
