@@ -204,3 +204,27 @@ def test_config_and_cli_import_no_torch_and_see_every_component(module):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:2] == ["[]", "7 4 9"]
+
+
+def test_design_names_only_code_that_exists():
+    """Every `room/file.py:Name` or `room/file.py:Class.method` that docs/design.md cites (its
+    walks and recipes) names a file of the package and a function or class defined in it."""
+    import re
+
+    text = (PACKAGE.parents[1] / "docs" / "design.md").read_text()
+    cited = set(re.findall(r"`([a-z_]+/[a-z_]+\.py):([A-Za-z_][\w.]*)", text))
+    assert len(cited) > 20
+    missing = []
+    for path, name in sorted(cited):
+        file = PACKAGE / path
+        if not file.is_file():
+            missing.append(f"{path} (no such file)")
+            continue
+        defined = {
+            node.name
+            for node in ast.walk(ast.parse(file.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        }
+        if not set(name.split(".")) <= defined:
+            missing.append(f"{path}:{name}")
+    assert not missing, missing
