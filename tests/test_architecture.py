@@ -18,6 +18,7 @@ LAYER = {
     "config": 0,
     "errors": 0,
     "fileio": 0,
+    "lazy": 0,
     "presets": 0,
     "models": 1,
     "optim": 1,

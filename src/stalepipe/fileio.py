@@ -212,18 +212,14 @@ def check_removable(
 
 
 def remove_owned_dir(
-    path: str | os.PathLike,
-    kind: str,
-    allowed: Iterable[str],
-    *,
-    within: str | os.PathLike | None = None,
-    fix: str,
+    path: str | os.PathLike, kind: str, allowed: Iterable[str], **rule: Any
 ) -> None:
-    """Delete `path` if `check_removable` allows it (NotOwnedError otherwise, nothing deleted).
+    """Delete `path` if `check_removable(path, kind, allowed, **rule)` allows it (`rule`: its
+    `within` and `fix`; NotOwnedError otherwise, nothing deleted).
 
     The directory is first renamed to a hidden sibling, so a crash halfway through the deletion
     never leaves a half-deleted directory under the original name."""
-    real = check_removable(path, kind, allowed, within=within, fix=fix)
+    real = check_removable(path, kind, allowed, **rule)
     doomed = real.with_name(f".{real.name}.deleting-{os.getpid()}-{time.monotonic_ns()}")
     os.replace(real, doomed)
     shutil.rmtree(doomed)

@@ -182,6 +182,13 @@ def claims(rows: list[Row]) -> list[Claim]:
     return label([f for check in CLAIMS for f in check(rows)])
 
 
+def _table(heading: str, text: str, header: list[str], body: list[list[str]]) -> list[Block]:
+    """A heading, its paragraph and its table; nothing when the table has no rows."""
+    if not body:
+        return []
+    return [Block("h", heading), Block("p", text), Block("table", header=header, rows=body)]
+
+
 def build_report(root: Path, title: str | None = None) -> tuple[list[Block], list[Row], list[Run]]:
     runs = load_runs(root)
     if not runs:
@@ -212,20 +219,10 @@ def build_report(root: Path, title: str | None = None) -> tuple[list[Block], lis
         Block("h", "Final validation loss by configuration"),
         Block("table", header=header, rows=body),
     ]
-    header, body = target_table(rows)
-    if body:
-        blocks += [
-            Block("h", "Token overhead at sync's final loss"),
-            Block("p", TARGET_TEXT),
-            Block("table", header=header, rows=body),
-        ]
-    header, body = overhead_table(rows)
-    if body:
-        blocks += [
-            Block("h", "Token overhead over a band of the baseline's losses"),
-            Block("p", OVERHEAD_TEXT),
-            Block("table", header=header, rows=body),
-        ]
+    blocks += _table("Token overhead at sync's final loss", TARGET_TEXT, *target_table(rows))
+    blocks += _table(
+        "Token overhead over a band of the baseline's losses", OVERHEAD_TEXT, *overhead_table(rows)
+    )
     checked = claims(rows)
     if checked:
         blocks += [

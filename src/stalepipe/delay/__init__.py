@@ -10,10 +10,9 @@
 - `reference`: a slow, obvious implementation the tests compare both against.
 """
 
-import importlib
-
 from stalepipe.config.registry import DELAY_POLICIES
 from stalepipe.delay.policies import DelaySchedule, Policy, wpipe_group
+from stalepipe.lazy import lazy_getattr
 
 # Loaded on first use (PEP 562): the package root imports `delay.policies` to register the
 # policies (config/registry.py), and that must not import torch through this file.
@@ -25,10 +24,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'stalepipe.delay' has no attribute {name!r}")
-    return getattr(importlib.import_module(_LAZY[name]), name)
+__getattr__ = lazy_getattr("stalepipe.delay", _LAZY)
 
 
 __all__ = [

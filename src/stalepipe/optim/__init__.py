@@ -9,9 +9,8 @@ The names below load on first use (PEP 562): the package root imports the torch-
 `optim.specs` to register the optimizers, and that must not import torch through this file.
 """
 
-import importlib
-
 from stalepipe.config.registry import OPTIMIZERS, resolve_config
+from stalepipe.lazy import lazy_getattr
 
 _LAZY = {
     "adamw_update": "adamw",
@@ -34,10 +33,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'stalepipe.optim' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"stalepipe.optim.{_LAZY[name]}"), name)
+__getattr__ = lazy_getattr("stalepipe.optim", {k: f"stalepipe.optim.{v}" for k, v in _LAZY.items()})
 
 
 __all__ = ["OPTIMIZERS", "resolve_config", *_LAZY]
