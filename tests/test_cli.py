@@ -125,7 +125,7 @@ def _subcommands():
 
 def test_every_command_has_help(capsys):
     names = list(_subcommands())
-    assert names == ["train", "data", "demo", "simulate", "info", "presets", "export", "eval",
+    assert names == ["train", "data", "demo", "simulate", "info", "config", "presets", "export", "eval",
                      "sweep", "report", "verdict", "toy"]  # fmt: skip
     for argv in [[n] for n in names] + [["data", "prepare"]]:
         with pytest.raises(SystemExit) as e:

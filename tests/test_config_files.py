@@ -68,3 +68,15 @@ def test_a_directory_points_at_its_config_json(tmp_path, capsys):
 def test_set_with_a_space_names_the_fix(capsys):
     assert main(["sweep", "--grid", "delay.policy=sync", "--set", "train.num_steps", "40"]) == 2
     assert "--set expects KEY=VALUE: write --set train.num_steps=40" in capsys.readouterr().err
+
+
+def test_config_show_names_where_each_value_comes_from(tmp_path, capsys):
+    (tmp_path / "c.toml").write_text("[train]\nnum_steps = 40\n")
+    assert main(["config", "show", "--config", str(tmp_path / "c.toml"), "--optim.lr", "0.01"]) == 0
+    lines = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()}
+    assert lines["train.num_steps"] == ["40", "file"]
+    assert lines["optim.lr"] == ["0.01", "flag"]
+    assert lines["train.batch_size"][-1] == "default"
+    assert main(["config", "show", "--preset", "cpu-small"]) == 0
+    shown = {line.split()[0]: line.split()[-2:] for line in capsys.readouterr().out.splitlines()}
+    assert shown["model.dim"] == ["preset", "cpu-small"]

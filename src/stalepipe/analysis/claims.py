@@ -75,7 +75,7 @@ def label(findings: list[Finding]) -> list[Claim]:
         if f.why:
             verdict = f"inconclusive ({f.why})"
         elif f.seeds < f.need:
-            verdict = f"inconclusive ({f.seeds} seeds < {f.need})"
+            verdict = f"inconclusive ({f.seeds} seed{'s' * (f.seeds != 1)} < {f.need})"
         elif not q < ALPHA:
             verdict = f"inconclusive (Holm p {fmt_p(q)})"
         elif not f.holds:
@@ -85,7 +85,8 @@ def label(findings: list[Finding]) -> list[Claim]:
         else:
             verdict = "reproduced"
         p_text = f"p {fmt_p(f.p)}, Holm {fmt_p(q)}" if math.isfinite(q) else f"p {fmt_p(f.p)}"
-        out.append(Claim(f.claim, verdict, f"{f.evidence} [{p_text}]", f.p, q))
+        tail = f" [{p_text}]" if math.isfinite(f.p) else ""
+        out.append(Claim(f.claim, verdict, f"{f.evidence}{tail}", f.p, q))
     return out
 
 

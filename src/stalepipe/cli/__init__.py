@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -212,6 +213,32 @@ def cmd_info(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _add_config(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "config",
+        help="show the resolved config and where each value comes from",
+        description="Resolve a config as `stalepipe train` would (preset or --config file, then "
+        "--section.field flags) and print every field with its source: flag, file, preset or "
+        "default. Config files are TOML or JSON (docs/cluster.md, 'Config files').",
+    )
+    p.add_argument("action", choices=["show"], help="show: print the resolved config")
+    _add_config_args(p)
+    p.set_defaults(fn=cmd_config)
+
+
+def cmd_config(args: argparse.Namespace, extra: list[str]) -> int:
+    from stalepipe.config.files import read_config_file, value_sources
+
+    overrides = parse_overrides(extra)
+    cfg = build_config(args.preset, args.config, overrides)
+    data = read_config_file(args.config) if args.config else None
+    rows = value_sources(cfg, preset=args.preset, file_data=data, overrides=overrides)
+    width = max(len(k) for k, _, _ in rows)
+    for key, value, where in rows:
+        print(f"{key:<{width}}  {json.dumps(value):<24}  {where}")
+    return 0
+
+
 def _add_presets(sub: Subparsers) -> None:
     p = sub.add_parser("presets", help="list the built-in presets")
     p.set_defaults(fn=cmd_presets)
@@ -279,6 +306,7 @@ COMMANDS = (
     _add_demo,
     _add_simulate,
     _add_info,
+    _add_config,
     _add_presets,
     _add_export,
     _add_eval,
@@ -318,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"stalepipe: error: --set expects KEY=VALUE: write --set {bad}", file=sys.stderr)
         return 2
     args, extra = parser.parse_known_args(argv)
-    if extra and args.fn not in (cmd_train, cmd_info):
+    if extra and args.fn not in (cmd_train, cmd_info, cmd_config):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.fn(args, extra) or 0

@@ -134,3 +134,29 @@ def _scalar_types(kind: Any) -> tuple[type, ...] | None:
 def _fields(kind: type) -> dict[str, Any]:
     hints = typing.get_type_hints(kind)
     return {f.name: hints[f.name] for f in dataclasses.fields(kind) if f.init}
+
+
+def value_sources(
+    cfg: Any, *, preset: str | None, file_data: dict[str, Any] | None, overrides: dict[str, str]
+) -> list[tuple[str, Any, str]]:
+    """(dotted key, value, where it came from) for every field of the resolved `cfg`: 'flag'
+    (a --section.field override), 'file' (the --config file sets it), 'preset' (the preset
+    differs from the default there), or 'default'."""
+    from stalepipe.config.experiment import ExperimentConfig
+    from stalepipe.fileio import flatten_dict
+
+    final = flatten_dict(cfg.to_dict())
+    default = flatten_dict(ExperimentConfig().to_dict())
+    in_file = set(flatten_dict(file_data)) if file_data else set()
+    out = []
+    for key, value in final.items():
+        if key in overrides:
+            where = "flag"
+        elif key in in_file:
+            where = "file"
+        elif preset and value != default.get(key):
+            where = f"preset {preset}"
+        else:
+            where = "default"
+        out.append((key, value, where))
+    return out
