@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
 
 from stalepipe.config import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
+
+# trackio reads its directory once, at import: keep the tests' runs out of the home directory
+os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="trackio-tests-"))
 
 # Several processes share 2 cores in CI: one thread each keeps runs fast and deterministic.
 torch.set_num_threads(1)

@@ -172,9 +172,9 @@ def test_tensorboard_scalars_mirror_the_metrics(tiny_config):
     ).run_dir
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
-    losses = [e.value for e in events.Scalars("loss")]
+    losses = [e.value for e in events.Scalars("train/loss")]  # hierarchical names
     assert losses == pytest.approx([r["loss"] for r in read_metrics(run)])
-    assert "tau/0" in events.Tags()["scalars"]
+    assert "delay/tau/stage0" in events.Tags()["scalars"] and "optim/lr" in events.Tags()["scalars"]
 
 
 def test_the_divergence_message_recommends_a_command_that_works(tiny_config, tmp_path, monkeypatch):

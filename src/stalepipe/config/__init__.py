@@ -30,6 +30,7 @@ from stalepipe.config.registry import (
 )
 from stalepipe.config.sections import (
     DataConfig,
+    LogConfig,
     ModelConfig,
     OptimConfig,
     PipelineConfig,
@@ -49,6 +50,7 @@ __all__ = [
     "RENAMED_KEYS",
     "ConfigError",
     "DataConfig",
+    "LogConfig",
     "DelayConfig",
     "ExperimentConfig",
     "ModelConfig",

@@ -25,6 +25,7 @@ from stalepipe.config.registry import DELAY_POLICIES, OPTIMIZERS, PIPELINE_SCHED
 from stalepipe.config.sections import (
     DEFAULT_SCHEDULE,
     DataConfig,
+    LogConfig,
     ModelConfig,
     OptimConfig,
     PipelineConfig,
@@ -46,6 +47,7 @@ class ExperimentConfig:
     delay: DelayConfig = field(default_factory=DelayConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     # Not a field: False lets settings the run would ignore through (run records, `from_dict(
     # strict=False)`, and the candidates `_validates` tries); `dataclasses.replace` gives True.
     check_ignored: InitVar[bool] = True

@@ -410,3 +410,27 @@ class TrainConfig:
 
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+TRACKER_NAMES = ("tensorboard", "wandb", "trackio", "mlflow")  # rundir/trackers.py
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    """Experiment trackers beside metrics.jsonl (rundir/trackers.py); offline by default."""
+
+    tracker: str = option(
+        "", "comma list of tensorboard | wandb | trackio | mlflow ('' = metrics.jsonl only)"
+    )
+    project: str = option("stalepipe", "the trackers' project / experiment name")
+
+    def __post_init__(self) -> None:
+        names = [n.strip() for n in self.tracker.split(",") if n.strip()]
+        bad = [n for n in names if n not in TRACKER_NAMES]
+        choices = ", ".join(TRACKER_NAMES)
+        check(not bad, f"log.tracker: unknown tracker {bad[:1]}; choose from {choices}")
+        check(bool(self.project.strip()), "log.project must not be empty")
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(n.strip() for n in self.tracker.split(",") if n.strip()))

@@ -15,17 +15,16 @@ from typing import Any
 
 import torch
 
-from stalepipe.errors import UserError
 from stalepipe.fileio import write_text_atomic
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to metrics.jsonl (and, with `tensorboard`, every
-    numeric value as a TensorBoard scalar under `<run>/tensorboard`). On resume, lines from
-    steps at or after the resume point are dropped first, so the file reads as one
+    """Appends one JSON object per line to metrics.jsonl, and hands each line's numbers to the
+    run's trackers (`rundir.trackers`: TensorBoard, W&B, trackio, MLflow). On resume, lines
+    from steps at or after the resume point are dropped first, so the file reads as one
     uninterrupted run."""
 
-    def __init__(self, run_dir: Path, start_step: int, tensorboard: bool = False) -> None:
+    def __init__(self, run_dir: Path, start_step: int, trackers: list[Any] | None = None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         if self.path.exists():
             kept = [
@@ -34,38 +33,23 @@ class MetricsWriter:
                 if line.strip() and _step_of(line) < start_step
             ]
             write_text_atomic(self.path, "".join(line + "\n" for line in kept))
-        self._tb = (
-            _tensorboard_writer(Path(run_dir) / "tensorboard", start_step) if tensorboard else None
-        )
+        self._trackers = trackers or []
         self._f = open(self.path, "a")  # noqa: SIM115 - closed in close()
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
-        if self._tb is not None:
-            step = record["step"]
-            for key, value in record.items():
-                if isinstance(value, list):  # e.g. tau per stage
-                    for i, v in enumerate(value):
-                        self._tb.add_scalar(f"{key}/{i}", v, step)
-                elif isinstance(value, int | float) and key != "step":
-                    self._tb.add_scalar(key, value, step)
+        if self._trackers:
+            from stalepipe.rundir.trackers import scalars
+
+            values = scalars(record)
+            for t in self._trackers:
+                t.log(values, record["step"])
 
     def close(self) -> None:
         self._f.close()
-        if self._tb is not None:
-            self._tb.close()
-
-
-def _tensorboard_writer(log_dir: Path, start_step: int) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise UserError(
-            "train.tensorboard needs the tensorboard package: pip install tensorboard "
-            "(or pip install -e '.[tensorboard]')"
-        ) from None
-    return SummaryWriter(log_dir=str(log_dir), purge_step=start_step or None)
+        for t in self._trackers:
+            t.close()
 
 
 def _step_of(line: str) -> int:

@@ -95,6 +95,20 @@ def train(
         shutdown(ctx)
 
 
+def _trackers(cfg: ExperimentConfig, run_dir: Path, start: int) -> list:
+    """The run's trackers (`--log.tracker`; `train.tensorboard` adds TensorBoard), started
+    with its config."""
+    from stalepipe.fileio import flatten_dict
+    from stalepipe.rundir.trackers import open_trackers
+
+    names = cfg.log.trackers + (("tensorboard",) if cfg.train.tensorboard else ())
+    if not names:
+        return []
+    config = flatten_dict(cfg.to_dict())
+    names = tuple(dict.fromkeys(names))
+    return open_trackers(names, run_dir, project=cfg.log.project, config=config, start_step=start)
+
+
 def run_loop(
     engine: Engine, cfg: ExperimentConfig, run_dir: Path, *, is_main: bool, verbose: bool
 ) -> TrainResult:
@@ -107,7 +121,7 @@ def run_loop(
         own = Path(ckpt).resolve().parent == Path(run_dir).resolve()
         whence = ckpt.name if own else f"--init-from {ckpt}"
         print(f"resuming {run_dir} from step {start} ({whence})")
-    metrics = MetricsWriter(run_dir, start, tc.tensorboard) if is_main else None
+    metrics = MetricsWriter(run_dir, start, _trackers(cfg, run_dir, start)) if is_main else None
     meter = run_meter(cfg, start, engine.device)
     progress = Progress(total=tc.num_steps, initial=start, enabled=tc.progress and verbose)
     losses: list[float] = []

@@ -1,0 +1,169 @@
+"""Experiment trackers beside metrics.jsonl: TensorBoard, Weights & Biases, trackio, MLflow.
+
+`--log.tracker tensorboard,wandb,trackio,mlflow` (any subset; each an optional extra:
+`pip install -e '.[trackers]'`). metrics.jsonl stays the record every report reads; a tracker
+is a view of it. Each gets the run's config once, at the start, and every logged line under
+hierarchical names (`tracker_name`): train/loss, train/grad_norm, val/loss, optim/lr,
+delay/tau/stage0, perf/tokens_per_s, ... Only the main process logs.
+
+Offline by default, so a run never waits on a network: W&B in offline mode unless `WANDB_MODE`
+says otherwise (`wandb sync <run>/wandb/offline-run-*` uploads later), MLflow into a file
+store in the run directory (`<run>/mlruns`; `mlflow ui --backend-store-uri <run>/mlruns`)
+unless `MLFLOW_TRACKING_URI` is set, trackio into its local database
+(`TRACKIO_DIR`, default the user's cache). A resumed run continues the same W&B / MLflow run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from stalepipe.errors import UserError
+
+_GROUPS = {
+    "loss": "train/loss",
+    "grad_norm": "train/grad_norm",
+    "val_loss": "val/loss",
+    "lr": "optim/lr",
+    "lr_mult": "optim/lr_mult",
+    "tau": "delay/tau",
+    "tokens": "perf/tokens",
+    "tokens_per_s": "perf/tokens_per_s",
+    "model_flops_per_s": "perf/model_flops_per_s",
+}
+
+
+def tracker_name(key: str) -> str:
+    """The hierarchical name of a metrics.jsonl key: its group, or train/<key>."""
+    if key in _GROUPS:
+        return _GROUPS[key]
+    for prefix, group in (("val_", "val/"), ("router_", "moe/"), ("delay_", "delay/")):
+        if key.startswith(prefix):
+            return group + key[len(prefix) :]
+    return f"train/{key}"
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The numeric values of one metrics line under their tracker names (a list, such as tau
+    per stage, becomes one scalar per entry)."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key in ("step", "timed_from_step"):
+            continue
+        name = tracker_name(key)
+        if isinstance(value, list):
+            for i, v in enumerate(value):
+                if isinstance(v, int | float) and not isinstance(v, bool):
+                    out[f"{name}/stage{i}"] = float(v)
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out[name] = float(value)
+    return out
+
+
+class Tracker(Protocol):
+    def log(self, values: dict[str, float], step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def open_trackers(
+    names: tuple[str, ...], run_dir: Path, *, project: str, config: dict[str, Any], start_step: int
+) -> list[Tracker]:
+    """The trackers `names`, each started for this run (its config logged once)."""
+    run_dir = Path(run_dir)
+    openers = {"tensorboard": _TensorBoard, "wandb": _Wandb, "trackio": _Trackio, "mlflow": _MLflow}
+    out = []
+    for n in names:
+        try:
+            out.append(openers[n](run_dir, project, config, start_step))
+        except UserError:
+            raise
+        except Exception as e:  # the tracker's own failure: one line, the run not started
+            for t in out:
+                t.close()
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            raise UserError(
+                f"log.tracker {n} could not start ({why}); fix its setup or drop it"
+            ) from None
+    return out
+
+
+def _need(module: str, tracker: str, package: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(
+            f"log.tracker {tracker} needs the {package} package: pip install {package} "
+            "(or pip install -e '.[trackers]')"
+        ) from None
+
+
+def _run_id(run_dir: Path) -> str:
+    """A stable id for the run (its resolved path), so a resume continues the same run."""
+    return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+
+
+class _TensorBoard:
+    def __init__(self, run_dir: Path, project: str, config: dict[str, Any], start: int) -> None:
+        tb = _need("torch.utils.tensorboard", "tensorboard", "tensorboard")
+        self.w = tb.SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start or None)
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        for name, v in values.items():
+            self.w.add_scalar(name, v, step)
+
+    def close(self) -> None:
+        self.w.close()
+
+
+class _Wandb:
+    def __init__(self, run_dir: Path, project: str, config: dict[str, Any], start: int) -> None:
+        wandb = _need("wandb", "wandb", "wandb")
+        mode = os.environ.get("WANDB_MODE", "offline")
+        os.environ.setdefault("WANDB_SILENT", "true")  # no banner between the progress lines
+        where = {"name": run_dir.name, "id": _run_id(run_dir), "dir": str(run_dir)}
+        self.run = wandb.init(project=project, config=config, mode=mode, resume="allow", **where)
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _Trackio:
+    def __init__(self, run_dir: Path, project: str, config: dict[str, Any], start: int) -> None:
+        self.trackio = _need("trackio", "trackio", "trackio")
+        self.trackio.init(project=project, name=run_dir.name, config=config, resume="allow")
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.trackio.log(values, step=step)
+
+    def close(self) -> None:
+        self.trackio.finish()
+
+
+class _MLflow:
+    def __init__(self, run_dir: Path, project: str, config: dict[str, Any], start: int) -> None:
+        self.mlflow = _need("mlflow", "mlflow", "mlflow-skinny")
+        if not os.environ.get("MLFLOW_TRACKING_URI"):  # a file store in the run directory
+            # (mlflow-skinny has no SQL backend; MLflow 3 keeps the file store, deprecated)
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            self.mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
+        self.mlflow.set_experiment(project)
+        tag = f"tags.stalepipe_run = '{_run_id(run_dir)}'"
+        found = self.mlflow.search_runs(filter_string=tag, output_format="list")
+        if found:  # a resume: the same MLflow run
+            self.mlflow.start_run(run_id=found[0].info.run_id)
+        else:
+            self.mlflow.start_run(run_name=run_dir.name, tags={"stalepipe_run": _run_id(run_dir)})
+            self.mlflow.log_params({k: str(v)[:500] for k, v in config.items()})
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.mlflow.log_metrics(values, step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
