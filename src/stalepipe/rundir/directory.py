@@ -89,8 +89,7 @@ RUN_ENTRIES = (
     "sweep.json",
     "error.json",
     ".claim.json*",  # rundir.claim: the owner training it (and a stale claim being replaced)
-    "wandb",  # rundir.trackers: W&B's offline run, MLflow's file store
-    "mlruns",
+    *("wandb", "mlruns"),  # rundir.trackers: W&B's offline run, MLflow's file store
 )
 RUN_FIX = "choose another --name"
 META_FORMAT = 2  # meta.json with the list of invocations
