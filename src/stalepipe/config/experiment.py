@@ -18,19 +18,12 @@ from collections.abc import Iterator
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
+from stalepipe.config import sections
 from stalepipe.config.base import ConfigError, check, multiples_near, option
 from stalepipe.config.delay import DelayConfig
 from stalepipe.config.overrides import apply_overrides, default_of, from_dict, upgrade_record
 from stalepipe.config.registry import DELAY_POLICIES, OPTIMIZERS, PIPELINE_SCHEDULES
-from stalepipe.config.sections import (
-    DEFAULT_SCHEDULE,
-    DataConfig,
-    LogConfig,
-    ModelConfig,
-    OptimConfig,
-    PipelineConfig,
-    TrainConfig,
-)
+from stalepipe.config.sections import DEFAULT_SCHEDULE, ModelConfig, PipelineConfig, TrainConfig
 
 Fix = dict[str, Any]  # dotted key -> new value
 
@@ -42,12 +35,12 @@ class ExperimentConfig:
     name: str = option("run", "run name: results go to <out_dir>/<name>")
     out_dir: str = option("runs", "parent directory of run directories")
     model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: sections.DataConfig = field(default_factory=sections.DataConfig)
+    optim: sections.OptimConfig = field(default_factory=sections.OptimConfig)
     delay: DelayConfig = field(default_factory=DelayConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    log: LogConfig = field(default_factory=LogConfig)
+    log: sections.LogConfig = field(default_factory=sections.LogConfig)
     # Not a field: False lets settings the run would ignore through (run records, `from_dict(
     # strict=False)`, and the candidates `_validates` tries); `dataclasses.replace` gives True.
     check_ignored: InitVar[bool] = True

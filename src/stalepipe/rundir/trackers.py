@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -72,7 +74,7 @@ def open_trackers(
 ) -> list[Tracker]:
     """The trackers `names`, each started for this run (its config logged once)."""
     run_dir = Path(run_dir)
-    openers = {"tensorboard": _TensorBoard, "wandb": _Wandb, "trackio": _Trackio, "mlflow": _MLflow}
+    openers = {"tensorboard": _tensorboard, "wandb": _wandb, "trackio": _trackio, "mlflow": _mlflow}
     out = []
     for n in names:
         try:
@@ -106,64 +108,52 @@ def _run_id(run_dir: Path) -> str:
     return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
 
 
-class _TensorBoard:
-    def __init__(self, run_dir: Path, project: str, config: dict[str, Any], start: int) -> None:
-        tb = _need("torch.utils.tensorboard", "tensorboard", "tensorboard")
-        self.w = tb.SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start or None)
+@dataclass(frozen=True)
+class _Sink:
+    """One started tracker: where a line's values go, and how it ends."""
 
-    def log(self, values: dict[str, float], step: int) -> None:
+    log: Callable[[dict[str, float], int], None]
+    close: Callable[[], None]
+
+
+def _tensorboard(run_dir: Path, project: str, config: dict[str, Any], start: int) -> _Sink:
+    tb = _need("torch.utils.tensorboard", "tensorboard", "tensorboard")
+    w = tb.SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start or None)
+
+    def log(values: dict[str, float], step: int) -> None:
         for name, v in values.items():
-            self.w.add_scalar(name, v, step)
+            w.add_scalar(name, v, step)
 
-    def close(self) -> None:
-        self.w.close()
-
-
-class _Wandb:
-    def __init__(self, run_dir: Path, project: str, config: dict[str, Any], start: int) -> None:
-        wandb = _need("wandb", "wandb", "wandb")
-        mode = os.environ.get("WANDB_MODE", "offline")
-        os.environ.setdefault("WANDB_SILENT", "true")  # no banner between the progress lines
-        where = {"name": run_dir.name, "id": _run_id(run_dir), "dir": str(run_dir)}
-        self.run = wandb.init(project=project, config=config, mode=mode, resume="allow", **where)
-
-    def log(self, values: dict[str, float], step: int) -> None:
-        self.run.log(values, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
+    return _Sink(log, w.close)
 
 
-class _Trackio:
-    def __init__(self, run_dir: Path, project: str, config: dict[str, Any], start: int) -> None:
-        self.trackio = _need("trackio", "trackio", "trackio")
-        self.trackio.init(project=project, name=run_dir.name, config=config, resume="allow")
-
-    def log(self, values: dict[str, float], step: int) -> None:
-        self.trackio.log(values, step=step)
-
-    def close(self) -> None:
-        self.trackio.finish()
+def _wandb(run_dir: Path, project: str, config: dict[str, Any], start: int) -> _Sink:
+    wandb = _need("wandb", "wandb", "wandb")
+    mode = os.environ.get("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")  # no banner between the progress lines
+    where = {"name": run_dir.name, "id": _run_id(run_dir), "dir": str(run_dir)}
+    run = wandb.init(project=project, config=config, mode=mode, resume="allow", **where)
+    return _Sink(lambda values, step: run.log(values, step=step), run.finish)
 
 
-class _MLflow:
-    def __init__(self, run_dir: Path, project: str, config: dict[str, Any], start: int) -> None:
-        self.mlflow = _need("mlflow", "mlflow", "mlflow-skinny")
-        if not os.environ.get("MLFLOW_TRACKING_URI"):  # a file store in the run directory
-            # (mlflow-skinny has no SQL backend; MLflow 3 keeps the file store, deprecated)
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            self.mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
-        self.mlflow.set_experiment(project)
-        tag = f"tags.stalepipe_run = '{_run_id(run_dir)}'"
-        found = self.mlflow.search_runs(filter_string=tag, output_format="list")
-        if found:  # a resume: the same MLflow run
-            self.mlflow.start_run(run_id=found[0].info.run_id)
-        else:
-            self.mlflow.start_run(run_name=run_dir.name, tags={"stalepipe_run": _run_id(run_dir)})
-            self.mlflow.log_params({k: str(v)[:500] for k, v in config.items()})
+def _trackio(run_dir: Path, project: str, config: dict[str, Any], start: int) -> _Sink:
+    trackio = _need("trackio", "trackio", "trackio")
+    trackio.init(project=project, name=run_dir.name, config=config, resume="allow")
+    return _Sink(lambda values, step: trackio.log(values, step=step), trackio.finish)
 
-    def log(self, values: dict[str, float], step: int) -> None:
-        self.mlflow.log_metrics(values, step=step)
 
-    def close(self) -> None:
-        self.mlflow.end_run()
+def _mlflow(run_dir: Path, project: str, config: dict[str, Any], start: int) -> _Sink:
+    mlflow = _need("mlflow", "mlflow", "mlflow-skinny")
+    if not os.environ.get("MLFLOW_TRACKING_URI"):  # a file store in the run directory
+        # (mlflow-skinny has no SQL backend; MLflow 3 keeps the file store, deprecated)
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
+    mlflow.set_experiment(project)
+    tag = f"tags.stalepipe_run = '{_run_id(run_dir)}'"
+    found = mlflow.search_runs(filter_string=tag, output_format="list")
+    if found:  # a resume: the same MLflow run
+        mlflow.start_run(run_id=found[0].info.run_id)
+    else:
+        mlflow.start_run(run_name=run_dir.name, tags={"stalepipe_run": _run_id(run_dir)})
+        mlflow.log_params({k: str(v)[:500] for k, v in config.items()})
+    return _Sink(lambda values, step: mlflow.log_metrics(values, step=step), mlflow.end_run)
