@@ -76,6 +76,22 @@ def study_momentum(scale: str) -> list[list[list[Bundle]]]:
     ]
 
 
+CONTROLLED_MOMENTA = ("0.8", "0.9", "0.95", "0.98", "0.99")
+
+
+def study_momentum_controlled(scale: str) -> list[list[list[Bundle]]]:
+    """Momentum without the confounds of study 2 (issue 34): AdamW at beta2 = 0.999 (so every
+    beta1 here stays below sqrt(beta2)) and Muon, beta1 / mu in 0.8-0.99, each at the scale's
+    LR, a third of it and three times it, under sync and 2bw: the gap is read at one fixed LR
+    (the middle one) and with each arm at its own best LR (tuned on sync and on 2bw apart)."""
+    adamw = [("adamw", {"optim.name": "adamw", "optim.beta2": "0.999"})]
+    muon = [("muon", {"optim.name": "muon"})]
+    return [
+        [opt, axis("optim.beta1", CONTROLLED_MOMENTA), _lr_axis(scale, name), [SYNC, TWO_BW]]
+        for name, opt in (("adamw", adamw), ("muon", muon))
+    ]
+
+
 def study_mitigations(scale: str) -> list[list[list[Bundle]]]:
     steps = base_config(scale).train.num_steps
     variants: list[Bundle] = [
@@ -325,6 +341,12 @@ STUDIES: dict[str, Study] = {
             claims=(claim_gap_grows_with_delay,),
         ),
         Study("tokens", study_tokens, "the gap as the training length grows (x1/4 .. x2)"),
+        Study(
+            "momentum-controlled",
+            study_momentum_controlled,
+            "AdamW (beta2 0.999) & Muon, beta1 0.8-0.99 x 3 LRs, sync and 2bw (issue 34)",
+            scales=CPU_SCALES[1:],
+        ),
         Study("length", study_length, "AdamW & Muon sync / 2bw / 2bw+EF at 1x, 2x, 4x the tokens"),
         Study(
             "size",
