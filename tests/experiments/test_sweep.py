@@ -295,3 +295,26 @@ def test_a_signal_stops_the_sweep_with_its_run_checkpointed_not_failed(
     monkeypatch.undo()
     res = run_sweep(specs, base, out, log=logs.append)
     assert sorted(res.finished) == ["2bw_s0", "2bw_s1"] and not res.failed
+
+
+def test_extend_plans_the_delayed_arms_longer(tiny_config):
+    """`--extend 1.5,2`: every delayed spec again at 1.5x and 2x its steps with warmup and the
+    eval interval stretched (the evaluations stay as many), sync never; factors <= 1 refused."""
+    import dataclasses
+
+    from stalepipe.experiments.grid import extend_delayed
+
+    base = dataclasses.replace(
+        tiny_config, train=dataclasses.replace(tiny_config.train, num_steps=40, warmup_steps=4,
+                                               eval_every=10)
+    )  # fmt: skip
+    specs = expand(
+        [[("sync", {"delay.policy": "sync"}), ("2bw", {"delay.policy": "2bw"})]], seeds=2
+    )
+    longer = extend_delayed(specs, base, [1.5, 2])
+    assert [s.name for s in longer] == ["2bw_x1.5_s0", "2bw_x2_s0", "2bw_x1.5_s1", "2bw_x2_s1"]
+    two = longer[1].config(base, ".")
+    assert (two.train.num_steps, two.train.warmup_steps, two.train.eval_every) == (80, 8, 20)
+    assert two.delay.policy == "2bw" and two.train.seed == 0
+    with pytest.raises(UserError, match="factors must be > 1"):
+        extend_delayed(specs, base, [1.0])

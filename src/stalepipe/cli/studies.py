@@ -69,6 +69,13 @@ def _add_sweep(sub: Subparsers) -> None:
     )
     add("--retry-failed", action="store_true", help="rerun runs that failed before")
     add(
+        "--extend",
+        metavar="F1,F2",
+        help="also run every delayed arm at these multiples of its "
+        "steps (e.g. 1.25,1.5,2), the schedule stretched: the verdict's time to sync's final loss "
+        "reads them (docs/verdict.md)",
+    )
+    add(
         "--dry-run",
         action="store_true",
         help="list the runs and their status, run none "
@@ -111,6 +118,18 @@ def _add_executor(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _factors(text: str | None) -> tuple[float, ...]:
+    """--extend F1,F2 as numbers; a one-line error naming the form."""
+    from stalepipe.errors import UserError
+
+    if not text:
+        return ()
+    try:
+        return tuple(float(f) for f in text.split(",") if f.strip())
+    except ValueError:
+        raise UserError(f"--extend takes numbers > 1, e.g. 1.25,1.5,2; got {text!r}") from None
+
+
 def slurm_options(args: argparse.Namespace) -> object:
     """The --slurm-* flags as SlurmOptions (None when none is given)."""
     from stalepipe.experiments.executors import SlurmOptions
@@ -150,6 +169,7 @@ def cmd_sweep(args: argparse.Namespace, extra: list[str]) -> int:
         dry_run=args.dry_run,
         executor=args.executor,
         slurm=slurm_options(args),
+        extend=_factors(args.extend),
     )
     return 1 if failed else 0
 

@@ -160,3 +160,29 @@ def check_overrides(specs: Sequence[RunSpec], base: ExperimentConfig) -> None:
             spec.config(base, "runs")
         except ConfigError as e:
             raise ConfigError(f"run {spec.name}: {e}") from None
+
+
+def extend_delayed(
+    specs: Sequence[RunSpec], base: ExperimentConfig, factors: Sequence[float]
+) -> list[RunSpec]:
+    """Longer runs of every delayed spec (a `delay.policy` other than sync): the same
+    configuration and seed at `factor` x its steps, the schedule stretched (warmup and the
+    evaluation interval scaled, so the number of evaluations stays). The report and the verdict
+    read them as the delayed arm's extension toward sync's final loss (`analysis.targets`);
+    a run already `factor` x long is not extended again."""
+    out = []
+    for spec in specs:
+        cfg = spec.config(base, ".")
+        if cfg.delay.policy in ("sync", "fixed:0"):
+            continue
+        tc = cfg.train
+        for f in factors:
+            if not f > 1:
+                raise UserError(f"--extend factors must be > 1, got {f:g}")
+            o = dict(spec.overrides)
+            o["train.num_steps"] = str(round(tc.num_steps * f))
+            o["train.warmup_steps"] = str(round(tc.warmup_steps * f))
+            o["train.eval_every"] = str(round(tc.eval_every * f))
+            group = f"{spec.group}_x{f:g}"
+            out.append(RunSpec(f"{group}_s{spec.seed}", o, spec.seed, group))
+    return out

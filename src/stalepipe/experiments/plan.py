@@ -95,13 +95,19 @@ def sweep_main(
     log: Callable[[str], None] | None = None,
     executor: str = "local",
     slurm: SlurmOptions | None = None,
+    extend: Sequence[float] = (),
 ) -> int:
     """`stalepipe sweep`: run a named study or an ad-hoc grid (`--grid KEY=V1,V2` axes); returns
     the number of failed runs. `fixed` overrides apply to every run (e.g. train.num_steps);
     `only` (`--only KEY=V1,V2`) keeps the runs that match (`grid.select_runs`); `executor`
     and `slurm` say where the runs execute (`experiments.executors`)."""
     from stalepipe.config import apply_overrides
-    from stalepipe.experiments.grid import check_overrides, parse_grid_arg, select_runs
+    from stalepipe.experiments.grid import (
+        check_overrides,
+        extend_delayed,
+        parse_grid_arg,
+        select_runs,
+    )
     from stalepipe.experiments.sweep import main_progress_stream, run_sweep
 
     log = log or main_progress_stream()
@@ -125,6 +131,8 @@ def sweep_main(
     base = apply_overrides(base, fixed or {})
     check_overrides(specs, base)
     specs = select_runs(specs, base, only)
+    if extend:  # the delayed arms planned longer, toward sync's final loss (analysis.targets)
+        specs = dedupe([*specs, *extend_delayed(specs, base, extend)])
     out_dir = out or f"runs/{study or 'grid'}"
     if executor not in EXECUTORS:
         raise UserError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
