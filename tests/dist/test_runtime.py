@@ -69,6 +69,21 @@ def _async_case(schedule, P, m, optim, tied, make_cfg, run_dist, dist_utils, ste
     assert len(losses) == cfg.train.num_steps and all(map(lambda x: x == x, losses))
 
 
+def test_an_uneven_partition_equals_emulator_exact(make_cfg, run_dist, dist_utils):
+    """`pipeline.partition 1,3` (one block on stage 0, three on stage 1; the balanced split of
+    this model differs): the runtime's stages and the emulator's are the same split, bit for
+    bit."""
+    import dataclasses
+
+    from stalepipe.models import split_layers
+
+    cfg = make_cfg("2bw", 2, 2, steps=3, eval_every=1, dropout=0.1)
+    cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, partition="1,3"))
+    assert split_layers(cfg.model, 2, split="1,3") != split_layers(cfg.model, 2)
+    run_dist(cfg)
+    dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), dist_utils["reference"](cfg))
+
+
 @pytest.mark.parametrize(
     ("schedule", "P", "m", "optim"),
     [("2bw", 2, 2, "adamw"), ("2bw", 3, 2, "muon"), ("pipedream", 3, 1, "adamw")],

@@ -81,3 +81,21 @@ def test_blocks_contiguous_and_balanced():
 def test_more_stages_than_layers_is_refused():
     with pytest.raises(ConfigError, match="num_stages"):
         split_layers(CFG, 7)
+
+
+def test_uniform_and_explicit_splits():
+    """`pipeline.partition`: uniform gives the first stages the remainder; explicit counts are
+    the blocks of each stage; a count list that does not fit is one error naming the fix."""
+    L = CFG.num_layers
+    uniform = split_layers(CFG, 4, split="uniform")
+    assert [len(r) for r in uniform] == [L // 4 + (s < L % 4) for s in range(4)]
+    explicit = split_layers(CFG, 2, split=f"1,{L - 1}")
+    assert [(r.start, r.stop) for r in explicit] == [(0, 1), (1, L)]
+    with pytest.raises(ConfigError, match="needs 2 counts >= 1 adding up"):
+        split_layers(CFG, 2, split="1,1")
+    model = build_model(CFG, seed=0)
+    x = torch.randint(0, 128, (2, 16))
+    h = x
+    for stage in partition(model, 2, split=f"1,{L - 1}"):
+        h = stage(h, x if stage.spec.is_last else None)
+    torch.testing.assert_close(h, model(x, x), rtol=0, atol=0)  # any split composes exactly

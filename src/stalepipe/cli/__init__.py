@@ -209,7 +209,8 @@ def cmd_info(args: argparse.Namespace, extra: list[str]) -> int:
     from stalepipe.models import describe
 
     cfg = build_config(args.preset, args.config, parse_overrides(extra))
-    print("\n".join(describe(cfg.model, cfg.data.seq_len, cfg.pipeline.num_stages)))
+    pc = cfg.pipeline
+    print("\n".join(describe(cfg.model, cfg.data.seq_len, pc.num_stages, pc.partition)))
     return 0
 
 

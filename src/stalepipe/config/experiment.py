@@ -47,6 +47,7 @@ class ExperimentConfig:
 
     def __post_init__(self, check_ignored: bool) -> None:
         self._check_name()
+        self._check_partition()
         check(
             self.pipeline.num_stages <= self.model.num_layers,
             f"pipeline.num_stages ({self.pipeline.num_stages}) must be <= model.num_layers "
@@ -62,6 +63,18 @@ class ExperimentConfig:
             self._check_distributed()
         if check_ignored:
             self._refuse_ignored()
+
+    def _check_partition(self) -> None:
+        """Explicit blocks per stage: one count per stage, adding up to the model's blocks."""
+        part, P, L = self.pipeline.partition, self.pipeline.num_stages, self.model.num_layers
+        if part in ("balanced", "uniform"):
+            return
+        counts = [int(c) for c in part.split(",")]
+        check(
+            len(counts) == P and sum(counts) == L,
+            f"pipeline.partition {part} needs {P} counts (pipeline.num_stages) adding up to "
+            f"model.num_layers={L}",
+        )
 
     def _check_name(self) -> None:
         """The run directory is `out_dir/name`: one path component, never '.' or '..'."""

@@ -251,9 +251,20 @@ class PipelineConfig:
     num_replicas: int = option(1, "data-parallel replicas of each stage (distributed engine)")
     backend: str = option("auto", "torch.distributed backend: auto | gloo | nccl")
     timeout_s: float = option(120.0, "seconds a rank waits for a peer before failing the run")
+    partition: str = option(
+        "balanced",
+        "stage split: balanced (by FLOPs, the head on the last stage) | uniform | blocks per "
+        "stage, e.g. 3,2,2,1",
+    )
 
     def __post_init__(self) -> None:
         check(self.num_stages >= 1, f"pipeline.num_stages must be >= 1, got {self.num_stages}")
+        check(
+            self.partition in ("balanced", "uniform")
+            or re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", self.partition) is not None,
+            "pipeline.partition must be balanced, uniform or blocks per stage (e.g. 3,2,2,1), "
+            f"got {self.partition!r}",
+        )
         check(
             self.engine in ("emulate", "distributed"),
             f"pipeline.engine must be emulate or distributed; got {self.engine!r}",

@@ -69,6 +69,7 @@ class DelayEmulator:
         seed: base seed of the per-(stage, step, microbatch) RNG (`microbatch_seed`; the
             fast mode seeds per (step, microbatch), its stage being `WHOLE_MODEL`).
         replica: this process's data-parallel replica (its rows get their own masks).
+        split: how a stalepipe Transformer is split into stages (`pipeline.partition`).
     """
 
     def __init__(
@@ -84,6 +85,7 @@ class DelayEmulator:
         seq_len: int | None = None,
         seed: int = 0,
         replica: int = 0,
+        split: str = "balanced",
     ) -> None:
         if schedule is None:
             if num_stages is None:
@@ -91,7 +93,7 @@ class DelayEmulator:
             schedule = DelaySchedule.build(delay_cfg, num_stages, total_steps)
         num_stages = schedule.num_stages
         if stages is None:
-            stages = _split_transformer(model, num_stages, delay_cfg.policy, seq_len)
+            stages = _split_transformer(model, num_stages, delay_cfg.policy, seq_len, split)
         if len(stages) != num_stages:
             raise ConfigError(f"got {len(stages)} stage modules for num_stages={num_stages}")
         self.model = model
@@ -253,7 +255,7 @@ class DelayEmulator:
 
 
 def _split_transformer(
-    model: nn.Module, num_stages: int, policy: str, seq_len: int | None
+    model: nn.Module, num_stages: int, policy: str, seq_len: int | None, split: str
 ) -> list[nn.Module]:
     from stalepipe.models import Transformer, partition
 
@@ -269,4 +271,4 @@ def _split_transformer(
             f"<= model.num_layers={num_layers} (each stage holds at least one block); lower "
             f"--pipeline.num_stages"
         )
-    return partition(model, num_stages, seq_len)
+    return partition(model, num_stages, seq_len, split)

@@ -47,16 +47,23 @@ class StageSpec:
         return self.stage == self.num_stages - 1
 
 
-def split_layers(cfg: ModelConfig, num_stages: int, seq_len: int | None = None) -> list[range]:
-    """Contiguous block ranges, one per stage, minimising the most expensive stage's FLOPs.
-
-    Every stage gets at least one block. Exact DP over split points: O(P * L^2), L <= ~100.
-    """
+def split_layers(
+    cfg: ModelConfig, num_stages: int, seq_len: int | None = None, split: str = "balanced"
+) -> list[range]:
+    """Contiguous block ranges, one per stage (`pipeline.partition`): `balanced` minimises the
+    most expensive stage's FLOPs (the head counted on the last stage; exact DP over split
+    points, O(P * L^2), L <= ~100); `uniform` gives every stage the same number of blocks (the
+    first stages one more when they do not divide); "3,2,2,1" is the blocks of each stage.
+    Every stage gets at least one block."""
     L = cfg.num_layers
     if not 1 <= num_stages <= L:
         raise ConfigError(
             f"pipeline.num_stages must be in [1, model.num_layers={L}], got {num_stages}"
         )
+    if split != "balanced":
+        counts = _counts(split, L, num_stages)
+        starts = [sum(counts[:s]) for s in range(num_stages + 1)]
+        return [range(starts[s], starts[s + 1]) for s in range(num_stages)]
     prefix = [0]  # prefix[i]: FLOPs of blocks 0..i-1 (blocks differ with dense first layers)
     for i in range(L):
         prefix.append(prefix[-1] + block_flops(cfg, seq_len or cfg.max_seq_len, i))
@@ -87,11 +94,24 @@ def split_layers(cfg: ModelConfig, num_stages: int, seq_len: int | None = None) 
     return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
 
 
-def stage_specs(cfg: ModelConfig, num_stages: int, seq_len: int | None = None) -> list[StageSpec]:
-    """The `StageSpec` of every stage."""
-    return [
-        StageSpec(s, num_stages, r) for s, r in enumerate(split_layers(cfg, num_stages, seq_len))
-    ]
+def _counts(split: str, L: int, P: int) -> list[int]:
+    """Blocks per stage of a `uniform` or explicit ("3,2,2,1") split."""
+    if split == "uniform":
+        return [L // P + (s < L % P) for s in range(P)]
+    counts = [int(c) for c in split.split(",")]
+    if len(counts) != P or sum(counts) != L or min(counts) < 1:
+        raise ConfigError(
+            f"pipeline.partition {split} needs {P} counts >= 1 adding up to model.num_layers={L}"
+        )
+    return counts
+
+
+def stage_specs(
+    cfg: ModelConfig, num_stages: int, seq_len: int | None = None, split: str = "balanced"
+) -> list[StageSpec]:
+    """The `StageSpec` of every stage (`split`: `pipeline.partition`)."""
+    ranges = split_layers(cfg, num_stages, seq_len, split)
+    return [StageSpec(s, num_stages, r) for s, r in enumerate(ranges)]
 
 
 class PipelineStage(nn.Module):
@@ -172,11 +192,13 @@ class PipelineStage(nn.Module):
 
 
 def partition(
-    model: Transformer, num_stages: int, seq_len: int | None = None
+    model: Transformer, num_stages: int, seq_len: int | None = None, split: str = "balanced"
 ) -> list[PipelineStage]:
-    """Split `model` into `num_stages` stages sharing its modules. Every parameter is owned by
-    exactly one stage under its original name."""
-    return [PipelineStage(model, spec) for spec in stage_specs(model.cfg, num_stages, seq_len)]
+    """Split `model` into `num_stages` stages sharing its modules (`split`:
+    `pipeline.partition`). Every parameter is owned by exactly one stage under its original
+    name."""
+    specs = stage_specs(model.cfg, num_stages, seq_len, split)
+    return [PipelineStage(model, spec) for spec in specs]
 
 
 def build_stage(
@@ -186,18 +208,19 @@ def build_stage(
     stage: int,
     seq_len: int | None = None,
     device: str | torch.device = "cpu",
+    split: str = "balanced",
 ) -> PipelineStage:
-    """Stage `stage` of `partition(build_model(cfg, seed), num_stages, seq_len)`, bit for bit,
-    without building the rest: the pipeline runtime's processes hold only their own part of the
-    model, from the start."""
+    """Stage `stage` of `partition(build_model(cfg, seed), num_stages, seq_len, split)`, bit
+    for bit, without building the rest: the pipeline runtime's processes hold only their own
+    part of the model, from the start."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    part = partition(model, num_stages, seq_len)[stage]
+    part = partition(model, num_stages, seq_len, split)[stage]
     materialize(part, cfg, seed, device)
     return part
 
 
-def describe(m: ModelConfig, seq_len: int, num_stages: int) -> list[str]:
+def describe(m: ModelConfig, seq_len: int, num_stages: int, split: str = "balanced") -> list[str]:
     """What `stalepipe info` prints of a model: shape, MoE layout, parameter counts, training
     FLOPs per token and the blocks of each pipeline stage."""
     flops = flops_per_token(m, seq_len)
@@ -215,9 +238,9 @@ def describe(m: ModelConfig, seq_len: int, num_stages: int) -> list[str]:
         f"training FLOPs per token at seq {seq_len}: {flops['total']:,} "
         f"(forward {flops['forward']:,})"
     )
-    splits = split_layers(m, num_stages)
+    splits = split_layers(m, num_stages, split=split)
     lines.append(
-        f"{num_stages}-stage split (blocks per stage): "
+        f"{num_stages}-stage split ({split}; blocks per stage): "
         + ", ".join(f"s{s}: {r.start}-{r.stop - 1}" for s, r in enumerate(splits))
     )
     return lines

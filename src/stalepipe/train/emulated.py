@@ -113,6 +113,7 @@ class EmulatorEngine:
             seq_len=cfg.data.seq_len,
             seed=tc.seed,
             replica=ctx.rank,
+            split=cfg.pipeline.partition,
         )
         self.autocast = autocast_for(cfg, device)
         self.start_step, self.resumed_from = 0, None

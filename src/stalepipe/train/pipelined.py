@@ -222,9 +222,11 @@ class PipelineEngine:
         # initialises its own stages, with the values the whole model would have.
         with torch.device("meta"):
             full = Transformer(cfg.model)
-        stages = partition(full, P, cfg.data.seq_len)
+        split = pc.partition
+        stages = partition(full, P, cfg.data.seq_len, split)
         self.modules = {
-            s: build_stage(cfg.model, tc.seed, P, s, cfg.data.seq_len, device) for s in self.stages
+            s: build_stage(cfg.model, tc.seed, P, s, cfg.data.seq_len, device, split)
+            for s in self.stages
         }
         self.names_per_stage = [list(s.owned_parameters()) for s in stages]
         self.router_layers = [s.router_layers() for s in stages]
