@@ -77,6 +77,7 @@ def study_momentum(scale: str) -> list[list[list[Bundle]]]:
 
 
 CONTROLLED_MOMENTA = ("0.8", "0.9", "0.95", "0.98", "0.99")
+REGIME = CPU_SCALES[1:]  # studies that need the pretraining-like scale or beyond
 
 
 def study_momentum_controlled(scale: str) -> list[list[list[Bundle]]]:
@@ -344,16 +345,11 @@ STUDIES: dict[str, Study] = {
         Study(
             "momentum-controlled",
             study_momentum_controlled,
-            "AdamW (beta2 0.999) & Muon, beta1 0.8-0.99 x 3 LRs, sync and 2bw (issue 34)",
-            scales=CPU_SCALES[1:],
+            "beta1 0.8-0.99 x 3 LRs",
+            scales=REGIME,
         ),
         Study("length", study_length, "AdamW & Muon sync / 2bw / 2bw+EF at 1x, 2x, 4x the tokens"),
-        Study(
-            "size",
-            study_size,
-            "AdamW & Muon sync / 2bw / 2bw+EF at 0.43M, 1.7M, 3.6M params",
-            scales=CPU_SCALES[1:],
-        ),
+        Study("size", study_size, "0.43M, 1.7M, 3.6M params x 3 arms", scales=REGIME),
         Study(
             "paper-mini",
             study_paper_mini,
