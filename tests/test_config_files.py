@@ -80,3 +80,15 @@ def test_config_show_names_where_each_value_comes_from(tmp_path, capsys):
     assert main(["config", "show", "--preset", "cpu-small"]) == 0
     shown = {line.split()[0]: line.split()[-2:] for line in capsys.readouterr().out.splitlines()}
     assert shown["model.dim"] == ["preset", "cpu-small"]
+
+
+def test_an_older_run_record_loads_under_its_renamed_keys(tmp_path):
+    """A config.json written before a key was renamed (train.steps -> train.num_steps) is
+    upgraded before it is checked, as every reader of a run record does."""
+    (tmp_path / "config.json").write_text(json.dumps({"train": {"steps": 12}}))
+    assert build_config(None, str(tmp_path / "config.json"), {}).train.num_steps == 12
+
+
+def test_set_hint_only_where_set_exists(capsys):
+    assert main(["train", "--set", "train.num_steps", "5"]) == 2
+    assert "overrides look like --train.num_steps 100" in capsys.readouterr().err

@@ -40,8 +40,29 @@ def test_call_follows_the_printed_rule():
     assert call(o3, Ratio(1.2, 1.1, 1.3)) == "sync sooner"
     assert call(o3, Ratio(1.0, 0.9, 1.1)) == "inconclusive (interval holds 1)"
     assert call(tax(1.1, 1.2), Ratio(0.5, 0.4, 0.6)) == "inconclusive (2 seeds < 3)"
-    floor = oh.summarize_pairs([dataclasses.replace(o3.pairs[0], floor=True)])
-    assert call(floor, Ratio(math.nan, math.nan, math.nan)) == "sync sooner (quality floor)"
+    nan = Ratio(math.nan, math.nan, math.nan)
+    floor = oh.summarize_pairs([dataclasses.replace(p, floor=True) for p in o3.pairs])
+    assert call(floor, nan) == "sync sooner (quality floor)"
+    one = oh.summarize_pairs([dataclasses.replace(o3.pairs[0], floor=True)])
+    assert call(one, nan) == "inconclusive (1 seed < 3)"  # the seed rule comes first
+
+
+def test_a_bound_speaks_for_the_arm_only_when_every_seed_is_short():
+    """Four seeds reach sync's final loss at 1.05x, one is short at 2x: the arm's multiplier
+    is at least 1.19x, not 2x, so no 'sync sooner' from the bound (speedup 1.3); with every
+    seed short at 2x it is."""
+    from stalepipe.analysis.targets import SeedTarget, TargetOverhead
+
+    def seed(s, reached):
+        return SeedTarget(s, 2.0, 100.0, 105.0 if reached else math.nan, 2.0, False)
+
+    some = TargetOverhead("final", tuple(seed(s, s < 4) for s in range(5)))
+    nan = Ratio(math.nan, math.nan, math.nan)
+    assert some.describe() == "> 2.00x (1/5 seeds short; 1.05x where reached)"
+    assert call(some, nan, 1.3).startswith("inconclusive (> 2.00x (1/5 seeds short")
+    every = TargetOverhead("final", tuple(seed(s, False) for s in range(5)))
+    assert call(every, nan, 1.3) == "sync sooner (short of sync's final loss at 2.00x its tokens)"
+    assert call(every, nan, 2.5).startswith("inconclusive (> 2.00x (5/5 seeds short)")
 
 
 def test_verdict_end_to_end_on_known_taxes(curve_sweep, capsys):

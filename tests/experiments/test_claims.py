@@ -14,6 +14,18 @@ import pytest
 from stalepipe.rundir.claim import CLAIM_FILE, RunClaimed, claim_run, live_owner, read_claim
 
 
+def test_a_claim_being_written_is_not_taken_over(tmp_path):
+    """A claim file created but not yet filled (or unreadable) is stale only once its file is
+    old, never at once: the taker would otherwise race its owner."""
+    (tmp_path / CLAIM_FILE).write_text("")
+    with pytest.raises(RunClaimed), claim_run(tmp_path):
+        pass
+    old = time.time() - 600
+    os.utime(tmp_path / CLAIM_FILE, (old, old))
+    with claim_run(tmp_path):
+        pass
+
+
 def _write_claim(run_dir, *, host=None, pid=None, job="", age_s=0.0):
     owner = {"host": host or socket.gethostname(), "pid": pid or os.getpid(), "job": job,
              "started": "then"}  # fmt: skip
@@ -39,6 +51,7 @@ def test_a_claim_is_held_while_the_body_runs_and_released_after(tmp_path):
 
 def test_a_live_claim_refuses_and_a_dead_one_is_taken_over(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
     other = {"host": "elsewhere", "pid": 1}
     _write_claim(tmp_path, **other)  # another host, fresh heartbeat: live
@@ -52,10 +65,13 @@ def test_a_live_claim_refuses_and_a_dead_one_is_taken_over(tmp_path, monkeypatch
     _write_claim(tmp_path, pid=_dead_pid())  # this host, its process gone: stale at once
     with claim_run(tmp_path):
         pass
-    monkeypatch.setenv("SLURM_JOB_ID", "77")  # a requeued job finds its own claim
+    monkeypatch.setenv("SLURM_JOB_ID", "77")  # a live process of the same allocation: live
     _write_claim(tmp_path, host="node1", pid=1, job="77")
+    with pytest.raises(RunClaimed), claim_run(tmp_path):
+        pass
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the job requeued finds its own claim
     with claim_run(tmp_path) as me:
-        assert me.job == "77"
+        assert me.job == "77" and me.restart == 1
     _write_claim(tmp_path, host="node1", pid=1, job="78")  # another job: live
     with pytest.raises(RunClaimed), claim_run(tmp_path):
         pass

@@ -57,3 +57,14 @@ def test_wandb_mlflow_and_trackio_offline_mirror_the_metrics(tiny_config, tmp_pa
     db = sqlite3.connect(trackio.utils.TRACKIO_DIR / f"{project}.db")
     rows = [json.loads(m) for (m,) in db.execute("select metrics from metrics order by step")]
     assert [r["train/loss"] for r in rows] == pytest.approx(losses)
+
+
+def test_a_run_started_over_gets_a_new_tracker_id(tmp_path):
+    """The tracker id is made at a fresh start and kept for resumes; a run directory made anew
+    (--overwrite, a failed sweep run retried) gets a new one, so no tracker run is reopened."""
+    from stalepipe.rundir.trackers import ID_FILE, _run_id
+
+    first = _run_id(tmp_path)
+    assert _run_id(tmp_path) == first and (tmp_path / ID_FILE).read_text().strip() == first
+    (tmp_path / ID_FILE).unlink()  # what deleting the run directory does
+    assert _run_id(tmp_path) != first

@@ -307,9 +307,14 @@ def compare(a: Row, b: Row) -> stats.Difference:
 
 
 def _set_gap(r: Row, base: Row) -> None:
+    """The gap, its test and interval, from one set of seeds: the paired ones when at least
+    two pair (a seed only one side finished does not move the gap), else all of them."""
     r.baseline = base
-    r.gap = stats.gap(r.values, base.values) if r.values else math.nan
     r.gap_test = compare(r, base) if r.values else None
+    paired = r.gap_test is not None and r.gap_test.paired
+    r.gap = (
+        r.gap_test.diff if paired else stats.gap(r.values, base.values) if r.values else math.nan
+    )
     r.gap_p = r.gap_test.p if r.gap_test else math.nan
     r.gap_p_welch = stats.welch_t_test(r.values, base.values).p
 

@@ -96,15 +96,24 @@ class TargetOverhead:
             return math.nan, math.nan, math.nan
         return log_t_interval([s.multiplier for s in self.seeds])
 
+    @property
+    def bound(self) -> float:
+        """The smallest multiple of sync's tokens a short seed was still short at (nan when
+        every seed got there): a lower bound for that seed's multiplier."""
+        short = [s.bound for s in self.seeds if not math.isfinite(s.tokens_delayed)]
+        return min(short, default=math.nan)
+
     def describe(self) -> str:
-        """'1.18x [1.12, 1.25]', '> 2.00x (5/5 seeds short)', 'in warmup', or '-'."""
+        """'1.18x [1.12, 1.25]', '> 2.00x (5/5 seeds short)', '> 2.00x (1/5 seeds short;
+        1.05x where reached)', 'in warmup', or '-'."""
         if not self.seeds:
             return "-"
         if self.in_warmup:
             return "in warmup"
         if self.missed:
-            bound = min(s.bound for s in self.seeds if not math.isfinite(s.tokens_delayed))
-            return f"> {bound:.2f}x ({self.missed}/{len(self.seeds)} seeds short)"
+            reached = [s.multiplier for s in self.seeds if math.isfinite(s.tokens_delayed)]
+            where = f"; {log_t_interval(reached)[0]:.2f}x where reached" if reached else ""
+            return f"> {self.bound:.2f}x ({self.missed}/{len(self.seeds)} seeds short{where})"
         est, low, high = self.interval()
         ci = f" [{low:.2f}, {high:.2f}]" if math.isfinite(low) else ""
         return f"{est:.2f}x{ci}"

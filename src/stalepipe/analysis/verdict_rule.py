@@ -41,7 +41,7 @@ class Estimate:
     low: float
     high: float
     seeds: int
-    bound: float = math.nan  # "short": the token multiple some seed was still short at
+    bound: float = math.nan  # "short" in every seed: the multiple they were all still short at
     text: str = ""
 
     @staticmethod
@@ -53,8 +53,8 @@ class Estimate:
         n, text = len(x.seeds), x.describe()
         if not n or x.in_warmup:
             return Estimate("in warmup" if n else "no pairs", nan, nan, nan, n, text=text)
-        if x.missed:
-            bound = min(s.bound for s in x.seeds if not math.isfinite(s.tokens_delayed))
+        if x.missed:  # a bound speaks for the arm only when every seed is short
+            bound = x.bound if x.missed == n else nan
             return Estimate("short", nan, nan, nan, n, bound, text)
         est, low, high = x.interval()
         return Estimate("tax", est, low, high, n, text=text)
@@ -72,16 +72,15 @@ def time_to_target(overhead: Overhead | TargetOverhead, speedup: float) -> Ratio
 def call(overhead: Overhead | TargetOverhead, ratio: Ratio, speedup: float = math.nan) -> str:
     """The verdict on one configuration, by RULE (`speedup`: async over the best sync)."""
     e = Estimate.of(overhead)
+    if e.seeds < 3 and e.status in ("tax", "short", "floor"):
+        return f"inconclusive ({e.seeds} seed{'s' * (e.seeds != 1)} < 3)"
     if e.status == "floor":
         return "sync sooner (quality floor)"
-    if e.seeds < 3 and e.status in ("tax", "short"):
-        return f"inconclusive ({e.seeds} seed{'s' * (e.seeds != 1)} < 3)"
     if e.status == "short":
         at = e.bound / speedup if speedup > 0 else math.nan
-        if at >= 1:
+        if at >= 1:  # every seed short at a multiple that alone outweighs the edge
             return f"sync sooner (short of sync's final loss at {e.bound:.2f}x its tokens)"
-        within = f"short of sync's final loss within {e.bound:.2f}x its tokens"
-        return f"inconclusive ({within}; run longer delayed arms: stalepipe sweep length)"
+        return f"inconclusive ({e.text}; run longer delayed arms: stalepipe sweep length)"
     if e.status != "tax":
         return f"inconclusive ({e.text})"
     if ratio.high < 1:

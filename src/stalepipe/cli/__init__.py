@@ -15,7 +15,13 @@ from collections.abc import Sequence
 
 from stalepipe.cli.common import Subparsers, runs
 from stalepipe.cli.studies import _add_demo, _add_report, _add_sweep, _add_toy, _add_verdict
-from stalepipe.config import ConfigError, ExperimentConfig, apply_overrides, config_help
+from stalepipe.config import (
+    ConfigError,
+    ExperimentConfig,
+    apply_overrides,
+    config_help,
+    upgrade_record,
+)
 from stalepipe.errors import Preempted, UserError
 from stalepipe.presets import PRESETS, get_preset
 
@@ -50,7 +56,7 @@ def build_config(
     if config_file:
         from stalepipe.config.files import check_types, read_config_file
 
-        data = read_config_file(config_file)
+        data = upgrade_record(read_config_file(config_file))  # an older run's record too
         check_types(data, ExperimentConfig, f"config file {config_file}")
         cfg = ExperimentConfig.from_dict(data, strict=False)
     else:
@@ -232,7 +238,7 @@ def cmd_config(args: argparse.Namespace, extra: list[str]) -> int:
 
     overrides = parse_overrides(extra)
     cfg = build_config(args.preset, args.config, overrides)
-    data = read_config_file(args.config) if args.config else None
+    data = upgrade_record(read_config_file(args.config)) if args.config else None
     rows = value_sources(cfg, preset=args.preset, file_data=data, overrides=overrides)
     width = max(len(k) for k, _, _ in rows)
     for key, value, where in rows:
@@ -331,7 +337,10 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _spaced_set(argv: list[str]) -> str | None:
-    """`--set KEY VALUE` (a space for the '='), as the fix: 'KEY=VALUE'; None when fine."""
+    """`sweep --set KEY VALUE` (a space for the '='), as the fix: 'KEY=VALUE'; None when
+    fine (only `sweep` has --set; other commands take --section.field VALUE)."""
+    if not argv or argv[0] != "sweep":
+        return None
     for i, tok in enumerate(argv[:-2]):
         key, value = argv[i + 1], argv[i + 2]
         if tok == "--set" and "=" not in key and not value.startswith("-"):

@@ -158,4 +158,8 @@ def run_array(
         t = time.perf_counter()
         jobs = ex.map_array(task, [w[1] for w in wave], [w[2] for w in wave])
         for (key, _, _), job in zip(wave, jobs):
-            on_done(key, job.result(), time.perf_counter() - t)
+            try:
+                code = job.result()
+            except Exception:  # the task's process died (killed, out of memory): that run only
+                code = 1
+            on_done(key, code, time.perf_counter() - t)

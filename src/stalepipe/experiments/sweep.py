@@ -360,6 +360,9 @@ class _Progress:
             what = f"val {_final_val(run_dir):.4f}"
         elif exitcode == EXIT_PREEMPTED:  # checkpointed after a signal: a rerun resumes it
             what = "stopped by a signal (checkpointed; rerun the sweep to resume it)"
+        elif exitcode == EXIT_CLAIMED and run_status(run_dir) == "finished":
+            res.finished.append(spec.name)  # another sweep or job finished it meanwhile
+            what = "finished by another sweep or job"
         elif exitcode == EXIT_CLAIMED:  # another sweep or job trains it right now
             res.elsewhere.append(spec.name)
             what = "trained by another sweep or job (claimed); skipped"

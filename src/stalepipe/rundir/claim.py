@@ -8,8 +8,9 @@ host, pid, job id and start time; a daemon thread touches it every `heartbeat_s`
 the run trains, and the owner removes it when done.
 
 A claim is **stale**, and taken over, when its owner is dead: on the same host its pid no
-longer runs; on any host its heartbeat is older than `stale_s`; or it is the same SLURM job
-(a requeued job finding its own claim). The takeover renames the stale file away first (only
+longer runs; on any host its heartbeat (the file's mtime) is older than `stale_s`; or it is the
+same SLURM job at a lower restart count (a requeued job finding its earlier incarnation's
+claim; two live processes of one allocation do not take each other's). The takeover renames the stale file away first (only
 one process can win that rename), so two takers never both proceed. A live claim raises
 `RunClaimed`: the caller skips the run.
 """
@@ -41,6 +42,7 @@ class Owner:
     pid: int
     job: str  # SLURM's array job + task or job id; "" outside SLURM
     started: str
+    restart: int = 0  # SLURM_RESTART_COUNT: a requeued job's later incarnation has a higher one
 
     def describe(self) -> str:
         return f"{self.host}:{self.pid}" + (f" (job {self.job})" if self.job else "")
@@ -65,9 +67,13 @@ def this_job() -> str:
     return os.environ.get("SLURM_JOB_ID", "")
 
 
+def _restarts() -> int:
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+
+
 def owner_here() -> Owner:
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    return Owner(socket.gethostname(), os.getpid(), this_job(), started)
+    return Owner(socket.gethostname(), os.getpid(), this_job(), started, _restarts())
 
 
 def read_claim(run_dir: Path) -> tuple[Owner, float] | None:
@@ -80,12 +86,18 @@ def read_claim_file(path: Path) -> tuple[Owner, float] | None:
     """`read_claim` of one claim file."""
     try:
         beat = path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    try:
         data = json.loads(path.read_text())
-        return Owner(**{k: data[k] for k in ("host", "pid", "job", "started")}), beat
+        fields = {k: data[k] for k in ("host", "pid", "job", "started")}
+        return Owner(**fields, restart=int(data.get("restart", 0))), beat
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):
-        return Owner("?", -1, "", "?"), 0.0
+        # being written (created, not yet filled) or foreign: stale only once its file is
+        # `stale_s` old, like a silent owner's
+        return Owner("?", -1, "", "?"), beat
 
 
 def _alive(pid: int) -> bool:
@@ -102,7 +114,7 @@ def is_stale(owner: Owner, heartbeat: float, *, stale_s: float = STALE_S) -> boo
     """Whether a claim's owner is gone (module docstring)."""
     if time.time() - heartbeat > stale_s:
         return True
-    if owner.job and owner.job == this_job():
+    if owner.job and owner.job == this_job() and owner.restart < _restarts():
         return True  # this very job, requeued: its earlier incarnation is gone
     return owner.host == socket.gethostname() and owner.pid != os.getpid() and not _alive(owner.pid)
 
@@ -171,8 +183,10 @@ def claim_run(
         while not stop.wait(heartbeat_s):
             try:
                 os.utime(run_dir / CLAIM_FILE)
-            except OSError:
-                return
+            except OSError:  # a takeover race or a transient file-system error: try again,
+                found = read_claim(run_dir)  # unless the claim is no longer ours
+                if found is not None and found[0] != owner:
+                    return
 
     thread = threading.Thread(target=beat, name="claim-heartbeat", daemon=True)
     thread.start()

@@ -89,7 +89,7 @@ RUN_ENTRIES = (
     "sweep.json",
     "error.json",
     ".claim.json*",  # rundir.claim: the owner training it (and a stale claim being replaced)
-    *("wandb", "mlruns"),  # rundir.trackers: W&B's offline run, MLflow's file store
+    *("wandb", "mlruns", ".tracker_id"),  # rundir.trackers: W&B's, MLflow's, the run's id
 )
 RUN_FIX = "choose another --name"
 META_FORMAT = 2  # meta.json with the list of invocations

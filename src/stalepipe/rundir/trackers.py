@@ -15,8 +15,8 @@ unless `MLFLOW_TRACKING_URI` is set, trackio into its local database
 
 from __future__ import annotations
 
-import hashlib
 import os
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,9 +103,19 @@ def _need(module: str, tracker: str, package: str) -> Any:
         ) from None
 
 
+ID_FILE = ".tracker_id"
+
+
 def _run_id(run_dir: Path) -> str:
-    """A stable id for the run (its resolved path), so a resume continues the same run."""
-    return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+    """The run's tracker id: made at a fresh start and kept in the run directory, so a resume
+    continues the same tracker run and a run started over (`--overwrite`, a failed sweep run
+    retried: a new directory) starts a new one."""
+    path = run_dir / ID_FILE
+    if path.is_file():
+        return path.read_text().strip()
+    run_id = uuid.uuid4().hex[:16]
+    path.write_text(run_id + "\n")
+    return run_id
 
 
 @dataclass(frozen=True)
@@ -138,7 +148,9 @@ def _wandb(run_dir: Path, project: str, config: dict[str, Any], start: int) -> _
 
 def _trackio(run_dir: Path, project: str, config: dict[str, Any], start: int) -> _Sink:
     trackio = _need("trackio", "trackio", "trackio")
-    trackio.init(project=project, name=run_dir.name, config=config, resume="allow")
+    # the id in the name: run names repeat across sweep directories of one project
+    name = f"{run_dir.name}-{_run_id(run_dir)[:8]}"
+    trackio.init(project=project, name=name, config=config, resume="allow")
     return _Sink(lambda values, step: trackio.log(values, step=step), trackio.finish)
 
 
