@@ -100,12 +100,6 @@ def _seed_gaps(row: Row) -> dict[int, float]:
     return {s: mine[s] - base[s] for s in mine.keys() & base.keys()}
 
 
-def _test(a: dict[int, float], b: dict[int, float]) -> stats.Difference:
-    """mean(a - b), paired by seed where two or more pair, else Welch's."""
-    paired = stats.paired_difference(a, b)
-    return paired if paired.n >= 2 else stats.welch_difference(list(a.values()), list(b.values()))
-
-
 def fmt_ci(d: stats.Difference | None, digits: int = 4) -> str:
     """'[low, high]' of a difference's 95 % interval ('' when it has none)."""
     if d is None or not math.isfinite(d.low):
@@ -197,7 +191,7 @@ def claim_adamw_gap_exceeds_muon(rows: list[Row]) -> list[Finding]:
         return []
     ga, gm = _seed_gaps(adam), _seed_gaps(muon)
     ratio = adam.gap / muon.gap if muon.gap > 0 else math.inf
-    test = _test(ga, gm)
+    test = stats.seed_difference(ga, gm)
     return [
         Finding(
             "AdamW's gap (2bw) is much larger than Muon's",
@@ -229,7 +223,7 @@ def claim_ef_recovers_gap(rows: list[Row]) -> list[Finding]:
         plain, sync = seed_values(r.unmitigated), seed_values(r.unmitigated.baseline)
         mid = {s: (plain[s] + sync[s]) / 2 for s in plain.keys() & sync.keys()}
         mine = seed_values(r)
-        test = _test(mine, mid)
+        test = stats.seed_difference(mine, mid)
         shares = [
             (plain[s] - mine[s]) / (plain[s] - sync[s])
             for s in sorted(mine.keys() & mid.keys())
@@ -271,7 +265,7 @@ def claim_momentum_shrinks_gap(rows: list[Row]) -> list[Finding]:
         at = {b: f" (lr {r.config.get('optim.lr'):g})" if len(lrs) > 1 else "" for b, r in pts}
         rho = stats.spearman([b for b, _ in pts], gaps)
         first, last = _seed_gaps(pts[0][1]), _seed_gaps(pts[-1][1])
-        test = _test(last, first)
+        test = stats.seed_difference(last, first)
         # a baseline that gets worse shrinks the gap without helping: a confound
         syncs = [r.baseline.mean for _, r in pts if r.baseline is not None]
         drift = max(syncs) - min(syncs) if syncs else math.inf

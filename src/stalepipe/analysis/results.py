@@ -299,11 +299,9 @@ def _link_one_baseline(r: Row, by_key: dict, by_key_any_depth: dict, ignore: tup
 
 
 def compare(a: Row, b: Row) -> stats.Difference:
-    """mean(a) - mean(b) with its test and interval: paired by seed when at least two seeds
-    are in both (the runs of a seed share data order and initialisation, so the paired test
-    is the right one), else Welch's."""
-    paired = stats.paired_difference(seed_values(a), seed_values(b))
-    return paired if paired.n >= 2 else stats.welch_difference(a.values, b.values)
+    """mean(a) - mean(b) with its test and interval (`stats.seed_difference`: paired by seed
+    where two or more seeds pair, else Welch's over all finished runs)."""
+    return stats.seed_difference(seed_values(a), seed_values(b), (a.values, b.values))
 
 
 def _set_gap(r: Row, base: Row) -> None:

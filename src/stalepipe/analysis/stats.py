@@ -214,6 +214,21 @@ def welch_difference(a: Sequence[float], b: Sequence[float]) -> Difference:
     return Difference(diff, diff - half, diff + half, test.p, min(len(a), len(b)), False)
 
 
+def seed_difference(
+    a: dict[int, float],
+    b: dict[int, float],
+    unpaired: tuple[Sequence[float], Sequence[float]] | None = None,
+) -> Difference:
+    """mean(a - b) by seed: paired where at least two seeds are in both (the runs of a seed
+    share data order and initialisation, so the paired test is the right one), else Welch's
+    on `unpaired` (default: the values of `a` and `b`)."""
+    paired = paired_difference(a, b)
+    if paired.n >= 2:
+        return paired
+    xs, ys = unpaired or (list(a.values()), list(b.values()))
+    return welch_difference(xs, ys)
+
+
 def holm(ps: Sequence[float]) -> list[float]:
     """Holm-Bonferroni adjusted p-values (step-down, monotone, capped at 1), in the input's
     order; a nan p (a test that could not run) is left nan and not counted."""
