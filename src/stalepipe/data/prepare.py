@@ -62,7 +62,8 @@ DATA_KIND = "data"  # the kind in the marker of a prepared directory
 # --force replaces a directory only when it holds nothing else.
 DATA_ENTRIES = (MANIFEST, "train_*.bin", "val_*.bin", "*.tmp*", BPE_FILE)
 REPLACE_FIX = "choose another --out"
-DEFAULT_TOKENIZER, DEFAULT_BPE_VOCAB = "byte", 4096  # `stalepipe data prepare`'s defaults
+# `stalepipe data prepare`'s defaults
+DEFAULT_TOKENIZER, DEFAULT_BPE_VOCAB, DEFAULT_VAL_FRACTION = "byte", 4096, 0.05
 
 
 def val_mask(names: Sequence[str], val_fraction: float) -> list[bool]:
@@ -274,9 +275,28 @@ def prepare_command(cfg: DataConfig, out: str | os.PathLike | None = None) -> st
         parts.append(f"--tokenizer {cfg.tokenizer}")
     if cfg.tokenizer == "bpe" and cfg.bpe_vocab_size != DEFAULT_BPE_VOCAB:
         parts.append(f"--bpe-vocab-size {cfg.bpe_vocab_size}")
+    if cfg.val_fraction != DEFAULT_VAL_FRACTION:
+        parts.append(f"--val-fraction {cfg.val_fraction:g}")
     if out is not None:
         parts.append(f"--out {out}")
     return " ".join(parts)
+
+
+def _check_split_and_vocab(out: Path, manifest: dict[str, Any], cfg: DataConfig) -> None:
+    """A prepared directory must hold the split and the BPE size `cfg` asks for: the default
+    cache's name says only the corpus and the tokenizer, so data prepared with another
+    `val_fraction` would otherwise be read silently as if it were this config's."""
+    have = {"data.val_fraction": manifest.get("val_fraction")}
+    want: dict[str, Any] = {"data.val_fraction": cfg.val_fraction}
+    if cfg.tokenizer == "bpe":
+        have["data.bpe_vocab_size"] = manifest["tokenizer"].get("requested_vocab_size")
+        want["data.bpe_vocab_size"] = cfg.bpe_vocab_size
+    wrong = [f"{k}={have[k]} (the config asks for {v})" for k, v in want.items() if have[k] != v]
+    if wrong:
+        raise DataError(
+            f"{out} was prepared with {', '.join(wrong)}; set data.data_dir to another "
+            f"directory, or rebuild it with `{prepare_command(cfg, out)} --force`"
+        )
 
 
 def ensure_prepared(cfg: DataConfig, progress: bool = True) -> Path:
@@ -299,6 +319,7 @@ def ensure_prepared(cfg: DataConfig, progress: bool = True) -> Path:
                 f"corpus={cfg.corpus} tokenizer={cfg.tokenizer}; set --data.data_dir to another "
                 "directory, or rebuild it with `stalepipe data prepare --force`"
             )
+        _check_split_and_vocab(out, manifest, cfg)
         for split in SPLITS:
             split_shards(out, split)
         return out
@@ -334,7 +355,7 @@ def prepare_main(
     text: Sequence[str] | None = None,
     out: str | None = None,
     bpe_vocab_size: int = DEFAULT_BPE_VOCAB,
-    val_fraction: float = 0.05,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
     force: bool = False,
     progress: bool = True,
 ) -> Path:

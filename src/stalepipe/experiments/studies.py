@@ -238,6 +238,27 @@ def study_size(scale: str) -> list[list[list[Bundle]]]:
     return grids
 
 
+# The second corpus (issue 34): the 617 pages of Django 5.2's documentation (technical prose with
+# code; the `django-docs` corpus, docs/experiments.md "Corpora") at a byte-level BPE of 2048
+# trained on the train split, 15% of the pages held out (301,816 validation tokens).
+CORPUS2: Bundle = (
+    "django-bpe2048",
+    {
+        "data.corpus": "django-docs",
+        "data.tokenizer": "bpe",
+        "data.bpe_vocab_size": "2048",
+        "data.val_fraction": "0.15",
+        "model.vocab_size": "2048",
+    },
+)
+
+
+def study_corpus2(scale: str) -> list[list[list[Bundle]]]:
+    """The headline claims on the second corpus: AdamW and Muon, sync / 2bw / 2bw+EF, at the
+    scale's model and LRs (tuned on Shakespeare bytes: untuned here)."""
+    return [[optimizer_axis(scale, ("adamw", "muon")), [CORPUS2], [SYNC, TWO_BW, TWO_BW_EF]]]
+
+
 def study_paper_mini(scale: str) -> list[list[list[Bundle]]]:
     """The CPU subset that checks the paper's four qualitative claims (docs/RESULTS.md)."""
     opt2 = optimizer_axis(scale, ("adamw", "muon"))
@@ -350,6 +371,13 @@ STUDIES: dict[str, Study] = {
         ),
         Study("length", study_length, "AdamW & Muon sync / 2bw / 2bw+EF at 1x, 2x, 4x the tokens"),
         Study("size", study_size, "0.43M, 1.7M, 3.6M params x 3 arms", scales=REGIME),
+        Study(
+            "corpus2",
+            study_corpus2,
+            "AdamW & Muon sync / 2bw / 2bw+EF on Django's docs at a 2048 BPE",
+            scales=REGIME,
+            claims=(claim_adamw_gap_exceeds_muon, claim_ef_recovers_gap),
+        ),
         Study(
             "paper-mini",
             study_paper_mini,
