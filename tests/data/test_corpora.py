@@ -189,7 +189,7 @@ def test_damaged_archive_is_named_with_the_fix(tmp_path, monkeypatch):
     _cached(monkeypatch, tmp_path, "DJANGO_DOCS", lambda p: (_fake_django(p)[0], 617))
     with pytest.raises(DataError, match=r"holds 4 documents of django==5\.2, expected 617; delete"):
         load_corpus("django-docs", None, progress=False)
-    assert not (tmp_path / "cache" / "django-5.2-docs" / "texts").exists()
+    assert not (tmp_path / "cache" / fetch.DJANGO_DOCS.cache_dir / "texts").exists()
 
 
 @pytest.mark.parametrize("spec", ["SHAKESPEARE", "DJANGO_DOCS"])

