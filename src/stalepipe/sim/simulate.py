@@ -182,7 +182,9 @@ def simulate_main(
             sync_start=sync_start,
             sync_cooldown=sync_cooldown,
         )
-        costs = _costs(sched, cfg, dev, given, mfu=mfu, seq_len=seq_len, mb_size=microbatch_size)
+        costs = model_costs(
+            sched, cfg, dev, given, mfu=mfu, seq_len=seq_len, mb_size=microbatch_size
+        )
         return sched, costs
 
     rows, timelines, costs = _simulate_each(names, build)
@@ -210,7 +212,7 @@ def simulate_main(
     return "\n".join(out)
 
 
-def _costs(
+def model_costs(
     sched: PipelineSchedule,
     cfg: ModelConfig | None,
     dev: Device | None,
@@ -257,7 +259,7 @@ def _schedule_names(schedule: str, compare: str | list[str] | None) -> list[str]
     return names
 
 
-def _fastest(sched: PipelineSchedule, options: list[CostModel]) -> Timeline:
+def fastest(sched: PipelineSchedule, options: list[CostModel]) -> Timeline:
     """The timeline of `sched` under the cost model (of `options`, e.g. two stage splits)
     that gives the highest steady-state throughput; the first on a tie."""
     best: tuple[float, Timeline] | None = None
@@ -288,7 +290,7 @@ def _simulate_each(
             rows.append((n, str(e)))
             continue
         validate(sched)
-        tl = _fastest(sched, costs)
+        tl = fastest(sched, costs)
         timelines.append(tl)
         rows.append((n, summarize(tl)))
         costs_shown = costs_shown or tl.costs
@@ -393,10 +395,10 @@ def compare_schedules(
             rows.append(ScheduleRow.of(name, str(e), limit))
             continue
         validate(sched)
-        options = _costs(
+        options = model_costs(
             sched, model_cfg, dev, {}, mfu=mfu, seq_len=seq_len, mb_size=microbatch_size
         )
-        rows.append(ScheduleRow.of(name, summarize(_fastest(sched, options)), limit))
+        rows.append(ScheduleRow.of(name, summarize(fastest(sched, options)), limit))
     return rows
 
 
