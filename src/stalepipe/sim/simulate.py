@@ -10,6 +10,7 @@ messages are free: the textbook setting where GPipe's bubble is (P-1)/(m+P-1).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,12 @@ SIM_MODELS: dict[str, ModelConfig] = {
         tie_embeddings=False,
     ),
 }
+
+# Llama 3 / 3.1 8B (Meta's model card): llama-10b's block at 32 layers, a 128256-token
+# vocabulary, 8192-token context; for checking the cluster model against published figures.
+SIM_MODELS["llama3-8b"] = dataclasses.replace(
+    SIM_MODELS["llama-10b"], vocab_size=128256, num_layers=32, max_seq_len=8192
+)
 
 TIME_KEYS = ("f", "b", "bi", "bw", "opt", "comm")
 UNIT_COSTS = "costs: uniform F = BI = BW = 1 time unit per rank, free updates and messages"
