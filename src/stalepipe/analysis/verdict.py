@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import json
+import json as _json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -361,7 +362,8 @@ def run_verdict(
         tp = load_costs(costs)
     else:
         assert model is not None
-        tp = simulated(model, device, stages or 8, microbatches or 16, mfu=mfu, seq_len=seq_len,
+        P, m = 8 if stages is None else stages, 16 if microbatches is None else microbatches
+        tp = simulated(model, device, P, m, mfu=mfu, seq_len=seq_len,
                        microbatch_size=microbatch_size)  # fmt: skip
     verdicts, skipped = judge_sweep(rows, tp)
     if not verdicts:
@@ -403,12 +405,12 @@ def _bars(r: VerdictReport) -> bytes:
     )
 
 
-def verdict_main(sweep_dir: str | Path, **kw: object) -> str:
-    """`stalepipe verdict`: `run_verdict`'s full text and where it wrote the files."""
-    as_json = bool(kw.pop("json", False))
+def verdict_main(sweep_dir: str | Path, *, json: bool = False, **kw: object) -> str:
+    """`stalepipe verdict`: `run_verdict`'s full text and where it wrote the files (`json`:
+    the summary as JSON instead)."""
     r = run_verdict(sweep_dir, **kw)  # type: ignore[arg-type]
-    if as_json:
-        return json.dumps(verdict_json(r), indent=1)
+    if json:
+        return _json.dumps(verdict_json(r), indent=1)
     extra = ", verdict_map.csv" if (r.out_dir / "verdict_map.csv").exists() else ""
     return r.text() + f"\nwritten to {r.out_dir}/verdict.md, verdict.csv{extra}, verdict.png"
 

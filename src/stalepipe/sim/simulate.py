@@ -189,10 +189,8 @@ def simulate_main(
             sync_start=sync_start,
             sync_cooldown=sync_cooldown,
         )
-        costs = model_costs(
-            sched, cfg, dev, given, mfu=mfu, seq_len=seq_len, mb_size=microbatch_size
-        )
-        return sched, costs
+        mb = microbatch_size
+        return sched, model_costs(sched, cfg, dev, given, mfu=mfu, seq_len=seq_len, mb_size=mb)
 
     rows, timelines, costs = _simulate_each(names, build)
     if cfg is not None:
