@@ -326,19 +326,19 @@ class VerdictReport:
 def run_verdict(
     sweep_dir: str | Path,
     *,
+    cluster: str | None = None,
+    gpus: int | None = None,
+    global_batch: str | None = None,
+    inter_node_gbps: float | None = None,
     model: str | None = None,
+    costs: str | None = None,
+    out: str | Path | None = None,
     stages: int | None = None,
     microbatches: int | None = None,
     device: str = "h100",
     mfu: float = 0.4,
     seq_len: int | None = None,
     microbatch_size: int = 1,
-    costs: str | None = None,
-    out: str | Path | None = None,
-    cluster: str | None = None,
-    gpus: int | None = None,
-    global_batch: str | None = None,
-    inter_node_gbps: float | None = None,
 ) -> VerdictReport:
     """The verdict of the runs under `sweep_dir` on throughputs simulated on a cluster
     (`cluster`, `gpus`, `global_batch`: every configuration, `cluster_verdict`), simulated for

@@ -111,17 +111,10 @@ CLUSTERS: dict[str, Cluster] = {
     # PCIe-only nodes: NVIDIA H100 PCIe datasheet (756 TFLOPS bf16 dense, 80 GB HBM2e at
     # 2.0 TB/s), GPUs talk through PCIe Gen5 x16 (64 GB/s = 512 Gb/s one way), 100 Gb/s
     # Ethernet per GPU between nodes
-    "h100-pcie": Cluster(
-        name="h100-pcie",
-        gpu="NVIDIA H100 PCIe",
-        peak_tflops=756.5,
-        hbm_tbps=2.0,
-        memory_gb=80.0,
-        gpus_per_node=8,
-        intra_node_gbps=512.0,
-        inter_node_gbps=100.0,
+    "h100-pcie": dataclasses.replace(
+        _from_device("h100-pcie", _H100, 100.0, 20.0),
+        **dict(gpu="NVIDIA H100 PCIe", peak_tflops=756.5, hbm_tbps=2.0, intra_node_gbps=512.0),
         intra_node_latency_us=10.0,
-        inter_node_latency_us=20.0,
     ),
 }
 
