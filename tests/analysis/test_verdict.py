@@ -145,7 +145,7 @@ def test_measured_costs_json_and_csv(curve_sweep, tmp_path, capsys):
         (["NOSYNC", *SIM], "no finished synchronous run"),
         (["SWEEP", "--model", "smollm-999m"], "unknown --model 'smollm-999m'"),
         (["SWEEP", *SIM, "--device", "h900"], "device"),
-        (["SWEEP"], "give --model PRESET"),
+        (["SWEEP"], "give --cluster PRESET"),
         (["SWEEP", *SIM, "--costs", "c.json"], "one of the two"),
         (["SWEEP", "--costs", "NOFILE.json"], "no such file"),
         (["SWEEP", "--costs", "BAD"], "cannot read it"),

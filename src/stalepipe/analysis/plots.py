@@ -18,7 +18,7 @@ from stalepipe.analysis.results import Row, best_row, config_key
 from stalepipe.delay import DelaySchedule
 
 
-def _plt() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -31,7 +31,7 @@ def _grid(n: int, max_cols: int, width: float, height: float) -> tuple[Any, Any]
     """A figure of `n` panels, `max_cols` to a row, each `width` x `height` inches."""
     cols = min(max_cols, n)
     nrows = math.ceil(n / cols)
-    return _plt().subplots(nrows, cols, figsize=(width * cols, height * nrows), squeeze=False)
+    return pyplot().subplots(nrows, cols, figsize=(width * cols, height * nrows), squeeze=False)
 
 
 def _finish_grid(fig, axes, used: int) -> bytes:
@@ -39,13 +39,13 @@ def _finish_grid(fig, axes, used: int) -> bytes:
     for ax in list(axes.flat)[used:]:
         ax.axis("off")
     fig.tight_layout()
-    return _png(fig, dpi=80)
+    return png_bytes(fig, dpi=80)
 
 
-def _png(fig: Any, dpi: int = 110) -> bytes:
+def png_bytes(fig: Any, dpi: int = 110) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
-    _plt().close(fig)
+    pyplot().close(fig)
     return buf.getvalue()
 
 
@@ -286,7 +286,7 @@ def gap_plot(rows: list[Row], kind: str) -> bytes | None:
     series = gap_series(rows, kind)
     if not series:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for name, pts in _points(series).items():
         xs, ys, es = zip(*pts)
@@ -307,7 +307,7 @@ def gap_plot(rows: list[Row], kind: str) -> bytes | None:
     _legend_outside(ax, 8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def overhead_panels(rows: list[Row]) -> list[Row]:
@@ -386,7 +386,7 @@ def verdict_plot(
     synchronous schedule (label, ratio, low, high, overhead status) with its interval, 1 marked
     (left of it the asynchronous run gets there sooner); a floor or a missing multiplier is
     written in place of a point."""
-    plt = _plt()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(
         1, 2, figsize=(11, max(3.2, 0.45 * max(len(schedules), len(ratios)) + 1.5))
     )
@@ -416,4 +416,4 @@ def verdict_plot(
     right.set_xlabel("time to target: async / best sync (< 1: async sooner)")
     right.grid(alpha=0.3, axis="x")
     fig.tight_layout()
-    return _png(fig)
+    return png_bytes(fig)

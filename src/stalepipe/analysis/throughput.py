@@ -49,6 +49,11 @@ class ScheduleThroughput:
     fits: bool | None = None  # None: the device's capacity is not known
     source: str = "simulated"
     refused: str = ""
+    config: str = ""  # the configuration behind the rate (cluster model: P, D, m, placement)
+
+    def shown(self) -> str:
+        """The configuration, else the schedule's name."""
+        return self.config or self.name
 
     def rate_text(self, rate: float | None = None) -> str:
         x = self.tokens_per_s if rate is None else rate
@@ -114,13 +119,17 @@ def async_schedule(policy: str) -> str | None:
     return next((n for n, p in named if p == policy and p != "sync"), None)
 
 
-def _model(name: str) -> tuple[Any, int]:
-    """The model shape of `name` and its sequence length (a training preset's own)."""
+def model_shape(name: str) -> tuple[Any, int, int]:
+    """The model shape of `name`, its sequence length and global batch in sequences (a
+    training preset's own; a simulator shape's context and 512)."""
     from stalepipe.presets import PRESETS
     from stalepipe.sim.simulate import model_config
 
     cfg = model_config(name)
-    return cfg, PRESETS[name]().data.seq_len if name in PRESETS else cfg.max_seq_len
+    if name in PRESETS:
+        preset = PRESETS[name]()
+        return cfg, preset.data.seq_len, preset.train.batch_size
+    return cfg, cfg.max_seq_len, 512
 
 
 def simulate_all(
@@ -183,7 +192,7 @@ def simulated(
 
     if num_stages < 1 or num_microbatches < 1 or microbatch_size < 1:
         raise UserError("--stages, --microbatches and --microbatch-size must be >= 1")
-    cfg, own_len = _model(model)
+    cfg, own_len, _ = model_shape(model)
     dev = get_device(device)
     seq = seq_len or own_len
     kw = dict(microbatch_size=microbatch_size, seq_len=seq, mfu=mfu)

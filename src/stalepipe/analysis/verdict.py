@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import json
+import json as _json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,7 +145,7 @@ def summary_rows(verdicts: list[Verdict]) -> list[list[str]]:
             v.target.describe() if v.target else "-",
             v.overhead.describe(),
             str(len(v.target.seeds) if v.target else v.overhead.num_seeds),
-            v.best_sync.name if v.best_sync else "-",
+            f"{v.best_sync.shown()}: {v.best_sync.rate_text()} tok/s" if v.best_sync else "-",
             f"{v.speedup:.3f}" if math.isfinite(v.speedup) else "-",
             _cells(v.ratio),
             v.verdict,
@@ -164,7 +165,7 @@ def detail_rows(v: Verdict, tp: Throughputs) -> list[list[str]]:
     for s in tp.rows:
         if s.policy != "sync" and s.name != v.schedule:
             continue  # another delay policy's schedule
-        name = s.name + (" (best sync)" if v.best_sync and s.name == v.best_sync.name else "")
+        name = s.shown() + (" (best sync)" if v.best_sync and s.name == v.best_sync.name else "")
         if s.refused:
             out.append([name, s.policy, "refused: " + s.refused, "", "", "", ""])
             continue
@@ -325,40 +326,45 @@ class VerdictReport:
 def run_verdict(
     sweep_dir: str | Path,
     *,
+    cluster: str | None = None,
+    gpus: int | None = None,
+    global_batch: str | None = None,
+    inter_node_gbps: float | None = None,
     model: str | None = None,
-    stages: int = 8,
-    microbatches: int = 16,
+    costs: str | None = None,
+    out: str | Path | None = None,
+    stages: int | None = None,
+    microbatches: int | None = None,
     device: str = "h100",
     mfu: float = 0.4,
     seq_len: int | None = None,
     microbatch_size: int = 1,
-    costs: str | None = None,
-    out: str | Path | None = None,
 ) -> VerdictReport:
-    """The verdict of the runs under `sweep_dir` on simulated (`model` on `device`, `stages`
-    ranks, `microbatches` per step) or measured (`costs` file) throughputs; writes verdict.md,
-    verdict.csv and verdict.png into `out` (default SWEEP_DIR/verdict). Bad input raises
-    UserError before anything is written."""
+    """The verdict of the runs under `sweep_dir` on throughputs simulated on a cluster
+    (`cluster`, `gpus`, `global_batch`: every configuration, `cluster_verdict`), simulated for
+    one pipeline (`model` on `device`, `stages` ranks, `microbatches` per step) or measured
+    (`costs` file); writes verdict.md, verdict.csv and verdict.png (with a cluster: the
+    crossover map, and verdict_map.csv) into `out` (default SWEEP_DIR/verdict). Bad input
+    raises UserError before anything is written."""
     sweep_dir = Path(sweep_dir)
-    if (model is None) == (costs is None):
-        raise UserError(
-            "give --model PRESET (simulated throughputs) or --costs FILE (measured "
-            "ones), one of the two"
-        )
+    from stalepipe.analysis.cluster_verdict import check_modes
+
+    check_modes(model, costs, cluster, stages, microbatches, gpus, global_batch, inter_node_gbps)
     rows = _rows_of(sweep_dir)
-    if costs is not None:
+    where = None
+    if cluster is not None:
+        from stalepipe.analysis import cluster_verdict as cv
+
+        where = cv.setting(model, cluster, gpus, global_batch, mfu=mfu, seq_len=seq_len,
+                           inter_node_gbps=inter_node_gbps)  # fmt: skip
+        tp, _ = cv.throughputs(where)
+    elif costs is not None:
         tp = load_costs(costs)
     else:
         assert model is not None
-        tp = simulated(
-            model,
-            device,
-            stages,
-            microbatches,
-            mfu=mfu,
-            seq_len=seq_len,
-            microbatch_size=microbatch_size,
-        )
+        P, m = 8 if stages is None else stages, 16 if microbatches is None else microbatches
+        tp = simulated(model, device, P, m, mfu=mfu, seq_len=seq_len,
+                       microbatch_size=microbatch_size)  # fmt: skip
     verdicts, skipped = judge_sweep(rows, tp)
     if not verdicts:
         raise UserError(f"no verdict for any configuration in {sweep_dir}: " + "; ".join(skipped))
@@ -366,32 +372,63 @@ def run_verdict(
     report = VerdictReport(
         verdicts, skipped, tp, inputs, Path(out) if out else sweep_dir / "verdict"
     )
-    _write(report, sweep_dir.name)
+    _write(report, sweep_dir.name, where)
     return report
 
 
-def _write(r: VerdictReport, title: str) -> None:
+def _write(r: VerdictReport, title: str, where: object = None) -> None:
     r.out_dir.mkdir(parents=True, exist_ok=True)
-    (r.out_dir / "verdict.md").write_text(f"# Verdict: {title}\n\n```\n{r.text()}\n```\n")
     write_csv(r.out_dir / "verdict.csv", r.verdicts, r.throughputs)
+    if where is not None:
+        from stalepipe.analysis import cluster_verdict as cv
+
+        cells, shown = cv.crossover_map(where), cv.headline(r.verdicts)  # type: ignore[arg-type]
+        cv.write_map_csv(r.out_dir / "verdict_map.csv", cells, shown)
+        png = cv.map_plot(cells, shown, r.throughputs.title())
+        (r.out_dir / "verdict.png").write_bytes(png)
+        r.inputs.append(cv.map_summary(cells, shown))
+    else:
+        (r.out_dir / "verdict.png").write_bytes(_bars(r))
+    (r.out_dir / "verdict.md").write_text(f"# Verdict: {title}\n\n```\n{r.text()}\n```\n")
+
+
+def _bars(r: VerdictReport) -> bytes:
     used = {v.schedule for v in r.verdicts}
-    (r.out_dir / "verdict.png").write_bytes(
-        plots.verdict_plot(
-            [
-                (s.name, s.tokens_per_s, s.policy)
-                for s in r.throughputs.rows
-                if not s.refused and (s.policy == "sync" or s.name in used)
-            ],
-            [(v.label, v.ratio.value, v.ratio.low, v.ratio.high, _status(v)) for v in r.verdicts],
-            title=r.throughputs.title(),
-        )
+    return plots.verdict_plot(
+        [
+            (s.name, s.tokens_per_s, s.policy)
+            for s in r.throughputs.rows
+            if not s.refused and (s.policy == "sync" or s.name in used)
+        ],
+        [(v.label, v.ratio.value, v.ratio.low, v.ratio.high, _status(v)) for v in r.verdicts],
+        title=r.throughputs.title(),
     )
 
 
-def verdict_main(sweep_dir: str | Path, **kw: object) -> str:
-    """`stalepipe verdict`: `run_verdict`'s full text and where it wrote the files."""
+def verdict_main(sweep_dir: str | Path, *, json: bool = False, **kw: object) -> str:
+    """`stalepipe verdict`: `run_verdict`'s full text and where it wrote the files (`json`:
+    the summary as JSON instead)."""
     r = run_verdict(sweep_dir, **kw)  # type: ignore[arg-type]
-    return r.text() + f"\nwritten to {r.out_dir}/verdict.md, verdict.csv, verdict.png"
+    if json:
+        return _json.dumps(verdict_json(r), indent=1)
+    extra = ", verdict_map.csv" if (r.out_dir / "verdict_map.csv").exists() else ""
+    return r.text() + f"\nwritten to {r.out_dir}/verdict.md, verdict.csv{extra}, verdict.png"
+
+
+def verdict_json(r: VerdictReport) -> dict[str, object]:
+    """`--json`: the inputs, and per configuration what the summary table prints."""
+    keys = ["configuration", "token_overhead", "band", "seeds", "best_sync",
+            "throughput_ratio", "time_to_target", "verdict"]  # fmt: skip
+    rows = [dict(zip(keys, row)) for row in summary_rows(r.verdicts)]
+    for row, v in zip(rows, r.verdicts):
+        ratio = v.ratio
+        row["best_sync_tokens_per_s"] = v.best_sync.tokens_per_s if v.best_sync else None
+        row["async_tokens_per_s"] = v.async_tokens_per_s
+        row["async_config"] = r.throughputs.get(v.schedule).shown()
+        row["time_to_target_ci"] = [
+            x if math.isfinite(x) else None for x in (ratio.value, ratio.low, ratio.high)
+        ]
+    return {"inputs": r.inputs, "skipped": r.skipped, "verdicts": rows}
 
 
 def overhead_source(sweep_dir: Path, rows: list[Row]) -> str:

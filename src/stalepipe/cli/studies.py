@@ -210,16 +210,37 @@ def _add_verdict(sub: Subparsers) -> None:
         "over seeds); the throughputs are simulated\n(--model on --device at P = --stages, "
         "m = --microbatches) or measured (--costs FILE).\nWrites verdict.md, verdict.csv and "
         "verdict.png into SWEEP_DIR/verdict (or --out). docs/verdict.md.",
-        epilog="examples:\n  stalepipe verdict runs/demo --model smollm-360m --stages 8 "
+        epilog="examples:\n  stalepipe verdict runs/demo --cluster h100-ib --gpus 32 --global-batch 256\n"
+        "  stalepipe verdict runs/demo --cluster h100-ib --inter-node-gbps 25\n"
+        "  stalepipe verdict runs/demo --model smollm-360m --stages 8 "
         "--microbatches 16 --device h100\n  stalepipe verdict runs/paper-mini --costs "
         "costs.json   # measured tokens/s per schedule",
     )
     add = p.add_argument
     add("sweep_dir", metavar="SWEEP_DIR", help="a sweep's run directories (e.g. runs/demo)")
-    add("--model", help="preset or simulator shape for simulated throughputs (e.g. smollm-360m)")
-    add("--stages", type=int, default=8, help="pipeline ranks P (default 8)")
-    add("--microbatches", type=int, default=16, help="microbatches per step m (default 16)")
-    add("--device", default="h100", help="h100 | h200 | a100 | cpu (default h100)")
+    add(
+        "--cluster",
+        metavar="PRESET|FILE",
+        help="compare 2bw with every synchronous way to train (DP, FSDP, each pipeline "
+        "schedule over P and m, hybrids) on a cluster: h100-ib | h100-eth100 | h100-eth25 | "
+        "h100-pcie | a100-ib, or a .json/.toml file (docs/verdict.md); verdict.png is the map",
+    )
+    add("--gpus", type=int, help="with --cluster: GPUs (default 4 nodes)")
+    add(
+        "--global-batch",
+        metavar="N|Ntok",
+        help="with --cluster: sequences per step, or tokens ('1Mtok') (default: the preset's)",
+    )
+    add(
+        "--inter-node-gbps", type=float, help="with --cluster: override its inter-node Gb/s per GPU"
+    )
+    add(
+        "--model",
+        help="preset or simulator shape (e.g. smollm-360m; --cluster: default smollm-360m)",
+    )
+    add("--stages", type=int, help="without --cluster: pipeline ranks P (default 8)")
+    add("--microbatches", type=int, help="without --cluster: microbatches per step m (default 16)")
+    add("--device", default="h100", help="without --cluster: h100 | h200 | a100 | cpu")
     add("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed (default 0.4)")
     add("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
     add("--microbatch-size", type=int, default=1, help="sequences per microbatch (default 1)")
@@ -229,6 +250,7 @@ def _add_verdict(sub: Subparsers) -> None:
         help="measured tokens/s per schedule (.json / .csv) instead of --model",
     )
     add("--out", help="output directory (default SWEEP_DIR/verdict)")
+    add("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(fn=runs("stalepipe.analysis.verdict:verdict_main"))
 
 

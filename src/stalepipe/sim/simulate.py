@@ -10,6 +10,7 @@ messages are free: the textbook setting where GPipe's bubble is (P-1)/(m+P-1).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,12 @@ SIM_MODELS: dict[str, ModelConfig] = {
         tie_embeddings=False,
     ),
 }
+
+# Llama 3 / 3.1 8B (Meta's model card): llama-10b's block at 32 layers, a 128256-token
+# vocabulary, 8192-token context; for checking the cluster model against published figures.
+SIM_MODELS["llama3-8b"] = dataclasses.replace(
+    SIM_MODELS["llama-10b"], vocab_size=128256, num_layers=32, max_seq_len=8192
+)
 
 TIME_KEYS = ("f", "b", "bi", "bw", "opt", "comm")
 UNIT_COSTS = "costs: uniform F = BI = BW = 1 time unit per rank, free updates and messages"
@@ -182,8 +189,8 @@ def simulate_main(
             sync_start=sync_start,
             sync_cooldown=sync_cooldown,
         )
-        costs = _costs(sched, cfg, dev, given, mfu=mfu, seq_len=seq_len, mb_size=microbatch_size)
-        return sched, costs
+        mb = microbatch_size
+        return sched, model_costs(sched, cfg, dev, given, mfu=mfu, seq_len=seq_len, mb_size=mb)
 
     rows, timelines, costs = _simulate_each(names, build)
     if cfg is not None:
@@ -210,7 +217,7 @@ def simulate_main(
     return "\n".join(out)
 
 
-def _costs(
+def model_costs(
     sched: PipelineSchedule,
     cfg: ModelConfig | None,
     dev: Device | None,
@@ -257,7 +264,7 @@ def _schedule_names(schedule: str, compare: str | list[str] | None) -> list[str]
     return names
 
 
-def _fastest(sched: PipelineSchedule, options: list[CostModel]) -> Timeline:
+def fastest(sched: PipelineSchedule, options: list[CostModel]) -> Timeline:
     """The timeline of `sched` under the cost model (of `options`, e.g. two stage splits)
     that gives the highest steady-state throughput; the first on a tie."""
     best: tuple[float, Timeline] | None = None
@@ -288,7 +295,7 @@ def _simulate_each(
             rows.append((n, str(e)))
             continue
         validate(sched)
-        tl = _fastest(sched, costs)
+        tl = fastest(sched, costs)
         timelines.append(tl)
         rows.append((n, summarize(tl)))
         costs_shown = costs_shown or tl.costs
@@ -393,10 +400,10 @@ def compare_schedules(
             rows.append(ScheduleRow.of(name, str(e), limit))
             continue
         validate(sched)
-        options = _costs(
+        options = model_costs(
             sched, model_cfg, dev, {}, mfu=mfu, seq_len=seq_len, mb_size=microbatch_size
         )
-        rows.append(ScheduleRow.of(name, summarize(_fastest(sched, options)), limit))
+        rows.append(ScheduleRow.of(name, summarize(fastest(sched, options)), limit))
     return rows
 
 

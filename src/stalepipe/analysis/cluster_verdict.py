@@ -1,0 +1,291 @@
+"""`stalepipe verdict --cluster`: the throughputs of every way to train on a cluster
+(`sim.parallel`), and the crossover map (docs/verdict.md, 'The cluster model').
+
+The verdict compares the fastest fitting configuration of the asynchronous schedule (2BW, with
+DP or FSDP across its replicas) with the fastest fitting synchronous one of any kind (DP, FSDP,
+every pipeline schedule over P and m, hybrids), for one model, cluster, GPU count and global
+batch. The map repeats that over GPU counts, global batches (so m) and inter-node bandwidths,
+and calls each cell with the verdict's rule (`verdict_rule.call`), the token overhead's
+interval carried through.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stalepipe.analysis.plots import png_bytes, pyplot
+from stalepipe.analysis.throughput import ScheduleThroughput, Throughputs
+from stalepipe.analysis.verdict_rule import Verdict, call, time_to_target
+from stalepipe.errors import UserError
+
+ASYNC = "2bw"
+MAP_GBPS = (12.5, 25.0, 50.0, 100.0, 200.0, 400.0, 800.0)
+MAP_BATCH = (0.25, 0.5, 1.0, 2.0, 4.0)  # x the global batch
+MAP_GPUS = (0.5, 1.0, 2.0, 4.0)  # x the GPU count
+COLORS = {"async sooner": "#4daf4a", "sync sooner": "#e41a1c", "inconclusive": "#bdbdbd"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What the cluster verdict is for: a model, a cluster, N GPUs, a global batch."""
+
+    model: str
+    cfg: Any  # ModelConfig
+    seq_len: int
+    cluster: Any  # sim.cluster.Cluster
+    gpus: int
+    global_batch: int  # sequences
+    mfu: float
+
+    def workload(self, gpus: int | None = None, batch: int | None = None) -> Any:
+        from stalepipe.sim.parallel import Workload
+
+        return Workload(
+            self.cfg, self.seq_len, batch or self.global_batch, gpus or self.gpus, self.mfu
+        )
+
+
+def _batch(text: str | int | None, default: int, seq_len: int) -> int:
+    """--global-batch: sequences ('256'), or tokens with a 'tok' suffix ('1Mtok', '262144tok')."""
+    if text is None:
+        return default
+    s = str(text).strip().lower()
+    try:
+        if s.endswith("tok"):
+            num = s[:-3]
+            scale = {"k": 1e3, "m": 1e6, "g": 1e9}.get(num[-1:], 1.0)
+            tokens = float(num[:-1] if scale != 1.0 else num) * scale
+            if tokens % seq_len:
+                raise ValueError
+            return int(tokens // seq_len)
+        return int(s)
+    except ValueError:
+        raise UserError(
+            f"--global-batch {text!r}: give sequences (256) or tokens that divide into "
+            f"{seq_len}-token sequences (e.g. {256 * seq_len}tok)"
+        ) from None
+
+
+def setting(
+    model: str | None,
+    cluster: str,
+    gpus: int | None,
+    global_batch: str | int | None,
+    *,
+    mfu: float = 0.4,
+    seq_len: int | None = None,
+    inter_node_gbps: float | None = None,
+) -> Setting:
+    """The setting from the CLI's flags; one-line UserError (ConfigError) naming the fix."""
+    from stalepipe.analysis.throughput import model_shape
+    from stalepipe.sim.cluster import get_cluster
+
+    c = get_cluster(cluster, inter_node_gbps)
+    name = model or "smollm-360m"
+    cfg, own_len, own_batch = model_shape(name)
+    seq = seq_len or own_len
+    n = int(c.gpus_per_node) * 4 if gpus is None else gpus
+    g = int(c.gpus_per_node)
+    if n < 1 or (n > g and n % g) or (n < g and g % n):
+        fix = f"{g * max(1, round(n / g))}" if n > g else f"a divisor of {g}"
+        raise UserError(
+            f"--gpus {n} is not a whole number of {c.name} nodes ({g} GPUs each); use {fix}"
+        )
+    batch = _batch(global_batch, own_batch, seq)
+    if batch < n:
+        raise UserError(
+            f"--global-batch {batch} sequences is too small for {n} GPUs: every configuration "
+            f"needs at least one sequence per GPU (m >= P for a pipeline); use --global-batch >= {n}"
+        )
+    return Setting(name, cfg, seq, c, n, batch, mfu)
+
+
+def check_modes(model: str | None, costs: str | None, cluster: str | None, *rest: object) -> None:
+    """One source of throughputs; the flags of the other sources are errors, not no-ops."""
+    stages, microbatches, gpus, batch, gbps = rest
+    if costs is not None and (model is not None or cluster is not None):
+        raise UserError("--costs (measured throughputs) excludes --model and --cluster; "
+                        "give one of the two")  # fmt: skip
+    if cluster is None and model is None and costs is None:
+        raise UserError("give --cluster PRESET (every way to train on a cluster), --model "
+                        "PRESET (one pipeline) or --costs FILE (measured), one of the two")  # fmt: skip
+    if cluster is not None and (stages is not None or microbatches is not None):
+        raise UserError("with --cluster, P and m are swept by the cluster model; drop "
+                        "--stages and --microbatches")  # fmt: skip
+    if cluster is None and any(x is not None for x in (gpus, batch, gbps)):
+        raise UserError("--gpus, --global-batch and --inter-node-gbps describe a cluster; "
+                        "add --cluster PRESET (e.g. h100-ib)")  # fmt: skip
+
+
+def _row(o: Any, name: str | None = None) -> ScheduleThroughput:
+    return ScheduleThroughput(
+        name or o.schedule, o.policy, o.tokens_per_s, o.bubble, (o.peak_memory,), o.fits,
+        "simulated (cluster model)", "", o.label(),
+    )  # fmt: skip
+
+
+def throughputs(s: Setting) -> tuple[Throughputs, list[Any]]:
+    """One row per kind of synchronous contender (dp, fsdp, each pipeline schedule, its best
+    configuration over P, D, placement) and the asynchronous one, and every option timed."""
+    from stalepipe.sim.parallel import SYNC_PIPELINES, all_options, best
+
+    options = all_options(s.workload(), s.cluster)
+    rows = []
+    for name in ("dp", "fsdp", *SYNC_PIPELINES, ASYNC):
+        mine = [o for o in options if o.schedule == name]
+        if not mine:
+            continue
+        top = best(mine, mine[0].policy)  # else none fits: the one nearest to fitting, marked
+        rows.append(_row(top or min(mine, key=lambda o: o.peak_memory)))
+    a = best(options, "2bw")
+    flushed = [o for o in options if o.schedule == "1f1b" and o.fits]
+    same = [
+        o
+        for o in flushed
+        if a and (o.stages, o.replicas, o.across) == (a.stages, a.replicas, a.across)
+    ]
+    window = max(same or flushed, key=lambda o: o.tokens_per_s, default=None)
+    c = s.cluster
+    left = [o for o in options if not o.fits]
+    lines = [
+        f"throughput and memory: simulated, cluster model (sim/parallel.py): {s.model} "
+        f"({s.seq_len}-token sequences) on {s.gpus} GPUs of {c.describe()}; global batch "
+        f"{s.global_batch} sequences = {s.global_batch * s.seq_len} tokens per step; MFU "
+        f"{s.mfu:.2f} for every configuration; {len(options)} configurations, the best of each "
+        "kind shown (docs/verdict.md, 'The cluster model', states the assumptions)",
+        f"left out, over {c.memory_gb:g} GB per GPU ({len(left)}): "
+        + (", ".join(f"{o.label()} ({o.peak_memory / 1e9:.0f} GB)" for o in left) or "none"),
+    ]
+    short = f"{s.model} on {s.gpus} x {c.name}, global batch {s.global_batch} (cluster model)"
+    tp = Throughputs(
+        rows, window.tokens_per_s if window else math.nan, a and a.stages, lines, short
+    )
+    return tp, options
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of the map: the best asynchronous and synchronous configurations."""
+
+    gpus: int
+    global_batch: int
+    inter_gbps: float
+    async_option: Any  # sim.parallel.Option or None
+    sync_option: Any
+
+    @property
+    def speedup(self) -> float:
+        if self.async_option is None or self.sync_option is None:
+            return math.nan
+        return self.async_option.tokens_per_s / self.sync_option.tokens_per_s
+
+
+def crossover_map(s: Setting) -> list[Cell]:
+    """The best async and sync configurations at every (GPU count, global batch, inter-node
+    bandwidth) of the map around the setting; a cell where the batch is below the GPU count,
+    or the GPU count is not whole nodes, is left out."""
+    import dataclasses
+
+    from stalepipe.sim.parallel import all_options, best
+
+    g = int(s.cluster.gpus_per_node)
+    gpus = sorted(
+        {n for f in MAP_GPUS if (n := int(s.gpus * f)) >= 1 and (n % g == 0 or g % n == 0)}
+    )
+    gbps = sorted({*MAP_GBPS, s.cluster.inter_node_gbps})
+    cells = []
+    for n in gpus:
+        for b in sorted({int(s.global_batch * f) for f in MAP_BATCH}):
+            if b < n:
+                continue
+            for bw in gbps:
+                c = dataclasses.replace(s.cluster, inter_node_gbps=bw)
+                opts = all_options(s.workload(n, b), c)
+                cells.append(Cell(n, b, bw, best(opts, ASYNC), best(opts)))
+    return cells
+
+
+def cell_verdict(v: Verdict, speedup: float) -> str:
+    """The rule's call for one delayed configuration at one cell, shortened to its kind."""
+    target = v.target if v.target is not None else v.overhead
+    verdict = call(target, time_to_target(target, speedup), speedup)
+    return next((k for k in COLORS if verdict.startswith(k)), "inconclusive")
+
+
+def headline(verdicts: list[Verdict], most: int = 3) -> list[Verdict]:
+    """The delayed configurations the map draws: those with a measured overhead at sync's
+    final loss, lowest first (at most `most`); else the first configuration."""
+    measured = [
+        v for v in verdicts if v.target is not None and math.isfinite(v.target.interval()[0])
+    ]
+    return sorted(measured, key=lambda v: v.target.interval()[0])[:most] or verdicts[:1]
+
+
+def write_map_csv(path: Path, cells: list[Cell], shown: list[Verdict]) -> None:
+    """One row per cell: the two best configurations, their rates, and each drawn verdict."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["gpus", "global_batch", "inter_node_gbps", "async_config", "async_tokens_per_s",
+                    "sync_config", "sync_tokens_per_s", "speedup", *(v.label for v in shown)])  # fmt: skip
+        for c in cells:
+            a, s = c.async_option, c.sync_option
+            w.writerow([c.gpus, c.global_batch, c.inter_gbps, a.label() if a else "none fits",
+                        a.tokens_per_s if a else "", s.label() if s else "none fits",
+                        s.tokens_per_s if s else "", c.speedup,
+                        *(cell_verdict(v, c.speedup) for v in shown)])  # fmt: skip
+
+
+def map_plot(cells: list[Cell], shown: list[Verdict], title: str) -> bytes:
+    """verdict.png: one row of panels per drawn configuration, one panel per GPU count; x the
+    global batch (m = batch / replicas), y the inter-node bandwidth; each cell coloured by the
+    rule's call and labelled with the throughput edge async / best sync."""
+    plt = pyplot()
+    gpus = sorted({c.gpus for c in cells})
+    batches = sorted({c.global_batch for c in cells})
+    gbps = sorted({c.inter_gbps for c in cells})
+    fig, axes = plt.subplots(len(shown), len(gpus), squeeze=False,
+                             figsize=(3.3 * len(gpus), 2.9 * len(shown) + 0.8))  # fmt: skip
+    for i, v in enumerate(shown):
+        for j, n in enumerate(gpus):
+            ax = axes[i][j]
+            for c in (c for c in cells if c.gpus == n):
+                x, y = batches.index(c.global_batch), gbps.index(c.inter_gbps)
+                kind = cell_verdict(v, c.speedup) if math.isfinite(c.speedup) else "inconclusive"
+                ax.add_patch(plt.Rectangle((x - 0.5, y - 0.5), 1, 1, color=COLORS[kind], lw=0))
+                ax.text(x, y, f"{c.speedup:.2f}", ha="center", va="center", fontsize=6)
+            ax.set_xlim(-0.5, len(batches) - 0.5)
+            ax.set_ylim(-0.5, len(gbps) - 0.5)
+            ax.set_xticks(range(len(batches)), [str(b) for b in batches], fontsize=7)
+            ax.set_yticks(range(len(gbps)), [f"{g:g}" for g in gbps], fontsize=7)
+            ax.set_title(f"{v.label}: {n} GPUs", fontsize=8)
+            if i == len(shown) - 1:
+                ax.set_xlabel("global batch (sequences)", fontsize=7)
+            if j == 0:
+                ax.set_ylabel("inter-node Gb/s per GPU", fontsize=7)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=col) for col in COLORS.values()]
+    labels = [*COLORS]
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.suptitle(f"{title}\ncell text: throughput 2bw / best synchronous; colour: time to "
+                 "sync's final loss by the verdict's rule", fontsize=8)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.05, 1, 0.95))
+    return png_bytes(fig)
+
+
+def map_summary(cells: list[Cell], shown: list[Verdict]) -> str:
+    """The 'inputs' line that says what the map covers and how often each call comes out."""
+    counts = []
+    for v in shown:
+        kinds = [cell_verdict(v, c.speedup) for c in cells]
+        counts.append(f"{v.label}: " + ", ".join(f"{kinds.count(k)} {k}" for k in COLORS))
+    gpus = sorted({c.gpus for c in cells})
+    batches = sorted({c.global_batch for c in cells})
+    gbps = sorted({c.inter_gbps for c in cells})
+    return (
+        f"crossover map (verdict.png, verdict_map.csv): {len(cells)} cells, GPUs {gpus}, global "
+        f"batch {batches} sequences, inter-node {[f'{g:g}' for g in gbps]} Gb/s per GPU; "
+        + "; ".join(counts)
+    )

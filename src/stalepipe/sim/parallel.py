@@ -1,0 +1,338 @@
+"""Every way to train one model on N GPUs of a cluster, timed and sized (docs/verdict.md, 'The
+cluster model'): data parallelism (DP), FSDP / ZeRO-3, each pipeline schedule of the simulator
+over P and m, and hybrids (P stages x D replicas = N GPUs, the replicas sharing gradients by
+DP or FSDP), synchronous and asynchronous.
+
+Assumptions, each stated once (fixed MFU for every configuration, BI = BW = F):
+
+- memory: mixed-precision AdamW, `PARAM_BYTES` (bf16 weights) per weight version plus
+  `STATE_BYTES` (fp32 gradient accumulator, fp32 master weights, two fp32 moments) per
+  parameter, plus the activations of the microbatches in flight (`timing.ACT_BYTES_PER_TOKEN_DIM`,
+  no recomputation); nothing else (no logits, buffers, fragmentation). A configuration over the
+  GPU's memory is kept, marked `fits=False`, and named by the verdict, never chosen.
+- DP: a ring all-reduce of the fp32 gradients (`GRAD_BYTES`) once per step, overlapped with the
+  backward of the step's last microbatch (DDP's buckets): exposed = max(0, all-reduce - that
+  backward).
+- FSDP (ZeRO-3, weights, gradients and optimizer state sharded over all N): per unit (a block;
+  the embedding folded into the first, norm and head into the last) an all-gather of its bf16
+  weights in forward and again in backward, a reduce-scatter of its fp32 gradients in backward,
+  for every microbatch; each overlapped with that unit's compute: exposed = max(0, comm -
+  compute) per unit, plus the first unit's forward gather, which nothing hides. Memory: the
+  sharded weights and state, two gathered units (the one computing and the one prefetched) and
+  one microbatch's activations.
+- Pipelines: the timing simulator's steady step (`sim.simulate`, both stage splits, the faster
+  kept), cached per (schedule, P, m, placement, link): it does not depend on the replicas'
+  link. Microbatches of one sequence; m = global batch / D; m < P is not considered. Past
+  `MAX_SIM_MICROBATCHES` (and 4P) the step time and memory are extrapolated linearly from
+  m = max(8, 2P) and twice that (exact once the steady state is affine in m).
+- Hybrids: the replicas of each stage share gradients after its last backward of the step
+  ("dp": all-reduce; "fsdp": reduce-scatter of gradients, optimizer on a 1/D shard, all-gather of
+  the bf16 weights, as torchtitan runs FSDP with PP: weights gathered once per step). A
+  synchronous schedule overlaps it with the pipeline's drain only (each rank starts when its own
+  last backward ends; the step ends when the slowest rank's update does); an asynchronous one
+  (no flush) overlaps it with the next step entirely, so it is exposed only when longer than
+  a step.
+- Placement across nodes (N > GPUs per node): "stages in a node" (pipeline p2p on the fast
+  link, each stage's replicas across nodes) or "replicas in a node" (gradient traffic on the
+  fast link, p2p across nodes); both are tried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from stalepipe.config import ConfigError, ModelConfig
+from stalepipe.models.transformer import block_flops, block_params, head_flops
+from stalepipe.sim.cluster import Cluster, ring_time
+from stalepipe.sim.devices import Device
+from stalepipe.sim.memory import rank_memory
+from stalepipe.sim.simulate import model_costs
+from stalepipe.sim.steady import Plan, plan
+from stalepipe.sim.timing import ACT_BYTES_PER_TOKEN_DIM, CostModel
+
+PARAM_BYTES = 2.0  # bf16 weights: one version, and what FSDP gathers
+STATE_BYTES = 16.0  # fp32 grad accumulator 4 + fp32 master 4 + AdamW moments 8 (timing.py)
+GRAD_BYTES = 4.0  # gradients are reduced in fp32 (torchtitan's default reduce dtype)
+OPT_TRAFFIC = 28.0  # HBM bytes an AdamW update moves per parameter (timing.analytic_costs)
+MAX_SIM_MICROBATCHES = 16
+MAX_STAGES = 8  # deeper pipelines of these models leave a block or two per stage
+SIM_STEPS = 3
+SYNC_PIPELINES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: a model shape, its sequence length, the global batch (sequences per
+    optimizer step) and the number of GPUs, at a model FLOPs utilisation `mfu`."""
+
+    cfg: ModelConfig
+    seq_len: int
+    global_batch: int
+    num_gpus: int
+    mfu: float = 0.4
+
+
+@dataclass(frozen=True)
+class Option:
+    """One configuration: how it trains, its steady step and memory on the largest rank."""
+
+    schedule: str  # "dp", "fsdp" or a pipeline schedule
+    policy: str  # "sync" or the delay policy the schedule realises
+    stages: int  # P (1 without a pipeline)
+    replicas: int  # D
+    across: str  # how replicas share gradients: "dp" or "fsdp"
+    microbatches: int  # per replica per step
+    microbatch_size: int  # sequences
+    placement: str  # "" (one node, or no pipeline), "stages in a node", "replicas in a node"
+    step_time: float  # seconds
+    exposed_comm: float  # seconds of the step spent on gradient / weight traffic alone
+    bubble: float
+    peak_memory: float  # bytes, the largest rank
+    memory_limit: float
+    tokens_per_s: float
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory <= self.memory_limit
+
+    @property
+    def kind(self) -> str:
+        """'dp', 'fsdp', 'pp' (one replica) or 'hybrid' (a pipeline of replicas)."""
+        if self.stages == 1:
+            return self.schedule
+        return "pp" if self.replicas == 1 else "hybrid"
+
+    def label(self) -> str:
+        """E.g. 'fsdp x16 (microbatch 4)' or '1f1b P=4 x fsdp 4 (stages in a node), m=32'."""
+        if self.stages == 1:
+            return f"{self.schedule} x{self.replicas} (microbatch {self.microbatch_size})"
+        rep = f" x {self.across} {self.replicas}" if self.replicas > 1 else ""
+        where = f" ({self.placement})" if self.placement else ""
+        return f"{self.schedule} P={self.stages}{rep}{where}, m={self.microbatches}"
+
+
+def _units(cfg: ModelConfig, seq_len: int) -> list[tuple[int, int]]:
+    """(parameters, forward FLOPs per token) of each FSDP unit: the blocks, the embedding
+    folded into the first, the final norm and untied head into the last."""
+    out = [(block_params(cfg, i), block_flops(cfg, seq_len, i)) for i in range(cfg.num_layers)]
+    emb = cfg.vocab_size * cfg.dim
+    out[0] = (out[0][0] + emb, out[0][1])
+    head = cfg.dim + (0 if cfg.tie_embeddings else emb)
+    out[-1] = (out[-1][0] + head, out[-1][1] + head_flops(cfg))
+    return out
+
+
+def _activations(cfg: ModelConfig, tokens: int) -> float:
+    return cfg.num_layers * tokens * cfg.dim * ACT_BYTES_PER_TOKEN_DIM
+
+
+def _sizes(w: Workload) -> list[int]:
+    """Microbatch sizes (sequences) that divide one GPU's share of the batch, largest first."""
+    local = w.global_batch // w.num_gpus
+    return [b for b in (2**i for i in range(local.bit_length(), -1, -1)) if local % b == 0]
+
+
+def data_parallel(w: Workload, c: Cluster, *, sharded: bool) -> Option | None:
+    """DP (`sharded` False) or FSDP over all N GPUs, at the largest microbatch that fits (the
+    smallest when none does); None when the batch does not split over N."""
+    if w.global_batch % w.num_gpus:
+        return None
+    units, n = _units(w.cfg, w.seq_len), w.num_gpus
+    params = sum(p for p, _ in units)
+    bw, lat = c.link(n > c.gpus_per_node)
+    speed = c.peak_tflops * 1e12 * w.mfu
+    option = None
+    for b in _sizes(w):
+        tokens, k = b * w.seq_len, w.global_batch // n // b
+        fwd = [tokens * f / speed for _, f in units]
+        if sharded:
+            gather = [ring_time("all-gather", PARAM_BYTES * p, n, bw, lat) for p, _ in units]
+            scatter = [ring_time("reduce-scatter", GRAD_BYTES * p, n, bw, lat) for p, _ in units]
+            exposed = gather[0] + sum(max(0.0, g - f) for g, f in zip(gather, fwd))
+            exposed += sum(max(0.0, g + s - 2 * f) for g, s, f in zip(gather, scatter, fwd))
+            exposed *= k
+            state = (PARAM_BYTES + STATE_BYTES) * params / n
+            memory = state + 2 * PARAM_BYTES * max(p for p, _ in units)
+        else:
+            reduce = ring_time("all-reduce", GRAD_BYTES * params, n, bw, lat)
+            exposed = max(0.0, reduce - 2 * sum(fwd))
+            memory = (PARAM_BYTES + STATE_BYTES) * params
+        memory += _activations(w.cfg, tokens)
+        opt = OPT_TRAFFIC * params / (n if sharded else 1) / (c.hbm_tbps * 1e12)
+        step = k * 3 * sum(fwd) + exposed + opt
+        option = Option(
+            *("fsdp" if sharded else "dp", "sync", 1, n, "fsdp" if sharded else "dp", k, b, ""),
+            step, exposed, 0.0, memory, c.memory_gb * 1e9, w.global_batch * w.seq_len / step,
+        )  # fmt: skip
+        if option.fits:
+            return option
+    return option
+
+
+@dataclass(frozen=True)
+class PipeTiming:
+    """One pipeline replica's steady step, as the replicas' gradient traffic needs it."""
+
+    step_time: float
+    bubble: float
+    memory: tuple[float, ...]  # per rank peak, bytes
+    state: tuple[float, ...]  # per rank optimizer state + gradient accumulator, bytes
+    params: tuple[float, ...]  # per rank parameters
+    optimizer: tuple[float, ...]  # per rank update time
+    drain: tuple[float, ...]  # per rank: step end - its last backward of the step
+
+    @staticmethod
+    def blend(a: PipeTiming, b: PipeTiming, t: float) -> PipeTiming:
+        """a + t (b - a) for the step time and memory (linear extrapolation in m)."""
+        mem = tuple(x + t * (y - x) for x, y in zip(a.memory, b.memory))
+        step = a.step_time + t * (b.step_time - a.step_time)
+        return PipeTiming(step, b.bubble, mem, b.state, b.params, b.optimizer, b.drain)
+
+
+@functools.lru_cache(maxsize=4096)
+def pipeline_timing(
+    cfg: ModelConfig, seq_len: int, mfu: float, dev: Device, schedule: str, stages: int, m: int
+) -> PipeTiming:
+    """The simulated steady step of one replica (cached; `dev.gpus_per_node` is the stages
+    per node), of the two stage splits the faster (`simulate.model_costs`). Raises ConfigError
+    when the schedule refuses these sizes."""
+    half = max(MAX_SIM_MICROBATCHES // 2, 2 * stages)  # past the V schedules' m >= 2P
+    if m > 2 * half:
+        a = pipeline_timing(cfg, seq_len, mfu, dev, schedule, stages, half)
+        b = pipeline_timing(cfg, seq_len, mfu, dev, schedule, stages, 2 * half)
+        return PipeTiming.blend(a, b, (m - half) / half)
+    p = plan(schedule, stages, m, SIM_STEPS)
+    links = dict(
+        intra_node_bandwidth=dev.intra_node_bandwidth,
+        inter_node_bandwidth=dev.inter_node_bandwidth,
+        ranks_per_node=dev.gpus_per_node,
+        p2p_latency=dev.p2p_latency,
+    )
+    compute = (cfg, seq_len, mfu, dev.peak_flops, dev.hbm_bandwidth)
+    options = [dataclasses.replace(c, **links) for c in _costs(p, *compute)]
+    costs, t = min(((c, p.time(c)) for c in options), key=lambda ct: ct[1].step_time)
+    sizes = (costs.weight_bytes, costs.state_bytes, costs.activation_bytes)
+    state, opt = [], []
+    for r in range(p.sched.num_ranks):
+        state.append(sum(costs.state_bytes[s] for s in p.sched.stages_of(r)))
+        opt.append(sum(costs.optimizer[s] for s in p.sched.stages_of(r)))
+    return PipeTiming(
+        t.step_time, 1 - sum(t.busy) / (len(t.busy) * t.step_time), _memory(p, *sizes),
+        tuple(state), tuple(x / STATE_BYTES for x in state), tuple(opt), t.drain,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _costs(
+    p: Plan, cfg: ModelConfig, seq_len: int, mfu: float, flops: float, hbm: float
+) -> list[CostModel]:
+    """The analytic cost models of `p`'s schedule (both stage splits) on a GPU of `flops` and
+    `hbm` bandwidth; the links are set by the caller (so the cache ignores them)."""
+    dev = Device(name="", peak_flops=flops, hbm_bandwidth=hbm, intra_node_bandwidth=1.0,
+                 inter_node_bandwidth=1.0)  # fmt: skip
+    return model_costs(p.sched, cfg, dev, {}, mfu=mfu, seq_len=seq_len, mb_size=1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _memory(p: Plan, weight: tuple, state: tuple, activation: tuple) -> tuple[float, ...]:
+    """Per rank peak memory (`sim.memory`: the schedule's order alone, no timing)."""
+    return tuple(m.total for m in rank_memory(p.sched, weight, state, activation))
+
+
+def _placements(c: Cluster, n: int, stages: int, replicas: int) -> list[tuple[str, int, bool]]:
+    """(name, stages per node, whether a stage's replicas span nodes) of each placement."""
+    g = int(c.gpus_per_node)
+    if n <= g:
+        return [("", stages, False)]
+    out = [("stages in a node", g, replicas > 1)]
+    if replicas > 1:
+        out.append(("replicas in a node", max(1, g // replicas), replicas > g))
+    return out
+
+
+def _pipeline_device(c: Cluster, stages_per_node: int, stages: int) -> Device:
+    """The simulator's device for a pipeline with `stages_per_node`; when the whole pipeline
+    sits in a node the inter-node link plays no part and is left out (so the cache hits)."""
+    dev = dataclasses.replace(c.device(), name="", gpus_per_node=stages_per_node)
+    if stages <= stages_per_node:
+        bw, lat = c.link(False)
+        return dataclasses.replace(dev, inter_node_bandwidth=bw, p2p_latency=lat)
+    return dev
+
+
+def _hybrid(
+    w: Workload, c: Cluster, t: PipeTiming, replicas: int, across: str, spans: bool, sync: bool
+) -> tuple[float, float, float]:
+    """(step time, exposed traffic, peak memory) of a pipeline replica with `replicas`
+    sharing gradients `across` ('dp' or 'fsdp'; module docstring)."""
+    bw, lat = c.link(spans)
+    memory = max(t.memory)
+    if replicas == 1:
+        return t.step_time, 0.0, memory
+    if across == "dp":
+        comm = [ring_time("all-reduce", GRAD_BYTES * p, replicas, bw, lat) for p in t.params]
+        opt = list(t.optimizer)
+    else:
+        comm = [
+            ring_time("reduce-scatter", GRAD_BYTES * p, replicas, bw, lat)
+            + ring_time("all-gather", PARAM_BYTES * p, replicas, bw, lat)
+            for p in t.params
+        ]
+        opt = [o / replicas for o in t.optimizer]
+        memory = max(m - s * (1 - 1 / replicas) for m, s in zip(t.memory, t.state))
+    if sync:  # after each rank's last backward; the step ends at the slowest rank's update
+        extra = max(x + o - d for x, o, d in zip(comm, opt, t.drain))
+        step = t.step_time + extra
+    else:  # a whole step to hide it in
+        base = t.step_time + max(opt) - max(t.optimizer)
+        step = max(base, max(x + o for x, o in zip(comm, opt)))
+    return step, max(0.0, step - t.step_time), memory
+
+
+def pipelines(w: Workload, c: Cluster, schedules: tuple[str, ...]) -> list[Option]:
+    """Every pipeline configuration of `schedules`: P (powers of two, P <= N and the model's
+    layers), D = N / P replicas sharing by DP or FSDP, each placement; m = global batch / D."""
+    from stalepipe.config.registry import PIPELINE_SCHEDULES
+
+    out = []
+    limit = c.memory_gb * 1e9
+    for stages in (2**i for i in range(1, w.num_gpus.bit_length())):
+        if w.num_gpus % stages or stages > min(w.cfg.num_layers, MAX_STAGES):
+            continue
+        replicas = w.num_gpus // stages
+        m = w.global_batch // replicas
+        if w.global_batch % replicas or m < stages:
+            continue
+        for spn_name, spn, spans in _placements(c, w.num_gpus, stages, replicas):
+            dev = _pipeline_device(c, spn, stages)
+            for name in schedules:
+                try:
+                    t = pipeline_timing(w.cfg, w.seq_len, w.mfu, dev, name, stages, m)
+                except ConfigError:
+                    continue  # too many stages for the layers, or m too small for it
+                sync = PIPELINE_SCHEDULES[name].policy == "sync"
+                for across in ("dp", "fsdp") if replicas > 1 else ("dp",):
+                    step, exposed, mem = _hybrid(w, c, t, replicas, across, spans, sync)
+                    policy = PIPELINE_SCHEDULES[name].policy
+                    tps = w.global_batch * w.seq_len / step
+                    out.append(Option(name, policy, stages, replicas, across, m, 1, spn_name,
+                                      step, exposed, t.bubble, mem, limit, tps))  # fmt: skip
+    return out
+
+
+def all_options(
+    w: Workload, c: Cluster, async_schedules: tuple[str, ...] = ("2bw",)
+) -> list[Option]:
+    """DP, FSDP and every pipeline configuration (synchronous, and `async_schedules`)."""
+    if w.num_gpus < 1 or w.global_batch < 1:
+        raise ConfigError("the GPU count and the global batch must be >= 1")
+    flat = [data_parallel(w, c, sharded=s) for s in (False, True)]
+    return [o for o in flat if o is not None] + pipelines(w, c, SYNC_PIPELINES + async_schedules)
+
+
+def best(options: list[Option], policy: str = "sync", kind: str | None = None) -> Option | None:
+    """The fastest option of `policy` (and `kind`) that fits in memory; None when none does."""
+    ok = [o for o in options if o.policy == policy and o.fits and kind in (None, o.kind)]
+    return max(ok, key=lambda o: o.tokens_per_s, default=None)

@@ -1,0 +1,88 @@
+"""`stalepipe verdict --cluster`: the best fitting 2bw against the best fitting synchronous
+configuration of any kind, the crossover map's calls on a sweep whose token taxes are known,
+--json, and bad input as one line."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from stalepipe.analysis import cluster_verdict as cv
+from stalepipe.analysis.results import build_rows, load_runs
+from stalepipe.analysis.verdict import judge_sweep
+from stalepipe.cli import main
+
+CLUSTER = ["--cluster", "h100-ib", "--gpus", "16", "--global-batch", "64"]
+
+
+def test_map_calls_follow_the_known_tax(curve_sweep):
+    """adamw_2bw+ef needs 1.09-1.11x sync's tokens (the fixture's stretch, 3 seeds): a 1.5x
+    throughput edge makes it sooner, none makes it later, 1.10x is inside its interval."""
+    s = cv.setting("smollm-135m", "h100-ib", 16, 64)
+    tp, options = cv.throughputs(s)
+    assert {r.name for r in tp.rows} >= {"dp", "fsdp", "1f1b", "zb-h1", "2bw"}
+    assert tp.best_sync().fits and tp.best_sync().policy == "sync"
+    assert len(options) > 20 and all(
+        o.fits for o in options if o.tokens_per_s == tp.best_sync().tokens_per_s
+    )
+    verdicts, _ = judge_sweep(build_rows(load_runs(curve_sweep)), tp)
+    ef = next(v for v in verdicts if v.label == "adamw_2bw+ef")
+    low, high = ef.target.interval()[1:]
+    assert 1.05 < low < high < 1.15
+    assert cv.cell_verdict(ef, 1.5) == "async sooner"
+    assert cv.cell_verdict(ef, 1.0) == "sync sooner"
+    assert cv.cell_verdict(ef, (low + high) / 2) == "inconclusive"
+    assert cv.headline(verdicts)[0].label == "adamw_2bw+ef"  # the lowest measured overhead first
+
+
+def test_cluster_verdict_end_to_end(curve_sweep, capsys):
+    assert main(["verdict", str(curve_sweep), *CLUSTER, "--model", "smollm-135m", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["configuration"]: r for r in doc["verdicts"]}
+    ef = rows["adamw_2bw+ef"]
+    assert ef["async_config"].startswith("2bw P=") and "tok/s" in ef["best_sync"]
+    assert ef["best_sync_tokens_per_s"] > 0 and len(ef["time_to_target_ci"]) == 3
+    assert any("cluster model" in line for line in doc["inputs"])
+    out = curve_sweep / "verdict"
+    assert (out / "verdict.png").stat().st_size > 10_000
+    with open(out / "verdict_map.csv") as f:
+        cells = list(csv.DictReader(f))
+    assert len(cells) >= 50 and {"16", "32"} <= {c["gpus"] for c in cells}
+    # every cell's call is the rule applied to its own edge: sooner above the interval, later below
+    low, high = ef["time_to_target_ci"][1:]
+    tax_low, tax_high = (x * ef_speedup(ef) for x in (low, high))
+    for c in cells:
+        edge = float(c["speedup"])
+        want = "async sooner" if edge > tax_high else "sync sooner" if edge < tax_low else None
+        if want and abs(edge - tax_high) > 1e-3 and abs(edge - tax_low) > 1e-3:
+            assert c["adamw_2bw+ef"] == want, c
+
+
+def ef_speedup(row: dict) -> float:
+    return row["async_tokens_per_s"] / row["best_sync_tokens_per_s"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--cluster", "h100-ibb"], "did you mean 'h100-ib'"),
+        (["--cluster", "h100-ib", "--gpus", "12"], "not a whole number of h100-ib nodes"),
+        (
+            ["--cluster", "h100-ib", "--gpus", "32", "--global-batch", "8"],
+            "use --global-batch >= 32",
+        ),
+        (["--cluster", "h100-ib", "--global-batch", "lots"], "give sequences"),
+        (["--cluster", "BAD.json"], "did you mean 'inter_node_gbps'"),
+        (["--cluster", "h100-ib", "--stages", "4"], "drop --stages"),
+        (["--model", "smollm-135m", "--gpus", "8"], "add --cluster"),
+    ],
+)
+def test_bad_cluster_input_is_one_line(args, message, curve_sweep, tmp_path, capsys):
+    (tmp_path / "BAD.json").write_text(json.dumps({"inter_node_gpbs": 25}))
+    argv = [str(tmp_path / a) if a == "BAD.json" else a for a in args]
+    assert main(["verdict", str(curve_sweep), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("stalepipe: error: ") and "\n" not in err and message in err, err
+    assert not (curve_sweep / "verdict").exists()

@@ -1,0 +1,118 @@
+"""The cluster model against hand-computed cases: ring collectives, FSDP's traffic and overlap,
+a 1F1B bubble, memory refusal, the fast steady timer against the reference simulator."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from stalepipe.config import ConfigError
+from stalepipe.schedules.generators import make_schedule
+from stalepipe.sim import parallel as par
+from stalepipe.sim.cluster import CLUSTERS, get_cluster, ring_bytes_per_rank, ring_time
+from stalepipe.sim.simulate import model_config
+from stalepipe.sim.steady import Plan
+from stalepipe.sim.timing import simulate, summarize, uniform_costs
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 64])
+def test_ring_all_reduce_moves_2_n_minus_1_over_n_of_the_bytes(n):
+    assert ring_bytes_per_rank("all-reduce", 1000.0, n) == pytest.approx(2 * (n - 1) / n * 1000)
+    assert ring_bytes_per_rank("all-gather", 1000.0, n) == pytest.approx((n - 1) / n * 1000)
+    # alpha-beta: 2(n-1) latency steps plus the bytes over the slowest link
+    t = ring_time("all-reduce", 1e9, n, bandwidth=50e9, latency=1e-5)
+    assert t == pytest.approx(2 * (n - 1) * 1e-5 + 2 * (n - 1) / n * 1e9 / 50e9)
+    assert ring_time("all-reduce", 1e9, 1, 50e9, 1e-5) == 0.0
+
+
+def test_the_slowest_link_bounds_a_ring_that_leaves_the_node():
+    c = CLUSTERS["h100-ib"]
+    assert c.link(False) == pytest.approx((3600e9 / 8, 5e-6))
+    assert c.link(True) == pytest.approx((400e9 / 8, 10e-6))
+    assert get_cluster("h100-ib", 25).link(True)[0] == 25e9 / 8
+
+
+def _one_layer_workload(n: int, batch: int) -> par.Workload:
+    cfg = dataclasses.replace(model_config("llama-10b"), num_layers=1, vocab_size=64)
+    return par.Workload(cfg, 4096, batch, n)
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_fsdp_traffic_and_exposed_time_by_hand(slow):
+    """One unit: forward = gather (the first, never hidden) + max(0, gather - F); backward =
+    max(0, gather + reduce-scatter - 2F); bytes: bf16 weights gathered, fp32 grads scattered.
+    A fast link hides all but the first gather; a slow one exposes the rest too."""
+    w = _one_layer_workload(16, 16 * 16)  # 16 sequences a GPU, in one microbatch
+    c = dataclasses.replace(CLUSTERS["h100-ib"], inter_node_gbps=1.0 if slow else 400.0)
+    o = par.data_parallel(w, c, sharded=True)
+    (params, flops), = par._units(w.cfg, w.seq_len)  # fmt: skip
+    bw, lat = c.link(True)
+    gather = (16 - 1) * lat + 15 / 16 * 2 * params / bw
+    scatter = (16 - 1) * lat + 15 / 16 * 4 * params / bw
+    f = 16 * 4096 * flops / (c.peak_tflops * 1e12 * w.mfu)
+    exposed = gather + max(0, gather - f) + max(0, gather + scatter - 2 * f)
+    assert o.microbatch_size == 16 and o.exposed_comm == pytest.approx(exposed)
+    assert (o.exposed_comm > gather) is slow  # compute hides the rest only on the fast link
+
+
+def test_dp_all_reduce_overlaps_the_last_backward():
+    w = _one_layer_workload(16, 16)
+    c = CLUSTERS["h100-eth25"]
+    o = par.data_parallel(w, c, sharded=False)
+    (params, flops), = par._units(w.cfg, w.seq_len)  # fmt: skip
+    ar = ring_time("all-reduce", 4 * params, 16, *c.link(True))
+    backward = 2 * 4096 * flops / (c.peak_tflops * 1e12 * w.mfu)
+    assert o.exposed_comm == pytest.approx(max(0.0, ar - backward)) and o.exposed_comm > 0
+
+
+def test_a_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1():
+    for P, m in [(4, 8), (8, 16)]:
+        sched = make_schedule("1f1b", P, m, 3)
+        t = Plan(sched).time(uniform_costs(P))  # F = BI = BW = 1: a step is (m + P - 1) x 3
+        assert t.step_time == pytest.approx(3 * (m + P - 1))
+        assert 1 - sum(t.busy) / (P * t.step_time) == pytest.approx((P - 1) / (m + P - 1))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-v", "2bw", "interleaved-1f1b"])
+def test_the_fast_steady_timer_equals_the_reference_simulator(name):
+    cfg = model_config("smollm-135m")
+    dev = CLUSTERS["h100-eth25"].device()
+    dev = dataclasses.replace(dev, gpus_per_node=2)  # p2p across nodes too
+    sched = make_schedule(name, 4, 8, 3)
+    from stalepipe.sim.simulate import model_costs
+
+    for costs in model_costs(sched, cfg, dev, {}, mfu=0.4, seq_len=1024, mb_size=1):
+        assert Plan(sched).time(costs).step_time == pytest.approx(
+            summarize(simulate(sched, costs)).step_time
+        )
+
+
+def test_what_does_not_fit_is_kept_and_marked_never_chosen():
+    """A 10.9B model: plain DP holds 18 bytes a parameter (196 GB) on every GPU of 80 GB."""
+    w = par.Workload(model_config("llama-10b"), 4096, 64, 16)
+    opts = par.all_options(w, CLUSTERS["h100-ib"])
+    dp = next(o for o in opts if o.schedule == "dp")
+    assert not dp.fits and dp.peak_memory > 18 * 10.9e9 and dp.label() == "dp x16 (microbatch 1)"
+    assert par.best(opts, kind="dp") is None
+    chosen = par.best(opts)
+    assert chosen is not None and chosen.fits and chosen.kind in ("fsdp", "hybrid", "pp")
+
+
+def test_2bw_keeps_two_weight_versions():
+    w = par.Workload(model_config("smollm-360m"), 1024, 64, 4)
+    opts = par.pipelines(w, CLUSTERS["h100-ib"], ("1f1b", "2bw"))
+    one = {(o.schedule, o.stages): o for o in opts}
+    assert one[("2bw", 4)].peak_memory > one[("1f1b", 4)].peak_memory
+
+
+def test_cluster_presets_and_files(tmp_path):
+    assert {"h100-ib", "h100-eth100", "h100-eth25", "h100-pcie"} <= set(CLUSTERS)
+    (tmp_path / "mine.json").write_text(json.dumps({"base": "h100-ib", "inter_node_gbps": 50}))
+    assert get_cluster(str(tmp_path / "mine.json")).inter_node_gbps == 50
+    (tmp_path / "bad.toml").write_text("inter_node_gpbs = 50\n")
+    with pytest.raises(ConfigError, match="did you mean 'inter_node_gbps'"):
+        get_cluster(str(tmp_path / "bad.toml"))
+    with pytest.raises(ConfigError, match="did you mean 'h100-ib'"):
+        get_cluster("h100-ibb")
