@@ -233,8 +233,10 @@ def build_rows(runs: list[Run]) -> list[Row]:
     rows = []
     for members in groups.values():
         members.sort(key=lambda r: (r.seed if r.seed is not None else 0, r.name))
+        # one configuration planned under several names (e.g. a length study's 2x arm and an
+        # --extend 2 of the 1x arm) reads as its names, not as a list of its whole config
         labels = {r.group for r in members}
-        label = labels.pop() if len(labels) == 1 and "" not in labels else ""
+        label = " = ".join(sorted(labels)) if "" not in labels else ""
         config = members[0].config
         vals = [
             r.final_val for r in members if r.status == "finished" and math.isfinite(r.final_val)
