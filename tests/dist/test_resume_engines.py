@@ -15,7 +15,12 @@ import torch
 
 from stalepipe.errors import CheckpointError, UserError
 from stalepipe.runtime import checkpoint_parts as stage_ckpt
-from stalepipe.rundir.checkpoint import list_checkpoints, load_checkpoint
+from stalepipe.rundir.checkpoint import (
+    checkpoint_step,
+    list_checkpoints,
+    load_checkpoint,
+    remove_checkpoint,
+)
 from stalepipe.train.loop import train
 from stalepipe.rundir.resume import config_diff
 
@@ -35,8 +40,8 @@ def _on(cfg, engine: str, P: int):
 def _drop_after(cfg, step: int) -> None:
     """Delete the checkpoints after `step` ("crash" there)."""
     for p in list_checkpoints(Path(cfg.out_dir) / cfg.name):
-        if int(p.stem.split("_")[1]) > step:
-            p.unlink()
+        if checkpoint_step(p) > step:
+            remove_checkpoint(p)
 
 
 def _emulate(cfg) -> None:
