@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import time
 import warnings
@@ -119,9 +120,15 @@ def _corrupt(path: Path, reason: str) -> CheckpointError:
 
 
 def _reason(e: BaseException) -> str:
-    text = str(e).strip()
-    line = next((ln.strip() for ln in text.splitlines() if "Error" in ln), "")
-    return (line or (text.splitlines()[0] if text else type(e).__name__))[:160]
+    """The line that says what went wrong: DCP wraps a rank's error with its traceback."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines()]
+    said = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception): ", ln)]
+    return (said[-1] if said else lines[0] if lines else type(e).__name__)[:200]
+
+
+def _failed(e: BaseException) -> bool:
+    """An error of reading a shard (DCP's CheckpointException is a BaseException)."""
+    return isinstance(e, Exception) or type(e).__name__ == "CheckpointException"
 
 
 class ShardedCheckpoint:
@@ -158,7 +165,9 @@ class ShardedCheckpoint:
 
         try:
             return dcp.FileSystemReader(shard).read_metadata()
-        except Exception as e:  # a missing or truncated .metadata
+        except BaseException as e:  # a missing or truncated .metadata
+            if not _failed(e):
+                raise
             raise _corrupt(self.path, f"{shard.name}: {_reason(e)}") from None
 
     @property
@@ -180,7 +189,9 @@ class ShardedCheckpoint:
             try:
                 with _quiet():
                     dcp.load(want, storage_reader=dcp.FileSystemReader(shard), no_dist=True)
-            except Exception as e:  # a missing, truncated or unreadable data file
+            except BaseException as e:  # a missing, truncated or unreadable data file
+                if not _failed(e):
+                    raise
                 raise _corrupt(self.path, f"{shard.name}: {_reason(e)}") from None
         return {k: t for want in by_shard.values() for k, t in want.items()}
 
