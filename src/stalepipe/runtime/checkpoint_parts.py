@@ -140,9 +140,13 @@ def flatten_part(
     weights by name. Returns (tensors, meta): meta is the non-tensor rest, JSON-safe."""
     tensors = {f"model/{n}": t for n, t in weights.items()}
     opt, scalars, groups = delayed["optimizer"], {}, []
+    own = {n for s in stages for n in delayed["names"][s]}
     for g in opt["param_groups"]:
         groups.append({k: v for k, v in g.items() if k != "params"})
+        groups[-1]["param_names"] = [n for n in g["param_names"] if n in own]
         for i, n in zip(g["params"], g["param_names"], strict=True):
+            if n not in own:
+                continue
             for key, v in opt["state"].get(i, {}).items():
                 if isinstance(v, torch.Tensor):
                     tensors[f"optim/{n}/{key}"] = v
