@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import multiprocessing as mp
+import shutil
 import statistics
 import tempfile
 import time
@@ -196,6 +197,7 @@ def main() -> None:
         for i, (label, cfg) in enumerate(contenders(args)):
             cfg = dataclasses.replace(cfg, name=f"c{i}", out_dir=tmp)
             _print(label, measure(cfg, Path(data_dir), Path(tmp) / f"c{i}", args), args.stages)
+            shutil.rmtree(Path(tmp) / f"c{i}")  # free the disk before the next contender
 
 
 if __name__ == "__main__":
