@@ -1,24 +1,31 @@
-"""What one checkpoint costs: seconds, and as a share of a training step and of wall time.
+"""What one checkpoint costs, the old single file against DCP shards, side by side.
 
-Run: OMP_NUM_THREADS=1 python benchmarks/checkpoint_cost.py [--repeats 5] [--skip-smollm]
+Run: OMP_NUM_THREADS=1 python benchmarks/checkpoint_cost.py [--repeats 3] [--skip-smollm]
 
 Each contender is the emulator engine a run trains with (`train.emulated.EmulatorEngine`, on
-CPU, fp32): `cpu-small`, and `smollm-135m` (the preset's model shape, trained here on small
-batches of the packaged excerpt, since a step of the preset's 256 x 1024 tokens takes most of an
-hour on two cores). Each one trains a few steps, timed, then writes `--repeats` checkpoints
-through the run's own path (`EmulatorEngine.checkpoint`: the state dict, `torch.save` to a
-temporary file, fsync, rename, pruning to `train.keep_last`); the median is reported. The
-delayed contender (2bw + EF) also stores a second weight version and the EF buffer, the
-largest checkpoint a common run writes.
+CPU, fp32) at `--stages` pipeline stages: `cpu-small`, and `smollm-135m` (the preset's model
+shape, trained here on small batches of the packaged excerpt). After a few steps its state is
+written `--repeats` times in each format:
 
-`at N s` is the share of wall time a time-based checkpoint every N seconds costs
-(`train.ckpt_every_s`): ckpt / (N + ckpt).
+- old: the single file `ckpt_<k>.pt` of older versions (`save_legacy_checkpoint`: the whole
+  state, `torch.save` to a temporary file, fsync, rename), which every runtime rank read whole;
+- new: one DCP shard per stage, as the runtime's processes write them (`flatten_part` of the
+  stage's state, `rundir.sharded.save_part`; here one after the other in one process), then
+  the commit (manifest, rename).
+
+Loading is measured per rank, each load in a fresh spawned process (so its peak RSS is its
+own): rank r re-splits the checkpoint for stage r (`checkpoint_parts.stage_state`), through
+`open_checkpoint`. `read MB` is the bytes the process read from files (`rchar` of
+/proc/self/io, page cache included), `peak MB` its peak RSS above its RSS before the load.
+The median of the repeats is reported.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import multiprocessing as mp
+import shutil
 import statistics
 import tempfile
 import time
@@ -29,7 +36,9 @@ import torch
 from stalepipe.config import DataConfig, ExperimentConfig, apply_overrides
 from stalepipe.data import prepare_corpus
 from stalepipe.presets import get_preset
-from stalepipe.rundir.checkpoint import latest_checkpoint
+from stalepipe.rundir.checkpoint import commit_checkpoint, open_checkpoint, save_legacy_checkpoint
+from stalepipe.rundir.sharded import save_part
+from stalepipe.runtime.checkpoint_parts import flatten_part, saved_split, stage_state
 from stalepipe.train.distributed import SINGLE_PROCESS
 from stalepipe.train.emulated import EmulatorEngine
 from stalepipe.train.engine import StepPlan
@@ -58,75 +67,137 @@ def contenders(args: argparse.Namespace) -> list[tuple[str, ExperimentConfig]]:
                 {
                     **model_overrides,
                     **delay,
+                    "pipeline.num_stages": str(args.stages),
                     "train.num_steps": str(args.steps + 1),
                     "train.warmup_steps": "0",
                     "train.progress": "false",
-                    "train.keep_last": "2",
                 },
             )
             out.append((f"{preset} {policy}", cfg))
     return out
 
 
-def measure(cfg: ExperimentConfig, data_dir: Path, run_dir: Path, repeats: int) -> dict:
-    """Train cfg.train.num_steps steps (the first one untimed), then write `repeats` checkpoints."""
+def _status_mb(field: str) -> float:
+    """VmRSS (now) or VmHWM (peak) of this process, in MiB; ru_maxrss would carry the
+    spawning parent's peak across exec."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _rchar() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _load_rank(path: str, stage: int, threads: int) -> dict:
+    """One rank's load, in its own process: what `PipelineEngine._resume` reads for `stage`."""
+    import torch.distributed.checkpoint  # noqa: F401 - imported before the clock starts
+
+    torch.set_num_threads(threads)
+    base_rss, base_read, t = _status_mb("VmRSS"), _rchar(), time.perf_counter()
+    flat = open_checkpoint(Path(path))
+    _, _, names = saved_split(flat)
+    stage_state(
+        flat, [stage], names, {"state": {}, "param_groups": []}, [set()] * len(names)
+    )  # reads every kept version
+    seconds = time.perf_counter() - t
+    peak = _status_mb("VmHWM") - base_rss
+    return {"s": seconds, "read": (_rchar() - base_read) / 2**20, "peak": peak}
+
+
+def _save_both(engine: EmulatorEngine, cfg: ExperimentConfig, run_dir: Path, step: int) -> dict:
+    """Write the state at `step` in both formats; seconds each."""
+    state = {
+        "config": cfg.to_dict(),
+        "model": engine.model.state_dict(),
+        "engine": engine.emulator.state_dict(),
+        "rng": torch.get_rng_state(),
+    }
+    t = time.perf_counter()
+    save_legacy_checkpoint(run_dir, step, state)
+    old = time.perf_counter() - t
+    t = time.perf_counter()
+    delayed = engine.emulator.delayed.state_dict()
+    weights = dict(engine.model.named_parameters())  # a tied head once, as its owner
+    for s, names in enumerate(delayed["names"]):
+        own = {n: weights[n].detach() for n in names}
+        tensors, meta = flatten_part(delayed, [s], own, torch.get_rng_state() if s == 0 else None)
+        save_part(run_dir, step, s, tensors, meta)
+    manifest = {"config": cfg.to_dict(), "ranks": list(range(len(delayed["names"])))}
+    commit_checkpoint(run_dir, step, manifest, keep_last=10**6)
+    return {"old": old, "new": time.perf_counter() - t}
+
+
+def measure(cfg: ExperimentConfig, data_dir: Path, run_dir: Path, args) -> dict:
+    """Train, then save `args.repeats` times in both formats and load each rank's part."""
     run_dir.mkdir(parents=True)
     engine = EmulatorEngine(cfg, SINGLE_PROCESS, torch.device("cpu"), data_dir, run_dir, None)
-    step_s = []
-    t = time.perf_counter()
-    for r in engine.steps(StepPlan(cfg.train)):
-        now = time.perf_counter()
-        if r.step > 0:  # step 0 allocates the optimizer state and the versions
-            step_s.append(now - t)
-        t = now
-    ckpt_s = []
-    for i in range(repeats):
-        t = time.perf_counter()
-        engine.checkpoint(cfg.train.num_steps + i)
-        ckpt_s.append(time.perf_counter() - t)
-    size = latest_checkpoint(run_dir).stat().st_size
-    params = sum(p.numel() for p in engine.model.parameters())
-    return {"params": params, "mb": size / 2**20, "step": step_s, "ckpt": ckpt_s}
+    for _ in engine.steps(StepPlan(cfg.train)):
+        pass
+    step = cfg.train.num_steps
+    for i in range(args.repeats):
+        (run_dir / f"r{i}").mkdir()
+    saves = [_save_both(engine, cfg, run_dir / f"r{i}", step) for i in range(args.repeats)]
+    pool = mp.get_context("spawn")
+    out = {"save": saves, "load": {}}
+    for fmt, name in (("old", f"ckpt_{step:08d}.pt"), ("new", f"ckpt_{step:08d}")):
+        for r in range(cfg.pipeline.num_stages):
+            runs = []
+            for i in range(args.repeats):
+                with pool.Pool(1) as p:
+                    runs.append(p.apply(_load_rank, (str(run_dir / f"r{i}" / name), r, 1)))
+            out["load"][fmt, r] = runs
+        files = [p for p in (run_dir / "r0" / name).rglob("*") if p.is_file()]
+        out[fmt + "_mb"] = sum(p.stat().st_size for p in (files or [run_dir / "r0" / name]))
+    return out
+
+
+def _print(label: str, m: dict, stages: int) -> None:
+    med = statistics.median
+    for fmt in ("old", "new"):
+        save = med(s[fmt] for s in m["save"])
+        for r in range(stages):
+            runs = m["load"][fmt, r]
+            print(
+                f"{label:<20}{fmt:>5}{m[fmt + '_mb'] / 2**20:>9.1f}{save:>8.2f}{r:>6}"
+                f"{med(x['s'] for x in runs):>8.2f}{med(x['read'] for x in runs):>9.1f}"
+                f"{med(x['peak'] for x in runs):>9.1f}",
+                flush=True,
+            )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=5, help="checkpoints written per contender")
-    ap.add_argument("--steps", type=int, default=3, help="timed training steps per contender")
+    ap.add_argument("--repeats", type=int, default=3, help="saves and loads per contender")
+    ap.add_argument("--steps", type=int, default=2, help="training steps before the saves")
+    ap.add_argument("--stages", type=int, default=2, help="pipeline stages (= runtime ranks)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--smollm-batch", type=int, default=2, help="sequences per smollm step")
     ap.add_argument("--smollm-seq", type=int, default=256, help="tokens per smollm sequence")
     ap.add_argument("--skip-smollm", action="store_true", help="only cpu-small (fast)")
-    ap.add_argument("--interval", type=float, default=300.0, help="train.ckpt_every_s to price")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary dir)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         data_dir = prepare_corpus(
             DataConfig(corpus="excerpt", data_dir=f"{tmp}/data"), progress=False
         )
-        N = args.interval
         print(
-            f"{args.threads} thread(s), median of {args.repeats} checkpoints and of "
-            f"{args.steps} steps each; 'at {N:g} s' = ckpt / ({N:g} s + ckpt)"
+            f"{args.stages} stages, {args.threads} thread(s), median of {args.repeats}; load = "
+            f"one rank's load in a fresh process (read: bytes read, peak: RSS above its start)"
         )
-        head = f"{'contender':<20}{'params':>12}{'ckpt MB':>9}{'ckpt s':>8}{'range s':>14}"
-        head += f"{'tokens/step':>13}{'step s':>8}{'ckpt/step':>11}{f'at {N:g} s':>10}"
-        print(head)
+        print(
+            f"{'contender':<20}{'fmt':>5}{'ckpt MB':>9}{'save s':>8}{'rank':>6}{'load s':>8}"
+            f"{'read MB':>9}{'peak MB':>9}"
+        )
         for i, (label, cfg) in enumerate(contenders(args)):
             cfg = dataclasses.replace(cfg, name=f"c{i}", out_dir=tmp)
-            m = measure(cfg, Path(data_dir), Path(tmp) / f"c{i}", args.repeats)
-            ckpt, step = statistics.median(m["ckpt"]), statistics.median(m["step"])
-            spread = f"{min(m['ckpt']):.2f}-{max(m['ckpt']):.2f}"
-            tokens = cfg.train.batch_size * cfg.data.seq_len
-            print(
-                f"{label:<20}{m['params']:>12,}{m['mb']:>9.1f}{ckpt:>8.2f}{spread:>14}"
-                f"{tokens:>13,}{step:>8.2f}{ckpt / step:>10.2f}x{ckpt / (N + ckpt):>10.2%}",
-                flush=True,
-            )
-            for p in (Path(tmp) / f"c{i}").glob("ckpt_*.pt"):
-                p.unlink()  # free the disk before the next contender
+            _print(label, measure(cfg, Path(data_dir), Path(tmp) / f"c{i}", args), args.stages)
+            shutil.rmtree(Path(tmp) / f"c{i}")  # free the disk before the next contender
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from stalepipe.errors import EXIT_PEER, EXIT_PREEMPTED, EXIT_USER, TrainingError
 from stalepipe.runtime.checkpoint_parts import wait_part
 from stalepipe.runtime.topology import Topology
 from stalepipe.launch.processes import host_store, supervise, worker_env
-from stalepipe.rundir.checkpoint import load_checkpoint
+from stalepipe.rundir.checkpoint import list_checkpoints, load_checkpoint
 from stalepipe.launch.train import launch_train, spawn_ranks
 from stalepipe.rundir.startup import StartUp
 
@@ -345,4 +345,4 @@ def test_ctrl_c_reaches_every_rank_once_and_the_run_stops_with_a_checkpoint(make
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == EXIT_PREEMPTED, err
     assert "stopped by SIGINT after " in err and "--resume" in err, err
-    assert list(run.glob("ckpt_*.pt")), err
+    assert list_checkpoints(run), err

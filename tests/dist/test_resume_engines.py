@@ -15,7 +15,13 @@ import torch
 
 from stalepipe.errors import CheckpointError, UserError
 from stalepipe.runtime import checkpoint_parts as stage_ckpt
-from stalepipe.rundir.checkpoint import list_checkpoints, load_checkpoint
+from stalepipe.rundir.checkpoint import (
+    checkpoint_step,
+    list_checkpoints,
+    load_checkpoint,
+    open_checkpoint,
+    remove_checkpoint,
+)
 from stalepipe.train.loop import train
 from stalepipe.rundir.resume import config_diff
 
@@ -35,8 +41,8 @@ def _on(cfg, engine: str, P: int):
 def _drop_after(cfg, step: int) -> None:
     """Delete the checkpoints after `step` ("crash" there)."""
     for p in list_checkpoints(Path(cfg.out_dir) / cfg.name):
-        if int(p.stem.split("_")[1]) > step:
-            p.unlink()
+        if checkpoint_step(p) > step:
+            remove_checkpoint(p)
 
 
 def _emulate(cfg) -> None:
@@ -111,14 +117,14 @@ def test_pipedream_refuses_another_split(make_cfg):
     # The checkpoint copied into a new run directory: the loaders refuse it with the fix.
     other = dataclasses.replace(_on(cfg, "emulate", 2), name="pd2")
     (Path(cfg.out_dir) / "pd2").mkdir()
-    shutil.copy(run_dir / "ckpt_00000002.pt", Path(cfg.out_dir) / "pd2")
+    shutil.copytree(run_dir / "ckpt_00000002", Path(cfg.out_dir) / "pd2" / "ckpt_00000002")
     with pytest.raises(CheckpointError, match="resume with --pipeline.num_stages 3"):
         train(other, resume=True, verbose=False)
-    state = load_checkpoint(run_dir / "ckpt_00000002.pt")
-    names = [list(n) for n in state["engine"]["delayed"]["names"]]
+    flat = open_checkpoint(run_dir / "ckpt_00000002")
+    names = stage_ckpt.saved_split(flat)[2]
     split = [names[0] + names[1], names[2]]
     with pytest.raises(CheckpointError, match="delays each stage differently"):
-        stage_ckpt.stage_state(state, [0], split, {"state": {}, "param_groups": []}, [{1}, set()])
+        stage_ckpt.stage_state(flat, [0], split, {"state": {}, "param_groups": []}, [{1}, set()])
     train(cfg, resume=True, verbose=False)  # the run's own split resumes
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from stalepipe.config import ConfigError, OptimConfig
-from stalepipe.rundir.checkpoint import list_checkpoints
+from stalepipe.rundir.checkpoint import checkpoint_step, list_checkpoints, remove_checkpoint
 from stalepipe.train.loop import train
 
 CASES = {
@@ -32,8 +32,8 @@ CASES = {
 
 def _drop_after(cfg, step: int) -> None:
     for p in list_checkpoints(Path(cfg.out_dir) / cfg.name):
-        if int(p.stem.split("_")[1]) > step:
-            p.unlink()
+        if checkpoint_step(p) > step:
+            remove_checkpoint(p)
 
 
 def _on_emulator(cfg):

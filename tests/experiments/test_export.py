@@ -11,7 +11,8 @@ from stalepipe.config import DataConfig, ExperimentConfig, ModelConfig, TrainCon
 from stalepipe.experiments.export import ExportError, export_hf
 from stalepipe.fileio import NotOwnedError
 from stalepipe.models import build_model
-from stalepipe.rundir.checkpoint import save_checkpoint
+from stalepipe.rundir.checkpoint import commit_checkpoint, save_legacy_checkpoint
+from stalepipe.rundir.sharded import save_part
 
 BASE = dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128,
             max_seq_len=32, rope_theta=500.0, norm_eps=1e-6)  # fmt: skip
@@ -19,8 +20,9 @@ DENSE = ModelConfig(**BASE)
 MOE = ModelConfig(**BASE, num_experts=4, top_k=2, expert_ffn_dim=32, tie_embeddings=False)
 
 
-def make_run(tmp_path, model_cfg, *, tokenizer="byte", dtype="float32", name="run"):
-    """A run directory holding one checkpoint of a freshly initialised model."""
+def make_run(tmp_path, model_cfg, *, tokenizer="byte", dtype="float32", name="run", fmt="dcp"):
+    """A run directory holding one checkpoint of a freshly initialised model: DCP shards (what
+    `stalepipe train` writes), or an older version's single file (`fmt="legacy"`)."""
     cfg = ExperimentConfig(
         name=name,
         model=model_cfg,
@@ -34,7 +36,14 @@ def make_run(tmp_path, model_cfg, *, tokenizer="byte", dtype="float32", name="ru
                 p.uniform_(0.5, 1.5)
     run_dir = tmp_path / name
     os.makedirs(run_dir)
-    save_checkpoint(run_dir, 7, {"config": cfg.to_dict(), "model": model.state_dict()}, 1)
+    if fmt == "legacy":
+        save_legacy_checkpoint(run_dir, 7, {"config": cfg.to_dict(), "model": model.state_dict()})
+    else:
+        weights = {n: p for n, p in model.named_parameters()}  # a tied head once, as the owner
+        meta = {"step": 7, "policy": None, "num_stages": 1, "stages": [0], "names": {"0": []}}
+        meta |= {"param_groups": [], "scalars": {}}
+        save_part(run_dir, 7, 0, {f"model/{n}": t for n, t in weights.items()}, meta)
+        commit_checkpoint(run_dir, 7, {"config": cfg.to_dict(), "ranks": [0]}, 1)
     return run_dir, model.eval()
 
 
@@ -152,10 +161,11 @@ def test_exported_files_follow_the_umask(tmp_path):
         assert stat.S_IMODE(f.stat().st_mode) == 0o644, f.name
 
 
-def test_cli_export_and_eval(tmp_path, capsys):
+@pytest.mark.parametrize("fmt", ["dcp", "legacy"])
+def test_cli_export_and_eval(tmp_path, capsys, fmt):
     from stalepipe.cli import main
 
-    run_dir, _ = make_run(tmp_path, MOE)
+    run_dir, _ = make_run(tmp_path, MOE, fmt=fmt)
     assert main(["export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
     assert "MixtralForCausalLM" in capsys.readouterr().out
     assert main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 2  # not empty
@@ -191,7 +201,7 @@ def test_bpe_tokenizer_is_found_from_another_working_directory(tmp_path, monkeyp
     run_dir = work / "runs" / "run"
     run_dir.mkdir(parents=True)
     state = {"config": cfg.to_dict(), "model": build_model(model_cfg, seed=3).state_dict()}
-    save_checkpoint(run_dir, 7, state, 1)
+    save_legacy_checkpoint(run_dir, 7, state)  # an older version's single file
     monkeypatch.chdir(tmp_path)
     result = export_hf(run_dir, tmp_path / "hf")
     assert result.tokenizer == "bpe", result.notes

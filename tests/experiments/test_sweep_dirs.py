@@ -21,6 +21,7 @@ from stalepipe.experiments.sweep import (
     write_error,
 )
 from stalepipe.fileio import MARKER, NotOwnedError, make_owned_dir
+from stalepipe.rundir.checkpoint import list_checkpoints, remove_checkpoint
 
 
 def _short(tiny_config, steps=3):
@@ -98,8 +99,8 @@ def test_a_run_that_stopped_before_its_first_checkpoint_starts_over(tiny_config,
     out = tmp_path / "sweep"
     run_sweep(specs, base, out, log=lambda m: None)
     run_dir = out / "sync_s0"
-    for ckpt in run_dir.glob("ckpt_*.pt"):
-        ckpt.unlink()
+    for ckpt in list_checkpoints(run_dir):
+        remove_checkpoint(ckpt)
     (run_dir / "metrics.jsonl").write_text('{"step": 0, "loss": 5.0}\n')  # killed at step 1
     res = run_sweep(specs, base, out, log=lambda m: None)
     assert res.ran == ["sync_s0"] and not res.failed
@@ -113,8 +114,8 @@ def test_a_sweep_committed_without_checkpoints_runs_only_what_is_missing(tiny_co
     # 2bw_s0 was stopped by a signal after step 1 (its checkpoint is not committed)
     stopped = out / "2bw_s0" / "metrics.jsonl"
     uninterrupted = read_vals(out / "2bw_s0")
-    for ckpt in (out / "2bw_s0").glob("ckpt_*.pt"):
-        ckpt.unlink()
+    for ckpt in list_checkpoints(out / "2bw_s0"):
+        remove_checkpoint(ckpt)
     stopped.write_text("".join(stopped.read_text().splitlines(keepends=True)[:2]))
     files = record_files(out)
     assert not any(f.name.startswith("ckpt_") for f in files)
@@ -132,7 +133,7 @@ def test_a_sweep_committed_without_checkpoints_runs_only_what_is_missing(tiny_co
     res = run_sweep(specs, base, there, log=lambda m: None)
     assert sorted(res.ran) == ["2bw_s0", "fixed-2_s0"] and not res.failed
     assert (there / "sync_s0" / "metrics.jsonl").read_bytes() == before
-    assert not list((there / "sync_s0").glob("ckpt_*.pt"))
+    assert not list_checkpoints(there / "sync_s0")
     # the rerun 2bw_s0 equals the uninterrupted one (same data, same seed)
     assert read_vals(there / "2bw_s0") == uninterrupted
 

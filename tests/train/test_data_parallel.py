@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stalepipe.rundir.checkpoint import latest_checkpoint, load_checkpoint
+from stalepipe.rundir.checkpoint import latest_checkpoint, load_checkpoint, remove_checkpoint
 from stalepipe.train.loop import train
 
 
@@ -67,7 +67,7 @@ def test_two_ranks_equal_one_process(tiny_config, tmp_path, policy, ef):
     _assert_close(_weights(single.run_dir), _weights(run_dir))
 
     if policy == "2bw":  # resume the 2-rank run on 1 rank from its step-3 checkpoint
-        os.remove(f"{run_dir}/ckpt_00000006.pt")
+        remove_checkpoint(Path(run_dir) / "ckpt_00000006")
         resumed = train(dp, resume=True, verbose=False)
         _assert_close(_weights(single.run_dir), _weights(resumed.run_dir))
 

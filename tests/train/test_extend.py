@@ -12,7 +12,12 @@ import torch
 
 from stalepipe.cli import main
 from stalepipe.errors import CheckpointError, UserError
-from stalepipe.rundir.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint
+from stalepipe.rundir.checkpoint import (
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_checkpoint,
+)
 from stalepipe.rundir.metrics import read_metrics
 from stalepipe.train.loop import train
 
@@ -55,7 +60,7 @@ def test_wsd_extends_from_its_stable_phase(tiny_config):
     with pytest.raises(UserError, match="train.num_steps"):
         train(_cfg(tiny_config, "run", num_steps=16, **wsd), resume=True, verbose=False)
     # ... its step-8 one, from the stable phase, can (here: after dropping the later one)
-    checkpoint_path(run, 12).unlink()
+    remove_checkpoint(checkpoint_path(run, 12))
     extended = train(_cfg(tiny_config, "run", num_steps=16, **wsd), resume=True, verbose=False)
     _assert_bitwise(_final(longer.run_dir), _final(extended.run_dir))
 
@@ -72,7 +77,7 @@ def test_resume_with_a_lower_lr_uses_it_and_matches_a_branch(tiny_config):
     base = _cfg(tiny_config, "base", num_steps=8)
     train(base, verbose=False)
     lower = dataclasses.replace(base.optim, lr=5e-4)
-    checkpoint_path(Path(base.out_dir) / "base", 8).unlink()  # resume from step 4
+    remove_checkpoint(checkpoint_path(Path(base.out_dir) / "base", 8))  # resume from step 4
     resumed = train(dataclasses.replace(base, optim=lower), resume=True, verbose=False)
     lrs = {r["step"]: r["lr"] for r in read_metrics(resumed.run_dir) if "lr" in r}
     assert lrs[7] == pytest.approx(5e-4)
@@ -118,7 +123,7 @@ def test_config_json_resume_continues_the_run_from_any_directory(
     another working directory (config.json keeps its relative out_dir and data_dir)."""
     cfg = _cfg(tiny_config, "here", num_steps=8)
     run = train(cfg, verbose=False).run_dir
-    checkpoint_path(run, 8).unlink()
+    remove_checkpoint(checkpoint_path(run, 8))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)

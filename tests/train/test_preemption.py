@@ -62,7 +62,7 @@ def test_signal_checkpoints_then_resume_equals_uninterrupted(tiny_config, monkey
         train(cfg, verbose=False)
     assert Preempted.exit_code == EXIT_PREEMPTED == 75
     # the signal came after step 4's update: step 5 is the first every process agrees on
-    assert [p.name for p in list_checkpoints(Path(cfg.out_dir) / cfg.name)] == ["ckpt_00000006.pt"]
+    assert [p.name for p in list_checkpoints(Path(cfg.out_dir) / cfg.name)] == ["ckpt_00000006"]
     monkeypatch.undo()
     resumed = train(cfg, resume=True, verbose=False)
     assert len(resumed.train_losses) == 6
@@ -83,8 +83,8 @@ def test_checkpoint_clock_writes_checkpoints_without_changing_the_run(tiny_confi
     # a clock that is always due: every step checkpoints (keep_last of them stay)
     clocked = train(_cfg(tiny_config, "clocked", ckpt_every_s=1e-9, keep_last=3), verbose=False)
     kept = [p.name for p in list_checkpoints(clocked.run_dir)]
-    assert kept == ["ckpt_00000010.pt", "ckpt_00000011.pt", "ckpt_00000012.pt"]
-    assert [p.name for p in list_checkpoints(plain.run_dir)] == ["ckpt_00000012.pt"]
+    assert kept == ["ckpt_00000010", "ckpt_00000011", "ckpt_00000012"]
+    assert [p.name for p in list_checkpoints(plain.run_dir)] == ["ckpt_00000012"]
     _assert_bitwise(_final(plain.run_dir), _final(clocked.run_dir))
 
 

@@ -19,7 +19,7 @@ import torch
 from stalepipe.cli import main
 from stalepipe.errors import CheckpointError, DataError, UserError
 from stalepipe.fileio import MARKER, NotOwnedError, make_owned_dir, mark_owned, remove_owned_dir
-from stalepipe.rundir.checkpoint import list_checkpoints
+from stalepipe.rundir.checkpoint import list_checkpoints, remove_checkpoint
 from stalepipe.rundir.directory import (
     RUN_ENTRIES,
     RUN_KIND,
@@ -145,14 +145,14 @@ def test_remove_owned_dir_rules(tmp_path, monkeypatch):
     assert inner.is_dir() and outer.is_dir()
     remove_owned_dir(inner, "run", ["config.json"], within=outer, fix="x")
     assert sorted(p.name for p in outer.iterdir()) == [MARKER, "config.json"]
-    assert "logs" in RUN_ENTRIES and "ckpt_*.pt" in RUN_ENTRIES
+    assert "logs" in RUN_ENTRIES and "ckpt_*" in RUN_ENTRIES
 
 
 def test_resume_without_a_checkpoint_is_an_error_and_writes_nothing(tiny_config):
     cfg = _cfg(tiny_config)
     run_dir = train(cfg, verbose=False).run_dir
     for ckpt in list_checkpoints(run_dir):
-        ckpt.unlink()  # a run killed before its first checkpoint
+        remove_checkpoint(ckpt)  # a run killed before its first checkpoint
     before = _snapshot(run_dir)
     with pytest.raises(CheckpointError, match="has no checkpoint .* --overwrite"):
         train(cfg, resume=True, verbose=False)
@@ -173,9 +173,10 @@ def test_refused_resume_writes_nothing(tiny_config):
         train(other, resume=True, verbose=False)
     assert _snapshot(run_dir) == before
     last = list_checkpoints(run_dir)[-1]
-    last.write_bytes(last.read_bytes()[:100])  # truncated
+    shard = next(last.glob("rank_*/*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated
     before = _snapshot(run_dir)
-    with pytest.raises(CheckpointError, match="corrupt or incomplete; delete it"):
+    with pytest.raises(CheckpointError, match=r"corrupt or incomplete \(.*\); delete it"):
         open_run_dir(cfg, resume=True, overwrite=False)
     assert _snapshot(run_dir) == before
 
@@ -185,7 +186,7 @@ def test_meta_keeps_every_invocation(tiny_config):
     run_dir = train(cfg, verbose=False).run_dir
     first = json.loads((run_dir / "meta.json").read_text())
     assert [r["resumed_from_step"] for r in first["invocations"]] == [None]
-    list_checkpoints(run_dir)[-1].unlink()
+    remove_checkpoint(list_checkpoints(run_dir)[-1])
     train(cfg, resume=True, verbose=False)
     meta = json.loads((run_dir / "meta.json").read_text())
     records = invocations(meta)
@@ -203,7 +204,7 @@ def test_meta_keeps_every_invocation(tiny_config):
     # an older stalepipe's meta.json (no invocation list) becomes the first record
     legacy = {"stalepipe": "0.0.1", "argv": ["old"], "started": "then", "resumed": False}
     (run_dir / "meta.json").write_text(json.dumps(legacy))
-    list_checkpoints(run_dir)[-1].unlink()
+    remove_checkpoint(list_checkpoints(run_dir)[-1])
     train(cfg, resume=True, verbose=False)
     meta = json.loads((run_dir / "meta.json").read_text())
     assert meta["argv"] == ["old"] and meta["resumed"] is True
@@ -268,7 +269,7 @@ def test_resume_from_another_working_directory(tiny_config, tmp_path, monkeypatc
     cfg = _cfg(dataclasses.replace(tiny_config, out_dir="runs"), num_steps=4, ckpt_every=2)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data_dir="data/ex"))
     run_dir = train(cfg, verbose=False).run_dir.resolve()
-    list_checkpoints(run_dir)[-1].unlink()
+    remove_checkpoint(list_checkpoints(run_dir)[-1])
     saved_text = (run_dir / "config.json").read_text()
     monkeypatch.chdir(elsewhere)
     out_dir, name = saved_run_location(run_dir / "config.json")

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from stalepipe.errors import CheckpointError, TrainingError, UserError
-from stalepipe.rundir.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from stalepipe.rundir.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    remove_checkpoint,
+)
 from stalepipe.rundir.metrics import TIMING_FIELDS, read_metrics
 from stalepipe.train.loop import train
 
@@ -34,7 +39,7 @@ def test_loss_falls_and_run_directory_is_complete(tiny_config):
     records = read_metrics(run)
     assert [r["step"] for r in records] == list(range(30))
     assert [r["step"] for r in records if "val_loss" in r] == [9, 19, 29]
-    assert latest_checkpoint(run).name == "ckpt_00000030.pt"
+    assert latest_checkpoint(run).name == "ckpt_00000030"
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
@@ -44,7 +49,7 @@ def test_resume_equals_uninterrupted_bitwise(tiny_config, tmp_path, dropout):
     # Simulate a crash right after the step-10 checkpoint: drop what came later, then resume.
     crashed = tmp_path / "crashed"
     shutil.copytree(full.run_dir, crashed / cfg.name)
-    (crashed / cfg.name / "ckpt_00000012.pt").unlink()
+    remove_checkpoint(crashed / cfg.name / "ckpt_00000012")
     resumed = train(dataclasses.replace(cfg, out_dir=str(crashed)), resume=True, verbose=False)
 
     a = load_checkpoint(latest_checkpoint(full.run_dir))
@@ -87,15 +92,29 @@ def test_resume_with_a_different_config_is_refused(tiny_config):
         train(changed, resume=True, verbose=False)
 
 
-def test_corrupt_checkpoint_is_reported_with_the_fix(tiny_config):
-    run = train(_with(tiny_config, train={"num_steps": 4, "ckpt_every": 2}), verbose=False).run_dir
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_corrupt_checkpoint_is_reported_with_the_fix(tiny_config, damage):
+    cfg = _with(tiny_config, train={"num_steps": 4, "ckpt_every": 2})
+    run = train(cfg, verbose=False).run_dir
     last = list_checkpoints(run)[-1]
-    last.write_bytes(last.read_bytes()[:100])  # truncated by a crash of the disk, say
-    with pytest.raises(CheckpointError, match="corrupt.*delete it"):
-        train(
-            _with(tiny_config, train={"num_steps": 4, "ckpt_every": 2}), resume=True, verbose=False
-        )
-    assert last.exists()  # nothing deleted behind the user's back
+    shard = next(last.glob("rank_*/*.distcp"))
+    if damage == "truncated":  # by a crash of the disk, say
+        shard.write_bytes(shard.read_bytes()[:100])
+    else:
+        shard.unlink()
+    with pytest.raises(
+        CheckpointError,
+        match=r"^checkpoint .*ckpt_00000004 is corrupt or incomplete "
+        r"\(rank_000/__0_0.distcp is missing or short\); delete it \(rm -r .*\) "
+        r"to resume from the previous checkpoint, or start over with --overwrite$",
+    ):
+        train(cfg, resume=True, verbose=False)
+    assert last.exists() and [p.name for p in list_checkpoints(run)] == [
+        "ckpt_00000002",
+        "ckpt_00000004",
+    ]  # nothing deleted behind the user's back
+    shutil.rmtree(last)  # the fix the message names
+    assert len(train(cfg, resume=True, verbose=False).train_losses) == 2  # steps 2 and 3
 
 
 def test_checkpoint_of_another_model_is_refused(tiny_config, tmp_path):
@@ -128,11 +147,11 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_config, monkeypa
     cfg = _with(tiny_config, train={"num_steps": 6, "ckpt_every": 2})
     with pytest.raises(
         TrainingError,
-        match=r"non-finite loss \(nan\) at step 3; last good checkpoint: .*ckpt_00000002.pt",
+        match=r"non-finite loss \(nan\) at step 3; last good checkpoint: .*ckpt_00000002",
     ):
         train(cfg, verbose=False)
     ckpts = list_checkpoints(f"{tiny_config.out_dir}/tiny")
-    assert [c.name for c in ckpts] == ["ckpt_00000002.pt"]
+    assert [c.name for c in ckpts] == ["ckpt_00000002"]
     assert load_checkpoint(ckpts[0])["step"] == 2
 
 

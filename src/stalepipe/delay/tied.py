@@ -26,8 +26,9 @@ Who calls it:
   `combine_grads` sums the gradients on the owner; it only moves tensors on the `tied_w` and
   `tied_grad` channels (`runtime.comm`). `runtime.stage.StageExecutor` calls the transport;
   `runtime.tied.resume_head` restores the head's copies from a checkpoint.
-- `train.pipelined` passes `aliases` (the merged checkpoint's head is the owner's tensor) to
-  `runtime.checkpoint_parts.merge_parts`.
+- checkpoints save the owner's matrix once: `aliases` names the head as the owner's tensor
+  when a checkpoint is read whole (`rundir.checkpoint.load_checkpoint`) and when the head's
+  process resumes (`train.pipelined`, which also reads the owner's keys).
 
 Nothing else in the package decides anything about tying: the model builds the tie
 (`models.transformer`) and names its two ends (`models.partition`); parameter counts

@@ -1,7 +1,8 @@
 """Load a trained model back from a run directory (or one checkpoint file), for export and eval.
 
 `RUN` on the command line is a run directory (`runs/<name>`), a run name under `runs/`, or a
-checkpoint file `ckpt_XXXXXXXX.pt`; a directory means its newest checkpoint.
+checkpoint (a `ckpt_XXXXXXXX` directory of DCP shards, or an older version's
+`ckpt_XXXXXXXX.pt` file); a run directory means its newest checkpoint.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from stalepipe.config import ExperimentConfig
 from stalepipe.errors import CheckpointError
 from stalepipe.models import Transformer, build_model
 from stalepipe.rundir.checkpoint import latest_checkpoint, load_checkpoint, load_model_state
+from stalepipe.rundir.sharded import MANIFEST
 
 
 @dataclass
@@ -47,21 +49,21 @@ def resolve_checkpoint(run: str | Path) -> Path:
     p = Path(run)
     if not p.exists() and not p.is_absolute() and (Path("runs") / p).exists():
         p = Path("runs") / p
-    if p.is_file():
+    if p.is_file() or (p / MANIFEST).is_file():
         return p
     if not p.is_dir():
         raise CheckpointError(f"{run} is neither a run directory nor a checkpoint file")
     ckpt = latest_checkpoint(p)
     if ckpt is None:
         raise CheckpointError(
-            f"run directory {p} has no checkpoint (ckpt_XXXXXXXX.pt); train it first, e.g. "
+            f"run directory {p} has no checkpoint (ckpt_XXXXXXXX); train it first, e.g. "
             f"`stalepipe train --config {p / 'config.json'}`"
         )
     return ckpt
 
 
 def load_trained(run: str | Path) -> TrainedRun:
-    """Read the checkpoint `run` names with `weights_only=True`; weights stay on the CPU."""
+    """Read the checkpoint `run` names (its model's weights only); weights stay on the CPU."""
     path = resolve_checkpoint(run)
     state: dict[str, Any] = load_checkpoint(path)
     if "config" not in state:

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import time
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from stalepipe.fileio import (
     remove_owned_dir,
     write_json_atomic,
 )
-from stalepipe.rundir.checkpoint import checkpoint_step, latest_checkpoint
+from stalepipe.rundir.checkpoint import check_complete, checkpoint_step, latest_checkpoint
 from stalepipe.rundir.metrics import read_metrics
 from stalepipe.rundir.resume import config_diff
 from stalepipe.runtime.checkpoint_parts import PARTS_DIR
@@ -80,7 +79,7 @@ RUN_ENTRIES = (
     "config.json",
     "meta.json",
     "metrics.jsonl",
-    "ckpt_*.pt",
+    "ckpt_*",  # checkpoint directories (rundir.sharded) and older versions' files
     "*.tmp*",
     "tensorboard",
     "logs",
@@ -235,15 +234,11 @@ def _check_resumable(run_dir: Path, cfg: ExperimentConfig) -> Path:
     if ckpt is None:
         done = len({r.get("step") for r in read_metrics(run_dir)})
         raise CheckpointError(
-            f"--resume: {run_dir} has no checkpoint (ckpt_XXXXXXXX.pt) to continue from (it "
+            f"--resume: {run_dir} has no checkpoint (ckpt_XXXXXXXX) to continue from (it "
             f"stopped after {done} logged step(s), before its first checkpoint); start it over "
             f"with --overwrite, or {RUN_FIX}"
         )
-    if not zipfile.is_zipfile(ckpt):  # cheap (reads the end of the file): a truncated save
-        raise CheckpointError(
-            f"checkpoint {ckpt} is corrupt or incomplete; delete it to resume from the previous "
-            f"checkpoint, or start over with --overwrite"
-        )
+    check_complete(ckpt)  # cheap: a truncated file, a missing or short shard
     saved_cfg = run_dir / "config.json"
     if saved_cfg.is_file():
         try:

@@ -29,6 +29,7 @@ from stalepipe.rundir.checkpoint import (
     checkpoint_step,
     list_checkpoints,
 )
+from stalepipe.rundir.sharded import MANIFEST
 
 # Fields that may differ between a run and its resumption without changing the trajectory.
 RESUMABLE_CHANGES = {
@@ -133,7 +134,7 @@ def changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
 
 
 def parent_checkpoint(spec: str, steps: int | None = None) -> Path:
-    """`--init-from` RUN_DIR (its newest checkpoint), RUN_DIR@STEP, or a checkpoint file;
+    """`--init-from` RUN_DIR (its newest checkpoint), RUN_DIR@STEP, or a checkpoint;
     with `steps` (the new run's train.num_steps), one that leaves steps to train."""
     path = _parent_checkpoint(spec)
     step = parent_meta(path)["parent"]["step"]
@@ -148,18 +149,18 @@ def parent_checkpoint(spec: str, steps: int | None = None) -> Path:
 def _parent_checkpoint(spec: str) -> Path:
     run, _, step = spec.partition("@")
     path = Path(run)
-    if path.is_file():
+    if path.is_file() or (path / MANIFEST).is_file():
         return path
     kept = list_checkpoints(path)
     steps = ", ".join(str(checkpoint_step(p)) for p in kept) or "none"
     if not kept:
         raise CheckpointError(
             f"--init-from {spec}: no checkpoint in {path} (checkpoints: none); give a run "
-            f"directory that has one, RUN@STEP, or a ckpt_XXXXXXXX.pt file"
+            f"directory that has one, RUN@STEP, or a checkpoint (ckpt_XXXXXXXX)"
         )
     if not step:
         return kept[-1]
-    if not step.isdigit() or not checkpoint_path(path, int(step)).is_file():
+    if not step.isdigit() or not checkpoint_path(path, int(step)).exists():
         raise CheckpointError(
             f"--init-from {spec}: {path} has no checkpoint of step {step} (it has: {steps})"
         )

@@ -21,16 +21,13 @@ import torch
 
 from stalepipe.config import ExperimentConfig
 from stalepipe.data import EVAL_SEED, TokenLoader
-from stalepipe.delay import DelayEmulator, DelaySchedule
+from stalepipe.delay import DelayEmulator, DelaySchedule, tied
 from stalepipe.models import Transformer, build_model
 from stalepipe.optim import build_optimizer
 from stalepipe.optim.lr_schedule import apply_lr, config_peak_lr
-from stalepipe.rundir.checkpoint import (
-    load_checkpoint,
-    load_model_state,
-    save_checkpoint,
-)
-from stalepipe.runtime.checkpoint_parts import emulator_state
+from stalepipe.rundir.checkpoint import commit_checkpoint, load_model_state, open_checkpoint
+from stalepipe.rundir.sharded import clear_staging, save_part
+from stalepipe.runtime.checkpoint_parts import emulator_state, flatten_part, saved_split
 from stalepipe.train.distributed import (
     SINGLE_PROCESS,
     DistContext,
@@ -118,13 +115,21 @@ class EmulatorEngine:
         self.autocast = autocast_for(cfg, device)
         self.start_step, self.resumed_from = 0, None
         if (ckpt := start_from) is not None:
-            state = load_checkpoint(ckpt)
-            load_model_state(self.model, state["model"], ckpt)
-            # any engine's checkpoint, any split
-            with config_peak_lr(self.optimizer):
-                self.emulator.load_state_dict(emulator_state(state, self.emulator.delayed))
-            torch.set_rng_state(state["rng"])
-            self.start_step, self.resumed_from = int(state["step"]), ckpt
+            self._resume(ckpt)
+
+    def _resume(self, ckpt: Path) -> None:
+        """Continue from a checkpoint of either engine and format, any split the policy allows
+        (its keys re-split by name, `runtime.checkpoint_parts`)."""
+        flat = open_checkpoint(ckpt)
+        weights, engine_state = emulator_state(flat, self.emulator.delayed)
+        aliases = tied.aliases(self.cfg.model.tie_embeddings)
+        weights |= {key: weights[source] for key, source in aliases.items()}
+        load_model_state(self.model, weights, ckpt)
+        with config_peak_lr(self.optimizer):
+            self.emulator.load_state_dict(engine_state)
+        if "rng" in flat.stored_keys():
+            torch.set_rng_state(flat.read(["rng"])["rng"])
+        self.start_step, self.resumed_from = saved_split(flat)[0], ckpt
 
     def steps(
         self, plan: StepPlan, requests: Callable[[], int] = no_requests
@@ -171,12 +176,19 @@ class EmulatorEngine:
         return None if ok else "non-finite weights"
 
     def checkpoint(self, step: int) -> Path | None:
-        state = lambda: {  # noqa: E731 - built on the main process only
-            "config": self.cfg.to_dict(),
-            "model": self.model.state_dict(),
-            "engine": self.emulator.state_dict(),
-            "rng": torch.get_rng_state(),
-        }
-        keep = self.cfg.train.keep_last
-        save = lambda: save_checkpoint(self.run_dir, step, state(), keep)  # noqa: E731
-        return on_main_outside_collectives(save, self.ctx, f"the checkpoint of step {step}")
+        return on_main_outside_collectives(
+            lambda: self._save(step), self.ctx, f"the checkpoint of step {step}"
+        )
+
+    def _save(self, step: int) -> Path:
+        """The main process writes every stage as one DCP shard and commits it
+        (`rundir.sharded`); the other replicas hold the same state."""
+        aliases = tied.aliases(self.cfg.model.tie_embeddings)
+        weights = {n: t for n, t in self.model.state_dict().items() if n not in aliases}
+        delayed = self.emulator.delayed.state_dict()
+        stages = list(range(len(delayed["names"])))
+        tensors, meta = flatten_part(delayed, stages, weights, torch.get_rng_state())
+        clear_staging(self.run_dir, step)
+        save_part(self.run_dir, step, 0, tensors, meta)
+        manifest = {"config": self.cfg.to_dict(), "ranks": [0]}
+        return commit_checkpoint(self.run_dir, step, manifest, self.cfg.train.keep_last)

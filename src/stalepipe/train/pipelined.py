@@ -5,8 +5,9 @@ DualPipeV). Every process builds only its own stages (`models.build_stage`, the 
 whole model would have), builds the optimizer from their named parameters, wraps it in the
 delay engine's `DelayedOptimizer` (so versions, Taylor and EF are the emulator's code),
 generates the schedule (`schedules.generators`, the lists the timing simulator times) and
-executes its own list with `runtime.stage.StageExecutor`. Rank 0 writes metrics, prints progress and merges the stage checkpoint parts
-into the stage-agnostic checkpoint of single-process training.
+executes its own list with `runtime.stage.StageExecutor`. Rank 0 writes metrics and prints
+progress; every process of replica 0 writes its own DCP shard of each checkpoint, and rank 0
+commits them (`rundir.sharded`).
 
 Launch with `torchrun ... -m stalepipe train --pipeline.engine distributed ...` or let
 `stalepipe train --pipeline.engine distributed` spawn the processes (`launch.train`).
@@ -18,7 +19,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import shutil
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,7 +34,8 @@ from stalepipe.errors import Preempted
 from stalepipe.models import Transformer, build_stage, partition
 from stalepipe.optim import build_optimizer
 from stalepipe.optim.lr_schedule import config_peak_lr, set_peak_lr
-from stalepipe.rundir.checkpoint import load_checkpoint, save_checkpoint
+from stalepipe.rundir import sharded
+from stalepipe.rundir.checkpoint import commit_checkpoint, open_checkpoint
 from stalepipe.rundir.directory import run_data_dir
 from stalepipe.rundir.startup import FRESH, StartUp, begin_run
 from stalepipe.runtime import checkpoint_parts as stage_ckpt
@@ -138,8 +139,8 @@ def run_worker(
     run_dir = Path(cfg.out_dir) / cfg.name
     if rank == 0 and not os.environ.get(PREPARED_ENV):  # torchrun: no launcher did it
         begin_run(cfg, start, verbose=verbose)
-    if rank == 0:  # parts of an interrupted save (maybe of another split): never merge them
-        shutil.rmtree(run_dir / stage_ckpt.PARTS_DIR, ignore_errors=True)
+    if rank == 0:  # shards of an interrupted save (maybe of another split): never commit them
+        sharded.clear_staging(run_dir)
     # Before the groups are made (which waits only pipeline.timeout_s): under torchrun rank 0
     # may have prepared data for long.
     what = "the start-up (data preparation on rank 0)"
@@ -201,8 +202,9 @@ class PipelineEngine:
     the optimizer over their named parameters, wrapped in the delay engine's
     `DelayedOptimizer` (so versions, Taylor and EF are the emulator's code), and the schedule
     (`schedules.generators`, the lists the timing simulator times); `steps` executes this rank's
-    list with `runtime.stage.StageExecutor`. Checkpoints: every stage writes its part, rank 0
-    merges them into the stage-agnostic checkpoint of single-process training."""
+    list with `runtime.stage.StageExecutor`. Checkpoints: every process of replica 0 writes
+    its stages' DCP shard under global names, rank 0 commits the checkpoint; a load reads only
+    this process's parameters, from a checkpoint of any split (`runtime.checkpoint_parts`)."""
 
     def __init__(
         self,
@@ -241,12 +243,6 @@ class PipelineEngine:
             cfg.delay,
             schedule=self.sched.delay,
         )
-        self.skeleton = (
-            build_optimizer(cfg.optim, list(full.named_parameters())).state_dict()
-            if self.rank == 0
-            else None
-        )
-        self.model_keys = list(full.state_dict())
         self.start_step, self.resumed_from, self.tied_versions = 0, None, None
         if start_from is not None:  # a checkpoint (rundir.startup.StartUp.checkpoint)
             self._resume(start_from)
@@ -259,20 +255,24 @@ class PipelineEngine:
         self.losses: list[tuple[int, float]] = []
 
     def _resume(self, ckpt: Path) -> None:
-        """The newest complete (merged) checkpoint, re-split for this stage."""
-        state = load_checkpoint(ckpt)
-        start = int(state["step"])
+        """A checkpoint of either format, engine and split: this process reads its own
+        parameters' keys (and a tied head's owner's), re-split by name."""
+        flat = open_checkpoint(ckpt)
+        start = stage_ckpt.saved_split(flat)[0]
         needed = self.delayed.versions_to_keep(start)
+        aliases = tied.aliases(self.cfg.model.tie_embeddings)
+        extra = list(aliases.values()) if self.cfg.pipeline.num_stages - 1 in self.stages else []
         weights, dstate, per_param = stage_ckpt.stage_state(
-            state, self.stages, self.names_per_stage, self.optimizer.state_dict(), needed
+            flat, self.stages, self.names_per_stage, self.optimizer.state_dict(), needed, extra
         )
         if dstate["policy"] is None:  # a checkpoint without delay state
             dstate["policy"] = self.cfg.delay.policy
+        heads = {key: weights[source] for key, source in aliases.items() if source in weights}
         with torch.no_grad():
             for n, p in self.owned.items():
                 p.copy_(weights[n])
             self.tied_versions = resume_head(
-                self.cfg.model.tie_embeddings, self.modules, state["model"], per_param
+                self.cfg.model.tie_embeddings, self.modules, heads, per_param
             )
         with config_peak_lr(self.optimizer):
             self.delayed.load_state_dict(dstate)
@@ -390,39 +390,30 @@ class PipelineEngine:
 
     def checkpoint(self, step: int) -> Path | None:
         if self.replica == 0:  # the other replicas hold the same stage state
-            part = {
-                "stages": self.stages,
-                "num_stages": self.cfg.pipeline.num_stages,
-                "step": step,
-                "model": {n: p.detach().cpu() for n, p in self.owned.items()},
-                "delayed": self.delayed.state_dict(),
-                "rng": torch.get_rng_state(),
-            }
-            stage_ckpt.save_part(self.run_dir, step, self.pipe_rank, part)
-        path = self._merge(step) if self.rank == 0 else None
-        # The others wait for rank 0's merge here, with a deadline for long work, not in their
+            tensors, meta = stage_ckpt.flatten_part(
+                self.delayed.state_dict(),
+                self.stages,
+                {n: p.detach() for n, p in self.owned.items()},
+                torch.get_rng_state() if self.pipe_rank == 0 else None,
+            )
+            sharded.save_part(self.run_dir, step, self.pipe_rank, tensors, meta)
+        path = self._commit(step) if self.rank == 0 else None
+        # The others wait for rank 0's commit here, with a deadline for long work, not in their
         # next receive (pipeline.timeout_s): a slow save is not a dead peer.
         timeout_s = max(self.cfg.pipeline.timeout_s, MAIN_WORK_TIMEOUT_S)
         self.comm.barrier(f"the checkpoint of step {step}", timeout_s, via_store=True)
         return path
 
-    def _merge(self, step: int) -> Path:
+    def _commit(self, step: int) -> Path:
+        """Wait for every shard of replica 0 (failure records end the wait at once), then
+        rename the staging directory into place and prune."""
         cfg, topo = self.cfg, self.comm.topo
-        timeout = cfg.pipeline.timeout_s
-        parts = [
-            stage_ckpt.wait_part(self.run_dir, step, r, topo, timeout, self.comm.records)
-            for r in range(topo.num_ranks)
-        ]
-        aliases = tied.aliases(cfg.model.tie_embeddings)
-        body = stage_ckpt.merge_parts(parts, self.skeleton, self.model_keys, aliases)
-        path = save_checkpoint(
-            self.run_dir, step, {"config": cfg.to_dict(), **body}, cfg.train.keep_last
-        )
-        step_dir = stage_ckpt.part_path(self.run_dir, step, 0).parent
-        shutil.rmtree(step_dir, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            step_dir.parent.rmdir()  # only when no other step's parts are left
-        return path
+        for r in range(topo.num_ranks):
+            stage_ckpt.wait_part(
+                self.run_dir, step, r, topo, cfg.pipeline.timeout_s, self.comm.records
+            )
+        manifest = {"config": cfg.to_dict(), "ranks": list(range(topo.num_ranks))}
+        return commit_checkpoint(self.run_dir, step, manifest, cfg.train.keep_last)
 
     def worker_result(self, result: TrainResult | None) -> WorkerResult:
         ex = self.executor

@@ -1,0 +1,207 @@
+"""Checkpoints as `torch.distributed.checkpoint` (DCP) shards, one per process.
+
+A checkpoint is a directory `ckpt_<step>/` (format 2):
+
+    checkpoint.json      {"format": 2, "step", "config", "ranks"}: written last
+    rank_<r>/            process r's DCP checkpoint: `.metadata` and `__0_0.distcp`, its state
+                         under global keys (`runtime.checkpoint_parts.flatten_part`), and
+                         state.json, the non-tensor rest of its state (step, policy, its stages
+                         and their parameter names, param groups, integer optimizer counters)
+    .stalepipe.json      the owner marker (`fileio`): a pruned checkpoint is an owned directory
+
+Each process saves with `dcp.save(..., no_dist=True)` into its own `rank_<r>/` of the staging
+directory `.ckpt_<step>.tmp/` (so a save needs no collective: it cannot deadlock with the
+runtime's asynchronous votes, and a stage that dies while saving is seen at once through the
+failure records, `runtime.checkpoint_parts.wait_part`). Rank 0 waits for every shard's
+`.metadata` (DCP writes it last and atomically), writes checkpoint.json and renames the
+staging directory into place (`commit`): a checkpoint under its final name is complete, and
+older ones are pruned only after it is. A loader (`ShardedCheckpoint`) reads every shard's
+small `.metadata` and state.json, then `dcp.load`s only the keys it asks for: a process reads
+the bytes of its own parameters only, whichever split wrote them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stalepipe.errors import CheckpointError
+from stalepipe.fileio import mark_owned, remove_owned_dir, write_json_atomic
+from stalepipe.runtime.checkpoint_parts import part_dir, staging_dir
+
+FORMAT = 2
+MANIFEST = "checkpoint.json"
+STATE = "state.json"  # a shard's non-tensor state, beside its DCP files
+KIND = "checkpoint"  # the owner marker's kind (fileio)
+ENTRIES = (MANIFEST, "rank_*")  # what a checkpoint directory holds besides the marker
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns on every no_dist call that it assumes one process: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+def clear_staging(run_dir: Path, step: int | None = None) -> None:
+    """Delete the staging directory of `step` (default: of every step) an interrupted save
+    left: its shards must never be mixed into a later checkpoint."""
+    steps = [staging_dir(run_dir, step)] if step is not None else Path(run_dir).glob(".ckpt_*.tmp")
+    for path in steps:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def save_part(
+    run_dir: Path, step: int, pipe_rank: int, tensors: dict[str, torch.Tensor], meta: dict
+) -> Path:
+    """Write one process's shard of the checkpoint of `step` into the staging directory:
+    state.json first, then the DCP files, `.metadata` last (the shard is complete when it is
+    there)."""
+    import torch.distributed.checkpoint as dcp
+
+    where = part_dir(run_dir, step, pipe_rank)
+    where.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(where / STATE, meta)
+    tensors = {k: t.detach() for k, t in tensors.items()}
+    with _quiet():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(where), no_dist=True)
+    return where
+
+
+def commit(run_dir: Path, step: int, final: Path, manifest: dict[str, Any]) -> Path:
+    """Rename the staging directory of `step` (every shard written) to `final`, atomically:
+    the manifest and the owner marker go in first. A checkpoint already under that name (a
+    save of the same step again) is moved aside first and deleted after."""
+    staging = staging_dir(run_dir, step)
+    mark_owned(staging, KIND)
+    write_json_atomic(staging / MANIFEST, {"format": FORMAT, "step": step, **manifest})
+    _fsync_dir(staging)
+    aside = None
+    if final.exists():
+        aside = final.with_name(f".{final.name}.old-{os.getpid()}-{time.monotonic_ns()}")
+        os.replace(final, aside)
+    os.replace(staging, final)
+    _fsync_dir(Path(run_dir))
+    if aside is not None:
+        remove_checkpoint_dir(aside)
+    return final
+
+
+def remove_checkpoint_dir(path: Path) -> None:
+    """Delete a checkpoint directory stalepipe wrote (marked, holding only its entries)."""
+    remove_owned_dir(path, KIND, ENTRIES, fix="delete it by hand")
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets a directory be synced
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _corrupt(path: Path, reason: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path} is corrupt or incomplete ({reason}); delete it (rm -r {path}) to "
+        f"resume from the previous checkpoint, or start over with --overwrite"
+    )
+
+
+def _reason(e: BaseException) -> str:
+    """The line that says what went wrong: DCP wraps a rank's error with its traceback."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines()]
+    said = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception): ", ln)]
+    return (said[-1] if said else lines[0] if lines else type(e).__name__)[:200]
+
+
+def _failed(e: BaseException) -> bool:
+    """An error of reading a shard (DCP's CheckpointException is a BaseException)."""
+    return isinstance(e, Exception) or type(e).__name__ == "CheckpointException"
+
+
+class ShardedCheckpoint:
+    """A format-2 checkpoint directory, read lazily: the manifest and every shard's state.json
+    and DCP `.metadata` at once (small), tensors only by key (`read`). Any missing, truncated
+    or foreign file raises CheckpointError naming the checkpoint and the fix."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        try:
+            self.manifest = json.loads((self.path / MANIFEST).read_text())
+            ranks = [self.path / f"rank_{r:03d}" for r in self.manifest["ranks"]]
+            self.metas = [json.loads((d / STATE).read_text()) for d in ranks]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise _corrupt(self.path, _reason(e)) from None
+        if self.manifest.get("format") != FORMAT:
+            raise CheckpointError(
+                f"{self.path} is not a stalepipe checkpoint (format {FORMAT}); delete it or "
+                f"start over with --overwrite"
+            )
+        for meta in self.metas:  # JSON made the param groups' tuples (betas) lists
+            for g in meta["param_groups"]:
+                lists = [k for k, v in g.items() if isinstance(v, list) and k != "param_names"]
+                g.update({k: tuple(g[k]) for k in lists})
+        self._shards = {d: self._metadata(d) for d in ranks}
+        self._where = {
+            key: (d, md)
+            for d, meta in self._shards.items()
+            for key, md in meta.state_dict_metadata.items()
+        }
+
+    def _metadata(self, shard: Path):
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            return dcp.FileSystemReader(shard).read_metadata()
+        except BaseException as e:  # a missing or truncated .metadata
+            if not _failed(e):
+                raise
+            raise _corrupt(self.path, f"{shard.name}: {_reason(e)}") from None
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    def stored_keys(self) -> set[str]:
+        return set(self._where)
+
+    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The tensors of `keys`, read from the shards that hold them (only those bytes)."""
+        import torch.distributed.checkpoint as dcp
+
+        by_shard: dict[Path, dict[str, torch.Tensor]] = {}
+        for key in keys:
+            shard, md = self._where[key]
+            by_shard.setdefault(shard, {})[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        for shard, want in by_shard.items():
+            try:
+                with _quiet():
+                    dcp.load(want, storage_reader=dcp.FileSystemReader(shard), no_dist=True)
+            except BaseException as e:  # a missing, truncated or unreadable data file
+                if not _failed(e):
+                    raise
+                raise _corrupt(self.path, f"{shard.name}: {_reason(e)}") from None
+        return {k: t for want in by_shard.values() for k, t in want.items()}
+
+    def check_files(self) -> None:
+        """Cheap completeness check before a resume writes anything: every data file the
+        shards' metadata names exists and is long enough (no tensor is read)."""
+        for shard, meta in self._shards.items():
+            for info in (meta.storage_data or {}).values():
+                f = shard / info.relative_path
+                if not f.is_file() or f.stat().st_size < info.offset + info.length:
+                    raise _corrupt(
+                        self.path, f"{shard.name}/{info.relative_path} is missing or short"
+                    )

@@ -1,0 +1,159 @@
+"""Checkpoints as DCP shards (rundir.sharded): a runtime run at P = 2 writes one shard per
+process under global names; it resumes at P = 2 and on the emulator at P = 1 bit for bit as
+the uninterrupted run continues; each process reads only its own parameters' keys; an older
+version's single-file checkpoint still resumes; a damaged shard is one line naming the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from stalepipe.errors import CheckpointError
+from stalepipe.rundir.checkpoint import (
+    checkpoint_step,
+    list_checkpoints,
+    open_checkpoint,
+    remove_checkpoint,
+    save_legacy_checkpoint,
+)
+from stalepipe.rundir.sharded import ShardedCheckpoint
+from stalepipe.runtime import checkpoint_parts as stage_ckpt
+from stalepipe.train.distributed import SINGLE_PROCESS
+from stalepipe.train.emulated import EmulatorEngine
+from stalepipe.train.loop import train
+
+
+def _run_dir(cfg) -> Path:
+    return Path(cfg.out_dir) / cfg.name
+
+
+def _drop_after(cfg, step: int) -> None:
+    for p in list_checkpoints(_run_dir(cfg)):
+        if checkpoint_step(p) > step:
+            remove_checkpoint(p)
+
+
+def _emulator(cfg, P: int):
+    pc = dataclasses.replace(cfg.pipeline, engine="emulate", num_stages=P, schedule="1f1b")
+    return dataclasses.replace(cfg, pipeline=pc)
+
+
+def test_runtime_p2_shards_resume_on_p2_and_on_the_emulator_p1(make_cfg, run_dist, dist_utils):
+    # Untied: at P = 1 a tied matrix's two gradients are summed by autograd, at P = 2 in the
+    # runtime's fixed order (docs/design.md, 'Exactness'), so only an untied run is bitwise
+    # across that change of split.
+    cfg = make_cfg("2bw", 2, 2, steps=6, ckpt_every=2, keep_last=3, tied=False)
+    cfg = dataclasses.replace(cfg, delay=dataclasses.replace(cfg.delay, ef=True))  # EF state too
+    run_dist(cfg)
+    want = dist_utils["final_model"](cfg)
+    # the runtime still equals the emulator (exact mode) bit for bit
+    dist_utils["assert_bitwise"](dist_utils["reference"](cfg), want)
+
+    ckpt = _run_dir(cfg) / "ckpt_00000002"
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        ".stalepipe.json",
+        "checkpoint.json",
+        "rank_000",
+        "rank_001",
+    ]
+    assert json.loads((ckpt / "checkpoint.json").read_text())["ranks"] == [0, 1]
+    flat = ShardedCheckpoint(ckpt)
+    names = stage_ckpt.saved_split(flat)[2]
+    for r in (0, 1):  # each shard holds its own stage's weights, optimizer, versions, EF
+        reader = FileSystemReader(ckpt / f"rank_{r:03d}")
+        keys = set(reader.read_metadata().state_dict_metadata)
+        assert {_param(k) for k in keys if k != "rng"} == set(names[r])
+        assert {f"model/{n}" for n in names[r]} <= keys
+        assert any(k.startswith("version/1/") for k in keys)  # 2bw keeps W_1 beside W_2
+        assert any(k.startswith("ef_prev/") for k in keys)
+        assert any(k.startswith("optim/") and k.endswith("/exp_avg_sq") for k in keys)
+    assert "rng" in flat.stored_keys()
+
+    _drop_after(cfg, 2)  # runtime P=2 -> runtime P=2
+    run_dist(cfg, resume=True)
+    dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), want)
+    _drop_after(cfg, 2)  # runtime P=2 -> emulator P=1
+    torch.set_num_threads(1)
+    train(_emulator(cfg, 1), resume=True, verbose=False)
+    dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), want)
+
+
+def _param(key: str) -> str:
+    """The parameter a key of the flat state is about (checkpoint_parts' key scheme)."""
+    kind, _, rest = key.partition("/")
+    return rest.split("/", 1)[1] if kind == "version" else rest.split("/", 1)[0]
+
+
+def test_a_process_reads_only_its_own_keys(make_cfg, run_dist, monkeypatch):
+    cfg = make_cfg("2bw", 2, 2, steps=2)
+    run_dist(cfg)
+    flat = open_checkpoint(list_checkpoints(_run_dir(cfg))[-1])
+    names = stage_ckpt.saved_split(flat)[2]
+    asked: list[str] = []
+    real = ShardedCheckpoint.read
+
+    def spy(self, keys):
+        keys = list(keys)
+        asked.extend(keys)
+        return real(self, keys)
+
+    monkeypatch.setattr(ShardedCheckpoint, "read", spy)
+    for stage in (0, 1):
+        asked.clear()
+        stage_ckpt.stage_state(flat, [stage], names, {"state": {}, "param_groups": []}, [{1}] * 2)
+        assert {_param(k) for k in asked if k != "rng"} == set(names[stage])
+
+
+def test_an_old_single_file_checkpoint_resumes(make_cfg, run_dist, dist_utils, tmp_path):
+    cfg = make_cfg("2bw", 2, 2, steps=6, ckpt_every=2, keep_last=3)
+    run_dist(cfg)
+    want = dist_utils["final_model"](cfg)
+    # what an older version wrote at step 2: the whole state in one ckpt_00000002.pt
+    emu = _emulator(cfg, 2)
+    run_dir = _run_dir(cfg)
+    engine = EmulatorEngine(
+        emu,
+        SINGLE_PROCESS,
+        torch.device("cpu"),
+        Path(cfg.data.data_dir),
+        run_dir,
+        run_dir / "ckpt_00000002",
+    )
+    state = {
+        "config": emu.to_dict(),
+        "model": engine.model.state_dict(),
+        "engine": engine.emulator.state_dict(),
+        "rng": torch.get_rng_state(),
+    }
+    for p in list_checkpoints(run_dir):
+        remove_checkpoint(p)
+    save_legacy_checkpoint(run_dir, 2, state)
+    run_dist(cfg, resume=True)  # the runtime resumes it, and writes DCP from then on
+    dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), want)
+    assert [p.name for p in list_checkpoints(run_dir)] == [
+        "ckpt_00000002.pt",
+        "ckpt_00000004",
+        "ckpt_00000006",
+    ]
+
+
+def test_a_damaged_shard_is_one_line_and_loses_nothing(make_cfg, run_dist):
+    cfg = make_cfg("2bw", 2, 2, steps=4, ckpt_every=2)
+    run_dist(cfg)
+    last = list_checkpoints(_run_dir(cfg))[-1]
+    (last / "rank_001" / "__0_0.distcp").unlink()
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(last).read(["model/norm.weight"])
+    msg = str(err.value)
+    assert "\n" not in msg and "rank_001" in msg and f"delete it (rm -r {last})" in msg, msg
+    with pytest.raises(CheckpointError, match="rank_001/__0_0.distcp is missing or short"):
+        ShardedCheckpoint(last).check_files()
+    (last / "rank_000" / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=r"corrupt or incomplete \(rank_000: "):
+        open_checkpoint(last)
+    assert [checkpoint_step(p) for p in list_checkpoints(_run_dir(cfg))] == [2, 4]
