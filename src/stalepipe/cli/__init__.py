@@ -96,7 +96,7 @@ def _add_train(sub: Subparsers) -> None:
         "--init-from",
         metavar="RUN[@STEP]",
         help="start a new run from another run's newest "
-        "checkpoint (or the one of STEP, or a ckpt_*.pt file), with this run's settings; the "
+        "checkpoint (or the one of STEP, or a ckpt_* checkpoint), with this run's settings; the "
         "parent is recorded in meta.json",
     )
     add("--print-config", action="store_true", help="print the resolved config and exit")
