@@ -210,7 +210,12 @@ def resume_row(s: Setup) -> Row:
     then differs from the first too, and the note gives both differences)."""
     import torch
 
-    from stalepipe.rundir.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint
+    from stalepipe.rundir.checkpoint import (
+        checkpoint_path,
+        latest_checkpoint,
+        load_checkpoint,
+        remove_checkpoint,
+    )
     from stalepipe.train.loop import train
 
     row = Row("resume", "emulator", "2bw+EF", "adamw", False)
@@ -229,7 +234,7 @@ def resume_row(s: Setup) -> Row:
         full = train(cfg, verbose=False)
         crashed = s.work / "crashed"
         shutil.copytree(full.run_dir, crashed / cfg.name)
-        checkpoint_path(crashed / cfg.name, total).unlink()  # as if killed after step `half`
+        remove_checkpoint(checkpoint_path(crashed / cfg.name, total))  # as if killed after `half`
         resumed = train(dataclasses.replace(cfg, out_dir=str(crashed)), resume=True, verbose=False)
         diff = max_abs_diff(final(full.run_dir), final(resumed.run_dir))
         noise = None
