@@ -287,6 +287,10 @@ def test_refusals_name_the_fix(make_cfg):
             dataclasses.replace(make_cfg("zb-h1"), delay=make_cfg("2bw").delay),
             "--delay.policy sync",
         ),
+        (  # the schedule that realises the policy asked for comes first
+            dataclasses.replace(make_cfg("1f1b"), delay=make_cfg("2bw").delay),
+            r"pass --pipeline.schedule 2bw, or --delay.policy sync$",
+        ),
     ]
     for cfg, fix in refused:
         with pytest.raises(ConfigError, match=fix) as e:

@@ -70,9 +70,13 @@ def check_config(cfg: ExperimentConfig) -> None:
     pc, tc = cfg.pipeline, cfg.train
     want = PIPELINE_SCHEDULES[pc.schedule].policy
     if cfg.delay.policy != want:
+        fits = [
+            n for n, s in PIPELINE_SCHEDULES.items() if s.runtime and s.policy == cfg.delay.policy
+        ]
+        fix = f"--pipeline.schedule {' or '.join(fits)}, or " if fits else ""
         raise ConfigError(
             f"pipeline.schedule {pc.schedule} realises delay policy {want!r}, but delay.policy is "
-            f"{cfg.delay.policy!r}; pass --delay.policy {want}"
+            f"{cfg.delay.policy!r}; pass {fix}--delay.policy {want}"
         )
     if pc.schedule == "pipedream" and tc.num_microbatches != 1:
         raise ConfigError(
