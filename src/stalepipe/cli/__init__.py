@@ -197,6 +197,12 @@ def _add_simulate(sub: Subparsers) -> None:
     add("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed")
     add("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
     add("--microbatch-size", type=int, default=1, help="sequences per microbatch")
+    add(
+        "--partition",
+        default="balanced",
+        help="stage split with --model: balanced (by cost, default) | uniform | blocks per "
+        'stage, e.g. "10,8,7,7" (as --pipeline.partition)',
+    )
     add("--times", help='given costs, e.g. "f=1,b=2,opt=0.1,comm=0.05"')
     add("--sync-start", type=int, default=0, help="first K steps synchronous")
     add("--sync-cooldown", type=float, default=0.0, help="last K steps (or fraction) synchronous")
@@ -373,3 +379,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             "stalepipe: interrupted at once; checkpoints already written are kept", file=sys.stderr
         )
         return 130
+    except BrokenPipeError:  # `stalepipe ... | head`: the reader left; nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141

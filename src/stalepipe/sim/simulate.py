@@ -149,6 +149,7 @@ def simulate_main(
     mfu: float = 0.4,
     seq_len: int | None = None,
     microbatch_size: int = 1,
+    partition: str = "balanced",
     times: str | None = None,
     sync_start: int = 0,
     sync_cooldown: float = 0.0,
@@ -158,7 +159,8 @@ def simulate_main(
 ) -> str:
     """Simulate `schedule` (or each of `compare`, comma-separated) on `stages` ranks with
     `microbatches` per step over `steps` steps; return the report text. Costs: analytic from
-    `model` on `device` (MFU `mfu`, `microbatch_size` sequences of `seq_len` tokens), or
+    `model` on `device` (MFU `mfu`, `microbatch_size` sequences of `seq_len` tokens, stages
+    split by `partition`: balanced by cost, uniform, or blocks per stage "3,2,2,1"), or
     `times` ("f=1,b=2,opt=0.1,comm=0.05", per stage "f=1:1:2"), or unit costs. Writes the Gantt
     chart to `plot`, the timed actions to `csv`, the schedules' text form to `text`. In a
     comparison, a schedule that refuses the sizes (e.g. 2bw with m < P-1) gets a row saying
@@ -168,6 +170,8 @@ def simulate_main(
     _check_out(text, (".txt",), "--text")
     if model is not None and times is not None:
         raise ConfigError("give --model (analytic costs) or --times (given costs), not both")
+    if partition != "balanced" and model is None:
+        raise ConfigError("--partition splits a --model's blocks; give --model, or drop it")
     names = _schedule_names(schedule, compare)
     if chunks is not None and all(PIPELINE_SCHEDULES[n].chunks is not None for n in names):
         raise ConfigError(
@@ -189,8 +193,10 @@ def simulate_main(
             sync_start=sync_start,
             sync_cooldown=sync_cooldown,
         )
-        mb = microbatch_size
-        return sched, model_costs(sched, cfg, dev, given, mfu=mfu, seq_len=seq_len, mb_size=mb)
+        mb, split = microbatch_size, partition
+        return sched, model_costs(
+            sched, cfg, dev, given, mfu=mfu, seq_len=seq_len, mb_size=mb, partition=split
+        )
 
     rows, timelines, costs = _simulate_each(names, build)
     if cfg is not None:
@@ -198,7 +204,8 @@ def simulate_main(
         what = (
             f"costs: {model} on {device} at MFU {mfu:.2f}, microbatch = {microbatch_size} x "
             f"{tokens // microbatch_size} = {tokens} tokens, global batch = "
-            f"{microbatches * tokens} tokens; BI = BW = F; optimizer memory-bound"
+            f"{microbatches * tokens} tokens; BI = BW = F; optimizer memory-bound; stages "
+            f"split {partition}"
         )
     else:
         what = f"costs: given ({times}), in time units" if given else UNIT_COSTS
@@ -226,14 +233,16 @@ def model_costs(
     mfu: float,
     seq_len: int | None,
     mb_size: int,
+    partition: str = "balanced",
 ) -> list[CostModel]:
     """Analytic costs of the model `cfg` on `dev`, else the given (--times) or unit costs.
     With chunks, two analytic candidates: stages split by stage FLOPs and by rank FLOPs
-    (`sim.balance`); the simulation keeps the faster, as a user would."""
+    (`sim.balance`); the simulation keeps the faster, as a user would. A `partition` other
+    than balanced (`pipeline.partition`'s uniform or "3,2,2,1") is taken as given."""
     if cfg is None:
         return [_given_costs(given, sched)]
     ranks = tuple(sched.rank_of(s) for s in range(sched.num_stages))
-    splits = [None, ranks] if sched.num_chunks > 1 else [None]
+    splits = [None, ranks] if sched.num_chunks > 1 and partition == "balanced" else [None]
     return [
         analytic_costs(
             cfg,
@@ -243,6 +252,7 @@ def model_costs(
             seq_len=seq_len,
             microbatch_size=mb_size,
             stage_ranks=split,
+            partition=partition,
         )
         for split in splits
     ]

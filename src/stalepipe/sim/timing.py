@@ -168,12 +168,14 @@ def analytic_costs(
     param_bytes: float = 2.0,
     state_bytes_per_param: float = 16.0,
     stage_ranks: tuple[int, ...] | None = None,
+    partition: str = "balanced",
 ) -> CostModel:
     """Seconds per microbatch from FLOPs: F = tokens * stage FLOPs / (peak * mfu); BI = BW = F
     (backward = 2 x forward); optimizer = params * bytes moved / HBM bandwidth; messages are
     bf16 hidden states (tokens * dim * 2 bytes). Stages as in `split_layers`, or, given the
     rank of every stage (`stage_ranks`, a schedule with chunks), balanced per rank
-    (`sim.balance`).
+    (`sim.balance`); `partition` `uniform` or "3,2,2,1" (blocks per stage, as
+    `pipeline.partition`) splits as given instead.
 
     Memory, in bytes, mixed-precision AdamW as Megatron-LM keeps it: `param_bytes` (bf16) per
     parameter per weight version (a stashed version is another bf16 copy), plus
@@ -186,7 +188,9 @@ def analytic_costs(
     if microbatch_size < 1:
         raise ConfigError(f"--microbatch-size must be >= 1, got {microbatch_size}")
     seq_len = seq_len or cfg.max_seq_len
-    if stage_ranks is not None and len(set(stage_ranks)) < num_stages:
+    if partition != "balanced":
+        layers = split_layers(cfg, num_stages, seq_len, partition)
+    elif stage_ranks is not None and len(set(stage_ranks)) < num_stages:
         assert len(stage_ranks) == num_stages, (stage_ranks, num_stages)
         layers = rank_balanced_layers(cfg, seq_len, stage_ranks)
     else:
