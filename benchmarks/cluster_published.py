@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from stalepipe.sim.cluster import CLUSTERS
+from stalepipe.sim.models import model_config
 from stalepipe.sim.parallel import Workload, data_parallel
-from stalepipe.sim.simulate import model_config
 
 TORCHTITAN_H100 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 TORCHTITAN_A100 = "pytorch/torchtitan docs/performance.md (Llama 3, 64 A100)"

@@ -12,7 +12,7 @@ from stalepipe.config import ConfigError
 from stalepipe.schedules.generators import make_schedule
 from stalepipe.sim import parallel as par
 from stalepipe.sim.cluster import CLUSTERS, get_cluster, ring_bytes_per_rank, ring_time
-from stalepipe.sim.simulate import model_config
+from stalepipe.sim.models import model_config
 from stalepipe.sim.steady import Plan
 from stalepipe.sim.timing import simulate, summarize, uniform_costs
 

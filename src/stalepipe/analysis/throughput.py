@@ -123,7 +123,7 @@ def model_shape(name: str) -> tuple[Any, int, int]:
     """The model shape of `name`, its sequence length and global batch in sequences (a
     training preset's own; a simulator shape's context and 512)."""
     from stalepipe.presets import PRESETS
-    from stalepipe.sim.simulate import model_config
+    from stalepipe.sim.models import model_config
 
     cfg = model_config(name)
     if name in PRESETS:

@@ -10,7 +10,6 @@ messages are free: the textbook setting where GPipe's bubble is (P-1)/(m+P-1).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,10 +17,10 @@ from dataclasses import dataclass
 from stalepipe.config import ConfigError, ModelConfig
 from stalepipe.config.registry import PIPELINE_SCHEDULES
 from stalepipe.errors import UserError
-from stalepipe.presets import PRESETS
 from stalepipe.schedules.generators import make_schedule
 from stalepipe.schedules.schedule import PipelineSchedule, validate
 from stalepipe.sim.devices import Device, get_device
+from stalepipe.sim.models import model_config
 from stalepipe.sim.table import LEGEND, format_stages, format_table
 from stalepipe.sim.timing import (
     CostModel,
@@ -33,42 +32,8 @@ from stalepipe.sim.timing import (
     uniform_costs,
 )
 
-# Shapes for what-if simulations only (too large to train here); training presets live in
-# presets.PRESETS and are accepted too.
-SIM_MODELS: dict[str, ModelConfig] = {
-    # ~10.9B parameters: a LLaMA-3-8B-style block (GQA 32/8 heads, SwiGLU 14336) at 48 layers,
-    # GPT-2 vocabulary padded to 50304, untied head, 4096-token context.
-    "llama-10b": ModelConfig(
-        vocab_size=50304,
-        dim=4096,
-        num_layers=48,
-        num_heads=32,
-        num_kv_heads=8,
-        ffn_dim=14336,
-        max_seq_len=4096,
-        rope_theta=500000.0,
-        tie_embeddings=False,
-    ),
-}
-
-# Llama 3 / 3.1 8B (Meta's model card): llama-10b's block at 32 layers, a 128256-token
-# vocabulary, 8192-token context; for checking the cluster model against published figures.
-SIM_MODELS["llama3-8b"] = dataclasses.replace(
-    SIM_MODELS["llama-10b"], vocab_size=128256, num_layers=32, max_seq_len=8192
-)
-
 TIME_KEYS = ("f", "b", "bi", "bw", "opt", "comm")
 UNIT_COSTS = "costs: uniform F = BI = BW = 1 time unit per rank, free updates and messages"
-
-
-def model_config(name: str) -> ModelConfig:
-    """A model shape by name: SIM_MODELS or a training preset of presets.PRESETS."""
-    if name in SIM_MODELS:
-        return SIM_MODELS[name]
-    if name in PRESETS:
-        return PRESETS[name]().model
-    names = ", ".join([*SIM_MODELS, *PRESETS])
-    raise ConfigError(f"unknown --model {name!r}; choose from {names}")
 
 
 def parse_times(text: str) -> dict[str, list[float]]:
@@ -165,20 +130,9 @@ def simulate_main(
     chart to `plot`, the timed actions to `csv`, the schedules' text form to `text`. In a
     comparison, a schedule that refuses the sizes (e.g. 2bw with m < P-1) gets a row saying
     why; alone, it raises. Raises UserError (ConfigError) on bad input; writes nothing then."""
-    _check_out(plot, (".png", ".svg", ".pdf"), "--plot")
-    _check_out(csv, (".csv",), "--csv")
-    _check_out(text, (".txt",), "--text")
-    if model is not None and times is not None:
-        raise ConfigError("give --model (analytic costs) or --times (given costs), not both")
-    if partition != "balanced" and model is None:
-        raise ConfigError("--partition splits a --model's blocks; give --model, or drop it")
-    names = _schedule_names(schedule, compare)
-    if chunks is not None and all(PIPELINE_SCHEDULES[n].chunks is not None for n in names):
-        raise ConfigError(
-            f"--chunks is read by interleaved-1f1b only (zb-v, dualpipev and wpipe always hold "
-            f"2 stages per rank), not by {', '.join(names)}; drop --chunks"
-        )
-    chunks = 2 if chunks is None else chunks
+    names, chunks = _checked_args(
+        schedule, compare, chunks, model, times, partition, plot=plot, csv=csv, text=text
+    )
     cfg = model_config(model) if model is not None else None
     dev = get_device(device) if cfg is not None else None
     given = parse_times(times) if times else {}
@@ -222,6 +176,35 @@ def simulate_main(
     out += ["", *ratios, LEGEND] if ratios else ["", LEGEND]
     out += _write_outputs(timelines, plot, csv, text)
     return "\n".join(out)
+
+
+def _checked_args(
+    schedule: str,
+    compare: str | list[str] | None,
+    chunks: int | None,
+    model: str | None,
+    times: str | None,
+    partition: str,
+    **outputs: str | None,
+) -> tuple[list[str], int]:
+    """simulate_main's argument checks: the schedule names to run and the chunk count.
+    Raises ConfigError naming the fix."""
+    plot, csv, text = outputs["plot"], outputs["csv"], outputs["text"]
+    _check_out(plot, (".png", ".svg", ".pdf"), "--plot")
+    _check_out(csv, (".csv",), "--csv")
+    _check_out(text, (".txt",), "--text")
+    if model is not None and times is not None:
+        raise ConfigError("give --model (analytic costs) or --times (given costs), not both")
+    if partition != "balanced" and model is None:
+        raise ConfigError("--partition splits a --model's blocks; give --model, or drop it")
+    names = _schedule_names(schedule, compare)
+    if chunks is not None and all(PIPELINE_SCHEDULES[n].chunks is not None for n in names):
+        raise ConfigError(
+            f"--chunks is read by interleaved-1f1b only (zb-v, dualpipev and wpipe always hold "
+            f"2 stages per rank), not by {', '.join(names)}; drop --chunks"
+        )
+    chunks = 2 if chunks is None else chunks
+    return names, chunks
 
 
 def model_costs(

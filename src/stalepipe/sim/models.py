@@ -1,0 +1,46 @@
+"""Model shapes the simulator and the cluster model know by name: the training presets of
+`presets.PRESETS` and what-if shapes too large to train here (`SIM_MODELS`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from stalepipe.config import ConfigError, ModelConfig
+from stalepipe.presets import PRESETS
+
+# Shapes for what-if simulations only (too large to train here); training presets live in
+# presets.PRESETS and are accepted too.
+SIM_MODELS: dict[str, ModelConfig] = {
+    # ~10.9B parameters: a LLaMA-3-8B-style block (GQA 32/8 heads, SwiGLU 14336) at 48 layers,
+    # GPT-2 vocabulary padded to 50304, untied head, 4096-token context.
+    "llama-10b": ModelConfig(
+        vocab_size=50304,
+        dim=4096,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=8,
+        ffn_dim=14336,
+        max_seq_len=4096,
+        rope_theta=500000.0,
+        tie_embeddings=False,
+    ),
+}
+
+# Llama 3 / 3.1 8B (Meta's model card): llama-10b's block at 32 layers, a 128256-token
+# vocabulary, 8192-token context; for checking the cluster model against published figures.
+SIM_MODELS["llama3-8b"] = dataclasses.replace(
+    SIM_MODELS["llama-10b"], vocab_size=128256, num_layers=32, max_seq_len=8192
+)
+
+
+def model_config(name: str) -> ModelConfig:
+    """A model shape by name: SIM_MODELS or a training preset of presets.PRESETS."""
+    if name in SIM_MODELS:
+        return SIM_MODELS[name]
+    if name in PRESETS:
+        return PRESETS[name]().model
+    names = ", ".join([*SIM_MODELS, *PRESETS])
+    raise ConfigError(f"unknown --model {name!r}; choose from {names}")
+
+
+__all__ = ["SIM_MODELS", "model_config"]
