@@ -29,7 +29,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from pipeline_memory import print_memory, stage_sizes  # benchmarks/pipeline_memory.py
 from pipeline_replay import replayed_bubble  # benchmarks/pipeline_replay.py
-from pipeline_spans import busy, median_span, timed_call, window  # benchmarks/pipeline_spans.py
+from pipeline_spans import (  # benchmarks/pipeline_spans.py
+    busy,
+    measured_costs,
+    median_span,
+    timed_call,
+    window,
+)
 
 from stalepipe.config import PIPELINE_SCHEDULES, DelayConfig, ModelConfig, OptimConfig
 from stalepipe.delay import DelayedOptimizer
@@ -43,13 +49,14 @@ from stalepipe.runtime.stage_io import ModelLayout, StageIO
 from stalepipe.runtime.topology import Topology
 from stalepipe.runtime.votes import StepVotes, lookahead
 from stalepipe.schedules.generators import make_schedule
-from stalepipe.sim.timing import simulate, summarize, uniform_costs
+from stalepipe.sim.timing import simulate, summarize
 
 P = 2
 OURS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v", "2bw")  # the schedules timed here
-POLICY = {name: PIPELINE_SCHEDULES[name].policy for name in OURS}
+# every registered schedule runs in `ours` (validate_step_time.py times zb-h1 too)
+POLICY = {name: spec.policy for name, spec in PIPELINE_SCHEDULES.items()}
 # stages per process of our schedules (interleaved-1f1b: 2 here)
-CHUNKS = {name: PIPELINE_SCHEDULES[name].stages_per_rank(2) for name in OURS}
+CHUNKS = {name: spec.stages_per_rank(2) for name, spec in PIPELINE_SCHEDULES.items()}
 
 
 def _setup(model_cfg: ModelConfig):
@@ -389,8 +396,7 @@ def _print_row(m: int, rounds: list[dict], args) -> None:
         reports, C = rounds[-1][name], CHUNKS.get(name, 1)
         by_stage = sorted((s, r) for r in reports for s in r["stages"])
         f, b, w = ([median_span(r, kind, stage=s) for s, r in by_stage] for kind in "FBV")
-        u = [median_span(r, "A") / C for _, r in by_stage]  # a rank's update, shared by its stages
-        costs = uniform_costs(C * P, forward=f, backward_input=b, backward_weight=w, optimizer=u)
+        costs = measured_costs(reports)
         sched = make_schedule(name, P, m, steps, num_chunks=C)
         summary = summarize(simulate(sched, costs))
         pred[name], span[name] = summary.bubble, summary.makespan
