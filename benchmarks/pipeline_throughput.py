@@ -89,6 +89,20 @@ class _NoCadence:
         return 0
 
 
+def bench_model(dim: int, layers: int, seq: int) -> ModelConfig:
+    """The benchmark's model: byte vocabulary, 8 heads (4 kv), a SwiGLU of 8/3 dim, untied."""
+    return ModelConfig(
+        vocab_size=256,
+        dim=dim,
+        num_layers=layers,
+        num_heads=8,
+        num_kv_heads=4,
+        ffn_dim=int(dim * 8 / 3) // 8 * 8,
+        max_seq_len=seq,
+        tie_embeddings=False,
+    )
+
+
 def _batch(step: int, m: int, mb: int, T: int, V: int):
     g = torch.Generator().manual_seed(step)
     x = torch.randint(V, (m * mb, T), generator=g)
@@ -291,8 +305,8 @@ TORCH = ("torch-gpipe", "torch-1f1b", "torch-interleaved", "torch-zbv")
 CONTENDERS = (*OURS, *TORCH)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The run's shape: m values, steps (timed after `--warmup`), the model, the microbatch."""
     ap.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--steps", type=int, default=26)
     ap.add_argument("--warmup", type=int, default=2)
@@ -300,6 +314,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--mb", type=int, default=8, help="sequences per microbatch")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_args(ap)
     ap.add_argument(
         "--repeats", type=int, default=3, help="rounds of all contenders (interleaved; medians)"
     )
@@ -307,16 +326,7 @@ def main() -> None:
     if args.layers < 2 * P:
         ap.error(f"--layers must be >= {2 * P}: torch's interleaved and ZB-V schedules split the "
                  f"model into {2 * P} stages")  # fmt: skip
-    cfg = ModelConfig(
-        vocab_size=256,
-        dim=args.dim,
-        num_layers=args.layers,
-        num_heads=8,
-        num_kv_heads=4,
-        ffn_dim=int(args.dim * 8 / 3) // 8 * 8,
-        max_seq_len=args.seq,
-        tie_embeddings=False,
-    )
+    cfg = bench_model(args.dim, args.layers, args.seq)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     sizes = stage_sizes(cfg, args.mb, args.seq)
     pool = WorkerPool(P)

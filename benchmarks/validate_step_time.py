@@ -33,9 +33,13 @@ import statistics
 
 from pipeline_replay import replayed  # benchmarks/pipeline_replay.py
 from pipeline_spans import measured_costs, window  # benchmarks/pipeline_spans.py
-from pipeline_throughput import P, ours  # benchmarks/pipeline_throughput.py
+from pipeline_throughput import (
+    P,
+    add_shape_args,
+    bench_model,
+    ours,
+)  # benchmarks/pipeline_throughput.py
 
-from stalepipe.config import ModelConfig
 from stalepipe.launch.pool import WorkerPool
 from stalepipe.schedules.generators import make_schedule
 from stalepipe.sim.timing import CostModel, simulate, summarize
@@ -111,25 +115,10 @@ def table(results: dict[int, list[dict]]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--steps", type=int, default=26)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--mb", type=int, default=8, help="sequences per microbatch")
+    add_shape_args(ap)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians)")
     args = ap.parse_args()
-    cfg = ModelConfig(
-        vocab_size=256,
-        dim=args.dim,
-        num_layers=args.layers,
-        num_heads=8,
-        num_kv_heads=4,
-        ffn_dim=int(args.dim * 8 / 3) // 8 * 8,
-        max_seq_len=args.seq,
-        tie_embeddings=False,
-    )
+    cfg = bench_model(args.dim, args.layers, args.seq)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     results: dict[int, list[dict]] = {}
     pool = WorkerPool(P)
