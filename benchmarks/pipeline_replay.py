@@ -16,7 +16,7 @@ import dataclasses
 
 from stalepipe.schedules.generators import make_schedule
 from stalepipe.schedules.schedule import Action
-from stalepipe.sim.timing import CostModel, simulate, summarize, uniform_costs
+from stalepipe.sim.timing import CostModel, SimResult, simulate, summarize, uniform_costs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,6 +66,13 @@ def replayed_bubble(
 ) -> float:
     """The simulator's bubble of `schedule`'s timed steps (`warm` .. `steps` - 1), every action
     at its measured time in `reports` (one per rank, in rank order; `chunks` stages each)."""
+    return replayed(reports, schedule, m, steps, warm, chunks).bubble
+
+
+def replayed(
+    reports: list[dict], schedule: str, m: int, steps: int, warm: int, chunks: int = 1
+) -> SimResult:
+    """The simulator's figures of the timed steps, every action at its measured time."""
     P = len(reports)
     full = make_schedule(schedule, P, m, steps, num_chunks=chunks)
     times: dict[tuple, float] = {}
@@ -75,4 +82,4 @@ def replayed_bubble(
     fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}
     costs = _Replayed(**fields, times=times, step_offset=warm)
     sched = make_schedule(schedule, P, m, steps - warm, num_chunks=chunks)
-    return summarize(simulate(sched, costs)).bubble
+    return summarize(simulate(sched, costs))

@@ -1,10 +1,13 @@
 """The timed spans of pipeline_throughput.py's workers and what is read off them: each action's
 wall and CPU time (`timed_call`), the timed window, the busy time of a rank (the union of its
-work spans minus its waits) and the median duration of one kind of action."""
+work spans minus its waits), the median duration of one kind of action and the simulator's
+cost model made of those medians."""
 
 from __future__ import annotations
 
 import time
+
+from stalepipe.sim.timing import CostModel, uniform_costs
 
 
 def window(reports: list[dict]) -> tuple[float, float]:
@@ -45,20 +48,48 @@ def busy(report: dict, t0: float, t1: float) -> float:
     return _union(work, t0, t1) - _union(sp["W"], t0, t1)
 
 
-def median_span(report: dict, kind: str, cpu: bool = False, stage: int | None = None) -> float:
-    """Median duration of `kind` spans (wall, or with `cpu` the thread's CPU time), minus the
-    waits and the updates nested inside; F and B of `stage` only when given."""
+def net_spans(
+    report: dict, kind: str, cpu: bool = False, stage: int | None = None, from_step: int = 0
+) -> list[float]:
+    """Durations of `kind` spans (wall, or with `cpu` the thread's CPU time), minus the waits
+    and the updates nested inside; F and B of `stage` only when given (and of its steps from
+    `from_step` on)."""
     inner = sorted(report["spans"]["W"] + (report["spans"]["A"] if kind != "A" else []))
     xs = []
     spans = report["spans"][kind]
     if stage is not None:
-        spans = [sp for sp, k in zip(spans, report["keys"][kind]) if k[0] == stage]
-    if not spans:
-        return 0.0  # no action of this kind (BW without a split backward)
+        keys = report["keys"][kind]
+        spans = [sp for sp, k in zip(spans, keys) if k[0] == stage and k[1] >= from_step]
     for a, b, c in spans:
         nested = [(x, y, z) for x, y, z in inner if x < b and y > a]
         if cpu:
             xs.append(c - sum(z for x, y, z in nested if x >= a and y <= b))
         else:
             xs.append(b - a - sum(min(y, b) - max(x, a) for x, y, _ in nested))
-    return sorted(xs)[len(xs) // 2]  # median: robust to the shared machine's hiccups
+    return xs
+
+
+def median_span(report: dict, kind: str, cpu: bool = False, stage: int | None = None) -> float:
+    """Median of `net_spans` (robust to the shared machine's hiccups); 0 with no action of this
+    kind (BW without a split backward)."""
+    xs = sorted(net_spans(report, kind, cpu, stage))
+    return xs[len(xs) // 2] if xs else 0.0
+
+
+def measured_costs(reports: list[dict], mean_from: int | None = None) -> CostModel:
+    """The timing simulator's cost model of one run (one report per rank, in rank order): per
+    stage the median forward, backward (B, or BI of a split backward) and BW, and the rank's
+    median update shared by its stages; `sim.timing` then takes every action of a kind at that
+    one time (not at the time it took: that is pipeline_replay.py). `mean_from`: the mean of
+    F, B and BW over the steps from that one on instead of the median."""
+
+    def stat(r: dict, kind: str, stage: int) -> float:
+        if mean_from is None:
+            return median_span(r, kind, stage=stage)
+        xs = net_spans(r, kind, stage=stage, from_step=mean_from)
+        return sum(xs) / len(xs) if xs else 0.0
+
+    by_stage = sorted((s, r) for r in reports for s in r["stages"])
+    f, b, w = ([stat(r, kind, s) for s, r in by_stage] for kind in "FBV")
+    u = [median_span(r, "A") / len(r["stages"]) for _, r in by_stage]
+    return uniform_costs(len(by_stage), forward=f, backward_input=b, backward_weight=w, optimizer=u)

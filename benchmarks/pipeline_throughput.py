@@ -29,7 +29,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from pipeline_memory import print_memory, stage_sizes  # benchmarks/pipeline_memory.py
 from pipeline_replay import replayed_bubble  # benchmarks/pipeline_replay.py
-from pipeline_spans import busy, median_span, timed_call, window  # benchmarks/pipeline_spans.py
+from pipeline_spans import (  # benchmarks/pipeline_spans.py
+    busy,
+    measured_costs,
+    median_span,
+    timed_call,
+    window,
+)
 
 from stalepipe.config import PIPELINE_SCHEDULES, DelayConfig, ModelConfig, OptimConfig
 from stalepipe.delay import DelayedOptimizer
@@ -43,13 +49,14 @@ from stalepipe.runtime.stage_io import ModelLayout, StageIO
 from stalepipe.runtime.topology import Topology
 from stalepipe.runtime.votes import StepVotes, lookahead
 from stalepipe.schedules.generators import make_schedule
-from stalepipe.sim.timing import simulate, summarize, uniform_costs
+from stalepipe.sim.timing import simulate, summarize
 
 P = 2
 OURS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v", "2bw")  # the schedules timed here
-POLICY = {name: PIPELINE_SCHEDULES[name].policy for name in OURS}
+# every registered schedule runs in `ours` (validate_step_time.py times zb-h1 too)
+POLICY = {name: spec.policy for name, spec in PIPELINE_SCHEDULES.items()}
 # stages per process of our schedules (interleaved-1f1b: 2 here)
-CHUNKS = {name: PIPELINE_SCHEDULES[name].stages_per_rank(2) for name in OURS}
+CHUNKS = {name: spec.stages_per_rank(2) for name, spec in PIPELINE_SCHEDULES.items()}
 
 
 def _setup(model_cfg: ModelConfig):
@@ -80,6 +87,20 @@ class _NoCadence:
 
     def agreed_bits(self, step: int) -> int:
         return 0
+
+
+def bench_model(dim: int, layers: int, seq: int) -> ModelConfig:
+    """The benchmark's model: byte vocabulary, 8 heads (4 kv), a SwiGLU of 8/3 dim, untied."""
+    return ModelConfig(
+        vocab_size=256,
+        dim=dim,
+        num_layers=layers,
+        num_heads=8,
+        num_kv_heads=4,
+        ffn_dim=int(dim * 8 / 3) // 8 * 8,
+        max_seq_len=seq,
+        tie_embeddings=False,
+    )
 
 
 def _batch(step: int, m: int, mb: int, T: int, V: int):
@@ -284,8 +305,8 @@ TORCH = ("torch-gpipe", "torch-1f1b", "torch-interleaved", "torch-zbv")
 CONTENDERS = (*OURS, *TORCH)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The run's shape: m values, steps (timed after `--warmup`), the model, the microbatch."""
     ap.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--steps", type=int, default=26)
     ap.add_argument("--warmup", type=int, default=2)
@@ -293,6 +314,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--mb", type=int, default=8, help="sequences per microbatch")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_args(ap)
     ap.add_argument(
         "--repeats", type=int, default=3, help="rounds of all contenders (interleaved; medians)"
     )
@@ -300,16 +326,7 @@ def main() -> None:
     if args.layers < 2 * P:
         ap.error(f"--layers must be >= {2 * P}: torch's interleaved and ZB-V schedules split the "
                  f"model into {2 * P} stages")  # fmt: skip
-    cfg = ModelConfig(
-        vocab_size=256,
-        dim=args.dim,
-        num_layers=args.layers,
-        num_heads=8,
-        num_kv_heads=4,
-        ffn_dim=int(args.dim * 8 / 3) // 8 * 8,
-        max_seq_len=args.seq,
-        tie_embeddings=False,
-    )
+    cfg = bench_model(args.dim, args.layers, args.seq)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     sizes = stage_sizes(cfg, args.mb, args.seq)
     pool = WorkerPool(P)
@@ -389,8 +406,7 @@ def _print_row(m: int, rounds: list[dict], args) -> None:
         reports, C = rounds[-1][name], CHUNKS.get(name, 1)
         by_stage = sorted((s, r) for r in reports for s in r["stages"])
         f, b, w = ([median_span(r, kind, stage=s) for s, r in by_stage] for kind in "FBV")
-        u = [median_span(r, "A") / C for _, r in by_stage]  # a rank's update, shared by its stages
-        costs = uniform_costs(C * P, forward=f, backward_input=b, backward_weight=w, optimizer=u)
+        costs = measured_costs(reports)
         sched = make_schedule(name, P, m, steps, num_chunks=C)
         summary = summarize(simulate(sched, costs))
         pred[name], span[name] = summary.bubble, summary.makespan

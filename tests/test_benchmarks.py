@@ -159,3 +159,24 @@ def test_committed_records_name_no_machine_paths(tmp_path):
             "argv": ["stalepipe", "sweep", "--out", "docs/results/s"]}  # fmt: skip
     assert {k: new["invocations"][0][k] for k in want} == want and "run_dir" not in new
     assert subprocess.run([*script, str(tmp_path), "--check"], capture_output=True).returncode == 0
+
+
+def test_validate_step_time_prints_every_schedule():
+    """A tiny run of the simulator-against-runtime step-time check (docs/verdict.md,
+    'Validation'): a row per schedule with a measured and a predicted step time."""
+    args = ["--microbatches", "2", "--steps", "4", "--warmup", "1", "--repeats", "1"]
+    args += ["--dim", "32", "--layers", "2", "--seq", "16", "--mb", "2"]
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "validate_step_time.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {ln.split()[0]: ln.split() for ln in out.stdout.splitlines() if ln.strip()}
+    for name in ("2bw", "1f1b", "zb-h1"):
+        measured, predicted = float(rows[name][2]), float(rows[name][4])
+        assert measured > 0 and predicted > 0, rows[name]
+    assert "load average after" in out.stdout
