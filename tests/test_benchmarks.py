@@ -180,3 +180,26 @@ def test_validate_step_time_prints_every_schedule():
         measured, predicted = float(rows[name][2]), float(rows[name][4])
         assert measured > 0 and predicted > 0, rows[name]
     assert "load average after" in out.stdout
+
+
+def test_gap_table_reads_length_and_size_from_committed_records():
+    """benchmarks/gap_table.py finds the length and size runs by configuration: the 1x row is
+    study 1's seed-0 triple (AdamW sync 1.5942, 2bw +0.2338), the size rows each their own LR,
+    and an LR-grid run at the reference width never stands in for the reference's arm."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gap_table.py"),
+            "docs/results/optimizers-regime",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {line.split(" | ")[0].strip("| "): line for line in out.stdout.splitlines()}
+    assert "| 1200 | 0.003 | 1.5942 | 0.2338 | 0.0882 |" in rows["1200"]
+    assert "| 96 | 0.43M | 0.003 | 1.5942 | 0.2338 |" in rows["96"]
+    assert "| 288 | 3.62M | 0.001 |" in rows["288"]
