@@ -108,24 +108,38 @@ def check_modes(model: str | None, costs: str | None, cluster: str | None, *rest
     """One source of throughputs; the flags of the other sources are errors, not no-ops."""
     stages, microbatches, gpus, batch, gbps = rest
     if costs is not None and (model is not None or cluster is not None):
-        raise UserError("--costs (measured throughputs) excludes --model and --cluster; "
-                        "give one of the two")  # fmt: skip
+        raise UserError(
+            "--costs (measured throughputs) excludes --model and --cluster; give one of the two"
+        )
     if cluster is None and model is None and costs is None:
-        raise UserError("give --cluster PRESET (every way to train on a cluster), --model "
-                        "PRESET (one pipeline) or --costs FILE (measured), one of the two")  # fmt: skip
+        raise UserError(
+            "give --cluster PRESET (every way to train on a cluster), --model "
+            "PRESET (one pipeline) or --costs FILE (measured), one of the two"
+        )
     if cluster is not None and (stages is not None or microbatches is not None):
-        raise UserError("with --cluster, P and m are swept by the cluster model; drop "
-                        "--stages and --microbatches")  # fmt: skip
+        raise UserError(
+            "with --cluster, P and m are swept by the cluster model; drop "
+            "--stages and --microbatches"
+        )
     if cluster is None and any(x is not None for x in (gpus, batch, gbps)):
-        raise UserError("--gpus, --global-batch and --inter-node-gbps describe a cluster; "
-                        "add --cluster PRESET (e.g. h100-ib)")  # fmt: skip
+        raise UserError(
+            "--gpus, --global-batch and --inter-node-gbps describe a cluster; "
+            "add --cluster PRESET (e.g. h100-ib)"
+        )
 
 
 def _row(o: Any, name: str | None = None) -> ScheduleThroughput:
     return ScheduleThroughput(
-        name or o.schedule, o.policy, o.tokens_per_s, o.bubble, (o.peak_memory,), o.fits,
-        "simulated (cluster model)", "", o.label(),
-    )  # fmt: skip
+        name or o.schedule,
+        o.policy,
+        o.tokens_per_s,
+        o.bubble,
+        (o.peak_memory,),
+        o.fits,
+        "simulated (cluster model)",
+        "",
+        o.label(),
+    )
 
 
 def throughputs(s: Setting) -> tuple[Throughputs, list[Any]]:
@@ -229,14 +243,34 @@ def write_map_csv(path: Path, cells: list[Cell], shown: list[Verdict]) -> None:
     """One row per cell: the two best configurations, their rates, and each drawn verdict."""
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["gpus", "global_batch", "inter_node_gbps", "async_config", "async_tokens_per_s",
-                    "sync_config", "sync_tokens_per_s", "speedup", *(v.label for v in shown)])  # fmt: skip
+        w.writerow(
+            [
+                "gpus",
+                "global_batch",
+                "inter_node_gbps",
+                "async_config",
+                "async_tokens_per_s",
+                "sync_config",
+                "sync_tokens_per_s",
+                "speedup",
+                *(v.label for v in shown),
+            ]
+        )
         for c in cells:
             a, s = c.async_option, c.sync_option
-            w.writerow([c.gpus, c.global_batch, c.inter_gbps, a.label() if a else "none fits",
-                        a.tokens_per_s if a else "", s.label() if s else "none fits",
-                        s.tokens_per_s if s else "", c.speedup,
-                        *(cell_verdict(v, c.speedup) for v in shown)])  # fmt: skip
+            w.writerow(
+                [
+                    c.gpus,
+                    c.global_batch,
+                    c.inter_gbps,
+                    a.label() if a else "none fits",
+                    a.tokens_per_s if a else "",
+                    s.label() if s else "none fits",
+                    s.tokens_per_s if s else "",
+                    c.speedup,
+                    *(cell_verdict(v, c.speedup) for v in shown),
+                ]
+            )
 
 
 def map_plot(cells: list[Cell], shown: list[Verdict], title: str) -> bytes:
@@ -247,8 +281,9 @@ def map_plot(cells: list[Cell], shown: list[Verdict], title: str) -> bytes:
     gpus = sorted({c.gpus for c in cells})
     batches = sorted({c.global_batch for c in cells})
     gbps = sorted({c.inter_gbps for c in cells})
-    fig, axes = plt.subplots(len(shown), len(gpus), squeeze=False,
-                             figsize=(3.3 * len(gpus), 2.9 * len(shown) + 0.8))  # fmt: skip
+    fig, axes = plt.subplots(
+        len(shown), len(gpus), squeeze=False, figsize=(3.3 * len(gpus), 2.9 * len(shown) + 0.8)
+    )
     for i, v in enumerate(shown):
         for j, n in enumerate(gpus):
             ax = axes[i][j]
@@ -269,8 +304,11 @@ def map_plot(cells: list[Cell], shown: list[Verdict], title: str) -> bytes:
     handles = [plt.Rectangle((0, 0), 1, 1, color=col) for col in COLORS.values()]
     labels = [*COLORS]
     fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
-    fig.suptitle(f"{title}\ncell text: throughput 2bw / best synchronous; colour: time to "
-                 "sync's final loss by the verdict's rule", fontsize=8)  # fmt: skip
+    fig.suptitle(
+        f"{title}\ncell text: throughput 2bw / best synchronous; colour: time to "
+        "sync's final loss by the verdict's rule",
+        fontsize=8,
+    )
     fig.tight_layout(rect=(0, 0.05, 1, 0.95))
     return png_bytes(fig)
 

@@ -164,8 +164,13 @@ def data_parallel(w: Workload, c: Cluster, *, sharded: bool) -> Option | None:
         step = k * 3 * sum(fwd) + exposed + opt
         option = Option(
             *("fsdp" if sharded else "dp", "sync", 1, n, "fsdp" if sharded else "dp", k, b, ""),
-            step, exposed, 0.0, memory, c.memory_gb * 1e9, w.global_batch * w.seq_len / step,
-        )  # fmt: skip
+            step,
+            exposed,
+            0.0,
+            memory,
+            c.memory_gb * 1e9,
+            w.global_batch * w.seq_len / step,
+        )
         if option.fits:
             return option
     return option
@@ -219,9 +224,14 @@ def pipeline_timing(
         state.append(sum(costs.state_bytes[s] for s in p.sched.stages_of(r)))
         opt.append(sum(costs.optimizer[s] for s in p.sched.stages_of(r)))
     return PipeTiming(
-        t.step_time, 1 - sum(t.busy) / (len(t.busy) * t.step_time), _memory(p, *sizes),
-        tuple(state), tuple(x / STATE_BYTES for x in state), tuple(opt), t.drain,
-    )  # fmt: skip
+        t.step_time,
+        1 - sum(t.busy) / (len(t.busy) * t.step_time),
+        _memory(p, *sizes),
+        tuple(state),
+        tuple(x / STATE_BYTES for x in state),
+        tuple(opt),
+        t.drain,
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -230,8 +240,13 @@ def _costs(
 ) -> list[CostModel]:
     """The analytic cost models of `p`'s schedule (both stage splits) on a GPU of `flops` and
     `hbm` bandwidth; the links are set by the caller (so the cache ignores them)."""
-    dev = Device(name="", peak_flops=flops, hbm_bandwidth=hbm, intra_node_bandwidth=1.0,
-                 inter_node_bandwidth=1.0)  # fmt: skip
+    dev = Device(
+        name="",
+        peak_flops=flops,
+        hbm_bandwidth=hbm,
+        intra_node_bandwidth=1.0,
+        inter_node_bandwidth=1.0,
+    )
     return model_costs(p.sched, cfg, dev, {}, mfu=mfu, seq_len=seq_len, mb_size=1)
 
 
@@ -317,8 +332,24 @@ def pipelines(w: Workload, c: Cluster, schedules: tuple[str, ...]) -> list[Optio
                     step, exposed, mem = _hybrid(w, c, t, replicas, across, spans, sync)
                     policy = PIPELINE_SCHEDULES[name].policy
                     tps = w.global_batch * w.seq_len / step
-                    out.append(Option(name, policy, stages, replicas, across, m, 1, spn_name,
-                                      step, exposed, t.bubble, mem, limit, tps))  # fmt: skip
+                    out.append(
+                        Option(
+                            name,
+                            policy,
+                            stages,
+                            replicas,
+                            across,
+                            m,
+                            1,
+                            spn_name,
+                            step,
+                            exposed,
+                            t.bubble,
+                            mem,
+                            limit,
+                            tps,
+                        )
+                    )
     return out
 
 

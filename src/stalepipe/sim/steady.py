@@ -39,10 +39,12 @@ class Plan:
         self.ranks = [r for r, _ in order]
         self.actions = [a for _, a in order]
         self.deps = [
-            [(index[key], -1 if msg is None else sched.rank_of(key[1]))
-             for key, msg in dependencies(sched, a)]
+            [
+                (index[key], -1 if msg is None else sched.rank_of(key[1]))
+                for key, msg in dependencies(sched, a)
+            ]
             for _, a in order
-        ]  # fmt: skip
+        ]
 
     def time(self, costs: CostModel) -> Steady:
         """The steady step under `costs` (as `timing.summarize` measures it: the median gap
