@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -35,6 +36,13 @@ def test_map_calls_follow_the_known_tax(curve_sweep):
     assert cv.cell_verdict(ef, 1.0) == "sync sooner"
     assert cv.cell_verdict(ef, (low + high) / 2) == "inconclusive"
     assert cv.headline(verdicts)[0].label == "adamw_2bw+ef"  # the lowest measured overhead first
+    # Fewer seeds never push it off the map: one seed has no interval to carry (never drawn),
+    # two seeds are drawn after every configuration with the 3 a verdict needs.
+    faster = tuple(replace(t, tokens_delayed=t.tokens_delayed / 2) for t in ef.target.seeds)
+    one = replace(ef, label="one", target=replace(ef.target, seeds=faster[:1]))
+    two = replace(ef, label="two", target=replace(ef.target, seeds=faster[:2]))
+    drawn = [v.label for v in cv.headline([one, two, *verdicts])]
+    assert "one" not in drawn and drawn.index("two") > drawn.index("adamw_2bw+ef")
 
 
 def test_cluster_verdict_end_to_end(curve_sweep, capsys):

@@ -232,11 +232,17 @@ def cell_verdict(v: Verdict, speedup: float) -> str:
 
 def headline(verdicts: list[Verdict], most: int = 3) -> list[Verdict]:
     """The delayed configurations the map draws: those with a measured overhead at sync's
-    final loss, lowest first (at most `most`); else the first configuration."""
+    final loss and its interval (2 seeds or more), those with the seeds for a verdict (3)
+    first, then lowest first (at most `most`); else the first configuration. A one-seed run
+    has no interval to carry through the map, so it is never drawn over a measured one."""
     measured = [
-        v for v in verdicts if v.target is not None and math.isfinite(v.target.interval()[0])
+        v for v in verdicts if v.target is not None and math.isfinite(v.target.interval()[1])
     ]
-    return sorted(measured, key=lambda v: v.target.interval()[0])[:most] or verdicts[:1]
+
+    def key(v: Verdict) -> tuple[bool, float]:
+        return len(v.target.seeds) < 3, v.target.interval()[0]
+
+    return sorted(measured, key=key)[:most] or verdicts[:1]
 
 
 def write_map_csv(path: Path, cells: list[Cell], shown: list[Verdict]) -> None:
