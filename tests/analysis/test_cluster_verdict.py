@@ -52,6 +52,8 @@ def test_cluster_verdict_end_to_end(curve_sweep, capsys):
     ef = rows["adamw_2bw+ef"]
     assert ef["async_config"].startswith("2bw P=") and "tok/s" in ef["best_sync"]
     assert ef["best_sync_tokens_per_s"] > 0 and len(ef["time_to_target_ci"]) == 3
+    # the model the overhead was measured on, beside it (the fixture's tiny model)
+    assert ef["seeds"] == "3" and ef["measured_on_params"].endswith("M")
     assert any("cluster model" in line for line in doc["inputs"])
     out = curve_sweep / "verdict"
     assert (out / "verdict.png").stat().st_size > 10_000

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import csv
 import json
-import json as _json
+import json as _json  # the name `json` is a flag of verdict_main
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +37,7 @@ from stalepipe.analysis.verdict_rule import (
     Ratio,
     Verdict,
     call,
+    model_size,
     time_to_target,
 )
 from stalepipe.errors import UserError
@@ -75,7 +76,7 @@ def judge(row: Row, tp: Throughputs, schedule: str) -> Verdict:
         rate = 1.0 / (share / tp.window_tokens_per_s + (1.0 - share) / rate)
     best = tp.best_sync()
     v = Verdict(_label(row), _label(row.baseline), schedule, row.token_overhead, share, rate, best)
-    v.target = row.targets["final"]
+    v.target, v.measured_on = row.targets["final"], model_size(row.config)
     for s in tp.sync():
         v.ratios[s.name] = time_to_target(v.target, rate / s.tokens_per_s)
     # a delayed arm short of sync's final loss that also never reaches the band's bottom is a
@@ -132,7 +133,7 @@ def align(rows: list[list[str]]) -> str:
 
 
 SUMMARY_HEADER = [
-    *("configuration", "token overhead at sync's final loss", "band median", "seeds"),
+    *("configuration", "token overhead at sync's final loss", "band median", "seeds @ model"),
     *("best sync", "throughput async/sync", "time to target (95% CI)", "verdict"),
 ]
 
@@ -144,7 +145,7 @@ def summary_rows(verdicts: list[Verdict]) -> list[list[str]]:
             v.label,
             v.target.describe() if v.target else "-",
             v.overhead.describe(),
-            str(len(v.target.seeds) if v.target else v.overhead.num_seeds),
+            f"{len(v.target.seeds) if v.target else v.overhead.num_seeds} @ {v.measured_on}",
             f"{v.best_sync.shown()}: {v.best_sync.rate_text()} tok/s" if v.best_sync else "-",
             f"{v.speedup:.3f}" if math.isfinite(v.speedup) else "-",
             _cells(v.ratio),
@@ -221,6 +222,7 @@ CSV_HEADER = [
     "band_token_overhead",
     "band_token_overhead_status",
     "seeds",
+    "measured_on_params",
     "sync_schedule",
     "best_sync",
     "async_tokens_per_s",
@@ -253,6 +255,7 @@ def write_csv(path: Path, verdicts: list[Verdict], tp: Throughputs) -> None:
                         v.overhead.estimate,
                         v.overhead.status,
                         v.overhead.num_seeds,
+                        v.measured_on,
                         s.name,
                         v.best_sync is not None and s.name == v.best_sync.name,
                         v.async_tokens_per_s,
@@ -422,6 +425,7 @@ def verdict_json(r: VerdictReport) -> dict[str, object]:
     rows = [dict(zip(keys, row)) for row in summary_rows(r.verdicts)]
     for row, v in zip(rows, r.verdicts):
         ratio = v.ratio
+        row["seeds"], row["measured_on_params"] = row["seeds"].split(" @ ")
         row["best_sync_tokens_per_s"] = v.best_sync.tokens_per_s if v.best_sync else None
         row["async_tokens_per_s"] = v.async_tokens_per_s
         row["async_config"] = r.throughputs.get(v.schedule).shown()

@@ -104,6 +104,7 @@ class Verdict:
     ratios: dict[str, Ratio] = field(default_factory=dict)  # per sync schedule
     verdict: str = ""
     target: TargetOverhead | None = None  # at sync's final loss: what the verdict reads
+    measured_on: str = ""  # the parameters of the model its runs trained ("0.43M")
 
     @property
     def speedup(self) -> float:
@@ -116,3 +117,13 @@ class Verdict:
         """Against the best synchronous schedule that fits."""
         nan = Ratio(math.nan, math.nan, math.nan)
         return self.ratios.get(self.best_sync.name, nan) if self.best_sync else nan
+
+
+def model_size(config: dict[str, object]) -> str:
+    """The parameter count of a run's model, from its flattened config ("0.43M")."""
+    from stalepipe.config import ModelConfig
+    from stalepipe.models.transformer import count_params
+
+    fields = {k[6:]: v for k, v in config.items() if k.startswith("model.")}
+    known = {k: v for k, v in fields.items() if k in ModelConfig.__dataclass_fields__}
+    return f"{count_params(ModelConfig(**known))['total'] / 1e6:.2f}M"
