@@ -10,12 +10,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_pipeline_throughput_runs_every_contender():
-    """A tiny run of the runtime-vs-torch benchmark: it must not rot between benchmark runs."""
-    args = ["--microbatches", "2", "--steps", "4", "--warmup", "1", "--repeats", "1"]
-    args += ["--dim", "32", "--layers", "4", "--seq", "16", "--mb", "2"]
+def _script(name: str, *args: str) -> subprocess.CompletedProcess:
+    """benchmarks/`name` with `args` from the project root, one thread; it must exit 0."""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "pipeline_throughput.py"), *args],
+        [sys.executable, str(ROOT / "benchmarks" / name), *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -23,6 +21,14 @@ def test_pipeline_throughput_runs_every_contender():
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert out.returncode == 0, out.stderr[-2000:]
+    return out
+
+
+def test_pipeline_throughput_runs_every_contender():
+    """A tiny run of the runtime-vs-torch benchmark: it must not rot between benchmark runs."""
+    args = ["--microbatches", "2", "--steps", "4", "--warmup", "1", "--repeats", "1"]
+    args += ["--dim", "32", "--layers", "4", "--seq", "16", "--mb", "2"]
+    out = _script("pipeline_throughput.py", *args)
     rows = {line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ")}
     assert {"gpipe", "1f1b", "interleaved-1f1b", "zb-v", "2bw", "torch-gpipe"} <= rows
     assert {"torch-interleaved", "torch-zbv"} <= rows
@@ -71,13 +77,7 @@ def test_the_135m_claims_script_plans_its_18_runs_and_refuses_a_dir_without_shar
 
 
 def test_split_backward_benchmark_runs():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "split_backward.py"), "--dim", "32",
-         "--repeats", "3"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = _script("split_backward.py", "--dim", "32", "--repeats", "3")
     assert "split (BI + BW)" in out.stdout and "two calls (before)" in out.stdout
 
 
@@ -166,15 +166,7 @@ def test_validate_step_time_prints_every_schedule():
     'Validation'): a row per schedule with a measured and a predicted step time."""
     args = ["--microbatches", "2", "--steps", "4", "--warmup", "1", "--repeats", "1"]
     args += ["--dim", "32", "--layers", "2", "--seq", "16", "--mb", "2"]
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "validate_step_time.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = _script("validate_step_time.py", *args)
     rows = {ln.split()[0]: ln.split() for ln in out.stdout.splitlines() if ln.strip()}
     for name in ("2bw", "1f1b", "zb-h1"):
         measured, predicted = float(rows[name][2]), float(rows[name][4])
@@ -186,19 +178,7 @@ def test_gap_table_reads_length_and_size_from_committed_records():
     """benchmarks/gap_table.py finds the length and size runs by configuration: the 1x row is
     study 1's seed-0 triple (AdamW sync 1.5942, 2bw +0.2338), the size rows each their own LR,
     and an LR-grid run at the reference width never stands in for the reference's arm."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "gap_table.py"),
-            "docs/results/optimizers-regime",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = _script("gap_table.py", "docs/results/optimizers-regime")
     rows = {line.split(" | ")[0].strip("| "): line for line in out.stdout.splitlines()}
     assert "| 1200 | 0.003 | 1.5942 | 0.2338 | 0.0882 |" in rows["1200"]
     assert "| 96 | 0.43M | 0.003 | 1.5942 | 0.2338 |" in rows["96"]
