@@ -141,6 +141,8 @@ class Pending:
     """Outstanding receives (or sends) of one channel operation; `wait()` enforces the deadline
     and turns any failure into a `PeerError` that names the peer."""
 
+    seq = -1  # a send's number in its Comm's order of sends (`Comm.retire_sends`)
+
     def __init__(self, works: list, tensors: list[torch.Tensor], peer: int, what: str, comm: Comm):
         self.works, self.tensors, self.peer, self.what, self.comm = works, tensors, peer, what, comm
 
@@ -205,6 +207,7 @@ class Comm:
         except Exception as e:
             raise self.peer_error(None, "the start-up (creating the process groups)", e) from None
         self._sends: deque[Pending] = deque()
+        self.sends_posted = 0  # sends to other processes posted so far
         self._local: dict[tuple[str, Link], deque[list[torch.Tensor]]] = {}  # hand-overs
 
     def _make_groups(self) -> None:
@@ -297,10 +300,20 @@ class Comm:
         pending = Pending(
             self._p2p("send", tensors, link, channel, what), tensors, peer, what, self
         )
+        pending.seq, self.sends_posted = self.sends_posted, self.sends_posted + 1
         self._sends.append(pending)
         while self._sends and self._sends[0].done():
             self._sends.popleft().wait()
         return pending
+
+    def retire_sends(self, upto: int) -> None:
+        """Release the sends numbered below `upto` (`sends_posted` at some earlier moment),
+        which the caller knows their receivers took, so waiting returns at once. gloo reports
+        a send complete only once it is waited (NCCL's are polled above), and a send holds its
+        tensors until then: without this a gloo run keeps every activation and gradient it
+        ever sent."""
+        while self._sends and self._sends[0].seq < upto:
+            self._sends.popleft().wait()
 
     def recv(self, tensors: list[torch.Tensor], link: Link, channel: str, what: str) -> Pending:
         """Post asynchronous receives into `tensors` of what stage `link[0]` sends stage

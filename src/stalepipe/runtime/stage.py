@@ -43,7 +43,7 @@ from stalepipe.runtime.stage_eval import EvalData, EvalStage, evaluate_stages
 from stalepipe.runtime.stage_io import Batches, Chunk, ModelLayout, Plan, StageIO
 from stalepipe.runtime.stage_update import StageUpdates, UpdateReport
 from stalepipe.runtime.tied import TiedWeights
-from stalepipe.runtime.votes import StepVotes
+from stalepipe.runtime.votes import StepVotes, lookahead
 from stalepipe.schedules.schedule import Action, PipelineSchedule
 
 
@@ -123,6 +123,8 @@ class StageExecutor:
         self._stash: dict[tuple[int, int, int], _Stash] = {}  # (stage, step, microbatch)
         self._grads: dict[int, dict[str, torch.Tensor]] = {}  # all stages' (names are global)
         self._loss: dict[int, torch.Tensor] = {}
+        self._sent_by: dict[int, int] = {}  # step -> comm.sends_posted at its STEP
+        self._ahead = 0  # this process's lookahead (runtime.votes), set by `run`
         self._steps_seen: Counter[int] = Counter()  # STEPs of each step run (one per stage)
         self._live_inflight: Counter[int] = Counter()  # versions used by stashed graphs
         self.peak_versions = self._versions_kept()
@@ -140,6 +142,7 @@ class StageExecutor:
         is applied; a sync point's report comes right after its STEP (module docstring)."""
         for s, c in self.chunks.items():
             c.inbox.expect(a for a in actions if a.stage == s)
+        self._ahead = lookahead(actions)
         for a in actions:
             chunk = self.chunks[a.stage]
             if (stop := self.plan.stop_step) is not None and a.step > stop:
@@ -332,6 +335,7 @@ class StageExecutor:
         self.tied.exchange_grad(grads, step)  # the head's gradient joins the owner's
         loss = self._loss.pop(step, torch.zeros((), device=self.device))
         self.updates.post(step, grads, loss, [c.module for c in self.chunks.values()])
+        self._sent_by[step] = self.comm.sends_posted
         # Apply at once where someone waits for the result: a sync point (eval, checkpoint),
         # and the tied matrix the last stage reads next (it may need it before this stage
         # needs W_{k+1}).
@@ -341,6 +345,15 @@ class StageExecutor:
                 self.updates.drain(all_=True)
         if self.votes is not None:
             self.votes.start(step, self.requests())
+        self._retire_sends()
+
+    def _retire_sends(self) -> None:
+        """Release the sends every receiver has taken. Once the exchange of step j completed,
+        every process has run its STEP j, so it consumed every message of steps <= j; what
+        this process sent before its STEP k belongs to steps <= k + lookahead."""
+        done = [k for k in self._sent_by if k <= self.updates.exchanged - self._ahead]
+        if done:
+            self.comm.retire_sends(max(self._sent_by.pop(k) for k in done))
 
     def _agree(self, step: int, bits: int) -> None:
         """Every process agreed on `bits` after update `step`; drop the receives of later

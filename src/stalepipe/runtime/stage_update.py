@@ -106,6 +106,7 @@ class StageUpdates:
         self._posted: deque[_Posted] = deque()
         self._logged: deque[tuple[int, float, Any, list[torch.Tensor]]] = deque()
         self.reports: deque[UpdateReport] = deque()  # applied, not yet taken by the engine
+        self.exchanged = -1  # the newest step whose exchange completed (every process posted it)
 
     @property
     def pending(self) -> bool:
@@ -197,6 +198,7 @@ class StageUpdates:
             self._report(k, gathered, math.nan, lr)
 
     def _report(self, k: int, gathered: list[torch.Tensor], grad_norm: float, lr: float) -> None:
+        self.exchanged = max(self.exchanged, k)
         router: dict[str, float] = {}
         if self._stats_width and self.logs(k):
             at, lo = self._at, self._norm_width
