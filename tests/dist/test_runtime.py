@@ -110,3 +110,15 @@ def test_pipedream_grid(P, steps_per_P, optim, make_cfg, run_dist, dist_utils):
     _async_case(
         "pipedream", P, 1, optim, True, make_cfg, run_dist, dist_utils, steps=P * steps_per_P + 1
     )
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
+def test_sends_are_released_as_the_run_goes(schedule, make_cfg, run_dist):
+    """gloo reports a send complete only once it is waited; the executor releases the sends
+    every receiver has taken (at each STEP, `Comm.retire_sends`), so the sends a process holds
+    do not grow with the steps. Before, a run held every activation and gradient it sent."""
+    peaks = {}
+    for steps in (4, 16):
+        cfg = make_cfg(schedule, 2, 2, steps=steps, eval_every=steps)
+        peaks[steps] = max(r["peak_sends"] for r in run_dist(cfg))
+    assert 0 < peaks[16] == peaks[4] <= 4 * 2, peaks  # a few steps' worth of m = 2

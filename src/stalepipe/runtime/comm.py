@@ -208,6 +208,7 @@ class Comm:
             raise self.peer_error(None, "the start-up (creating the process groups)", e) from None
         self._sends: deque[Pending] = deque()
         self.sends_posted = 0  # sends to other processes posted so far
+        self.peak_sends = 0  # the most of them held at once (`retire_sends` bounds it)
         self._local: dict[tuple[str, Link], deque[list[torch.Tensor]]] = {}  # hand-overs
 
     def _make_groups(self) -> None:
@@ -302,6 +303,7 @@ class Comm:
         )
         pending.seq, self.sends_posted = self.sends_posted, self.sends_posted + 1
         self._sends.append(pending)
+        self.peak_sends = max(self.peak_sends, len(self._sends))
         while self._sends and self._sends[0].done():
             self._sends.popleft().wait()
         return pending

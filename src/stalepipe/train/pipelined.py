@@ -190,6 +190,7 @@ class WorkerResult:
     weights: dict[str, torch.Tensor]
     tied_head: torch.Tensor | None
     peak_versions: int
+    peak_sends: int  # the most sends to other processes held at once (bounded, not growing)
     losses: list[tuple[int, float]]
     val_losses: dict[int, float]
     result: TrainResult | None = None
@@ -429,6 +430,7 @@ class PipelineEngine:
             weights={n: p.detach().cpu().clone() for n, p in self.owned.items()},
             tied_head=head,
             peak_versions=0 if ex is None else ex.peak_versions,
+            peak_sends=self.comm.peak_sends,
             losses=list(self.losses),
             val_losses={k: v for k, v in self.val_losses.items() if not math.isnan(v)},
             result=result,
