@@ -159,6 +159,10 @@ def run_worker(
         leave_process_group()
         return engine.worker_result(result if rank == 0 else None)
     except Preempted as e:  # every rank stops alike: rank 0 says so
+        # ... but not at the same moment: a peer may still be receiving what this one sent
+        # last (gloo completes a small send before it is read), so no one leaves before all.
+        comm.barrier("the end of a stopped run", via_store=True)
+        leave_process_group()
         if rank == 0:
             print(f"stalepipe: {e}", file=sys.stderr, flush=True)
         raise
