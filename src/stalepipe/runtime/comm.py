@@ -141,10 +141,9 @@ class Pending:
     """Outstanding receives (or sends) of one channel operation; `wait()` enforces the deadline
     and turns any failure into a `PeerError` that names the peer."""
 
-    seq = -1  # a send's number in its Comm's order of sends (`Comm.retire_sends`)
-
     def __init__(self, works: list, tensors: list[torch.Tensor], peer: int, what: str, comm: Comm):
         self.works, self.tensors, self.peer, self.what, self.comm = works, tensors, peer, what, comm
+        self.seq = -1  # a send's number in its Comm's order of sends (`Comm.retire_sends`)
 
     def wait(self) -> list[torch.Tensor]:
         for w in self.works:
@@ -207,8 +206,7 @@ class Comm:
         except Exception as e:
             raise self.peer_error(None, "the start-up (creating the process groups)", e) from None
         self._sends: deque[Pending] = deque()
-        self.sends_posted = 0  # sends to other processes posted so far
-        self.peak_sends = 0  # the most of them held at once (`retire_sends` bounds it)
+        self.sends_posted = self.peak_sends = 0  # sends posted so far; the most held at once
         self._local: dict[tuple[str, Link], deque[list[torch.Tensor]]] = {}  # hand-overs
 
     def _make_groups(self) -> None:
@@ -309,11 +307,8 @@ class Comm:
         return pending
 
     def retire_sends(self, upto: int) -> None:
-        """Release the sends numbered below `upto` (`sends_posted` at some earlier moment),
-        which the caller knows their receivers took, so waiting returns at once. gloo reports
-        a send complete only once it is waited (NCCL's are polled above), and a send holds its
-        tensors until then: without this a gloo run keeps every activation and gradient it
-        ever sent."""
+        """Release the sends numbered below `upto`, which the caller knows were received (so
+        waiting returns at once): gloo completes a send, and frees its tensors, only when waited."""
         while self._sends and self._sends[0].seq < upto:
             self._sends.popleft().wait()
 
