@@ -18,8 +18,7 @@ import argparse
 import math
 
 from stalepipe.analysis.results import Run, config_key, load_runs
-from stalepipe.config import ModelConfig
-from stalepipe.models.transformer import count_params
+from stalepipe.analysis.verdict_rule import model_size
 
 # Keys an axis may change against the reference (beside the delay's), and the one it shows.
 AXES = {
@@ -64,12 +63,6 @@ def cells(runs: list[Run], opt: str, seed: int, axis: str) -> dict[float, dict[s
     return out
 
 
-def _params(run: Run) -> str:
-    fields = {k.split(".", 1)[1]: v for k, v in run.config.items() if k.startswith("model.")}
-    known = {k: v for k, v in fields.items() if k in ModelConfig.__dataclass_fields__}
-    return f"{count_params(ModelConfig(**known))['total'] / 1e6:.2f}M"
-
-
 def table(runs: list[Run], seed: int, axis: str) -> list[str]:
     shown = AXES[axis][1]
     head = f"| {shown} | " + ("parameters | " if axis == "size" else "")
@@ -82,7 +75,7 @@ def table(runs: list[Run], seed: int, axis: str) -> list[str]:
         for opt in OPTIMIZERS:
             arms = by_opt[opt].get(value, {})
             if axis == "size" and opt == OPTIMIZERS[0]:
-                row.append(_params(next(iter(arms.values()))) if arms else "-")
+                row.append(model_size(next(iter(arms.values())).config) if arms else "-")
             if "sync" not in arms:
                 row += ["-"] * 5
                 continue
