@@ -70,6 +70,25 @@ def test_cluster_verdict_end_to_end(curve_sweep, capsys):
             assert c["adamw_2bw+ef"] == want, c
 
 
+def test_pipedream_is_judged_at_its_runs_p(curve_sweep, curve_run):
+    """PipeDream's delay grows with P: its P=2 runs are judged on PipeDream's best P=2
+    configuration (not 2BW's, not another P), and the map (2BW's) does not draw them."""
+    for s in range(3):
+        pd = {"delay.policy": "pipedream", "pipeline.num_stages": "2"}
+        curve_run(curve_sweep, f"adamw_pd_s{s}", pd, s, stretch=1.2 + 0.01 * s)
+    tp, options = cv.throughputs(cv.setting("smollm-135m", "h100-ib", 16, 64))
+    verdicts, skipped = judge_sweep(build_rows(load_runs(curve_sweep)), tp)
+    pd = next(v for v in verdicts if v.label == "adamw_pd")
+    want = max(
+        (o for o in options if (o.schedule, o.stages) == ("pipedream", 2) and o.fits),
+        key=lambda o: o.tokens_per_s,
+    )
+    assert pd.schedule == "pipedream" and pd.async_row.stages == 2
+    assert pd.async_tokens_per_s == want.tokens_per_s
+    assert pd.async_row.shown() == want.label() and not skipped
+    assert "adamw_pd" not in [v.label for v in cv.headline(verdicts, most=10)]
+
+
 def ef_speedup(row: dict) -> float:
     return row["async_tokens_per_s"] / row["best_sync_tokens_per_s"]
 

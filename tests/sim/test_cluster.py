@@ -107,6 +107,26 @@ def test_2bw_keeps_two_weight_versions():
     assert one[("2bw", 4)].peak_memory > one[("1f1b", 4)].peak_memory
 
 
+def test_pipedream_updates_after_every_microbatch():
+    """PipeDream as published: a global batch of m microbatches is m updates, each the steady
+    update of its schedule (the same at any m >= P); stage 0 keeps P weight versions, so it
+    holds more than 2BW (two versions) at the same P. One replica: no gradient exchange."""
+    w = par.Workload(model_config("smollm-360m"), 1024, 32, 4)
+    c = CLUSTERS["h100-ib"]
+    opts = par.pipelines(w, c, ("2bw", "pipedream"))
+    one = {(o.schedule, o.stages): o for o in opts}
+    pd, bw2 = one[("pipedream", 4)], one[("2bw", 4)]
+    dev = par._pipeline_device(c, 4, 4)
+    update = par.pipeline_timing(w.cfg, 1024, w.mfu, dev, "pipedream", 4, 8).step_time
+    assert par.pipeline_timing(w.cfg, 1024, w.mfu, dev, "pipedream", 4, 4).step_time == (
+        pytest.approx(update)
+    )
+    assert pd.microbatches == 32 and pd.step_time == pytest.approx(32 * update)
+    assert pd.peak_memory > bw2.peak_memory and pd.label().endswith("m=32 (an update each)")
+    # an optimizer step per microbatch: slower than 2BW's one per batch
+    assert pd.tokens_per_s < bw2.tokens_per_s
+
+
 def test_cluster_presets_and_files(tmp_path):
     assert {"h100-ib", "h100-eth100", "h100-eth25", "h100-pcie"} <= set(CLUSTERS)
     (tmp_path / "mine.json").write_text(json.dumps({"base": "h100-ib", "inter_node_gbps": 50}))

@@ -22,7 +22,8 @@ from stalepipe.analysis.throughput import ScheduleThroughput, Throughputs
 from stalepipe.analysis.verdict_rule import Verdict, call, time_to_target
 from stalepipe.errors import UserError
 
-ASYNC = "2bw"
+ASYNC = "2bw"  # the asynchronous schedule of the map
+ASYNC_SCHEDULES = (ASYNC, "pipedream")
 MAP_GBPS = (12.5, 25.0, 50.0, 100.0, 200.0, 400.0, 800.0)
 MAP_BATCH = (0.25, 0.5, 1.0, 2.0, 4.0)  # x the global batch
 MAP_GPUS = (0.5, 1.0, 2.0, 4.0)  # x the GPU count
@@ -128,9 +129,10 @@ def check_modes(model: str | None, costs: str | None, cluster: str | None, *rest
         )
 
 
-def _row(o: Any, name: str | None = None) -> ScheduleThroughput:
+def _row(o: Any, options: list[Any], stages: int | None = None) -> ScheduleThroughput:
+    w = _window(o, options) if o.policy != "sync" else None
     return ScheduleThroughput(
-        name or o.schedule,
+        o.schedule,
         o.policy,
         o.tokens_per_s,
         o.bubble,
@@ -139,30 +141,48 @@ def _row(o: Any, name: str | None = None) -> ScheduleThroughput:
         "simulated (cluster model)",
         "",
         o.label(),
+        stages,
+        w.tokens_per_s if w else math.nan,
     )
+
+
+def _window(a: Any, options: list[Any]) -> Any:
+    """The flushed rate of asynchronous option `a` in a sync window: 1F1B on its P, replicas
+    and sharing (else the fastest fitting 1F1B)."""
+    flushed = [o for o in options if o.schedule == "1f1b" and o.fits]
+    same = [
+        o for o in flushed if (o.stages, o.replicas, o.across) == (a.stages, a.replicas, a.across)
+    ]
+    return max(same or flushed, key=lambda o: o.tokens_per_s, default=None)
+
+
+def _best_row(mine: list[Any], options: list[Any], stages: int | None = None) -> ScheduleThroughput:
+    """The fastest fitting of `mine`, else the one nearest to fitting (marked as not fitting)."""
+    from stalepipe.sim.parallel import best
+
+    top = best(mine, mine[0].policy) or min(mine, key=lambda o: o.peak_memory)
+    return _row(top, options, stages)
 
 
 def throughputs(s: Setting) -> tuple[Throughputs, list[Any]]:
     """One row per kind of synchronous contender (dp, fsdp, each pipeline schedule, its best
-    configuration over P, D, placement) and the asynchronous one, and every option timed."""
+    configuration over P, D, placement), 2BW's best over P, PipeDream's best at each P (its
+    delay grows with P: a run is judged at its own P), and every option timed."""
     from stalepipe.sim.parallel import SYNC_PIPELINES, all_options, best
 
-    options = all_options(s.workload(), s.cluster)
+    options = all_options(s.workload(), s.cluster, ASYNC_SCHEDULES)
     rows = []
     for name in ("dp", "fsdp", *SYNC_PIPELINES, ASYNC):
         mine = [o for o in options if o.schedule == name]
-        if not mine:
-            continue
-        top = best(mine, mine[0].policy)  # else none fits: the one nearest to fitting, marked
-        rows.append(_row(top or min(mine, key=lambda o: o.peak_memory)))
+        if mine:
+            rows.append(_best_row(mine, options))
+    for name in ASYNC_SCHEDULES[1:]:
+        for p in sorted({o.stages for o in options if o.schedule == name}):
+            rows.append(
+                _best_row([o for o in options if (o.schedule, o.stages) == (name, p)], options, p)
+            )
     a = best(options, "2bw")
-    flushed = [o for o in options if o.schedule == "1f1b" and o.fits]
-    same = [
-        o
-        for o in flushed
-        if a and (o.stages, o.replicas, o.across) == (a.stages, a.replicas, a.across)
-    ]
-    window = max(same or flushed, key=lambda o: o.tokens_per_s, default=None)
+    window = _window(a, options) if a else None
     c = s.cluster
     left = [o for o in options if not o.fits]
     lines = [
@@ -234,7 +254,9 @@ def headline(verdicts: list[Verdict], most: int = 3) -> list[Verdict]:
     """The delayed configurations the map draws: those with a measured overhead at sync's
     final loss and its interval (2 seeds or more), those with the seeds for a verdict (3)
     first, then lowest first (at most `most`); else the first configuration. A one-seed run
-    has no interval to carry through the map, so it is never drawn over a measured one."""
+    has no interval to carry through the map, so it is never drawn over a measured one. The
+    map is 2BW's: other schedules' configurations are not drawn."""
+    verdicts = [v for v in verdicts if v.schedule == ASYNC]
     measured = [
         v for v in verdicts if v.target is not None and math.isfinite(v.target.interval()[1])
     ]

@@ -50,6 +50,8 @@ class ScheduleThroughput:
     source: str = "simulated"
     refused: str = ""
     config: str = ""  # the configuration behind the rate (cluster model: P, D, m, placement)
+    stages: int | None = None  # P behind the rate where rows differ in it (cluster model)
+    flushed_tokens_per_s: float = math.nan  # an async row's steps in a sync window (a flush)
 
     def shown(self) -> str:
         """The configuration, else the schedule's name."""
@@ -96,6 +98,24 @@ class Throughputs:
     def why(self, name: str) -> str:
         refused = [s.refused for s in self.rows if s.name == name and s.refused]
         return refused[0] if refused else "not in the comparison"
+
+    def async_row(self, name: str, policy: str, stages: int) -> ScheduleThroughput | str:
+        """The row of asynchronous schedule `name` that a delayed run with delay `policy` at P =
+        `stages` is judged on, or why there is none. 2BW's delay is one step at any P; every
+        other policy's delay grows with P, so its row must have the run's P."""
+        mine = [s for s in self.rows if s.name == name and not s.refused]
+        if not mine:
+            return f"no throughput for schedule {name} ({self.why(name)})"
+        if policy == "2bw":
+            return mine[0]
+        same = [s for s in mine if (s.stages or self.num_stages) == stages]
+        if same:
+            return same[0]
+        have = sorted({s.stages or self.num_stages or 0 for s in mine})
+        return (
+            f"{policy}'s delay depends on P; its runs have P={stages}, the throughputs "
+            f"P={'/'.join(map(str, have))}"
+        )
 
     def sync(self) -> list[ScheduleThroughput]:
         """The synchronous schedules that run at these sizes."""

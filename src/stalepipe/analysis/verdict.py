@@ -26,6 +26,7 @@ from pathlib import Path
 from stalepipe.analysis import plots
 from stalepipe.analysis.results import Row, build_rows, load_runs, longer_runs
 from stalepipe.analysis.throughput import (
+    ScheduleThroughput,
     Throughputs,
     async_schedule,
     load_costs,
@@ -67,15 +68,19 @@ def sync_window_share(row: Row) -> float:
     return sum(delay.in_sync_window(k) for k in range(steps)) / steps
 
 
-def judge(row: Row, tp: Throughputs, schedule: str) -> Verdict:
-    """The verdict of one delayed row (with a token overhead) on the throughputs `tp`."""
+def judge(row: Row, tp: Throughputs, a: ScheduleThroughput) -> Verdict:
+    """The verdict of one delayed row (with a token overhead) on the throughputs `tp`, its
+    asynchronous schedule's rate read off row `a` of them."""
     assert row.token_overhead is not None and row.baseline is not None
     share = sync_window_share(row)
-    rate = tp.get(schedule).tokens_per_s
+    rate = a.tokens_per_s
     if share:  # window steps run at the flushed rate: time per token adds up
-        rate = 1.0 / (share / tp.window_tokens_per_s + (1.0 - share) / rate)
+        flushed = a.flushed_tokens_per_s
+        flushed = flushed if math.isfinite(flushed) else tp.window_tokens_per_s
+        rate = 1.0 / (share / flushed + (1.0 - share) / rate)
     best = tp.best_sync()
-    v = Verdict(_label(row), _label(row.baseline), schedule, row.token_overhead, share, rate, best)
+    v = Verdict(_label(row), _label(row.baseline), a.name, row.token_overhead, share, rate, best)
+    v.async_row = a
     v.target, v.measured_on = row.targets["final"], model_size(row.config)
     for s in tp.sync():
         v.ratios[s.name] = time_to_target(v.target, rate / s.tokens_per_s)
@@ -105,17 +110,11 @@ def judge_sweep(rows: list[Row], tp: Throughputs) -> tuple[list[Verdict], list[s
                 f"{_label(row)}: no pipeline schedule realises delay.policy {row.policy}"
             )
             continue
-        if not tp.has(sched):
-            skipped.append(f"{_label(row)}: no throughput for schedule {sched} ({tp.why(sched)})")
+        a = tp.async_row(sched, row.policy, int(row.config.get("pipeline.num_stages", 1)))
+        if isinstance(a, str):
+            skipped.append(f"{_label(row)}: {a}")
             continue
-        run_stages = int(row.config.get("pipeline.num_stages", 1))
-        if row.policy != "2bw" and run_stages != tp.num_stages:
-            skipped.append(
-                f"{_label(row)}: {row.policy}'s delay depends on P; its runs have "
-                f"P={run_stages}, the throughputs P={tp.num_stages}"
-            )
-            continue
-        verdicts.append(judge(row, tp, sched))
+        verdicts.append(judge(row, tp, a))
     return verdicts, skipped
 
 
@@ -164,13 +163,13 @@ def detail_rows(v: Verdict, tp: Throughputs) -> list[list[str]]:
     ]
     out = [head]
     for s in tp.rows:
-        if s.policy != "sync" and s.name != v.schedule:
-            continue  # another delay policy's schedule
+        if s.policy != "sync" and s is not v.async_row:
+            continue  # another delay policy's schedule, or another P of it
         name = s.shown() + (" (best sync)" if v.best_sync and s.name == v.best_sync.name else "")
         if s.refused:
             out.append([name, s.policy, "refused: " + s.refused, "", "", "", ""])
             continue
-        rate = v.async_tokens_per_s if s.name == v.schedule else s.tokens_per_s
+        rate = v.async_tokens_per_s if s is v.async_row else s.tokens_per_s
         ratio = _cells(v.ratios[s.name]) if s.name in v.ratios else "-"
         out.append(
             [
@@ -243,7 +242,7 @@ def write_csv(path: Path, verdicts: list[Verdict], tp: Throughputs) -> None:
         w = csv.writer(f)
         w.writerow(CSV_HEADER)
         for v in verdicts:
-            a = tp.get(v.schedule)
+            a = v.async_row
             for s in tp.sync():
                 r = v.ratios[s.name]
                 w.writerow(
@@ -263,7 +262,7 @@ def write_csv(path: Path, verdicts: list[Verdict], tp: Throughputs) -> None:
                         r.value,
                         r.low,
                         r.high,
-                        a.memory_list(),
+                        a.memory_list() if a else "",
                         s.memory_list(),
                         s.source,
                         v.verdict,
@@ -428,7 +427,7 @@ def verdict_json(r: VerdictReport) -> dict[str, object]:
         row["seeds"], row["measured_on_params"] = row["seeds"].split(" @ ")
         row["best_sync_tokens_per_s"] = v.best_sync.tokens_per_s if v.best_sync else None
         row["async_tokens_per_s"] = v.async_tokens_per_s
-        row["async_config"] = r.throughputs.get(v.schedule).shown()
+        row["async_config"] = v.async_row.shown() if v.async_row else v.schedule
         row["time_to_target_ci"] = [
             x if math.isfinite(x) else None for x in (ratio.value, ratio.low, ratio.high)
         ]

@@ -105,6 +105,7 @@ class Verdict:
     verdict: str = ""
     target: TargetOverhead | None = None  # at sync's final loss: what the verdict reads
     measured_on: str = ""  # the parameters of the model its runs trained ("0.43M")
+    async_row: ScheduleThroughput | None = None  # the row of `schedule` its rate is read off
 
     @property
     def speedup(self) -> float:

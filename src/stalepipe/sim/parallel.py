@@ -32,6 +32,9 @@ Assumptions, each stated once (fixed MFU for every configuration, BI = BW = F):
   last backward ends; the step ends when the slowest rank's update does); an asynchronous one
   (no flush) overlaps it with the next step entirely, so it is exposed only when longer than
   a step.
+- PipeDream (Narayanan et al. 2019) as published: an update after every microbatch, stage s
+  keeping P - s weight versions; a global batch is m updates, each paying the optimizer and
+  the replicas' gradient exchange (hidden behind the next update only).
 - Placement across nodes (N > GPUs per node): "stages in a node" (pipeline p2p on the fast
   link, each stage's replicas across nodes) or "replicas in a node" (gradient traffic on the
   fast link, p2p across nodes); both are tried.
@@ -60,6 +63,7 @@ MAX_SIM_MICROBATCHES = 16
 MAX_STAGES = 8  # deeper pipelines of these models leave a block or two per stage
 SIM_STEPS = 3
 SYNC_PIPELINES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev")
+PER_MICROBATCH = ("pipedream",)  # delay policies whose schedule updates after each microbatch
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,8 @@ class Option:
             return f"{self.schedule} x{self.replicas} (microbatch {self.microbatch_size})"
         rep = f" x {self.across} {self.replicas}" if self.replicas > 1 else ""
         where = f" ({self.placement})" if self.placement else ""
-        return f"{self.schedule} P={self.stages}{rep}{where}, m={self.microbatches}"
+        each = " (an update each)" if self.policy in PER_MICROBATCH else ""
+        return f"{self.schedule} P={self.stages}{rep}{where}, m={self.microbatches}{each}"
 
 
 def _units(cfg: ModelConfig, seq_len: int) -> list[tuple[int, int]]:
@@ -323,14 +328,19 @@ def pipelines(w: Workload, c: Cluster, schedules: tuple[str, ...]) -> list[Optio
         for spn_name, spn, spans in _placements(c, w.num_gpus, stages, replicas):
             dev = _pipeline_device(c, spn, stages)
             for name in schedules:
+                policy = PIPELINE_SCHEDULES[name].policy
+                # PipeDream updates after every microbatch: its steady update is the same at
+                # any m >= P, so one m is simulated and a global batch takes m updates
+                updates = m if policy in PER_MICROBATCH else 1
+                m_sim = min(m, 2 * stages) if updates > 1 else m
                 try:
-                    t = pipeline_timing(w.cfg, w.seq_len, w.mfu, dev, name, stages, m)
+                    t = pipeline_timing(w.cfg, w.seq_len, w.mfu, dev, name, stages, m_sim)
                 except ConfigError:
                     continue  # too many stages for the layers, or m too small for it
-                sync = PIPELINE_SCHEDULES[name].policy == "sync"
+                sync = policy == "sync"
                 for across in ("dp", "fsdp") if replicas > 1 else ("dp",):
                     step, exposed, mem = _hybrid(w, c, t, replicas, across, spans, sync)
-                    policy = PIPELINE_SCHEDULES[name].policy
+                    step, exposed = step * updates, exposed * updates
                     tps = w.global_batch * w.seq_len / step
                     out.append(
                         Option(
