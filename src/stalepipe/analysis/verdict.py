@@ -79,8 +79,8 @@ def judge(row: Row, tp: Throughputs, a: ScheduleThroughput) -> Verdict:
         flushed = flushed if math.isfinite(flushed) else tp.window_tokens_per_s
         rate = 1.0 / (share / flushed + (1.0 - share) / rate)
     best = tp.best_sync()
-    v = Verdict(_label(row), _label(row.baseline), a.name, row.token_overhead, share, rate, best)
-    v.async_row = a
+    label, base = _label(row), _label(row.baseline)
+    v = Verdict(label, base, a.name, row.token_overhead, share, rate, best, async_row=a)
     v.target, v.measured_on = row.targets["final"], model_size(row.config)
     for s in tp.sync():
         v.ratios[s.name] = time_to_target(v.target, rate / s.tokens_per_s)
