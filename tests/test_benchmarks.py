@@ -183,3 +183,20 @@ def test_gap_table_reads_length_and_size_from_committed_records():
     assert "| 1200 | 0.003 | 1.5942 | 0.2338 | 0.0882 |" in rows["1200"]
     assert "| 96 | 0.43M | 0.003 | 1.5942 | 0.2338 |" in rows["96"]
     assert "| 288 | 3.62M | 0.001 |" in rows["288"]
+
+
+def test_momentum_table_reads_the_controlled_grid():
+    """benchmarks/momentum_table.py on the committed controlled-momentum records: one row per
+    (optimizer, beta1); the fixed-LR cells are seed 0's (AdamW beta1 0.8: sync 1.5796, gap
+    +0.4471); where the grid is complete, 2bw at its own best LR is never worse than at sync's."""
+    out = _script("momentum_table.py", "docs/results/momentum-controlled-regime")
+    lines = [
+        x for x in out.stdout.splitlines() if x.startswith("| adamw") or x.startswith("| muon")
+    ]
+    assert len(lines) == 10
+    assert "| adamw | 0.8 | 1 | 1.5796 | +0.4471 |" in lines[0]
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert len(cells) == 9
+        if cells[6] != "-":  # the grid's three LRs have run for this beta1
+            assert float(cells[8]) <= float(cells[6]) + 1e-9
