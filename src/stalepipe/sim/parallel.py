@@ -203,15 +203,23 @@ class PipeTiming:
 
 @functools.lru_cache(maxsize=4096)
 def pipeline_timing(
-    cfg: ModelConfig, seq_len: int, mfu: float, dev: Device, schedule: str, stages: int, m: int
+    cfg: ModelConfig,
+    seq_len: int,
+    mfu: float,
+    dev: Device,
+    schedule: str,
+    stages: int,
+    m: int,
+    opt_share: float = 1.0,
 ) -> PipeTiming:
     """The simulated steady step of one replica (cached; `dev.gpus_per_node` is the stages
-    per node), of the two stage splits the faster (`simulate.model_costs`). Raises ConfigError
-    when the schedule refuses these sizes."""
+    per node), of the two stage splits the faster (`simulate.model_costs`), each rank updating
+    `opt_share` of its stages' parameters (1/D under FSDP). Raises ConfigError when the
+    schedule refuses these sizes."""
     half = max(MAX_SIM_MICROBATCHES // 2, 2 * stages)  # past the V schedules' m >= 2P
     if m > 2 * half:
-        a = pipeline_timing(cfg, seq_len, mfu, dev, schedule, stages, half)
-        b = pipeline_timing(cfg, seq_len, mfu, dev, schedule, stages, 2 * half)
+        a = pipeline_timing(cfg, seq_len, mfu, dev, schedule, stages, half, opt_share)
+        b = pipeline_timing(cfg, seq_len, mfu, dev, schedule, stages, 2 * half, opt_share)
         return PipeTiming.blend(a, b, (m - half) / half)
     p = plan(schedule, stages, m, SIM_STEPS)
     links = dict(
@@ -221,7 +229,10 @@ def pipeline_timing(
         p2p_latency=dev.p2p_latency,
     )
     compute = (cfg, seq_len, mfu, dev.peak_flops, dev.hbm_bandwidth)
-    options = [dataclasses.replace(c, **links) for c in _costs(p, *compute)]
+    options = [
+        dataclasses.replace(c, optimizer=tuple(o * opt_share for o in c.optimizer), **links)
+        for c in _costs(p, *compute)
+    ]
     costs, t = min(((c, p.time(c)) for c in options), key=lambda ct: ct[1].step_time)
     sizes = (costs.weight_bytes, costs.state_bytes, costs.activation_bytes)
     state, opt = [], []
@@ -283,10 +294,19 @@ def _pipeline_device(c: Cluster, stages_per_node: int, stages: int) -> Device:
 
 
 def _hybrid(
-    w: Workload, c: Cluster, t: PipeTiming, replicas: int, across: str, spans: bool, sync: bool
+    w: Workload,
+    c: Cluster,
+    t: PipeTiming,
+    replicas: int,
+    across: str,
+    spans: bool,
+    sync: bool,
+    sharded: PipeTiming | None = None,
 ) -> tuple[float, float, float]:
     """(step time, exposed traffic, peak memory) of a pipeline replica with `replicas`
-    sharing gradients `across` ('dp' or 'fsdp'; module docstring)."""
+    sharing gradients `across` ('dp' or 'fsdp'; module docstring). `sharded`: the same
+    pipeline timed with each rank updating its 1/D shard (FSDP, asynchronous: the update sits
+    inside the stream, so it is simulated there rather than subtracted)."""
     bw, lat = c.link(spans)
     memory = max(t.memory)
     if replicas == 1:
@@ -306,8 +326,7 @@ def _hybrid(
         extra = max(x + o - d for x, o, d in zip(comm, opt, t.drain))
         step = t.step_time + extra
     else:  # a whole step to hide it in
-        base = t.step_time + max(opt) - max(t.optimizer)
-        step = max(base, max(x + o for x, o in zip(comm, opt)))
+        step = max((sharded or t).step_time, max(x + o for x, o in zip(comm, opt)))
     return step, max(0.0, step - t.step_time), memory
 
 
@@ -339,7 +358,12 @@ def pipelines(w: Workload, c: Cluster, schedules: tuple[str, ...]) -> list[Optio
                     continue  # too many stages for the layers, or m too small for it
                 sync = policy == "sync"
                 for across in ("dp", "fsdp") if replicas > 1 else ("dp",):
-                    step, exposed, mem = _hybrid(w, c, t, replicas, across, spans, sync)
+                    sharded = None
+                    if across == "fsdp" and not sync:
+                        sharded = pipeline_timing(
+                            w.cfg, w.seq_len, w.mfu, dev, name, stages, m_sim, 1 / replicas
+                        )
+                    step, exposed, mem = _hybrid(w, c, t, replicas, across, spans, sync, sharded)
                     step, exposed = step * updates, exposed * updates
                     tps = w.global_batch * w.seq_len / step
                     out.append(
