@@ -31,7 +31,7 @@ Assumptions, each stated once (fixed MFU for every configuration, BI = BW = F):
   synchronous schedule overlaps it with the pipeline's drain only (each rank starts when its own
   last backward ends; the step ends when the slowest rank's update does); an asynchronous one
   (no flush) overlaps it with the next step entirely, so it is exposed only when longer than
-  a step.
+  a step; its update, on a 1/D shard under FSDP, is simulated inside its stream.
 - PipeDream (Narayanan et al. 2019) as published: an update after every microbatch, stage s
   keeping P - s weight versions; a global batch is m updates, each paying the optimizer and
   the replicas' gradient exchange (hidden behind the next update only).
