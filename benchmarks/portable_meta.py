@@ -7,7 +7,9 @@ records made by stalepipe older than this script's commit, which wrote absolute 
 `cwd` and `data_dir` become relative to the run directory (as `rundir.directory` now writes
 them; a `cwd` outside the run's checkout, a temporary one, becomes null), `run_dir` is dropped (it is the directory the file is in), and the command line names
 its program without a directory, with absolute paths inside the old working directory made
-relative to it. Idempotent; other fields are untouched.
+relative to it. The run's config.json gets the same treatment for `out_dir` (older records
+wrote it absolute): it becomes the path from the checkout's docs/results/ on, as later
+records spell it. Idempotent; other fields are untouched.
 """
 
 from __future__ import annotations
@@ -68,6 +70,25 @@ def machine_paths(meta: dict) -> list[str]:
     return found
 
 
+def portable_config(config: dict) -> dict:
+    """config.json with an absolute `out_dir` inside a checkout's docs/results/ made relative
+    to the checkout (as `stalepipe sweep --out docs/results/...` writes it)."""
+    out_dir = config.get("out_dir")
+    if isinstance(out_dir, str) and os.path.isabs(out_dir) and "/docs/results/" in out_dir:
+        return {**config, "out_dir": "docs/results/" + out_dir.partition("/docs/results/")[2]}
+    return config
+
+
+def _records(root: str) -> list[tuple[Path, dict, dict]]:
+    """(path, record, its portable form) of every meta.json and config.json under `root`."""
+    out = []
+    for path in sorted(Path(root).rglob("meta.json")) + sorted(Path(root).rglob("config.json")):
+        record = json.loads(path.read_text())
+        new = portable_meta(record) if path.name == "meta.json" else portable_config(record)
+        out.append((path, record, new))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("roots", nargs="+", help="directories searched for */meta.json")
@@ -75,16 +96,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     bad = changed = 0
     for root in args.roots:
-        for path in sorted(Path(root).rglob("meta.json")):
-            meta = json.loads(path.read_text())
+        for path, record, new in _records(root):
             if args.check:
-                if found := machine_paths(meta):
+                found = machine_paths(record) if path.name == "meta.json" else []
+                if isinstance(record.get("out_dir"), str) and os.path.isabs(record["out_dir"]):
+                    found.append(f"out_dir={record['out_dir']}")
+                if found:
                     bad += 1
                     print(f"{path}: {', '.join(found)}")
                 continue
-            new = portable_meta(meta)
-            if new != meta:
-                path.write_text(json.dumps(new, indent=2, sort_keys=True) + "\n")
+            if new != record:
+                path.write_text(
+                    json.dumps(new, indent=2, sort_keys=path.name == "meta.json") + "\n"
+                )
                 changed += 1
     print(f"{bad} record(s) with machine paths" if args.check else f"{changed} record(s) rewritten")
     return 1 if bad else 0

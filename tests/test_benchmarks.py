@@ -139,7 +139,7 @@ def test_per_arm_gap_compares_run_groups_across_directories(tmp_path):
 
 
 def test_committed_records_name_no_machine_paths(tmp_path):
-    """Every meta.json under docs/results is portable (`benchmarks/portable_meta.py --check`),
+    """Every meta.json and config.json under docs/results is portable (`portable_meta.py --check`),
     and the rewrite makes an old record's absolute paths relative to its run directory."""
     script = [sys.executable, str(ROOT / "benchmarks" / "portable_meta.py")]
     out = subprocess.run([*script, "docs/results", "--check"], capture_output=True, text=True,
@@ -151,9 +151,12 @@ def test_committed_records_name_no_machine_paths(tmp_path):
            "argv": [str(tmp_path / "repo/.venv/bin/stalepipe"), "sweep", "--out",
                     str(tmp_path / "repo/docs/results/s")]}  # fmt: skip
     (run / "meta.json").write_text(json.dumps({**old, "invocations": [old]}))
+    config = {"name": "r", "out_dir": str(tmp_path / "repo/docs/results/s"), "seed": 0}
+    (run / "config.json").write_text(json.dumps(config))
     bad = subprocess.run([*script, str(tmp_path), "--check"], capture_output=True, text=True)
-    assert bad.returncode == 1 and "run_dir=" in bad.stdout
+    assert bad.returncode == 1 and "run_dir=" in bad.stdout and "out_dir=" in bad.stdout
     subprocess.run([*script, str(tmp_path)], check=True, capture_output=True)
+    assert json.loads((run / "config.json").read_text()) == {**config, "out_dir": "docs/results/s"}
     new = json.loads((run / "meta.json").read_text())
     want = {"cwd": "../../../..", "data_dir": "../../../../../data",
             "argv": ["stalepipe", "sweep", "--out", "docs/results/s"]}  # fmt: skip
