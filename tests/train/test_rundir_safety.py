@@ -258,6 +258,23 @@ def test_run_data_is_found_from_any_working_directory(tiny_config, tmp_path, mon
         run_data_dir(moved, cfg)  # no fix given: ensure_prepared's own message
 
 
+def test_an_absolute_out_dir_inside_the_working_directory_is_recorded_relative(
+    tiny_config, tmp_path, monkeypatch
+):
+    """`--out /abs/work/runs` typed in /abs/work: config.json says "runs" (as meta.json's
+    command line does), so the record names no machine's paths; a path outside the working
+    directory stays as given."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    cfg = _cfg(dataclasses.replace(tiny_config, out_dir=str(work / "runs")), num_steps=1)
+    run_dir = open_run_dir(cfg, resume=False, overwrite=False)
+    assert json.loads((run_dir / "config.json").read_text())["out_dir"] == "runs"
+    outside = dataclasses.replace(cfg, out_dir=str(tmp_path / "elsewhere"))
+    run_dir = open_run_dir(outside, resume=False, overwrite=False)
+    assert json.loads((run_dir / "config.json").read_text())["out_dir"] == outside.out_dir
+
+
 def test_resume_from_another_working_directory(tiny_config, tmp_path, monkeypatch):
     """`--config RUN/config.json --resume` from elsewhere continues the run in place (the
     CLI takes the run's location from saved_run_location), reading its recorded data, and

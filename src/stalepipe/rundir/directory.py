@@ -127,6 +127,9 @@ def open_run_dir(
         mark_owned(run_dir, RUN_KIND)  # only a run's files in it (run_state): ours
     saved = _saved_config(run_dir) if resumed_from is not None else None
     config = cfg.to_dict()
+    # an absolute out_dir inside the working directory is written relative to it (as the
+    # command line in meta.json is), so the record names no machine's paths
+    config["out_dir"] = _relative_to_cwd(cfg.out_dir)
     if saved is not None and isinstance(saved.get("out_dir"), str):
         # out_dir may differ on resume (another working directory): keep the saved spelling,
         # so a run's config.json stays as portable as it was written
@@ -302,18 +305,18 @@ def invocation_record(run_dir: Path, data_dir: Path, resumed_from: Path | None) 
     }
 
 
+def _relative_to_cwd(arg: str) -> str:
+    """An absolute path inside the working directory relative to it; anything else as given."""
+    p, cwd = Path(arg), Path.cwd()
+    if p.is_absolute() and p.is_relative_to(cwd):
+        return str(p.relative_to(cwd)) or "."
+    return arg
+
+
 def portable_argv(argv: list[str]) -> list[str]:
     """The command line without this machine's paths: the program by its name, absolute
     paths inside the working directory relative to it (others stay: the user typed them)."""
-    cwd = Path.cwd()
-
-    def rel(arg: str) -> str:
-        p = Path(arg)
-        if p.is_absolute() and p.is_relative_to(cwd):
-            return str(p.relative_to(cwd)) or "."
-        return arg
-
-    return [Path(argv[0]).name, *map(rel, argv[1:])] if argv else []
+    return [Path(argv[0]).name, *map(_relative_to_cwd, argv[1:])] if argv else []
 
 
 def _cpu_model() -> str:
