@@ -12,7 +12,9 @@ the 2bw gap read three ways:
 An LR at the edge of the grid is marked `*` (the optimum may lie outside it). Seeds: the mean
 over the finished seeds of each cell (the count is printed); `stalepipe report` has the tests.
 
-    python benchmarks/momentum_table.py docs/results/momentum-controlled-regime
+    python benchmarks/momentum_table.py docs/results/momentum-controlled-regime [--grid]
+
+`--grid` adds every cell: sync's and 2bw's final loss at each LR.
 """
 
 from __future__ import annotations
@@ -86,10 +88,30 @@ def rows(data: dict) -> list[str]:
     return out
 
 
+def grid_rows(data: dict) -> list[str]:
+    """`--grid`: every cell's final loss, sync and 2bw at each LR (mean over the seeds)."""
+    out = []
+    for opt, betas in sorted(data.items()):
+        grid = sorted({lr for lrs in betas.values() for lr in lrs})
+        lrs_text = " / ".join(f"{lr:g}" for lr in grid)
+        head = f"| {opt}, beta1 | sync at LR {lrs_text} | 2bw at LR {lrs_text} |"
+        out += ["", head, "|---|---|---|"]
+        for beta1, lrs in sorted(betas.items()):
+            cells = [
+                " / ".join(f"{_mean(lrs.get(lr, {}), pol):.4f}" for lr in grid)
+                for pol in ("sync", "2bw")
+            ]
+            out.append(f"| {beta1:g} | " + " | ".join(c.replace("nan", "-") for c in cells) + " |")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("sweep_dir")
-    print("\n".join(rows(collect(ap.parse_args().sweep_dir))))
+    ap.add_argument("--grid", action="store_true", help="also every cell's final loss per LR")
+    args = ap.parse_args()
+    data = collect(args.sweep_dir)
+    print("\n".join(rows(data) + (grid_rows(data) if args.grid else [])))
 
 
 if __name__ == "__main__":
