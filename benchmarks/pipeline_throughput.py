@@ -26,9 +26,9 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from pipeline_memory import print_memory, stage_sizes  # benchmarks/pipeline_memory.py
 from pipeline_replay import replayed_bubble  # benchmarks/pipeline_replay.py
+from pipeline_setup import P, bench_model, random_batch, setup_stage  # benchmarks/pipeline_setup.py
 from pipeline_spans import (  # benchmarks/pipeline_spans.py
     busy,
     measured_costs,
@@ -36,6 +36,7 @@ from pipeline_spans import (  # benchmarks/pipeline_spans.py
     timed_call,
     window,
 )
+from torch_pipelining import theirs  # benchmarks/torch_pipelining.py
 
 from stalepipe.config import PIPELINE_SCHEDULES, DelayConfig, ModelConfig, OptimConfig
 from stalepipe.delay import DelayedOptimizer
@@ -51,23 +52,11 @@ from stalepipe.runtime.votes import StepVotes, lookahead
 from stalepipe.schedules.generators import make_schedule
 from stalepipe.sim.timing import simulate, summarize
 
-P = 2
 OURS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v", "2bw")  # the schedules timed here
 # every registered schedule runs in `ours` (validate_step_time.py times zb-h1 too)
 POLICY = {name: spec.policy for name, spec in PIPELINE_SCHEDULES.items()}
 # stages per process of our schedules (interleaved-1f1b: 2 here)
 CHUNKS = {name: spec.stages_per_rank(2) for name, spec in PIPELINE_SCHEDULES.items()}
-
-
-def _setup(model_cfg: ModelConfig):
-    rank = init_from_env("gloo", 120).rank
-    torch.set_num_threads(1)
-    full = build_model(model_cfg, seed=0)
-    stage = partition(full, P)[rank]
-    owned = stage.owned_parameters()
-    opt = build_optimizer(resolve_config(OptimConfig(name="adamw")), list(owned.items()))
-    set_peak_lr(opt)
-    return rank, stage, owned, opt
 
 
 class _NoCadence:
@@ -87,27 +76,6 @@ class _NoCadence:
 
     def agreed_bits(self, step: int) -> int:
         return 0
-
-
-def bench_model(dim: int, layers: int, seq: int) -> ModelConfig:
-    """The benchmark's model: byte vocabulary, 8 heads (4 kv), a SwiGLU of 8/3 dim, untied."""
-    return ModelConfig(
-        vocab_size=256,
-        dim=dim,
-        num_layers=layers,
-        num_heads=8,
-        num_kv_heads=4,
-        ffn_dim=int(dim * 8 / 3) // 8 * 8,
-        max_seq_len=seq,
-        tie_embeddings=False,
-    )
-
-
-def _batch(step: int, m: int, mb: int, T: int, V: int):
-    g = torch.Generator().manual_seed(step)
-    x = torch.randint(V, (m * mb, T), generator=g)
-    y = torch.randint(V, (m * mb, T), generator=g)
-    return x, y
 
 
 def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: int, warm: int):
@@ -132,7 +100,7 @@ def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: 
     sched = make_schedule(schedule, P, m, steps, num_chunks=C)
 
     def get_batch(k: int):
-        x, y = _batch(k, m, mb, T, model_cfg.vocab_size)
+        x, y = random_batch(k, m, mb, T, model_cfg.vocab_size)
         return list(x.chunk(m)), list(y.chunk(m))
 
     ios = [
@@ -200,82 +168,11 @@ def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: 
     }
 
 
-class _TorchStage(torch.nn.Module):
-    """Our stage as torch.pipelining wants it: the last stage returns logits."""
-
-    def __init__(self, stage) -> None:
-        super().__init__()
-        self.stage = stage
-
-    def forward(self, x):
-        return self.stage(x)
-
-
-CHUNKED = ("interleaved", "zbv")  # torch schedules with 2 model chunks per process
-
-
-def _torch_stages(model_cfg: ModelConfig, schedule: str):
-    """This process's torch.pipelining stages: one of P, or two of 2P (interleaved: s and
-    s + P; ZB-V: s and 2P-1-s); the stage indices and an AdamW over their parameters."""
-    from torch.distributed.pipelining import PipelineStage
-
-    if schedule not in CHUNKED:
-        rank, stage, _, opt = _setup(model_cfg)
-        return [PipelineStage(_TorchStage(stage), rank, P, torch.device("cpu"))], [rank], opt
-    rank = init_from_env("gloo", 120).rank
-    torch.set_num_threads(1)
-    parts = partition(build_model(model_cfg, seed=0), 2 * P)
-    ids = [rank, 2 * P - 1 - rank] if schedule == "zbv" else [rank, rank + P]
-    stages = [PipelineStage(_TorchStage(parts[i]), i, 2 * P, torch.device("cpu")) for i in ids]
-    owned = [(n, p) for i in ids for n, p in parts[i].owned_parameters().items()]
-    opt = build_optimizer(resolve_config(OptimConfig(name="adamw")), owned)
-    set_peak_lr(opt)
-    return stages, ids, opt
-
-
-def theirs(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: int, warm: int):
-    from torch.distributed.pipelining import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-        ScheduleZBVZeroBubble,
-    )
-
-    stages, ids, opt = _torch_stages(model_cfg, schedule)
-    V = model_cfg.vocab_size
-
-    def loss_fn(logits, y):
-        return F.cross_entropy(logits.float().view(-1, V), y.view(-1))
-
-    if schedule in CHUNKED:
-        cls = {"interleaved": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble}[schedule]
-        sched = cls(stages, n_microbatches=m, loss_fn=loss_fn)
-    else:
-        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-        sched = cls(stages[0], n_microbatches=m, loss_fn=loss_fn)
-    first, last = 0 in ids, max(ids) == len(ids) * P - 1
-    t0 = 0.0
-    for k in range(steps):
-        if k == warm:
-            dist.barrier()
-            t0 = time.perf_counter()
-        x, y = _batch(k, m, mb, T, V)
-        targets = {"target": y, "losses": []} if last else {}
-        if first:
-            sched.step(x, **targets)
-        else:
-            sched.step(**targets)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    dist.barrier()
-    return {"wall": time.perf_counter() - t0, "tokens": (steps - warm) * m * mb * T}
-
-
 def contention(model_cfg: ModelConfig, mb: int, T: int, iters: int) -> dict:
     """F+B time of one microbatch on this rank's stage with the other core idle, then with both
     processes computing at once (no communication): what this machine does to a schedule
     without bubbles, whose ranks always compute together."""
-    rank, stage, _, _ = _setup(model_cfg)
+    rank, stage, _, _ = setup_stage(model_cfg)
     g = torch.Generator().manual_seed(rank)
     V = model_cfg.vocab_size
     if rank == 0:
