@@ -55,7 +55,7 @@ def _check_val(cfg, reports, dist_utils, steps) -> None:
     assert final == got and math.isfinite(final[max(final)])
 
 
-def _async_case(schedule, P, m, optim, tied, make_cfg, run_dist, dist_utils, steps=4):
+def _assert_async_equals_emulator(schedule, P, m, optim, tied, make_cfg, run_dist, dist_utils, steps=4):
     # Evaluating after every step: the last stage needs tied versions no training step reads.
     cfg = make_cfg(schedule, P, m, tied=tied, optim=optim, steps=steps, eval_every=1, dropout=0.1)
     reports = run_dist(cfg)
@@ -89,7 +89,7 @@ def test_an_uneven_partition_equals_emulator_exact(make_cfg, run_dist, dist_util
     [("2bw", 2, 2, "adamw"), ("2bw", 3, 2, "muon"), ("pipedream", 3, 1, "adamw")],
 )
 def test_async_equals_emulator_exact(schedule, P, m, optim, make_cfg, run_dist, dist_utils):
-    _async_case(schedule, P, m, optim, True, make_cfg, run_dist, dist_utils)
+    _assert_async_equals_emulator(schedule, P, m, optim, True, make_cfg, run_dist, dist_utils)
 
 
 @pytest.mark.slow
@@ -98,7 +98,7 @@ def test_async_equals_emulator_exact(schedule, P, m, optim, make_cfg, run_dist, 
 @pytest.mark.parametrize("mult", ["P-1", "P", "2P"])
 def test_2bw_grid(P, mult, optim, make_cfg, run_dist, dist_utils):
     m = {"P-1": max(P - 1, 1), "P": P, "2P": 2 * P}[mult]
-    _async_case("2bw", P, m, optim, True, make_cfg, run_dist, dist_utils)
+    _assert_async_equals_emulator("2bw", P, m, optim, True, make_cfg, run_dist, dist_utils)
 
 
 @pytest.mark.slow
@@ -107,7 +107,7 @@ def test_2bw_grid(P, mult, optim, make_cfg, run_dist, dist_utils):
 @pytest.mark.parametrize("steps_per_P", [2, 3])  # enough steps to reach P - s versions
 def test_pipedream_grid(P, steps_per_P, optim, make_cfg, run_dist, dist_utils):
     # PipeDream updates per microbatch: m microbatches of the IR = m steps of one microbatch.
-    _async_case(
+    _assert_async_equals_emulator(
         "pipedream", P, 1, optim, True, make_cfg, run_dist, dist_utils, steps=P * steps_per_P + 1
     )
 

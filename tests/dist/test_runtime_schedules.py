@@ -64,7 +64,7 @@ def _rank0(reports: list[dict]) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def _zb_h1_case(P, m, make_cfg, run_dist, dist_utils) -> None:
+def _assert_zb_h1_equals_accumulation(P, m, make_cfg, run_dist, dist_utils) -> None:
     cfg = make_cfg("zb-h1", P, m, tied=False)
     assert any(a.kind == "BW" for a in runtime_schedule(cfg).ranks[0])  # the split backward
     run_dist(cfg)
@@ -74,12 +74,12 @@ def _zb_h1_case(P, m, make_cfg, run_dist, dist_utils) -> None:
 
 
 def test_zb_h1_equals_gradient_accumulation(make_cfg, run_dist, dist_utils):
-    _zb_h1_case(2, 3, make_cfg, run_dist, dist_utils)
+    _assert_zb_h1_equals_accumulation(2, 3, make_cfg, run_dist, dist_utils)
 
 
 @pytest.mark.slow
 def test_zb_h1_equals_gradient_accumulation_p4(make_cfg, run_dist, dist_utils):
-    _zb_h1_case(4, 4, make_cfg, run_dist, dist_utils)
+    _assert_zb_h1_equals_accumulation(4, 4, make_cfg, run_dist, dist_utils)
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def test_interleaved_1f1b_three_chunks_equals_gradient_accumulation(
 # --------------------------------------------------------------------------------------------
 
 
-def _wpipe_case(P, m, make_cfg, run_dist, dist_utils) -> None:
+def _assert_wpipe_equals_emulator(P, m, make_cfg, run_dist, dist_utils) -> None:
     cfg = make_cfg("wpipe", P, m, tied=True, steps=5, dropout=0.1)
     sched = runtime_schedule(cfg)
     validate(sched)
@@ -187,7 +187,7 @@ def _wpipe_case(P, m, make_cfg, run_dist, dist_utils) -> None:
 
 @pytest.mark.parametrize(("P", "m"), [(2, 2), (4, 2), pytest.param(4, 4, marks=pytest.mark.slow)])
 def test_wpipe_equals_emulator_exact(P, m, make_cfg, run_dist, dist_utils):
-    _wpipe_case(P, m, make_cfg, run_dist, dist_utils)
+    _assert_wpipe_equals_emulator(P, m, make_cfg, run_dist, dist_utils)
 
 
 @pytest.mark.slow
