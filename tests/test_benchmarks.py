@@ -130,7 +130,10 @@ def test_per_arm_gap_compares_run_groups_across_directories(tmp_path):
     out = subprocess.run([*script, pair], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| adamw_2bw | 3 | 1.8199 ± 0.0082 | adamw_lr0.009_sync | 3 |" in out.stdout
-    assert out.stdout.rstrip().endswith("| +0.2258 | 4.8e-06 |")
+    # Welch on the means, then the same seeds paired (the report's test)
+    assert out.stdout.rstrip().endswith(
+        "| +0.2258 | 4.8e-06 | +0.2258 [+0.1891, +0.2626] (3) | 1.4e-03 |"
+    )
     bad = subprocess.run([*script, "adamw_2bw"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "is not ARM=SYNC" in bad.stderr
     gone = subprocess.run([*script, f"{tmp_path}/a/nope={tmp_path}/b/adamw_lr0.009_sync"],
