@@ -79,6 +79,12 @@ def portable_config(config: dict) -> dict:
     return config
 
 
+def config_paths(config: dict) -> list[str]:
+    """The absolute paths a config.json still names (out_dir)."""
+    out_dir = config.get("out_dir")
+    return [f"out_dir={out_dir}"] if isinstance(out_dir, str) and os.path.isabs(out_dir) else []
+
+
 def _records(root: str) -> list[tuple[Path, dict, dict]]:
     """(path, record, its portable form) of every meta.json and config.json under `root`."""
     out = []
@@ -98,10 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     for root in args.roots:
         for path, record, new in _records(root):
             if args.check:
-                found = machine_paths(record) if path.name == "meta.json" else []
-                if isinstance(record.get("out_dir"), str) and os.path.isabs(record["out_dir"]):
-                    found.append(f"out_dir={record['out_dir']}")
-                if found:
+                meta = path.name == "meta.json"
+                if found := machine_paths(record) if meta else config_paths(record):
                     bad += 1
                     print(f"{path}: {', '.join(found)}")
                 continue
