@@ -18,13 +18,25 @@ own): rank r re-splits the checkpoint for stage r (`checkpoint_parts.stage_state
 `open_checkpoint`. `read MB` is the bytes the process read from files (`rchar` of
 /proc/self/io, page cache included), `peak MB` its peak RSS above its RSS before the load.
 The median of the repeats is reported.
+
+The new format is loaded three ways (issue 39, `rundir.verified`), side by side:
+- `new`: as every load does, the metadata unpickled safely and every byte read checked
+  against the SHA-256 the save recorded;
+- `new-nover`: the same checkpoint with its digests removed from checkpoint.json (what a
+  checkpoint of an older version loads as): the safe unpickler, no hashing;
+- `new-torch`: torch's own `FileSystemReader` (plain `pickle.load` of `.metadata`, no
+  checks): how loads read before issue 39, the cost floor.
+`hash s` is the part of `save s` spent hashing the shards (`verified.shard_digests`, timed
+again on the written files).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import multiprocessing as mp
+import os
 import shutil
 import statistics
 import tempfile
@@ -36,8 +48,9 @@ import torch
 from stalepipe.config import DataConfig, ExperimentConfig, apply_overrides
 from stalepipe.data import prepare_corpus
 from stalepipe.presets import get_preset
+from stalepipe.rundir import verified
 from stalepipe.rundir.checkpoint import commit_checkpoint, open_checkpoint, save_legacy_checkpoint
-from stalepipe.rundir.sharded import save_part
+from stalepipe.rundir.sharded import MANIFEST, ShardedCheckpoint, save_part
 from stalepipe.runtime.checkpoint_parts import flatten_part, saved_split, stage_state
 from stalepipe.train.distributed import SINGLE_PROCESS
 from stalepipe.train.emulated import EmulatorEngine
@@ -93,10 +106,24 @@ def _rchar() -> int:
     return 0
 
 
-def _load_rank(path: str, stage: int, threads: int) -> dict:
+def _torch_reader() -> None:
+    """Make `ShardedCheckpoint` read as before issue 39: torch's FileSystemReader, pickle."""
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    verified.load_metadata = lambda data, where: pickle.load(io.BytesIO(data))  # noqa: S301
+    verified.make_reader = lambda shard, md, verifier: FileSystemReader(shard)
+    verified.Verifier.read_small = lambda self, rel: (self.ckpt / rel).read_bytes()
+
+
+def _load_rank(path: str, stage: int, threads: int, torch_reader: bool = False) -> dict:
     """One rank's load, in its own process: what `PipelineEngine._resume` reads for `stage`."""
     import torch.distributed.checkpoint  # noqa: F401 - imported before the clock starts
 
+    if torch_reader:
+        _torch_reader()
     torch.set_num_threads(threads)
     base_rss, base_read, t = _status_mb("VmRSS"), _rchar(), time.perf_counter()
     flat = open_checkpoint(Path(path))
@@ -122,14 +149,35 @@ def _save_both(engine: EmulatorEngine, cfg: ExperimentConfig, run_dir: Path, ste
     old = time.perf_counter() - t
     t = time.perf_counter()
     delayed = engine.emulator.delayed.state_dict()
+    shards = []
     weights = dict(engine.model.named_parameters())  # a tied head once, as its owner
     for s, names in enumerate(delayed["names"]):
         own = {n: weights[n].detach() for n in names}
         tensors, meta = flatten_part(delayed, [s], own, torch.get_rng_state() if s == 0 else None)
-        save_part(run_dir, step, s, tensors, meta)
+        shards.append(save_part(run_dir, step, s, tensors, meta).name)
     manifest = {"config": cfg.to_dict(), "ranks": list(range(len(delayed["names"])))}
-    commit_checkpoint(run_dir, step, manifest, keep_last=10**6)
-    return {"old": old, "new": time.perf_counter() - t}
+    final = commit_checkpoint(run_dir, step, manifest, keep_last=10**6)
+    new = time.perf_counter() - t
+    t = time.perf_counter()
+    for name in shards:  # the hashing save_part did, again on the same files
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for info in ShardedCheckpoint(final)._shards[final / name].storage_data.values():
+            ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
+        verified.shard_digests(final / name, ranges)
+    return {"old": old, "new": new, "hash": time.perf_counter() - t}
+
+
+def _without_digests(ckpt: Path, to: Path) -> Path:
+    """`ckpt` as a version before issue 39 wrote it: the same files (hard links), no digests."""
+    to.mkdir()
+    for f in ckpt.rglob("*"):
+        if f.is_file() and f.name != MANIFEST:
+            (to / f.relative_to(ckpt)).parent.mkdir(parents=True, exist_ok=True)
+            os.link(f, to / f.relative_to(ckpt))
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    manifest.pop("files")
+    (to / MANIFEST).write_text(json.dumps(manifest))
+    return to
 
 
 def measure(cfg: ExperimentConfig, data_dir: Path, run_dir: Path, args) -> dict:
@@ -142,14 +190,22 @@ def measure(cfg: ExperimentConfig, data_dir: Path, run_dir: Path, args) -> dict:
     for i in range(args.repeats):
         (run_dir / f"r{i}").mkdir()
     saves = [_save_both(engine, cfg, run_dir / f"r{i}", step) for i in range(args.repeats)]
+    for i in range(args.repeats):
+        _without_digests(run_dir / f"r{i}" / f"ckpt_{step:08d}", run_dir / f"r{i}" / "nover")
     pool = mp.get_context("spawn")
     out = {"save": saves, "load": {}}
-    for fmt, name in (("old", f"ckpt_{step:08d}.pt"), ("new", f"ckpt_{step:08d}")):
+    for fmt, name, torch_reader in (
+        ("old", f"ckpt_{step:08d}.pt", False),
+        ("new", f"ckpt_{step:08d}", False),
+        ("new-nover", "nover", False),
+        ("new-torch", f"ckpt_{step:08d}", True),
+    ):
         for r in range(cfg.pipeline.num_stages):
             runs = []
             for i in range(args.repeats):
                 with pool.Pool(1) as p:
-                    runs.append(p.apply(_load_rank, (str(run_dir / f"r{i}" / name), r, 1)))
+                    where = str(run_dir / f"r{i}" / name)
+                    runs.append(p.apply(_load_rank, (where, r, 1, torch_reader)))
             out["load"][fmt, r] = runs
         files = [p for p in (run_dir / "r0" / name).rglob("*") if p.is_file()]
         out[fmt + "_mb"] = sum(p.stat().st_size for p in (files or [run_dir / "r0" / name]))
@@ -158,16 +214,22 @@ def measure(cfg: ExperimentConfig, data_dir: Path, run_dir: Path, args) -> dict:
 
 def _print(label: str, m: dict, stages: int) -> None:
     med = statistics.median
-    for fmt in ("old", "new"):
-        save = med(s[fmt] for s in m["save"])
+    for fmt in ("old", "new", "new-nover", "new-torch"):
+        save = med(s[fmt.split("-")[0]] for s in m["save"])
+        hashed = f"{med(s['hash'] for s in m['save']):.2f}" if fmt == "new" else ""
         for r in range(stages):
             runs = m["load"][fmt, r]
             print(
-                f"{label:<20}{fmt:>5}{m[fmt + '_mb'] / 2**20:>9.1f}{save:>8.2f}{r:>6}"
-                f"{med(x['s'] for x in runs):>8.2f}{med(x['read'] for x in runs):>9.1f}"
+                f"{label:<20}{fmt:>10}{m[fmt + '_mb'] / 2**20:>9.1f}{save:>8.2f}{hashed:>8}"
+                f"{r:>6}{med(x['s'] for x in runs):>8.2f}{med(x['read'] for x in runs):>9.1f}"
                 f"{med(x['peak'] for x in runs):>9.1f}",
                 flush=True,
             )
+    for r in range(stages):  # verification's share of one rank's load, paired by repeat
+        ratio = [a["s"] / b["s"] for a, b in zip(m["load"]["new", r], m["load"]["new-nover", r])]
+        print(
+            f"{label:<20}  rank {r}: verified / unverified load {med(ratio):.3f} (median of pairs)"
+        )
 
 
 def main() -> None:
@@ -191,7 +253,8 @@ def main() -> None:
             f"one rank's load in a fresh process (read: bytes read, peak: RSS above its start)"
         )
         print(
-            f"{'contender':<20}{'fmt':>5}{'ckpt MB':>9}{'save s':>8}{'rank':>6}{'load s':>8}"
+            f"{'contender':<20}{'fmt':>10}{'ckpt MB':>9}{'save s':>8}{'hash s':>8}{'rank':>6}"
+            f"{'load s':>8}"
             f"{'read MB':>9}{'peak MB':>9}"
         )
         for i, (label, cfg) in enumerate(contenders(args)):

@@ -176,7 +176,9 @@ def test_refused_resume_writes_nothing(tiny_config):
     shard = next(last.glob("rank_*/*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])  # truncated
     before = _snapshot(run_dir)
-    with pytest.raises(CheckpointError, match=r"corrupt or incomplete \(.*\); delete it"):
+    with pytest.raises(
+        CheckpointError, match=r"__0_0.distcp is 100 bytes, not \d+; move the checkpoint aside"
+    ):
         open_run_dir(cfg, resume=True, overwrite=False)
     assert _snapshot(run_dir) == before
 

@@ -104,9 +104,9 @@ def test_corrupt_checkpoint_is_reported_with_the_fix(tiny_config, damage):
         shard.unlink()
     with pytest.raises(
         CheckpointError,
-        match=r"^checkpoint .*ckpt_00000004 is corrupt or incomplete "
-        r"\(rank_000/__0_0.distcp is missing or short\); delete it \(rm -r .*\) "
-        r"to resume from the previous checkpoint, or start over with --overwrite$",
+        match=r"^checkpoint file .*ckpt_00000004/rank_000/__0_0.distcp is (missing|100 bytes, "
+        r"not \d+); move the checkpoint aside \(mv (.*)ckpt_00000004 \2ckpt_00000004.damaged\) "
+        r"to resume, eval or export from the run's previous one, or start over with --overwrite$",
     ):
         train(cfg, resume=True, verbose=False)
     assert last.exists() and [p.name for p in list_checkpoints(run)] == [

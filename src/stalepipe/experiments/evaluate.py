@@ -39,6 +39,7 @@ from stalepipe.experiments.eval_tasks import (  # re-exported: part of evaluate'
 )
 from stalepipe.experiments.trained import load_trained
 from stalepipe.fileio import write_json_atomic
+from stalepipe.rundir.checkpoint import list_checkpoints
 from stalepipe.rundir.directory import run_data_dir
 
 
@@ -200,6 +201,11 @@ def evaluate_run(
     one the training loop logged for that checkpoint."""
     trained = load_trained(run)
     cfg = trained.config
+    bad = [
+        k for k, t in trained.state_dict.items() if t.is_floating_point() and not t.isfinite().all()
+    ]
+    if bad:
+        raise _nonfinite(trained.path, f"has non-finite weights ({bad[0]})")
     model = trained.model(device)
     seq_len = seq_len or cfg.data.seq_len
     num_batches = num_batches or cfg.train.num_eval_batches
@@ -222,6 +228,8 @@ def evaluate_run(
                 split=split,
                 device=device,
             )
+            if not math.isfinite(val["loss"]):
+                raise _nonfinite(trained.path, f"gives a non-finite {split} loss ({val['loss']})")
             chance = chance_losses(data_path, cfg.model.vocab_size)
             result["val"] = {"data_dir": str(data_path), "split": split, **val, **chance}
         result["tasks"] = {}
@@ -234,6 +242,13 @@ def evaluate_run(
                 )
                 result["tasks"][task] = multiple_choice_metrics(items, lps)
     return result
+
+
+def _nonfinite(ckpt: Path, what: str) -> EvalError:
+    """A checkpoint that cannot be evaluated: one line naming it and an earlier one."""
+    earlier = [p for p in list_checkpoints(ckpt.parent) if p.name < ckpt.name]
+    fix = f"evaluate an earlier one (stalepipe eval {earlier[-1]})" if earlier else "retrain it"
+    return EvalError(f"checkpoint {ckpt} {what}: the run diverged or the file is damaged; {fix}")
 
 
 def chance_losses(data_dir: Path, vocab_size: int) -> dict[str, float]:

@@ -14,6 +14,7 @@ file), so a crash never leaves a half-written checkpoint there.
 
 from __future__ import annotations
 
+import json
 import re
 import zipfile
 from pathlib import Path
@@ -99,12 +100,28 @@ def check_complete(path: Path) -> None:
     """Cheap check that a checkpoint is whole, before anything is written (a truncated file,
     a missing or short shard); CheckpointError naming it and the fix otherwise."""
     if Path(path).is_dir():
-        sharded.ShardedCheckpoint(path).check_files()
-    elif not zipfile.is_zipfile(path):  # reads the end of the file: a truncated save
+        ckpt = sharded.ShardedCheckpoint(path)  # its small files: digests, safe unpickling
+        ckpt.check_files()
+        if not ckpt.verifies:
+            sharded.warn_unverified(path, "written before stalepipe recorded digests")
+        return
+    if not zipfile.is_zipfile(path):  # reads the end of the file: a truncated save
         raise CheckpointError(
-            f"checkpoint {path} is corrupt or incomplete; delete it to resume from the previous "
-            f"checkpoint, or start over with --overwrite"
+            f"checkpoint {path} is corrupt or incomplete; move it aside (mv {path} "
+            f"{path}.damaged) to resume from the previous checkpoint, or start over with "
+            f"--overwrite"
         )
+    sharded.warn_unverified(path, "an older version's single file")
+
+
+def checkpoint_config(path: Path) -> dict[str, Any] | None:
+    """The config a checkpoint directory was saved with (its checkpoint.json, JSON only), or
+    None (an older version's file, or a manifest that cannot be read)."""
+    try:
+        config = json.loads((Path(path) / sharded.MANIFEST).read_text()).get("config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def _tied(config: dict[str, Any] | None) -> bool:
@@ -112,12 +129,15 @@ def _tied(config: dict[str, Any] | None) -> bool:
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a whole checkpoint of either format, safely (`weights_only=True` for a file):
+    """Load a whole checkpoint of either format, safely (a directory through `rundir.verified`,
+    each file checked against its digest; `weights_only=True` for an older version's file):
     {"format", "step", "config", "model": the whole model's state_dict, "rng", and for an old
     file "engine"}. A corrupt or foreign one raises CheckpointError naming it and the fix."""
     path = Path(path)
     if path.is_dir():
         ckpt = sharded.ShardedCheckpoint(path)
+        if not ckpt.verifies:
+            sharded.warn_unverified(path, "written before stalepipe recorded digests")
         got = ckpt.read(k for k in ckpt.stored_keys() if k.startswith("model/") or k == "rng")
         model = {k.removeprefix("model/"): t for k, t in got.items() if k != "rng"}
         config = ckpt.manifest.get("config")
@@ -132,13 +152,15 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         }
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    sharded.warn_unverified(path, "an older version's single file")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for truncated / foreign files
         reason = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
         raise CheckpointError(
-            f"checkpoint {path} is corrupt or unreadable ({reason}); delete it to resume from the "
-            f"previous checkpoint, or start over with --overwrite"
+            f"checkpoint {path} is corrupt or unreadable ({reason}); move it aside (mv {path} "
+            f"{path}.damaged) to resume from the previous checkpoint, or start over with "
+            f"--overwrite"
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT or "model" not in state:
         raise CheckpointError(

@@ -60,10 +60,13 @@ def part_dir(run_dir: Path, step: int, pipe_rank: int) -> Path:
     return staging_dir(run_dir, step) / f"rank_{pipe_rank:03d}"
 
 
+PART_DONE = "digests.json"  # a shard's file digests, written (atomically) once it is complete
+
+
 def part_path(run_dir: Path, step: int, pipe_rank: int) -> Path:
-    """The file whose presence says the shard is complete: DCP writes `.metadata` last,
-    atomically, after the data files are synced."""
-    return part_dir(run_dir, step, pipe_rank) / ".metadata"
+    """The file whose presence says the shard is complete: the digests of its files, written
+    last (`rundir.sharded.save_part`), after DCP wrote and synced them."""
+    return part_dir(run_dir, step, pipe_rank) / PART_DONE
 
 
 def wait_part(

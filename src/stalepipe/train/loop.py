@@ -25,7 +25,12 @@ from stalepipe.config import ExperimentConfig
 from stalepipe.errors import Preempted, TrainingError
 from stalepipe.models import flops_per_token
 from stalepipe.optim import resolve_config
-from stalepipe.rundir.checkpoint import latest_checkpoint
+from stalepipe.rundir.checkpoint import (
+    checkpoint_config,
+    checkpoint_step,
+    latest_checkpoint,
+    list_checkpoints,
+)
 from stalepipe.rundir.metrics import Meter, MetricsWriter, read_metrics
 from stalepipe.rundir.startup import StartUp, begin_run
 from stalepipe.train.devices import check_device, peak_flops, set_tf32
@@ -133,7 +138,7 @@ def run_loop(
                 plan = plan.with_agreed(r.step, r.agreed)  # a checkpoint (and stop) voted on
                 meter.step_done(r.step)
                 if not math.isfinite(r.loss):
-                    _diverged(f"non-finite loss ({r.loss})", r.step, run_dir, cfg)
+                    _diverged(f"non-finite loss ({r.loss})", r.step, run_dir, cfg, engine, saved)
                 losses.append(r.loss)
                 record: dict[str, Any] = {"step": r.step, "loss": r.loss}
                 if plan.logs(r.step):
@@ -146,7 +151,7 @@ def run_loop(
                 progress.update(loss=r.loss, val_loss=val_loss, tok_s=meter.tokens_per_s(r.step))
                 if plan.checkpoints(r.step):
                     if bad := engine.nonfinite_weights():
-                        _diverged(bad, r.step, run_dir, cfg)
+                        _diverged(bad, r.step, run_dir, cfg, engine, saved)
                     with meter.paused():
                         saved = engine.checkpoint(r.step + 1)
                     interrupts.checkpointed()
@@ -216,7 +221,25 @@ def _log_fields(r: StepResult, plan: StepPlan, meter: Meter) -> dict[str, Any]:
     return out | r.router  # MoE router metrics ({} for dense models)
 
 
-def _diverged(what: str, step: int, run_dir: Path, cfg: ExperimentConfig) -> None:
+# A run that diverges this soon after a resume, before it wrote a checkpoint of its own, blames
+# the checkpoint it resumed from, not the LR (issue 39: a damaged checkpoint had sent its user
+# round a loop of ever lower LRs).
+SUSPECT_STEPS = 10
+
+
+def _diverged(
+    what: str, step: int, run_dir: Path, cfg: ExperimentConfig, engine: Engine, saved: Path | None
+) -> None:
+    """Stop a diverged run with the fix: a lower LR (and clipping) from the last good
+    checkpoint; or, when the run resumed from a checkpoint and diverged right after it
+    (`SUSPECT_STEPS`) or again after its LR was already lowered, that checkpoint is suspect:
+    the one before it is named instead, and no LR advice is repeated."""
+    resumed = engine.resumed_from if saved is None else None
+    if resumed is not None:
+        after = step - engine.start_step + 1
+        lowered = _lr_lowered(cfg, resumed)
+        if after <= SUSPECT_STEPS or lowered:
+            raise TrainingError(_suspect(what, step, after, Path(resumed), lowered))
     last = latest_checkpoint(run_dir)
     where = f"last good checkpoint: {last}" if last else "no checkpoint was written"
     lower = f"--optim.lr {(cfg.optim.lr or 0) / 2:g}" if cfg.optim.lr else "a lower --optim.lr"
@@ -227,6 +250,28 @@ def _diverged(what: str, step: int, run_dir: Path, cfg: ExperimentConfig) -> Non
         else f"start over with --overwrite {lower}{clip}"
     )
     raise TrainingError(f"{what} at step {step}; {where}; {again}")
+
+
+def _lr_lowered(cfg: ExperimentConfig, ckpt: Path) -> bool:
+    """Whether this invocation resumed `ckpt` with a lower LR than the one it was saved with."""
+    saved = (checkpoint_config(ckpt) or {}).get("optim", {}).get("lr")
+    return bool(cfg.optim.lr and isinstance(saved, (int, float)) and cfg.optim.lr < saved)
+
+
+def _suspect(what: str, step: int, after: int, ckpt: Path, lowered: bool) -> str:
+    why = "after its LR was lowered" if lowered else f"{after} step(s) after resuming"
+    kept = list_checkpoints(ckpt.parent)
+    earlier = [p for p in kept if (checkpoint_step(p) or 0) < (checkpoint_step(ckpt) or 0)]
+    fix = (
+        f"move it aside (mv {ckpt} {ckpt}.suspect) and resume from the one before it, "
+        f"{earlier[-1]}, with the same command and --resume"
+        if earlier
+        else "it is the run's oldest checkpoint: start over with --overwrite"
+    )
+    return (
+        f"{what} at step {step}, {why} from {ckpt}: that checkpoint is suspect (damaged, or "
+        f"its state already diverging), not the LR; {fix}"
+    )
 
 
 def with_resolved_optim(cfg: ExperimentConfig) -> ExperimentConfig:

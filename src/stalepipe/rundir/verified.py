@@ -1,0 +1,268 @@
+"""Reading a DCP shard without running code, and checking every byte it reads against the
+digests its save recorded (issue 39).
+
+Checkpoints travel (a shared run directory, a cluster's scratch space, a run someone sends to
+reproduce a result), so a load trusts nothing in them:
+
+- **No code runs.** DCP keeps a shard's metadata as a pickle (`.metadata`), and torch's own
+  `FileSystemReader.read_metadata` reads it with plain `pickle.load`, which runs whatever the
+  file names. `load_metadata` unpickles it with `SafeUnpickler`, which admits only DCP's own
+  metadata classes and the torch values they hold (`ALLOWED`, dtypes), then checks the shape
+  of what came out (`check_metadata`: tensors only, data files inside the shard, no storage
+  transforms). A tensor's bytes go through `torch.load(weights_only=True)` (DCP's own read
+  path). state.json and checkpoint.json are JSON. Anything else is one line naming the file.
+- **Damage is seen.** After a process's shard is complete, the save hashes its files
+  (`shard_digests`: SHA-256 of `.metadata` and state.json whole, and of each tensor's byte
+  range of every data file; DCP writes the ranges back to back, so they cover the file) and
+  commit puts them in checkpoint.json (`"files"`). Every load checks what it reads before using
+  it: the small files whole, each tensor's bytes as they are read (`VerifiedReader`, so a
+  process that reads only its own parameters' keys hashes only those bytes), and every file's
+  size in the cheap check before a resume writes anything. SHA-256 runs at ~1.8 GB/s on this
+  machine's SHA extensions; docs/benchmarks.md ("Checkpoint cost") has what it costs a load.
+
+The digests are not a signature: whoever can write a checkpoint can write its checkpoint.json
+too. They find damage (a bad disk, a half-copied file, bytes overwritten in place); safety
+against a crafted file is the unpickler's and `weights_only`'s job, with or without digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stalepipe.errors import CheckpointError
+
+DIGEST = "sha256"
+METADATA = ".metadata"  # DCP's name for a shard's metadata pickle
+_DCP = "torch.distributed.checkpoint"
+# Every global a DCP shard's `.metadata` names (torch 2.4-2.14 write these), besides torch's
+# dtypes: its dataclasses, the path it was saved to, tensor sizes, layouts and memory formats.
+ALLOWED = frozenset(
+    {
+        *(
+            (f"{_DCP}.metadata", name)
+            for name in (
+                "Metadata",
+                "TensorStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "MetadataIndex",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        (f"{_DCP}.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("collections", "OrderedDict"),
+    }
+)
+
+
+class UnsafePickle(Exception):
+    """A pickle names a global outside `ALLOWED`: it would run code, so it is never loaded."""
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """`pickle.Unpickler` that resolves only `ALLOWED` globals and torch's dtypes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafePickle(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafePickle(f"a persistent id ({str(pid)[:40]})")
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_record(path: Path) -> dict[str, Any]:
+    """{"size", "sha256"} of a whole (small) file."""
+    data = path.read_bytes()
+    return {"size": len(data), DIGEST: sha256(data)}
+
+
+class Verifier:
+    """The checks of one checkpoint directory: its `"files"` record (None for a checkpoint
+    written before stalepipe recorded digests) and how to word a failure (`damaged`)."""
+
+    def __init__(self, ckpt: Path, files: dict[str, Any] | None) -> None:
+        self.ckpt = Path(ckpt)
+        self.files = files
+        self._chunks: dict[str, dict[int, tuple[int, str]]] = {}
+
+    def damaged(self, rel: str, what: str) -> CheckpointError:
+        return damaged(self.ckpt, rel, what)
+
+    def read_small(self, rel: str) -> bytes:
+        """The bytes of a small file of the checkpoint (a shard's `.metadata` or state.json),
+        checked against its size and digest before anyone parses them."""
+        path = self.ckpt / rel
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise self.damaged(rel, f"unreadable: {e.strerror or type(e).__name__}") from None
+        if self.files is not None:
+            want = self.files.get(rel)
+            if not isinstance(want, dict):
+                raise self.damaged(rel, "not in checkpoint.json's file list")
+            if len(data) != want.get("size") or sha256(data) != want.get(DIGEST):
+                raise self.damaged(rel, "does not match the digest its save recorded")
+        return data
+
+    def check_sizes(self) -> None:
+        """Every recorded file exists with its recorded size (no byte is read)."""
+        for rel, want in (self.files or {}).items():
+            path = self.ckpt / rel
+            size = path.stat().st_size if path.is_file() else None
+            if size != want.get("size"):
+                got = "is missing" if size is None else f"is {size} bytes, not {want.get('size')}"
+                raise self.damaged(rel, got)
+
+    def chunks(self, rel: str) -> dict[int, tuple[int, str]] | None:
+        """The recorded byte ranges of a data file: {offset: (length, sha256)}."""
+        if self.files is None:
+            return None
+        if rel not in self._chunks:
+            want = self.files.get(rel)
+            try:
+                self._chunks[rel] = {int(o): (int(n), str(h)) for o, n, h in want["chunks"]}
+            except (TypeError, KeyError, ValueError):
+                raise self.damaged(rel, "has no byte ranges in checkpoint.json") from None
+        return self._chunks[rel]
+
+
+def damaged(ckpt: Path, rel: str, what: str) -> CheckpointError:
+    """The one line for a checkpoint file that fails a check: the file, what failed, the fix
+    (move the checkpoint aside, so the run's previous one is its newest; nothing is deleted)."""
+    return CheckpointError(
+        f"checkpoint file {Path(ckpt) / rel} {what}; move the checkpoint aside (mv {ckpt} "
+        f"{ckpt}.damaged) to resume, eval or export from the run's previous one, or start over "
+        f"with --overwrite"
+    )
+
+
+def load_metadata(data: bytes, where: Callable[[str], CheckpointError]) -> Any:
+    """A shard's DCP `Metadata` from the bytes of its `.metadata`, unpickled by `SafeUnpickler`
+    and checked by `check_metadata`; `where(reason)` words the error."""
+    try:
+        md = SafeUnpickler(io.BytesIO(data)).load()
+    except UnsafePickle as e:
+        raise where(
+            f"names {e}, which a DCP checkpoint never holds: not loaded, nothing of it ran"
+        ) from None
+    except Exception as e:  # truncated / garbage bytes: pickle raises many types
+        raise where(f"is not DCP metadata ({type(e).__name__})") from None
+    if (problem := check_metadata(md)) is not None:
+        raise where(problem)
+    return md
+
+
+def check_metadata(md: Any) -> str | None:
+    """What is wrong with an unpickled `.metadata` for a stalepipe shard, or None: every entry
+    a tensor, every byte range in a plain file of the shard, no storage transforms."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        return "is not DCP metadata"
+    for key, entry in md.state_dict_metadata.items():
+        if not (
+            isinstance(key, str)
+            and isinstance(entry, TensorStorageMetadata)
+            and isinstance(entry.properties, TensorProperties)
+            and isinstance(entry.properties.dtype, torch.dtype)
+            and isinstance(entry.size, torch.Size)
+        ):
+            return f"holds an entry that is not a tensor ({str(key)[:60]!r})"
+    for index, info in (md.storage_data or {}).items():
+        name = getattr(info, "relative_path", None)
+        if not (
+            isinstance(index, MetadataIndex)
+            and isinstance(info, _StorageInfo)
+            and isinstance(name, str)
+            and name == Path(name).name
+            and not name.startswith(".")
+            and all(isinstance(v, int) and v >= 0 for v in (info.offset, info.length))
+            and not info.transform_descriptors
+        ):
+            return f"points outside its shard or at a transform ({str(name)[:60]!r})"
+    return None
+
+
+def shard_digests(shard: Path, data_files: dict[str, list[tuple[int, int]]]) -> dict[str, Any]:
+    """The digests of a complete shard's files, by name in the shard: the small files whole,
+    each data file as its byte ranges (`data_files`: name -> [(offset, length)], from its
+    metadata) with their SHA-256s."""
+    out = {name: file_record(shard / name) for name in sorted(_small_files(shard))}
+    for name, ranges in sorted(data_files.items()):
+        chunks = []
+        with open(shard / name, "rb") as f:
+            for offset, length in sorted(ranges):
+                f.seek(offset)
+                chunks.append([offset, length, sha256(f.read(length))])
+        out[name] = {"size": (shard / name).stat().st_size, "chunks": chunks}
+    return out
+
+
+def _small_files(shard: Path) -> list[str]:
+    return [p.name for p in shard.iterdir() if p.name == METADATA or p.suffix == ".json"]
+
+
+def read_json(data: bytes, where: Callable[[str], CheckpointError]) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        raise where("is not JSON") from None
+
+
+def make_reader(shard: Path, md: Any, verifier: Verifier):
+    """A DCP `FileSystemReader` for `shard` (a directory of `verifier`'s checkpoint) that takes
+    its metadata as already read (`md`: the file is never unpickled again) and checks each
+    tensor's bytes against the recorded digests as it reads them. It keeps the first failure
+    in `.failure`, since DCP wraps what a reader raises in an exception of its own."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class VerifiedReader(FileSystemReader):
+        failure: CheckpointError | None = None
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return md
+
+        def _slice_file(self, file: Any, sinfo: Any) -> io.BytesIO:
+            rel = f"{shard.name}/{sinfo.relative_path}"
+            file.seek(sinfo.offset)
+            data = file.read(sinfo.length)
+            end = sinfo.offset + sinfo.length
+            if len(data) != sinfo.length:
+                self.failure = verifier.damaged(rel, "is shorter than its metadata says")
+            elif (chunks := verifier.chunks(rel)) is not None and chunks.get(sinfo.offset) != (
+                sinfo.length,
+                sha256(data),
+            ):
+                what = f"does not match the digest its save recorded (bytes {sinfo.offset}-{end})"
+                self.failure = verifier.damaged(rel, what)
+            if self.failure is not None:
+                raise self.failure
+            return io.BytesIO(data)
+
+    return VerifiedReader(shard)
