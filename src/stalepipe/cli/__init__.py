@@ -298,6 +298,7 @@ def _add_eval(sub: Subparsers) -> None:
     add("--data-dir", help="token shard directory (default: the run's data)")
     add("--split", default="val", help="shard split to score (default val)")
     add("--batches", type=int, help="batches to score (default train.num_eval_batches)")
+    add("--full-split", action="store_true", help="score every token of the split once")
     add("--batch-size", type=int, help="sequences per batch (default the run's)")
     add("--seq-len", type=int, help="tokens per sequence (default the run's)")
     add("--task", action="append", help="shakespeare-cloze or a .jsonl file (repeatable)")

@@ -201,6 +201,13 @@ class ExperimentConfig:
             fixes = [{"delay.sync_cooldown": 0}, {"delay.sync_cooldown_wsd": False}]
             yield "delay.sync_cooldown", why, fixes
         yield from self._ignored_delay()
+        if self.train.final_eval_full and self.pipeline.engine == "distributed":
+            why = (
+                "train.final_eval_full runs on the emulator engine (the runtime evaluates its "
+                "periodic batches only); score a runtime run's checkpoint with `stalepipe eval "
+                "RUN --full-split`"
+            )
+            yield "train.final_eval_full", why, [{"train.final_eval_full": False}]
 
     def _ignored_compile(self) -> Iterator[tuple[str, str, list[Fix]]]:
         """train.compile compiles `Transformer.forward`: what only the fast emulator runs per

@@ -354,6 +354,9 @@ class TrainConfig:
     grad_clip: float = option(1.0, "global grad-norm clip (0 = off)")
     eval_every: int = option(50, "evaluate val loss every N steps (0 = only at the end)")
     num_eval_batches: int = option(8, "val batches per evaluation")
+    final_eval_full: bool = option(
+        False, "at the end, also score the whole val split (val_loss_full; the emulator engine)"
+    )
     log_every: int = option(10, "write a metrics line every N steps")
     ckpt_every: int = option(0, "checkpoint every N steps (0 = only at the end)")
     ckpt_every_s: float = option(
@@ -366,9 +369,7 @@ class TrainConfig:
     dtype: str = option(
         "float32", "compute dtype: float32 | bfloat16 (autocast; fp32 master weights)"
     )
-    compile: bool = option(
-        False, "torch.compile the model (first steps are slow while it compiles)"
-    )
+    compile: bool = option(False, "torch.compile the model (first steps are slow at first)")
     tf32: bool = option(True, "allow TF32 matmuls on CUDA (ignored on CPU)")
     progress: bool = option(
         True, "show progress: a bar on a terminal, a plain line every ~10% or 60 s otherwise"

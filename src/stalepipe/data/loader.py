@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -86,12 +87,31 @@ class TokenLoader:
         start = flat - np.concatenate(([0], self._window_ends))[shard]
         return list(zip(shard.tolist(), start.tolist()))
 
+    def full_split(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every token of the split as a target exactly once where a window fits: each shard
+        cut into non-overlapping windows of `seq_len` inputs (window k's targets are tokens
+        k*seq_len+1 .. (k+1)*seq_len), in order, `batch_size` windows a batch (the last may be
+        smaller). A shard's tail shorter than a window is left out."""
+        span, rows = self.seq_len + 1, []
+        for tokens in self._tokens:
+            for start in range(0, len(tokens) - span + 1, self.seq_len):
+                rows.append(tokens[start : start + span])
+                if len(rows) == batch_size:
+                    yield _pair(rows)
+                    rows = []
+        if rows:
+            yield _pair(rows)
+
     def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets of batch `step`, each (batch_size, seq_len) int64."""
         span = self.seq_len + 1
-        rows = [self._tokens[s][o : o + span] for s, o in self.offsets(step, batch_size)]
-        windows = torch.from_numpy(np.stack(rows).astype(np.int64))
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        return _pair([self._tokens[s][o : o + span] for s, o in self.offsets(step, batch_size)])
+
+
+def _pair(rows: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of seq_len + 1 tokens as (inputs, next-token targets), int64."""
+    windows = torch.from_numpy(np.stack(rows).astype(np.int64))
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
 def check_vocab(data_dir: str | os.PathLike, model_vocab_size: int) -> None:

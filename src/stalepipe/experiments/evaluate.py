@@ -17,6 +17,7 @@ For lm-evaluation-harness itself, see docs/moe.md ("Downstream evaluation").
 
 from __future__ import annotations
 
+import contextlib
 import math
 from contextlib import suppress
 from pathlib import Path
@@ -41,6 +42,7 @@ from stalepipe.experiments.trained import load_trained
 from stalepipe.fileio import write_json_atomic
 from stalepipe.rundir.checkpoint import list_checkpoints
 from stalepipe.rundir.directory import run_data_dir
+from stalepipe.train.emulated import evaluate_full
 
 
 def continuation_logprob(logits: torch.Tensor, tokens: torch.Tensor, start: int) -> float:
@@ -189,6 +191,7 @@ def evaluate_run(
     num_batches: int | None = None,
     batch_size: int | None = None,
     seq_len: int | None = None,
+    full_split: bool = False,
     tasks: tuple[str, ...] = ("shakespeare-cloze",),
     num_items: int = 200,
     skip_loss: bool = False,
@@ -219,15 +222,22 @@ def evaluate_run(
         if not skip_loss:
             assert data_path is not None
             check_vocab(data_path, cfg.model.vocab_size)
-            val = validation_loss(
-                model,
-                data_path,
-                seq_len=seq_len,
-                num_batches=num_batches,
-                batch_size=batch_size,
-                split=split,
-                device=device,
-            )
+            if full_split:  # every token once, in non-overlapping windows
+                loader = TokenLoader(data_path, split, seq_len, EVAL_SEED)
+                loss, tokens = evaluate_full(
+                    model, loader, batch_size, torch.device(device), contextlib.nullcontext()
+                )
+                val = {"loss": loss, "perplexity": math.exp(loss), "tokens": tokens, "full": True}
+            else:
+                val = validation_loss(
+                    model,
+                    data_path,
+                    seq_len=seq_len,
+                    num_batches=num_batches,
+                    batch_size=batch_size,
+                    split=split,
+                    device=device,
+                )
             if not math.isfinite(val["loss"]):
                 raise _nonfinite(trained.path, f"gives a non-finite {split} loss ({val['loss']})")
             chance = chance_losses(data_path, cfg.model.vocab_size)
@@ -279,6 +289,7 @@ def eval_main(
     data_dir: str | None = None,
     split: str = "val",
     batches: int | None = None,
+    full_split: bool = False,
     batch_size: int | None = None,
     seq_len: int | None = None,
     task: list[str] | None = None,
@@ -303,6 +314,7 @@ def eval_main(
         num_batches=batches,
         batch_size=batch_size,
         seq_len=seq_len,
+        full_split=full_split,
         tasks=() if no_tasks else tuple(task or BUILTIN_TASKS),
         num_items=num_items,
         skip_loss=no_loss,
@@ -324,7 +336,8 @@ def format_results(result: dict[str, Any]) -> str:
     if val:
         lines.append(
             f"{val['split']} loss {val['loss']:.4f}  perplexity {val['perplexity']:.2f}  "
-            f"({val['tokens']:,} tokens of {val['data_dir']})"
+            f"({val['tokens']:,} tokens of {val['data_dir']}"
+            f"{', every window of the split' if val.get('full') else ''})"
         )
         if "uniform_loss" in val:
             unigram = f", unigram {val['unigram_loss']:.4f}" if "unigram_loss" in val else ""

@@ -132,3 +132,53 @@ def optimizer_axis(scale: str, names: tuple[str, ...] | None = None) -> list[Bun
             o["optim.lr"] = LRS[scale][name]
         out.append((name, o))
     return out
+
+
+# The size ladder (issue 41; docs/RESULTS.md, "Size ladder", written before its runs): five
+# widths of the cpu-regime model (4 blocks, 4 heads, 2 KV heads; SwiGLU width 8/3 x width
+# rounded up to a multiple of 32), 17.2x in non-embedding parameters (the third number, a test
+# counts them). Each trains LADDER_TOKENS_PER_PARAM tokens per non-embedding parameter in the
+# scale's 16 x 128-token batches (the widest reads its 4.78M training tokens 1.8 times), with
+# 10% warmup, cosine to 10%, 20 periodic evaluations and, at the end, the whole 273,774-token
+# validation split of Shakespeare at val_fraction 0.08 (`train.final_eval_full`).
+LADDER = (
+    (32, 96, 49_440),
+    (48, 128, 101_808),
+    (64, 192, 197_184),
+    (96, 256, 406_368),
+    (136, 384, 849_864),
+)
+LADDER_TOKENS_PER_PARAM = 10
+# Phase 1 (`ladder-lr`, sync, seed 0): AdamW at 3e-3 x 96 / width (muP's 1/width from the scale's
+# tuned LR) and Muon at 0.01 (its update is normalised per matrix), each x1/2, x1, x2; a best LR
+# on an edge of its grid adds the next point out (x2 further), at most twice.
+LADDER_CENTRE = {"adamw": 3e-3 * 96, "muon": 0.01}
+# Phase 2 (`ladder`): each (optimizer, width)'s best phase-1 LR, recorded here once read.
+LADDER_LRS: dict[tuple[str, int], str] = {}
+
+
+def ladder_size(width: int, ffn: int, params: int) -> Bundle:
+    """The overrides of one rung: model shape, length by the tokens-per-parameter rule, the
+    schedule scaled with it, the larger validation split, scored whole at the end."""
+    tokens_per_step = 16 * 128
+    steps = round(LADDER_TOKENS_PER_PARAM * params / tokens_per_step)
+    return (
+        f"d{width}",
+        {
+            "model.dim": str(width),
+            "model.ffn_dim": str(ffn),
+            "model.num_heads": "4",
+            "model.num_kv_heads": "2",
+            "train.num_steps": str(steps),
+            "train.warmup_steps": str(steps // 10),
+            "train.eval_every": str(steps // 20),
+            "train.final_eval_full": "true",
+            "data.val_fraction": "0.08",
+        },
+    )
+
+
+def ladder_lrs(name: str, width: int) -> list[str]:
+    """Phase 1's three LRs of `name` at `width` (LADDER_CENTRE)."""
+    centre = LADDER_CENTRE[name] / (width if name == "adamw" else 1)
+    return [f"{centre * f:.3g}" for f in (0.5, 1, 2)]

@@ -28,11 +28,15 @@ from stalepipe.experiments.scales import (  # noqa: F401 - studies.X names stay 
     ALL_OPTIMIZER_NAMES,
     CPU_SCALES,
     CPU_STEPS,
+    LADDER,
+    LADDER_LRS,
     LRS,
     OPTIMIZER_NAMES,
     REGIME_STEPS,
     SCALES,
     base_config,
+    ladder_lrs,
+    ladder_size,
     optimizer_axis,
     paper_mini_base,
     regime_base,
@@ -238,6 +242,34 @@ def study_size(scale: str) -> list[list[list[Bundle]]]:
     return grids
 
 
+def study_ladder_lr(scale: str) -> list[list[list[Bundle]]]:
+    """Phase 1 of the size ladder: sync's LR grid per width and optimizer (seed 0)."""
+    return [
+        [[(name, {"optim.name": name})], axis("optim.lr", ladder_lrs(name, w)), [rung], [SYNC]]
+        for name in ("adamw", "muon")
+        for w, ffn, params in LADDER
+        for rung in [ladder_size(w, ffn, params)]
+    ]
+
+
+def study_ladder(scale: str) -> list[list[list[Bundle]]]:
+    """Phase 2: sync / 2bw / 2bw+EF at each width's best phase-1 LR (`LADDER_LRS`); the run
+    names are phase 1's, so its sync runs are reused."""
+    grids = []
+    for name in ("adamw", "muon"):
+        for w, ffn, params in LADDER:
+            if (name, w) not in LADDER_LRS:
+                raise UserError(
+                    f"the ladder's {name} LR at width {w} is not chosen yet: run `stalepipe sweep "
+                    f"ladder-lr --scale {scale}`, then record each best LR in "
+                    f"experiments/scales.py LADDER_LRS (docs/RESULTS.md, 'Size ladder')"
+                )
+            lr = axis("optim.lr", [LADDER_LRS[name, w]])
+            rung = ladder_size(w, ffn, params)
+            grids.append([[(name, {"optim.name": name})], lr, [rung], [SYNC, TWO_BW, TWO_BW_EF]])
+    return grids
+
+
 # The second corpus (issue 34): the 617 pages of Django 5.2's documentation (technical prose with
 # code; the `django-docs` corpus, docs/experiments.md "Corpora") at a byte-level BPE of 2048
 # trained on the train split, 15% of the pages held out (301,816 validation tokens).
@@ -371,6 +403,8 @@ STUDIES: dict[str, Study] = {
         ),
         Study("length", study_length, "AdamW & Muon sync / 2bw / 2bw+EF at 1x, 2x, 4x the tokens"),
         Study("size", study_size, "0.43M, 1.7M, 3.6M params x 3 arms", scales=REGIME),
+        Study("ladder-lr", study_ladder_lr, "size ladder, phase 1: sync LR grid", scales=REGIME),
+        Study("ladder", study_ladder, "size ladder: 5 widths x 3 arms", scales=REGIME),
         Study(
             "corpus2",
             study_corpus2,

@@ -77,6 +77,27 @@ def evaluate(
     return mean_across_ranks(total * ctx.world_size / num_batches, ctx, device)
 
 
+def evaluate_full(
+    model: Transformer,
+    loader: TokenLoader,
+    batch_size: int,
+    device: torch.device,
+    autocast: contextlib.AbstractContextManager,
+) -> tuple[float, int]:
+    """(mean loss per target token, tokens scored) over the whole split, in non-overlapping
+    windows (`TokenLoader.full_split`)."""
+    was_training = model.training
+    model.eval()
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for x, y in loader.full_split(batch_size):
+            with autocast:
+                total += model(x.to(device), y.to(device)).item() * y.numel()
+            tokens += y.numel()
+    model.train(was_training)
+    return total / tokens, tokens
+
+
 class EmulatorEngine:
     """The delay emulator over the whole model in this process (one data-parallel replica).
 
@@ -169,6 +190,13 @@ class EmulatorEngine:
             self.device,
             self.autocast,
             self.ctx,
+        )
+
+    def evaluate_full(self) -> tuple[float, int]:
+        """The whole validation split (`train.final_eval_full`), on the main process: every
+        replica holds the same weights."""
+        return evaluate_full(
+            self.model, self.val_data, self.cfg.train.batch_size, self.device, self.autocast
         )
 
     def nonfinite_weights(self) -> str | None:

@@ -136,6 +136,10 @@ class Engine(Protocol):
         """Validation loss at the newest weights (collective; NaN where not known)."""
         ...
 
+    def evaluate_full(self) -> tuple[float, int]:
+        """(loss, tokens) over the whole validation split (`train.final_eval_full`)."""
+        ...
+
     def nonfinite_weights(self) -> str | None:
         """What is not finite in this process's weights (None: all finite)."""
         ...

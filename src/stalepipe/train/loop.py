@@ -146,6 +146,12 @@ def run_loop(
                 if plan.evaluates(r.step):
                     with meter.paused():  # steady-state throughput: training steps only
                         val_loss = record["val_loss"] = engine.evaluate()
+                if r.step == tc.num_steps - 1 and tc.final_eval_full and is_main:
+                    with meter.paused():
+                        loss, tokens = engine.evaluate_full()
+                    record.update(val_loss_full=loss, val_tokens_full=tokens)
+                    if verbose:
+                        print(f"val loss {loss:.4f} over the whole val split ({tokens:,} tokens)")
                 if metrics:
                     metrics.write(record)
                 progress.update(loss=r.loss, val_loss=val_loss, tok_s=meter.tokens_per_s(r.step))

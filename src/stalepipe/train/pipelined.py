@@ -390,6 +390,9 @@ class PipelineEngine:
         self.val_losses[self.delayed.step_count - 1] = val
         return val
 
+    def evaluate_full(self) -> tuple[float, int]:
+        raise NotImplementedError("refused by the config (ExperimentConfig._ignored)")
+
     def nonfinite_weights(self) -> str | None:
         # Non-finite weights are never checkpointed: this rank stops (its peers follow within
         # the timeout) and the newest complete checkpoint stays the last good one.
