@@ -191,3 +191,28 @@ print(len(commands), loaded, file=sys.stderr)
     assert out.returncode == 0, out.stderr[-2000:]
     count, loaded = out.stderr.strip().splitlines()[-1].split(" ", 1)
     assert int(count) >= 12 and "torch" not in loaded
+
+
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_python_m_help_imports_no_torch(launcher):
+    """`python -m stalepipe ... --help` (and `torchrun -m stalepipe`, the same entry point with
+    RANK and WORLD_SIZE set) answers without importing torch, as the console script does."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['stalepipe', 'train', '--help']\n"
+        "try:\n"
+        "    runpy.run_module('stalepipe', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "assert 'torch' not in sys.modules, 'python -m stalepipe --help imported torch'\n"
+    )
+    env = dict(os.environ)
+    if launcher == "torchrun":
+        env.update(RANK="0", WORLD_SIZE="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "usage: stalepipe train" in out.stdout

@@ -4,9 +4,12 @@ import os
 import sys
 
 from stalepipe.cli import main
-from stalepipe.runtime.comm import under_torchrun
 
 code = main()
+if "torch" in sys.modules:  # only a command that ran something imported torch (--help does not)
+    from stalepipe.runtime.comm import under_torchrun
+else:
+    under_torchrun = lambda: False  # noqa: E731 - no torch, no process group to tear down
 if under_torchrun():
     # A torchrun worker whose process group is already destroyed: leave without the C++
     # teardown at interpreter exit, which aborted about one run in eight here ("terminate

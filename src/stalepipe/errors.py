@@ -10,6 +10,7 @@ EXIT_PEER = 3  # a pipeline worker stopped because a peer failed (a worker's sta
 EXIT_FAILED = 4  # training failed: diverged, or a worker crashed or was killed
 EXIT_CLAIMED = 5  # a sweep worker found its run claimed by a live owner elsewhere: skipped
 EXIT_PREEMPTED = 75  # a signal stopped the run after a checkpoint (EX_TEMPFAIL): --resume
+EXIT_REQUEUE_FAILED = 76  # so did a SLURM array task's, and its requeue was refused: rerun
 
 
 class UserError(Exception):

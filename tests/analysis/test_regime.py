@@ -5,7 +5,7 @@ import math
 import pytest
 
 from stalepipe.analysis import regime, stats
-from stalepipe.analysis.claims import regime_check
+from stalepipe.analysis.claims import Finding, label, regime_check
 from stalepipe.analysis.results import Row, Run
 
 
@@ -40,7 +40,12 @@ def test_regime_check_reads_a_late_exit_then_the_seed_spread():
     assert regime_check(_row("ok", 0.05, [3.0], 1.0, late_sync)).startswith("(a) sync plateau exit")
     assert regime_check(_row("small gap", 0.05, [2.5], 0.3, sync)) == "(b) sync std 0.1000 > gap/5"
     assert regime_check(_row("fine", 0.05, [3.0], 1.0, sync)) == ""
-    assert regime_check(_row("unread", math.nan, [3.0], 1.0, sync)) == ""  # nan is no failure
+    # an unread check (no token data) is never a pass: it caps the claim at inconclusive
+    assert regime_check(_row("unread", math.nan, [3.0], 1.0, sync)).startswith("unread: ")
+    found = Finding("c", holds=True, p=1e-4, evidence="e", seeds=5, need=5, partly="unread: x")
+    assert label([found])[0].verdict == "inconclusive (unread: x)"
+    assert label([found._replace(partly="(a) late")])[0].verdict == "partly ((a) late)"
+    assert label([found._replace(partly="")])[0].verdict == "reproduced"
     # a mitigation is held to the unmitigated gap: EF's small remaining gap is the point
     plain = _row("2bw", 0.05, [3.0], 1.0, sync)
     ef = _row("2bw+ef", 0.05, [2.2], 0.1, sync)

@@ -297,3 +297,19 @@ def test_eval_of_a_checkpoint_with_nonfinite_weights_fails(tiny_config, capsys):
     assert not list(run.glob("eval_*.json"))
     rc, _ = _cli(capsys, "eval", str(run / "ckpt_00000004"), "--no-tasks")
     assert rc == 0
+
+
+def test_the_opt_out_skips_only_the_tensors_digests(trained, monkeypatch):
+    """STALEPIPE_VERIFY=0 (docs/runtime.md: what hashing costs a load) skips the tensors'
+    digests; the small files' digests and the safe unpickler stay."""
+    from stalepipe.rundir.sharded import ShardedCheckpoint
+
+    cfg, run_dir = trained
+    ckpt = list_checkpoints(run_dir)[-1]
+    monkeypatch.setenv("STALEPIPE_VERIFY", "0")
+    flat = ShardedCheckpoint(ckpt)
+    assert flat.verifier.chunks("rank_000/__0_0.distcp") is None
+    state = (ckpt / "rank_001" / "state.json").read_text()
+    (ckpt / "rank_001" / "state.json").write_text(state.replace("{", "{ ", 1))  # same JSON
+    with pytest.raises(CheckpointError, match="state.json does not match the digest"):
+        ShardedCheckpoint(ckpt)

@@ -57,6 +57,157 @@ def test_a_preempted_task_requeues_itself(monkeypatch):
     assert run_task({}, 1) == 75 and calls == [["scontrol", "requeue", "12_3"]]
 
 
+def test_a_refused_requeue_is_said_in_the_log_and_the_exit_status(monkeypatch, capsys):
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    refused = subprocess.CompletedProcess([], 1, "", "scontrol: error: Requeue of job disabled\n")
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: refused)
+    monkeypatch.setattr(
+        "stalepipe.experiments.task.run_one", lambda c, t: exec("raise SystemExit(75)")
+    )
+    assert run_task({}, 1) == 76  # EXIT_REQUEUE_FAILED: sacct shows it, not a quiet 75
+    err = capsys.readouterr().err
+    assert "scontrol requeue 77 failed (exit 1: scontrol: error: Requeue of job disabled)" in err
+    assert "rerun the sweep to resume it" in err
+
+
+# sbatch's long options (sbatch(1), Slurm 23-24): a generated line outside them would make
+# sbatch refuse the whole script on the cluster, after the user waited for the queue
+SBATCH_OPTIONS = set(
+    [
+        "account",
+        "acctg-freq",
+        "array",
+        "batch",
+        "bb",
+        "bbf",
+        "begin",
+        "chdir",
+        "cluster-constraint",
+        "clusters",
+        "comment",
+        "constraint",
+        "container",
+        "contiguous",
+        "core-spec",
+        "cores-per-socket",
+        "cpu-freq",
+        "cpus-per-gpu",
+        "cpus-per-task",
+        "deadline",
+        "delay-boot",
+        "dependency",
+        "distribution",
+        "error",
+        "exclude",
+        "exclusive",
+        "export",
+        "export-file",
+        "extra",
+        "extra-node-info",
+        "get-user-env",
+        "gid",
+        "gpu-bind",
+        "gpu-freq",
+        "gpus",
+        "gpus-per-node",
+        "gpus-per-socket",
+        "gpus-per-task",
+        "gres",
+        "gres-flags",
+        "hint",
+        "hold",
+        "ignore-pbs",
+        "input",
+        "job-name",
+        "kill-on-invalid-dep",
+        "licenses",
+        "mail-type",
+        "mail-user",
+        "mcs-label",
+        "mem",
+        "mem-bind",
+        "mem-per-cpu",
+        "mem-per-gpu",
+        "mincpus",
+        "network",
+        "nice",
+        "no-kill",
+        "no-requeue",
+        "nodefile",
+        "nodelist",
+        "nodes",
+        "ntasks",
+        "ntasks-per-core",
+        "ntasks-per-gpu",
+        "ntasks-per-node",
+        "ntasks-per-socket",
+        "open-mode",
+        "output",
+        "overcommit",
+        "oversubscribe",
+        "parsable",
+        "partition",
+        "power",
+        "prefer",
+        "priority",
+        "profile",
+        "propagate",
+        "qos",
+        "quiet",
+        "reboot",
+        "requeue",
+        "reservation",
+        "signal",
+        "sockets-per-node",
+        "spread-job",
+        "switches",
+        "thread-spec",
+        "threads-per-core",
+        "time",
+        "time-min",
+        "tmp",
+        "uid",
+        "use-min-nodes",
+        "verbose",
+        "wait",
+        "wait-all-nodes",
+        "wckey",
+        "wrap",
+    ]
+)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_dry_run_prints_the_script_with_sbatch_options_only(device, capsys):
+    from stalepipe.cli import main
+
+    argv = ["sweep", "optimizers", "--scale", "135m", "--executor", "slurm", "--dry-run"]
+    assert main([*argv, "--set", f"train.device={device}"]) == 0
+    out = capsys.readouterr().out
+    script = out[out.index("#!") :]
+    assert (
+        out.splitlines()[out[: out.index("#!")].count("\n")] == "#!/bin/bash"
+    )  # a line of its own
+    lines = [ln for ln in script.splitlines() if ln.startswith("#SBATCH")]
+    names = {ln.split()[1].lstrip("-").split("=")[0] for ln in lines}
+    assert names <= SBATCH_OPTIONS, names - SBATCH_OPTIONS
+    assert "#SBATCH --requeue" in lines and "#SBATCH --signal=USR1@90" in lines
+    if device == "cuda":  # a GPU, CPUs and memory for each run, unasked
+        assert {
+            "#SBATCH --gpus-per-node=1",
+            "#SBATCH --cpus-per-task=8",
+            "#SBATCH --mem=64G",
+        } <= set(lines)
+    else:
+        assert not any("gpus" in ln for ln in lines) and "#SBATCH --mem=8G" in lines
+    assert main([*argv, "--set", f"train.device={device}", "--slurm-gpus-per-run", "0"]) == (
+        2 if device == "cuda" else 0
+    )
+    if device == "cuda":
+        assert "--slurm-gpus-per-run 0, but the runs train on CUDA" in capsys.readouterr().err
+
+
 def _finals(out, names):
     rows = {n: [json.loads(x) for x in (out / n / "metrics.jsonl").read_text().splitlines()]
             for n in names}  # fmt: skip

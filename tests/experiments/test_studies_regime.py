@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from stalepipe.errors import UserError
 from stalepipe.experiments import plan, studies
 
 
@@ -78,3 +81,45 @@ def test_gpu_estimates_are_the_runs_training_flops_at_the_stated_mfu():
     # ~6 N D for a 135M model on 2.6B tokens: the right order of magnitude, attention on top
     assert 6 * 134e6 * tokens < one < 9 * 134e6 * tokens
     assert "GPU-h" in plan.study_table(3, "135m")
+
+
+def test_the_size_ladder_is_what_results_md_registered():
+    """Issue 41's ladder: 5 widths over >= 16x non-embedding parameters (counted from the model,
+    not trusted from the table), 10 tokens per such parameter, 3 LRs per optimizer on sync at
+    phase 1; phase 2 refuses to run before its LRs are chosen, and reuses phase 1's sync runs."""
+    import dataclasses
+
+    from stalepipe.experiments import scales
+    from stalepipe.models import build_model
+
+    base = scales.regime_base().model
+    counts = []
+    for width, ffn, params in scales.LADDER:
+        model = build_model(dataclasses.replace(base, dim=width, ffn_dim=ffn), seed=0)
+        n = sum(p.numel() for p in model.parameters()) - model.tok_emb.weight.numel()
+        assert n == params, width
+        assert ffn == -(-8 * width // 3 // 32) * 32  # 8/3 x width, up to a multiple of 32
+        steps = int(scales.ladder_size(width, ffn, params)[1]["train.num_steps"])
+        assert abs(steps * 16 * 128 - 10 * params) <= 16 * 128  # 10 tokens per parameter
+        counts.append(n)
+    assert counts[-1] / counts[0] >= 16
+    specs = studies.STUDIES["ladder-lr"].specs("cpu-regime", 1)
+    edges = sum(len(v) for v in scales.LADDER_EDGE_LRS.values())  # the edge rule's extra points
+    assert len(specs) == 2 * 5 * 3 + edges
+    assert {s.overrides["delay.policy"] for s in specs} == {"sync"}
+    with pytest.raises(UserError, match="run `stalepipe sweep ladder-lr"):
+        studies.STUDIES["ladder"].specs("cpu-regime", 3)
+    chosen = {
+        (n, w): scales.ladder_lrs(n, w)[1] for n in ("adamw", "muon") for w, *_ in scales.LADDER
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(studies, "LADDER_LRS", chosen)
+        phase2 = {s.name for s in studies.STUDIES["ladder"].specs("cpu-regime", 3)}
+    assert len(phase2) == 2 * 5 * 3 * 3
+    reused = [
+        s.name
+        for s in specs
+        if s.overrides["optim.lr"]
+        == chosen[s.overrides["optim.name"], int(s.overrides["model.dim"])]
+    ]
+    assert len(reused) == 10 and set(reused) <= phase2  # phase 1's sync run at the chosen LR

@@ -115,3 +115,15 @@ def test_cli_sigterm_exits_75_with_one_line_and_resumes(tiny_config, tmp_path):
     assert last.startswith("stalepipe: stopped by SIGTERM after ") and "--resume" in last, err
     step = load_checkpoint(latest_checkpoint(run_dir))["step"]
     assert 5 <= step < 4000
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_the_notice_names_the_signal_it_got(sig, capfd):
+    from stalepipe.train.interrupts import Interrupts
+
+    with Interrupts(0, verbose=True) as interrupts:
+        os.kill(os.getpid(), sig)
+    err = capfd.readouterr().err
+    name = signal.Signals(sig).name
+    assert f"stalepipe: got {name}: writing a checkpoint" in err and interrupts.signal == name
+    assert ("Ctrl-C again stops at once" in err) == (sig == signal.SIGINT), err

@@ -32,12 +32,14 @@ SEEDS = 3  # every other claim
 
 RULE = (
     "Labels: **inconclusive** when a claim cannot be read (too few points or seeds: "
-    f"{HEADLINE_SEEDS} for the headline claims, {SEEDS} for the others) or its test is not "
-    f"significant after Holm-Bonferroni over the table (corrected p >= {ALPHA}); else **not "
-    "reproduced** when the measured effect misses the claim's direction or size; else "
-    "**partly** when an arm it reads fails a regime check (or a confound is named); else "
-    "**reproduced**. Tests are paired by seed where the seeds pair (same data order and "
-    "initialisation), Welch's otherwise."
+    f"{HEADLINE_SEEDS} for the headline claims, {SEEDS} for the others), its test is not "
+    f"significant after Holm-Bonferroni over the table (corrected p >= {ALPHA}), or a regime "
+    "check of an arm it reads cannot be read (**inconclusive (unread ...)**: the runs' token "
+    "data not found; an unread check is never a pass); else **not reproduced** when the "
+    "measured effect misses the claim's direction or size; else **partly** when an arm it "
+    "reads fails a regime check (or a confound is named); else **reproduced**. Tests are "
+    "paired by seed where the seeds pair (same data order and initialisation), Welch's "
+    "otherwise."
 )
 
 
@@ -78,6 +80,8 @@ def label(findings: list[Finding]) -> list[Claim]:
             verdict = f"inconclusive ({f.seeds} seed{'s' * (f.seeds != 1)} < {f.need})"
         elif not q < ALPHA:
             verdict = f"inconclusive (Holm p {fmt_p(q)})"
+        elif f.partly.startswith(UNREAD):  # prepare the runs' data (`stalepipe data prepare`)
+            verdict = f"inconclusive ({f.partly})"
         elif not f.holds:
             verdict = "not reproduced"
         elif f.partly:
@@ -368,15 +372,22 @@ def claim_gap_grows_with_delay(rows: list[Row]) -> list[Finding]:
     return out
 
 
+UNREAD = "unread"  # a regime check that could not be read: never a pass (`label`)
+
+
 def regime_check(r: Row) -> str:
-    """The regime check a delayed row fails ('' when it passes or cannot be read,
-    `analysis.regime`): (a) it or its baseline leaves the initial plateau after the first tenth
-    of the run in some seed; (b) the seed spread of its synchronous baseline above a fifth of
-    its gap, so the gap is not much larger than the noise between seeds."""
+    """The regime check a delayed row fails ('' when it passes, `analysis.regime`): (a) it or
+    its baseline leaves the initial plateau after the first tenth of the run in some seed;
+    (b) the seed spread of its synchronous baseline above a fifth of its gap, so the gap is not
+    much larger than the noise between seeds. A check (a) that cannot be read (the runs' token
+    data not found, so no plateau to measure against) is `UNREAD ...`, which `label` caps at
+    inconclusive: an unread check is never a pass."""
     from stalepipe.analysis.regime import EXIT_BY, plateau_exit_of
 
     for arm in (r, r.baseline):
-        if arm is not None and plateau_exit_of(arm) > EXIT_BY:  # nan: not read, not a failure
+        if arm is not None and math.isnan(plateau_exit_of(arm)):
+            return f"{UNREAD}: no token data to find {arm.label}'s plateau exit against"
+        if arm is not None and plateau_exit_of(arm) > EXIT_BY:
             late = plateau_exit_of(arm)
             when = "never" if math.isinf(late) else f"at {100 * late:.0f}%"
             return (

@@ -100,9 +100,19 @@ def _add_executor(p: argparse.ArgumentParser) -> None:
     add("--slurm-account", metavar="NAME")
     add("--slurm-qos", metavar="NAME")
     add("--slurm-time", type=int, metavar="MIN", help="time limit per run (default 240)")
-    add("--slurm-gpus-per-run", type=int, metavar="N", help="GPUs per run (default 0)")
-    add("--slurm-cpus-per-run", type=int, metavar="N", help="CPUs per run (default 1)")
-    add("--slurm-mem", metavar="SIZE", help="memory per run, e.g. 64G")
+    add(
+        "--slurm-gpus-per-run",
+        type=int,
+        metavar="N",
+        help="GPUs per run (default: 1 when the runs train on cuda, else 0)",
+    )
+    add(
+        "--slurm-cpus-per-run",
+        type=int,
+        metavar="N",
+        help="CPUs per run (default: 8 for cuda runs, else train.threads or 1)",
+    )
+    add("--slurm-mem", metavar="SIZE", help="memory per run (default: 64G cuda, else 8G)")
     add("--slurm-array-parallelism", type=int, metavar="N", help="runs at once (default 64)")
     add(
         "--slurm-sbatch",

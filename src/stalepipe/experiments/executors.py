@@ -20,6 +20,7 @@ resumes from the checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import subprocess
@@ -33,6 +34,9 @@ from typing import Any
 from stalepipe.errors import UserError
 
 EXECUTORS = ("local", "slurm", "submitit-local", "submitit-debug")
+# Per run, where --slurm-* does not say (`SlurmOptions.for_runs`): a GPU run's data loading,
+# compile workers and host copies of its state; a CPU run its torch threads.
+CUDA_CPUS, CUDA_MEM, CPU_MEM = 8, "64G", "8G"
 SUBMITIT_DIR = ".submitit"  # inside the sweep directory: job scripts, pickles and logs
 
 
@@ -44,8 +48,8 @@ class SlurmOptions:
     account: str | None = None
     qos: str | None = None
     time_min: int = 240
-    gpus_per_run: int = 0
-    cpus_per_run: int = 1
+    gpus_per_run: int | None = None  # None: what the runs' device needs (`for_runs`)
+    cpus_per_run: int | None = None
     mem: str | None = None  # e.g. "32G"
     array_parallelism: int = 64
     sbatch: tuple[str, ...] = field(default_factory=tuple)  # extra lines: "constraint=h100"
@@ -58,19 +62,38 @@ class SlurmOptions:
             "array_parallelism": "array-parallelism",
         }  # the CLI's names
         for name, flag in flags.items():
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UserError(f"--slurm-{flag} must be >= 1, got {getattr(self, name)}")
-        if self.gpus_per_run < 0:
+        if self.gpus_per_run is not None and self.gpus_per_run < 0:
             raise UserError("--slurm-gpus-per-run must be >= 0")
         for line in self.sbatch:
             if "=" not in line and not line.lstrip("-").isidentifier():
                 raise UserError(f"--slurm-sbatch {line!r}: give KEY=VALUE (e.g. constraint=h100)")
 
+    def for_runs(self, cuda: bool, threads: int) -> SlurmOptions:
+        """These options with what the runs need filled in where not given: runs on CUDA get
+        one GPU, `CUDA_CPUS` CPUs and `CUDA_MEM` each; runs on the CPU no GPU, `threads` CPUs
+        (train.threads, at least 1) and `CPU_MEM`. A GPU count of 0 for CUDA runs is refused:
+        every task would fail on the cluster."""
+        if cuda and self.gpus_per_run == 0:
+            raise UserError(
+                "--slurm-gpus-per-run 0, but the runs train on CUDA (train.device): every task "
+                "would fail without a GPU; drop the flag (one GPU per run) or train on the CPU "
+                "(--set train.device=cpu)"
+            )
+        return dataclasses.replace(
+            self,
+            gpus_per_run=self.gpus_per_run if self.gpus_per_run is not None else int(cuda),
+            cpus_per_run=self.cpus_per_run or (CUDA_CPUS if cuda else max(threads, 1)),
+            mem=self.mem or (CUDA_MEM if cuda else CPU_MEM),
+        )
+
     def parameters(self) -> dict[str, Any]:
-        """submitit's SLURM parameters for one run per array task."""
+        """submitit's SLURM parameters for one run per array task (after `for_runs`)."""
         # SIGUSR1 90 s before the time limit: the run's own handler checkpoints and exits 75,
-        # and the task requeues itself (submitit's USR2 handler would exit mid-step instead)
-        extra: dict[str, Any] = {"signal": "USR1@90"}
+        # and the task requeues itself (submitit's USR2 handler would exit mid-step instead);
+        # --requeue lets it where the cluster's default does not
+        extra: dict[str, Any] = {"signal": "USR1@90", "requeue": True}
         for line in self.sbatch:
             key, _, value = line.lstrip("-").partition("=")
             extra[key.replace("-", "_")] = value or True
@@ -78,7 +101,7 @@ class SlurmOptions:
             "time": self.time_min,
             "nodes": 1,
             "ntasks_per_node": 1,
-            "cpus_per_task": self.cpus_per_run,
+            "cpus_per_task": self.cpus_per_run or 1,
             "array_parallelism": self.array_parallelism,
             "job_name": "stalepipe-sweep",
             "setup": list(self.setup),
@@ -120,14 +143,24 @@ def make_executor(kind: str, out: Path, opts: SlurmOptions) -> Any:
     return ex
 
 
-def requeue() -> bool:
-    """Ask SLURM to requeue this array task (False outside SLURM)."""
+def requeue() -> str | None:
+    """Ask SLURM to requeue this array task: None when it did (or outside SLURM, where there
+    is nothing to requeue), else why not, in one line (the task's log carries it)."""
     job = os.environ.get("SLURM_ARRAY_JOB_ID")
     task = os.environ.get("SLURM_ARRAY_TASK_ID")
     job_id = f"{job}_{task}" if job and task else os.environ.get("SLURM_JOB_ID")
     if not job_id:
-        return False
-    return subprocess.run(["scontrol", "requeue", job_id], check=False).returncode == 0
+        return None
+    try:
+        done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    except OSError as e:
+        return f"scontrol requeue {job_id} could not run ({e.strerror or e})"
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip().splitlines()
+        return (
+            f"scontrol requeue {job_id} failed (exit {done.returncode}: {said[-1] if said else ''})"
+        )
+    return None
 
 
 def run_array(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from stalepipe.config import ExperimentConfig
 from stalepipe.errors import UserError
@@ -67,7 +68,11 @@ def study_table(seeds: int = 3, scale: str = "cpu") -> str:
     for s in STUDIES.values():
         if scale not in s.scales:
             continue
-        specs = s.specs(scale, seeds)
+        try:
+            specs = s.specs(scale, seeds)
+        except UserError as e:  # a phase that waits for an earlier one (ladder: ladder-lr)
+            lines.append(f"  {s.name:<12}    - runs  (not yet: {str(e).split(':')[0]})")
+            continue
         if scale in CPU_SCALES:
             cost = f"~{estimate_cpu_seconds(specs, s.base(scale), scale) / 3600:4.1f} CPU core-h"
         else:
@@ -138,11 +143,13 @@ def sweep_main(
         raise UserError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     if slurm is not None and executor != "slurm":
         raise UserError("--slurm-* options configure --executor slurm; add it or drop them")
+    if executor == "slurm":
+        slurm = _slurm_for(specs, base, slurm)
     if dry_run:
         todo = _dry_run(specs, base, out_dir, scale, workers, retry_failed, log)
         if executor == "slurm" and todo:
-            log(f"sbatch script of the job array ({todo} tasks):")
-            log(sbatch_script(Path(out_dir), slurm or SlurmOptions(), todo))
+            log(f"sbatch script of the job array ({todo} tasks), exactly as it would be submitted:")
+            print(sbatch_script(Path(out_dir), slurm or SlurmOptions(), todo), flush=True)
         return 0
     res = run_sweep(
         specs,
@@ -156,6 +163,14 @@ def sweep_main(
     )
     log(f"next: stalepipe report {out_dir}")
     return len(res.failed)
+
+
+def _slurm_for(specs: Sequence[RunSpec], base: ExperimentConfig, slurm: Any) -> SlurmOptions:
+    """The array's options with what the runs need: a GPU each for CUDA runs, their CPUs."""
+    cuda = any(
+        str(s.overrides.get("train.device", base.train.device)).startswith("cuda") for s in specs
+    )
+    return (slurm or SlurmOptions()).for_runs(cuda, base.train.threads)
 
 
 def _default_workers(fixed: dict[str, str], study: str | None, scale: str) -> int:

@@ -153,6 +153,13 @@ LADDER_TOKENS_PER_PARAM = 10
 # tuned LR) and Muon at 0.01 (its update is normalised per matrix), each x1/2, x1, x2; a best LR
 # on an edge of its grid adds the next point out (x2 further), at most twice.
 LADDER_CENTRE = {"adamw": 3e-3 * 96, "muon": 0.01}
+# The edge rule's points, added as phase 1's results asked for them (docs/RESULTS.md): at
+# widths 32-64, AdamW's best at 32 was its lowest LR and Muon's at 32 and 48 its highest.
+LADDER_EDGE_LRS: dict[tuple[str, int], tuple[str, ...]] = {
+    ("adamw", 32): ("0.00225",),
+    ("muon", 32): ("0.04",),
+    ("muon", 48): ("0.04",),
+}
 # Phase 2 (`ladder`): each (optimizer, width)'s best phase-1 LR, recorded here once read.
 LADDER_LRS: dict[tuple[str, int], str] = {}
 
@@ -174,6 +181,7 @@ def ladder_size(width: int, ffn: int, params: int) -> Bundle:
             "train.eval_every": str(steps // 20),
             "train.final_eval_full": "true",
             "data.val_fraction": "0.08",
+            "data.data_dir": "data_cache/shakespeare-byte-val0.08",  # not the 0.05 split's
         },
     )
 
@@ -181,4 +189,4 @@ def ladder_size(width: int, ffn: int, params: int) -> Bundle:
 def ladder_lrs(name: str, width: int) -> list[str]:
     """Phase 1's three LRs of `name` at `width` (LADDER_CENTRE)."""
     centre = LADDER_CENTRE[name] / (width if name == "adamw" else 1)
-    return [f"{centre * f:.3g}" for f in (0.5, 1, 2)]
+    return [f"{centre * f:.3g}" for f in (0.5, 1, 2)] + list(LADDER_EDGE_LRS.get((name, width), ()))

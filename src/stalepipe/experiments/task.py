@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 from stalepipe.config import ExperimentConfig
-from stalepipe.errors import EXIT_PREEMPTED, Preempted
+from stalepipe.errors import EXIT_PREEMPTED, EXIT_REQUEUE_FAILED, Preempted
 from stalepipe.fileio import make_owned_dir
 from stalepipe.rundir.status import ERROR_FILE, run_status
 
@@ -67,7 +68,15 @@ def run_task(cfg_dict: dict[str, Any], threads: int) -> int:
         run_one(cfg_dict, threads)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
-        if code == EXIT_PREEMPTED:
-            requeue()
+        if code == EXIT_PREEMPTED and (why := requeue()) is not None:
+            # a cluster that refuses requeues leaves the task interrupted: say so where the
+            # task's log and sacct show it (its own exit status), with the way on
+            print(
+                f"stalepipe: error: {why}; the run is checkpointed but will not restart by "
+                f"itself: rerun the sweep to resume it",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_REQUEUE_FAILED
         return code
     return 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import pickle
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +41,7 @@ import torch
 from stalepipe.errors import CheckpointError
 
 DIGEST = "sha256"
+VERIFY_ENV = "STALEPIPE_VERIFY"  # =0: skip the tensors' digests (sizes and small files stay)
 METADATA = ".metadata"  # DCP's name for a shard's metadata pickle
 _DCP = "torch.distributed.checkpoint"
 # Every global a DCP shard's `.metadata` names (torch 2.4-2.14 write these), besides torch's
@@ -86,7 +88,7 @@ class SafeUnpickler(pickle.Unpickler):
         raise UnsafePickle(f"a persistent id ({str(pid)[:40]})")
 
 
-def sha256(data: bytes) -> str:
+def sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
@@ -103,6 +105,8 @@ class Verifier:
     def __init__(self, ckpt: Path, files: dict[str, Any] | None) -> None:
         self.ckpt = Path(ckpt)
         self.files = files
+        # the opt-out of hashing tensors' bytes (docs/runtime.md: what it costs a load)
+        self.data = os.environ.get(VERIFY_ENV, "1") != "0"
         self._chunks: dict[str, dict[int, tuple[int, str]]] = {}
 
     def damaged(self, rel: str, what: str) -> CheckpointError:
@@ -134,8 +138,9 @@ class Verifier:
                 raise self.damaged(rel, got)
 
     def chunks(self, rel: str) -> dict[int, tuple[int, str]] | None:
-        """The recorded byte ranges of a data file: {offset: (length, sha256)}."""
-        if self.files is None:
+        """The recorded byte ranges of a data file: {offset: (length, sha256)}; None when the
+        checkpoint recorded none or `VERIFY_ENV` is 0."""
+        if self.files is None or not self.data:
             return None
         if rel not in self._chunks:
             want = self.files.get(rel)
@@ -235,34 +240,83 @@ def read_json(data: bytes, where: Callable[[str], CheckpointError]) -> Any:
         raise where("is not JSON") from None
 
 
+BLOCK = 4 << 20  # the digest thread's read size
+
+
 def make_reader(shard: Path, md: Any, verifier: Verifier):
     """A DCP `FileSystemReader` for `shard` (a directory of `verifier`'s checkpoint) that takes
-    its metadata as already read (`md`: the file is never unpickled again) and checks each
-    tensor's bytes against the recorded digests as it reads them. It keeps the first failure
-    in `.failure`, since DCP wraps what a reader raises in an exception of its own."""
+    its metadata as already read (`md`: the file is never unpickled again) and checks the bytes
+    of every tensor it reads against the recorded digests. DCP reads and deserialises as it
+    always does; a thread beside it reads the same byte ranges again (from the page cache, in
+    `BLOCK`s into one reused buffer) and hashes them (hashlib and the read release the GIL), so
+    on a machine with a free core the check costs a load little time. `finish()` waits for the last digests and raises the first
+    mismatch: the caller gets no tensor before every byte it was built from matched. The reader
+    keeps its first failure in `.failure`, since DCP wraps what a reader raises in an exception
+    of its own."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
     from torch.distributed.checkpoint import FileSystemReader
 
     class VerifiedReader(FileSystemReader):
         failure: CheckpointError | None = None
 
+        def __init__(self) -> None:
+            super().__init__(shard)
+            self.hasher = ThreadPoolExecutor(1, thread_name_prefix="stalepipe-digest")
+            self.pending: list[tuple[Future, Any, tuple]] = []
+            self.fds: dict[str, int] = {}
+            self.block = memoryview(bytearray(BLOCK))
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             return md
 
-        def _slice_file(self, file: Any, sinfo: Any) -> io.BytesIO:
+        def _slice_file(self, file: Any, sinfo: Any) -> Any:
             rel = f"{shard.name}/{sinfo.relative_path}"
-            file.seek(sinfo.offset)
-            data = file.read(sinfo.length)
-            end = sinfo.offset + sinfo.length
-            if len(data) != sinfo.length:
-                self.failure = verifier.damaged(rel, "is shorter than its metadata says")
-            elif (chunks := verifier.chunks(rel)) is not None and chunks.get(sinfo.offset) != (
-                sinfo.length,
-                sha256(data),
-            ):
-                what = f"does not match the digest its save recorded (bytes {sinfo.offset}-{end})"
-                self.failure = verifier.damaged(rel, what)
+            if (chunks := verifier.chunks(rel)) is not None:
+                want = chunks.get(sinfo.offset, (None, None))
+                self.pending.append((self.hasher.submit(self._digest, sinfo), sinfo, want))
+            return super()._slice_file(file, sinfo)
+
+        def _digest(self, sinfo: Any) -> str | None:
+            """SHA-256 of one tensor's byte range (None: the file is shorter), read again from
+            the page cache in blocks into one reused buffer."""
+            name = sinfo.relative_path
+            if name not in self.fds:
+                self.fds[name] = os.open(shard / name, os.O_RDONLY)
+            h, offset, left = hashlib.sha256(), sinfo.offset, sinfo.length
+            while left:
+                n = os.preadv(self.fds[name], [self.block[: min(left, BLOCK)]], offset)
+                if n == 0:
+                    return None
+                h.update(self.block[:n])
+                offset, left = offset + n, left - n
+            return h.hexdigest()
+
+        def _check(self, item: tuple[Future, Any, tuple]) -> None:
+            digest, sinfo, (length, want) = item[0].result(), item[1], item[2]
+            if (length, want) != (sinfo.length, digest) and self.failure is None:
+                end = sinfo.offset + sinfo.length
+                what = (
+                    "is shorter than its metadata says"
+                    if digest is None
+                    else f"does not match the digest its save recorded (bytes {sinfo.offset}-{end})"
+                )
+                self.failure = verifier.damaged(f"{shard.name}/{sinfo.relative_path}", what)
             if self.failure is not None:
                 raise self.failure
-            return io.BytesIO(data)
 
-    return VerifiedReader(shard)
+        def finish(self) -> None:
+            """Wait for every digest; raise the first mismatch."""
+            try:
+                while self.pending:
+                    self._check(self.pending.pop(0))
+            finally:
+                self.close()
+
+        def close(self) -> None:
+            self.hasher.shutdown(wait=True, cancel_futures=True)
+            for fd in self.fds.values():
+                os.close(fd)
+            self.fds.clear()
+
+    return VerifiedReader()

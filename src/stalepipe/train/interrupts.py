@@ -54,8 +54,8 @@ class Interrupts:
             if self.verbose:  # os.write: safe inside a handler, unlike print
                 os.write(
                     2,
-                    f"\nstalepipe: {name}: writing a checkpoint at the next step every process "
-                    f"agrees on, then stopping (Ctrl-C again stops at once)\n".encode(),
+                    f"\nstalepipe: got {name}: writing a checkpoint at the next step every "
+                    f"process agrees on, then stopping{_again(signum)}\n".encode(),
                 )
 
     def requests(self) -> int:
@@ -69,3 +69,8 @@ class Interrupts:
     def checkpointed(self) -> None:
         """A checkpoint was written: restart the clock."""
         self._last = time.monotonic()
+
+
+def _again(signum: int) -> str:
+    """What a second signal does, said only where it is a keystroke away (Ctrl-C)."""
+    return " (Ctrl-C again stops at once)" if signum == signal.SIGINT else ""
