@@ -2,6 +2,8 @@
 is one line naming the fix (through the CLI: exit 2, no traceback)."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +94,48 @@ def test_an_older_run_record_loads_under_its_renamed_keys(tmp_path):
 def test_set_hint_only_where_set_exists(capsys):
     assert main(["train", "--set", "train.num_steps", "5"]) == 2
     assert "overrides look like --train.num_steps 100" in capsys.readouterr().err
+
+
+def _doc_toml_blocks():
+    root = Path(__file__).resolve().parents[1]
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for i, block in enumerate(re.findall(r"```toml\n(.*?)```", doc.read_text(), re.S)):
+            yield pytest.param(block, id=f"{doc.name}-{i}")
+
+
+@pytest.mark.parametrize("block", list(_doc_toml_blocks()))
+def test_every_toml_example_in_the_docs_trains_the_model_it_says(block, tmp_path, capsys):
+    """Each config example of the docs starts from a preset (a file without one trains the
+    default 3-block model, silently) and `config show` resolves it to that preset's model, the
+    file's values over the preset's, flags over both."""
+    from stalepipe.cli import main
+    from stalepipe.presets import get_preset
+
+    preset = re.search(r'^preset = "([\w-]+)"', block, re.M)
+    assert preset, f"a docs config example without a top-level preset line:\n{block}"
+    path = tmp_path / "example.toml"
+    path.write_text(block)
+    assert main(["config", "show", "--config", str(path), "--train.num_steps", "7"]) == 0
+    shown = {ln.split()[0]: ln.split()[1:] for ln in capsys.readouterr().out.splitlines()[1:]}
+    want = get_preset(preset.group(1)).model
+    for field in ("dim", "num_layers", "num_heads", "vocab_size"):
+        value, *source = shown[f"model.{field}"]
+        assert json.loads(value) == getattr(want, field), field
+    assert shown["train.num_steps"] == ["7", "flag"]
+
+
+def test_a_file_starts_from_its_preset_and_flags_win(tmp_path):
+    from stalepipe.presets import get_preset
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"preset": "cpu-small", "model": {"num_layers": 2}}))
+    cfg = build_config(None, str(path), {"model.dim": "128"})
+    small = get_preset("cpu-small")
+    assert cfg.model.num_layers == 2  # the file over the preset
+    assert cfg.model.dim == 128  # the flag over both
+    assert cfg.model.ffn_dim == small.model.ffn_dim and cfg.train == small.train  # the preset
+    path.write_text(json.dumps({"preset": "cpu-smal"}))
+    with pytest.raises(ConfigError, match=r"p.json: preset 'cpu-smal' is not one of cpu-tiny"):
+        build_config(None, str(path), {})
+    with pytest.raises(ConfigError, match='top-level line preset = "cpu-tiny"'):
+        build_config("cpu-tiny", str(path), {})

@@ -49,18 +49,31 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, str]:
 def build_config(
     preset: str | None, config_file: str | None, overrides: dict[str, str]
 ) -> ExperimentConfig:
-    """Preset (or a config file: TOML or JSON, e.g. a run's config.json; or the defaults) with
-    dotted overrides applied."""
+    """The defaults, then a preset (`--preset`, or a config file's top-level `preset = "..."`),
+    then the config file's values (TOML or JSON, e.g. a run's config.json), then the dotted
+    flags: each over the one before (`stalepipe config show` prints where each value came
+    from)."""
     if preset and config_file:
-        raise ConfigError("--preset and --config exclude each other; pick one")
-    if config_file:
-        from stalepipe.config.files import check_types, read_config_file
+        raise ConfigError(
+            f"--preset and --config exclude each other; start the file from the preset with a "
+            f'top-level line preset = "{preset}"'
+        )
+    if not config_file:
+        return apply_overrides(get_preset(preset) if preset else ExperimentConfig(), overrides)
+    from stalepipe.config.files import check_types, file_preset, over, read_config_file
 
-        data = upgrade_record(read_config_file(config_file))  # an older run's record too
-        check_types(data, ExperimentConfig, f"config file {config_file}")
+    data = read_config_file(config_file)
+    start = file_preset(data, config_file)
+    if start is not None and start not in PRESETS:
+        raise ConfigError(
+            f"config file {config_file}: preset {start!r} is not one of {', '.join(PRESETS)}"
+        )
+    data = upgrade_record(data)  # an older run's record too
+    check_types(data, ExperimentConfig, f"config file {config_file}")
+    if start is None:
         cfg = ExperimentConfig.from_dict(data, strict=False)
     else:
-        cfg = get_preset(preset) if preset else ExperimentConfig()
+        cfg = ExperimentConfig.from_dict(over(get_preset(start).to_dict(), data), strict=False)
     return apply_overrides(cfg, overrides)
 
 
@@ -241,12 +254,17 @@ def _add_config(sub: Subparsers) -> None:
 
 
 def cmd_config(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.config.files import read_config_file, value_sources
+    from stalepipe.config.files import file_preset, read_config_file, value_sources
 
     overrides = parse_overrides(extra)
     cfg = build_config(args.preset, args.config, overrides)
-    data = upgrade_record(read_config_file(args.config)) if args.config else None
-    rows = value_sources(cfg, preset=args.preset, file_data=data, overrides=overrides)
+    data = read_config_file(args.config) if args.config else None
+    preset = file_preset(data, args.config) if data is not None else args.preset
+    data = upgrade_record(data) if data is not None else None
+    rows = value_sources(cfg, preset=preset, file_data=data, overrides=overrides)
+    layers = ["defaults", *([f"preset {preset}"] if preset else [])]
+    layers += [*([f"file {args.config}"] if args.config else []), "flags"]
+    print(f"# each over the one before: {' < '.join(layers)}")
     width = max(len(k) for k, _, _ in rows)
     for key, value, where in rows:
         print(f"{key:<{width}}  {json.dumps(value):<24}  {where}")

@@ -1,9 +1,11 @@
 """Config files: TOML (Python's `tomllib`) or JSON, read into an `ExperimentConfig`.
 
 A file holds any subset of the config's sections and fields (a run's own `config.json` holds
-all of them):
+all of them), and may start from a preset (`preset = "..."` at the top level; the file's values
+over the preset's, flags over both):
 
     # my.toml
+    preset = "cpu-small"
     name = "muon-2bw"
     [optim]
     name = "muon"
@@ -53,6 +55,24 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             f"config file {path} must hold a table of sections, not a {type(data).__name__}"
         )
     return data
+
+
+def file_preset(data: dict[str, Any], path: str | Path) -> str | None:
+    """Take a config file's top-level `preset = "..."` out of `data`: the preset the file
+    starts from, under its own values (the CLI looks the name up)."""
+    name = data.pop("preset", None)
+    if name is not None and not isinstance(name, str):
+        raise ConfigError(f"config file {path}: preset must be a preset's name, got {name!r}")
+    return name
+
+
+def over(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top`'s values over `base`'s, section by section (nested dicts merged)."""
+    out = dict(base)
+    for key, value in top.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = over(out[key], value) if both else value
+    return out
 
 
 def _parse(text: str, path: str | Path, *, toml: bool) -> Any:
