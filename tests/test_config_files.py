@@ -139,3 +139,28 @@ def test_a_file_starts_from_its_preset_and_flags_win(tmp_path):
         build_config(None, str(path), {})
     with pytest.raises(ConfigError, match='top-level line preset = "cpu-tiny"'):
         build_config("cpu-tiny", str(path), {})
+
+
+def test_a_runtime_runs_config_resumes_on_the_emulator_with_no_extra_flag(tmp_path):
+    """docs/runtime.md: `--config RUN/config.json --pipeline.engine emulate --resume` for a 2bw
+    runtime run; the schedule, chunks and replicas only the runtime reads go back to the
+    emulator's, since 2bw's delay is the policy's. A schedule whose delay is not the run's
+    policy is still refused, naming the fix."""
+    from stalepipe.config import ExperimentConfig, apply_overrides
+    from stalepipe.rundir.resume import config_diff
+
+    runtime = apply_overrides(ExperimentConfig(), {
+        "pipeline.engine": "distributed", "pipeline.num_stages": "2", "pipeline.schedule": "2bw",
+        "delay.policy": "2bw", "pipeline.num_replicas": "2", "train.batch_size": "8",
+        "model.num_layers": "4",
+    })  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(runtime.to_dict()))
+    emu = build_config(None, str(path), {"pipeline.engine": "emulate"})
+    assert (emu.pipeline.schedule, emu.pipeline.num_replicas) == ("1f1b", 1)
+    assert emu.delay.policy == "2bw" and config_diff(runtime.to_dict(), emu.to_dict()) == []
+    with pytest.raises(ConfigError, match="pipeline.schedule 2bw is run only by the distributed"):
+        build_config(None, str(path), {"pipeline.engine": "emulate", "pipeline.schedule": "2bw"})
+    # a deeper split that needs more microbatches may take them on --resume (rounding only)
+    deeper = apply_overrides(runtime, {"pipeline.num_stages": "4", "train.num_microbatches": "4"})
+    assert config_diff(runtime.to_dict(), deeper.to_dict()) == []

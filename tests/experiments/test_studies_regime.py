@@ -43,7 +43,14 @@ def test_estimates_scale_with_tokens_per_step_at_each_cpu_scale():
     assert abs(seconds - 2 * per_run * (2 * (0.5 + 1 + 2) + 12)) < 1e-6
     # paper-mini runs at cpu only: the cpu-regime table leaves it out instead of failing
     assert "paper-mini" in plan.study_table(3)
-    assert "paper-mini" not in plan.study_table(3, "cpu-regime")
+    regime = plan.study_table(3, "cpu-regime").splitlines()
+    assert [ln for ln in regime if "paper-mini" in ln][0].split()[1:4] == [
+        "(--scale",
+        "cpu",
+        "only)",
+    ]
+    named = plan.study_table(3).split()  # `sweep --help`: every study, with where it runs
+    assert all(name in named for name in studies.STUDIES)
 
 
 def test_beyond_cpu_the_studies_retune_the_lr_and_add_muon_and_the_correctors():

@@ -16,12 +16,14 @@ from collections.abc import Sequence
 from stalepipe.cli.common import Subparsers, runs
 from stalepipe.cli.studies import _add_demo, _add_report, _add_sweep, _add_toy, _add_verdict
 from stalepipe.config import (
+    PIPELINE_SCHEDULES,
     ConfigError,
     ExperimentConfig,
     apply_overrides,
     config_help,
     upgrade_record,
 )
+from stalepipe.config.sections import DEFAULT_SCHEDULE
 from stalepipe.errors import Preempted, UserError
 from stalepipe.presets import PRESETS, get_preset
 
@@ -59,7 +61,8 @@ def build_config(
             f'top-level line preset = "{preset}"'
         )
     if not config_file:
-        return apply_overrides(get_preset(preset) if preset else ExperimentConfig(), overrides)
+        base = get_preset(preset) if preset else ExperimentConfig()
+        return apply_overrides(base, onto_the_emulator(base, overrides))
     from stalepipe.config.files import check_types, file_preset, over, read_config_file
 
     data = read_config_file(config_file)
@@ -74,7 +77,27 @@ def build_config(
         cfg = ExperimentConfig.from_dict(data, strict=False)
     else:
         cfg = ExperimentConfig.from_dict(over(get_preset(start).to_dict(), data), strict=False)
-    return apply_overrides(cfg, overrides)
+    return apply_overrides(cfg, onto_the_emulator(cfg, overrides))
+
+
+def onto_the_emulator(cfg: ExperimentConfig, overrides: dict[str, str]) -> dict[str, str]:
+    """`--pipeline.engine emulate` on a runtime run's config (resuming it on the emulator, say):
+    the runtime's own settings (its schedule, chunks and replicas) go back to the emulator's
+    defaults, unless a flag sets them, when the schedule's delay is the run's delay policy, so
+    the trajectory is the same and nothing the run did is dropped. Otherwise (a schedule whose
+    delay is not the policy's) the emulator's refusal names the fix."""
+    pc = cfg.pipeline
+    if overrides.get("pipeline.engine") != "emulate" or pc.engine == "emulate":
+        return overrides
+    policy = overrides.get("delay.policy", cfg.delay.policy)
+    if PIPELINE_SCHEDULES[pc.schedule].policy != policy:
+        return overrides
+    runtime_only = {
+        "pipeline.schedule": DEFAULT_SCHEDULE,
+        "pipeline.num_chunks": "1",
+        "pipeline.num_replicas": "1",
+    }
+    return {**runtime_only, **overrides}
 
 
 # ------------------------------------------------------------------------------------------

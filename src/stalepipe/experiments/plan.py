@@ -64,9 +64,11 @@ def estimate_gpu_seconds(specs: list[RunSpec], base: ExperimentConfig) -> float:
 def study_table(seeds: int = 3, scale: str = "cpu") -> str:
     """One line per study: its runs at `scale` and the CPU core-hours (CPU scales) or the
     GPU-hours (`estimate_gpu_seconds`) they take."""
-    lines = []
+    lines, elsewhere = [], []
     for s in STUDIES.values():
-        if scale not in s.scales:
+        if scale not in s.scales:  # named all the same, with the scales it runs at
+            where = f"(--scale {', '.join(s.scales)} only)"
+            elsewhere.append(f"  {s.name:<19} {where:<27} {s.about}")
             continue
         try:
             specs = s.specs(scale, seeds)
@@ -82,7 +84,7 @@ def study_table(seeds: int = 3, scale: str = "cpu") -> str:
         lines.append(
             "  toy          (seconds) delayed Muon +- EF on matrix least squares: theory check"
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, *elsewhere])
 
 
 def sweep_main(

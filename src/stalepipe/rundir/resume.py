@@ -51,6 +51,10 @@ RESUMABLE_CHANGES = {
     "pipeline.num_replicas",
     "pipeline.backend",
     "pipeline.timeout_s",
+    # How a step's batch is cut into microbatches: their gradients are summed and their losses
+    # averaged, so this too changes fp32 rounding only (a deeper split may need more of them:
+    # 2bw at P stages wants P - 1).
+    "train.num_microbatches",
 }
 # Resumable when the delay policy gives every stage the same delay (sync, 2bw, fixed:N):
 # the checkpoint is then re-split by parameter name. Pipedream's and WPipe's delays depend on
