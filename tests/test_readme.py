@@ -102,3 +102,20 @@ def test_readme_torchrun_commands_split_the_batch_evenly(capsys):
         assert main(["train", *args, "--print-config"]) == 0, command
         train = json.loads(capsys.readouterr().out)["train"]
         assert train["batch_size"] % ranks == 0 and train["num_microbatches"] % ranks == 0, command
+
+
+def test_readme_reads_on_a_screen():
+    """Issue 42: the first screen says what stalepipe is, its two set-up commands and the
+    everyday commands; no prose line or table row is wider than 100 characters."""
+    text = README.read_text()
+    first = "\n".join(text.splitlines()[:45])
+    for command in ("make demo", "make test", "pip install", "stalepipe train", "stalepipe sweep",
+                    "stalepipe report", "stalepipe verdict", "stalepipe simulate"):  # fmt: skip
+        assert command in first, command
+    in_code, wide = False, []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and len(line) > 100:
+            wide.append(n)
+    assert not wide, f"README lines over 100 characters outside code blocks: {wide}"
