@@ -80,6 +80,10 @@ def test_every_readme_train_command_has_a_valid_config(capsys):
             continue
         assert main(["train", *args, "--print-config"]) == 0, args
         cfg = json.loads(capsys.readouterr().out)
+        from stalepipe.config import ExperimentConfig
+
+        warned = ExperimentConfig.from_dict(cfg).warnings()  # what `train` would print first
+        assert not warned, f"{args} warns: {warned}"
         if "--resume" in args:  # a resume line must repeat the config of the run it resumes
             assert trained.get(cfg["name"], cfg) == cfg, f"{args} resumes with another config"
         trained.setdefault(cfg["name"], cfg)
