@@ -157,11 +157,18 @@ LADDER_CENTRE = {"adamw": 3e-3 * 96, "muon": 0.01}
 # widths 32-64, AdamW's best at 32 was its lowest LR and Muon's at 32 and 48 its highest.
 LADDER_EDGE_LRS: dict[tuple[str, int], tuple[str, ...]] = {
     ("adamw", 32): ("0.00225",),
-    ("muon", 32): ("0.04",),
+    ("muon", 32): ("0.04", "0.08"),  # 0.04 was best again: the rule's second (last) point
     ("muon", 48): ("0.04",),
 }
-# Phase 2 (`ladder`): each (optimizer, width)'s best phase-1 LR, recorded here once read.
-LADDER_LRS: dict[tuple[str, int], str] = {}
+# Phase 2 (`ladder`): each (optimizer, width)'s best phase-1 LR (lowest whole-split val loss,
+# interior to its grid), recorded here once read; phase 2 runs once every width has one.
+LADDER_LRS: dict[tuple[str, int], str] = {
+    ("adamw", 32): "0.0045",
+    ("adamw", 48): "0.006",
+    ("adamw", 64): "0.0045",
+    ("muon", 48): "0.02",
+    ("muon", 64): "0.01",
+}
 
 
 def ladder_size(width: int, ffn: int, params: int) -> Bundle:
