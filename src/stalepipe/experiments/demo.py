@@ -37,7 +37,7 @@ VARIANTS: dict[str, DelayConfig] = {
 }
 # Tuned briefly on the cpu-tiny model: each trains well synchronously (400 steps: AdamW val
 # ~2.06, Muon ~1.93); both are shared by all three variants of that optimizer.
-OPTIMIZERS: dict[str, OptimConfig] = {
+DEMO_OPTIMIZERS: dict[str, OptimConfig] = {
     "adamw": OptimConfig(name="adamw", lr=3e-3),
     "muon": OptimConfig(name="muon", lr=0.02),
 }
@@ -79,7 +79,7 @@ def demo_configs(out_dir: str | Path, steps: int = DEFAULT_STEPS) -> list[Experi
             pipeline=PipelineConfig(num_stages=2),
             train=train,
         )
-        for opt, optim in OPTIMIZERS.items()
+        for opt, optim in DEMO_OPTIMIZERS.items()
         for variant, delay in VARIANTS.items()
     ]
 
@@ -126,7 +126,7 @@ def run_demo(
     ensure_prepared(configs[0].data)  # once, before the workers start
     if verbose:
         print(
-            f"stalepipe demo: {len(configs)} runs of {steps} steps ({', '.join(OPTIMIZERS)} x "
+            f"stalepipe demo: {len(configs)} runs of {steps} steps ({', '.join(DEMO_OPTIMIZERS)} x "
             f"{', '.join(VARIANTS)}) on {workers} worker(s) -> {out}/"
         )
     if workers > 1:
@@ -197,7 +197,7 @@ def summarize(runs: Sequence[DemoRun]) -> dict:
     """Per optimizer: val loss of each variant, delay gap to sync, share of it EF recovers."""
     by = {(r.optimizer, r.variant): r for r in runs}
     rows = {}
-    for opt in OPTIMIZERS:
+    for opt in DEMO_OPTIMIZERS:
         sync, delayed, ef = (by[(opt, v)].final_val_loss for v in VARIANTS)
         gap, gap_ef = delayed - sync, ef - sync
         rows[opt] = {
@@ -235,10 +235,10 @@ def plot_curves(runs: Sequence[DemoRun], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(OPTIMIZERS), figsize=(5 * len(OPTIMIZERS), 3.6), sharey=True)
+    fig, axes = plt.subplots(1, len(DEMO_OPTIMIZERS), figsize=(5 * len(DEMO_OPTIMIZERS), 3.6), sharey=True)
     styles = {"sync": ("-", "C0"), "2bw": ("--", "C3"), "2bw+ef": (":", "C2")}
     by = {(r.optimizer, r.variant): r for r in runs}
-    for ax, opt in zip(axes, OPTIMIZERS, strict=True):
+    for ax, opt in zip(axes, DEMO_OPTIMIZERS, strict=True):
         for variant, (line, color) in styles.items():  # same order and colour in every panel
             r = by.get((opt, variant))
             if r is None:
