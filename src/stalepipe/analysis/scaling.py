@@ -149,7 +149,9 @@ def predict(points: Points, t: Trend, target: float) -> tuple[float, float, floa
         return point, point - half, point + half
     xt = math.log(target / N0)
     se_mean = math.sqrt(s2 * (1 / len(x) + (xt - x.mean()) ** 2 / sxx))
-    spreads = [np.std(list(s.values()), ddof=1) / np.mean(list(s.values())) for s in points.values()]
+    spreads = [
+        np.std(list(s.values()), ddof=1) / np.mean(list(s.values())) for s in points.values()
+    ]
     seed_share = math.sqrt(float(np.mean(np.square(spreads))))
     half = math.sqrt((q * se_mean) ** 2 + (q * seed_share) ** 2)
     point = math.exp(intercept + slope * xt)

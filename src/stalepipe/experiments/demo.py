@@ -235,7 +235,9 @@ def plot_curves(runs: Sequence[DemoRun], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(DEMO_OPTIMIZERS), figsize=(5 * len(DEMO_OPTIMIZERS), 3.6), sharey=True)
+    fig, axes = plt.subplots(
+        1, len(DEMO_OPTIMIZERS), figsize=(5 * len(DEMO_OPTIMIZERS), 3.6), sharey=True
+    )
     styles = {"sync": ("-", "C0"), "2bw": ("--", "C3"), "2bw+ef": (":", "C2")}
     by = {(r.optimizer, r.variant): r for r in runs}
     for ax, opt in zip(axes, DEMO_OPTIMIZERS, strict=True):

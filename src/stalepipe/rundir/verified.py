@@ -272,7 +272,12 @@ def make_reader(shard: Path, md: Any, verifier: Verifier):
 
         def _slice_file(self, file: Any, sinfo: Any) -> Any:
             rel = f"{shard.name}/{sinfo.relative_path}"
-            if (chunks := verifier.chunks(rel)) is not None:
+            try:
+                chunks = verifier.chunks(rel)
+            except CheckpointError as e:  # its record in checkpoint.json is damaged
+                self.failure = e
+                raise
+            if chunks is not None:
                 want = chunks.get(sinfo.offset, (None, None))
                 self.pending.append((self.hasher.submit(self._digest, sinfo), sinfo, want))
             return super()._slice_file(file, sinfo)
