@@ -15,6 +15,7 @@ from stalepipe.experiments.sweep import SPEC_FILE
 from stalepipe.optim import resolve_config
 
 STEPS, EVAL_EVERY, BATCH, SEQ = 200, 10, 4, 32
+LENGTHS = (1.1, 1.2, 1.35, 1.5)  # the delayed arms' longer complete runs (`sweep --lengths`)
 
 
 def sync_loss(step: float) -> float:
@@ -56,8 +57,8 @@ def write_curve_run(
 def curve_sweep(tmp_path) -> Path:
     """AdamW sync / 2bw (taxed 1.28x, 1.30x, 1.32x by seed) / 2bw+ef (1.09x, 1.10x, 1.11x) and
     Muon sync / 2bw (a floor at 2.3), 3 seeds each. A taxed run reaches sync's final loss only
-    past sync's budget, so AdamW's delayed arms also have runs planned twice as long (the
-    same configuration at 2 x STEPS), where they reach it at their tax."""
+    past sync's budget, so AdamW's delayed arms also have complete runs planned 1.1, 1.2, 1.35
+    and 1.5x as long (the same configuration), whose final losses cross it near their tax."""
     root = tmp_path / "sweep"
     for s in range(3):
         write_curve_run(root, f"adamw_sync_s{s}", {"delay.policy": "sync"}, s)
@@ -67,9 +68,11 @@ def curve_sweep(tmp_path) -> Path:
         ef = {"delay.policy": "2bw", "delay.ef": "true"}
         write_curve_run(root, f"adamw_2bw+ef_s{s}", ef, s, stretch=1.09 + 0.01 * s)
         for name, o, tax in (("2bw", {"delay.policy": "2bw"}, 1.28), ("2bw+ef", ef, 1.09)):
-            long = {**o, "train.warmup_steps": str(2 * 20)}  # the schedule stretched
-            write_curve_run(root, f"adamw_long_{name}_s{s}", long, s,
-                            stretch=tax + (0.02 if tax > 1.2 else 0.01) * s, steps=2 * STEPS)  # fmt: skip
+            for f in LENGTHS:  # complete runs at several lengths, each its schedule stretched
+                long = {**o, "train.warmup_steps": str(round(20 * f))}
+                write_curve_run(root, f"adamw_x{f:g}_{name}_s{s}", long, s,
+                                stretch=tax + (0.02 if tax > 1.2 else 0.01) * s,
+                                steps=round(f * STEPS))  # fmt: skip
         muon = {"optim.name": "muon", "optim.lr": "0.02"}
         write_curve_run(root, f"muon_sync_s{s}", {**muon, "delay.policy": "sync"}, s)
         write_curve_run(root, f"muon_2bw_s{s}", {**muon, "delay.policy": "2bw"}, s, floor=2.3)

@@ -325,3 +325,7 @@ def test_extend_plans_the_delayed_arms_longer(tiny_config):
     assert two.delay.policy == "2bw" and two.train.seed == 0
     with pytest.raises(UserError, match="factors must be > 1"):
         extend_delayed(specs, base, [1.0])
+    # `--lengths`: sync too, so the report draws every arm's final loss against its length
+    both = extend_delayed([s for s in specs if s.seed == 0], base, [1.1, 1.2], sync_too=True)
+    assert [s.name for s in both] == ["sync_x1.1_s0", "sync_x1.2_s0", "2bw_x1.1_s0", "2bw_x1.2_s0"]
+    assert both[1].config(base, ".").train.num_steps == 48

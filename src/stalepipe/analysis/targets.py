@@ -9,10 +9,18 @@ steps):
 - **targets**: `final` = S's final val loss; `99%` / `95%` / `90%` = S's first eval loss minus
   that share of S's drop from its first to its final eval. A target S reaches inside warmup is
   not used (every arm's multiplier is about 1 there): it reads "in warmup".
-- `T_S(L)`: the tokens at which S first reaches L (`overhead.tokens_to_reach`, interpolated
-  between evals). `T_D(L)`: the fewest tokens at which any of the delayed runs of that seed
-  first reaches L: a longer planned run counts as the budget it took (the run a team would
-  plan), never extrapolated.
+- **At sync's final loss** (the verdict's target; issue 40) only complete runs are read: T_S
+  is S's planned tokens, and T_D the tokens at which the delayed arm's *final* loss, as a
+  function of its planned length, crosses L: the runs of the seed sorted by length (each with
+  its own complete schedule: `stalepipe sweep --lengths` / `--extend`), the first whose final
+  loss is at or below L, interpolated linearly in loss against log tokens from the run before
+  it (`final_crossing`). The shortest run already at or below L gives its own length (an upper
+  bound: no shorter run says how much sooner). No curve is read mid-schedule, where a longer
+  run's LR has not decayed yet, and no run is picked as the best of several.
+- **At the shares of the drop**: `T_S(L)`, the tokens at which S first reaches L
+  (`overhead.tokens_to_reach`, interpolated between evals; S reaches those mid-run by
+  definition), and T_D(L) the fewest tokens at which any delayed run of that seed first
+  reaches L, never extrapolated.
 - **multiplier** = T_D(L) / T_S(L); a seed whose delayed runs never reach L is "> x", with x
   the longest run's tokens over T_S(L): a lower bound, not a number.
 - Over seeds (paired): the geometric mean and a Student-t interval on the logarithms when every
@@ -75,6 +83,36 @@ def seed_target(
     )
 
 
+def final_crossing(runs: Sequence[Curve], target: float) -> float:
+    """The tokens at which the delayed arm's final loss crosses `target`, from its complete
+    runs (each curve's last point: its planned tokens and final loss), sorted by length: the
+    first at or below the target, interpolated in log tokens from the one before; nan when
+    none gets there (module docstring)."""
+    ends = sorted((c[-1][0], c[-1][1]) for c in runs if c)
+    for i, (tokens, loss) in enumerate(ends):
+        if loss <= target:
+            if i == 0:
+                return tokens
+            t0, l0 = ends[i - 1]
+            frac = (l0 - target) / (l0 - loss)
+            return math.exp(math.log(t0) + frac * (math.log(tokens) - math.log(t0)))
+    return math.nan
+
+
+def final_target(seed: int, sync: Curve, delayed: Sequence[Curve], warmup_tokens: float):
+    """Sync's final loss for one seed, from complete runs only (`final_crossing`)."""
+    t_sync, target = sync[-1][0], sync[-1][1]
+    longest = max((c[-1][0] for c in delayed if c), default=math.nan)
+    return SeedTarget(
+        seed=seed,
+        target=target,
+        tokens_sync=t_sync,
+        tokens_delayed=final_crossing(delayed, target),
+        bound=longest / t_sync,
+        in_warmup=t_sync <= warmup_tokens,
+    )
+
+
 @dataclass(frozen=True)
 class TargetOverhead:
     """One target over seeds."""
@@ -131,7 +169,9 @@ def target_overheads(
         per_seed = []
         for s in seeds:
             targets = target_losses(sync[s])
-            if name in targets:
+            if name == "final" and name in targets:
+                per_seed.append(final_target(s, sync[s], delayed[s], warmup_tokens))
+            elif name in targets:
                 per_seed.append(seed_target(s, sync[s], delayed[s], targets[name], warmup_tokens))
         out[name] = TargetOverhead(name, tuple(per_seed))
     return out

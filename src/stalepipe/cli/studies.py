@@ -76,6 +76,13 @@ def _add_sweep(sub: Subparsers) -> None:
         "reads them (docs/verdict.md)",
     )
     add(
+        "--lengths",
+        metavar="F1,F2",
+        help="also run every configuration, sync too, at these multiples of its steps (e.g. "
+        "1.1,1.2,1.35,1.5), each a complete run with its schedule stretched: the token overhead "
+        "at sync's final loss is read from their final losses (docs/verdict.md)",
+    )
+    add(
         "--dry-run",
         action="store_true",
         help="list the runs and their status, run none "
@@ -129,7 +136,7 @@ def _add_executor(p: argparse.ArgumentParser) -> None:
 
 
 def _factors(text: str | None) -> tuple[float, ...]:
-    """--extend F1,F2 as numbers; a one-line error naming the form."""
+    """--extend / --lengths F1,F2 as numbers; a one-line error naming the form."""
     from stalepipe.errors import UserError
 
     if not text:
@@ -137,7 +144,9 @@ def _factors(text: str | None) -> tuple[float, ...]:
     try:
         return tuple(float(f) for f in text.split(",") if f.strip())
     except ValueError:
-        raise UserError(f"--extend takes numbers > 1, e.g. 1.25,1.5,2; got {text!r}") from None
+        raise UserError(
+            f"--extend / --lengths take numbers > 1, e.g. 1.2,1.5; got {text!r}"
+        ) from None
 
 
 def slurm_options(args: argparse.Namespace) -> object:
@@ -180,6 +189,7 @@ def cmd_sweep(args: argparse.Namespace, extra: list[str]) -> int:
         executor=args.executor,
         slurm=slurm_options(args),
         extend=_factors(args.extend),
+        lengths=_factors(args.lengths),
     )
     return 1 if failed else 0
 

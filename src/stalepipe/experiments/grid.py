@@ -163,22 +163,28 @@ def check_overrides(specs: Sequence[RunSpec], base: ExperimentConfig) -> None:
 
 
 def extend_delayed(
-    specs: Sequence[RunSpec], base: ExperimentConfig, factors: Sequence[float]
+    specs: Sequence[RunSpec],
+    base: ExperimentConfig,
+    factors: Sequence[float],
+    *,
+    sync_too: bool = False,
 ) -> list[RunSpec]:
-    """Longer runs of every delayed spec (a `delay.policy` other than sync): the same
-    configuration and seed at `factor` x its steps, the schedule stretched (warmup and the
-    evaluation interval scaled, so the number of evaluations stays). The report and the verdict
-    read them as the delayed arm's extension toward sync's final loss (`analysis.targets`);
-    a run already `factor` x long is not extended again."""
+    """Longer runs of every delayed spec (a `delay.policy` other than sync; with `sync_too`,
+    of every spec: `sweep --lengths`): the same configuration and seed at `factor` x its steps,
+    each a complete run with its schedule stretched (warmup and the evaluation interval
+    scaled, so the number of evaluations stays). The report and the verdict read their final
+    losses against their lengths for the token overhead at sync's final loss
+    (`analysis.targets.final_crossing`); a run already `factor` x long is not extended again."""
+    flag = "--lengths" if sync_too else "--extend"
     out = []
     for spec in specs:
         cfg = spec.config(base, ".")
-        if cfg.delay.policy in ("sync", "fixed:0"):
+        if cfg.delay.policy in ("sync", "fixed:0") and not sync_too:
             continue
         tc = cfg.train
         for f in factors:
             if not f > 1:
-                raise UserError(f"--extend factors must be > 1, got {f:g}")
+                raise UserError(f"{flag} factors must be > 1, got {f:g}")
             o = dict(spec.overrides)
             o["train.num_steps"] = str(round(tc.num_steps * f))
             o["train.warmup_steps"] = str(round(tc.warmup_steps * f))

@@ -103,6 +103,7 @@ def sweep_main(
     executor: str = "local",
     slurm: SlurmOptions | None = None,
     extend: Sequence[float] = (),
+    lengths: Sequence[float] = (),
 ) -> int:
     """`stalepipe sweep`: run a named study or an ad-hoc grid (`--grid KEY=V1,V2` axes); returns
     the number of failed runs. `fixed` overrides apply to every run (e.g. train.num_steps);
@@ -138,8 +139,11 @@ def sweep_main(
     base = apply_overrides(base, fixed or {})
     check_overrides(specs, base)
     specs = select_runs(specs, base, only)
-    if extend:  # the delayed arms planned longer, toward sync's final loss (analysis.targets)
-        specs = dedupe([*specs, *extend_delayed(specs, base, extend)])
+    if extend or lengths:  # complete runs planned longer, toward sync's final loss
+        longer = extend_delayed(specs, base, extend) + extend_delayed(
+            specs, base, lengths, sync_too=True
+        )
+        specs = dedupe([*specs, *longer])
     out_dir = out or f"runs/{study or 'grid'}"
     if executor not in EXECUTORS:
         raise UserError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
