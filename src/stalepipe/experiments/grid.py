@@ -166,7 +166,6 @@ def extend_delayed(
     specs: Sequence[RunSpec],
     base: ExperimentConfig,
     factors: Sequence[float],
-    *,
     sync_too: bool = False,
 ) -> list[RunSpec]:
     """Longer runs of every delayed spec (a `delay.policy` other than sync; with `sync_too`,

@@ -139,11 +139,8 @@ def sweep_main(
     base = apply_overrides(base, fixed or {})
     check_overrides(specs, base)
     specs = select_runs(specs, base, only)
-    if extend or lengths:  # complete runs planned longer, toward sync's final loss
-        longer = extend_delayed(specs, base, extend) + extend_delayed(
-            specs, base, lengths, sync_too=True
-        )
-        specs = dedupe([*specs, *longer])
+    longer = [*extend_delayed(specs, base, extend), *extend_delayed(specs, base, lengths, True)]
+    specs = dedupe([*specs, *longer])  # complete runs planned longer, toward sync's final loss
     out_dir = out or f"runs/{study or 'grid'}"
     if executor not in EXECUTORS:
         raise UserError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")

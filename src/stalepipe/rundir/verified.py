@@ -244,15 +244,12 @@ BLOCK = 4 << 20  # the digest thread's read size
 
 
 def make_reader(shard: Path, md: Any, verifier: Verifier):
-    """A DCP `FileSystemReader` for `shard` (a directory of `verifier`'s checkpoint) that takes
-    its metadata as already read (`md`: the file is never unpickled again) and checks the bytes
-    of every tensor it reads against the recorded digests. DCP reads and deserialises as it
-    always does; a thread beside it reads the same byte ranges again (from the page cache, in
-    `BLOCK`s into one reused buffer) and hashes them (hashlib and the read release the GIL), so
-    on a machine with a free core the check costs a load little time. `finish()` waits for the last digests and raises the first
-    mismatch: the caller gets no tensor before every byte it was built from matched. The reader
-    keeps its first failure in `.failure`, since DCP wraps what a reader raises in an exception
-    of its own."""
+    """A DCP `FileSystemReader` for `shard` that takes its metadata as already read (`md`: the
+    file is never unpickled again) and checks every tensor's bytes against `verifier`'s digests:
+    DCP reads as it always does, a thread beside it reads the same ranges again (page cache,
+    `BLOCK`s into one buffer) and hashes them (both release the GIL). `finish()` waits for the
+    last digest and raises the first mismatch, before the caller gets any tensor. The first
+    failure is kept in `.failure` (DCP wraps what a reader raises in its own exception)."""
     from concurrent.futures import Future, ThreadPoolExecutor
 
     from torch.distributed.checkpoint import FileSystemReader
