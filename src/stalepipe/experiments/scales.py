@@ -159,6 +159,7 @@ LADDER_EDGE_LRS: dict[tuple[str, int], tuple[str, ...]] = {
     ("adamw", 32): ("0.00225",),
     ("muon", 32): ("0.04", "0.08"),  # 0.04 was best again: the rule's second (last) point
     ("muon", 48): ("0.04",),
+    ("adamw", 96): ("0.012",),  # 0.006 best of 0.0015 / 0.003 / 0.006
 }
 # Phase 2 (`ladder`): each (optimizer, width)'s best phase-1 LR (lowest whole-split val loss,
 # interior to its grid), recorded here once read; phase 2 runs once every width has one.
