@@ -98,8 +98,9 @@ def _own_save(where: Path):
 
 def commit(run_dir: Path, step: int, final: Path, manifest: dict[str, Any]) -> Path:
     """Rename the staging directory of `step` (every shard written) to `final`, atomically:
-    the manifest (with every shard's digests) and the owner marker go in first. A checkpoint already under that name (a
-    save of the same step again) is moved aside first and deleted after."""
+    the manifest (with every shard's digests) and the owner marker go in first. A checkpoint
+    already under that name (a save of the same step again) is moved aside first and deleted
+    after."""
     staging = staging_dir(run_dir, step)
     files = {}
     for r in manifest["ranks"]:
