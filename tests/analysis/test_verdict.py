@@ -66,7 +66,7 @@ def test_a_bound_speaks_for_the_arm_only_when_every_seed_is_short():
 
 
 def test_verdict_end_to_end_on_known_taxes(curve_sweep, capsys):
-    assert main(["verdict", str(curve_sweep), *SIM]) == 0
+    assert main(["verdict", str(curve_sweep), *SIM, "--verbose"]) == 0
     text = capsys.readouterr().out
     assert main(["report", str(curve_sweep)]) == 0  # the same overhead in the report's CSV
     tp = simulated("smollm-135m", "h100", 4, 8)
@@ -123,7 +123,9 @@ def test_measured_costs_json_and_csv(curve_sweep, tmp_path, capsys):
         {"name": "2bw", "tokens_per_s": 1210, "peak_memory_gb": [1.2, 1.0]},
     ]}  # fmt: skip
     (tmp_path / "c.json").write_text(json.dumps(doc))
-    assert main(["verdict", str(curve_sweep), "--costs", str(tmp_path / "c.json")]) == 0
+    assert (
+        main(["verdict", str(curve_sweep), "--costs", str(tmp_path / "c.json"), "--verbose"]) == 0
+    )
     text = capsys.readouterr().out
     assert "throughput and memory: measured" in text and "torch-zbv (best sync)" in text
     with open(curve_sweep / "verdict" / "verdict.csv") as f:
@@ -184,7 +186,7 @@ def test_verdict_on_a_tiny_trained_sweep(tiny_config, tmp_path, capsys):
                    seeds=2)  # fmt: skip
     res = run_sweep(specs, base, tmp_path / "tiny", log=lambda m: None)
     assert len(res.ran) == 4 and not res.failed
-    assert main(["verdict", str(tmp_path / "tiny"), *SIM, "--device", "a100"]) == 0
+    assert main(["verdict", str(tmp_path / "tiny"), *SIM, "--device", "a100", "--verbose"]) == 0
     text = capsys.readouterr().out
     assert "NVIDIA A100" in text and "4 finished runs" in text
     line = next(x for x in text.splitlines() if x.startswith("2bw "))
@@ -215,7 +217,7 @@ def test_policies_without_a_transferable_schedule_are_listed(curve_sweep, curve_
         curve_run(curve_sweep, f"adamw_pd_s{s}",
                   {"delay.policy": "pipedream", "pipeline.num_stages": "2"}, s, stretch=1.2)  # fmt: skip
         curve_run(curve_sweep, f"adamw_f2_s{s}", {"delay.policy": "fixed:2"}, s, stretch=1.2)
-    assert main(["verdict", str(curve_sweep), *SIM]) == 0
+    assert main(["verdict", str(curve_sweep), *SIM, "--verbose"]) == 0
     out = capsys.readouterr().out
     assert "no verdict: adamw_pd: pipedream's delay depends on P; its runs have P=2" in out
     assert "no verdict: adamw_f2: no pipeline schedule realises delay.policy fixed:2" in out
@@ -242,3 +244,18 @@ def test_the_band_says_sooner_where_sync_final_loss_says_later(tmp_path, curve_r
     assert not skipped and v.overhead.status == "tax" and v.overhead.estimate < v.speedup
     assert time_to_target(v.overhead, v.speedup).high < 1  # the band alone: async sooner
     assert v.target.interval()[0] == pytest.approx(1.51, rel=0.02) and v.verdict == "sync sooner"
+
+
+def test_the_default_output_is_a_decision_block(curve_sweep, capsys):
+    """Issue 40: by default `stalepipe verdict` prints at most ~20 lines, none over 120
+    characters: per configuration its verdict, time ratio with its interval, overhead and the
+    model it was measured on; the best synchronous configuration; the flip point; the caveat."""
+    assert main(["verdict", str(curve_sweep), *SIM]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) <= 22 and max(len(ln) for ln in lines[:-2]) <= 120, lines
+    assert lines[0].startswith("decision: ") and lines[1].startswith("best synchronous: ")
+    ef = next(ln for ln in lines if ln.startswith("adamw_2bw+ef "))
+    assert "x [" in ef and "@ " in ef and "(3 seeds)" in ef
+    assert any("makes async sooner" in ln for ln in lines)
+    assert any(ln.startswith("intervals cover the seeds only") for ln in lines)
+    assert lines[-2].startswith("tables in ") and "verdict.md" in lines[-1]

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from stalepipe.analysis import plots
+from stalepipe.analysis import decision, plots
 from stalepipe.analysis.results import Row, build_rows, load_runs, longer_runs
 from stalepipe.analysis.throughput import (
     ScheduleThroughput,
@@ -407,14 +407,15 @@ def _bars(r: VerdictReport) -> bytes:
     )
 
 
-def verdict_main(sweep_dir: str | Path, *, json: bool = False, **kw: object) -> str:
-    """`stalepipe verdict`: `run_verdict`'s full text and where it wrote the files (`json`:
-    the summary as JSON instead)."""
+def verdict_main(sweep_dir: str | Path, *, json: bool = False, verbose: bool = False, **kw) -> str:
+    """`stalepipe verdict`: the decision block (`verbose`: the full text) and where the files
+    went (`json`: the summary as JSON instead)."""
     r = run_verdict(sweep_dir, **kw)  # type: ignore[arg-type]
     if json:
         return _json.dumps(verdict_json(r), indent=1)
     extra = ", verdict_map.csv" if (r.out_dir / "verdict_map.csv").exists() else ""
-    return r.text() + f"\nwritten to {r.out_dir}/verdict.md, verdict.csv{extra}, verdict.png"
+    text = r.text() if verbose else decision.decision_block(r.verdicts, r.throughputs.title())
+    return text + f"\ntables in {r.out_dir}:\n  verdict.md, verdict.csv{extra}, verdict.png"
 
 
 def verdict_json(r: VerdictReport) -> dict[str, object]:

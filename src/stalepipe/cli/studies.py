@@ -271,6 +271,7 @@ def _add_verdict(sub: Subparsers) -> None:
     )
     add("--out", help="output directory (default SWEEP_DIR/verdict)")
     add("--json", action="store_true", help="print the summary as JSON")
+    add("--verbose", action="store_true", help="print every table, not the decision block")
     p.set_defaults(fn=runs("stalepipe.analysis.verdict:verdict_main"))
 
 
