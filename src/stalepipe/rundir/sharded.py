@@ -48,7 +48,7 @@ from stalepipe.rundir import verified
 from stalepipe.runtime.checkpoint_parts import PART_DONE, part_dir, part_path, staging_dir
 
 FORMAT = 2
-MANIFEST = "checkpoint.json"
+MANIFEST = verified.MANIFEST_NAME  # "checkpoint.json"
 STATE = "state.json"  # a shard's non-tensor state, beside its DCP files
 KIND = "checkpoint"  # the owner marker's kind (fileio)
 ENTRIES = (MANIFEST, "rank_*")  # what a checkpoint directory holds besides the marker

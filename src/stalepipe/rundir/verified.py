@@ -43,6 +43,7 @@ from stalepipe.errors import CheckpointError
 DIGEST = "sha256"
 VERIFY_ENV = "STALEPIPE_VERIFY"  # =0: skip the tensors' digests (sizes and small files stay)
 METADATA = ".metadata"  # DCP's name for a shard's metadata pickle
+MANIFEST_NAME = "checkpoint.json"  # a checkpoint directory's manifest (rundir.sharded.MANIFEST)
 _DCP = "torch.distributed.checkpoint"
 # Every global a DCP shard's `.metadata` names (torch 2.4-2.14 write these), besides torch's
 # dtypes: its dataclasses, the path it was saved to, tensor sizes, layouts and memory formats.
@@ -131,6 +132,8 @@ class Verifier:
     def check_sizes(self) -> None:
         """Every recorded file exists with its recorded size (no byte is read)."""
         for rel, want in (self.files or {}).items():
+            if not isinstance(want, dict):
+                raise self.damaged(MANIFEST_NAME, f"records {rel!r} without a size")
             path = self.ckpt / rel
             size = path.stat().st_size if path.is_file() else None
             if size != want.get("size"):
