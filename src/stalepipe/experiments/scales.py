@@ -169,6 +169,7 @@ LADDER_LRS: dict[tuple[str, int], str] = {
     ("adamw", 64): "0.0045",
     ("muon", 48): "0.02",
     ("muon", 64): "0.01",
+    ("muon", 96): "0.01",
 }
 
 
