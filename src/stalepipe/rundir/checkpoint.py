@@ -106,11 +106,7 @@ def check_complete(path: Path) -> None:
             sharded.warn_unverified(path, "written before stalepipe recorded digests")
         return
     if not zipfile.is_zipfile(path):  # reads the end of the file: a truncated save
-        raise CheckpointError(
-            f"checkpoint {path} is corrupt or incomplete; move it aside (mv {path} "
-            f"{path}.damaged) to resume from the previous checkpoint, or start over with "
-            f"--overwrite"
-        )
+        raise sharded.corrupt(path, "not a complete zip archive")
     sharded.warn_unverified(path, "an older version's single file")
 
 
@@ -157,11 +153,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for truncated / foreign files
         reason = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-        raise CheckpointError(
-            f"checkpoint {path} is corrupt or unreadable ({reason}); move it aside (mv {path} "
-            f"{path}.damaged) to resume from the previous checkpoint, or start over with "
-            f"--overwrite"
-        ) from None
+        raise sharded.corrupt(path, reason) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT or "model" not in state:
         raise CheckpointError(
             f"{path} is not a stalepipe checkpoint (format {FORMAT}); delete it or start over "

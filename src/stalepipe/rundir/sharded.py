@@ -138,7 +138,8 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def _corrupt(path: Path, reason: str) -> CheckpointError:
+def corrupt(path: Path, reason: str) -> CheckpointError:
+    """The one line for a checkpoint that cannot be read whole (either format)."""
     return CheckpointError(
         f"checkpoint {path} is corrupt or incomplete ({reason}); move it aside (mv {path} "
         f"{path}.damaged) to resume from the previous checkpoint, or start over with --overwrite"
@@ -184,7 +185,7 @@ class ShardedCheckpoint:
         try:
             data = (self.path / MANIFEST).read_bytes()
         except OSError as e:
-            raise _corrupt(self.path, f"{MANIFEST}: {e.strerror or type(e).__name__}") from None
+            raise corrupt(self.path, f"{MANIFEST}: {e.strerror or type(e).__name__}") from None
         self.manifest = verified.read_json(data, where(MANIFEST))
         if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
             raise CheckpointError(
@@ -255,7 +256,7 @@ class ShardedCheckpoint:
                     reader.finish()
                 if reader.failure is not None:
                     raise reader.failure from None
-                raise _corrupt(self.path, f"{shard.name}: {_reason(e)}") from None
+                raise corrupt(self.path, f"{shard.name}: {_reason(e)}") from None
             finally:
                 reader.close()
         return {k: t for want in by_shard.values() for k, t in want.items()}
@@ -269,6 +270,6 @@ class ShardedCheckpoint:
             for info in (meta.storage_data or {}).values():
                 f = shard / info.relative_path
                 if not f.is_file() or f.stat().st_size < info.offset + info.length:
-                    raise _corrupt(
+                    raise corrupt(
                         self.path, f"{shard.name}/{info.relative_path} is missing or short"
                     )
