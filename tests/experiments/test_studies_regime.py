@@ -114,8 +114,14 @@ def test_the_size_ladder_is_what_results_md_registered():
     edges = sum(len(v) for v in scales.LADDER_EDGE_LRS.values())  # the edge rule's extra points
     assert len(specs) == 2 * 5 * 3 + edges
     assert {s.overrides["delay.policy"] for s in specs} == {"sync"}
-    with pytest.raises(UserError, match="run `stalepipe sweep ladder-lr"):
-        studies.STUDIES["ladder"].specs("cpu-regime", 3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(studies, "LADDER_LRS", {})
+        with pytest.raises(UserError, match="run `stalepipe sweep ladder-lr"):
+            studies.STUDIES["ladder"].specs("cpu-regime", 3)
+        mp.setattr(studies, "LADDER_LRS", {("muon", 32): "0.04"})  # only the chosen widths
+        assert {
+            s.overrides["model.dim"] for s in studies.STUDIES["ladder"].specs("cpu-regime", 1)
+        } == {"32"}
     chosen = {
         (n, w): scales.ladder_lrs(n, w)[1] for n in ("adamw", "muon") for w, *_ in scales.LADDER
     }

@@ -253,20 +253,26 @@ def study_ladder_lr(scale: str) -> list[list[list[Bundle]]]:
 
 
 def study_ladder(scale: str) -> list[list[list[Bundle]]]:
-    """Phase 2: sync / 2bw / 2bw+EF at each width's best phase-1 LR (`LADDER_LRS`); the run
-    names are phase 1's, so its sync runs are reused."""
-    grids = []
-    for name in ("adamw", "muon"):
-        for w, ffn, params in LADDER:
-            if (name, w) not in LADDER_LRS:
-                raise UserError(
-                    f"the ladder's {name} LR at width {w} is not chosen yet: run `stalepipe sweep "
-                    f"ladder-lr --scale {scale}`, then record each best LR in "
-                    f"experiments/scales.py LADDER_LRS (docs/RESULTS.md, 'Size ladder')"
-                )
-            lr = axis("optim.lr", [LADDER_LRS[name, w]])
-            rung = ladder_size(w, ffn, params)
-            grids.append([[(name, {"optim.name": name})], lr, [rung], [SYNC, TWO_BW, TWO_BW_EF]])
+    """Phase 2: sync / 2bw / 2bw+EF at each width's best phase-1 LR (`LADDER_LRS`), for the
+    widths whose LR is chosen (phase 1 finishes the narrow ones first); the run names are phase
+    1's, so its sync runs are reused."""
+    grids = [
+        [
+            [(name, {"optim.name": name})],
+            axis("optim.lr", [LADDER_LRS[name, w]]),
+            [ladder_size(w, ffn, params)],
+            [SYNC, TWO_BW, TWO_BW_EF],
+        ]
+        for name in ("adamw", "muon")
+        for w, ffn, params in LADDER
+        if (name, w) in LADDER_LRS
+    ]
+    if not grids:
+        raise UserError(
+            f"no ladder width has its LR yet: run `stalepipe sweep ladder-lr --scale {scale}`, "
+            f"then record each best LR in experiments/scales.py LADDER_LRS (docs/RESULTS.md, "
+            f"'Size ladder')"
+        )
     return grids
 
 
