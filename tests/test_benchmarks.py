@@ -206,3 +206,13 @@ def test_momentum_table_reads_the_controlled_grid():
         assert len(cells) == 9
         if cells[6] != "-":  # the grid's three LRs have run for this beta1
             assert float(cells[8]) <= float(cells[6]) + 1e-9
+
+
+def test_ladder_fit_reads_the_committed_ladder_records():
+    """The size ladder's table from its records (benchmarks/ladder_fit.py): every width of both
+    optimizers has a row, and the fit waits until every width has two seeds of each arm."""
+    out = _script("ladder_fit.py", "docs/results/ladder-regime").stdout
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith(("adamw ", "muon "))]
+    assert len(rows) == 10 and {r[1] for r in rows} == {"32", "48", "64", "96", "136"}
+    assert "2.4672" in out  # AdamW's width-32 sync at its chosen LR (docs/RESULTS.md)
+    assert "the fit waits" in out or "fit, shrink rate" in out

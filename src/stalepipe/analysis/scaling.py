@@ -174,6 +174,8 @@ def ef_share(gap_2bw: Points, gap_ef: Points, resamples: int = 2000, seed: int =
     out = {}
     for n in sorted(set(gap_2bw) & set(gap_ef)):
         seeds = sorted(set(gap_2bw[n]) & set(gap_ef[n]))
+        if not seeds:
+            continue
         a = np.array([gap_2bw[n][s] for s in seeds])
         e = np.array([gap_ef[n][s] for s in seeds])
         share = 1 - e.mean() / a.mean() if a.mean() != 0 else math.nan

@@ -1,0 +1,116 @@
+"""The size ladder's table, fit and prediction (issue 41; the analysis docs/RESULTS.md registered
+before the runs, `stalepipe.analysis.scaling`), from the ladder's run records.
+
+    python benchmarks/ladder_fit.py                                  # docs/results/ladder-regime
+    python benchmarks/ladder_fit.py runs/ladder-regime               # a sweep in progress
+
+Every number is a run's final loss on the whole validation split (`val_loss_full`). Per
+optimizer and width, at its phase-2 LR (`experiments.scales.LADDER_LRS`): sync's mean, and the
+2bw and 2bw+EF gaps paired by seed, with their t-intervals and EF's share (a ratio of means,
+paired-bootstrap interval). Once every width has at least 2 seeds of all three arms: the fit,
+the test of its direction (Holm over the four fits), and the prediction for one run at
+SmolLM-135M and -360M against the paper's 360M figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from stalepipe.analysis import scaling, stats
+from stalepipe.experiments.scales import LADDER, LADDER_LRS
+
+ARMS = {"sync": ("sync", False), "2bw": ("2bw", False), "2bw+ef": ("2bw", True)}
+PAPER = {("muon", "2bw"): 0.012, ("muon", "2bw+ef"): 0.005}  # the paper's 360M runs
+ADAMW_FLOOR = 0.2  # the paper: AdamW's gap > 0.2 at 135M-360M
+
+
+def finals(root: Path) -> dict[tuple[str, int, str], dict[int, float]]:
+    """(optimizer, width, arm) -> seed -> whole-split final loss, at the width's chosen LR."""
+    out: dict[tuple[str, int, str], dict[int, float]] = {}
+    for cfg_path in sorted(root.glob("*/config.json")):
+        c = json.loads(cfg_path.read_text())
+        name, width = c["optim"]["name"], c["model"]["dim"]
+        if (
+            LADDER_LRS.get((name, width)) is None
+            or float(LADDER_LRS[name, width]) != c["optim"]["lr"]
+        ):
+            continue
+        last = json.loads(cfg_path.with_name("metrics.jsonl").read_text().splitlines()[-1])
+        if "val_loss_full" not in last:
+            continue
+        arm = next(
+            a for a, (p, ef) in ARMS.items() if (p, ef) == (c["delay"]["policy"], c["delay"]["ef"])
+        )
+        out.setdefault((name, width, arm), {})[c["train"]["seed"]] = last["val_loss_full"]
+    return out
+
+
+def gaps(runs: dict, name: str, arm: str) -> dict[int, dict[int, float]]:
+    """N -> seed -> paired gap of `arm` against sync, for the widths that have both."""
+    out = {}
+    for width, _, params in LADDER:
+        sync, delayed = runs.get((name, width, "sync"), {}), runs.get((name, width, arm), {})
+        paired = {s: delayed[s] - sync[s] for s in sync.keys() & delayed.keys()}
+        if paired:
+            out[params] = paired
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("root", nargs="?", default="docs/results/ladder-regime")
+    args = ap.parse_args()
+    runs = finals(Path(args.root))
+    print(f"{'optimizer':<6} {'width':>5} {'N':>8} {'seeds':>5} {'sync':>7} "
+          f"{'2bw gap [95% CI]':>26} {'2bw+EF gap [95% CI]':>26} {'EF share [95%]':>18}")  # fmt: skip
+    trends = {}
+    for name in ("adamw", "muon"):
+        g2, ge = gaps(runs, name, "2bw"), gaps(runs, name, "2bw+ef")
+        for width, _, params in LADDER:
+            sync = runs.get((name, width, "sync"), {})
+            cells = []
+            for g in (g2, ge):
+                xs = list(g.get(params, {}).values())
+                m, lo, hi = stats.t_interval(xs) if len(xs) >= 2 else (sum(xs) / len(xs) if xs else float("nan"), float("nan"), float("nan"))  # fmt: skip
+                ci = f" [{lo:+.4f}, {hi:+.4f}]" if len(xs) >= 2 else " (1 seed)"
+                cells.append(f"{m:+.4f}{ci}" if xs else "-")
+            share = scaling.ef_share(
+                {params: g2.get(params, {})}, {params: ge.get(params, {})}, 1000
+            )
+            s, slo, shi = share.get(params, (float("nan"),) * 3)
+            share_text = f"{s:.0%} [{slo:.0%}, {shi:.0%}]" if s == s else "-"
+            sync_mean = sum(sync.values()) / len(sync) if sync else float("nan")
+            print(f"{name:<6} {width:>5} {params:>8} {len(g2.get(params, {})):>5} {sync_mean:>7.4f} "
+                  f"{cells[0]:>26} {cells[1]:>26} {share_text:>18}")  # fmt: skip
+        for arm, g in (("2bw", g2), ("2bw+ef", ge)):
+            if len(g) == len(LADDER) and all(len(v) >= 2 for v in g.values()):
+                trends[name, arm] = (g, scaling.trend(g))
+    if len(trends) < 4:
+        print(
+            f"\nthe fit waits for every width at >= 2 seeds of all arms ({len(trends)} of 4 ready)"
+        )
+        return
+    holm = stats.holm([t.p for _, t in trends.values()])
+    for ((name, arm), (g, t)), q in zip(trends.items(), holm):
+        print(f"\n{name} {arm}: {t.fit.kind} fit, shrink rate {t.fit.shrink:.3f} "
+              f"[{t.shrink_lo:.3f}, {t.shrink_hi:.3f}], Holm p {q:.3g}: {scaling.direction(t, q)}")  # fmt: skip
+        for label, n in (("135M", scaling.SMOLLM_135M), ("360M", scaling.SMOLLM_360M)):
+            point, lo, hi = scaling.predict(g, t, n)
+            paper = PAPER.get((name, arm)) if label == "360M" else None
+            vs = f"; paper {paper}: {scaling.against_paper(paper, lo, hi)}" if paper else ""
+            if (name, arm) == ("adamw", "2bw"):  # a bound, not a figure
+                said = (
+                    "agrees"
+                    if lo > ADAMW_FLOOR
+                    else "disagrees"
+                    if hi < ADAMW_FLOOR
+                    else "inconclusive"
+                )
+                vs = f"; paper > {ADAMW_FLOOR}: {said}"
+            print(f"  one run at {label}: {point:.4f} [{lo:.4f}, {hi:.4f}]{vs}")
+
+
+if __name__ == "__main__":
+    main()
