@@ -160,6 +160,7 @@ LADDER_EDGE_LRS: dict[tuple[str, int], tuple[str, ...]] = {
     ("muon", 32): ("0.04", "0.08"),  # 0.04 was best again: the rule's second (last) point
     ("muon", 48): ("0.04",),
     ("adamw", 96): ("0.012",),  # 0.006 best of 0.0015 / 0.003 / 0.006
+    ("adamw", 136): ("0.00053",),  # 0.00106 best of 0.00106 / 0.00212 / 0.00424
 }
 # Phase 2 (`ladder`): each (optimizer, width)'s best phase-1 LR (lowest whole-split val loss,
 # interior to its grid), recorded here once read; phase 2 runs once every width has one.
