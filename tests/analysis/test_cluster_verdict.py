@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,9 +33,19 @@ def test_map_calls_follow_the_known_tax(curve_sweep):
     ef = next(v for v in verdicts if v.label == "adamw_2bw+ef")
     low, high = ef.target.interval()[1:]
     assert 1.05 < low < high < 1.15
-    assert cv.cell_verdict(ef, 1.5) == "async sooner"
-    assert cv.cell_verdict(ef, 1.0) == "sync sooner"
-    assert cv.cell_verdict(ef, (low + high) / 2) == "inconclusive"
+
+    def cell(edge: float, factors: tuple[float, float] = (1.0, 1.0)) -> cv.Cell:
+        a, s = SimpleNamespace(tokens_per_s=edge), SimpleNamespace(tokens_per_s=1.0)
+        return cv.Cell(8, 64, 400.0, a, s, factors)
+
+    assert cv.cell_verdict(ef, cell(1.5)) == "async sooner"
+    assert cv.cell_verdict(ef, cell(1.0)) == "sync sooner"
+    assert cv.cell_verdict(ef, cell((low + high) / 2)) == "inconclusive"
+    # a call holds only over the assumptions' whole range: an edge that reaches the overhead's
+    # interval at one end of it is too close to call
+    assert cv.cell_verdict(ef, cell(1.0, (0.9, low * 1.01))) == "inconclusive"
+    assert cv.cell_verdict(ef, cell(1.5, (high / 1.5 * 0.99, 1.1))) == "inconclusive"
+    assert cv.cell_verdict(ef, cell(1.0, (0.9, low * 0.99))) == "sync sooner"
     assert cv.headline(verdicts)[0].label == "adamw_2bw+ef"  # the lowest measured overhead first
     # Fewer seeds never push it off the map: one seed has no interval to carry (never drawn),
     # two seeds are drawn after every configuration with the 3 a verdict needs.
@@ -60,14 +71,22 @@ def test_cluster_verdict_end_to_end(curve_sweep, capsys):
     with open(out / "verdict_map.csv") as f:
         cells = list(csv.DictReader(f))
     assert len(cells) >= 50 and {"16", "32"} <= {c["gpus"] for c in cells}
-    # every cell's call is the rule applied to its own edge: sooner above the interval, later below
+    # every cell's call is the rule applied to its own edge over the assumptions' range: sooner
+    # when even its lowest edge is above the overhead's interval, later when even its highest is
+    # below, too close to call otherwise
     low, high = ef["time_to_target_ci"][1:]
     tax_low, tax_high = (x * ef_speedup(ef) for x in (low, high))
+    seen = set()
     for c in cells:
-        edge = float(c["speedup"])
-        want = "async sooner" if edge > tax_high else "sync sooner" if edge < tax_low else None
-        if want and abs(edge - tax_high) > 1e-3 and abs(edge - tax_low) > 1e-3:
+        lo, hi = float(c["speedup_low"]), float(c["speedup_high"])
+        assert lo <= float(c["speedup"]) <= hi
+        want = (
+            "async sooner" if lo > tax_high else "sync sooner" if hi < tax_low else "inconclusive"
+        )
+        if min(abs(e - t) for e in (lo, hi) for t in (tax_low, tax_high)) > 1e-3:
             assert c["adamw_2bw+ef"] == want, c
+            seen.add(want)
+    assert len(seen) >= 2
 
 
 def test_pipedream_is_judged_at_its_runs_p(curve_sweep, curve_run):

@@ -13,7 +13,8 @@ import pytest
 from stalepipe.analysis import overhead as oh
 from stalepipe.analysis.results import build_rows, load_runs
 from stalepipe.analysis.throughput import load_costs, simulated
-from stalepipe.analysis.verdict import Ratio, call, judge_sweep, time_to_target
+from stalepipe.analysis.verdict import call, judge_sweep, time_to_target
+from stalepipe.analysis.verdict_rule import Ratio
 from stalepipe.cli import main
 
 SIM = ["--model", "smollm-135m", "--stages", "4", "--microbatches", "8"]

@@ -11,7 +11,15 @@ import pytest
 from stalepipe.config import ConfigError
 from stalepipe.schedules.generators import make_schedule
 from stalepipe.sim import parallel as par
-from stalepipe.sim.cluster import CLUSTERS, get_cluster, ring_bytes_per_rank, ring_time
+from stalepipe.sim.cluster import (
+    CLUSTERS,
+    collective_time,
+    get_cluster,
+    leading,
+    ring_bytes_per_rank,
+    ring_time,
+    trailing,
+)
 from stalepipe.sim.models import model_config
 from stalepipe.sim.steady import Plan
 from stalepipe.sim.timing import simulate, summarize, uniform_costs
@@ -27,11 +35,59 @@ def test_ring_all_reduce_moves_2_n_minus_1_over_n_of_the_bytes(n):
     assert ring_time("all-reduce", 1e9, 1, 50e9, 1e-5) == 0.0
 
 
-def test_the_slowest_link_bounds_a_ring_that_leaves_the_node():
+def test_links_run_at_nccl_s_share_of_their_line_rate():
     c = CLUSTERS["h100-ib"]
-    assert c.link(False) == pytest.approx((3600e9 / 8, 5e-6))
-    assert c.link(True) == pytest.approx((400e9 / 8, 10e-6))
-    assert get_cluster("h100-ib", 25).link(True)[0] == 25e9 / 8
+    assert c.link(False) == pytest.approx((0.82 * 3600e9 / 8, 5e-6))
+    assert c.link(True) == pytest.approx((0.92 * 400e9 / 8, 10e-6))
+    assert get_cluster("h100-ib", 25).link(True)[0] == pytest.approx(0.92 * 25e9 / 8)
+
+
+def test_a_ring_across_nodes_runs_on_the_group_s_rails():
+    """NCCL spreads its rings over the node's NICs: a group with k GPUs in each node crosses
+    nodes on k rails (bounded by NVLink); one GPU a node has its own NIC only."""
+    c = dataclasses.replace(CLUSTERS["h100-eth25"], inter_node_latency_us=1e-9)
+    c = dataclasses.replace(c, intra_node_latency_us=1e-9)
+    S = 1e9
+    whole = collective_time(c, "all-gather", S, 32)  # 4 nodes x 8: all 8 rails
+    one = collective_time(c, "all-gather", S, 4, per_node=1)  # 4 nodes x 1: one rail
+    assert whole == pytest.approx(31 / 32 * S / (0.92 * 8 * 25e9 / 8))
+    assert one == pytest.approx(3 / 4 * S / (0.92 * 25e9 / 8))
+    # inside a node the NVLink bounds it: 8 rails of 400 Gb/s exceed NVLink's 82 %
+    ib = dataclasses.replace(
+        CLUSTERS["h100-ib"], inter_node_latency_us=1e-9, intra_node_latency_us=1e-9
+    )
+    assert collective_time(ib, "all-reduce", S, 16) == pytest.approx(
+        2 * 15 / 16 * S / min(0.82 * 3600e9 / 8, 0.92 * 8 * 400e9 / 8)
+    )
+
+
+def test_nccl_s_ring_latency_and_the_tree_for_small_messages():
+    """Ring latency as tuning.cc: per pass n - 1 steps, N - 1 of them between nodes; an
+    all-reduce across nodes takes NCCL's tree when it is faster (small messages)."""
+    c = CLUSTERS["h100-ib"]
+    a_in, a_out = 5e-6, 10e-6
+    n, nodes = 128, 16
+    tiny = collective_time(c, "all-gather", 1.0, n)
+    assert tiny == pytest.approx(
+        (n - nodes) * a_in + (nodes - 1) * a_out + (n - 1) / n / (0.82 * 3600e9 / 8), rel=1e-6
+    )
+    ring_ar = 2 * ((n - nodes) * a_in + (nodes - 1) * a_out)
+    tree_ar = 2 * (4 * a_out + 7 * a_in)
+    assert collective_time(c, "all-reduce", 1.0, n) == pytest.approx(tree_ar, rel=1e-3)
+    assert tree_ar < ring_ar
+    big = collective_time(c, "all-reduce", 8e9, n)  # the ring's full bandwidth wins
+    bw = min(0.82 * 3600e9, 0.92 * 8 * 400e9) / 8  # NVLink or the node's 8 rails
+    assert big == pytest.approx(ring_ar + 2 * (n - 1) / n * 8e9 / bw)
+
+
+def test_overlap_flows_by_hand():
+    """Gradients sent layer by layer behind a backward (two-machine flow), weights gathered
+    one layer ahead of a forward (FSDP2's prefetch)."""
+    assert trailing(0.0, 4.0, 4) == 4.0
+    assert trailing(2.0, 4.0, 4) == pytest.approx(1 + 0.5 + 3 * 1)  # hidden but the last layer's
+    assert trailing(8.0, 4.0, 4) == pytest.approx(1 + 2 + 3 * 2)  # the traffic sets the pace
+    assert leading(2.0, 4.0, 4) == pytest.approx(0.5)  # only the first gather shows
+    assert leading(8.0, 4.0, 4) == pytest.approx(2 + 3 * 1)
 
 
 def _one_layer_workload(n: int, batch: int) -> par.Workload:
@@ -41,30 +97,33 @@ def _one_layer_workload(n: int, batch: int) -> par.Workload:
 
 @pytest.mark.parametrize("slow", [False, True])
 def test_fsdp_traffic_and_exposed_time_by_hand(slow):
-    """One unit: forward = gather (the first, never hidden) + max(0, gather - F); backward =
-    max(0, gather + reduce-scatter - 2F); bytes: bf16 weights gathered, fp32 grads scattered.
-    A fast link hides all but the first gather; a slow one exposes the rest too."""
+    """One unit: forward = gather (the first, never hidden); backward = max(0, gather +
+    reduce-scatter - 2F); bytes: bf16 weights gathered, fp32 grads scattered; the hidden rest
+    slows the compute by the overlap cost. A fast link hides all but the first gather."""
     w = _one_layer_workload(16, 16 * 16)  # 16 sequences a GPU, in one microbatch
     c = dataclasses.replace(CLUSTERS["h100-ib"], inter_node_gbps=1.0 if slow else 400.0)
     o = par.data_parallel(w, c, sharded=True)
     (params, flops), = par._units(w.cfg, w.seq_len)  # fmt: skip
-    bw, lat = c.link(True)
-    gather = (16 - 1) * lat + 15 / 16 * 2 * params / bw
-    scatter = (16 - 1) * lat + 15 / 16 * 4 * params / bw
+    gather = collective_time(c, "all-gather", 2 * params, 16)
+    scatter = collective_time(c, "reduce-scatter", 4 * params, 16)
     f = 16 * 4096 * flops / (c.peak_tflops * 1e12 * w.mfu)
-    exposed = gather + max(0, gather - f) + max(0, gather + scatter - 2 * f)
+    exposed = gather + max(0, gather + scatter - 2 * f)
+    exposed += w.overlap_cost * (2 * gather + scatter - exposed)
     assert o.microbatch_size == 16 and o.exposed_comm == pytest.approx(exposed)
-    assert (o.exposed_comm > gather) is slow  # compute hides the rest only on the fast link
+    assert (o.exposed_comm > 1.5 * gather) is slow  # compute hides the rest only on the fast link
 
 
-def test_dp_all_reduce_overlaps_the_last_backward():
-    w = _one_layer_workload(16, 16)
+def test_dp_all_reduce_overlaps_the_last_backward_bucket_by_bucket():
+    cfg = dataclasses.replace(model_config("llama-10b"), num_layers=4, vocab_size=64)
+    w = par.Workload(cfg, 4096, 16, 16)
     c = CLUSTERS["h100-eth25"]
     o = par.data_parallel(w, c, sharded=False)
-    (params, flops), = par._units(w.cfg, w.seq_len)  # fmt: skip
-    ar = ring_time("all-reduce", 4 * params, 16, *c.link(True))
-    backward = 2 * 4096 * flops / (c.peak_tflops * 1e12 * w.mfu)
-    assert o.exposed_comm == pytest.approx(max(0.0, ar - backward)) and o.exposed_comm > 0
+    units = par._units(w.cfg, w.seq_len)
+    ar = collective_time(c, "all-reduce", 4 * sum(p for p, _ in units), 16)
+    backward = 2 * sum(4096 * f for _, f in units) / (c.peak_tflops * 1e12 * w.mfu)
+    exposed = trailing(ar, backward, 4) - backward
+    assert o.exposed_comm == pytest.approx(exposed + w.overlap_cost * (ar - exposed))
+    assert 0 < exposed < ar
 
 
 def test_a_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1():

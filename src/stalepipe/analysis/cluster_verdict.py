@@ -19,7 +19,7 @@ from typing import Any
 
 from stalepipe.analysis.plots import png_bytes, pyplot
 from stalepipe.analysis.throughput import ScheduleThroughput, Throughputs
-from stalepipe.analysis.verdict_rule import Verdict, call, time_to_target
+from stalepipe.analysis.verdict_rule import Verdict, call, time_to_target, widen
 from stalepipe.errors import UserError
 
 ASYNC = "2bw"  # the asynchronous schedule of the map
@@ -194,11 +194,49 @@ def throughputs(s: Setting) -> tuple[Throughputs, list[Any]]:
         f"left out, over {c.memory_gb:g} GB per GPU ({len(left)}): "
         + (", ".join(f"{o.label()} ({o.peak_memory / 1e9:.0f} GB)" for o in left) or "none"),
     ]
+    low, high = edge_range(s.workload(), c, options)
+    lines.append(assumptions_line(s, low, high, edge(options)))
     short = f"{s.model} on {s.gpus} x {c.name}, global batch {s.global_batch} (cluster model)"
-    tp = Throughputs(
-        rows, window.tokens_per_s if window else math.nan, a and a.stages, lines, short
-    )
+    rate = window.tokens_per_s if window else math.nan
+    tp = Throughputs(rows, rate, a and a.stages, lines, short, (low, high))
     return tp, options
+
+
+def edge(options: list[Any]) -> float:
+    """2BW's throughput edge: its fastest fitting option over the fastest synchronous one."""
+    from stalepipe.sim.parallel import best
+
+    a, s = best(options, ASYNC), best(options)
+    return a.tokens_per_s / s.tokens_per_s if a and s else math.nan
+
+
+def edge_range(w: Any, c: Any, options: list[Any]) -> tuple[float, float]:
+    """The edge's lowest and highest value over the corners of the assumptions' ranges
+    (`sim.cluster.assumption_corners`), over its value at the central ones (`options`)."""
+    from stalepipe.sim.cluster import assumption_corners
+    from stalepipe.sim.parallel import all_options
+
+    central = edge(options)
+    if not math.isfinite(central):
+        return 1.0, 1.0
+    edges = [edge(all_options(wc, cc)) for wc, cc in assumption_corners(w, c)]
+    edges = [e for e in edges if math.isfinite(e)]
+    return min([central, *edges]) / central, max([central, *edges]) / central
+
+
+def assumptions_line(s: Setting, low: float, high: float, central: float) -> str:
+    """The 'inputs' line naming each assumption's central value and range, and the edge's."""
+    from stalepipe.sim import cluster as cl
+
+    m = [f"{s.mfu * f:.2f}" for f in cl.MFU_RANGE]
+    eff = "-".join(f"{x:.2f}" for x in cl.LINK_EFFICIENCY_RANGE)
+    cost = "-".join(f"{x:.2f}" for x in cl.OVERLAP_COST_RANGE)
+    return (
+        f"assumptions (central, range): MFU {s.mfu:.2f} ({m[0]}-{m[1]}), link efficiency "
+        f"{s.cluster.link_efficiency:.2f} ({eff}), overlap cost {s.workload().overlap_cost:.2f} "
+        f"({cost}); 2BW's "
+        f"edge {central:.3f}x, {central * low:.3f}-{central * high:.3f}x over their corners"
+    )
 
 
 @dataclass(frozen=True)
@@ -210,6 +248,7 @@ class Cell:
     inter_gbps: float
     async_option: Any  # sim.parallel.Option or None
     sync_option: Any
+    edge_factors: tuple[float, float] = (1.0, 1.0)  # over the assumptions (`edge_range`)
 
     @property
     def speedup(self) -> float:
@@ -239,14 +278,19 @@ def crossover_map(s: Setting) -> list[Cell]:
             for bw in gbps:
                 c = dataclasses.replace(s.cluster, inter_node_gbps=bw)
                 opts = all_options(s.workload(n, b), c)
-                cells.append(Cell(n, b, bw, best(opts, ASYNC), best(opts)))
+                factors = edge_range(s.workload(n, b), c, opts)
+                cells.append(Cell(n, b, bw, best(opts, ASYNC), best(opts), factors))
     return cells
 
 
-def cell_verdict(v: Verdict, speedup: float) -> str:
-    """The rule's call for one delayed configuration at one cell, shortened to its kind."""
+def cell_verdict(v: Verdict, c: Cell) -> str:
+    """The rule's call for one delayed configuration at one cell, over the seeds and the
+    assumptions' ranges, shortened to its kind."""
+    if not math.isfinite(c.speedup):
+        return "inconclusive"
     target = v.target if v.target is not None else v.overhead
-    verdict = call(target, time_to_target(target, speedup), speedup)
+    ratio = widen(time_to_target(target, c.speedup), *c.edge_factors)
+    verdict = call(target, ratio, c.speedup * c.edge_factors[1])
     return next((k for k in COLORS if verdict.startswith(k)), "inconclusive")
 
 
@@ -268,7 +312,8 @@ def headline(verdicts: list[Verdict], most: int = 3) -> list[Verdict]:
 
 
 def write_map_csv(path: Path, cells: list[Cell], shown: list[Verdict]) -> None:
-    """One row per cell: the two best configurations, their rates, and each drawn verdict."""
+    """One row per cell: the two best configurations, their rates, the edge (central, and its
+    lowest and highest over the assumptions' corners), and each drawn verdict."""
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(
@@ -281,6 +326,8 @@ def write_map_csv(path: Path, cells: list[Cell], shown: list[Verdict]) -> None:
                 "sync_config",
                 "sync_tokens_per_s",
                 "speedup",
+                "speedup_low",
+                "speedup_high",
                 *(v.label for v in shown),
             ]
         )
@@ -296,7 +343,9 @@ def write_map_csv(path: Path, cells: list[Cell], shown: list[Verdict]) -> None:
                     s.label() if s else "none fits",
                     s.tokens_per_s if s else "",
                     c.speedup,
-                    *(cell_verdict(v, c.speedup) for v in shown),
+                    c.speedup * c.edge_factors[0],
+                    c.speedup * c.edge_factors[1],
+                    *(cell_verdict(v, c) for v in shown),
                 ]
             )
 
@@ -317,7 +366,7 @@ def map_plot(cells: list[Cell], shown: list[Verdict], title: str) -> bytes:
             ax = axes[i][j]
             for c in (c for c in cells if c.gpus == n):
                 x, y = batches.index(c.global_batch), gbps.index(c.inter_gbps)
-                kind = cell_verdict(v, c.speedup) if math.isfinite(c.speedup) else "inconclusive"
+                kind = cell_verdict(v, c)
                 ax.add_patch(plt.Rectangle((x - 0.5, y - 0.5), 1, 1, color=COLORS[kind], lw=0))
                 ax.text(x, y, f"{c.speedup:.2f}", ha="center", va="center", fontsize=6)
             ax.set_xlim(-0.5, len(batches) - 0.5)
@@ -345,7 +394,7 @@ def map_summary(cells: list[Cell], shown: list[Verdict]) -> str:
     """The 'inputs' line that says what the map covers and how often each call comes out."""
     counts = []
     for v in shown:
-        kinds = [cell_verdict(v, c.speedup) for c in cells]
+        kinds = [cell_verdict(v, c) for c in cells]
         counts.append(f"{v.label}: " + ", ".join(f"{kinds.count(k)} {k}" for k in COLORS))
     gpus = sorted({c.gpus for c in cells})
     batches = sorted({c.global_batch for c in cells})

@@ -4,9 +4,10 @@ verdict.csv (and to stdout with `--verbose`).
 
 Per configuration with a verdict (3 seeds or more), the fastest first: its verdict ("too close
 to call" where the time ratio's interval holds 1), the time to sync's final loss against the
-best synchronous configuration with its interval, the token overhead and the model size it was
-measured on; then the overhead at which the answer flips (2BW's throughput edge: a lower
-overhead makes async sooner) and what the intervals do not cover.
+best synchronous configuration with its interval (over the seeds and, with the cluster model,
+the ends of its assumptions' ranges), the token overhead and the model size it was measured
+on; then the overhead at which the answer flips (2BW's throughput edge, with its range: a lower
+overhead makes async sooner) and what the intervals cover.
 """
 
 from __future__ import annotations
@@ -25,14 +26,6 @@ def plain(verdict: str) -> str:
     if verdict.startswith("inconclusive (interval holds 1"):
         return "too close to call"
     return verdict.split(" (")[0]
-
-
-def _ratio(v: Verdict) -> str:
-    r = v.ratio
-    if not math.isfinite(r.value):
-        return "-"
-    ci = f" [{r.low:.2f}, {r.high:.2f}]" if math.isfinite(r.low) else ""
-    return f"{r.value:.2f}x{ci}"
 
 
 def _key(v: Verdict) -> float:
@@ -58,16 +51,23 @@ def decision_block(verdicts: Sequence[Verdict], title: str) -> str:
     for v in judged[:SHOWN]:
         assert v.target is not None
         lines.append(
-            f"{v.label[:22]:<22} {plain(v.verdict):<17} {_ratio(v):<19} {v.target.describe()} "
+            f"{v.label[:22]:<22} {plain(v.verdict):<17} {v.ratio_all.text():<19} {v.target.describe()} "
             f"@ {v.measured_on} ({len(v.target.seeds)} seeds)"
         )
     if best is not None and math.isfinite(best.speedup):
-        lines.append(f"a token overhead below 2BW's edge ({best.speedup:.3f}x) makes async sooner")
+        lo, hi = (best.speedup * f for f in best.edge_factors)
+        span = f", {lo:.3f}-{hi:.3f}x over the assumptions" if (lo, hi) != (hi, hi) else ""
+        lines.append(
+            f"a token overhead below 2BW's edge ({best.speedup:.3f}x{span}) makes async sooner"
+        )
     rest = len(verdicts) - min(len(judged), SHOWN)
     if rest:
         lines.append(f"... {rest} more configuration(s) (fewer seeds, or past the first {SHOWN})")
+    ranged = best is not None and best.edge_factors != (1.0, 1.0)
     lines.append(
-        "intervals cover the seeds only: the cluster model's link speeds, MFU and overlap are "
-        "fixed assumptions (docs/verdict.md)"
+        "intervals cover the seeds, and MFU, link efficiency and overlap cost over their ranges "
+        "(docs/verdict.md)"
+        if ranged
+        else "intervals cover the seeds only: the throughputs are point values"
     )
     return "\n".join(line[:WIDTH] for line in lines[:MAX_LINES])

@@ -88,6 +88,9 @@ class Throughputs:
     num_stages: int | None
     lines: list[str]  # the 'inputs' lines of the output
     short: str  # a title for the plot
+    # 2BW's throughput edge over the best synchronous option at the assumptions' ends, over its
+    # central value (`cluster_verdict.edge_range`); (1, 1) where no model's assumption moves it
+    edge_factors: tuple[float, float] = (1.0, 1.0)
 
     def get(self, name: str) -> ScheduleThroughput:
         return next(s for s in self.rows if s.name == name)

@@ -8,8 +8,8 @@ The token overhead is measured: the runs under SWEEP_DIR, each delayed configura
 synchronous baseline (`results.build_rows`, `overhead.py`), paired by seed, with its interval
 over seeds. The throughputs are simulated (`throughput.simulated`: the timing simulator on a
 model, device, P and m) or measured (`throughput.load_costs`: a small JSON or CSV file), and the
-output says which. The interval of the ratio is the overhead's divided by the throughput ratio,
-a constant: the verdict is about the seeds' spread, not the throughput's.
+output says which. The ratio's interval is the overhead's over the seeds, divided by the
+throughput edge at the ends of its range (the cluster model's assumptions; else a constant).
 
 Writes `verdict.md`, `verdict.csv` and `verdict.png` into SWEEP_DIR/verdict (or `out`).
 """
@@ -35,7 +35,6 @@ from stalepipe.analysis.throughput import (
 from stalepipe.analysis.verdict_rule import (
     RULE,
     Estimate,
-    Ratio,
     Verdict,
     call,
     model_size,
@@ -87,7 +86,9 @@ def judge(row: Row, tp: Throughputs, a: ScheduleThroughput) -> Verdict:
     # a delayed arm short of sync's final loss that also never reaches the band's bottom is a
     # quality floor: the band says so with its own margin
     floor = v.target.missed and row.token_overhead.status == "floor"
-    v.verdict = call(row.token_overhead if floor else v.target, v.ratio, v.speedup)
+    v.edge_factors = tp.edge_factors  # a bound below must outweigh the edge at its highest
+    edge = v.speedup * v.edge_factors[1]
+    v.verdict = call(row.token_overhead if floor else v.target, v.ratio_all, edge)
     return v
 
 
@@ -118,13 +119,6 @@ def judge_sweep(rows: list[Row], tp: Throughputs) -> tuple[list[Verdict], list[s
     return verdicts, skipped
 
 
-def _cells(r: Ratio) -> str:
-    if not math.isfinite(r.value):
-        return "-"
-    ci = f" [{r.low:.2f}, {r.high:.2f}]" if math.isfinite(r.low) else ""
-    return f"{r.value:.2f}x{ci}"
-
-
 def align(rows: list[list[str]]) -> str:
     """Rows of cells as left-aligned text columns (the first row is the header)."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -147,7 +141,7 @@ def summary_rows(verdicts: list[Verdict]) -> list[list[str]]:
             f"{len(v.target.seeds) if v.target else v.overhead.num_seeds} @ {v.measured_on}",
             f"{v.best_sync.shown()}: {v.best_sync.rate_text()} tok/s" if v.best_sync else "-",
             f"{v.speedup:.3f}" if math.isfinite(v.speedup) else "-",
-            _cells(v.ratio),
+            v.ratio.text(),
             v.verdict,
         ]
         for v in verdicts
@@ -170,7 +164,7 @@ def detail_rows(v: Verdict, tp: Throughputs) -> list[list[str]]:
             out.append([name, s.policy, "refused: " + s.refused, "", "", "", ""])
             continue
         rate = v.async_tokens_per_s if s is v.async_row else s.tokens_per_s
-        ratio = _cells(v.ratios[s.name]) if s.name in v.ratios else "-"
+        ratio = v.ratios[s.name].text() if s.name in v.ratios else "-"
         out.append(
             [
                 name,

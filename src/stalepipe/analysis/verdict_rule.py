@@ -30,6 +30,13 @@ class Ratio:
     low: float
     high: float
 
+    def text(self) -> str:
+        """'1.05x [0.99, 1.11]', '1.05x' without an interval, '-' without a value."""
+        if not math.isfinite(self.value):
+            return "-"
+        ci = f" [{self.low:.2f}, {self.high:.2f}]" if math.isfinite(self.low) else ""
+        return f"{self.value:.2f}x{ci}"
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -106,6 +113,7 @@ class Verdict:
     target: TargetOverhead | None = None  # at sync's final loss: what the verdict reads
     measured_on: str = ""  # the parameters of the model its runs trained ("0.43M")
     async_row: ScheduleThroughput | None = None  # the row of `schedule` its rate is read off
+    edge_factors: tuple[float, float] = (1.0, 1.0)  # `Throughputs.edge_factors`
 
     @property
     def speedup(self) -> float:
@@ -115,9 +123,21 @@ class Verdict:
 
     @property
     def ratio(self) -> Ratio:
-        """Against the best synchronous schedule that fits."""
+        """Against the best synchronous schedule that fits; interval over the seeds."""
         nan = Ratio(math.nan, math.nan, math.nan)
         return self.ratios.get(self.best_sync.name, nan) if self.best_sync else nan
+
+    @property
+    def ratio_all(self) -> Ratio:
+        """`ratio` with its interval over the seeds and the assumptions' ranges: the lowest
+        overhead at the highest edge, the highest at the lowest (what the verdict calls on)."""
+        return widen(self.ratio, *self.edge_factors)
+
+
+def widen(r: Ratio, low: float, high: float) -> Ratio:
+    """A time-to-target ratio's interval with the throughput edge anywhere in [low, high] x its
+    central value."""
+    return Ratio(r.value, r.low / high, r.high / low)
 
 
 def model_size(config: dict[str, object]) -> str:

@@ -1,19 +1,33 @@
 """A cluster for the verdict's throughput model: nodes of GPUs, two kinds of link, and the
-alpha-beta cost of the collectives data parallelism and FSDP use (docs/verdict.md, 'The
+cost of the collectives data parallelism and FSDP use, as NCCL runs them (docs/verdict.md, 'The
 cluster model').
 
 A `Cluster` is the GPU's compute (peak bf16 FLOP/s, HBM bandwidth, memory) and its links:
-inside a node (NVLink or PCIe) and between nodes (InfiniBand or Ethernet), each a bandwidth
-per GPU and per direction (Gb/s) and a per-message latency (us). "Per GPU": a node whose one
-100 Gb/s NIC is shared by 8 GPUs is 12.5 Gb/s per GPU.
+inside a node (NVLink or PCIe) and between nodes (InfiniBand or Ethernet), each a line rate per
+GPU and per direction (Gb/s) and a per-hop latency (us). Between nodes, "per GPU" is one rail:
+DGX-style nodes give each GPU its own NIC (8 x 400 Gb/s), and a node whose one 100 Gb/s NIC is
+shared by 8 GPUs is 12.5 Gb/s per GPU. `link_efficiency` and `intra_node_efficiency` are the
+shares of the line rates NCCL's bus bandwidth reaches (0.92: 46-48 GB/s per 400 Gb/s = 50 GB/s
+NIC; 0.82: 370 of NVLink 4's 450 GB/s, ring).
 
-Collectives are rings (NCCL's default for large messages) in the alpha-beta model: a ring over
-n ranks takes n-1 steps per phase, each paying the latency alpha and moving 1/n of the bytes
-over the slowest link of the ring (the inter-node one as soon as the ring leaves a node):
+Collectives (`collective_time`), as NCCL runs them over a group of n GPUs, k of them in each of
+its N = n / k nodes:
 
-    all-reduce          2(n-1) alpha + 2(n-1)/n x bytes / beta   (reduce-scatter + all-gather)
-    all-gather          (n-1) alpha  + (n-1)/n x bytes / beta    (bytes: the whole gathered tensor)
-    reduce-scatter      (n-1) alpha  + (n-1)/n x bytes / beta
+- **rings** (all-reduce, all-gather, reduce-scatter): NCCL runs one ring per channel and spreads
+  the channels over the node's NICs, so a ring that leaves the node crosses it on all k rails
+  of the group at once: bus bandwidth = efficiency x min(intra-node line rate, k x rail rate)
+  (one GPU per node: its own NIC; a whole node in the group: the node's aggregate). The k
+  rails are the group's share of the node's NICs: the other groups of the node (other pipeline
+  stages) use theirs at the same time. Time = latency + bytes moved per rank / bus bandwidth,
+  bytes = 2(n-1)/n x S (all-reduce) or (n-1)/n x S (S the whole gathered or scattered tensor);
+  latency per pass (two for an all-reduce) n - 1 steps, N - 1 of them between nodes
+  (`tuning.cc`: `(nsteps - nInterSteps) * intraLat + nInterSteps * interLat`);
+- **trees** (all-reduce only, across nodes): NCCL's double binary tree between nodes, a chain
+  inside each: latency 2 x (log2 N x inter-node + (k-1) x intra-node), bus bandwidth 0.92 x
+  the ring's (`tuning.cc`). NCCL picks, per size, the faster of the two; so does this one: the
+  tree for small, latency-bound messages over many nodes, the ring for large ones. (At N = 2 a
+  tree moves half the ring's bytes across nodes, which is why two-node nccl-tests all-reduce
+  figures exceed the NICs' line rate; the model keeps the ring's bytes: conservative there.)
 
 Presets (`CLUSTERS`); one's own: a .json or .toml file with the keys of `Cluster` (any subset,
 with `base` naming the preset the others default to), or `--inter-node-gbps` over a preset.
@@ -23,9 +37,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from stalepipe.config import ConfigError, unknown_choice
 from stalepipe.sim.devices import DEVICES, Device
@@ -45,6 +61,12 @@ class Cluster:
     inter_node_gbps: float
     intra_node_latency_us: float
     inter_node_latency_us: float
+    # the share of the line rate NCCL's bus bandwidth reaches between nodes (nccl-tests issue
+    # 290: 46-48 GB/s per 400 Gb/s NIC = 0.92-0.96; NVIDIA/nccl issue 495: 600 of 800 Gb/s over
+    # RoCE) and inside a node (nccl-tests issue 212: 370 of NVLink 4's 450 GB/s, "protocol
+    # overhead (~20%)", ring; NVLink SHARP's all-reduce is not modelled)
+    link_efficiency: float = 0.92
+    intra_node_efficiency: float = 0.82
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -53,14 +75,20 @@ class Cluster:
                 raise ConfigError(
                     f"cluster {self.name}: {f.name} must be a number > 0, got {value!r}"
                 )
+        if max(self.link_efficiency, self.intra_node_efficiency) > 1:
+            raise ConfigError(f"cluster {self.name}: an efficiency must be in (0, 1]")
         if int(self.gpus_per_node) != self.gpus_per_node:
             raise ConfigError(f"cluster {self.name}: gpus_per_node must be a whole number")
 
     def link(self, spans_nodes: bool) -> tuple[float, float]:
-        """(bandwidth in bytes/s, latency in s) of the slowest link of a group of GPUs."""
+        """(bandwidth in bytes/s, latency in s) of one GPU's link, across nodes (its rail) or
+        inside its node, at `link_efficiency` of the line rate: pipeline p2p messages."""
         if spans_nodes:
-            return self.inter_node_gbps * 1e9 / 8, self.inter_node_latency_us * 1e-6
-        return self.intra_node_gbps * 1e9 / 8, self.intra_node_latency_us * 1e-6
+            bw = self.link_efficiency * self.inter_node_gbps
+            return bw * 1e9 / 8, self.inter_node_latency_us * 1e-6
+        return self.intra_node_efficiency * self.intra_node_gbps * 1e9 / 8, (
+            self.intra_node_latency_us * 1e-6
+        )
 
     def device(self) -> Device:
         """The simulator's `Device` for this cluster (pipeline p2p uses the same links)."""
@@ -80,7 +108,8 @@ class Cluster:
             f"{self.name}: {self.gpu}, {self.gpus_per_node} per node, {self.memory_gb:g} GB, "
             f"{self.peak_tflops:g} TFLOP/s bf16; links per GPU: {self.intra_node_gbps:g} Gb/s "
             f"inside a node ({self.intra_node_latency_us:g} us), {self.inter_node_gbps:g} Gb/s "
-            f"between nodes ({self.inter_node_latency_us:g} us)"
+            f"between nodes ({self.inter_node_latency_us:g} us); NCCL at {self.intra_node_efficiency:.0%}"
+            f" / {self.link_efficiency:.0%} of those line rates"
         )
 
 
@@ -164,7 +193,9 @@ def get_cluster(name: str, inter_node_gbps: float | None = None) -> Cluster:
     return c
 
 
-# ---- collectives (alpha-beta, ring) ---------------------------------------------------------
+# ---- collectives (alpha-beta, as NCCL runs them) ----------------------------------------------
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter")
 
 
 def ring_bytes_per_rank(kind: str, nbytes: float, n: int) -> float:
@@ -175,9 +206,97 @@ def ring_bytes_per_rank(kind: str, nbytes: float, n: int) -> float:
 
 
 def ring_time(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
-    """Seconds of a ring `kind` over `n` ranks whose slowest link has `bandwidth` (bytes/s)
-    and `latency` (s) per message: steps x latency + bytes per rank / bandwidth."""
+    """Seconds of a ring `kind` over `n` ranks whose links all have `bandwidth` (bytes/s, the
+    bus bandwidth) and `latency` (s) per hop: hops x latency + bytes per rank / bandwidth."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
     return steps * latency + ring_bytes_per_rank(kind, nbytes, n) / bandwidth
+
+
+TREE_BANDWIDTH = 0.92  # NCCL tuning.cc: a tree all-reduce's bus bandwidth, "busBw * .92"
+
+
+def bus_bandwidth(c: Cluster, per_node: int, nodes: int) -> float:
+    """Bytes/s of NCCL's bus bandwidth for a group with `per_node` GPUs in each of `nodes`
+    nodes (module docstring): the intra-node link, and across nodes the group's rails."""
+    intra = c.intra_node_efficiency * c.intra_node_gbps
+    if nodes <= 1:
+        return intra * 1e9 / 8
+    return min(intra, c.link_efficiency * per_node * c.inter_node_gbps) * 1e9 / 8
+
+
+def collective_time(c: Cluster, kind: str, nbytes: float, n: int, per_node: int = 0) -> float:
+    """Seconds of collective `kind` of a tensor of `nbytes` over `n` GPUs of cluster `c`,
+    `per_node` of them in each node (default: as many as fit, min(n, GPUs per node)); the
+    faster of NCCL's ring and (all-reduce across nodes) tree."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    k = min(n, per_node or int(c.gpus_per_node))
+    nodes = math.ceil(n / k)
+    bw = bus_bandwidth(c, k, nodes)
+    a_in, a_out = c.intra_node_latency_us * 1e-6, c.inter_node_latency_us * 1e-6
+    passes = 2 if kind == "all-reduce" else 1
+    # NCCL's ring latency: per pass, n - 1 steps of which N - 1 cross a node
+    ring = passes * ((n - nodes) * a_in + (nodes - 1) * a_out)
+    ring += ring_bytes_per_rank(kind, nbytes, n) / bw
+    if kind != "all-reduce" or nodes <= 1:
+        return ring
+    tree = 2 * (math.floor(math.log2(nodes)) * a_out + (k - 1) * a_in)
+    return min(ring, tree + ring_bytes_per_rank(kind, nbytes, n) / (TREE_BANDWIDTH * bw))
+
+
+# ---- overlap and compute (sim/parallel.py's steps) ------------------------------------------
+
+
+def compute_time(flops: float, weight_bytes: float, speed: float, hbm: float) -> float:
+    """Seconds of a forward of `flops` through layers of `weight_bytes` (bf16): the roofline of
+    the compute at `speed` (peak x MFU) and of reading the weights at `hbm` bytes/s. A
+    microbatch of t tokens does 2t FLOPs per weight it reads (2 bytes), so it is weight-bound
+    below t = speed / hbm (118 tokens on an H100 at MFU 0.4): short sequences, one at a time."""
+    return max(flops / speed, weight_bytes / hbm)
+
+
+def trailing(comm: float, compute: float, units: int) -> float:
+    """From the start of a backward over `units` equal layers until its gradient traffic
+    (`comm` in all) ends, each layer's share sent as soon as its backward ends and the layer
+    before's is sent (DDP's buckets, FSDP's per-layer reduce-scatter): a two-machine flow."""
+    if comm <= 0:
+        return compute
+    c, b = comm / units, compute / units
+    return b + c + (units - 1) * max(b, c)
+
+
+def leading(comm: float, compute: float, units: int) -> float:
+    """What gathering the weights (`comm` in all) adds to a forward over `units` equal layers
+    when each layer's gather is issued as the layer before starts computing (FSDP2's
+    prefetch): the first gather, then each layer's gather beyond its predecessor's compute."""
+    if comm <= 0:
+        return 0.0
+    g, f = comm / units, compute / units
+    return g + (units - 1) * max(0.0, g - f)
+
+
+# ---- the assumptions with a range --------------------------------------------------------------
+
+# A verdict holds only where it holds at every corner of these (docs/verdict.md, 'The cluster
+# model'; `assumption_corners`).
+MFU_RANGE = (0.75, 1.25)  # x the given MFU: torchtitan's H100 FSDP runs 33-39 %, its A100 57 %
+LINK_EFFICIENCY_RANGE = (0.75, 0.96)  # NCCL bus bandwidth / line rate: RoCE 0.75, IB 0.92-0.96
+OVERLAP_COST_RANGE = (0.0, 0.15)  # no published measurement used: wide enough to show its weight
+
+
+def assumption_corners(w: Any, c: Cluster) -> list[tuple[Any, Cluster]]:
+    """The workload (`sim.parallel.Workload`) and the cluster at each corner of the
+    assumptions' ranges (8: MFU, link efficiency, overlap cost each at its low and high end; a
+    given value outside a range widens it)."""
+    mfus = (w.mfu * MFU_RANGE[0], min(1.0, w.mfu * MFU_RANGE[1]))
+    lo, hi = LINK_EFFICIENCY_RANGE
+    effs = (min(lo, c.link_efficiency), max(hi, c.link_efficiency))
+    costs = (min(OVERLAP_COST_RANGE[0], w.overlap_cost), max(OVERLAP_COST_RANGE[1], w.overlap_cost))
+    return [
+        (dataclasses.replace(w, mfu=m, overlap_cost=o), dataclasses.replace(c, link_efficiency=e))
+        for m in mfus
+        for e in effs
+        for o in costs
+    ]

@@ -3,41 +3,50 @@ cluster model'): data parallelism (DP), FSDP / ZeRO-3, each pipeline schedule of
 over P and m, and hybrids (P stages x D replicas = N GPUs, the replicas sharing gradients by
 DP or FSDP), synchronous and asynchronous.
 
-Assumptions, each stated once (fixed MFU for every configuration, BI = BW = F):
+Assumptions, each stated once (the three with a range are `ASSUMPTIONS`: MFU, link
+efficiency, overlap cost; BI = BW = F):
 
+- compute: a forward is the roofline of its FLOPs at peak x MFU and of reading its bf16 weights
+  from HBM (`compute_time`); one MFU for every configuration above that.
+- collectives: NCCL's ring or tree, over the group's rails across nodes (`sim.cluster`).
+- overlap: communication hidden behind compute still slows it, by `overlap_cost` of the
+  communication's time (NCCL's kernels take SMs and HBM bandwidth from the compute).
 - memory: mixed-precision AdamW, `PARAM_BYTES` (bf16 weights) per weight version plus
   `STATE_BYTES` (fp32 gradient accumulator, fp32 master weights, two fp32 moments) per
   parameter, plus the activations of the microbatches in flight (`timing.ACT_BYTES_PER_TOKEN_DIM`,
   no recomputation); nothing else (no logits, buffers, fragmentation). A configuration over the
   GPU's memory is kept, marked `fits=False`, and named by the verdict, never chosen.
-- DP: a ring all-reduce of the fp32 gradients (`GRAD_BYTES`) once per step, overlapped with the
-  backward of the step's last microbatch (DDP's buckets): exposed = max(0, all-reduce - that
-  backward).
+- DP: an all-reduce of the fp32 gradients (`GRAD_BYTES`) once per step, bucket by bucket behind
+  the backward of the step's last microbatch (DDP's buckets; `trailing`).
 - FSDP (ZeRO-3, weights, gradients and optimizer state sharded over all N): per unit (a block;
   the embedding folded into the first, norm and head into the last) an all-gather of its bf16
   weights in forward and again in backward, a reduce-scatter of its fp32 gradients in backward,
-  for every microbatch; each overlapped with that unit's compute: exposed = max(0, comm -
-  compute) per unit, plus the first unit's forward gather, which nothing hides. Memory: the
-  sharded weights and state, two gathered units (the one computing and the one prefetched) and
-  one microbatch's activations.
+  for every microbatch; unit l+1's gather behind unit l's forward (FSDP2's prefetch), each
+  backward's gather and reduce-scatter behind that unit's backward; exposed: the first gather
+  and what each unit's traffic leaves over its compute. Memory: the sharded weights and state,
+  two gathered units (the one computing and the one prefetched) and one microbatch's
+  activations.
 - Pipelines: the timing simulator's steady step (`sim.simulate`, both stage splits, the faster
   kept), cached per (schedule, P, m, placement, link): it does not depend on the replicas'
   link. Microbatches of one sequence; m = global batch / D; m < P is not considered. Past
   `MAX_SIM_MICROBATCHES` (and 4P) the step time and memory are extrapolated linearly from
   m = max(8, 2P) and twice that (exact once the steady state is affine in m).
-- Hybrids: the replicas of each stage share gradients after its last backward of the step
-  ("dp": all-reduce; "fsdp": reduce-scatter of gradients, optimizer on a 1/D shard, all-gather of
-  the bf16 weights, as torchtitan runs FSDP with PP: weights gathered once per step). A
-  synchronous schedule overlaps it with the pipeline's drain only (each rank starts when its own
-  last backward ends; the step ends when the slowest rank's update does); an asynchronous one
-  (no flush) overlaps it with the next step entirely, so it is exposed only when longer than
-  a step; its update, on a 1/D shard under FSDP, is simulated inside its stream.
+- Hybrids: the replicas of each stage share gradients once a step ("dp": all-reduce; "fsdp":
+  reduce-scatter of gradients, optimizer on a 1/D shard, all-gather of the bf16 weights, as
+  torchtitan runs FSDP with PP: weights gathered once per step), layer by layer as FSDP does it,
+  for synchronous and asynchronous schedules alike. Synchronous: each rank sends its layers'
+  gradients behind its last backward of the step (`trailing`), updates its shard, and gathers
+  its layers' weights behind its first forward of the next (`leading`), using the idle window
+  the schedule leaves it between the two (its `gap`: the drain and the next fill); the latest
+  rank delays the step by what it overruns. Asynchronous (no flush): a whole step to hide it
+  in, exposed only when longer than a step; its update, on a 1/D shard under FSDP, is simulated
+  inside its stream.
 - PipeDream (Narayanan et al. 2019) as published: an update after every microbatch, stage s
   keeping P - s weight versions; a global batch is m updates, each paying the optimizer and
   the replicas' gradient exchange (hidden behind the next update only).
 - Placement across nodes (N > GPUs per node): "stages in a node" (pipeline p2p on the fast
-  link, each stage's replicas across nodes) or "replicas in a node" (gradient traffic on the
-  fast link, p2p across nodes); both are tried.
+  link, each stage's replicas across nodes, as many rails as the node holds of them) or
+  "replicas in a node" (gradient traffic on the fast link, p2p across nodes); both are tried.
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ from dataclasses import dataclass
 
 from stalepipe.config import ConfigError, ModelConfig
 from stalepipe.models.transformer import block_flops, block_params, head_flops
-from stalepipe.sim.cluster import Cluster, ring_time
+from stalepipe.sim.cluster import Cluster, collective_time, compute_time, leading, trailing
 from stalepipe.sim.devices import Device
 from stalepipe.sim.memory import rank_memory
 from stalepipe.sim.simulate import model_costs
@@ -69,13 +78,16 @@ PER_MICROBATCH = ("pipedream",)  # delay policies whose schedule updates after e
 @dataclass(frozen=True)
 class Workload:
     """What is trained: a model shape, its sequence length, the global batch (sequences per
-    optimizer step) and the number of GPUs, at a model FLOPs utilisation `mfu`."""
+    optimizer step) and the number of GPUs, at a model FLOPs utilisation `mfu` (the compute
+    roof; `compute_time` adds the memory roof), with communication that slows the compute it
+    hides behind by `overlap_cost` of its own time (`ASSUMPTIONS`)."""
 
     cfg: ModelConfig
     seq_len: int
     global_batch: int
     num_gpus: int
     mfu: float = 0.4
+    overlap_cost: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -146,24 +158,24 @@ def data_parallel(w: Workload, c: Cluster, *, sharded: bool) -> Option | None:
         return None
     units, n = _units(w.cfg, w.seq_len), w.num_gpus
     params = sum(p for p, _ in units)
-    bw, lat = c.link(n > c.gpus_per_node)
-    speed = c.peak_tflops * 1e12 * w.mfu
+    speed, hbm = c.peak_tflops * 1e12 * w.mfu, c.hbm_tbps * 1e12
     option = None
     for b in _sizes(w):
         tokens, k = b * w.seq_len, w.global_batch // n // b
-        fwd = [tokens * f / speed for _, f in units]
+        fwd = [compute_time(tokens * f, PARAM_BYTES * p, speed, hbm) for p, f in units]
         if sharded:
-            gather = [ring_time("all-gather", PARAM_BYTES * p, n, bw, lat) for p, _ in units]
-            scatter = [ring_time("reduce-scatter", GRAD_BYTES * p, n, bw, lat) for p, _ in units]
-            exposed = gather[0] + sum(max(0.0, g - f) for g, f in zip(gather, fwd))
+            gather = [collective_time(c, "all-gather", PARAM_BYTES * p, n) for p, _ in units]
+            scatter = [collective_time(c, "reduce-scatter", GRAD_BYTES * p, n) for p, _ in units]
+            exposed = gather[0] + sum(max(0.0, g - f) for g, f in zip(gather[1:], fwd))
             exposed += sum(max(0.0, g + s - 2 * f) for g, s, f in zip(gather, scatter, fwd))
-            exposed *= k
+            comm = 2 * sum(gather) + sum(scatter)
             state = (PARAM_BYTES + STATE_BYTES) * params / n
-            memory = state + 2 * PARAM_BYTES * max(p for p, _ in units)
-        else:
-            reduce = ring_time("all-reduce", GRAD_BYTES * params, n, bw, lat)
-            exposed = max(0.0, reduce - 2 * sum(fwd))
-            memory = (PARAM_BYTES + STATE_BYTES) * params
+            memory, times = state + 2 * PARAM_BYTES * max(p for p, _ in units), k
+        else:  # one all-reduce a step, bucket by bucket behind the last backward
+            comm = collective_time(c, "all-reduce", GRAD_BYTES * params, n)
+            exposed = trailing(comm, 2 * sum(fwd), len(units)) - 2 * sum(fwd)
+            memory, times = (PARAM_BYTES + STATE_BYTES) * params, 1
+        exposed = times * (exposed + w.overlap_cost * (comm - exposed))
         memory += _activations(w.cfg, tokens)
         opt = OPT_TRAFFIC * params / (n if sharded else 1) / (c.hbm_tbps * 1e12)
         step = k * 3 * sum(fwd) + exposed + opt
@@ -191,14 +203,16 @@ class PipeTiming:
     state: tuple[float, ...]  # per rank optimizer state + gradient accumulator, bytes
     params: tuple[float, ...]  # per rank parameters
     optimizer: tuple[float, ...]  # per rank update time
-    drain: tuple[float, ...]  # per rank: step end - its last backward of the step
+    gap: tuple[float, ...]  # per rank: next step's first forward - this step's last backward
+    forward: tuple[float, ...]  # per rank: one microbatch's forward, s
+    backward: tuple[float, ...]  # per rank: one microbatch's backward (BI + BW), s
 
     @staticmethod
     def blend(a: PipeTiming, b: PipeTiming, t: float) -> PipeTiming:
         """a + t (b - a) for the step time and memory (linear extrapolation in m)."""
         mem = tuple(x + t * (y - x) for x, y in zip(a.memory, b.memory))
         step = a.step_time + t * (b.step_time - a.step_time)
-        return PipeTiming(step, b.bubble, mem, b.state, b.params, b.optimizer, b.drain)
+        return dataclasses.replace(b, step_time=step, memory=mem)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -235,18 +249,22 @@ def pipeline_timing(
     ]
     costs, t = min(((c, p.time(c)) for c in options), key=lambda ct: ct[1].step_time)
     sizes = (costs.weight_bytes, costs.state_bytes, costs.activation_bytes)
-    state, opt = [], []
-    for r in range(p.sched.num_ranks):
-        state.append(sum(costs.state_bytes[s] for s in p.sched.stages_of(r)))
-        opt.append(sum(costs.optimizer[s] for s in p.sched.stages_of(r)))
+    ranks = [p.sched.stages_of(r) for r in range(p.sched.num_ranks)]
+
+    def per_rank(*xs: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(sum(x[s] for x in xs for s in stages) for stages in ranks)
+
+    state = per_rank(costs.state_bytes)
     return PipeTiming(
         t.step_time,
         1 - sum(t.busy) / (len(t.busy) * t.step_time),
         _memory(p, *sizes),
-        tuple(state),
+        state,
         tuple(x / STATE_BYTES for x in state),
-        tuple(opt),
-        t.drain,
+        per_rank(costs.optimizer),
+        t.gap,
+        per_rank(costs.forward),
+        per_rank(costs.backward_input, costs.backward_weight),
     )
 
 
@@ -272,14 +290,15 @@ def _memory(p: Plan, weight: tuple, state: tuple, activation: tuple) -> tuple[fl
     return tuple(m.total for m in rank_memory(p.sched, weight, state, activation))
 
 
-def _placements(c: Cluster, n: int, stages: int, replicas: int) -> list[tuple[str, int, bool]]:
-    """(name, stages per node, whether a stage's replicas span nodes) of each placement."""
+def _placements(c: Cluster, n: int, stages: int, replicas: int) -> list[tuple[str, int, int]]:
+    """(name, stages per node, a stage's replicas in each node) of each placement: the
+    replicas of a stage cross nodes on that many rails (`sim.cluster.collective_time`)."""
     g = int(c.gpus_per_node)
     if n <= g:
-        return [("", stages, False)]
-    out = [("stages in a node", g, replicas > 1)]
+        return [("", stages, replicas)]
+    out = [("stages in a node", g, min(replicas, g // min(stages, g)))]
     if replicas > 1:
-        out.append(("replicas in a node", max(1, g // replicas), replicas > g))
+        out.append(("replicas in a node", max(1, g // replicas), min(replicas, g)))
     return out
 
 
@@ -299,34 +318,45 @@ def _hybrid(
     t: PipeTiming,
     replicas: int,
     across: str,
-    spans: bool,
+    per_node: int,
     sync: bool,
     sharded: PipeTiming | None = None,
 ) -> tuple[float, float, float]:
     """(step time, exposed traffic, peak memory) of a pipeline replica with `replicas`
-    sharing gradients `across` ('dp' or 'fsdp'; module docstring). `sharded`: the same
-    pipeline timed with each rank updating its 1/D shard (FSDP, asynchronous: the update sits
-    inside the stream, so it is simulated there rather than subtracted)."""
-    bw, lat = c.link(spans)
+    sharing gradients `across` ('dp' or 'fsdp'), `per_node` of each stage's replicas in a
+    node (module docstring). `sharded`: the same pipeline timed with each rank updating its
+    1/D shard (FSDP, asynchronous: the update sits inside the stream, so it is simulated there
+    rather than subtracted)."""
     memory = max(t.memory)
     if replicas == 1:
         return t.step_time, 0.0, memory
+    units = max(1, round(w.cfg.num_layers / len(t.params)))  # blocks per rank
+
+    def coll(kind: str, nbytes: float) -> float:
+        return collective_time(c, kind, nbytes, replicas, per_node)
+
     if across == "dp":
-        comm = [ring_time("all-reduce", GRAD_BYTES * p, replicas, bw, lat) for p in t.params]
+        grads = [coll("all-reduce", GRAD_BYTES * p) for p in t.params]
+        gather = [0.0] * len(t.params)
         opt = list(t.optimizer)
     else:
-        comm = [
-            ring_time("reduce-scatter", GRAD_BYTES * p, replicas, bw, lat)
-            + ring_time("all-gather", PARAM_BYTES * p, replicas, bw, lat)
-            for p in t.params
-        ]
+        grads = [coll("reduce-scatter", GRAD_BYTES * p) for p in t.params]
+        gather = [coll("all-gather", PARAM_BYTES * p) for p in t.params]
         opt = [o / replicas for o in t.optimizer]
         memory = max(m - s * (1 - 1 / replicas) for m, s in zip(t.memory, t.state))
-    if sync:  # after each rank's last backward; the step ends at the slowest rank's update
-        extra = max(x + o - d for x, o, d in zip(comm, opt, t.drain))
-        step = t.step_time + extra
-    else:  # a whole step to hide it in
-        step = max((sharded or t).step_time, max(x + o for x, o in zip(comm, opt)))
+    cost = w.overlap_cost
+    if sync:  # each rank: gradients behind its last backward, weights behind its next forward
+        late = []
+        for r, (x, g, o) in enumerate(zip(grads, gather, opt)):
+            tail = trailing(x, t.backward[r], units) - t.backward[r]
+            ag = leading(g, t.forward[r], units)
+            ready = max(t.gap[r], tail + o + g / units) + ag - g / units if g else tail + o
+            late.append(ready - t.gap[r] + cost * (x + g))
+        step = t.step_time + max(0.0, *late)
+    else:  # no flush: a whole step to hide it in
+        hidden = max(x + g for x, g in zip(grads, gather))
+        step = max((sharded or t).step_time + cost * hidden,
+                   max(x + g + o for x, g, o in zip(grads, gather, opt)))  # fmt: skip
     return step, max(0.0, step - t.step_time), memory
 
 
@@ -344,7 +374,7 @@ def pipelines(w: Workload, c: Cluster, schedules: tuple[str, ...]) -> list[Optio
         m = w.global_batch // replicas
         if w.global_batch % replicas or m < stages:
             continue
-        for spn_name, spn, spans in _placements(c, w.num_gpus, stages, replicas):
+        for spn_name, spn, per_node in _placements(c, w.num_gpus, stages, replicas):
             dev = _pipeline_device(c, spn, stages)
             for name in schedules:
                 policy = PIPELINE_SCHEDULES[name].policy
@@ -363,7 +393,7 @@ def pipelines(w: Workload, c: Cluster, schedules: tuple[str, ...]) -> list[Optio
                         sharded = pipeline_timing(
                             w.cfg, w.seq_len, w.mfu, dev, name, stages, m_sim, 1 / replicas
                         )
-                    step, exposed, mem = _hybrid(w, c, t, replicas, across, spans, sync, sharded)
+                    step, exposed, mem = _hybrid(w, c, t, replicas, across, per_node, sync, sharded)
                     step, exposed = step * updates, exposed * updates
                     tps = w.global_batch * w.seq_len / step
                     out.append(

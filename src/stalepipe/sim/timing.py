@@ -170,7 +170,8 @@ def analytic_costs(
     stage_ranks: tuple[int, ...] | None = None,
     partition: str = "balanced",
 ) -> CostModel:
-    """Seconds per microbatch from FLOPs: F = tokens * stage FLOPs / (peak * mfu); BI = BW = F
+    """Seconds per microbatch from FLOPs: F = tokens * stage FLOPs / (peak * mfu), or the
+    time to read the stage's weights from HBM when that is longer (a roofline); BI = BW = F
     (backward = 2 x forward); optimizer = params * bytes moved / HBM bandwidth; messages are
     bf16 hidden states (tokens * dim * 2 bytes). Stages as in `split_layers`, or, given the
     rank of every stage (`stage_ranks`, a schedule with chunks), balanced per rank
@@ -197,12 +198,13 @@ def analytic_costs(
         layers = split_layers(cfg, num_stages, seq_len)
     tokens = microbatch_size * seq_len
     speed = device.peak_flops * mfu
+    params = stage_params(cfg, layers)
     fwd = []
     for s, r in enumerate(layers):
         flops = sum(block_flops(cfg, seq_len, i) for i in r)
         flops += head_flops(cfg) if s == num_stages - 1 else 0
-        fwd.append(tokens * flops / speed)
-    params = stage_params(cfg, layers)
+        # the roofline: compute, or reading the stage's weights (short microbatches)
+        fwd.append(max(tokens * flops / speed, params[s] * param_bytes / device.hbm_bandwidth))
     return CostModel(
         forward=tuple(fwd),
         backward_input=tuple(fwd),
