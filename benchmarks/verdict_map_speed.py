@@ -3,16 +3,20 @@
     OMP_NUM_THREADS=1 python benchmarks/verdict_map_speed.py [--cluster h100-ib] [--model smollm-360m]
 
 Times `analysis.cluster_verdict.crossover_map` from a cold cache (the pipeline timings are
-cached per process), and counts the configurations it times; docs/benchmarks.md records it.
+cached per process), in one process and in its default worker processes (one a CPU), and counts
+the configurations it times (each cell: the central assumptions and their 8 corners);
+docs/benchmarks.md records it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from dataclasses import replace
 
 from stalepipe.analysis.cluster_verdict import crossover_map, setting
+from stalepipe.sim import parallel, steady
 from stalepipe.sim.parallel import all_options
 
 
@@ -23,9 +27,13 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=32)
     args = ap.parse_args()
     s = setting(args.model, args.cluster, args.gpus, None)
-    t0 = time.perf_counter()
-    cells = crossover_map(s)
-    took = time.perf_counter() - t0
+    took = {}
+    for workers in (1, None):
+        for f in (parallel.pipeline_timing, parallel._costs, parallel._memory, steady.plan):
+            f.cache_clear()
+        t0 = time.perf_counter()
+        cells = crossover_map(s, workers)
+        took[workers] = time.perf_counter() - t0
     configs = sum(
         len(
             all_options(
@@ -36,7 +44,9 @@ def main() -> None:
     )  # cached now: counting costs nothing
     print(
         f"crossover map, {args.model} on {args.cluster} around {args.gpus} GPUs: {len(cells)} cells, "
-        f"{configs} configurations, {took:.2f} s (cold cache)"
+        f"{configs} configurations at the central assumptions (and 8 corners each); cold cache: "
+        f"{took[1]:.2f} s in one process, {took[None]:.2f} s in {os.cpu_count()} (load average "
+        f"after: {' '.join(f'{x:.2f}' for x in os.getloadavg())})"
     )
 
 

@@ -27,7 +27,8 @@ ASYNC_SCHEDULES = (ASYNC, "pipedream")
 MAP_GBPS = (12.5, 25.0, 50.0, 100.0, 200.0, 400.0, 800.0)
 MAP_BATCH = (0.25, 0.5, 1.0, 2.0, 4.0)  # x the global batch
 MAP_GPUS = (0.5, 1.0, 2.0, 4.0)  # x the GPU count
-COLORS = {"async sooner": "#4daf4a", "sync sooner": "#e41a1c", "inconclusive": "#bdbdbd"}
+# Okabe-Ito's colour-blind-safe blue and orange, and a light grey
+COLORS = {"async sooner": "#0072B2", "sync sooner": "#E69F00", "inconclusive": "#DDDDDD"}
 
 
 @dataclass(frozen=True)
@@ -257,29 +258,43 @@ class Cell:
         return self.async_option.tokens_per_s / self.sync_option.tokens_per_s
 
 
-def crossover_map(s: Setting) -> list[Cell]:
+def crossover_map(s: Setting, workers: int | None = None) -> list[Cell]:
     """The best async and sync configurations at every (GPU count, global batch, inter-node
-    bandwidth) of the map around the setting; a cell where the batch is below the GPU count,
-    or the GPU count is not whole nodes, is left out."""
-    import dataclasses
-
-    from stalepipe.sim.parallel import all_options, best
+    bandwidth) of the map around the setting, each with its edge over the assumptions' corners;
+    a cell where the batch is below the GPU count, or the GPU count is not whole nodes, is left
+    out. The (GPU count, batch) rows run in `workers` processes (default: the CPUs, at most 8;
+    forked, so the pipeline timings cached so far come along)."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
 
     g = int(s.cluster.gpus_per_node)
     gpus = sorted(
         {n for f in MAP_GPUS if (n := int(s.gpus * f)) >= 1 and (n % g == 0 or g % n == 0)}
     )
-    gbps = sorted({*MAP_GBPS, s.cluster.inter_node_gbps})
+    batches = sorted({int(s.global_batch * f) for f in MAP_BATCH})
+    rows = [(s, n, b) for n in gpus for b in batches if b >= n]
+    workers = min(workers or os.cpu_count() or 1, 8, len(rows))
+    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return [c for row in rows for c in _map_row(row)]
+    ctx = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        return [c for cells in pool.map(_map_row, rows) for c in cells]
+
+
+def _map_row(row: tuple[Setting, int, int]) -> list[Cell]:
+    """The map's cells of one GPU count and global batch, at every inter-node bandwidth."""
+    import dataclasses
+
+    from stalepipe.sim.parallel import all_options, best
+
+    s, n, b = row
     cells = []
-    for n in gpus:
-        for b in sorted({int(s.global_batch * f) for f in MAP_BATCH}):
-            if b < n:
-                continue
-            for bw in gbps:
-                c = dataclasses.replace(s.cluster, inter_node_gbps=bw)
-                opts = all_options(s.workload(n, b), c)
-                factors = edge_range(s.workload(n, b), c, opts)
-                cells.append(Cell(n, b, bw, best(opts, ASYNC), best(opts), factors))
+    for bw in sorted({*MAP_GBPS, s.cluster.inter_node_gbps}):
+        c = dataclasses.replace(s.cluster, inter_node_gbps=bw)
+        opts = all_options(s.workload(n, b), c)
+        factors = edge_range(s.workload(n, b), c, opts)
+        cells.append(Cell(n, b, bw, best(opts, ASYNC), best(opts), factors))
     return cells
 
 
@@ -368,7 +383,8 @@ def map_plot(cells: list[Cell], shown: list[Verdict], title: str) -> bytes:
                 x, y = batches.index(c.global_batch), gbps.index(c.inter_gbps)
                 kind = cell_verdict(v, c)
                 ax.add_patch(plt.Rectangle((x - 0.5, y - 0.5), 1, 1, color=COLORS[kind], lw=0))
-                ax.text(x, y, f"{c.speedup:.2f}", ha="center", va="center", fontsize=6)
+                ink = "white" if kind == "async sooner" else "black"
+                ax.text(x, y, f"{c.speedup:.2f}", ha="center", va="center", fontsize=6, color=ink)
             ax.set_xlim(-0.5, len(batches) - 0.5)
             ax.set_ylim(-0.5, len(gbps) - 0.5)
             ax.set_xticks(range(len(batches)), [str(b) for b in batches], fontsize=7)
@@ -382,8 +398,9 @@ def map_plot(cells: list[Cell], shown: list[Verdict], title: str) -> bytes:
     labels = [*COLORS]
     fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle(
-        f"{title}\ncell text: throughput 2bw / best synchronous; colour: time to "
-        "sync's final loss by the verdict's rule",
+        f"{title}\ncell text: throughput 2bw / best synchronous; colour: time to sync's final "
+        "loss by the verdict's rule over the seeds and the assumptions' ranges; no cell: fewer "
+        "sequences than GPUs",
         fontsize=8,
     )
     fig.tight_layout(rect=(0, 0.05, 1, 0.95))
@@ -391,11 +408,16 @@ def map_plot(cells: list[Cell], shown: list[Verdict], title: str) -> bytes:
 
 
 def map_summary(cells: list[Cell], shown: list[Verdict]) -> str:
-    """The 'inputs' line that says what the map covers and how often each call comes out."""
+    """The 'inputs' line that says what the map covers, how often each call comes out and where
+    async is sooner (`where_sooner`)."""
     counts = []
     for v in shown:
-        kinds = [cell_verdict(v, c) for c in cells]
-        counts.append(f"{v.label}: " + ", ".join(f"{kinds.count(k)} {k}" for k in COLORS))
+        calls = [(c.gpus, c.global_batch, cell_verdict(v, c)) for c in cells]
+        kinds = [k for *_, k in calls]
+        counts.append(
+            f"{v.label}: " + ", ".join(f"{kinds.count(k)} {k}" for k in COLORS)
+            + f" (async sooner at {where_sooner(calls)})"
+        )  # fmt: skip
     gpus = sorted({c.gpus for c in cells})
     batches = sorted({c.global_batch for c in cells})
     gbps = sorted({c.inter_gbps for c in cells})
@@ -404,3 +426,21 @@ def map_summary(cells: list[Cell], shown: list[Verdict]) -> str:
         f"batch {batches} sequences, inter-node {[f'{g:g}' for g in gbps]} Gb/s per GPU; "
         + "; ".join(counts)
     )
+
+
+def where_sooner(calls: list[tuple[int, int, str]]) -> str:
+    """Where the map calls async sooner, from (GPU count, global batch, call) per cell: each GPU
+    count with the sequences per GPU of its async-sooner cells (at some link speed), e.g. '32
+    GPUs x 2, 64 GPUs x 1-16 sequences a GPU'; 'nowhere' when none. The README's sentence is
+    this text (tests/analysis/test_verdict_numbers.py)."""
+    per: dict[int, set[int]] = {}
+    for gpus, batch, kind in calls:
+        if kind == "async sooner":
+            per.setdefault(gpus, set()).add(batch // gpus)
+    if not per:
+        return "nowhere"
+    parts = []
+    for gpus, each in sorted(per.items()):
+        lo, hi = min(each), max(each)
+        parts.append(f"{gpus} GPUs x {lo}" + (f"-{hi}" if hi > lo else ""))
+    return ", ".join(parts) + " sequences a GPU"

@@ -20,7 +20,7 @@ import csv
 import json
 import json as _json  # the name `json` is a flag of verdict_main
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 from stalepipe.analysis import decision, plots
@@ -39,6 +39,7 @@ from stalepipe.analysis.verdict_rule import (
     call,
     model_size,
     time_to_target,
+    widen,
 )
 from stalepipe.errors import UserError
 
@@ -223,6 +224,8 @@ CSV_HEADER = [
     "time_to_target",
     "time_to_target_ci_low",
     "time_to_target_ci_high",
+    "time_to_target_all_low",  # over the seeds and the assumptions' ranges (what is called)
+    "time_to_target_all_high",
     "async_peak_memory_gb",
     "sync_peak_memory_gb",
     "throughput_source",
@@ -239,6 +242,7 @@ def write_csv(path: Path, verdicts: list[Verdict], tp: Throughputs) -> None:
             a = v.async_row
             for s in tp.sync():
                 r = v.ratios[s.name]
+                every = widen(r, *v.edge_factors)
                 w.writerow(
                     [
                         v.label,
@@ -256,17 +260,14 @@ def write_csv(path: Path, verdicts: list[Verdict], tp: Throughputs) -> None:
                         r.value,
                         r.low,
                         r.high,
+                        every.low,
+                        every.high,
                         a.memory_list() if a else "",
                         s.memory_list(),
                         s.source,
                         v.verdict,
                     ]
                 )
-
-
-def _status(v: Verdict) -> str:
-    """What the figure writes where a configuration has no ratio: the final-loss reading."""
-    return v.target.describe() if v.target else v.overhead.status
 
 
 def _target_cells(v: Verdict) -> list[object]:
@@ -385,7 +386,9 @@ def _write(r: VerdictReport, title: str, where: object = None) -> None:
         r.inputs.append(cv.map_summary(cells, shown))
     else:
         (r.out_dir / "verdict.png").write_bytes(_bars(r))
-    (r.out_dir / "verdict.md").write_text(f"# Verdict: {title}\n\n```\n{r.text()}\n```\n")
+    block = decision.decision_block(r.verdicts, r.throughputs.title())
+    text = f"# Verdict: {title}\n\n```\n{block}\n```\n\nIn full:\n\n```\n{r.text()}\n```\n"
+    (r.out_dir / "verdict.md").write_text(text)
 
 
 def _bars(r: VerdictReport) -> bytes:
@@ -396,7 +399,7 @@ def _bars(r: VerdictReport) -> bytes:
             for s in r.throughputs.rows
             if not s.refused and (s.policy == "sync" or s.name in used)
         ],
-        [(v.label, v.ratio.value, v.ratio.low, v.ratio.high, _status(v)) for v in r.verdicts],
+        [(v.label, *astuple(v.ratio), v.status()) for v in r.verdicts],
         title=r.throughputs.title(),
     )
 

@@ -127,6 +127,10 @@ class Verdict:
         nan = Ratio(math.nan, math.nan, math.nan)
         return self.ratios.get(self.best_sync.name, nan) if self.best_sync else nan
 
+    def status(self) -> str:
+        """What a figure writes where the configuration has no ratio: the final-loss reading."""
+        return self.target.describe() if self.target else self.overhead.status
+
     @property
     def ratio_all(self) -> Ratio:
         """`ratio` with its interval over the seeds and the assumptions' ranges: the lowest

@@ -53,47 +53,63 @@ class Plan:
         self.kinds = sorted({(a.kind, a.stage) for a in self.actions})
         slot = {k: i for i, k in enumerate(self.kinds)}
         self.slots = [slot[a.kind, a.stage] for a in self.actions]
+        R = sched.num_ranks
+        # a dependency's transfer as an index into a flat R x R table plus a last 0 (same rank)
+        self.links = [
+            [(j, R * R if src < 0 else src * R + r) for j, src in deps]
+            for r, deps in zip(self.ranks, self.deps)
+        ]
+        self.per_rank = [[0] * len(self.kinds) for _ in range(R)]  # actions of each kind a rank
+        for r, k in zip(self.ranks, self.slots):
+            self.per_rank[r][k] += 1
+        # what the summary reads: every STEP's end, and the two last steps' backward ends and
+        # forward starts per rank
+        last = sched.num_steps - 2
+        self.marks = [
+            (i, a.kind, a.step, r)
+            for i, (r, a) in enumerate(zip(self.ranks, self.actions))
+            if a.kind == "STEP" or (a.kind in ("B", "BW") and a.step == last)
+            or (a.kind == "F" and a.step == last + 1)
+        ]  # fmt: skip
 
     def time(self, costs: CostModel) -> Steady:
         """The steady step under `costs` (as `timing.summarize` measures it: the median gap
-        between step completions), with each rank's drain in the step before the last."""
+        between step completions), with each rank's drain and gap in the step before the last."""
         R, n = self.sched.num_ranks, self.sched.num_steps
-        hop = [[costs.transfer(a, b) for b in range(R)] for a in range(R)]
+        hop = [costs.transfer(a, b) for a in range(R) for b in range(R)] + [0.0]
         table = [_duration(costs, kind, stage) for kind, stage in self.kinds]
-        durations = [table[i] for i in self.slots]
         end = [0.0] * len(self.actions)
         free = [0.0] * R
-        busy = [0.0] * R
-        for i, (r, d, deps) in enumerate(zip(self.ranks, durations, self.deps)):
+        for i, (r, k, links) in enumerate(zip(self.ranks, self.slots, self.links)):
             start = free[r]
-            for j, src in deps:
-                t = end[j] if src < 0 else end[j] + hop[src][r]
-                start = t if t > start else start
-            end[i] = free[r] = start + d
-            busy[r] += d
+            for j, h in links:
+                t = end[j] + hop[h]
+                if t > start:
+                    start = t
+            end[i] = free[r] = start + table[k]
         done = [0.0] * n
-        last_back = [[0.0] * R for _ in range(n)]
-        first_fwd = [[math.inf] * R for _ in range(n)]
-        for r, a, e, d in zip(self.ranks, self.actions, end, durations):
-            if a.kind == "STEP":
-                done[a.step] = max(done[a.step], e)
-            elif a.kind in ("B", "BW"):
-                last_back[a.step][r] = max(last_back[a.step][r], e)
-            elif a.kind == "F":
-                first_fwd[a.step][r] = min(first_fwd[a.step][r], e - d)
+        last_back = [0.0] * R
+        first_fwd = [math.inf] * R
+        for i, kind, step, r in self.marks:
+            if kind == "STEP":
+                done[step] = max(done[step], end[i])
+            elif kind == "F":
+                first_fwd[r] = min(first_fwd[r], end[i] - table[self.slots[i]])
+            else:
+                last_back[r] = max(last_back[r], end[i])
         steps = [b - a for a, b in zip(done, done[1:])]
         k = n - 2
-        drain = tuple(done[k] - last_back[k][r] for r in range(R))
-        gap = tuple(first_fwd[k + 1][r] - last_back[k][r] for r in range(R))
-        return Steady(statistics.median(steps), drain, tuple(b / n for b in busy), gap)
+        drain = tuple(done[k] - last_back[r] for r in range(R))
+        gap = tuple(first_fwd[r] - last_back[r] for r in range(R))
+        busy = tuple(sum(c * d for c, d in zip(self.per_rank[r], table)) / n for r in range(R))
+        return Steady(statistics.median(steps), drain, busy, gap)
 
 
 def _duration(costs: CostModel, kind: str, stage: int) -> float:
     """`CostModel.duration` of an action of `kind` on `stage`."""
     bi, bw = costs.backward_input[stage], costs.backward_weight[stage]
-    return {"F": costs.forward[stage], "B": bi + bw, "BI": bi, "BW": bw, "STEP": 0.0}[kind] or (
-        costs.optimizer[stage] if kind == "STEP" else 0.0
-    )
+    durations = {"F": costs.forward[stage], "B": bi + bw, "BI": bi, "BW": bw}
+    return durations[kind] if kind != "STEP" else costs.optimizer[stage]
 
 
 @functools.lru_cache(maxsize=1024)
