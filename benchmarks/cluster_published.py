@@ -1,5 +1,5 @@
 """The cluster model (sim/cluster.py, sim/parallel.py) beside published figures (docs/verdict.md,
-'Checked against published figures'; tests/analysis/test_cluster_published.py recomputes the
+'Checked against published figures'; tests/verdict/test_cluster_published.py recomputes the
 table there from this script).
 
     OMP_NUM_THREADS=1 python benchmarks/cluster_published.py

@@ -18,7 +18,7 @@ import argparse
 import math
 
 from stalepipe.analysis.results import Run, config_key, load_runs
-from stalepipe.analysis.verdict_rule import model_size
+from stalepipe.verdict.rule import model_size
 
 # Keys an axis may change against the reference (beside the delay's), and the one it shows.
 AXES = {

@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/verdict_map_speed.py [--cluster h100-ib] [--model smollm-360m]
 
-Times `analysis.cluster_verdict.crossover_map` from a cold cache (the pipeline timings are
+Times `verdict.cluster.crossover_map` from a cold cache (the pipeline timings are
 cached per process), in one process and in its default worker processes (one a CPU), and counts
 the configurations it times (each cell: the central assumptions and their 8 corners);
 docs/benchmarks.md records it.
@@ -15,9 +15,9 @@ import os
 import time
 from dataclasses import replace
 
-from stalepipe.analysis.cluster_verdict import crossover_map, setting
 from stalepipe.sim import parallel, steady
 from stalepipe.sim.parallel import all_options
+from stalepipe.verdict.cluster import crossover_map, setting
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The rooms of docs/design.md ("Architecture") and their one-way import order: config ->
 models, optim, data -> delay -> schedules -> sim, runtime -> rundir -> train -> launch ->
-analysis -> experiments -> cli. A module may import its own layer and the layers below, never
+analysis -> verdict -> experiments -> cli. A module may import its own layer and the layers below, never
 above (function-level imports included: they are dependencies too); no two modules import each
 other, directly or through others; no room holds more than 15 Python files."""
 
@@ -31,9 +31,10 @@ LAYER = {
     "train": 6,
     "launch": 7,
     "analysis": 8,
-    "experiments": 9,
-    "cli": 10,
-    "__main__": 10,
+    "verdict": 9,
+    "experiments": 10,
+    "cli": 11,
+    "__main__": 11,
 }
 
 

@@ -143,8 +143,8 @@ def test_every_command_has_help(capsys):
         (["export", "RUN", "--out", "hf"], "stalepipe.experiments.export:export_main", None),
         (["demo"], "stalepipe.experiments.demo:run_demo", None),
         # verdict_main passes its keywords on to run_verdict: the flags must fit run_verdict
-        (["verdict", "RUNS"], "stalepipe.analysis.verdict:verdict_main",
-         "stalepipe.analysis.verdict:run_verdict"),
+        (["verdict", "RUNS"], "stalepipe.verdict.command:verdict_main",
+         "stalepipe.verdict.command:run_verdict"),
     ],
 )  # fmt: skip
 def test_flags_are_the_keywords_of_the_function_a_command_calls(argv, target, signature):

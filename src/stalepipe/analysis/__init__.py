@@ -1,1 +1,1 @@
-"""Reading run records: statistics, token overhead, claims, reports, plots, verdict."""
+"""Reading run records: statistics, token overhead, claims, reports, plots."""

@@ -272,7 +272,7 @@ def _add_verdict(sub: Subparsers) -> None:
     add("--out", help="output directory (default SWEEP_DIR/verdict)")
     add("--json", action="store_true", help="print the summary as JSON")
     add("--verbose", action="store_true", help="print every table, not the decision block")
-    p.set_defaults(fn=runs("stalepipe.analysis.verdict:verdict_main"))
+    p.set_defaults(fn=runs("stalepipe.verdict.command:verdict_main"))
 
 
 def _add_toy(sub: Subparsers) -> None:

@@ -7,7 +7,7 @@ checkpoint), trained by `train.loop.train`. The demo prints final validation los
 the delay opens over sync, and the share of that gap EF recovers, and writes
 `out_dir/loss_curves.png` and `out_dir/demo.json`.
 
-It ends with `stalepipe verdict` on its six runs (analysis/verdict.py): the token overhead of
+It ends with `stalepipe verdict` on its six runs (verdict/command.py): the token overhead of
 each delayed run, measured from these runs' val curves, against throughputs simulated for the
 cluster profile VERDICT (SmolLM-360M on H100s, sim/devices.py's `h100`, P = 8, m = 16),
 net as a time-to-target ratio against the best synchronous schedule. One seed per run, so every
@@ -24,11 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from stalepipe.analysis.verdict import VerdictReport, run_verdict
 from stalepipe.config import ConfigError, DelayConfig, ExperimentConfig, OptimConfig, PipelineConfig
 from stalepipe.errors import TrainingError
 from stalepipe.experiments.workers import Finished, run_spawned
 from stalepipe.presets import cpu_tiny
+from stalepipe.verdict.command import VerdictReport, run_verdict
 
 VARIANTS: dict[str, DelayConfig] = {
     "sync": DelayConfig(policy="sync"),

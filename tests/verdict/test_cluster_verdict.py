@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from stalepipe.analysis import cluster_verdict as cv
 from stalepipe.analysis.results import build_rows, load_runs
-from stalepipe.analysis.verdict import judge_sweep
 from stalepipe.cli import main
+from stalepipe.verdict import cluster as cv
+from stalepipe.verdict.command import judge_sweep
 
 CLUSTER = ["--cluster", "h100-ib", "--gpus", "16", "--global-batch", "64"]
 

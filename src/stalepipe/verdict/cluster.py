@@ -5,7 +5,7 @@ The verdict compares the fastest fitting configuration of the asynchronous sched
 DP or FSDP across its replicas) with the fastest fitting synchronous one of any kind (DP, FSDP,
 every pipeline schedule over P and m, hybrids), for one model, cluster, GPU count and global
 batch. The map repeats that over GPU counts, global batches (so m) and inter-node bandwidths,
-and calls each cell with the verdict's rule (`verdict_rule.call`), the token overhead's
+and calls each cell with the verdict's rule (`verdict.rule.call`), the token overhead's
 interval carried through.
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from stalepipe.analysis.plots import png_bytes, pyplot
-from stalepipe.analysis.throughput import ScheduleThroughput, Throughputs
-from stalepipe.analysis.verdict_rule import Verdict, call, time_to_target, widen
 from stalepipe.errors import UserError
+from stalepipe.verdict.rule import Verdict, call, time_to_target, widen
+from stalepipe.verdict.throughput import ScheduleThroughput, Throughputs
 
 ASYNC = "2bw"  # the asynchronous schedule of the map
 ASYNC_SCHEDULES = (ASYNC, "pipedream")
@@ -83,8 +83,8 @@ def setting(
     inter_node_gbps: float | None = None,
 ) -> Setting:
     """The setting from the CLI's flags; one-line UserError (ConfigError) naming the fix."""
-    from stalepipe.analysis.throughput import model_shape
     from stalepipe.sim.cluster import get_cluster
+    from stalepipe.verdict.throughput import model_shape
 
     c = get_cluster(cluster, inter_node_gbps)
     name = model or "smollm-360m"
@@ -432,7 +432,7 @@ def where_sooner(calls: list[tuple[int, int, str]]) -> str:
     """Where the map calls async sooner, from (GPU count, global batch, call) per cell: each GPU
     count with the sequences per GPU of its async-sooner cells (at some link speed), e.g. '32
     GPUs x 2, 64 GPUs x 1-16 sequences a GPU'; 'nowhere' when none. The README's sentence is
-    this text (tests/analysis/test_verdict_numbers.py)."""
+    this text (tests/verdict/test_verdict_numbers.py)."""
     per: dict[int, set[int]] = {}
     for gpus, batch, kind in calls:
         if kind == "async sooner":

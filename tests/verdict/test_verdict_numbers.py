@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stalepipe.analysis.cluster_verdict import where_sooner
+from stalepipe.verdict.cluster import where_sooner
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEP = ROOT / "docs" / "results" / "optimizers-regime"
@@ -100,7 +100,7 @@ def test_each_throughput_rises_with_the_link_though_their_ratio_need_not(preset)
 def test_the_committed_decision_is_what_the_command_prints_now(tmp_path):
     """The h100-ib outputs regenerated from the committed runs equal the committed ones (the
     other presets differ only in the preset's links: one stands for all, to keep this fast)."""
-    from stalepipe.analysis.verdict import run_verdict
+    from stalepipe.verdict.command import run_verdict
 
     run_verdict(SWEEP, cluster="h100-ib", out=tmp_path)
     fresh = (tmp_path / "verdict.md").read_text().split("```")[1]

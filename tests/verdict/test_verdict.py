@@ -12,10 +12,10 @@ import pytest
 
 from stalepipe.analysis import overhead as oh
 from stalepipe.analysis.results import build_rows, load_runs
-from stalepipe.analysis.throughput import load_costs, simulated
-from stalepipe.analysis.verdict import call, judge_sweep, time_to_target
-from stalepipe.analysis.verdict_rule import Ratio
 from stalepipe.cli import main
+from stalepipe.verdict.command import call, judge_sweep, time_to_target
+from stalepipe.verdict.rule import Ratio
+from stalepipe.verdict.throughput import load_costs, simulated
 
 SIM = ["--model", "smollm-135m", "--stages", "4", "--microbatches", "8"]
 
@@ -197,8 +197,8 @@ def test_verdict_on_a_tiny_trained_sweep(tiny_config, tmp_path, capsys):
 
 
 def test_best_sync_is_the_fastest_that_fits():
-    from stalepipe.analysis.throughput import ScheduleThroughput as T
-    from stalepipe.analysis.throughput import Throughputs
+    from stalepipe.verdict.throughput import ScheduleThroughput as T
+    from stalepipe.verdict.throughput import Throughputs
 
     rows = [T("gpipe", "sync", 10.0, fits=True), T("zb-h1", "sync", 20.0, fits=False),
             T("1f1b", "sync", 15.0, fits=True), T("2bw", "2bw", 30.0, fits=True),

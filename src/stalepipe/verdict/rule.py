@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from stalepipe.analysis.overhead import Overhead
 from stalepipe.analysis.targets import TargetOverhead
-from stalepipe.analysis.throughput import ScheduleThroughput
+from stalepipe.verdict.throughput import ScheduleThroughput
 
 # The rule printed beside every verdict (docs/design.md, 'What we report': the target is sync's
 # final loss; intervals over seeds; fewer than 3 seeds is inconclusive).

@@ -89,7 +89,7 @@ class Throughputs:
     lines: list[str]  # the 'inputs' lines of the output
     short: str  # a title for the plot
     # 2BW's throughput edge over the best synchronous option at the assumptions' ends, over its
-    # central value (`cluster_verdict.edge_range`); (1, 1) where no model's assumption moves it
+    # central value (`verdict.cluster.edge_range`); (1, 1) where no model's assumption moves it
     edge_factors: tuple[float, float] = (1.0, 1.0)
 
     def get(self, name: str) -> ScheduleThroughput:

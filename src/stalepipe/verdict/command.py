@@ -23,16 +23,11 @@ import math
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
-from stalepipe.analysis import decision, plots
+from stalepipe.analysis import plots
 from stalepipe.analysis.results import Row, build_rows, load_runs, longer_runs
-from stalepipe.analysis.throughput import (
-    ScheduleThroughput,
-    Throughputs,
-    async_schedule,
-    load_costs,
-    simulated,
-)
-from stalepipe.analysis.verdict_rule import (
+from stalepipe.errors import UserError
+from stalepipe.verdict import decision
+from stalepipe.verdict.rule import (
     RULE,
     Estimate,
     Verdict,
@@ -41,7 +36,13 @@ from stalepipe.analysis.verdict_rule import (
     time_to_target,
     widen,
 )
-from stalepipe.errors import UserError
+from stalepipe.verdict.throughput import (
+    ScheduleThroughput,
+    Throughputs,
+    async_schedule,
+    load_costs,
+    simulated,
+)
 
 
 def _label(row: Row) -> str:
@@ -338,19 +339,19 @@ def run_verdict(
     microbatch_size: int = 1,
 ) -> VerdictReport:
     """The verdict of the runs under `sweep_dir` on throughputs simulated on a cluster
-    (`cluster`, `gpus`, `global_batch`: every configuration, `cluster_verdict`), simulated for
+    (`cluster`, `gpus`, `global_batch`: every configuration, `verdict.cluster`), simulated for
     one pipeline (`model` on `device`, `stages` ranks, `microbatches` per step) or measured
     (`costs` file); writes verdict.md, verdict.csv and verdict.png (with a cluster: the
     crossover map, and verdict_map.csv) into `out` (default SWEEP_DIR/verdict). Bad input
     raises UserError before anything is written."""
     sweep_dir = Path(sweep_dir)
-    from stalepipe.analysis.cluster_verdict import check_modes
+    from stalepipe.verdict.cluster import check_modes
 
     check_modes(model, costs, cluster, stages, microbatches, gpus, global_batch, inter_node_gbps)
     rows = _rows_of(sweep_dir)
     where = None
     if cluster is not None:
-        from stalepipe.analysis import cluster_verdict as cv
+        from stalepipe.verdict import cluster as cv
 
         where = cv.setting(model, cluster, gpus, global_batch, mfu=mfu, seq_len=seq_len,
                            inter_node_gbps=inter_node_gbps)  # fmt: skip
@@ -377,7 +378,7 @@ def _write(r: VerdictReport, title: str, where: object = None) -> None:
     r.out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(r.out_dir / "verdict.csv", r.verdicts, r.throughputs)
     if where is not None:
-        from stalepipe.analysis import cluster_verdict as cv
+        from stalepipe.verdict import cluster as cv
 
         cells, shown = cv.crossover_map(where), cv.headline(r.verdicts)  # type: ignore[arg-type]
         cv.write_map_csv(r.out_dir / "verdict_map.csv", cells, shown)

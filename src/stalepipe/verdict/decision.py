@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from stalepipe.analysis.verdict_rule import Verdict
+from stalepipe.verdict.rule import Verdict
 
 MAX_LINES, WIDTH = 20, 120
 SHOWN = 10  # configurations listed; the rest are counted
