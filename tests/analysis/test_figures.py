@@ -25,3 +25,25 @@ def test_figures_show_every_configuration(tmp_path):
     delayed = [r for r in rows if not r.is_sync]
     assert plots.overhead_panels(rows) == [r for r in delayed if r.token_overhead is not None]
     assert plots.loss_curves(rows)[:4] == b"\x89PNG"
+
+
+def test_final_loss_against_planned_length(curve_sweep, tmp_path):
+    """Complete runs at several lengths: per delayed configuration its final losses by seed and
+    length (x sync's 1x), beside sync's; drawn, and in the report."""
+    from stalepipe.analysis.lengths import length_plot, length_series
+    from stalepipe.analysis.report import write_report
+
+    rows = build_rows(load_runs(curve_sweep))
+    series = {row.label: (d, s) for row, d, s in length_series(rows)}
+    assert set(series) == {"adamw_2bw", "adamw_2bw+ef"}
+    delayed, sync = series["adamw_2bw+ef"]
+    assert sorted(delayed.points) == [1.0, 1.1, 1.2, 1.35, 1.5]
+    assert all(len(by_seed) == 3 for by_seed in delayed.points.values())
+    assert list(sync.points) == [1.0] and len(sync.points[1.0]) == 3
+    # longer runs end lower; the band holds the mean
+    band = delayed.band()
+    assert all(b[1] < a[1] for a, b in zip(band, band[1:]))
+    assert all(lo <= m <= hi for _, m, lo, hi in band)
+    assert (length_plot(rows) or b"")[:4] == b"\x89PNG"
+    write_report(curve_sweep, tmp_path / "report")
+    assert (tmp_path / "report" / "final_loss_vs_length.png").exists()

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stalepipe.analysis import plots
+from stalepipe.analysis import lengths, plots
 from stalepipe.analysis.claims import (
     CLAIMS,
     RULE,
@@ -242,6 +242,12 @@ def build_report(root: Path, title: str | None = None) -> tuple[list[Block], lis
         blocks += [
             Block("h", "Val loss against tokens, with the token overhead"),
             Block("img", text="token_overhead.png", png=png),
+        ]
+    png = lengths.length_plot(rows)
+    if png:
+        blocks += [
+            Block("h", "Final loss against planned length (complete runs)"),
+            Block("img", text="final_loss_vs_length.png", png=png),
         ]
     for kind in plots.AXES:
         png = plots.gap_plot(rows, kind)
