@@ -432,3 +432,19 @@ def test_a_claim_without_its_configurations_is_left_out(check, sweep_dir):
     rows = build_rows(load_runs(sweep_dir))  # adamw only: no Muon, momentum or depth series
     expected = 1 if check.__name__ == "claim_ef_recovers_gap" else 0
     assert len(check(rows)) == expected
+
+
+def test_a_claim_with_a_paper_size_labels_direction_and_size_apart():
+    """EF's share: the direction (> half) and the paper's size (AdamW 85-90 %, Muon 50-70 %)
+    are two answers; the size reproduces when the share's interval meets the paper's range."""
+    from stalepipe.analysis.claims import Finding, _paper_size, label
+
+    assert _paper_size("adamw", 0.57, 0.69).startswith("not reproduced (interval misses")
+    assert _paper_size("muon", 0.48, 0.75).startswith("reproduced (interval meets the paper's 50%")
+    assert _paper_size("muon", math.nan, math.nan).startswith("inconclusive")
+    assert _paper_size("lion", 0.1, 0.2) == ""
+    f = Finding("EF", True, 1e-4, "63%", 5, need=5, size=_paper_size("adamw", 0.57, 0.69))
+    (claim,) = label([f])
+    assert claim.verdict.startswith("direction reproduced; size not reproduced")
+    few = f._replace(seeds=3)
+    assert label([few])[0].verdict == "inconclusive (3 seeds < 5)"  # no size without a verdict

@@ -208,7 +208,8 @@ def build_report(root: Path, title: str | None = None) -> tuple[list[Block], lis
             "over seeds. Gap: mean minus the mean of the synchronous baseline (same config with "
             "`delay.policy sync`, mitigations off), with its 95 % interval. p: two-sided t-test, "
             "paired by seed where the seeds pair (Welch's beside it). "
-            "Recovered: (gap without − gap with the mitigation) / gap without.",
+            "Recovered: per seed (gap without − gap with the mitigation) / gap without, then the mean "
+            "over seeds (its interval in the claims is over the same per-seed shares).",
         )
     )
     missing = missing_summary(runs, rows)

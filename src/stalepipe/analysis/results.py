@@ -287,7 +287,8 @@ def _link(rows: list[Row]) -> None:
                 r.unmitigated = un
                 if un.baseline is None:
                     _link_one_baseline(un, by_key, by_key_any_depth, ignore)
-                r.recovered = stats.recovered_share(r.gap, un.gap)
+                shares = recovered_shares(r)  # one estimator: the seeds' mean share (claims.py)
+                r.recovered = stats.mean(shares) if shares else stats.recovered_share(r.gap, un.gap)
                 r.recovered_p = compare(r, un).p if r.values else math.nan
 
 
@@ -326,6 +327,18 @@ def seed_values(row: Row) -> dict[int, float]:
         for r in row.runs
         if r.status == "finished" and math.isfinite(r.final_val) and r.seed is not None
     }
+
+
+def recovered_shares(r: Row) -> list[float]:
+    """Per seed, paired over the row, its unmitigated arm and their sync baseline: the share of
+    the unmitigated gap the mitigation removes ((plain - mine) / (plain - sync)). Its mean is
+    the row's `recovered` and its t-interval the claim's, one estimator for both."""
+    un, sync = r.unmitigated, r.baseline
+    if un is None or sync is None:
+        return []
+    mine, plain, base = seed_values(r), seed_values(un), seed_values(sync)
+    seeds = sorted(mine.keys() & plain.keys() & base.keys())
+    return [(plain[s] - mine[s]) / (plain[s] - base[s]) for s in seeds if plain[s] != base[s]]
 
 
 def best_row(rows: list[Row]) -> Row:
