@@ -355,8 +355,8 @@ def _hybrid(
         step = t.step_time + max(0.0, *late)
     else:  # no flush: a whole step to hide it in
         hidden = max(x + g for x, g in zip(grads, gather))
-        step = max((sharded or t).step_time + cost * hidden,
-                   max(x + g + o for x, g, o in zip(grads, gather, opt)))  # fmt: skip
+        longest = max(x + g + o for x, g, o in zip(grads, gather, opt))
+        step = max((sharded or t).step_time + cost * hidden, longest)
     return step, max(0.0, step - t.step_time), memory
 
 

@@ -65,12 +65,12 @@ class Plan:
         # what the summary reads: every STEP's end, and the two last steps' backward ends and
         # forward starts per rank
         last = sched.num_steps - 2
+        wanted = {("B", last), ("BW", last), ("F", last + 1)}
         self.marks = [
             (i, a.kind, a.step, r)
             for i, (r, a) in enumerate(zip(self.ranks, self.actions))
-            if a.kind == "STEP" or (a.kind in ("B", "BW") and a.step == last)
-            or (a.kind == "F" and a.step == last + 1)
-        ]  # fmt: skip
+            if a.kind == "STEP" or (a.kind, a.step) in wanted
+        ]
 
     def time(self, costs: CostModel) -> Steady:
         """The steady step under `costs` (as `timing.summarize` measures it: the median gap

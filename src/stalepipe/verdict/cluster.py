@@ -414,10 +414,8 @@ def map_summary(cells: list[Cell], shown: list[Verdict]) -> str:
     for v in shown:
         calls = [(c.gpus, c.global_batch, cell_verdict(v, c)) for c in cells]
         kinds = [k for *_, k in calls]
-        counts.append(
-            f"{v.label}: " + ", ".join(f"{kinds.count(k)} {k}" for k in COLORS)
-            + f" (async sooner at {where_sooner(calls)})"
-        )  # fmt: skip
+        tally = ", ".join(f"{kinds.count(k)} {k}" for k in COLORS)
+        counts.append(f"{v.label}: {tally} (async sooner at {where_sooner(calls)})")
     gpus = sorted({c.gpus for c in cells})
     batches = sorted({c.global_batch for c in cells})
     gbps = sorted({c.inter_gbps for c in cells})
