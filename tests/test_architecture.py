@@ -230,3 +230,31 @@ def test_design_names_only_code_that_exists():
         if not set(name.split(".")) <= defined:
             missing.append(f"{path}:{name}")
     assert not missing, missing
+
+
+def test_design_names_only_classes_and_files_that_exist():
+    """Every class-like name docs/design.md puts in backticks (`DelaySchedule`,
+    `PipelineSchedule.stages_of`) is defined in the package (or is a builtin), and every
+    file path it cites (`delay/policies.py`, `tests/test_cli.py`) exists: a design text that
+    names code which is gone (issue 43 found `LRSchedule`) fails here."""
+    import builtins
+    import re
+
+    root = PACKAGE.parents[1]
+    text = (root / "docs" / "design.md").read_text()
+    defined = set(dir(builtins))
+    for file in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.Assign):
+                defined |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                defined.add(node.target.id)
+    classes = set(re.findall(r"`([A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*)(?:[.(][^`]*)?`", text))
+    assert len(classes) > 10
+    paths = set(re.findall(r"`((?:tests|benchmarks|docs)/[\w/.-]+|[a-z_]+/[a-z_]+\.py)", text))
+    assert len(paths) > 20
+    gone = sorted(c for c in classes if c not in defined)
+    gone += sorted(p for p in paths if not (PACKAGE / p).exists() and not (root / p).exists())
+    assert not gone, gone
