@@ -7,6 +7,7 @@ import csv
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 
@@ -260,3 +261,21 @@ def test_the_default_output_is_a_decision_block(curve_sweep, capsys):
     assert any("makes async sooner" in ln for ln in lines)
     assert any(ln.startswith("intervals cover the seeds only") for ln in lines)
     assert lines[-2].startswith("tables in ") and "verdict.md" in lines[-1]
+
+
+def test_a_given_overhead_is_judged_against_the_same_best_sync(curve_sweep, capsys):
+    """`--overhead X,LOW,HIGH@SIZE` (the size ladder's fit at the target model, say): its time
+    ratio against the best synchronous configuration and the call; a malformed one is refused
+    before any work, one line, exit 2."""
+    assert main(["verdict", str(curve_sweep), *SIM, "--overhead", "1.05,1.01,1.10@360M"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("at the given overhead"))
+    edge = float(re.search(r"edge over it (\S+)x", out).group(1))
+    ratio = float(re.search(r"time to target (\S+)x", line).group(1))
+    assert "1.05x [1.01, 1.10] @ 360M" in line and ratio == pytest.approx(1.05 / edge, abs=0.01)
+    want = "async sooner" if 1.10 / edge < 1 else "sync sooner" if 1.01 / edge > 1 else "too close"
+    assert line.endswith(want) or want in line
+    for bad in ("1.2,1.3,1.1", "fast", "1.1,1.0"):
+        assert main(["verdict", str(curve_sweep), *SIM, "--overhead", bad]) == 2
+        err = capsys.readouterr().err
+        assert "X,LOW,HIGH" in err and len(err.strip().splitlines()) == 1

@@ -270,6 +270,12 @@ def _add_verdict(sub: Subparsers) -> None:
         help="measured tokens/s per schedule (.json / .csv) instead of --model",
     )
     add("--out", help="output directory (default SWEEP_DIR/verdict)")
+    add(
+        "--overhead",
+        metavar="X,LOW,HIGH[@SIZE]",
+        help="also judge a token overhead from elsewhere (e.g. the size ladder's fit at the target "
+        "model: 1.05,1.01,1.10@360M) against the same best synchronous configuration",
+    )
     add("--json", action="store_true", help="print the summary as JSON")
     add("--verbose", action="store_true", help="print every table, not the decision block")
     p.set_defaults(fn=runs("stalepipe.verdict.command:verdict_main"))

@@ -33,6 +33,7 @@ from stalepipe.verdict.rule import (
     Verdict,
     call,
     model_size,
+    overhead_source,
     time_to_target,
     widen,
 )
@@ -408,11 +409,15 @@ def _bars(r: VerdictReport) -> bytes:
 def verdict_main(sweep_dir: str | Path, *, json: bool = False, verbose: bool = False, **kw) -> str:
     """`stalepipe verdict`: the decision block (`verbose`: the full text) and where the files
     went (`json`: the summary as JSON instead)."""
+    text = kw.pop("overhead", None)
+    given = decision.given_overhead(text) if text else None  # refused before any work
     r = run_verdict(sweep_dir, **kw)  # type: ignore[arg-type]
     if json:
         return _json.dumps(verdict_json(r), indent=1)
     extra = ", verdict_map.csv" if (r.out_dir / "verdict_map.csv").exists() else ""
-    text = r.text() if verbose else decision.decision_block(r.verdicts, r.throughputs.title())
+    text = (
+        r.text() if verbose else decision.decision_block(r.verdicts, r.throughputs.title(), given)
+    )
     return text + f"\ntables in {r.out_dir}:\n  verdict.md, verdict.csv{extra}, verdict.png"
 
 
@@ -431,18 +436,3 @@ def verdict_json(r: VerdictReport) -> dict[str, object]:
             x if math.isfinite(x) else None for x in (ratio.value, ratio.low, ratio.high)
         ]
     return {"inputs": r.inputs, "skipped": r.skipped, "verdicts": rows}
-
-
-def overhead_source(sweep_dir: Path, rows: list[Row]) -> str:
-    """The 'measured' input line: which runs, engine, model shape and P the overhead is from."""
-    runs = [r for row in rows for r in row.runs if r.status == "finished"]
-
-    def values(key: str, default: object) -> str:
-        return "/".join(sorted({str(r.config.get(key, default)) for r in runs}))
-
-    return (
-        f"token overhead: measured, val curves of {len(runs)} finished runs in {sweep_dir} "
-        f"(engine {values('pipeline.engine', 'emulate')}, model {values('model.num_layers', '?')} "
-        f"layers x dim {values('model.dim', '?')}, P={values('pipeline.num_stages', 1)}); "
-        "assumed to carry over to the throughputs' model and P"
-    )

@@ -32,8 +32,46 @@ def _key(v: Verdict) -> float:
     return v.ratio.value if math.isfinite(v.ratio.value) else math.inf
 
 
-def decision_block(verdicts: Sequence[Verdict], title: str) -> str:
-    """The block (module docstring); every line cut to `WIDTH`."""
+def given_overhead(text: str) -> tuple[float, float, float, str]:
+    """`--overhead X,LOW,HIGH[@SIZE]`: a token overhead with its interval from elsewhere (the
+    size ladder's fit at the target model, `benchmarks/ladder_fit.py`; the paper's), and the
+    model size it is for. One-line UserError naming the form otherwise."""
+    from stalepipe.errors import UserError
+
+    numbers, _, size = text.partition("@")
+    try:
+        x, low, high = (float(v) for v in numbers.split(","))
+    except ValueError:
+        x = low = high = math.nan
+    if not (0 < low <= x <= high):
+        raise UserError(
+            f"--overhead {text!r}: give the overhead and its interval as X,LOW,HIGH with "
+            "0 < LOW <= X <= HIGH, optionally @SIZE (e.g. 1.05,1.01,1.10@360M)"
+        )
+    return x, low, high, size.strip()
+
+
+def _given_line(best: Verdict, given: tuple[float, float, float, str]) -> str:
+    """What the answer is at a given overhead: its time ratio against the best synchronous
+    configuration over its interval and the edge's range, and the call."""
+    x, low, high, size = given
+    lo_f, hi_f = best.edge_factors
+    ratio = (x / best.speedup, low / (best.speedup * hi_f), high / (best.speedup * lo_f))
+    call = (
+        "async sooner" if ratio[2] < 1 else "sync sooner" if ratio[1] > 1 else "too close to call"
+    )
+    at = f" @ {size}" if size else ""
+    return (
+        f"at the given overhead {x:.2f}x [{low:.2f}, {high:.2f}]{at} (--overhead): time to target "
+        f"{ratio[0]:.2f}x [{ratio[1]:.2f}, {ratio[2]:.2f}], {call}"
+    )
+
+
+def decision_block(
+    verdicts: Sequence[Verdict], title: str, given: tuple[float, float, float, str] | None = None
+) -> str:
+    """The block (module docstring); every line cut to `WIDTH`. `given`: an overhead from
+    elsewhere (`given_overhead`), judged against the same best synchronous configuration."""
     judged = sorted(
         (v for v in verdicts if v.target is not None and len(v.target.seeds) >= 3), key=_key
     )
@@ -60,6 +98,8 @@ def decision_block(verdicts: Sequence[Verdict], title: str) -> str:
         lines.append(
             f"a token overhead below 2BW's edge ({best.speedup:.3f}x{span}) makes async sooner"
         )
+    if given is not None and best is not None and math.isfinite(best.speedup):
+        lines.append(_given_line(best, given))
     rest = len(verdicts) - min(len(judged), SHOWN)
     if rest:
         lines.append(f"... {rest} more configuration(s) (fewer seeds, or past the first {SHOWN})")

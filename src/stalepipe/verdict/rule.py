@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from stalepipe.analysis.overhead import Overhead
+from stalepipe.analysis.results import Row
 from stalepipe.analysis.targets import TargetOverhead
 from stalepipe.verdict.throughput import ScheduleThroughput
 
@@ -152,3 +154,18 @@ def model_size(config: dict[str, object]) -> str:
     fields = {k[6:]: v for k, v in config.items() if k.startswith("model.")}
     known = {k: v for k, v in fields.items() if k in ModelConfig.__dataclass_fields__}
     return f"{count_params(ModelConfig(**known))['total'] / 1e6:.2f}M"
+
+
+def overhead_source(sweep_dir: Path, rows: list[Row]) -> str:
+    """The 'measured' input line: which runs, engine, model shape and P the overhead is from."""
+    runs = [r for row in rows for r in row.runs if r.status == "finished"]
+
+    def values(key: str, default: object) -> str:
+        return "/".join(sorted({str(r.config.get(key, default)) for r in runs}))
+
+    return (
+        f"token overhead: measured, val curves of {len(runs)} finished runs in {sweep_dir} "
+        f"(engine {values('pipeline.engine', 'emulate')}, model {values('model.num_layers', '?')} "
+        f"layers x dim {values('model.dim', '?')}, P={values('pipeline.num_stages', 1)}); "
+        "assumed to carry over to the throughputs' model and P"
+    )
