@@ -406,11 +406,12 @@ def _bars(r: VerdictReport) -> bytes:
     )
 
 
-def verdict_main(sweep_dir: str | Path, *, json: bool = False, verbose: bool = False, **kw) -> str:
-    """`stalepipe verdict`: the decision block (`verbose`: the full text) and where the files
-    went (`json`: the summary as JSON instead)."""
-    text = kw.pop("overhead", None)
-    given = decision.given_overhead(text) if text else None  # refused before any work
+def verdict_main(
+    sweep_dir: str | Path, *, json: bool = False, verbose: bool = False, overhead: str = "", **kw
+) -> str:
+    """`stalepipe verdict`: the decision block (`verbose`: the full text; `overhead`: with a
+    given overhead judged too) and where the files went (`json`: the summary as JSON)."""
+    given = decision.given_overhead(overhead) if overhead else None  # refused before any work
     r = run_verdict(sweep_dir, **kw)  # type: ignore[arg-type]
     if json:
         return _json.dumps(verdict_json(r), indent=1)
