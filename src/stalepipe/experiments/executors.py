@@ -7,7 +7,7 @@ its local and debug executors for checking the same path without a cluster).
   without writing pickles and log files or polling them, so it stays the local executor.
 - `slurm`: one job array through submitit, one array task per run, at most
   `array_parallelism` at once. `stalepipe sweep` submits and returns (the runs outlive it);
-  running it again shows what finished, skips what runs (claimed: `rundir.claim`) and submits
+  running it again shows what finished, skips what runs (leased: `rundir.lease`) and submits
   only the rest.
 - `submitit-local` / `submitit-debug`: submitit's local and in-process executors, which run
   the very task a SLURM array task runs; used by the tests and for debugging a job locally.

@@ -198,7 +198,7 @@ def _dry_run(
     """`stalepipe sweep --dry-run`: each run's status and overrides, and the CPU time left;
     returns how many runs it would run."""
     from stalepipe.experiments.sweep import plan_status
-    from stalepipe.rundir.claim import live_owner
+    from stalepipe.rundir.lease import live_owner
 
     todo = []
     plan = plan_status(specs, base, Path(out_dir))
@@ -209,7 +209,7 @@ def _dry_run(
             continue
         owner = live_owner(Path(out_dir) / p.spec.name) if p.status != "finished" else None
         if owner is not None:  # trained elsewhere now: the sweep will skip it
-            log(f"{'claimed':<9} {p.spec.name}: trained now by {owner.describe()}")
+            log(f"{'leased':<9} {p.spec.name}: trained now by {owner.describe()}")
             continue
         log(f"{p.status:<9} {p.spec.name}: {shown}")
         if p.status != "finished" and (p.status != "failed" or retry_failed):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from stalepipe.config import ExperimentConfig, upgrade_record
-from stalepipe.errors import EXIT_CLAIMED, EXIT_PREEMPTED, Preempted
+from stalepipe.errors import EXIT_LEASED, EXIT_PREEMPTED, Preempted
 from stalepipe.experiments.grid import RunSpec
 from stalepipe.experiments.task import run_one, run_task, write_error
 from stalepipe.experiments.workers import gpu_slots, run_spawned
@@ -132,7 +132,7 @@ class SweepResult:
     failed: dict[str, str] = field(default_factory=dict)  # name -> error message
     skipped_failed: list[str] = field(default_factory=list)  # failed earlier, not retried
     same: dict[str, str] = field(default_factory=dict)  # name -> the run it repeats (not run)
-    elsewhere: list[str] = field(default_factory=list)  # claimed by a live owner: not ours
+    elsewhere: list[str] = field(default_factory=list)  # leased by a live owner: not ours
     changed: dict[str, list[str]] = field(default_factory=dict)  # finished with another config
     wall_s: float = 0.0
 
@@ -267,8 +267,8 @@ def _plan(
     config), repeats of another run (`plan_status`) and failed ones not retried go into
     `res`. A failed run to retry, and one that stopped before its first checkpoint, is
     deleted (it starts over)."""
-    from stalepipe.rundir.claim import live_owner
     from stalepipe.rundir.directory import RUN_ENTRIES, RUN_KIND
+    from stalepipe.rundir.lease import live_owner
 
     todo = []
     for p in plan_status(specs, base, out):
@@ -360,12 +360,12 @@ class _Progress:
             what = f"val {_final_val(run_dir):.4f}"
         elif exitcode == EXIT_PREEMPTED:  # checkpointed after a signal: a rerun resumes it
             what = "stopped by a signal (checkpointed; rerun the sweep to resume it)"
-        elif exitcode == EXIT_CLAIMED and run_status(run_dir) == "finished":
+        elif exitcode == EXIT_LEASED and run_status(run_dir) == "finished":
             res.finished.append(spec.name)  # another sweep or job finished it meanwhile
             what = "finished by another sweep or job"
-        elif exitcode == EXIT_CLAIMED:  # another sweep or job trains it right now
+        elif exitcode == EXIT_LEASED:  # another sweep or job trains it right now
             res.elsewhere.append(spec.name)
-            what = "trained by another sweep or job (claimed); skipped"
+            what = "trained by another sweep or job (leased); skipped"
         else:
             if not (run_dir / ERROR_FILE).exists():
                 write_error(run_dir, f"worker exited without finishing (exit status {exitcode})")

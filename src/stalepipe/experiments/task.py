@@ -28,7 +28,7 @@ def write_error(run_dir: Path, message: str, tb: str = "") -> None:
 
 
 def run_one(cfg_dict: dict[str, Any], threads: int) -> None:
-    """Worker body: claim the run (`rundir.claim`: exit EXIT_CLAIMED, touching nothing, when a
+    """Worker body: lease the run (`rundir.lease`: exit EXIT_LEASED, touching nothing, when a
     live owner elsewhere trains it), then train it, resuming from its last checkpoint if it has
     one (a run directory holding only sweep.json starts fresh); an exception goes to
     error.json."""
@@ -39,16 +39,16 @@ def run_one(cfg_dict: dict[str, Any], threads: int) -> None:
     cfg = ExperimentConfig.from_dict(cfg_dict)
     run_dir = Path(cfg.out_dir) / cfg.name
     try:
-        from stalepipe.rundir.claim import RunClaimed, claim_run
         from stalepipe.rundir.directory import RUN_KIND
+        from stalepipe.rundir.lease import RunLeased, lease_run
         from stalepipe.train.loop import train
 
         make_owned_dir(run_dir, RUN_KIND)
-        with claim_run(run_dir) as me:
+        with lease_run(run_dir) as me:
             if run_status(run_dir, cfg.train.num_steps) == "finished":  # another owner's, since
-                raise RunClaimed(run_dir, me)  # this sweep planned: not trained here
+                raise RunLeased(run_dir, me)  # this sweep planned: not trained here
             train(cfg, resume=True, verbose=False)
-    except RunClaimed as e:  # another sweep or job trains it: not ours, nothing touched
+    except RunLeased as e:  # another sweep or job trains it: not ours, nothing touched
         raise SystemExit(e.exit_code) from None
     except KeyboardInterrupt:
         raise

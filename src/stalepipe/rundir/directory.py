@@ -87,7 +87,7 @@ RUN_ENTRIES = (
     "eval_*.json",
     "sweep.json",
     "error.json",
-    ".claim.json*",  # rundir.claim: the owner training it (and a stale claim being replaced)
+    ".claim.json*",  # rundir.lease: the owner training it (and a stale lease being replaced)
     *("wandb", "mlruns", ".tracker_id"),  # rundir.trackers: W&B's, MLflow's, the run's id
 )
 RUN_FIX = "choose another --name"

@@ -1,4 +1,4 @@
-"""A run is trained by one owner at a time (rundir/claim.py): the claim file, its takeover
+"""A run is trained by one owner at a time (rundir/lease.py): the lease file, its takeover
 rules, and two concurrent sweeps on one directory training each run exactly once."""
 
 import dataclasses
@@ -11,27 +11,27 @@ import time
 
 import pytest
 
-from stalepipe.rundir.claim import CLAIM_FILE, RunClaimed, claim_run, live_owner, read_claim
+from stalepipe.rundir.lease import LEASE_FILE, RunLeased, lease_run, live_owner, read_lease
 
 
-def test_a_claim_being_written_is_not_taken_over(tmp_path):
-    """A claim file created but not yet filled (or unreadable) is stale only once its file is
+def test_a_lease_being_written_is_not_taken_over(tmp_path):
+    """A lease file created but not yet filled (or unreadable) is stale only once its file is
     old, never at once: the taker would otherwise race its owner."""
-    (tmp_path / CLAIM_FILE).write_text("")
-    with pytest.raises(RunClaimed), claim_run(tmp_path):
+    (tmp_path / LEASE_FILE).write_text("")
+    with pytest.raises(RunLeased), lease_run(tmp_path):
         pass
     old = time.time() - 600
-    os.utime(tmp_path / CLAIM_FILE, (old, old))
-    with claim_run(tmp_path):
+    os.utime(tmp_path / LEASE_FILE, (old, old))
+    with lease_run(tmp_path):
         pass
 
 
-def _write_claim(run_dir, *, host=None, pid=None, job="", age_s=0.0):
+def _write_lease(run_dir, *, host=None, pid=None, job="", age_s=0.0):
     owner = {"host": host or socket.gethostname(), "pid": pid or os.getpid(), "job": job,
              "started": "then"}  # fmt: skip
-    (run_dir / CLAIM_FILE).write_text(json.dumps(owner))
+    (run_dir / LEASE_FILE).write_text(json.dumps(owner))
     t = time.time() - age_s
-    os.utime(run_dir / CLAIM_FILE, (t, t))
+    os.utime(run_dir / LEASE_FILE, (t, t))
 
 
 def _dead_pid():
@@ -40,40 +40,40 @@ def _dead_pid():
     return p.pid
 
 
-def test_a_claim_is_held_while_the_body_runs_and_released_after(tmp_path):
-    with claim_run(tmp_path, heartbeat_s=0.05) as me:
-        owner, beat = read_claim(tmp_path)
+def test_a_lease_is_held_while_the_body_runs_and_released_after(tmp_path):
+    with lease_run(tmp_path, heartbeat_s=0.05) as me:
+        owner, beat = read_lease(tmp_path)
         assert owner == me and owner.pid == os.getpid()
         time.sleep(0.2)
-        assert read_claim(tmp_path)[1] > beat  # the heartbeat touched it
-    assert read_claim(tmp_path) is None and not list(tmp_path.iterdir())
+        assert read_lease(tmp_path)[1] > beat  # the heartbeat touched it
+    assert read_lease(tmp_path) is None and not list(tmp_path.iterdir())
 
 
-def test_a_live_claim_refuses_and_a_dead_one_is_taken_over(tmp_path, monkeypatch):
+def test_a_live_lease_refuses_and_a_dead_one_is_taken_over(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
     other = {"host": "elsewhere", "pid": 1}
-    _write_claim(tmp_path, **other)  # another host, fresh heartbeat: live
-    with pytest.raises(RunClaimed, match="elsewhere:1"), claim_run(tmp_path):
+    _write_lease(tmp_path, **other)  # another host, fresh heartbeat: live
+    with pytest.raises(RunLeased, match="elsewhere:1"), lease_run(tmp_path):
         pass
-    assert read_claim(tmp_path)[0].host == "elsewhere"  # untouched
-    _write_claim(tmp_path, **other, age_s=600)  # no heartbeat for 10 minutes: stale
+    assert read_lease(tmp_path)[0].host == "elsewhere"  # untouched
+    _write_lease(tmp_path, **other, age_s=600)  # no heartbeat for 10 minutes: stale
     assert live_owner(tmp_path) is None
-    with claim_run(tmp_path) as me:
-        assert read_claim(tmp_path)[0] == me
-    _write_claim(tmp_path, pid=_dead_pid())  # this host, its process gone: stale at once
-    with claim_run(tmp_path):
+    with lease_run(tmp_path) as me:
+        assert read_lease(tmp_path)[0] == me
+    _write_lease(tmp_path, pid=_dead_pid())  # this host, its process gone: stale at once
+    with lease_run(tmp_path):
         pass
     monkeypatch.setenv("SLURM_JOB_ID", "77")  # a live process of the same allocation: live
-    _write_claim(tmp_path, host="node1", pid=1, job="77")
-    with pytest.raises(RunClaimed), claim_run(tmp_path):
+    _write_lease(tmp_path, host="node1", pid=1, job="77")
+    with pytest.raises(RunLeased), lease_run(tmp_path):
         pass
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the job requeued finds its own claim
-    with claim_run(tmp_path) as me:
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the job requeued finds its own lease
+    with lease_run(tmp_path) as me:
         assert me.job == "77" and me.restart == 1
-    _write_claim(tmp_path, host="node1", pid=1, job="78")  # another job: live
-    with pytest.raises(RunClaimed), claim_run(tmp_path):
+    _write_lease(tmp_path, host="node1", pid=1, job="78")  # another job: live
+    with pytest.raises(RunLeased), lease_run(tmp_path):
         pass
 
 
@@ -105,4 +105,4 @@ def test_two_concurrent_sweeps_on_one_directory_train_each_run_once(tiny_config,
     assert not any(r["failed"] for r in results)
     for name in ran:  # one invocation each: nobody resumed or restarted another's run
         meta = json.loads((out / name / "meta.json").read_text())
-        assert len(meta["invocations"]) == 1 and not (out / name / CLAIM_FILE).exists()
+        assert len(meta["invocations"]) == 1 and not (out / name / LEASE_FILE).exists()

@@ -1,18 +1,18 @@
-"""A run is trained by one owner at a time: a claim file in its directory, taken atomically.
+"""A run is trained by one owner at a time: a lease file in its directory, taken atomically.
 
 Two sweeps on one directory, a resubmitted job array or a requeued job all plan the same
-unfinished runs; without a claim each would train them, and two processes writing one run's
-checkpoints and metrics make a run neither of them made. `claim_run` creates `.claim.json`
+unfinished runs; without a lease each would train them, and two processes writing one run's
+checkpoints and metrics make a run neither of them made. `lease_run` creates `.claim.json`
 with `O_CREAT | O_EXCL` (atomic on a local and on an NFS v3+ file system), holding the owner's
 host, pid, job id and start time; a daemon thread touches it every `heartbeat_s` seconds while
 the run trains, and the owner removes it when done.
 
-A claim is **stale**, and taken over, when its owner is dead: on the same host its pid no
+A lease is **stale**, and taken over, when its owner is dead: on the same host its pid no
 longer runs; on any host its heartbeat (the file's mtime) is older than `stale_s`; or it is the
 same SLURM job at a lower restart count (a requeued job finding its earlier incarnation's
-claim; two live processes of one allocation do not take each other's). The takeover renames the stale file away first (only
-one process can win that rename), so two takers never both proceed. A live claim raises
-`RunClaimed`: the caller skips the run.
+lease; two live processes of one allocation do not take each other's). The takeover renames the stale file away first (only
+one process can win that rename), so two takers never both proceed. A live lease raises
+`RunLeased`: the caller skips the run.
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from stalepipe.errors import EXIT_CLAIMED, UserError
+from stalepipe.errors import EXIT_LEASED, UserError
 
-CLAIM_FILE = ".claim.json"
+LEASE_FILE = ".claim.json"  # the lease's file (its name from before the rename)
 HEARTBEAT_S = 30.0
 STALE_S = 300.0  # ten missed heartbeats
 
 
 @dataclass(frozen=True)
 class Owner:
-    """Who holds a claim."""
+    """Who holds a lease."""
 
     host: str
     pid: int
@@ -48,10 +48,10 @@ class Owner:
         return f"{self.host}:{self.pid}" + (f" (job {self.job})" if self.job else "")
 
 
-class RunClaimed(UserError):
+class RunLeased(UserError):
     """The run is being trained by a live owner elsewhere."""
 
-    exit_code = EXIT_CLAIMED
+    exit_code = EXIT_LEASED
 
     def __init__(self, run_dir: Path, owner: Owner) -> None:
         super().__init__(f"{run_dir} is being trained by {owner.describe()}; skipped")
@@ -76,14 +76,14 @@ def owner_here() -> Owner:
     return Owner(socket.gethostname(), os.getpid(), this_job(), started, _restarts())
 
 
-def read_claim(run_dir: Path) -> tuple[Owner, float] | None:
-    """The claim's owner and the time of its last heartbeat; None when there is no claim. A
+def read_lease(run_dir: Path) -> tuple[Owner, float] | None:
+    """The lease's owner and the time of its last heartbeat; None when there is no lease. A
     torn or foreign file reads as an owner with no heartbeat (stale after `stale_s`)."""
-    return read_claim_file(Path(run_dir) / CLAIM_FILE)
+    return read_lease_file(Path(run_dir) / LEASE_FILE)
 
 
-def read_claim_file(path: Path) -> tuple[Owner, float] | None:
-    """`read_claim` of one claim file."""
+def read_lease_file(path: Path) -> tuple[Owner, float] | None:
+    """`read_lease` of one lease file."""
     try:
         beat = path.stat().st_mtime
     except FileNotFoundError:
@@ -111,7 +111,7 @@ def _alive(pid: int) -> bool:
 
 
 def is_stale(owner: Owner, heartbeat: float, *, stale_s: float = STALE_S) -> bool:
-    """Whether a claim's owner is gone (module docstring)."""
+    """Whether a lease's owner is gone (module docstring)."""
     if time.time() - heartbeat > stale_s:
         return True
     if owner.job and owner.job == this_job() and owner.restart < _restarts():
@@ -120,8 +120,8 @@ def is_stale(owner: Owner, heartbeat: float, *, stale_s: float = STALE_S) -> boo
 
 
 def live_owner(run_dir: Path, *, stale_s: float = STALE_S) -> Owner | None:
-    """The owner of a live claim on `run_dir`, or None (no claim, or a stale one)."""
-    found = read_claim(run_dir)
+    """The owner of a live lease on `run_dir`, or None (no lease, or a stale one)."""
+    found = read_lease(run_dir)
     if found is None or is_stale(*found, stale_s=stale_s):
         return None
     return found[0]
@@ -138,41 +138,41 @@ def _create(path: Path, owner: Owner) -> bool:
 
 
 def _take(run_dir: Path, owner: Owner, stale_s: float) -> None:
-    """Create the claim, taking over a stale one; RunClaimed when a live owner holds it."""
-    path = run_dir / CLAIM_FILE
+    """Create the lease, taking over a stale one; RunLeased when a live owner holds it."""
+    path = run_dir / LEASE_FILE
     for _ in range(3):
         if _create(path, owner):
             return
-        found = read_claim(run_dir)
+        found = read_lease(run_dir)
         if found is not None and not is_stale(*found, stale_s=stale_s):
-            raise RunClaimed(run_dir, found[0])
+            raise RunLeased(run_dir, found[0])
         _move_stale(run_dir, found)
-    found = read_claim(run_dir)
-    raise RunClaimed(run_dir, found[0] if found else owner)
+    found = read_lease(run_dir)
+    raise RunLeased(run_dir, found[0] if found else owner)
 
 
 def _move_stale(run_dir: Path, seen: tuple[Owner, float] | None) -> None:
-    """Move the stale claim `seen` out of the way. Of several takers only one rename succeeds;
-    a taker that moved a claim other than the one it judged (another taker's fresh claim,
+    """Move the stale lease `seen` out of the way. Of several takers only one rename succeeds;
+    a taker that moved a lease other than the one it judged (another taker's fresh lease,
     created in between) puts it back."""
-    path = run_dir / CLAIM_FILE
-    moved = run_dir / f"{CLAIM_FILE}.stale-{os.getpid()}-{time.time_ns()}"
+    path = run_dir / LEASE_FILE
+    moved = run_dir / f"{LEASE_FILE}.stale-{os.getpid()}-{time.time_ns()}"
     try:
         os.rename(path, moved)
     except FileNotFoundError:
         return  # another taker moved it
-    now = read_claim_file(moved)
+    now = read_lease_file(moved)
     if seen is not None and now is not None and now[0] != seen[0]:
         with suppress(FileExistsError):
-            os.link(moved, path)  # a fresh claim: back where its owner expects it
+            os.link(moved, path)  # a fresh lease: back where its owner expects it
     moved.unlink(missing_ok=True)
 
 
 @contextmanager
-def claim_run(
+def lease_run(
     run_dir: str | os.PathLike, *, heartbeat_s: float = HEARTBEAT_S, stale_s: float = STALE_S
 ) -> Iterator[Owner]:
-    """Hold `run_dir`'s claim while the body runs (module docstring); RunClaimed, with nothing
+    """Hold `run_dir`'s lease while the body runs (module docstring); RunLeased, with nothing
     touched, when a live owner holds it. The directory must exist."""
     run_dir = Path(run_dir)
     owner = owner_here()
@@ -182,21 +182,21 @@ def claim_run(
     def beat() -> None:
         while not stop.wait(heartbeat_s):
             try:
-                os.utime(run_dir / CLAIM_FILE)
+                os.utime(run_dir / LEASE_FILE)
             except OSError:  # a takeover race or a transient file-system error: try again,
-                found = read_claim(run_dir)  # unless the claim is no longer ours
+                found = read_lease(run_dir)  # unless the lease is no longer ours
                 if found is not None and found[0] != owner:
                     return
 
-    thread = threading.Thread(target=beat, name="claim-heartbeat", daemon=True)
+    thread = threading.Thread(target=beat, name="lease-heartbeat", daemon=True)
     thread.start()
     try:
         yield owner
     finally:
         stop.set()
         thread.join()
-        found = read_claim(run_dir)
+        found = read_lease(run_dir)
         if found is not None and found[0] == owner:
-            (run_dir / CLAIM_FILE).unlink(missing_ok=True)
-        for old in run_dir.glob(f"{CLAIM_FILE}.stale-*"):
+            (run_dir / LEASE_FILE).unlink(missing_ok=True)
+        for old in run_dir.glob(f"{LEASE_FILE}.stale-*"):
             old.unlink(missing_ok=True)
