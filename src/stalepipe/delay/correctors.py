@@ -67,7 +67,7 @@ def prepare_groups(
     optimizer: torch.optim.Optimizer,
     params: Sequence[Sequence[torch.Tensor]],
     cfg: DelayConfig,
-    schedule: DelaySchedule,
+    delay: DelaySchedule,
 ) -> list[int | None] | None:
     """The stage of each param group when `cfg` sets per-stage hyperparameters (the PipeMare
     LR schedule, adaptive momentum), after splitting groups per stage (`group_stages`); None
@@ -75,8 +75,8 @@ def prepare_groups(
     if not (cfg.lr_correction_steps > 0 or cfg.adaptive_momentum):
         return None
     if cfg.adaptive_momentum:
-        P = schedule.num_stages
-        if max(schedule.max_tau) > P:
+        P = delay.num_stages
+        if max(delay.max_tau) > P:
             raise ConfigError(
                 f"delay.adaptive_momentum needs tau_s <= {P} stages (mu_s would pass 0.99); "
                 f"use a policy with at most {P} steps of delay"

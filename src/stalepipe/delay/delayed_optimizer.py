@@ -57,7 +57,7 @@ class DelayedOptimizer:
         cfg: policy and mitigations. `cfg.mode` is ignored here (see `DelayEmulator`).
         total_steps: run length T (sync cooldown and the last needed versions depend on it);
             None when unknown, which forbids a cooldown.
-        schedule: the run's `DelaySchedule` instead of (cfg's windows, total_steps), when the
+        delay: the run's `DelaySchedule` instead of (cfg's windows, total_steps), when the
             caller built it already (the engines do); cfg then supplies the mitigations.
         shared_with: stage -> other stages that also read its weights (`delay.tied.readers`);
             the owner then keeps the versions those stages read too.
@@ -73,33 +73,33 @@ class DelayedOptimizer:
         cfg: DelayConfig | None = None,
         total_steps: int | None = None,
         *,
-        schedule: DelaySchedule | None = None,
+        delay: DelaySchedule | None = None,
         shared_with: Mapping[int, Iterable[int]] | None = None,
     ) -> None:
         cfg = cfg or DelayConfig()
         if not stages:
             raise ConfigError("DelayedOptimizer needs at least one stage of parameters")
-        schedule = checked_delay_schedule(cfg, len(stages), total_steps, schedule)
+        delay = checked_delay_schedule(cfg, len(stages), total_steps, delay)
         self.optimizer = optimizer
         self.cfg = cfg
-        self.schedule = schedule
+        self.delay = delay
         self.num_stages = len(stages)
-        self.total_steps = schedule.total_steps
+        self.total_steps = delay.total_steps
         self._names, self._params = stage_parameters(stages, optimizer)
 
         self._consumers = [{s} for s in range(self.num_stages)]
         for owner, users in (shared_with or {}).items():
             self._consumers[owner].update(users)
-        if cfg.ef and not schedule.delayed:
+        if cfg.ef and not delay.delayed:
             warnings.warn(
                 f"delay.ef is on but delay.policy {cfg.policy!r} has no delay with "
                 f"{self.num_stages} stage(s): EF then only perturbs the optimizer's updates",
                 stacklevel=2,
             )
 
-        self._predict = cfg.weight_pred and schedule.delayed
+        self._predict = cfg.weight_pred and delay.delayed
         # per-stage LR / momentum: per-stage param groups (None: not needed)
-        self._group_stage = correctors.prepare_groups(optimizer, self._params, cfg, schedule)
+        self._group_stage = correctors.prepare_groups(optimizer, self._params, cfg, delay)
         # the last two predicted points per stage, (version, tau) -> tensors: a cache (the
         # runtime's 2bw reads two versions at a time, graphs in flight hold both anyway)
         self._predicted: list[dict[tuple[int, int], list[torch.Tensor]]]
@@ -129,11 +129,11 @@ class DelayedOptimizer:
 
     def staleness(self, step: int | None = None) -> list[int]:
         """tau_s(step) for every stage (default: the current step)."""
-        return self.schedule.taus(self._step if step is None else step)
+        return self.delay.taus(self._step if step is None else step)
 
     def versions(self, step: int | None = None) -> list[int]:
         """The weight version each stage's gradient sees at `step`: max(step - tau_s, 0)."""
-        return self.schedule.versions(self._step if step is None else step)
+        return self.delay.versions(self._step if step is None else step)
 
     def kept_versions(self) -> list[list[int]]:
         """Per stage, the versions held now: stored copies plus the live weights."""
@@ -148,7 +148,7 @@ class DelayedOptimizer:
         steps >= `step` read on the stage or on stages sharing its weights (what `step()`
         keeps; checkpoint re-splitting asks for exactly these)."""
         return [
-            self.schedule.versions_held_at(self._consumers[s], step, self._predict)
+            self.delay.versions_held_at(self._consumers[s], step, self._predict)
             for s in range(self.num_stages)
         ]
 
@@ -172,7 +172,7 @@ class DelayedOptimizer:
         max(step - tau, 0), or with weight prediction the predicted point (module docstring; a
         new tensor per parameter, the last two (version, tau) cached). Another stage reading
         a shared matrix reads it through `delay.tied.read_version`. Read-only."""
-        tau = self.schedule.tau(stage, step)
+        tau = self.delay.tau(stage, step)
         v = max(step - tau, 0)
         scale = self.prediction_scale(stage, step)
         if not scale:
@@ -191,7 +191,7 @@ class DelayedOptimizer:
     def prediction_scale(self, reader: int, step: int) -> float:
         """c * tau when stage `reader`'s weights of step `step` are predicted from W_v and
         W_{v-1}; 0.0 when they are W_v itself (no prediction, tau = 0, or v = 0)."""
-        tau = self.schedule.tau(reader, step)
+        tau = self.delay.tau(reader, step)
         if not self._predict or tau == 0 or step - tau <= 0:
             return 0.0
         return self.cfg.weight_pred_scale * tau
@@ -265,7 +265,7 @@ class DelayedOptimizer:
         """Store W_k where a later step reads it and recycle what nobody reads; W_k per stage."""
         w_k: list[list[torch.Tensor] | None] = [None] * self.num_stages
         for s in range(self.num_stages):
-            needed = self.schedule.versions_needed_after(self._consumers[s], k, self._predict)
+            needed = self.delay.versions_needed_after(self._consumers[s], k, self._predict)
             hist = self._history[s]
             for v in [v for v in hist if v not in needed]:
                 self._spare[s] = hist.pop(v)

@@ -59,7 +59,7 @@ class DelayEmulator:
         optimizer: any `torch.optim.Optimizer` over the model's parameters.
         delay_cfg: policy, mitigations and mode (resolve WSD-aligned cooldowns first with
             `resolve_delay_config`).
-        num_stages, total_steps: P and T (or `schedule`, the run's `DelaySchedule`, built once
+        num_stages, total_steps: P and T (or `delay`, the run's `DelaySchedule`, built once
             by the caller and shared with the rest of the run).
         stages: for non-Transformer models, the pipeline stages as modules sharing the model's
             parameters; stage s>0 takes stage s-1's output, the last `stage(h, y)` returns the
@@ -80,18 +80,18 @@ class DelayEmulator:
         num_stages: int | None = None,
         total_steps: int | None = None,
         *,
-        schedule: DelaySchedule | None = None,
+        delay: DelaySchedule | None = None,
         stages: Sequence[nn.Module] | None = None,
         seq_len: int | None = None,
         seed: int = 0,
         replica: int = 0,
         split: str = "balanced",
     ) -> None:
-        if schedule is None:
+        if delay is None:
             if num_stages is None:
                 raise ConfigError("DelayEmulator needs num_stages (or a DelaySchedule)")
-            schedule = DelaySchedule.build(delay_cfg, num_stages, total_steps)
-        num_stages = schedule.num_stages
+            delay = DelaySchedule.build(delay_cfg, num_stages, total_steps)
+        num_stages = delay.num_stages
         if stages is None:
             stages = _split_transformer(model, num_stages, delay_cfg.policy, seq_len, split)
         if len(stages) != num_stages:
@@ -107,7 +107,7 @@ class DelayEmulator:
             if id(p) not in covered:
                 raise ConfigError(f"model parameter {name} belongs to no stage")
         self.delayed = DelayedOptimizer(
-            optimizer, owned, delay_cfg, schedule=schedule, shared_with=tied.readers(self._shared)
+            optimizer, owned, delay_cfg, delay=delay, shared_with=tied.readers(self._shared)
         )
         self._params = list(model.parameters())  # clip in the model's order, like a bare loop
 
@@ -225,7 +225,7 @@ class DelayEmulator:
         d = self.delayed
         return tied.read_version(
             lambda v: d.weights_at(use.owner, v)[use.owner_index],
-            d.schedule.version(use.stage, step),
+            d.delay.version(use.stage, step),
             d.prediction_scale(use.stage, step),
         )
 

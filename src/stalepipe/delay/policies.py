@@ -165,7 +165,7 @@ class DelaySchedule:
                 raise ConfigError(
                     "delay.sync_cooldown_wsd needs the train config (its WSD decay phase) to "
                     "resolve the cooldown: pass train=... (to DelayedOptimizer: "
-                    "schedule=DelaySchedule.build(delay_cfg, num_stages, steps, train=train_cfg))"
+                    "delay=DelaySchedule.build(delay_cfg, num_stages, steps, train=train_cfg))"
                 )
             from stalepipe.delay.mitigations import resolve_delay_config
 

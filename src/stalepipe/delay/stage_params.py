@@ -15,18 +15,18 @@ StageParams = Iterable[nn.Parameter] | Mapping[str, nn.Parameter]
 
 
 def checked_delay_schedule(
-    cfg: DelayConfig, num_stages: int, total_steps: int | None, schedule: DelaySchedule | None
+    cfg: DelayConfig, num_stages: int, total_steps: int | None, delay: DelaySchedule | None
 ) -> DelaySchedule:
-    """The run's delay schedule: `schedule` when given (it must match cfg's policy and the
+    """The run's delay schedule: `delay` when given (it must match cfg's policy and the
     stage count), else `DelaySchedule.build` of cfg's windows over `total_steps`."""
-    if schedule is None:
-        schedule = DelaySchedule.build(cfg, num_stages, total_steps)
-    if schedule.num_stages != num_stages or schedule.policy != cfg.policy:
+    if delay is None:
+        delay = DelaySchedule.build(cfg, num_stages, total_steps)
+    if delay.num_stages != num_stages or delay.policy != cfg.policy:
         raise ConfigError(
-            f"the delay schedule ({schedule.policy}, {schedule.num_stages} stages) does not "
+            f"the delay schedule ({delay.policy}, {delay.num_stages} stages) does not "
             f"match delay.policy {cfg.policy} with {num_stages} stages of parameters"
         )
-    return schedule
+    return delay
 
 
 def stage_parameters(

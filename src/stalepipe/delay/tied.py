@@ -146,7 +146,7 @@ def read_version(at: Callable[[int], torch.Tensor], version: int, scale: float) 
 
 
 def head_reads(
-    schedule: DelaySchedule,
+    delay: DelaySchedule,
     start: int,
     scale: Scale,
     evaluates: Callable[[int], bool] = lambda k: False,
@@ -154,22 +154,22 @@ def head_reads(
     """Every version of the matrix the last stage reads from step `start` on: those its steps
     read (and the one before each predicted one), those evaluations after step k read (k + 1
     when `evaluates(k)`), and the final one (both copies end equal)."""
-    N, last = schedule.total_steps, schedule.num_stages - 1
-    reads = {schedule.version(last, k) for k in range(start, N)} | {N}
-    reads |= {schedule.version(last, k) - 1 for k in range(start, N) if scale(last, k)}
+    N, last = delay.total_steps, delay.num_stages - 1
+    reads = {delay.version(last, k) for k in range(start, N)} | {N}
+    reads |= {delay.version(last, k) - 1 for k in range(start, N) if scale(last, k)}
     return reads | {k + 1 for k in range(start, N) if evaluates(k)}
 
 
-def head_floor(schedule: DelaySchedule, step: int, newest: int, scale: Scale) -> int:
+def head_floor(delay: DelaySchedule, step: int, newest: int, scale: Scale) -> int:
     """The oldest version the last stage still reads at `step` (the run's steps done: the
     `newest` version it holds); older ones can be forgotten."""
-    N, last = schedule.total_steps, schedule.num_stages - 1
-    floor = newest if step >= N else schedule.version(last, step)
+    N, last = delay.total_steps, delay.num_stages - 1
+    floor = newest if step >= N else delay.version(last, step)
     # weight prediction: the version before any read from here on (a sync start's end reads
     # an older one again)
-    for j in range(step, min(N, step + schedule.max_tau[last] + 2)):
+    for j in range(step, min(N, step + delay.max_tau[last] + 2)):
         if scale(last, j):
-            floor = min(floor, schedule.version(last, j) - 1)
+            floor = min(floor, delay.version(last, j) - 1)
     return floor
 
 

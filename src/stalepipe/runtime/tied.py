@@ -43,8 +43,8 @@ class TiedWeights:
         evaluates: Callable[[int], bool],
         older: dict[int, torch.Tensor] | None = None,
     ) -> None:
-        self.comm, self.delayed, self.schedule = comm, delayed, delayed.schedule
-        P = self.schedule.num_stages
+        self.comm, self.delayed, self.delay = comm, delayed, delayed.delay
+        P = self.delay.num_stages
         self.role = tied.tied_role(tied_model, P, chunks)
         self.versions: dict[int, torch.Tensor] = {}  # the head's copies (role "head")
         self._to_receive: list[int] = []
@@ -55,7 +55,7 @@ class TiedWeights:
         start = delayed.step_count
         self.reads: set[int] = set()
         if self.role in ("owner", "head"):
-            self.reads = tied.head_reads(self.schedule, start, delayed.prediction_scale, evaluates)
+            self.reads = tied.head_reads(self.delay, start, delayed.prediction_scale, evaluates)
         if self.role in ("owner", "both"):
             self._owner = chunks[0].owned[TIED_OWNER]
             self._index = list(chunks[0].owned).index(TIED_OWNER)
@@ -77,7 +77,7 @@ class TiedWeights:
     def _head_weight(self, version: int, step: int | None) -> torch.Tensor | None:
         """Predicted with the last stage's tau under weight prediction (`delay.tied.
         read_version`)."""
-        last = self.schedule.num_stages - 1
+        last = self.delay.num_stages - 1
         scale = 0.0 if step is None else self.delayed.prediction_scale(last, step)
         if self.role == "both":
             return tied.read_version(self._owner_at, version, scale)
@@ -153,14 +153,14 @@ class TiedWeights:
 
     def _drop(self) -> None:
         k, scale = self.delayed.step_count, self.delayed.prediction_scale
-        floor = tied.head_floor(self.schedule, k, max(self.versions), scale)
+        floor = tied.head_floor(self.delay, k, max(self.versions), scale)
         for v in [v for v in self.versions if v < floor]:
             del self.versions[v]  # stashed graphs keep their own leaves
 
     def finish(self) -> None:
         """At the run's end the head takes the final version too: both copies end equal."""
         if self.role == "head":
-            self.at(self.schedule.total_steps)
+            self.at(self.delay.total_steps)
             self._drop()
 
     def settle(self, stop: int) -> None:

@@ -127,7 +127,7 @@ class EmulatorEngine:
             self.model,
             self.optimizer,
             cfg.delay,
-            schedule=self.delay,
+            delay=self.delay,
             seq_len=cfg.data.seq_len,
             seed=tc.seed,
             replica=ctx.rank,

@@ -250,7 +250,7 @@ class PipelineEngine:
             self.optimizer,
             [own.get(s, {}) for s in range(P)],
             cfg.delay,
-            schedule=self.sched.delay,
+            delay=self.sched.delay,
         )
         self.start_step, self.resumed_from, self.tied_versions = 0, None, None
         if start_from is not None:  # a checkpoint (rundir.startup.StartUp.checkpoint)
