@@ -102,7 +102,8 @@ class ScheduleSpec:
     process runs on the runtime (`pipeline.num_chunks`; None = any count >= 2); `rank_stages`:
     stages per rank of the generated schedule when that differs from `chunks` (wpipe's two
     groups); `placement`: 'v' puts rank r's stages at r and 2R-1-r; `runtime`: the distributed
-    engine runs it (every schedule so far: the runtime runs every schedule the simulator times).
+    engine runs it (every schedule so far: the runtime runs every schedule the simulator times);
+    `cluster`: the cluster model compares it.
     """
 
     name: str
@@ -112,6 +113,10 @@ class ScheduleSpec:
     rank_stages: int | None = None
     placement: str = "interleaved"
     runtime: bool = True
+    # the verdict's cluster model compares it (`sim.parallel`): False for a schedule another
+    # one dominates there (GPipe: 1F1B's time with more memory) or whose delay is not comparable
+    # across P (WPipe: docs/verdict.md)
+    cluster: bool = True
 
     def stages_per_rank(self, num_chunks: int) -> int:
         """Stages on each rank of the generated schedule (`num_chunks` when any count goes)."""

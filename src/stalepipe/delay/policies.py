@@ -47,6 +47,9 @@ class Policy:
     tau: Callable[[int, int, int], int]
     max_tau: Callable[[int, int], int]
     stage_rule: Callable[[int], None] = lambda num_stages: None  # raises for a bad stage count
+    # its schedule updates after every microbatch (PipeDream as published), not once a batch:
+    # the cluster model charges a global batch m updates (`sim.parallel`)
+    per_microbatch: bool = False
 
 
 def _constant(name: str, fn: Callable[[int, int], int], **kw) -> Policy:
@@ -76,7 +79,7 @@ def _wpipe_stages(num_stages: int) -> None:
 # (config/registry.py); this module is torch-free for that reason.
 DELAY_POLICIES.register(_constant("sync", lambda s, P: 0))
 DELAY_POLICIES.register(_constant("2bw", lambda s, P: 1))
-DELAY_POLICIES.register(_constant("pipedream", lambda s, P: P - 1 - s))
+DELAY_POLICIES.register(_constant("pipedream", lambda s, P: P - 1 - s, per_microbatch=True))
 # G0 is double-buffered: W_{t+1} = W_t - lr * grad(W_{t-1}) on G0; G1 is always fresh.
 DELAY_POLICIES.register(
     _constant("wpipe", lambda s, P: 1 if wpipe_group(s, P) == 0 else 0, stage_rule=_wpipe_stages)

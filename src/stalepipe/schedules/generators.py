@@ -280,14 +280,14 @@ def wpipe(delay: DelaySchedule, num_microbatches: int, **_: object) -> PipelineS
 # The pipeline schedules, in the order of listings (help, simulator tables); each with the delay
 # policy it realises (docs/design.md, 'The delay contract') and its stages per process.
 for _spec in (
-    ScheduleSpec(name="gpipe", policy="sync", generate=gpipe),
+    ScheduleSpec(name="gpipe", policy="sync", generate=gpipe, cluster=False),
     ScheduleSpec(name="1f1b", policy="sync", generate=one_f_one_b),
     ScheduleSpec(name="interleaved-1f1b", policy="sync", generate=interleaved_1f1b, chunks=None),
     ScheduleSpec(name="zb-h1", policy="sync", generate=zb_h1),
     ScheduleSpec(name="2bw", policy="2bw", generate=two_bw),
     ScheduleSpec(name="pipedream", policy="pipedream", generate=pipedream),
     # two groups of stages on each rank in the generated order; one stage per runtime process
-    ScheduleSpec(name="wpipe", policy="wpipe", generate=wpipe, rank_stages=2),
+    ScheduleSpec(name="wpipe", policy="wpipe", generate=wpipe, rank_stages=2, cluster=False),
     ScheduleSpec(name="zb-v", policy="sync", generate=zb_v, chunks=2, placement="v"),
     ScheduleSpec(name="dualpipev", policy="sync", generate=dualpipev, chunks=2, placement="v"),
 ):

@@ -56,6 +56,7 @@ import functools
 from dataclasses import dataclass
 
 from stalepipe.config import ConfigError, ModelConfig
+from stalepipe.delay.policies import parse_policy
 from stalepipe.models.transformer import block_flops, block_params, head_flops
 from stalepipe.sim.cluster import Cluster, collective_time, compute_time, leading, trailing
 from stalepipe.sim.devices import Device
@@ -71,8 +72,19 @@ OPT_TRAFFIC = 28.0  # HBM bytes an AdamW update moves per parameter (timing.anal
 MAX_SIM_MICROBATCHES = 16
 MAX_STAGES = 8  # deeper pipelines of these models leave a block or two per stage
 SIM_STEPS = 3
-SYNC_PIPELINES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev")
-PER_MICROBATCH = ("pipedream",)  # delay policies whose schedule updates after each microbatch
+
+
+def cluster_schedules(sync: bool) -> tuple[str, ...]:
+    """The registered pipeline schedules the cluster model compares (`ScheduleSpec.cluster`),
+    the synchronous ones or the others, in the registry's order: a schedule registered later
+    is compared with no change here."""
+    from stalepipe.config.registry import PIPELINE_SCHEDULES
+
+    return tuple(
+        name
+        for name, spec in PIPELINE_SCHEDULES.items()
+        if spec.cluster and (spec.policy == "sync") == sync
+    )
 
 
 @dataclass(frozen=True)
@@ -126,7 +138,7 @@ class Option:
             return f"{self.schedule} x{self.replicas} (microbatch {self.microbatch_size})"
         rep = f" x {self.across} {self.replicas}" if self.replicas > 1 else ""
         where = f" ({self.placement})" if self.placement else ""
-        each = " (an update each)" if self.policy in PER_MICROBATCH else ""
+        each = " (an update each)" if parse_policy(self.policy).per_microbatch else ""
         return f"{self.schedule} P={self.stages}{rep}{where}, m={self.microbatches}{each}"
 
 
@@ -380,7 +392,7 @@ def pipelines(w: Workload, c: Cluster, schedules: tuple[str, ...]) -> list[Optio
                 policy = PIPELINE_SCHEDULES[name].policy
                 # PipeDream updates after every microbatch: its steady update is the same at
                 # any m >= P, so one m is simulated and a global batch takes m updates
-                updates = m if policy in PER_MICROBATCH else 1
+                updates = m if parse_policy(policy).per_microbatch else 1
                 m_sim = min(m, 2 * stages) if updates > 1 else m
                 try:
                     t = pipeline_timing(w.cfg, w.seq_len, w.mfu, dev, name, stages, m_sim)
@@ -424,7 +436,8 @@ def all_options(
     if w.num_gpus < 1 or w.global_batch < 1:
         raise ConfigError("the GPU count and the global batch must be >= 1")
     flat = [data_parallel(w, c, sharded=s) for s in (False, True)]
-    return [o for o in flat if o is not None] + pipelines(w, c, SYNC_PIPELINES + async_schedules)
+    synchronous = cluster_schedules(sync=True)
+    return [o for o in flat if o is not None] + pipelines(w, c, synchronous + async_schedules)
 
 
 def best(options: list[Option], policy: str = "sync", kind: str | None = None) -> Option | None:

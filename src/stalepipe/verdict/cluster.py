@@ -23,7 +23,6 @@ from stalepipe.verdict.rule import Verdict, call, time_to_target, widen
 from stalepipe.verdict.throughput import ScheduleThroughput, Throughputs
 
 ASYNC = "2bw"  # the asynchronous schedule of the map
-ASYNC_SCHEDULES = (ASYNC, "pipedream")
 MAP_GBPS = (12.5, 25.0, 50.0, 100.0, 200.0, 400.0, 800.0)
 MAP_BATCH = (0.25, 0.5, 1.0, 2.0, 4.0)  # x the global batch
 MAP_GPUS = (0.5, 1.0, 2.0, 4.0)  # x the GPU count
@@ -169,15 +168,16 @@ def throughputs(s: Setting) -> tuple[Throughputs, list[Any]]:
     """One row per kind of synchronous contender (dp, fsdp, each pipeline schedule, its best
     configuration over P, D, placement), 2BW's best over P, PipeDream's best at each P (its
     delay grows with P: a run is judged at its own P), and every option timed."""
-    from stalepipe.sim.parallel import SYNC_PIPELINES, all_options, best
+    from stalepipe.sim.parallel import all_options, best, cluster_schedules
 
-    options = all_options(s.workload(), s.cluster, ASYNC_SCHEDULES)
+    asyncs = cluster_schedules(sync=False)  # 2bw, pipedream: the registry's, in its order
+    options = all_options(s.workload(), s.cluster, asyncs)
     rows = []
-    for name in ("dp", "fsdp", *SYNC_PIPELINES, ASYNC):
+    for name in ("dp", "fsdp", *cluster_schedules(sync=True), ASYNC):
         mine = [o for o in options if o.schedule == name]
         if mine:
             rows.append(_best_row(mine, options))
-    for name in ASYNC_SCHEDULES[1:]:
+    for name in (n for n in asyncs if n != ASYNC):
         for p in sorted({o.stages for o in options if o.schedule == name}):
             rows.append(
                 _best_row([o for o in options if (o.schedule, o.stages) == (name, p)], options, p)
