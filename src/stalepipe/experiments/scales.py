@@ -169,10 +169,12 @@ LADDER_LRS: dict[tuple[str, int], str] = {
     ("adamw", 48): "0.006",
     ("adamw", 64): "0.0045",
     ("adamw", 96): "0.006",
+    ("adamw", 136): "0.00106",
     ("muon", 32): "0.04",
     ("muon", 48): "0.02",
     ("muon", 64): "0.01",
     ("muon", 96): "0.01",
+    ("muon", 136): "0.01",  # 0.005 within 0.0007 of it: the rule takes the lowest loss
 }
 
 
