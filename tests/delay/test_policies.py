@@ -146,3 +146,20 @@ def test_cooldown_aligned_with_wsd_decay():
     assert got == [1, 0]
     with pytest.raises(ConfigError, match="lr_schedule wsd"):
         resolve_delay_config(DelayConfig(sync_cooldown_wsd=True), TrainConfig(num_steps=10))
+
+
+def test_a_policy_answers_whether_it_delays_and_whether_p_matters():
+    """Code outside delay/ asks these instead of comparing names (issue 43): a registered
+    policy answers for itself, with no list to update."""
+    from stalepipe.config.registry import DELAY_POLICIES
+    from stalepipe.delay.policies import Policy, never_delays, same_delay_at_any_depth
+
+    assert [never_delays(p) for p in ("sync", "fixed:0", "2bw", "pipedream")] == [1, 1, 0, 0]
+    assert [same_delay_at_any_depth(p) for p in ("2bw", "fixed:3", "pipedream", "wpipe")] == [
+        1, 1, 0, 0,
+    ]  # fmt: skip
+    DELAY_POLICIES.register(Policy("lagged-2", lambda s, k, P: 2, lambda s, P: 2))
+    try:
+        assert not never_delays("lagged-2") and same_delay_at_any_depth("lagged-2")
+    finally:
+        DELAY_POLICIES.unregister("lagged-2")

@@ -27,6 +27,7 @@ from stalepipe.analysis import overhead, stats
 from stalepipe.analysis import targets as targets_mod
 from stalepipe.config import ExperimentConfig, upgrade_record
 from stalepipe.config.overrides import default_of
+from stalepipe.delay.policies import never_delays
 from stalepipe.fileio import flatten_dict
 from stalepipe.rundir.status import ERROR_FILE, SPEC_FILE, run_status
 
@@ -184,7 +185,7 @@ class Row:
 
     @property
     def is_sync(self) -> bool:
-        return self.policy in ("sync", "fixed:0") and not self.mitigations
+        return never_delays(self.policy) and not self.mitigations
 
     @property
     def seeds_done(self) -> int:

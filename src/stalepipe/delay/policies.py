@@ -86,6 +86,23 @@ DELAY_POLICIES.register(
 )
 
 
+_DEPTHS = (2, 4, 8)  # the pipeline depths a policy's properties are read at
+
+
+def never_delays(policy: str) -> bool:
+    """Whether `policy` never delays a gradient at any depth (sync, fixed:0): what a
+    synchronous baseline is. Asked of the policy, so a registered one answers for itself."""
+    p = parse_policy(policy)
+    return all(p.max_tau(s, P) == 0 for P in _DEPTHS for s in range(P))
+
+
+def same_delay_at_any_depth(policy: str) -> bool:
+    """Whether `policy` delays every stage by one number at every depth (2bw, fixed:N): its runs
+    at one P stand for any P; PipeDream's and WPipe's delays depend on the stage and P."""
+    p = parse_policy(policy)
+    return len({p.max_tau(s, P) for P in _DEPTHS for s in range(P)}) == 1
+
+
 def parse_policy(policy: str) -> Policy:
     """The `Policy` named `policy` (a registry name or `fixed:N`)."""
     if policy.startswith("fixed:"):

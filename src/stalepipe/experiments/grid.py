@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from stalepipe.config import ConfigError, ExperimentConfig, apply_overrides
+from stalepipe.delay.policies import never_delays
 from stalepipe.errors import UserError
 
 Bundle = tuple[str, dict[str, str]]  # (label used in run names, dotted overrides)
@@ -178,7 +179,7 @@ def extend_delayed(
     out = []
     for spec in specs:
         cfg = spec.config(base, ".")
-        if cfg.delay.policy in ("sync", "fixed:0") and not sync_too:
+        if never_delays(cfg.delay.policy) and not sync_too:
             continue
         tc = cfg.train
         for f in factors:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 from stalepipe.config import ConfigError, DelayConfig
 from stalepipe.config.registry import PIPELINE_SCHEDULES, ScheduleSpec
-from stalepipe.delay.policies import DelaySchedule
+from stalepipe.delay.policies import DelaySchedule, never_delays
 from stalepipe.schedules.build import Op, build_schedule, check_sizes
 from stalepipe.schedules.schedule import Action, Key, PipelineSchedule
 from stalepipe.schedules.vshape import dualpipev, zb_v
@@ -346,7 +346,7 @@ def make_schedule(
     if num_chunks < 1:
         raise ConfigError(f"--chunks must be >= 1, got {num_chunks}")
     policy = PIPELINE_SCHEDULES[name].policy
-    if policy == "sync":
+    if never_delays(policy):
         sync_start, sync_cooldown = 0, 0.0  # every step is synchronous already
     num_stages = schedule_stages(name, num_ranks, num_chunks)
     windows = DelayConfig(policy=policy, sync_start=sync_start, sync_cooldown=sync_cooldown)

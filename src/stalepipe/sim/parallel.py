@@ -56,7 +56,7 @@ import functools
 from dataclasses import dataclass
 
 from stalepipe.config import ConfigError, ModelConfig
-from stalepipe.delay.policies import parse_policy
+from stalepipe.delay.policies import never_delays, parse_policy
 from stalepipe.models.transformer import block_flops, block_params, head_flops
 from stalepipe.sim.cluster import Cluster, collective_time, compute_time, leading, trailing
 from stalepipe.sim.devices import Device
@@ -83,7 +83,7 @@ def cluster_schedules(sync: bool) -> tuple[str, ...]:
     return tuple(
         name
         for name, spec in PIPELINE_SCHEDULES.items()
-        if spec.cluster and (spec.policy == "sync") == sync
+        if spec.cluster and never_delays(spec.policy) == sync
     )
 
 
@@ -398,7 +398,7 @@ def pipelines(w: Workload, c: Cluster, schedules: tuple[str, ...]) -> list[Optio
                     t = pipeline_timing(w.cfg, w.seq_len, w.mfu, dev, name, stages, m_sim)
                 except ConfigError:
                     continue  # too many stages for the layers, or m too small for it
-                sync = policy == "sync"
+                sync = never_delays(policy)
                 for across in ("dp", "fsdp") if replicas > 1 else ("dp",):
                     sharded = None
                     if across == "fsdp" and not sync:

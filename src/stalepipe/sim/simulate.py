@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from stalepipe.config import ConfigError, ModelConfig
 from stalepipe.config.registry import PIPELINE_SCHEDULES
+from stalepipe.delay.policies import never_delays
 from stalepipe.errors import UserError
 from stalepipe.schedules.generators import make_schedule
 from stalepipe.schedules.schedule import PipelineSchedule, validate
@@ -403,7 +404,7 @@ def compare_schedules(
 def best_sync(rows: Sequence[ScheduleRow]) -> ScheduleRow | None:
     """The fastest synchronous schedule of `rows` that runs these sizes and fits in memory
     (`best_sync` of docs/design.md, 'What we report'); None when none does."""
-    ok = [r for r in rows if r.policy == "sync" and r.refused is None and r.fits]
+    ok = [r for r in rows if never_delays(r.policy) and r.refused is None and r.fits]
     return max(ok, key=lambda r: r.tokens_per_s, default=None)
 
 
@@ -416,5 +417,5 @@ def ratio_lines(rows: Sequence[ScheduleRow]) -> list[str]:
         f"steady throughput {r.name} / best synchronous that fits ({best.name}): "
         f"{r.tokens_per_s / best.tokens_per_s:.3f}"
         for r in rows
-        if r.policy != "sync" and r.refused is None
+        if not never_delays(r.policy) and r.refused is None
     ]

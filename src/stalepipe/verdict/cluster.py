@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from stalepipe.analysis.plots import png_bytes, pyplot
+from stalepipe.delay.policies import never_delays
 from stalepipe.errors import UserError
 from stalepipe.verdict.rule import Verdict, call, time_to_target, widen
 from stalepipe.verdict.throughput import ScheduleThroughput, Throughputs
@@ -130,7 +131,7 @@ def check_modes(model: str | None, costs: str | None, cluster: str | None, *rest
 
 
 def _row(o: Any, options: list[Any], stages: int | None = None) -> ScheduleThroughput:
-    w = _window(o, options) if o.policy != "sync" else None
+    w = _window(o, options) if not never_delays(o.policy) else None
     return ScheduleThroughput(
         o.schedule,
         o.policy,

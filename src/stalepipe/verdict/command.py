@@ -25,6 +25,7 @@ from pathlib import Path
 
 from stalepipe.analysis import plots
 from stalepipe.analysis.results import Row, build_rows, load_runs, longer_runs
+from stalepipe.delay.policies import never_delays
 from stalepipe.errors import UserError
 from stalepipe.verdict import decision
 from stalepipe.verdict.rule import (
@@ -160,7 +161,7 @@ def detail_rows(v: Verdict, tp: Throughputs) -> list[list[str]]:
     ]
     out = [head]
     for s in tp.rows:
-        if s.policy != "sync" and s is not v.async_row:
+        if not never_delays(s.policy) and s is not v.async_row:
             continue  # another delay policy's schedule, or another P of it
         name = s.shown() + (" (best sync)" if v.best_sync and s.name == v.best_sync.name else "")
         if s.refused:
@@ -399,7 +400,7 @@ def _bars(r: VerdictReport) -> bytes:
         [
             (s.name, s.tokens_per_s, s.policy)
             for s in r.throughputs.rows
-            if not s.refused and (s.policy == "sync" or s.name in used)
+            if not s.refused and (never_delays(s.policy) or s.name in used)
         ],
         [(v.label, *astuple(v.ratio), v.status()) for v in r.verdicts],
         title=r.throughputs.title(),

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from stalepipe.config.registry import PIPELINE_SCHEDULES
+from stalepipe.delay.policies import never_delays, same_delay_at_any_depth
 from stalepipe.errors import UserError
 
 SIM_STEPS = 8
@@ -109,7 +110,7 @@ class Throughputs:
         mine = [s for s in self.rows if s.name == name and not s.refused]
         if not mine:
             return f"no throughput for schedule {name} ({self.why(name)})"
-        if policy == "2bw":
+        if same_delay_at_any_depth(policy):
             return mine[0]
         same = [s for s in mine if (s.stages or self.num_stages) == stages]
         if same:
@@ -122,7 +123,7 @@ class Throughputs:
 
     def sync(self) -> list[ScheduleThroughput]:
         """The synchronous schedules that run at these sizes."""
-        return [s for s in self.rows if s.policy == "sync" and not s.refused]
+        return [s for s in self.rows if never_delays(s.policy) and not s.refused]
 
     def best_sync(self) -> ScheduleThroughput | None:
         """The fastest synchronous schedule that fits in memory (unknown fit counts as fits)."""
@@ -223,7 +224,7 @@ def simulated(
     window = simulate_all(
         cfg, dev, num_stages, num_microbatches, schedules=["2bw"], sync_steps=SIM_STEPS, **kw
     )[0]  # type: ignore[arg-type]
-    if not any(s.policy == "sync" and not s.refused for s in rows):
+    if not any(never_delays(s.policy) and not s.refused for s in rows):
         raise UserError(
             f"no synchronous schedule runs {model} at P={num_stages}, "
             f"m={num_microbatches}: " + "; ".join(s.refused for s in rows)
@@ -263,12 +264,13 @@ def load_costs(path: str | Path) -> Throughputs:
         raise UserError(
             f"--costs {p}: cannot read it ({e}); see docs/verdict.md for the format"
         ) from None
-    if not any(s.policy != "sync" for s in rows) or not any(s.policy == "sync" for s in rows):
+    policies = [s.policy for s in rows]
+    if all(map(never_delays, policies)) or not any(map(never_delays, policies)):
         raise UserError(
             f"--costs {p}: needs an asynchronous schedule (e.g. 2bw) and at least "
             "one synchronous one (e.g. 1f1b)"
         )
-    sync = {s.name: s for s in rows if s.policy == "sync"}
+    sync = {s.name: s for s in rows if never_delays(s.policy)}
     window = sync.get("1f1b") or max(sync.values(), key=lambda s: s.tokens_per_s)
     lines = [
         f"throughput and memory: measured, {p} ({source}); steps in a sync window run at "
