@@ -128,31 +128,9 @@ class ExperimentConfig:
             f"pipeline.num_replicas ({m} x {D}); set train.batch_size to "
             f"{multiples_near(B, m * D)}",
         )
-        R = pc.num_ranks
-        if pc.schedule == "interleaved-1f1b" and m % R:
-            ok = [n for n in range(R, B // D + 1, R) if B % (n * D) == 0]
-            raise ConfigError(
-                f"pipeline.schedule interleaved-1f1b sends microbatches through in groups of "
-                f"one per process, so train.num_microbatches ({m}) must be a multiple of "
-                f"pipeline.num_stages / pipeline.num_chunks = {R}; set train.num_microbatches "
-                f"to {min(ok, key=lambda n: (abs(n - m), -n)) if ok else R}"
-                + ("" if ok else f" and train.batch_size to a multiple of {R * D}")
-            )
-        if pc.schedule == "dualpipev" and m < P:
-            raise ConfigError(
-                f"pipeline.schedule dualpipev needs train.num_microbatches >= 2 x processes = "
-                f"pipeline.num_stages = {P}, got {m}; set train.num_microbatches to "
-                f"{next((n for n in range(P, B // D + 1) if B % (n * D) == 0), P)}"
-            )
-        if pc.schedule == "2bw" and m < P - 1:
-            # the fix: the smallest count that works with this batch, or fewer stages
-            ok = [n for n in range(P - 1, B // D + 1) if B % (n * D) == 0]
-            more = f"train.num_microbatches to {ok[0]} or " if ok else ""
-            raise ConfigError(
-                f"pipeline.schedule 2bw needs train.num_microbatches >= pipeline.num_stages - 1 "
-                f"= {P - 1} (a forward would need weights not yet updated), got {m}; "
-                f"set {more}pipeline.num_stages to {m + 1}"
-            )
+        why = PIPELINE_SCHEDULES[pc.schedule].size_rule(P, pc.num_ranks, m, B, D)
+        if why:  # the schedule's own rule on its microbatches (`ScheduleSpec.size_rule`)
+            raise ConfigError(why)
 
     # ---- settings the run would ignore (docs/design.md, 'Style', rule 12) ---------------------
 

@@ -103,7 +103,8 @@ class ScheduleSpec:
     stages per rank of the generated schedule when that differs from `chunks` (wpipe's two
     groups); `placement`: 'v' puts rank r's stages at r and 2R-1-r; `runtime`: the distributed
     engine runs it (every schedule so far: the runtime runs every schedule the simulator times);
-    `cluster`: the cluster model compares it.
+    `sizes`: its own rule on the microbatch count (interleaved 1F1B's groups, DualPipeV's and
+    2BW's minimum); `cluster`: the cluster model compares it.
     """
 
     name: str
@@ -113,10 +114,17 @@ class ScheduleSpec:
     rank_stages: int | None = None
     placement: str = "interleaved"
     runtime: bool = True
+    # its rule on the microbatch count on the distributed engine: (P, processes, m, batch,
+    # replicas) -> why the sizes are refused, with the fix ("" when they are fine)
+    sizes: Callable[[int, int, int, int, int], str] | None = None
     # the verdict's cluster model compares it (`sim.parallel`): False for a schedule another
     # one dominates there (GPipe: 1F1B's time with more memory) or whose delay is not comparable
     # across P (WPipe: docs/verdict.md)
     cluster: bool = True
+
+    def size_rule(self, stages: int, ranks: int, m: int, batch: int, replicas: int) -> str:
+        """Why the distributed engine refuses these sizes for this schedule ("" if it runs)."""
+        return self.sizes(stages, ranks, m, batch, replicas) if self.sizes else ""
 
     def stages_per_rank(self, num_chunks: int) -> int:
         """Stages on each rank of the generated schedule (`num_chunks` when any count goes)."""

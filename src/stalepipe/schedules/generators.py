@@ -277,19 +277,71 @@ def wpipe(delay: DelaySchedule, num_microbatches: int, **_: object) -> PipelineS
     )
 
 
+# ---- each schedule's rule on its sizes on the distributed engine (`ScheduleSpec.sizes`) -------
+
+
+def _interleaved_sizes(P: int, R: int, m: int, B: int, D: int) -> str:
+    if not m % R:
+        return ""
+    ok = [n for n in range(R, B // D + 1, R) if B % (n * D) == 0]
+    return (
+        f"pipeline.schedule interleaved-1f1b sends microbatches through in groups of "
+        f"one per process, so train.num_microbatches ({m}) must be a multiple of "
+        f"pipeline.num_stages / pipeline.num_chunks = {R}; set train.num_microbatches "
+        f"to {min(ok, key=lambda n: (abs(n - m), -n)) if ok else R}"
+        + ("" if ok else f" and train.batch_size to a multiple of {R * D}")
+    )
+
+
+def _dualpipev_sizes(P: int, R: int, m: int, B: int, D: int) -> str:
+    if m >= P:
+        return ""
+    return (
+        f"pipeline.schedule dualpipev needs train.num_microbatches >= 2 x processes = "
+        f"pipeline.num_stages = {P}, got {m}; set train.num_microbatches to "
+        f"{next((n for n in range(P, B // D + 1) if B % (n * D) == 0), P)}"
+    )
+
+
+def _two_bw_sizes(P: int, R: int, m: int, B: int, D: int) -> str:
+    if m >= P - 1:
+        return ""
+    # the fix: the smallest count that works with this batch, or fewer stages
+    ok = [n for n in range(P - 1, B // D + 1) if B % (n * D) == 0]
+    more = f"train.num_microbatches to {ok[0]} or " if ok else ""
+    return (
+        f"pipeline.schedule 2bw needs train.num_microbatches >= pipeline.num_stages - 1 "
+        f"= {P - 1} (a forward would need weights not yet updated), got {m}; "
+        f"set {more}pipeline.num_stages to {m + 1}"
+    )
+
+
 # The pipeline schedules, in the order of listings (help, simulator tables); each with the delay
 # policy it realises (docs/design.md, 'The delay contract') and its stages per process.
 for _spec in (
     ScheduleSpec(name="gpipe", policy="sync", generate=gpipe, cluster=False),
     ScheduleSpec(name="1f1b", policy="sync", generate=one_f_one_b),
-    ScheduleSpec(name="interleaved-1f1b", policy="sync", generate=interleaved_1f1b, chunks=None),
+    ScheduleSpec(
+        name="interleaved-1f1b",
+        policy="sync",
+        generate=interleaved_1f1b,
+        chunks=None,
+        sizes=_interleaved_sizes,
+    ),
     ScheduleSpec(name="zb-h1", policy="sync", generate=zb_h1),
-    ScheduleSpec(name="2bw", policy="2bw", generate=two_bw),
+    ScheduleSpec(name="2bw", policy="2bw", generate=two_bw, sizes=_two_bw_sizes),
     ScheduleSpec(name="pipedream", policy="pipedream", generate=pipedream),
     # two groups of stages on each rank in the generated order; one stage per runtime process
     ScheduleSpec(name="wpipe", policy="wpipe", generate=wpipe, rank_stages=2, cluster=False),
     ScheduleSpec(name="zb-v", policy="sync", generate=zb_v, chunks=2, placement="v"),
-    ScheduleSpec(name="dualpipev", policy="sync", generate=dualpipev, chunks=2, placement="v"),
+    ScheduleSpec(
+        name="dualpipev",
+        policy="sync",
+        generate=dualpipev,
+        chunks=2,
+        placement="v",
+        sizes=_dualpipev_sizes,
+    ),
 ):
     PIPELINE_SCHEDULES.register(_spec)
 
