@@ -115,6 +115,13 @@ DIST = {"pipeline.engine": "distributed"}
             r".*got 1; set train.num_microbatches to 2 or pipeline.num_stages to 2$",
             [{"train.num_microbatches": "2"}, {"pipeline.num_stages": "2"}],
         ),
+        (  # the schedule's own rule (ScheduleSpec.sizes), asked by the config
+            {**DIST, "pipeline.schedule": "pipedream", "delay.policy": "pipedream",
+             "pipeline.num_stages": "2", "train.num_microbatches": "2"},
+            r"pipeline.schedule pipedream updates after every microbatch-sized minibatch: set "
+            r"train.num_microbatches to 1 .*got 2$",
+            [{"train.num_microbatches": "1"}],
+        ),
         (
             {**DIST, "pipeline.num_replicas": "3", "train.num_microbatches": "2"},
             r"train.batch_size \(16\) must be divisible by train.num_microbatches x "

@@ -303,6 +303,15 @@ def _dualpipev_sizes(P: int, R: int, m: int, B: int, D: int) -> str:
     )
 
 
+def _pipedream_sizes(P: int, R: int, m: int, B: int, D: int) -> str:
+    if m == 1:
+        return ""
+    return (
+        "pipeline.schedule pipedream updates after every microbatch-sized minibatch: set "
+        f"train.num_microbatches to 1 (and train.batch_size to the minibatch size), got {m}"
+    )
+
+
 def _two_bw_sizes(P: int, R: int, m: int, B: int, D: int) -> str:
     if m >= P - 1:
         return ""
@@ -330,7 +339,7 @@ for _spec in (
     ),
     ScheduleSpec(name="zb-h1", policy="sync", generate=zb_h1),
     ScheduleSpec(name="2bw", policy="2bw", generate=two_bw, sizes=_two_bw_sizes),
-    ScheduleSpec(name="pipedream", policy="pipedream", generate=pipedream),
+    ScheduleSpec(name="pipedream", policy="pipedream", generate=pipedream, sizes=_pipedream_sizes),
     # two groups of stages on each rank in the generated order; one stage per runtime process
     ScheduleSpec(name="wpipe", policy="wpipe", generate=wpipe, rank_stages=2, cluster=False),
     ScheduleSpec(name="zb-v", policy="sync", generate=zb_v, chunks=2, placement="v"),
