@@ -16,6 +16,7 @@ from typing import Any
 
 from stalepipe.analysis.results import Row, best_row, config_key
 from stalepipe.delay import DelaySchedule
+from stalepipe.delay.policies import same_delay_at_any_depth
 
 
 def pyplot() -> Any:
@@ -132,9 +133,9 @@ def _tokens(r: Row) -> float:
 
 
 def _uniform_delay(policy: str) -> bool:
-    """Policies whose staleness is the same on every stage at every depth: fixed:N, and 2bw
-    (tau = 1 everywhere, fixed:1 by definition), so 2bw's runs are the delay series' N = 1."""
-    return policy.startswith("fixed:") or policy == "2bw"
+    """Policies whose staleness is the same on every stage at every depth (fixed:N, and 2bw:
+    tau = 1 everywhere, so 2bw's runs are the delay series' N = 1); the policy answers."""
+    return same_delay_at_any_depth(policy)
 
 
 def _delay(r: Row) -> float:
