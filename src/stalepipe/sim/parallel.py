@@ -3,8 +3,8 @@ cluster model'): data parallelism (DP), FSDP / ZeRO-3, each pipeline schedule of
 over P and m, and hybrids (P stages x D replicas = N GPUs, the replicas sharing gradients by
 DP or FSDP), synchronous and asynchronous.
 
-Assumptions, each stated once (the three with a range are `ASSUMPTIONS`: MFU, link
-efficiency, overlap cost; BI = BW = F):
+Assumptions, each stated once (the three with a range, MFU, link efficiency and overlap cost,
+are `sim.cluster`'s `*_RANGE`; BI = BW = F):
 
 - compute: a forward is the roofline of its FLOPs at peak x MFU and of reading its bf16 weights
   from HBM (`compute_time`); one MFU for every configuration above that.
@@ -92,7 +92,7 @@ class Workload:
     """What is trained: a model shape, its sequence length, the global batch (sequences per
     optimizer step) and the number of GPUs, at a model FLOPs utilisation `mfu` (the compute
     roof; `compute_time` adds the memory roof), with communication that slows the compute it
-    hides behind by `overlap_cost` of its own time (`ASSUMPTIONS`)."""
+    hides behind by `overlap_cost` of its own time (`sim.cluster.OVERLAP_COST_RANGE`)."""
 
     cfg: ModelConfig
     seq_len: int
