@@ -22,15 +22,13 @@ from stalepipe.sim.timing import CostModel
 
 @dataclass(frozen=True)
 class Steady:
-    """What one timing gives: the steady step and, per rank, its drain (the step's end minus
-    the rank's last backward of that step), its gap (its first forward of the next step minus
-    that last backward: the window its update and its gradient traffic can use before it is
-    late) and busy time per step."""
+    """What one timing gives: the steady step and, per rank, its busy time per step and its gap
+    (its first forward of the next step minus its last backward of this one: the window its
+    update and its gradient traffic can use before it is late; `sim.parallel`'s hybrids)."""
 
     step_time: float
-    drain: tuple[float, ...]
     busy: tuple[float, ...]
-    gap: tuple[float, ...] = ()
+    gap: tuple[float, ...]
 
 
 class Plan:
@@ -74,7 +72,7 @@ class Plan:
 
     def time(self, costs: CostModel) -> Steady:
         """The steady step under `costs` (as `timing.summarize` measures it: the median gap
-        between step completions), with each rank's drain and gap in the step before the last."""
+        between step completions), with each rank's gap in the step before the last."""
         R, n = self.sched.num_ranks, self.sched.num_steps
         hop = [costs.transfer(a, b) for a in range(R) for b in range(R)] + [0.0]
         table = [_duration(costs, kind, stage) for kind, stage in self.kinds]
@@ -98,11 +96,9 @@ class Plan:
             else:
                 last_back[r] = max(last_back[r], end[i])
         steps = [b - a for a, b in zip(done, done[1:])]
-        k = n - 2
-        drain = tuple(done[k] - last_back[r] for r in range(R))
         gap = tuple(first_fwd[r] - last_back[r] for r in range(R))
         busy = tuple(sum(c * d for c, d in zip(self.per_rank[r], table)) / n for r in range(R))
-        return Steady(statistics.median(steps), drain, busy, gap)
+        return Steady(statistics.median(steps), busy, gap)
 
 
 def _duration(costs: CostModel, kind: str, stage: int) -> float:
