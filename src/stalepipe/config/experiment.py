@@ -210,14 +210,17 @@ class ExperimentConfig:
     def _ignored_delay(self) -> Iterator[tuple[str, str, list[Fix]]]:
         """A delay policy without delay at this stage count, and mitigations with no delay."""
         dc, P = self.delay, self.pipeline.num_stages
-        if dc.policy == "pipedream" and P == 1:
+        # asked of each policy's bound, not of its name: sync and fixed:0 never delay, and
+        # PipeDream has no delay on one stage
+        never = all(_max_tau(dc.policy, p) == 0 for p in (2, 4, 8))
+        if not never and _max_tau(dc.policy, P) == 0:
             why = (
-                "delay.policy pipedream has no delay at pipeline.num_stages 1 (stage s is "
-                "P-1-s steps stale, 0 for the only stage)"
+                f"delay.policy {dc.policy} has no delay at pipeline.num_stages {P} (its "
+                "staleness is 0 on every stage at this depth: PipeDream's P-1-s on one stage)"
             )
-            yield "delay.policy", why, [{"pipeline.num_stages": 2}, {"delay.policy": "sync"}]
-        fixed = dc.policy.startswith("fixed:")
-        if dc.policy == "sync" or (fixed and int(dc.policy.removeprefix("fixed:")) == 0):
+            fixes = [{"pipeline.num_stages": P + 1}, {"delay.policy": "sync"}]
+            yield "delay.policy", why, fixes
+        if never:
             for key, on in (
                 ("delay.taylor", dc.taylor > 0),
                 ("delay.sync_start", dc.sync_start > 0),
