@@ -90,18 +90,13 @@ class ExperimentConfig:
     def _check_delay(self) -> None:
         """Rules of the delay config that depend on the pipeline and the training loop."""
         P, L = self.pipeline.num_stages, self.model.num_layers
-        if self.delay.policy == "wpipe":
-            even = [p for p in (P - 1, P + 1) if 2 <= p <= L and p % 2 == 0]
-            fix = (
-                f"set pipeline.num_stages to {' or '.join(map(str, even))}"
-                if even
-                else "it needs model.num_layers >= 2"
-            )
-            check(
-                P % 2 == 0,
-                f"delay.policy wpipe needs an even pipeline.num_stages (WPipe splits the model "
-                f"into two equal groups of stages, two per worker), got {P}; {fix}",
-            )
+        policy = DELAY_POLICIES.get(self.delay.policy)  # fixed:N: a family, no stage rule
+        refused = _stage_rule_refuses(policy, P) if policy else ""
+        if refused:  # the policy's own rule on the stage count (wpipe's even one)
+            near = [p for p in (P - 1, P + 1) if 1 <= p <= L and not _stage_rule_refuses(policy, p)]
+            fix = f"set pipeline.num_stages to {' or '.join(map(str, near))}" if near else ""
+            fix = fix or "it needs more model.num_layers"
+            raise ConfigError(f"{refused}; {fix}")
         if self.delay.adaptive_momentum:
             tau = _max_tau(self.delay.policy, P)
             check(
@@ -308,6 +303,15 @@ class ExperimentConfig:
         or an old run's config): settings a new run would ignore are let through (module
         docstring); every other rule still applies."""
         return from_dict(cls, upgrade_record(d), check_ignored=strict)
+
+
+def _stage_rule_refuses(policy: Any, num_stages: int) -> str:
+    """Why a registered delay policy's own rule refuses `num_stages` ("" when it takes it)."""
+    try:
+        policy.stage_rule(num_stages)
+    except ConfigError as e:
+        return str(e)
+    return ""
 
 
 def _max_tau(policy: str, num_stages: int) -> int:

@@ -58,6 +58,10 @@ class Registry(Generic[S]):
     def __contains__(self, name: object) -> bool:
         return name in self._specs
 
+    def get(self, name: str) -> S | None:
+        """The spec of `name`, or None when none is registered (a family such as fixed:N)."""
+        return self._specs.get(name)
+
     def __iter__(self) -> Iterator[str]:
         return iter(list(self._specs))
 
