@@ -16,7 +16,7 @@ from typing import Any
 
 from stalepipe.analysis.results import Row, best_row, config_key
 from stalepipe.delay import DelaySchedule
-from stalepipe.delay.policies import same_delay_at_any_depth
+from stalepipe.delay.policies import never_delays, same_delay_at_any_depth
 
 
 def pyplot() -> Any:
@@ -395,7 +395,7 @@ def verdict_plot(
     left.barh(
         names,
         [s[1] for s in schedules],
-        color=["C3" if s[2] != "sync" else "C0" for s in schedules],
+        color=["C0" if never_delays(s[2]) else "C3" for s in schedules],
     )
     left.invert_yaxis()
     left.set_xlabel("tokens/s")

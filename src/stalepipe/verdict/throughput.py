@@ -140,7 +140,7 @@ class Throughputs:
 def async_schedule(policy: str) -> str | None:
     """The simulator's schedule that realises delay policy `policy` (None: none does)."""
     named = [(n, spec.policy) for n, spec in PIPELINE_SCHEDULES.items()]
-    return next((n for n, p in named if p == policy and p != "sync"), None)
+    return next((n for n, p in named if p == policy and not never_delays(p)), None)
 
 
 def model_shape(name: str) -> tuple[Any, int, int]:
