@@ -118,6 +118,9 @@ class ScheduleSpec:
     rank_stages: int | None = None
     placement: str = "interleaved"
     runtime: bool = True
+    # an asynchronous schedule's order with a flush at every step: the synchronous schedule a
+    # sync window (`delay.sync_start` / `sync_cooldown`) runs it as ("" for a synchronous one)
+    flushed: str = ""
     # its rule on the microbatch count on the distributed engine: (P, processes, m, batch,
     # replicas) -> why the sizes are refused, with the fix ("" when they are fine)
     sizes: Callable[[int, int, int, int, int], str] | None = None

@@ -338,10 +338,18 @@ for _spec in (
         sizes=_interleaved_sizes,
     ),
     ScheduleSpec(name="zb-h1", policy="sync", generate=zb_h1),
-    ScheduleSpec(name="2bw", policy="2bw", generate=two_bw, sizes=_two_bw_sizes),
-    ScheduleSpec(name="pipedream", policy="pipedream", generate=pipedream, sizes=_pipedream_sizes),
+    ScheduleSpec(name="2bw", policy="2bw", generate=two_bw, sizes=_two_bw_sizes, flushed="1f1b"),
+    ScheduleSpec(
+        name="pipedream",
+        policy="pipedream",
+        generate=pipedream,
+        sizes=_pipedream_sizes,
+        flushed="1f1b",
+    ),
     # two groups of stages on each rank in the generated order; one stage per runtime process
-    ScheduleSpec(name="wpipe", policy="wpipe", generate=wpipe, rank_stages=2, cluster=False),
+    ScheduleSpec(
+        name="wpipe", policy="wpipe", generate=wpipe, rank_stages=2, cluster=False, flushed="1f1b"
+    ),
     ScheduleSpec(name="zb-v", policy="sync", generate=zb_v, chunks=2, placement="v"),
     ScheduleSpec(
         name="dualpipev",

@@ -148,9 +148,13 @@ def _row(o: Any, options: list[Any], stages: int | None = None) -> ScheduleThrou
 
 
 def _window(a: Any, options: list[Any]) -> Any:
-    """The flushed rate of asynchronous option `a` in a sync window: 1F1B on its P, replicas
-    and sharing (else the fastest fitting 1F1B)."""
-    flushed = [o for o in options if o.schedule == "1f1b" and o.fits]
+    """The flushed rate of asynchronous option `a` in a sync window: its schedule's flushed
+    order (`ScheduleSpec.flushed`: 1F1B for 2BW) on its P, replicas and sharing (else the
+    fastest fitting one of that schedule)."""
+    from stalepipe.config.registry import PIPELINE_SCHEDULES
+
+    name = PIPELINE_SCHEDULES[a.schedule].flushed
+    flushed = [o for o in options if o.schedule == name and o.fits]
     same = [
         o for o in flushed if (o.stages, o.replicas, o.across) == (a.stages, a.replicas, a.across)
     ]

@@ -271,7 +271,9 @@ def load_costs(path: str | Path) -> Throughputs:
             "one synchronous one (e.g. 1f1b)"
         )
     sync = {s.name: s for s in rows if never_delays(s.policy)}
-    window = sync.get("1f1b") or max(sync.values(), key=lambda s: s.tokens_per_s)
+    flushed = {PIPELINE_SCHEDULES[s.name].flushed for s in rows if s.name in PIPELINE_SCHEDULES}
+    named = [sync[n] for n in sorted(flushed) if n in sync]  # the async schedules' flushed order
+    window = named[0] if named else max(sync.values(), key=lambda s: s.tokens_per_s)
     lines = [
         f"throughput and memory: measured, {p} ({source}); steps in a sync window run at "
         f"the measured {window.name} rate"
