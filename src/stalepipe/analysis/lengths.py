@@ -15,10 +15,9 @@ import math
 from dataclasses import dataclass
 
 from stalepipe.analysis import plots
-from stalepipe.analysis.results import Row, config_key, val_curves
+from stalepipe.analysis.overhead import tokens_per_step
+from stalepipe.analysis.results import LENGTH_KEYS, Row, config_key, val_curves
 from stalepipe.analysis.stats import t_interval
-
-_LENGTH = ("train.num_steps", "train.warmup_steps", "train.eval_every")
 
 
 @dataclass(frozen=True)
@@ -42,14 +41,12 @@ class Series:
 def _finals(rows: list[Row], base_tokens: float) -> dict[float, dict[int, float]]:
     out: dict[float, dict[int, float]] = {}
     for r in rows:
-        x = round(int(r.config.get("train.num_steps", 0)) * _step_tokens(r) / base_tokens, 3)
+        x = round(
+            int(r.config.get("train.num_steps", 0)) * tokens_per_step(r.config) / base_tokens, 3
+        )
         for seed, curve in val_curves(r).items():
             out.setdefault(x, {})[seed] = curve[-1][1]
     return out
-
-
-def _step_tokens(r: Row) -> int:
-    return int(r.config["train.batch_size"]) * int(r.config["data.seq_len"])
 
 
 def length_series(rows: list[Row]) -> list[tuple[Row, Series, Series]]:
@@ -57,7 +54,7 @@ def length_series(rows: list[Row]) -> list[tuple[Row, Series, Series]]:
     finished runs at two planned lengths or more and a synchronous baseline."""
     groups: dict[tuple, list[Row]] = {}
     for r in rows:
-        groups.setdefault(config_key(r.config, _LENGTH), []).append(r)
+        groups.setdefault(config_key(r.config, LENGTH_KEYS), []).append(r)
     steps = lambda r: int(r.config.get("train.num_steps", 0))  # noqa: E731
     out = []
     for group in groups.values():
@@ -65,8 +62,8 @@ def length_series(rows: list[Row]) -> list[tuple[Row, Series, Series]]:
         if first.is_sync or first.baseline is None or len({steps(r) for r in group}) < 2:
             continue
         base = first.baseline
-        sync = groups.get(config_key(base.config, _LENGTH), [base])
-        one = steps(base) * _step_tokens(base)
+        sync = groups.get(config_key(base.config, LENGTH_KEYS), [base])
+        one = steps(base) * tokens_per_step(base.config)
         out.append(
             (
                 first,

@@ -370,7 +370,7 @@ def row_overhead(
     return overhead.overhead_over_seeds(val_curves(baseline), val_curves(row), rule)
 
 
-_LENGTH_KEYS = ("train.num_steps", "train.warmup_steps", "train.eval_every")
+LENGTH_KEYS = ("train.num_steps", "train.warmup_steps", "train.eval_every")
 
 
 def longer_runs(rows: list[Row]) -> dict[int, list[Row]]:
@@ -378,7 +378,7 @@ def longer_runs(rows: list[Row]) -> dict[int, list[Row]]:
     planned longer: its runs count toward reaching sync's final loss, `targets.py`)."""
     by_key: dict[tuple, list[Row]] = {}
     for r in rows:
-        by_key.setdefault(config_key(r.config, _LENGTH_KEYS), []).append(r)
+        by_key.setdefault(config_key(r.config, LENGTH_KEYS), []).append(r)
     steps = lambda r: int(r.config.get("train.num_steps", 0))  # noqa: E731
     return {
         id(r): [o for o in group if steps(o) > steps(r)]
