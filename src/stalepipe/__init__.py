@@ -1,12 +1,14 @@
 """stalepipe: asynchronous pipeline-parallel LLM pretraining and a gradient-delay emulator.
 
 The package root registers the components (config/registry.py): importing the torch-free
-modules that define the delay policies, the pipeline schedules and the optimizers fills the
-registries before any config is validated, whichever `stalepipe.*` module is imported first.
+modules that define the delay policies, the pipeline schedules, the optimizers and the LR
+schedules fills the registries before any config is validated, whichever `stalepipe.*` module
+is imported first.
 """
 
 __version__ = "0.1.0"
 
 from stalepipe.delay import policies as _policies  # noqa: E402, F401
+from stalepipe.optim import lr_schedule as _lr_schedules  # noqa: E402, F401
 from stalepipe.optim import specs as _optimizers  # noqa: E402, F401
 from stalepipe.schedules import generators as _schedules  # noqa: E402, F401

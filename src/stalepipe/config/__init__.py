@@ -1,9 +1,9 @@
 """Experiment configuration: frozen dataclasses and dotted overrides (presets: `presets.py`).
 
 Each component owns one dataclass (`sections.py`) and receives only that one; `ExperimentConfig`
-(`experiment.py`) composes them. The optimizers, delay policies and pipeline schedules a config
-may name are those registered in `registry.py` (each component registers itself next to its
-code); the config validates against those registries and lists no names itself. Every field carries a one-line help text in its metadata;
+(`experiment.py`) composes them. The optimizers, delay policies, pipeline schedules and LR
+schedules a config may name are those registered in `registry.py` (each component registers itself
+next to its code); the config validates against those registries and lists no names itself. Every field carries a one-line help text in its metadata;
 `stalepipe train --help` prints them with their defaults. Overrides use dotted keys:
 `--optim.lr 3e-4 --train.num_steps 200` (`overrides.py`).
 
@@ -22,8 +22,10 @@ from stalepipe.config.experiment import ExperimentConfig
 from stalepipe.config.overrides import RENAMED_KEYS, apply_overrides, upgrade_record
 from stalepipe.config.registry import (
     DELAY_POLICIES,
+    LR_SCHEDULES,
     OPTIMIZERS,
     PIPELINE_SCHEDULES,
+    LRScheduleSpec,
     OptimizerSpec,
     ScheduleSpec,
     register_optimizer,
@@ -45,12 +47,14 @@ def config_help() -> str:
 
 __all__ = [
     "DELAY_POLICIES",
+    "LR_SCHEDULES",
     "OPTIMIZERS",
     "PIPELINE_SCHEDULES",
     "RENAMED_KEYS",
     "ConfigError",
     "DataConfig",
     "LogConfig",
+    "LRScheduleSpec",
     "DelayConfig",
     "ExperimentConfig",
     "ModelConfig",

@@ -22,7 +22,13 @@ from stalepipe.config import sections
 from stalepipe.config.base import ConfigError, check, multiples_near, option
 from stalepipe.config.delay import DelayConfig
 from stalepipe.config.overrides import apply_overrides, default_of, from_dict, upgrade_record
-from stalepipe.config.registry import DELAY_POLICIES, OPTIMIZERS, PIPELINE_SCHEDULES
+from stalepipe.config.registry import (
+    DELAY_POLICIES,
+    LR_SCHEDULES,
+    OPTIMIZERS,
+    PIPELINE_SCHEDULES,
+    with_decay_phase,
+)
 from stalepipe.config.sections import DEFAULT_SCHEDULE, ModelConfig, PipelineConfig, TrainConfig
 
 Fix = dict[str, Any]  # dotted key -> new value
@@ -107,10 +113,11 @@ class ExperimentConfig:
             )
         if self.delay.sync_cooldown_wsd:
             check(
-                self.train.lr_schedule == "wsd",
+                LR_SCHEDULES[self.train.lr_schedule].decay_steps is not None,
                 f"delay.sync_cooldown_wsd aligns the cooldown with WSD's decay phase, but "
-                f"train.lr_schedule is {self.train.lr_schedule!r}; set train.lr_schedule to wsd, "
-                f"or delay.sync_cooldown_wsd to false and the cooldown in delay.sync_cooldown",
+                f"train.lr_schedule is {self.train.lr_schedule!r}; set train.lr_schedule to "
+                f"{' or '.join(with_decay_phase())}, or delay.sync_cooldown_wsd to false and the "
+                f"cooldown in delay.sync_cooldown",
             )
 
     def _check_distributed(self) -> None:

@@ -1,4 +1,5 @@
-"""One registry per kind of component: optimizers, delay policies, pipeline schedules.
+"""One registry per kind of component: optimizers, delay policies, pipeline schedules, LR
+schedules.
 
 Each component states its facts (its name, the config fields it reads, its defaults, the delay
 policy a schedule realises, how many stages a process runs, ...) next to its code and registers
@@ -12,9 +13,10 @@ order of docs/design.md, 'Architecture') and without importing torch (`stalepipe
 stays fast; a test). So every spec is torch-free: an optimizer's spec is data plus a builder that
 imports its torch code when called (`optim/specs.py`), a delay policy is a few pure functions
 (`delay/policies.py`), a pipeline schedule's generator is pure Python
-(`schedules/generators.py`). The package root (`stalepipe/__init__.py`) imports those three
-modules, so the registries are full before any `stalepipe.*` module runs a line; a component
-defined elsewhere (a plugin, a test) registers itself when it is imported.
+(`schedules/generators.py`), an LR schedule is a pure function (`optim/lr_schedule.py`). The
+package root (`stalepipe/__init__.py`) imports those modules, so the registries are full before
+any `stalepipe.*` module runs a line; a component defined elsewhere (a plugin, a test) registers
+itself when it is imported.
 """
 
 from __future__ import annotations
@@ -138,11 +140,34 @@ class ScheduleSpec:
         return self.rank_stages or self.chunks or num_chunks
 
 
+@dataclass(frozen=True, kw_only=True)
+class LRScheduleSpec:
+    """What the training loop and the config need of one LR schedule (`train.lr_schedule`).
+
+    `multiplier(step, train)`: the multiplier of the peak LR at a step past the warmup, a pure
+    function of the step and the `TrainConfig` (`optim.lr_schedule.lr_multiplier` runs the
+    linear warmup first, the same for every schedule); `decay_steps(train)`: the length in steps
+    of its final decay phase, for a schedule that has one (WSD: what `delay.sync_cooldown_wsd`
+    makes the synchronous cooldown).
+    """
+
+    name: str
+    multiplier: Callable[[int, Any], float]
+    decay_steps: Callable[[Any], int] | None = None
+
+
 OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer", "optim.name")
 # Specs of type `delay.policies.Policy` (name, tau, max_tau, stage_rule); `fixed:N` is a family
 # parsed by `delay.policies.parse_policy`, not a registered name.
 DELAY_POLICIES: Registry[Any] = Registry("delay policy", "delay.policy")
 PIPELINE_SCHEDULES: Registry[ScheduleSpec] = Registry("pipeline schedule", "pipeline.schedule")
+LR_SCHEDULES: Registry[LRScheduleSpec] = Registry("LR schedule", "train.lr_schedule")
+
+
+def with_decay_phase() -> list[str]:
+    """The LR schedules with a final decay phase (`LRScheduleSpec.decay_steps`): those a
+    synchronous cooldown can be aligned with (`delay.sync_cooldown_wsd`)."""
+    return [name for name, spec in LR_SCHEDULES.items() if spec.decay_steps is not None]
 
 
 def register_optimizer(spec: OptimizerSpec) -> OptimizerSpec:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stalepipe.config.base import ConfigError, check, multiples_near, option
-from stalepipe.config.registry import OPTIMIZERS, PIPELINE_SCHEDULES
+from stalepipe.config.registry import LR_SCHEDULES, OPTIMIZERS, PIPELINE_SCHEDULES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -347,7 +347,9 @@ class TrainConfig:
     num_steps: int = option(200, "optimizer steps")
     batch_size: int = option(16, "sequences per global batch (split into microbatches)")
     num_microbatches: int = option(1, "microbatches per step; gradients are summed, loss averaged")
-    lr_schedule: str = option("cosine", "LR schedule: cosine (warmup + cosine) | wsd | constant")
+    lr_schedule: str = option(
+        "cosine", lambda: f"LR schedule after the linear warmup: {LR_SCHEDULES.choices()}"
+    )
     warmup_steps: int = option(20, "linear warmup steps")
     decay_frac: float = option(0.2, "WSD: fraction of steps in the final decay phase")
     min_lr_ratio: float = option(0.1, "final LR as a fraction of the peak")
@@ -389,10 +391,7 @@ class TrainConfig:
             f"({self.num_microbatches}); set train.batch_size to "
             f"{multiples_near(self.batch_size, self.num_microbatches)}",
         )
-        check(
-            self.lr_schedule in ("cosine", "wsd", "constant"),
-            f"train.lr_schedule must be cosine, wsd or constant; got {self.lr_schedule!r}",
-        )
+        LR_SCHEDULES[self.lr_schedule]  # ConfigError for an unknown name
         check(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         check(
             0.0 <= self.decay_frac <= 1.0,

@@ -19,6 +19,7 @@ import dataclasses
 import torch
 
 from stalepipe.config import ConfigError, DelayConfig, TrainConfig
+from stalepipe.config.registry import LR_SCHEDULES, with_decay_phase
 
 
 @torch.no_grad()
@@ -80,19 +81,20 @@ def taylor_compensate_adaptive_(
 def resolve_delay_config(delay: DelayConfig, train: TrainConfig) -> DelayConfig:
     """`delay` with the synchronous cooldown as a step count the engine can use directly.
 
-    With `sync_cooldown_wsd` the cooldown is exactly WSD's LR decay phase
-    (`optim.lr_schedule.wsd_decay_steps`); the schedule must then be 'wsd'.
+    With `sync_cooldown_wsd` the cooldown is exactly the LR schedule's decay phase
+    (`LRScheduleSpec.decay_steps`: WSD's, `optim.lr_schedule.wsd_decay_steps`); the schedule
+    must then have one.
     """
-    from stalepipe.optim.lr_schedule import wsd_decay_steps
-
     if not delay.sync_cooldown_wsd:
         return delay
-    if train.lr_schedule != "wsd":
+    decay_steps = LR_SCHEDULES[train.lr_schedule].decay_steps
+    if decay_steps is None:
         raise ConfigError(
             f"delay.sync_cooldown_wsd aligns the cooldown with WSD's decay phase, but "
-            f"train.lr_schedule is {train.lr_schedule!r}; use --train.lr_schedule wsd or set "
-            f"--delay.sync_cooldown to a step count or fraction"
+            f"train.lr_schedule is {train.lr_schedule!r}; use --train.lr_schedule "
+            f"{' or '.join(with_decay_phase())} or set --delay.sync_cooldown to a step count or "
+            f"fraction"
         )
     return dataclasses.replace(
-        delay, sync_cooldown=float(wsd_decay_steps(train)), sync_cooldown_wsd=False
+        delay, sync_cooldown=float(decay_steps(train)), sync_cooldown_wsd=False
     )

@@ -2,6 +2,10 @@
 
 Every param group stores its peak LR under `"peak_lr"`; `apply_lr` sets `lr = peak_lr * mult`,
 so composite optimizers (Muon's matrix and AdamW groups, say) follow one schedule together.
+
+The schedules are `LR_SCHEDULES` (config/registry.py), registered at the end of this module:
+each one a pure function of (step, `TrainConfig`) for the steps after the linear warmup. This
+module is torch-free (the package root imports it to register them; torch only types hints).
 """
 
 from __future__ import annotations
@@ -9,35 +13,46 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-
-import torch
+from typing import TYPE_CHECKING
 
 from stalepipe.config import TrainConfig
+from stalepipe.config.registry import LR_SCHEDULES, LRScheduleSpec
+
+if TYPE_CHECKING:
+    import torch
 
 
 def lr_multiplier(step: int, cfg: TrainConfig) -> float:
-    """Multiplier of the peak LR at `step` (0-based) for `cfg.lr_schedule`:
+    """Multiplier of the peak LR at `step` (0-based): a linear warmup to 1 over
+    `cfg.warmup_steps`, then the registered schedule `cfg.lr_schedule` (`LR_SCHEDULES`)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    return LR_SCHEDULES[cfg.lr_schedule].multiplier(step, cfg)
 
-    - cosine: linear warmup to 1, then cosine decay to `min_lr_ratio` at the last step;
-    - wsd (warmup-stable-decay, Hu et al. 2024): warmup, constant 1, then a linear decay to
-      `min_lr_ratio` over the last `decay_frac` of the steps;
-    - constant: warmup, then 1.
-    """
-    total, warmup, floor = cfg.num_steps, cfg.warmup_steps, cfg.min_lr_ratio
-    if step < warmup:
-        return (step + 1) / warmup
-    if cfg.lr_schedule == "constant":
-        return 1.0
-    if cfg.lr_schedule == "cosine":
-        span = max(total - 1 - warmup, 1)
-        progress = min((step - warmup) / span, 1.0)
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    assert cfg.lr_schedule == "wsd", cfg.lr_schedule
+
+def cosine(step: int, cfg: TrainConfig) -> float:
+    """Cosine decay from 1 after the warmup to `min_lr_ratio` at the last step (SGDR,
+    Loshchilov & Hutter 2017, without restarts)."""
+    floor = cfg.min_lr_ratio
+    span = max(cfg.num_steps - 1 - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def wsd(step: int, cfg: TrainConfig) -> float:
+    """Warmup-stable-decay (Hu et al. 2024, MiniCPM): 1, then a linear decay to
+    `min_lr_ratio` over the last `decay_frac` of the steps (`wsd_decay_steps`)."""
+    total, floor = cfg.num_steps, cfg.min_lr_ratio
     decay_start = total - wsd_decay_steps(cfg)
     if step < decay_start:
         return 1.0
     progress = (step - decay_start + 1) / max(total - decay_start, 1)
     return 1.0 - (1.0 - floor) * progress
+
+
+def constant(step: int, cfg: TrainConfig) -> float:
+    """1 after the warmup."""
+    return 1.0
 
 
 def wsd_decay_steps(cfg: TrainConfig) -> int:
@@ -65,3 +80,9 @@ def config_peak_lr(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     yield
     for group, peak in zip(optimizer.param_groups, peaks, strict=True):
         group["peak_lr"] = peak
+
+
+# The LR schedules by name, in the order --help lists them.
+LR_SCHEDULES.register(LRScheduleSpec(name="cosine", multiplier=cosine))
+LR_SCHEDULES.register(LRScheduleSpec(name="wsd", multiplier=wsd, decay_steps=wsd_decay_steps))
+LR_SCHEDULES.register(LRScheduleSpec(name="constant", multiplier=constant))
