@@ -27,6 +27,7 @@ from stalepipe.analysis import overhead, stats
 from stalepipe.analysis import targets as targets_mod
 from stalepipe.config import ExperimentConfig, upgrade_record
 from stalepipe.config.overrides import default_of
+from stalepipe.config.registry import CORRECTORS
 from stalepipe.delay.policies import never_delays
 from stalepipe.fileio import flatten_dict
 from stalepipe.rundir.status import ERROR_FILE, SPEC_FILE, run_status
@@ -44,21 +45,19 @@ NON_CONFIG_KEYS = {
     "train.threads",
     "data.data_dir",
 }
-MITIGATION_DEFAULTS = {
-    "delay.ef": False,
-    "delay.taylor": 0.0,
-    "delay.taylor_adaptive": False,
-    "delay.taylor_curvature": "g2",  # ema: DC-ASGD-EMA
-    "delay.sync_start": 0,
-    "delay.sync_cooldown": 0.0,
-    "delay.sync_cooldown_wsd": False,
-    # the correctors beyond the paper (docs/delay.md); records from before them lack the keys
-    "delay.weight_pred": False,
-    "delay.lr_correction_steps": 0,
-    "delay.adaptive_momentum": False,
-}
-# The Taylor knobs only matter when Taylor is on; ignored when matching.
-_TAYLOR_DETAILS = ("delay.taylor_ema", "delay.taylor_eps")
+
+
+def mitigation_defaults() -> dict[str, Any]:
+    """Every registered mitigation's and corrector's settings at their values when off
+    (`CorrectorSpec.fields`, config/registry.py): a run with all of them so is unmitigated.
+    Records from before a corrector lack its keys and read as off."""
+    return {f"delay.{k}": v for _, spec in CORRECTORS.items() for k, v in spec.fields.items()}
+
+
+def _tuning() -> tuple[str, ...]:
+    """Settings that only tune a mitigation once on (Taylor's EMA and eps): ignored when
+    matching a run with its baseline and its unmitigated counterpart."""
+    return tuple(f"delay.{k}" for _, spec in CORRECTORS.items() for k in spec.tuning)
 
 
 @dataclass
@@ -179,7 +178,7 @@ class Row:
     def mitigations(self) -> dict[str, Any]:
         return {
             k: self.config.get(k, d)
-            for k, d in MITIGATION_DEFAULTS.items()
+            for k, d in mitigation_defaults().items()
             if self.config.get(k, d) != d
         }
 
@@ -259,13 +258,13 @@ def build_rows(runs: list[Run]) -> list[Row]:
 def _sync_version(config: dict[str, Any]) -> dict[str, Any]:
     c = dict(config)
     c["delay.policy"] = "sync"
-    c.update(MITIGATION_DEFAULTS)
+    c.update(mitigation_defaults())
     return c
 
 
 def _link(rows: list[Row]) -> None:
     """Find each row's sync baseline and unmitigated counterpart; compute gaps and shares."""
-    ignore = _TAYLOR_DETAILS + ("delay.mode",)
+    ignore = _tuning() + ("delay.mode",)
     by_key = {config_key(r.config, ignore): r for r in rows}
     by_key_any_depth = {}
     for r in rows:
@@ -282,7 +281,7 @@ def _link(rows: list[Row]) -> None:
             _set_gap(r, base)
         if r.mitigations:
             plain = dict(r.config)
-            plain.update(MITIGATION_DEFAULTS)
+            plain.update(mitigation_defaults())
             un = by_key.get(config_key(plain, ignore))
             if un is not None and un.values:
                 r.unmitigated = un

@@ -16,15 +16,17 @@ A setting the run would ignore is refused the same way (`experiment.py`); run re
 """
 
 from stalepipe.config import overrides as _overrides
-from stalepipe.config.base import ConfigError, unknown_choice
+from stalepipe.config.base import ConfigError, Setting, unknown_choice
 from stalepipe.config.delay import DelayConfig
 from stalepipe.config.experiment import ExperimentConfig
 from stalepipe.config.overrides import RENAMED_KEYS, apply_overrides, upgrade_record
 from stalepipe.config.registry import (
+    CORRECTORS,
     DELAY_POLICIES,
     LR_SCHEDULES,
     OPTIMIZERS,
     PIPELINE_SCHEDULES,
+    CorrectorSpec,
     LRScheduleSpec,
     OptimizerSpec,
     ScheduleSpec,
@@ -46,12 +48,14 @@ def config_help() -> str:
 
 
 __all__ = [
+    "CORRECTORS",
     "DELAY_POLICIES",
     "LR_SCHEDULES",
     "OPTIMIZERS",
     "PIPELINE_SCHEDULES",
     "RENAMED_KEYS",
     "ConfigError",
+    "CorrectorSpec",
     "DataConfig",
     "LogConfig",
     "LRScheduleSpec",
@@ -62,6 +66,7 @@ __all__ = [
     "OptimizerSpec",
     "PipelineConfig",
     "ScheduleSpec",
+    "Setting",
     "TrainConfig",
     "apply_overrides",
     "config_help",

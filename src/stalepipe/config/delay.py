@@ -1,17 +1,27 @@
 """The delay section: which policy gives each stage its staleness, and the mitigations and
-correctors on top of it (docs/design.md, 'The delay contract'; `delay/` implements them)."""
+correctors on top of it (docs/design.md, 'The delay contract'; `delay/` implements them).
+
+The built-in mitigations and correctors are fields here and register their specs at the end
+(`CORRECTORS`, config/registry.py), which the config's refusals, the sweeps and the reports
+read; a corrector registered elsewhere declares its settings in its spec, and this section
+holds them beside its fields (`declares_settings`).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
-from stalepipe.config.base import check, option
-from stalepipe.config.registry import DELAY_POLICIES
+from stalepipe.config.base import check, declares_settings, option
+from stalepipe.config.registry import CORRECTORS, DELAY_POLICIES, CorrectorSpec
 
 
+@declares_settings("delay", CORRECTORS.settings)
 @dataclass(frozen=True, kw_only=True)
 class DelayConfig:
-    """Gradient-delay policy and mitigations (docs/design.md, 'The delay contract')."""
+    """Gradient-delay policy and mitigations (docs/design.md, 'The delay contract'), and the
+    settings of registered correctors (`declared`)."""
 
     policy: str = option("sync", lambda: f"delay policy: {DELAY_POLICIES.choices()} | fixed:N")
     ef: bool = option(False, "update-level error feedback W+ = W - 2U_k + U_{k-1}")
@@ -40,6 +50,8 @@ class DelayConfig:
     mode: str = option(
         "fast", "emulator mode: fast (whole model) | exact (per stage, per microbatch)"
     )
+    # the registered correctors' settings off their defaults (config/base.py, declares_settings)
+    declared: tuple[tuple[str, Any], ...] = field(default=())
 
     def __post_init__(self) -> None:
         policy = self.policy
@@ -100,3 +112,22 @@ class DelayConfig:
             self.lr_correction_steps >= 0,
             f"delay.lr_correction_steps must be >= 0 (0 = off), got {self.lr_correction_steps}",
         )
+
+
+def _builtin(name: str, *fields: str, **kw: Any) -> None:
+    """Register a built-in mitigation whose settings are the `fields` above, off at their
+    defaults; `DelayedOptimizer` runs it in its own phases."""
+    off = {f.name: f.default for f in dataclasses.fields(DelayConfig) if f.name in fields}
+    CORRECTORS.register(CorrectorSpec(name=name, fields={f: off[f] for f in fields}, **kw))
+
+
+_builtin("ef", "ef", needs_delay=False)
+_builtin(
+    "taylor", "taylor", "taylor_adaptive", "taylor_curvature", tuning=("taylor_ema", "taylor_eps")
+)
+_builtin("sync_start", "sync_start")
+_builtin("sync_cooldown", "sync_cooldown")
+_builtin("sync_cooldown_wsd", "sync_cooldown_wsd")
+_builtin("weight_pred", "weight_pred", "weight_pred_scale")
+_builtin("lr_correction", "lr_correction_steps")
+_builtin("adaptive_momentum", "adaptive_momentum")

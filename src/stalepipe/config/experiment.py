@@ -11,7 +11,6 @@ eval, export and as the base of `--config`, and the setting is refused once some
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -21,8 +20,15 @@ from typing import Any
 from stalepipe.config import sections
 from stalepipe.config.base import ConfigError, check, multiples_near, option
 from stalepipe.config.delay import DelayConfig
-from stalepipe.config.overrides import apply_overrides, default_of, from_dict, upgrade_record
+from stalepipe.config.overrides import (
+    apply_overrides,
+    as_dict,
+    default_of,
+    from_dict,
+    upgrade_record,
+)
 from stalepipe.config.registry import (
+    CORRECTORS,
     DELAY_POLICIES,
     LR_SCHEDULES,
     OPTIMIZERS,
@@ -222,19 +228,13 @@ class ExperimentConfig:
             )
             fixes = [{"pipeline.num_stages": P + 1}, {"delay.policy": "sync"}]
             yield "delay.policy", why, fixes
-        if never:
-            for key, on in (
-                ("delay.taylor", dc.taylor > 0),
-                ("delay.sync_start", dc.sync_start > 0),
-                ("delay.sync_cooldown", dc.sync_cooldown > 0),
-                ("delay.sync_cooldown_wsd", dc.sync_cooldown_wsd),
-                ("delay.weight_pred", dc.weight_pred),
-                ("delay.lr_correction_steps", dc.lr_correction_steps > 0),
-                ("delay.adaptive_momentum", dc.adaptive_momentum),
-            ):
-                if on:
+        if never:  # each registered corrector that needs a delay (config/registry.py)
+            for _, spec in CORRECTORS.items():
+                if spec.needs_delay and spec.on(dc):
+                    key = f"delay.{spec.switch}"
                     why = f"{key} mitigates a delay, but delay.policy {dc.policy} has none"
-                    yield key, why, [{key: default_of(type(self), key)}, {"delay.policy": "2bw"}]
+                    off = spec.fields[spec.switch]
+                    yield key, why, [{key: off}, {"delay.policy": "2bw"}]
         elif dc.lr_correction_steps and _max_tau(dc.policy, P) == 1:
             why = (
                 f"delay.lr_correction_steps: PipeMare's factor tau^-(1 - min(k/K, 1)) is 1 at "
@@ -299,7 +299,8 @@ class ExperimentConfig:
     # ---- serialisation -----------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config as nested dicts, every section's declared settings among its fields."""
+        return as_dict(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

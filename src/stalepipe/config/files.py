@@ -31,7 +31,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from stalepipe.config.base import ConfigError
+from stalepipe.config.base import DECLARED, ConfigError, declared_settings
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -150,10 +150,18 @@ def _scalar_types(kind: Any) -> tuple[type, ...] | None:
     return tuple(out)
 
 
-@functools.cache
 def _fields(kind: type) -> dict[str, Any]:
+    """The fields of section `kind` with their types, its declared settings among them."""
+    declared = {s.name: s.type for s in declared_settings(kind).values()}
+    return {**_own_fields(kind), **declared}
+
+
+@functools.cache
+def _own_fields(kind: type) -> dict[str, Any]:
     hints = typing.get_type_hints(kind)
-    return {f.name: hints[f.name] for f in dataclasses.fields(kind) if f.init}
+    return {
+        f.name: hints[f.name] for f in dataclasses.fields(kind) if f.init and f.name != DECLARED
+    }
 
 
 def value_sources(

@@ -2,18 +2,21 @@
 
 Generic over the root class (`ExperimentConfig` in practice): a leaf is addressed as
 'section.field', its string is parsed into the field's annotated type, and an unknown key gets
-the closest known one as a hint.
+the closest known one as a hint. The settings registered components declare for a section
+(`base.Setting`: an optimizer's own hyperparameters, a corrector's) are leaves beside the
+section's own fields: `section.setting` in overrides, in dicts and in help.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
 import typing
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
-from stalepipe.config.base import ConfigError
+from stalepipe.config.base import DECLARED, ConfigError, declared_settings
 
 T = TypeVar("T")
 
@@ -48,43 +51,64 @@ def from_dict(
     root = root or cls
     hints = typing.get_type_hints(cls)
     kwargs = {}
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cls)} - {DECLARED} | set(declared_settings(cls))
     for key, value in d.items():
         if key not in names:
             raise ConfigError(_unknown_key_msg(prefix + key, _all_keys(root)))
-        if dataclasses.is_dataclass(hints[key]):
+        if key in hints and dataclasses.is_dataclass(hints[key]):
             kwargs[key] = from_dict(hints[key], value, prefix=prefix + key + ".", root=root)
         else:
             kwargs[key] = value
     return cls(**kwargs, **init)
 
 
+def as_dict(cfg: Any) -> dict[str, Any]:
+    """A config tree as nested dicts (what config.json holds): `dataclasses.asdict`, with each
+    section's declared settings flat beside its own fields, every registered one at its value."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name == DECLARED:
+            out.update({name: getattr(cfg, name) for name in declared_settings(type(cfg))})
+            out.update(value)  # a setting whose component is no longer registered, too
+        elif dataclasses.is_dataclass(value):
+            out[f.name] = as_dict(value)
+        else:
+            out[f.name] = copy.deepcopy(value)
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 
 
-def _all_keys(cls: type, prefix: str = "") -> dict[str, dataclasses.Field]:
-    """Flat map 'section.field' -> Field for every leaf field."""
+class Leaf(NamedTuple):
+    """One leaf of a config tree: its annotated type, its default, its help (a text, or a
+    callable asked when shown)."""
+
+    type: Any
+    default: Any
+    help: Any
+
+
+def _all_keys(cls: type, prefix: str = "") -> dict[str, Leaf]:
+    """Flat map 'section.field' -> Leaf for every leaf field and declared setting."""
     hints = typing.get_type_hints(cls)
-    out: dict[str, dataclasses.Field] = {}
+    out: dict[str, Leaf] = {}
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
+        if f.name == DECLARED:
+            for s in declared_settings(cls).values():
+                out[prefix + s.name] = Leaf(s.type, s.default, s.help)
+        elif dataclasses.is_dataclass(hints[f.name]):
             out.update(_all_keys(hints[f.name], prefix + f.name + "."))
         else:
-            out[prefix + f.name] = f
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            out[prefix + f.name] = Leaf(hints[f.name], default, f.metadata.get("help", ""))
     return out
 
 
 def default_of(root: type, dotted: str) -> Any:
     """The default value of the leaf field 'section.field' of `root`."""
-    f = _all_keys(root)[dotted]
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
-
-
-def _leaf_type(cls: type, dotted: str) -> Any:
-    *path, leaf = dotted.split(".")
-    for part in path:
-        cls = typing.get_type_hints(cls)[part]
-    return typing.get_type_hints(cls)[leaf]
+    return _all_keys(root)[dotted].default
 
 
 def _unknown_key_msg(key: str, keys: dict[str, Any]) -> str:
@@ -129,7 +153,7 @@ def parse_field(root: type, key: str, text: str) -> Any:
     keys = _all_keys(root)
     if key not in keys:
         raise ConfigError(_unknown_key_msg(key, keys))
-    return parse_value(text, _leaf_type(root, key), key)
+    return parse_value(text, keys[key].type, key)
 
 
 def apply_overrides(cfg: T, overrides: dict[str, str], **init: Any) -> T:
@@ -154,7 +178,7 @@ def config_help(root: type) -> str:
     lines = []
     section = None
     default_cfg = root()
-    for key, f in _all_keys(root).items():
+    for key, leaf in _all_keys(root).items():
         sec = key.split(".")[0] if "." in key else ""
         if sec != section:
             section = sec
@@ -162,11 +186,10 @@ def config_help(root: type) -> str:
         obj = default_cfg
         for part in key.split("."):
             obj = getattr(obj, part)
-        tp = _leaf_type(root, key)
+        tp = leaf.type
         tname = getattr(tp, "__name__", str(tp)).replace("NoneType", "None")
         if isinstance(tp, types.UnionType):
             tname = " | ".join(a.__name__ for a in typing.get_args(tp)).replace("NoneType", "None")
-        text = f.metadata.get("help", "")
-        text = text() if callable(text) else text
+        text = leaf.help() if callable(leaf.help) else leaf.help
         lines.append(f"  --{key:<26} {tname:<12} default {obj!r}: {text}")
     return "\n".join(lines)

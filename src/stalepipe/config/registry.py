@@ -1,5 +1,5 @@
 """One registry per kind of component: optimizers, delay policies, pipeline schedules, LR
-schedules.
+schedules, correctors.
 
 Each component states its facts (its name, the config fields it reads, its defaults, the delay
 policy a schedule realises, how many stages a process runs, ...) next to its code and registers
@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from stalepipe.config.base import unknown_choice
+from stalepipe.config.base import Setting, unknown_choice
 
 S = TypeVar("S")
 
@@ -40,12 +40,26 @@ class Registry(Generic[S]):
         self._specs: dict[str, S] = {}
 
     def register(self, spec: S) -> S:
-        """Add `spec`; a second spec under the same name is a programming error."""
+        """Add `spec`; a second spec under the same name, or a setting declared twice
+        differently (`settings`), is a programming error."""
         name = spec.name  # type: ignore[attr-defined]
         if name in self._specs:
             raise ValueError(f"{self.kind} {name!r} is registered twice")
+        known = self.settings()
+        for s in getattr(spec, "settings", ()):
+            if known.get(s.name, s) != s:
+                raise ValueError(f"{self.kind} {name!r} declares setting {s.name!r} differently")
         self._specs[name] = spec
         return spec
+
+    def settings(self) -> dict[str, Setting]:
+        """The settings the specs declare for their config section (`spec.settings`), by name,
+        in registration order (one shared by two specs, like muon's and mars's adam_lr, once)."""
+        out: dict[str, Setting] = {}
+        for spec in self._specs.values():
+            for s in getattr(spec, "settings", ()):
+                out.setdefault(s.name, s)
+        return out
 
     def unregister(self, name: str) -> None:
         """Remove `name` (a test that registered a component cleans up with this)."""
@@ -156,12 +170,57 @@ class LRScheduleSpec:
     decay_steps: Callable[[Any], int] | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class CorrectorSpec:
+    """What the config, the sweeps and the reports need of one mitigation or corrector of the
+    delay (docs/design.md, 'The delay contract'), and where `DelayedOptimizer.step` runs it.
+
+    `fields`: its settings in the delay section at their values when it is off, the first one
+    its switch (any other value turns it on); a run with all of them off is its unmitigated
+    counterpart in a report. `tuning`: delay settings that only tune it once on (runs that
+    differ in them alone are one configuration). `settings`: the settings it declares in the
+    delay section (`Setting`), for a corrector registered outside config/delay.py; its `fields`
+    are then those at their defaults. `needs_delay`: it does nothing under a policy without
+    delay, which refuses it (EF is the exception: it perturbs the updates there, with a
+    warning). `apply(delay_cfg, params, taus, step)`: a registered corrector's stateless,
+    in-place step on each stage's parameters, run by `DelayedOptimizer.step` in its `phase`:
+    'gradient' on the stale gradients before the base optimizer's step, 'update' after that
+    step (and EF); None for the built-in ones, which are `DelayedOptimizer`'s own phases.
+    """
+
+    name: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    tuning: tuple[str, ...] = ()
+    settings: tuple[Setting, ...] = ()
+    needs_delay: bool = True
+    phase: str = "gradient"
+    apply: Callable[[Any, Any, list[int], int], None] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.fields:
+            object.__setattr__(self, "fields", {s.name: s.default for s in self.settings})
+        assert self.fields, f"corrector {self.name} has no setting"
+        assert self.phase in ("gradient", "update"), self.phase
+
+    @property
+    def switch(self) -> str:
+        """The delay setting that turns it on."""
+        return next(iter(self.fields))
+
+    def on(self, delay_cfg: Any) -> bool:
+        """Whether the `DelayConfig` turns it on."""
+        return getattr(delay_cfg, self.switch) != self.fields[self.switch]
+
+
 OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer", "optim.name")
 # Specs of type `delay.policies.Policy` (name, tau, max_tau, stage_rule); `fixed:N` is a family
 # parsed by `delay.policies.parse_policy`, not a registered name.
 DELAY_POLICIES: Registry[Any] = Registry("delay policy", "delay.policy")
 PIPELINE_SCHEDULES: Registry[ScheduleSpec] = Registry("pipeline schedule", "pipeline.schedule")
 LR_SCHEDULES: Registry[LRScheduleSpec] = Registry("LR schedule", "train.lr_schedule")
+# The mitigations and correctors: the built-in ones register in config/delay.py beside their
+# fields, in the order reports list them.
+CORRECTORS: Registry[CorrectorSpec] = Registry("corrector", "delay")
 
 
 def with_decay_phase() -> list[str]:

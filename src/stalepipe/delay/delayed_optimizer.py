@@ -16,9 +16,10 @@ Memory: a stage with staleness tau keeps tau stored copies besides its live weig
 versions); EF adds one buffer (U_{k-1}); adaptive Taylor and DC-ASGD-EMA one (EMA of g^2);
 weight prediction one stored version per stale stage (W_{v-1}) and the predicted point it
 computes with. The PipeMare LR schedule and adaptive momentum store nothing (a pure function of
-(step, tau) sets the stage's groups for one `optimizer.step()`). The `sync` policy without
-mitigations stores nothing and calls `optimizer.step()` unchanged: bitwise identical to the
-bare optimizer.
+(step, tau) sets the stage's groups for one `optimizer.step()`), nor does a corrector registered
+with a step of its own (`CorrectorSpec.apply`, config/registry.py: stateless, run in its phase).
+The `sync` policy without mitigations stores nothing and calls `optimizer.step()` unchanged:
+bitwise identical to the bare optimizer.
 
 Weight prediction, per stage s at step k (`read_weights`): v = max(k - tau_s(k), 0); the
 forward and backward of stage s run at W_hat = W_v + c tau_s(k) (W_v - W_{v-1}) (W_v itself
@@ -39,6 +40,7 @@ import torch
 from torch import nn
 
 from stalepipe.config import ConfigError, DelayConfig
+from stalepipe.config.registry import CORRECTORS
 from stalepipe.delay import correctors, mitigations
 from stalepipe.delay.policies import DelaySchedule
 from stalepipe.delay.stage_params import StageParams, checked_delay_schedule, stage_parameters
@@ -98,6 +100,8 @@ class DelayedOptimizer:
             )
 
         self._predict = cfg.weight_pred and delay.delayed
+        # correctors registered with a step of their own that cfg turns on, in their order
+        self._registered = [s for _, s in CORRECTORS.items() if s.apply and s.on(cfg)]
         # per-stage LR / momentum: per-stage param groups (None: not needed)
         self._group_stage = correctors.prepare_groups(optimizer, self._params, cfg, delay)
         # the last two predicted points per stage, (version, tau) -> tensors: a cache (the
@@ -241,9 +245,11 @@ class DelayedOptimizer:
 
     @torch.no_grad()
     def step(self, *, live_in_use: bool = False) -> dict[str, Any]:
-        """Apply step k's update: Taylor compensation of the stale gradient, version bookkeeping
-        (W_k stored where a later step reads it), `optimizer.step()` on the newest weights,
-        error feedback. Returns {"tau": [per stage]}, the staleness this step's gradient had.
+        """Apply step k's update: Taylor compensation of the stale gradient (and registered
+        gradient-phase correctors), version bookkeeping (W_k stored where a later step reads
+        it), `optimizer.step()` on the newest weights, error feedback (and registered
+        update-phase correctors). Returns {"tau": [per stage]}, the staleness this step's
+        gradient had.
 
         `live_in_use`: autograd graphs still hold the live tensors (the pipeline runtime's
         forwards in flight), so they must not change: the parameters move to new storage and
@@ -253,13 +259,21 @@ class DelayedOptimizer:
         taus = self.staleness(k)
         if self.cfg.taylor > 0:
             self._correct_gradients(k, taus)
+        self._run_registered("gradient", k, taus)
         stored = self._retire_versions(k, live_in_use)
         w_k = self._weights_before_update(stored) if self.cfg.ef else None
         self._base_step(k, taus)
         if w_k is not None:
             self._apply_error_feedback(w_k)
+        self._run_registered("update", k, taus)
         self._step += 1
         return {"tau": taus}
+
+    def _run_registered(self, phase: str, k: int, taus: list[int]) -> None:
+        """The registered correctors of `phase` that the config turns on (`CorrectorSpec`)."""
+        for spec in self._registered:
+            if spec.phase == phase:
+                spec.apply(self.cfg, self._params, taus, k)
 
     def _retire_versions(self, k: int, live_in_use: bool) -> list[list[torch.Tensor] | None]:
         """Store W_k where a later step reads it and recycle what nobody reads; W_k per stage."""

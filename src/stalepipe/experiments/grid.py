@@ -30,8 +30,6 @@ Bundle = tuple[str, dict[str, str]]  # (label used in run names, dotted override
 _SHORT = {
     "optim.name": "",
     "delay.policy": "",
-    "delay.ef": "ef",
-    "delay.taylor": "taylor",
     "delay.sync_start": "sstart",
     "delay.sync_cooldown": "scool",
     "optim.lr": "lr",
