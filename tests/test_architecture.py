@@ -27,6 +27,7 @@ LAYER = {
     "schedules": 3,
     "sim": 4,
     "runtime": 4,
+    "peers": 4,
     "rundir": 5,
     "train": 6,
     "launch": 7,

@@ -21,10 +21,10 @@ from stalepipe.config import (
     TrainConfig,
 )
 from stalepipe.launch.pool import WorkerPool
-from stalepipe.rundir.checkpoint import latest_checkpoint, load_checkpoint
-from stalepipe.train.loop import train
-from stalepipe.rundir.metrics import read_metrics
 from stalepipe.launch.pooled import worker_entry
+from stalepipe.rundir.checkpoint import latest_checkpoint, load_checkpoint
+from stalepipe.rundir.metrics import read_metrics
+from stalepipe.train.loop import train
 
 
 @pytest.fixture(scope="session")

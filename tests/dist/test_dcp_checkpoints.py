@@ -15,6 +15,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from stalepipe.errors import CheckpointError
+from stalepipe.rundir import checkpoint_parts as stage_ckpt
 from stalepipe.rundir.checkpoint import (
     checkpoint_step,
     list_checkpoints,
@@ -23,7 +24,6 @@ from stalepipe.rundir.checkpoint import (
     save_legacy_checkpoint,
 )
 from stalepipe.rundir.sharded import ShardedCheckpoint
-from stalepipe.runtime import checkpoint_parts as stage_ckpt
 from stalepipe.train.distributed import SINGLE_PROCESS
 from stalepipe.train.emulated import EmulatorEngine
 from stalepipe.train.loop import train

@@ -32,11 +32,11 @@ from pathlib import Path
 import pytest
 
 from stalepipe.errors import EXIT_PEER, EXIT_PREEMPTED, EXIT_USER, TrainingError, UserError
-from stalepipe.runtime.checkpoint_parts import wait_part
-from stalepipe.runtime.topology import Topology
 from stalepipe.launch.processes import host_store, supervise, worker_env
-from stalepipe.rundir.checkpoint import list_checkpoints, load_checkpoint
 from stalepipe.launch.train import launch_train, spawn_ranks
+from stalepipe.peers.topology import Topology
+from stalepipe.rundir.checkpoint import list_checkpoints, load_checkpoint
+from stalepipe.rundir.checkpoint_parts import wait_part
 from stalepipe.rundir.startup import StartUp
 
 pytestmark = pytest.mark.timeout(120)
@@ -96,8 +96,9 @@ _POST = textwrap.dedent(
     """
     import os, signal, sys, time
     import torch
-    from stalepipe.runtime.comm import Comm, PeerError, init_from_env
-    from stalepipe.runtime.topology import Topology
+    from stalepipe.runtime.comm import Comm
+    from stalepipe.peers.group import PeerError, init_from_env
+    from stalepipe.peers.topology import Topology
 
     joined = init_from_env("gloo", 10)
     rank = joined.rank

@@ -1,6 +1,6 @@
 """The NCCL / CUDA path of the runtime (skipped without a GPU): one process per GPU, bf16
 autocast, compared with the single-process emulator to bf16 tolerance; a killed rank on NCCL
-(2 GPUs). Run them after benchmarks/gpu_check.sh (docs/benchmarks.md, "GPU check")."""
+(2 GPUs). Run them after benchmarks/gpu/gpu_check.sh (docs/benchmarks.md, "GPU check")."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from stalepipe.errors import EXIT_FAILED, EXIT_PEER, TrainingError
-from stalepipe.rundir.checkpoint import list_checkpoints
 from stalepipe.launch.train import launch_train
+from stalepipe.rundir.checkpoint import list_checkpoints
 from stalepipe.rundir.startup import StartUp
 
 pytestmark = pytest.mark.gpu

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from stalepipe.errors import CheckpointError, UserError
-from stalepipe.runtime import checkpoint_parts as stage_ckpt
+from stalepipe.rundir import checkpoint_parts as stage_ckpt
 from stalepipe.rundir.checkpoint import (
     checkpoint_step,
     list_checkpoints,
@@ -22,8 +22,8 @@ from stalepipe.rundir.checkpoint import (
     open_checkpoint,
     remove_checkpoint,
 )
-from stalepipe.train.loop import train
 from stalepipe.rundir.resume import config_diff
+from stalepipe.train.loop import train
 
 
 def _on(cfg, engine: str, P: int):

@@ -18,8 +18,8 @@ import torch
 
 from stalepipe.config import ConfigError
 from stalepipe.errors import EXIT_FAILED, EXIT_PEER, TrainingError
-from stalepipe.rundir.checkpoint import list_checkpoints, load_checkpoint, remove_checkpoint
 from stalepipe.launch.train import launch_train
+from stalepipe.rundir.checkpoint import list_checkpoints, load_checkpoint, remove_checkpoint
 from stalepipe.rundir.startup import StartUp
 from stalepipe.train.pipelined import check_config
 
@@ -55,7 +55,7 @@ def test_data_parallel_x_pipeline_matches_single_process(make_cfg, run_dist, dis
 def test_bad_configs_are_refused(make_cfg):
     with pytest.raises(ConfigError, match="delay.policy 2bw"):
         check_config(dataclasses.replace(make_cfg("2bw"), delay=make_cfg("1f1b").delay))
-    with pytest.raises(ConfigError, match="num_microbatches 1"):
+    with pytest.raises(ConfigError, match="num_microbatches to 1"):
         check_config(make_cfg("pipedream", 2, 2))
     # Refused by the config itself (the runtime's schedules) or by check_config.
     with pytest.raises(ConfigError, match="set pipeline.num_chunks to 2 or more"):

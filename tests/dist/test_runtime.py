@@ -55,7 +55,9 @@ def _check_val(cfg, reports, dist_utils, steps) -> None:
     assert final == got and math.isfinite(final[max(final)])
 
 
-def _assert_async_equals_emulator(schedule, P, m, optim, tied, make_cfg, run_dist, dist_utils, steps=4):
+def _assert_async_equals_emulator(
+    schedule, P, m, optim, tied, make_cfg, run_dist, dist_utils, steps=4
+):
     # Evaluating after every step: the last stage needs tied versions no training step reads.
     cfg = make_cfg(schedule, P, m, tied=tied, optim=optim, steps=steps, eval_every=1, dropout=0.1)
     reports = run_dist(cfg)

@@ -1,5 +1,5 @@
 """The pipeline runtime under SIGTERM: every rank checkpoints after the same update (agreed
-through `runtime.votes`), the run exits 75, and `--resume` ends bit for bit where an
+through `runtime.stage_update`), the run exits 75, and `--resume` ends bit for bit where an
 uninterrupted run ends."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from stalepipe.errors import EXIT_PREEMPTED
-from stalepipe.runtime.votes import lookahead
 from stalepipe.rundir.checkpoint import latest_checkpoint, load_checkpoint
+from stalepipe.runtime.stage_update import lookahead
 from stalepipe.train.pipelined import runtime_schedule
 
 STEPS = 300
@@ -56,8 +56,8 @@ def _wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout_s: fl
 def test_lookahead_of_the_schedules(make_cfg):
     # 1F1B flushes (0), 2BW runs one step ahead (1), PipeDream up to P-1 steps
     got = {
-        name: max(lookahead(list(a)) for a in runtime_schedule(make_cfg(name, P=3)).ranks)
-        for name in ("1f1b", "2bw", "pipedream")
+        name: max(lookahead(list(a)) for a in runtime_schedule(make_cfg(name, P=3, m=m)).ranks)
+        for name, m in (("1f1b", 2), ("2bw", 2), ("pipedream", 1))  # pipedream: m = 1
     }
     assert got == {"1f1b": 0, "2bw": 1, "pipedream": 2}
 

@@ -29,10 +29,10 @@ from stalepipe.cli import main
 from stalepipe.config import ConfigError
 from stalepipe.data import TokenLoader
 from stalepipe.models import build_model
-from stalepipe.schedules.generators import make_schedule, one_stage_per_rank
-from stalepipe.schedules.schedule import peak_versions, validate
 from stalepipe.presets import PRESETS
 from stalepipe.rundir.metrics import read_metrics
+from stalepipe.schedules.generators import make_schedule, one_stage_per_rank
+from stalepipe.schedules.schedule import peak_versions, validate
 from stalepipe.train.pipelined import check_config, runtime_schedule
 
 
@@ -149,9 +149,7 @@ def test_zb_v_tied_on_one_process_equals_emulator_exact(make_cfg, run_dist, dist
 
 
 @pytest.mark.slow
-def test_interleaved_1f1b_three_chunks_equals_gradient_accumulation(
-    make_cfg, run_dist, dist_utils
-):
+def test_interleaved_1f1b_three_chunks_equals_gradient_accumulation(make_cfg, run_dist, dist_utils):
     cfg = make_cfg("interleaved-1f1b", 4, 4, chunks=2, tied=False)
     cfg = dataclasses.replace(
         cfg,

@@ -11,7 +11,7 @@ from torch.func import functional_call
 from stalepipe.config import ModelConfig
 from stalepipe.delay.rng import seeded
 from stalepipe.models import build_model, partition
-from stalepipe.runtime.reparam import Reparametrized
+from stalepipe.models.partition import Reparametrized
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -14,11 +14,12 @@ import pytest
 import torch.distributed as dist
 
 from stalepipe.errors import UserError
+from stalepipe.peers.failures import FailureRecords
+from stalepipe.peers.group import PeerError
+from stalepipe.peers.topology import Topology
+from stalepipe.peers.waits import backend_timeout_s, poll_work, store_barrier
 from stalepipe.runtime import comm as comm_mod
-from stalepipe.runtime.comm import Comm, PeerError
-from stalepipe.runtime.failures import FailureRecords
-from stalepipe.runtime.topology import Topology
-from stalepipe.runtime.waits import backend_timeout_s, poll_work, store_barrier
+from stalepipe.runtime.comm import Comm
 from stalepipe.train.distributed import DistContext, on_main_outside_collectives
 
 

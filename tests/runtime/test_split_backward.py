@@ -10,8 +10,8 @@ import torch
 
 from stalepipe.config import ModelConfig
 from stalepipe.models import build_model, partition
+from stalepipe.models.partition import Reparametrized
 from stalepipe.presets import PRESETS
-from stalepipe.runtime.reparam import Reparametrized
 from stalepipe.runtime.split_backward import backward_input, backward_weights
 
 CFG = ModelConfig(

@@ -119,7 +119,7 @@ def test_cli_sigterm_exits_75_with_one_line_and_resumes(tiny_config, tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_the_notice_names_the_signal_it_got(sig, capfd):
-    from stalepipe.train.interrupts import Interrupts
+    from stalepipe.peers.interrupts import Interrupts
 
     with Interrupts(0, verbose=True) as interrupts:
         os.kill(os.getpid(), sig)

@@ -108,6 +108,36 @@ class TokenLoader:
         return _pair([self._tokens[s][o : o + span] for s, o in self.offsets(step, batch_size)])
 
 
+class ReplicaBatches:
+    """step -> one data-parallel replica's share of batch `step`, as microbatches: rows
+    [d B / D, (d + 1) B / D) of `loader.batch(step, B)` for replica d of D, moved to `device`
+    and split into `num_microbatches` (inputs, targets) lists. What the pipeline runtime's first
+    and last stage read at each step."""
+
+    def __init__(
+        self,
+        loader: TokenLoader,
+        batch_size: int,
+        replica: int,
+        num_replicas: int,
+        num_microbatches: int,
+        device: torch.device,
+    ) -> None:
+        self.loader, self.batch_size, self.m, self.device = (
+            loader,
+            batch_size,
+            num_microbatches,
+            device,
+        )
+        share = batch_size // num_replicas
+        self.rows = slice(replica * share, (replica + 1) * share)
+
+    def __call__(self, step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        x, y = self.loader.batch(step, self.batch_size)
+        x, y = x[self.rows].to(self.device), y[self.rows].to(self.device)
+        return list(x.chunk(self.m)), list(y.chunk(self.m))
+
+
 def _pair(rows: list) -> tuple[torch.Tensor, torch.Tensor]:
     """Windows of seq_len + 1 tokens as (inputs, next-token targets), int64."""
     windows = torch.from_numpy(np.stack(rows).astype(np.int64))

@@ -33,7 +33,7 @@ Who calls it:
 Nothing else in the package decides anything about tying: the model builds the tie
 (`models.transformer`) and names its two ends (`models.partition`); parameter counts
 (`sim.timing`) and the HF export count the matrix once; the rest sees one tensor that may be
-listed twice (optimizer groups, `runtime.reparam`, the slow `delay.reference`).
+listed twice (optimizer groups, `models.partition`, the slow `delay.reference`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import queue
 import time
 
 from stalepipe.launch.processes import free_port
-from stalepipe.runtime.comm import leave_process_group
+from stalepipe.peers.group import leave_process_group
 
 
 def _pool_worker(index: int, jobs, results) -> None:

@@ -2,7 +2,7 @@
 
 `supervise` waits for workers started with the `spawn` method (never fork: torch and threads).
 The launcher hosts the run's rendezvous store (`host_store`, as torchrun's agent does), so the
-failure records (`runtime.failures.Failure`) outlive any worker: a worker that fails records its
+failure records (`peers.failures.Failure`) outlive any worker: a worker that fails records its
 line, and `supervise` records a worker that died without one (killed), which every waiting rank
 reads at once. When a rank fails, the rest stop within seconds (a dead peer closes its
 connections; a hung one is timed out after `pipeline.timeout_s`); what is still running when
@@ -36,12 +36,8 @@ from typing import Any
 import torch.distributed as dist
 
 from stalepipe.errors import EXIT_PEER, EXIT_PREEMPTED, EXIT_USER, TrainingError, UserError
-from stalepipe.runtime.failures import (
-    AGENT_STORE_ENV,
-    Failure,
-    FailureRecords,
-)
-from stalepipe.runtime.topology import Topology
+from stalepipe.peers.failures import AGENT_STORE_ENV, Failure, FailureRecords
+from stalepipe.peers.topology import Topology
 
 GRACE_S = 10.0  # after the first failure: timeout_s + GRACE_S for the rest to stop, then kill
 HUNG_GRACE_S = 2.0  # a rank still running this long after all others stopped is hung

@@ -23,11 +23,11 @@ from pathlib import Path
 from stalepipe.config import ExperimentConfig
 from stalepipe.errors import EXIT_BUG, EXIT_PEER, EXIT_PREEMPTED, Preempted, UserError
 from stalepipe.launch.processes import EXIT_INTERRUPTED, host_store, supervise, worker_env
+from stalepipe.peers.failures import Failure, WorkerFailed, launcher_records
+from stalepipe.peers.group import PeerError, under_torchrun
+from stalepipe.peers.topology import Topology
 from stalepipe.rundir.checkpoint import latest_checkpoint
 from stalepipe.rundir.startup import FRESH, StartUp, begin_run
-from stalepipe.runtime.comm import PeerError, under_torchrun
-from stalepipe.runtime.failures import Failure, WorkerFailed, launcher_records
-from stalepipe.runtime.topology import Topology
 from stalepipe.train.devices import check_device
 from stalepipe.train.loop import with_resolved_optim
 from stalepipe.train.pipelined import PREPARED_ENV, check_config, error_line, run_worker

@@ -26,7 +26,7 @@ from stalepipe.delay import tied
 from stalepipe.errors import CheckpointError
 from stalepipe.fileio import torch_save_atomic
 from stalepipe.rundir import sharded
-from stalepipe.runtime.checkpoint_parts import FlatState, from_merged
+from stalepipe.rundir.checkpoint_parts import FlatState, from_merged
 
 FORMAT = 1  # the single-file format of older versions
 _NAME = re.compile(r"^ckpt_(\d{8})(\.pt)?$")
@@ -80,14 +80,14 @@ def remove_checkpoint(path: Path) -> None:
 
 def save_legacy_checkpoint(run_dir: Path, step: int, state: dict[str, Any]) -> Path:
     """Write `state` as an older version's single file `ckpt_<step>.pt` (format 1), atomically.
-    No engine writes these any more: tests and benchmarks/checkpoint_cost.py use it to make
+    No engine writes these any more: tests and benchmarks/speed/checkpoint_cost.py use it to make
     what older versions wrote."""
     path = Path(run_dir) / f"ckpt_{step:08d}.pt"
     return torch_save_atomic(path, {"format": FORMAT, "step": step, **state})
 
 
 def open_checkpoint(path: Path) -> FlatState:
-    """A checkpoint of either format as the keys of `runtime.checkpoint_parts`: a directory is
+    """A checkpoint of either format as the keys of `rundir.checkpoint_parts`: a directory is
     read lazily (a process reads only the keys it asks for); an old file is loaded whole."""
     path = Path(path)
     if path.is_dir():

@@ -35,9 +35,9 @@ from stalepipe.fileio import (
     write_json_atomic,
 )
 from stalepipe.rundir.checkpoint import check_complete, checkpoint_step, latest_checkpoint
+from stalepipe.rundir.checkpoint_parts import PARTS_DIR
 from stalepipe.rundir.metrics import read_metrics
 from stalepipe.rundir.resume import config_diff
-from stalepipe.runtime.checkpoint_parts import PARTS_DIR
 
 
 def _git(*args: str) -> subprocess.CompletedProcess | None:

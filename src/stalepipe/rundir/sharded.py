@@ -5,7 +5,7 @@ A checkpoint is a directory `ckpt_<step>/` (format 2):
     checkpoint.json      {"format": 2, "step", "config", "ranks", "files"}: written last;
                          "files" holds each file's size and SHA-256 (`rundir.verified`)
     rank_<r>/            process r's DCP checkpoint: `.metadata` and `__0_0.distcp`, its state
-                         under global keys (`runtime.checkpoint_parts.flatten_part`), and
+                         under global keys (`rundir.checkpoint_parts.flatten_part`), and
                          state.json, the non-tensor rest of its state (step, policy, its stages
                          and their parameter names, param groups, integer optimizer counters)
     .stalepipe.json      the owner marker (`fileio`): a pruned checkpoint is an owned directory
@@ -13,7 +13,7 @@ A checkpoint is a directory `ckpt_<step>/` (format 2):
 Each process saves with `dcp.save(..., no_dist=True)` into its own `rank_<r>/` of the staging
 directory `.ckpt_<step>.tmp/` (so a save needs no collective: it cannot deadlock with the
 runtime's asynchronous votes, and a stage that dies while saving is seen at once through the
-failure records, `runtime.checkpoint_parts.wait_part`), then hashes its complete files into
+failure records, `rundir.checkpoint_parts.wait_part`), then hashes its complete files into
 `digests.json`. Rank 0 waits for every shard's digests, writes checkpoint.json with all of them
 and renames the staging directory into place (`commit`): a checkpoint under its final name is
 complete, and older ones are pruned only after it is.
@@ -45,7 +45,7 @@ import torch
 from stalepipe.errors import CheckpointError
 from stalepipe.fileio import mark_owned, remove_owned_dir, write_json_atomic
 from stalepipe.rundir import verified
-from stalepipe.runtime.checkpoint_parts import PART_DONE, part_dir, part_path, staging_dir
+from stalepipe.rundir.checkpoint_parts import PART_DONE, part_dir, part_path, staging_dir
 
 FORMAT = 2
 MANIFEST = verified.MANIFEST_NAME  # "checkpoint.json"

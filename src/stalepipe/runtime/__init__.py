@@ -1,1 +1,3 @@
-"""The multi-process pipeline runtime: stage executor, communication, checkpoint parts."""
+"""The multi-process pipeline runtime: the stage executor, its channels, its per-step
+exchanges and the tied embedding's transport. Process plumbing is `peers`; checkpoint parts are
+`rundir.checkpoint_parts`."""

@@ -2,7 +2,7 @@
 
 Ranks: `rank` is the torch.distributed rank, `replica * R + r` (R processes per pipeline, D
 data-parallel replicas); a schedule's lists are indexed by the rank within one replica's
-pipeline, r = `rank % R` (`pipeline.schedule`). Without chunks R is the number of stages P and
+pipeline, r = `rank % R` (`schedules.schedule`). Without chunks R is the number of stages P and
 r is the stage; with C chunks per process (interleaved 1F1B) R = P / C and rank r runs stages
 r, r + R, ... (`Topology`). Rank 0 runs stage 0 of replica 0 (it logs and writes checkpoints).
 
@@ -26,31 +26,35 @@ On NCCL `Work.wait` does not block the host (it only orders the current CUDA str
 work), so the deadline is kept by polling the work, NCCL's own watchdog timeout is set later
 than it (the watchdog aborts the process without a word), and barriers go through the run's
 store (`dist.barrier` on NCCL ignores its timeout and would trip the watchdog while rank 0
-prepares data or writes a checkpoint): `runtime.waits`.
+prepares data or writes a checkpoint): `peers.waits`. Failure records (`peers.failures`)
+name the rank that stopped first; joining the group and the errors' wording are `peers.group`.
 
-Failure records (`runtime.failures`) name the rank that stopped first.
+Receives. Each stage's `Inbox` posts the receives of its action list a few ahead
+(`LOOKAHEAD`), in the order the schedule consumes them, so a message never waits for its
+receive to be posted.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from stalepipe.runtime.failures import AGENT_STORE_ENV, FailureRecords
-from stalepipe.runtime.topology import Topology
-from stalepipe.runtime.waits import (
-    backend_timeout_s,
-    poll_work,
-    restart_prefix,
-    store_barrier,
+from stalepipe.peers.failures import FailureRecords
+from stalepipe.peers.group import (
+    RECORD_WAIT_S,
+    PeerError,
+    barrier_on_store,
+    peer_error,
+    reason_line,
 )
+from stalepipe.peers.topology import Topology
+from stalepipe.peers.waits import backend_timeout_s, poll_work
+from stalepipe.schedules.schedule import Action
 
 CHANNELS = ("act", "grad", "eval", "tied_grad", "tied_w", "eval_loss")
 Link = tuple[int, int]  # (sending stage, receiving stage) of a channel's messages
@@ -60,81 +64,6 @@ def tag(channel: str, src_stage: int) -> int:
     """gloo's tag of `channel` from `src_stage`: one stream per (channel, sending stage), since
     with chunks two stages of one rank send to the same peer rank on the same channel."""
     return 1 + CHANNELS.index(channel) + len(CHANNELS) * src_stage
-
-
-RECORD_WAIT_S = 1.0  # how long a failed collective waits for a peer's record to name it
-
-
-class PeerError(RuntimeError):
-    """A peer rank died, hung past the timeout, or the communication with it failed. `peer` is
-    the rank it names (None when a collective failed and no peer recorded why)."""
-
-    def __init__(self, message: str, peer: int | None = None) -> None:
-        super().__init__(message)
-        self.peer = peer
-
-
-def under_torchrun() -> bool:
-    """True when torchrun (or another env:// launcher, `launch.train.launch_train` included)
-    started this process: RANK and WORLD_SIZE are set. The one test for it in stalepipe."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def resolve_backend(backend: str, device: str) -> str:
-    """'auto' -> NCCL for CUDA devices, gloo otherwise."""
-    if backend != "auto":
-        return backend
-    return "nccl" if device.startswith("cuda") else "gloo"
-
-
-def leave_process_group() -> None:
-    """Destroy the process group while the interpreter is whole. The run's store goes with
-    the objects that hold it (`Membership.records`, `Comm.records`): keep none of them past
-    the run (a store left to interpreter shutdown can abort the process: "terminate called
-    without an active exception")."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-@dataclass(frozen=True)
-class Membership:
-    """This process's place in the process group it joined (`init_from_env`), and the run's
-    failure records in the rendezvous store it joined through (none when it did not keep it,
-    or joined before)."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    records: FailureRecords = FailureRecords()
-
-
-def init_from_env(backend: str, timeout_s: float, *, failure_records: bool = True) -> Membership:
-    """Join the process group torchrun (or `launch.train.launch_train`) describes in the
-    environment (env:// rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE).
-    `failure_records`: keep the rendezvous store, for the failure records (`runtime.failures`)
-    and the waits on it; without, the group joins through env:// itself."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    records = FailureRecords()
-    if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=backend_timeout_s(backend, timeout_s))
-        kwargs: dict[str, Any] = {}
-        if backend == "nccl":
-            kwargs["device_id"] = torch.device("cuda", local_rank)
-        if failure_records:
-            # What env:// does, keeping the store: the failure records live in it.
-            hosted = os.environ.get(AGENT_STORE_ENV) == str(True)
-            kwargs["store"] = dist.TCPStore(
-                os.environ["MASTER_ADDR"],
-                int(os.environ["MASTER_PORT"]),
-                world,
-                is_master=rank == 0 and not hosted,
-                timeout=timeout,
-                multi_tenant=rank == 0 and not hosted,
-            )
-            records = FailureRecords(kwargs["store"])
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
-    return Membership(rank, world, local_rank, records)
 
 
 class Pending:
@@ -198,6 +127,9 @@ class Comm:
         self._pg_timeout = datetime.timedelta(seconds=backend_timeout_s(backend, timeout_s))
         self._barriers = 0  # store barriers so far (the same count on every rank)
         self.pipe_rank, self.replica = topo.pipe_rank(rank), topo.replica_of(rank)
+        # The rank of each stage of this replica, looked up once (every message asks).
+        self._peers = [topo.rank(s, self.replica) for s in range(topo.num_stages)]
+        self._pipe = range(topo.num_ranks)  # this replica's pipeline ranks (the all-gather's)
         self.pipe_group = None
         self.dp_group = None
         self._groups: dict[tuple[str, int, int], Any] = {}
@@ -252,7 +184,7 @@ class Comm:
 
     def peer_rank(self, stage: int) -> int:
         """The rank that runs `stage` of this rank's replica."""
-        return self.topo.rank(stage, self.replica)
+        return self._peers[stage]
 
     def peer_error(self, peer: int | None, what: str, cause: object) -> PeerError:
         """The `PeerError` of this rank when waiting for `what` from `peer` (None: a
@@ -270,7 +202,7 @@ class Comm:
             return peer_error(self.topo, self.rank, peer, what, timeout_s, cause)
         return PeerError(
             f"{self.topo.describe(self.rank)}: a peer failed or stopped responding during {what} "
-            f"(timeout {timeout_s:g}s): {_reason(cause)}"
+            f"(timeout {timeout_s:g}s): {reason_line(cause)}"
         )
 
     def _p2p(self, op: str, tensors: list[torch.Tensor], link: Link, channel: str, what: str):
@@ -330,7 +262,7 @@ class Comm:
         self, t: torch.Tensor, what: str = "the per-step exchange of gradient norms and losses"
     ) -> tuple[Any, list[torch.Tensor]]:
         """Start an all-gather of `t` over this replica's pipeline; wait with `wait_work`."""
-        R = self.topo.num_ranks
+        R = len(self._pipe)
         if self.pipe_group is None or R == 1:
             return None, [t]
         out = [torch.empty_like(t) for _ in range(R)]
@@ -397,54 +329,65 @@ class Comm:
             raise self.peer_error(None, what, e) from None
 
 
-def barrier_on_store(
-    topo: Topology, rank: int, key: str, what: str, timeout_s: float, records: FailureRecords
-) -> None:
-    """`store_barrier` over the run's store (`records.store`) for every rank of `topo` (before
-    or without a `Comm`: the start-up, while rank 0 prepares data), ended early by a peer's
-    failure record. A rank that does not arrive within `timeout_s` is a `PeerError` naming it,
-    or the rank a failure record blames."""
-    store = records.store
-    assert store is not None, "the runtime joins the run's store (init_from_env)"
-    missing = store_barrier(
-        store,
-        f"{restart_prefix()}{key}",
-        rank,
-        topo.world_size,
-        timeout_s,
-        stop=lambda: records.wait_other(0.0, rank) is not None,
-    )
-    if not missing:
-        return
-    f = records.wait_other(RECORD_WAIT_S, rank)
-    if f is not None and f.root not in (None, rank):
-        raise peer_error(topo, rank, f.root, what, timeout_s, f.line)
-    late = ", ".join(topo.describe(r) for r in missing)
-    raise PeerError(
-        f"{topo.describe(rank)}: {late} did not arrive at {what} within {timeout_s:g}s",
-        missing[0],
-    )
+# ---- receives posted ahead ------------------------------------------------------------
+
+LOOKAHEAD = 4  # receives posted ahead per channel
 
 
-def _reason(cause: object) -> str:
-    text = str(cause).strip()
-    return text.splitlines()[0][:200] if text else type(cause).__name__
+class _Channel:
+    def __init__(self, link: tuple[int, int], name: str, what: str) -> None:
+        self.link, self.name, self.what = link, name, what
+        self.keys: deque[tuple[int, int]] = deque()  # (step, microbatch) still to post
+        self.posted: deque = deque()  # (key, Pending)
 
 
-def peer_error(
-    topo: Topology,
-    rank: int,
-    peer: int,
-    what: str,
-    timeout_s: float,
-    cause: object,
-    via: int | None = None,
-) -> PeerError:
-    """The one `PeerError` wording: `rank` stopped because `peer` failed or stopped
-    responding while it waited for `what` (from `via`, when another rank than `peer`)."""
-    src = f" from {topo.describe(via)}" if via is not None and via != peer else ""
-    return PeerError(
-        f"{topo.describe(rank)}: {topo.describe(peer)} failed or stopped responding while "
-        f"waiting for {what}{src} (timeout {timeout_s:g}s): {_reason(cause)}",
-        peer,
-    )
+class Inbox:
+    """The receives of one stage's action list, posted LOOKAHEAD ahead per channel: activations
+    from stage s-1 (for F), gradients from stage s+1 (for B / BI)."""
+
+    def __init__(
+        self,
+        comm: Comm,
+        stage: int,
+        num_stages: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.comm, self.shape, self.dtype, self.device = comm, shape, dtype, device
+        self.first, self.last = stage == 0, stage == num_stages - 1
+        self._act = _Channel((stage - 1, stage), "act", "activation")
+        self._grad = _Channel((stage + 1, stage), "grad", "gradient")
+
+    def expect(self, actions: Iterable[Action]) -> None:
+        """Register what `actions` will receive, in order."""
+        for a in actions:
+            if a.kind == "F" and not self.first:
+                self._act.keys.append((a.step, a.microbatch))
+            if a.kind in ("B", "BI") and not self.last:
+                self._grad.keys.append((a.step, a.microbatch))
+
+    def prefetch(self) -> None:
+        """Post receives until LOOKAHEAD are outstanding on each channel."""
+        for ch in (self._act, self._grad):
+            while ch.keys and len(ch.posted) < LOOKAHEAD:
+                step, mb = key = ch.keys.popleft()
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                what = f"the {ch.what} of step {step} microbatch {mb}"
+                ch.posted.append((key, self.comm.recv([buf], ch.link, ch.name, what)))
+
+    def activation(self, step: int, microbatch: int) -> torch.Tensor:
+        return self._take(self._act, (step, microbatch))
+
+    def gradient(self, step: int, microbatch: int) -> torch.Tensor:
+        return self._take(self._grad, (step, microbatch))
+
+    def _take(self, ch: _Channel, key: tuple[int, int]) -> torch.Tensor:
+        got, pending = ch.posted.popleft()
+        assert got == key, (got, key)
+        return pending.wait()[0]
+
+    def forget_after(self, step: int) -> None:
+        """Post nothing for steps after `step` (the run ends there)."""
+        for ch in (self._act, self._grad):
+            ch.keys = deque(k for k in ch.keys if k[0] <= step)

@@ -40,10 +40,10 @@ from stalepipe.delay import DelayedOptimizer, microbatch_seed
 from stalepipe.delay.rng import seeded
 from stalepipe.runtime.split_backward import WeightBranches, backward_input, backward_weights
 from stalepipe.runtime.stage_eval import EvalData, EvalStage, evaluate_stages
-from stalepipe.runtime.stage_io import Batches, Chunk, ModelLayout, Plan, StageIO
-from stalepipe.runtime.stage_update import StageUpdates, UpdateReport
+from stalepipe.runtime.stage_io import Batches, Chunk, ModelLayout, StageIO
+from stalepipe.runtime.stage_update import StageUpdates, StepVotes, UpdateReport, lookahead
 from stalepipe.runtime.tied import TiedWeights
-from stalepipe.runtime.votes import StepVotes, lookahead
+from stalepipe.schedules.plan import StepPlan
 from stalepipe.schedules.schedule import Action, PipelineSchedule
 
 
@@ -72,11 +72,11 @@ class StageExecutor:
         plan: the run's LR schedule and its log / eval / checkpoint steps.
         evaluation: the validation batches (`evaluate`), or None for a run that never evaluates.
         tied_versions: older versions of a tied matrix the last stage still reads (resume).
-        votes: how the processes agree on a step to checkpoint or stop at (`runtime.votes`);
+        votes: how the processes agree on a step to checkpoint or stop at (`runtime.stage_update`);
             None: the plan's own steps only.
         requests: this process's pending requests (STOP, CHECKPOINT bits), cast in each vote.
 
-    `plan` is the plan as agreed so far: each agreement replaces it (`Plan.with_agreed`).
+    `plan` is the plan as agreed so far: each agreement replaces it (`StepPlan.with_agreed`).
     """
 
     def __init__(
@@ -85,7 +85,7 @@ class StageExecutor:
         layout: ModelLayout,
         delayed: DelayedOptimizer,
         sched: PipelineSchedule,
-        plan: Plan,
+        plan: StepPlan,
         evaluation: EvalData | None = None,
         tied_versions: dict[int, torch.Tensor] | None = None,
         votes: StepVotes | None = None,
@@ -124,7 +124,7 @@ class StageExecutor:
         self._grads: dict[int, dict[str, torch.Tensor]] = {}  # all stages' (names are global)
         self._loss: dict[int, torch.Tensor] = {}
         self._sent_by: dict[int, int] = {}  # step -> comm.sends_posted at its STEP
-        self._ahead = 0  # this process's lookahead (runtime.votes), set by `run`
+        self._ahead = 0  # this process's lookahead (runtime.stage_update), set by `run`
         self._steps_seen: Counter[int] = Counter()  # STEPs of each step run (one per stage)
         self._live_inflight: Counter[int] = Counter()  # versions used by stashed graphs
         self.peak_versions = self._versions_kept()
@@ -146,7 +146,7 @@ class StageExecutor:
         for a in actions:
             chunk = self.chunks[a.stage]
             if (stop := self.plan.stop_step) is not None and a.step > stop:
-                continue  # the run ends after update `stop` (runtime.votes)
+                continue  # the run ends after update `stop` (runtime.stage_update)
             for c in self.chunks.values():
                 c.inbox.prefetch()
             if a.kind == "F":

@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from stalepipe.runtime.comm import Pending
-from stalepipe.runtime.inbox import LOOKAHEAD  # receives posted ahead, sends in flight
+from stalepipe.runtime.comm import LOOKAHEAD, Pending  # receives posted ahead, sends in flight
 
 
 @dataclass(frozen=True)

@@ -1,36 +1,19 @@
 """What a stage executor is given: its place and inputs (`StageIO`), facts about the whole
-model (`ModelLayout`) and what it asks of the run's plan (`Plan`); and what it builds of each
-stage it runs (`Chunk`)."""
+model (`ModelLayout`); and what it builds of each stage it runs (`Chunk`)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
 
-from stalepipe.runtime.comm import Comm
-from stalepipe.runtime.inbox import Inbox
-from stalepipe.runtime.reparam import Reparametrized
+from stalepipe.models.partition import Reparametrized
+from stalepipe.runtime.comm import Comm, Inbox
 
 Batches = tuple[list[torch.Tensor], list[torch.Tensor]]
-
-
-class Plan(Protocol):
-    """What the executor needs of the run's plan (`train.engine.StepPlan` is one): an
-    immutable value; an agreement on a step is a new plan (`with_agreed`)."""
-
-    def lr_multiplier(self, step: int) -> float: ...
-    def logs(self, step: int) -> bool: ...
-    def evaluates(self, step: int) -> bool: ...
-    def is_sync_point(self, step: int) -> bool: ...
-    def with_agreed(self, step: int, bits: int) -> Plan: ...
-    def agreed_bits(self, step: int) -> int: ...
-    @property
-    def stop_step(self) -> int | None: ...
 
 
 @dataclass(frozen=True)

@@ -28,14 +28,14 @@ import torch.distributed as dist
 
 from stalepipe.config import ConfigError, ExperimentConfig
 from stalepipe.errors import UserError
-from stalepipe.runtime.comm import (
+from stalepipe.peers.group import (
     PeerError,
     init_from_env,
     leave_process_group,
     resolve_backend,
     under_torchrun,
 )
-from stalepipe.runtime.waits import STORE_POLL_S, restart_prefix
+from stalepipe.peers.waits import STORE_POLL_S, restart_prefix
 
 T = TypeVar("T")
 

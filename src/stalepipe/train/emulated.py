@@ -26,8 +26,9 @@ from stalepipe.models import Transformer, build_model
 from stalepipe.optim import build_optimizer
 from stalepipe.optim.lr_schedule import apply_lr, config_peak_lr
 from stalepipe.rundir.checkpoint import commit_checkpoint, load_model_state, open_checkpoint
+from stalepipe.rundir.checkpoint_parts import emulator_state, flatten_part, saved_split
 from stalepipe.rundir.sharded import clear_staging, save_part
-from stalepipe.runtime.checkpoint_parts import emulator_state, flatten_part, saved_split
+from stalepipe.schedules.plan import StepPlan, no_requests
 from stalepipe.train.distributed import (
     SINGLE_PROCESS,
     DistContext,
@@ -37,7 +38,7 @@ from stalepipe.train.distributed import (
     or_across_ranks,
     shard_rows,
 )
-from stalepipe.train.engine import StepPlan, StepResult, no_requests
+from stalepipe.train.engine import StepResult
 
 Microbatches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -140,7 +141,7 @@ class EmulatorEngine:
 
     def _resume(self, ckpt: Path) -> None:
         """Continue from a checkpoint of either engine and format, any split the policy allows
-        (its keys re-split by name, `runtime.checkpoint_parts`)."""
+        (its keys re-split by name, `rundir.checkpoint_parts`)."""
         flat = open_checkpoint(ckpt)
         weights, engine_state = emulator_state(flat, self.emulator.delayed)
         aliases = tied.aliases(self.cfg.model.tie_embeddings)

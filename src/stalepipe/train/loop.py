@@ -25,6 +25,7 @@ from stalepipe.config import ExperimentConfig
 from stalepipe.errors import Preempted, TrainingError
 from stalepipe.models import flops_per_token
 from stalepipe.optim import resolve_config
+from stalepipe.peers.interrupts import Interrupts
 from stalepipe.rundir.checkpoint import (
     checkpoint_config,
     checkpoint_step,
@@ -33,6 +34,7 @@ from stalepipe.rundir.checkpoint import (
 )
 from stalepipe.rundir.metrics import Meter, MetricsWriter, read_metrics
 from stalepipe.rundir.startup import StartUp, begin_run
+from stalepipe.schedules.plan import StepPlan
 from stalepipe.train.devices import check_device, peak_flops, set_tf32
 from stalepipe.train.distributed import (
     init_data_parallel,
@@ -41,8 +43,7 @@ from stalepipe.train.distributed import (
     shutdown,
 )
 from stalepipe.train.emulated import EmulatorEngine
-from stalepipe.train.engine import Engine, StepPlan, StepResult
-from stalepipe.train.interrupts import Interrupts
+from stalepipe.train.engine import Engine, StepResult
 from stalepipe.train.progress import Progress
 
 
@@ -118,7 +119,7 @@ def run_loop(
     engine: Engine, cfg: ExperimentConfig, run_dir: Path, *, is_main: bool, verbose: bool
 ) -> TrainResult:
     """Drive `engine` from its start step to the end of the run (module docstring). A signal
-    ends it early at an agreed step, after a checkpoint, with `Preempted` (train.interrupts)."""
+    ends it early at an agreed step, after a checkpoint, with `Preempted` (peers.interrupts)."""
     tc, start = cfg.train, engine.start_step
     if start >= tc.num_steps:
         return _finished(run_dir, tc.num_steps, verbose)

@@ -29,36 +29,38 @@ import torch
 
 from stalepipe.config import PIPELINE_SCHEDULES, ConfigError, ExperimentConfig
 from stalepipe.data import EVAL_SEED, TokenLoader
+from stalepipe.data.loader import ReplicaBatches
 from stalepipe.delay import DelayedOptimizer, DelaySchedule, tied
 from stalepipe.errors import Preempted
 from stalepipe.models import Transformer, build_stage, partition
 from stalepipe.optim import build_optimizer
 from stalepipe.optim.lr_schedule import config_peak_lr, set_peak_lr
-from stalepipe.rundir import sharded
-from stalepipe.rundir.checkpoint import commit_checkpoint, open_checkpoint
-from stalepipe.rundir.directory import run_data_dir
-from stalepipe.rundir.startup import FRESH, StartUp, begin_run
-from stalepipe.runtime import checkpoint_parts as stage_ckpt
-from stalepipe.runtime.comm import (
-    Comm,
+from stalepipe.peers.failures import WorkerFailed
+from stalepipe.peers.group import (
     PeerError,
     barrier_on_store,
     init_from_env,
     leave_process_group,
     resolve_backend,
 )
-from stalepipe.runtime.failures import WorkerFailed
+from stalepipe.peers.topology import Topology
+from stalepipe.rundir import checkpoint_parts as stage_ckpt
+from stalepipe.rundir import sharded
+from stalepipe.rundir.checkpoint import commit_checkpoint, open_checkpoint
+from stalepipe.rundir.directory import run_data_dir
+from stalepipe.rundir.startup import FRESH, StartUp, begin_run
+from stalepipe.runtime.comm import Comm
 from stalepipe.runtime.stage import StageExecutor
 from stalepipe.runtime.stage_eval import EvalData
 from stalepipe.runtime.stage_io import ModelLayout, StageIO
+from stalepipe.runtime.stage_update import StepVotes, lookahead
 from stalepipe.runtime.tied import resume_head
-from stalepipe.runtime.topology import Topology
-from stalepipe.runtime.votes import StepVotes, lookahead
 from stalepipe.schedules.generators import one_stage_per_rank, pipeline_schedule_for
+from stalepipe.schedules.plan import StepPlan, no_requests
 from stalepipe.schedules.schedule import PipelineSchedule, validate
 from stalepipe.train.devices import check_device, set_tf32
 from stalepipe.train.distributed import MAIN_WORK_TIMEOUT_S
-from stalepipe.train.engine import StepPlan, StepResult, no_requests
+from stalepipe.train.engine import StepResult
 from stalepipe.train.loop import TrainResult, run_loop, with_resolved_optim
 from stalepipe.train.ranklog import tee_rank_log
 
@@ -208,7 +210,7 @@ class PipelineEngine:
     (`schedules.generators`, the lists the timing simulator times); `steps` executes this rank's
     list with `runtime.stage.StageExecutor`. Checkpoints: every process of replica 0 writes
     its stages' DCP shard under global names, rank 0 commits the checkpoint; a load reads only
-    this process's parameters, from a checkpoint of any split (`runtime.checkpoint_parts`)."""
+    this process's parameters, from a checkpoint of any split (`rundir.checkpoint_parts`)."""
 
     def __init__(
         self,
@@ -322,21 +324,14 @@ class PipelineEngine:
             requests,
         )
 
-    def _batch_reader(self):
+    def _batch_reader(self) -> ReplicaBatches | None:
         """step -> this replica's microbatches (first and last stage only: inputs, targets)."""
         cfg, tc = self.cfg, self.cfg.train
         if not self._reads_data():
             return None
         loader = TokenLoader(self._data_dir(), "train", cfg.data.seq_len, cfg.data.seed)
-        B, D, m = tc.batch_size, cfg.pipeline.num_replicas, tc.num_microbatches
-        rows = slice(self.replica * B // D, (self.replica + 1) * B // D)
-
-        def get_batch(step: int) -> tuple[list, list]:
-            x, y = loader.batch(step, B)
-            x, y = x[rows].to(self.device), y[rows].to(self.device)
-            return list(x.chunk(m)), list(y.chunk(m))
-
-        return get_batch
+        D, m = cfg.pipeline.num_replicas, tc.num_microbatches
+        return ReplicaBatches(loader, tc.batch_size, self.replica, D, m, self.device)
 
     def _eval_data(self) -> EvalData:
         """The batches `train.emulated.evaluate` reads (whole batches of train.batch_size
@@ -374,7 +369,7 @@ class PipelineEngine:
             plan = self.executor.plan  # with what the processes agreed on so far
             agreed = plan.agreed_bits(r.step)
             yield StepResult(r.step, r.loss, r.grad_norm, tau, r.lr, r.router, agreed)
-            if plan.stops(r.step):  # checkpointed: end here, with every peer (runtime.votes)
+            if plan.stops(r.step):  # checkpointed: end here, with every peer (runtime.stage_update)
                 self.executor.settle()
                 return
 

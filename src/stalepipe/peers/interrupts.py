@@ -3,7 +3,7 @@
 SIGTERM (what SLURM and Kubernetes send before they preempt a job), SIGUSR1 (SLURM's
 `--signal=USR1@<seconds>`) and SIGINT (Ctrl-C) do not kill a run: they set a flag. The
 engine agrees with every other process of the run on a step (its plan becomes
-`train.engine.StepPlan.with_agreed`, a new value the loop reads from each `StepResult`), the
+`schedules.plan.StepPlan.with_agreed`, a new value the loop reads from each `StepResult`), the
 loop writes a checkpoint there and the run ends with `errors.Preempted` (exit status 75);
 `--resume` then continues it bit for bit. A second Ctrl-C stops at once (KeyboardInterrupt),
 keeping only the checkpoints already written.
@@ -19,7 +19,7 @@ import signal
 import threading
 import time
 
-from stalepipe.train.engine import CHECKPOINT, STOP
+from stalepipe.schedules.plan import CHECKPOINT, STOP
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 

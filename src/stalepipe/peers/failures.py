@@ -7,7 +7,7 @@ one (killed). Waits that cannot name a peer by themselves (collectives, the chec
 rank 0 waits for) read them: a dead peer is named within a fraction of a second instead of
 after `pipeline.timeout_s`, and the launcher names the rank that stopped first.
 
-No module state: a process's `FailureRecords` is a value, the one `comm.init_from_env` joined
+No module state: a process's `FailureRecords` is a value, the one `group.init_from_env` joined
 (`Membership.records`), handed to whoever reads or writes them (`comm.Comm`, the checkpoint
 parts' wait), or a new connection to a launcher's store (`launcher_records`).
 """

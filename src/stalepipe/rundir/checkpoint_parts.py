@@ -23,7 +23,7 @@ The single-file checkpoints of older versions (one merged `ckpt_<k>.pt`) load th
 path: `from_merged` turns one into the same keys in memory.
 
 Rank 0 waits for the other processes' shards on the filesystem (`wait_part`); the wait also
-reads the run's failure records (`runtime.failures.Failure`), so a stage that died instead of
+reads the run's failure records (`peers.failures.Failure`), so a stage that died instead of
 writing its shard stops rank 0 within `FAILURE_POLL_S`, not after `pipeline.timeout_s`.
 """
 
@@ -40,9 +40,9 @@ import torch
 
 from stalepipe.delay import DelayedOptimizer, DelaySchedule
 from stalepipe.errors import CheckpointError
-from stalepipe.runtime.comm import PeerError, peer_error
-from stalepipe.runtime.failures import FailureRecords, launcher_records
-from stalepipe.runtime.topology import Topology
+from stalepipe.peers.failures import FailureRecords, launcher_records
+from stalepipe.peers.group import PeerError, peer_error
+from stalepipe.peers.topology import Topology
 
 PARTS_DIR = "parts"  # where older versions staged their parts (a run directory may hold one)
 FAILURE_POLL_S = 0.1  # how often a wait for a shard reads the run's failure records
