@@ -96,21 +96,30 @@ class Registry(Generic[S]):
 class OptimizerSpec:
     """What the config and the optimizer registry need of one optimizer.
 
-    `reads`: the `OptimConfig` fields it reads (a value in any other field is refused);
-    `defaults`: the value of each field read when the config leaves it `None`; `fixed`: fields it
-    does not let a config change but records at the value it uses; `finish`: a last step of
-    `optim.resolve_config` for defaults that depend on other fields (muon); `composite`: it runs
-    an AdamW part of fixed betas beside its own rule (muon, mars); `build(cfg, split)`: the
-    `torch.optim.Optimizer` over a `ParamSplit`, for a resolved `cfg` (imports torch when called).
+    `reads`: the `OptimConfig` fields it reads of those every optimizer shares (lr, beta1,
+    beta2, eps, weight_decay); `settings`: its own hyperparameters (`Setting`: name, type, help,
+    range), which `OptimConfig` holds beside the shared fields (`--optim.<name>`, config files,
+    config.json, `--help`) and which it reads too (appended to `reads`; a value in a field it
+    does not read is refused); `defaults`: the value of each field read when the config leaves
+    it `None`; `fixed`: fields it does not let a config change but records at the value it uses;
+    `finish`: a last step of `optim.resolve_config` for defaults that depend on other fields
+    (muon); `composite`: it runs an AdamW part of fixed betas beside its own rule (muon, mars);
+    `build(cfg, split)`: the `torch.optim.Optimizer` over a `ParamSplit`, for a resolved `cfg`
+    (imports torch when called).
     """
 
     name: str
     reads: tuple[str, ...]
     defaults: dict[str, Any]
     build: Callable[[Any, Any], Any]
+    settings: tuple[Setting, ...] = ()
     fixed: dict[str, Any] = field(default_factory=dict)
     finish: Callable[[Any], Any] | None = None
     composite: bool = False
+
+    def __post_init__(self) -> None:
+        own = tuple(s.name for s in self.settings if s.name not in self.reads)
+        object.__setattr__(self, "reads", (*self.reads, *own))
 
 
 @dataclass(frozen=True, kw_only=True)

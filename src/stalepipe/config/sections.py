@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from stalepipe.config.base import ConfigError, check, multiples_near, option
+from stalepipe.config.base import ConfigError, check, declares_settings, multiples_near, option
 from stalepipe.config.registry import LR_SCHEDULES, OPTIMIZERS, PIPELINE_SCHEDULES
 
 
@@ -144,10 +144,14 @@ class DataConfig:
         return self.data_dir or f"data_cache/{self.corpus}-{self.tokenizer}"
 
 
+@declares_settings("optim", OPTIMIZERS.settings)
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
     """Optimizer choice and hyperparameters. `None` means "the optimizer's own default"
     (see docs/optimizers.md); the resolved values are written to the run's config.json.
+    The fields below are those optimizers share; an optimizer's own hyperparameters (muon's
+    ns_steps, say) are the settings its spec declares (`OptimizerSpec.settings`), held in
+    `declared` and read, set and shown like these (config/base.py, `declares_settings`).
     A field the chosen optimizer does not read (`OptimizerSpec.reads`, config/registry.py) must
     stay `None`; one it fixes (`OptimizerSpec.fixed`) may repeat the fixed value."""
 
@@ -155,42 +159,31 @@ class OptimConfig:
     lr: float | None = option(None, "peak learning rate (matrix params for muon)")
     beta1: float | None = option(None, "first-moment / momentum coefficient")
     beta2: float | None = option(None, "second-moment coefficient")
-    beta3: float | None = option(None, "third coefficient (adan: gradient-difference EMA)")
     eps: float | None = option(None, "denominator epsilon")
     weight_decay: float | None = option(
         None, "decoupled weight decay (not applied to norms/biases)"
     )
-    nesterov: bool | None = option(None, "Nesterov momentum (muon)")
-    ns_steps: int | None = option(None, "Newton-Schulz iterations (muon)")
-    muon_scale: str | None = option(None, "muon LR scaling: 'original' | 'match_rms'")
-    adam_lr: float | None = option(
-        None, "LR of the AdamW part of composite optimizers (muon, mars)"
-    )
-    precond_freq: int | None = option(None, "preconditioner update frequency (soap)")
-    gamma: float | None = option(None, "variance-reduction scale (mars)")
+    # the registered optimizers' own settings off their defaults (config/base.py)
+    declared: tuple[tuple[str, Any], ...] = field(default=())
 
     def __post_init__(self) -> None:
         spec = OPTIMIZERS[self.name]  # ConfigError for an unknown name
         for names, ok, allowed in (
-            (("lr", "adam_lr"), lambda v: v > 0, "> 0"),
-            (("beta1", "beta2", "beta3"), lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
-            (("eps", "weight_decay", "gamma"), lambda v: v >= 0, ">= 0"),
-            (("ns_steps", "precond_freq"), lambda v: v >= 1, ">= 1"),
+            (("lr",), lambda v: v > 0, "> 0"),
+            (("beta1", "beta2"), lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+            (("eps", "weight_decay"), lambda v: v >= 0, ">= 0"),
         ):
             for name in names:
                 v = getattr(self, name)
                 check(v is None or ok(v), f"optim.{name} must be {allowed}, got {v}")
-        check(
-            self.muon_scale in (None, "original", "match_rms"),
-            f"optim.muon_scale must be 'original' or 'match_rms', got {self.muon_scale!r}",
-        )
         self._check_fields_read(spec.reads, spec.fixed)
 
     def _check_fields_read(self, reads: tuple[str, ...], fixed: dict[str, Any]) -> None:
         """Refuse a value in a field the optimizer does not read (it would be ignored)."""
-        unused = [
+        shared = [f.name for f in dataclasses.fields(self) if f.name not in ("name", "declared")]
+        unused = [  # in config.json's (alphabetical) order
             f
-            for f in _OPTIM_HYPER_FIELDS
+            for f in sorted((*shared, *OptimConfig.declared_settings()))
             if f not in reads and getattr(self, f) is not None and getattr(self, f) != fixed.get(f)
         ]
         if not unused:
@@ -205,9 +198,6 @@ class OptimConfig:
             f"{self.name!r}{why}, which reads {', '.join(f'optim.{f}' for f in reads)}; set "
             f"{names} to none (used by {', '.join(users) or 'no optimizer'})"
         )
-
-
-_OPTIM_HYPER_FIELDS = tuple(f.name for f in dataclasses.fields(OptimConfig) if f.name != "name")
 
 
 # The schedules are `PIPELINE_SCHEDULES` (config/registry.py; schedules/generators.py registers

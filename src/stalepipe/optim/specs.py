@@ -1,7 +1,9 @@
-"""The optimizers' specs: what each one reads from `OptimConfig`, its defaults, its builder.
+"""The optimizers' specs: what each one reads from `OptimConfig`, its own settings, its
+defaults, its builder.
 
 Registered in `config.registry.OPTIMIZERS`, the one list of optimizers: the config validates
-`optim.name` and the fields each optimizer reads against it, `optim.registry` resolves defaults
+`optim.name` and the fields each optimizer reads against it, and holds the settings each one
+declares (its own hyperparameters: `--optim.ns_steps`, ...); `optim.registry` resolves defaults
 and builds from it. This module is torch-free (the package root imports it so that a config can
 be validated without torch, config/registry.py says why): each builder imports its optimizer
 class when called. Defaults and their sources are in docs/optimizers.md.
@@ -10,8 +12,10 @@ class when called. Defaults and their sources are in docs/optimizers.md.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from stalepipe.config.base import Setting
 from stalepipe.config.registry import OptimizerSpec, register_optimizer
 
 if TYPE_CHECKING:
@@ -26,6 +30,43 @@ AUX_ADAMW_BETAS = (0.9, 0.95)
 AUX_ADAMW_EPS = 1e-8
 # SOAP: sides longer than this get no rotation (the reference's default; excludes vocab sizes).
 SOAP_MAX_PRECOND_DIM = 10000
+
+
+def _own(
+    name: str, kind: type, help: str, ok: Callable[[Any], bool] | None = None, allowed: str = ""
+) -> Setting:
+    """An optimizer's own hyperparameter: `None` (the optimizer's default) unless set."""
+    return Setting(name=name, type=kind | None, default=None, help=help, ok=ok, allowed=allowed)
+
+
+NESTEROV = _own("nesterov", bool, "Nesterov momentum (muon)")
+NS_STEPS = _own("ns_steps", int, "Newton-Schulz iterations (muon)", lambda v: v >= 1, ">= 1")
+MUON_SCALE = _own(
+    "muon_scale",
+    str,
+    "muon LR scaling: 'original' | 'match_rms'",
+    lambda v: v in ("original", "match_rms"),
+    "'original' or 'match_rms'",
+)
+# muon's and mars's: one setting, declared by both
+ADAM_LR = _own(
+    "adam_lr",
+    float,
+    "LR of the AdamW part of composite optimizers (muon, mars)",
+    lambda v: v > 0,
+    "> 0",
+)
+PRECOND_FREQ = _own(
+    "precond_freq", int, "preconditioner update frequency (soap)", lambda v: v >= 1, ">= 1"
+)
+BETA3 = _own(
+    "beta3",
+    float,
+    "third coefficient (adan: gradient-difference EMA)",
+    lambda v: 0.0 <= v < 1.0,
+    "in [0, 1)",
+)
+GAMMA = _own("gamma", float, "variance-reduction scale (mars)", lambda v: v >= 0, ">= 0")
 
 
 def _named_group(params: list, kind: str, **hyper: Any) -> dict:
@@ -187,7 +228,8 @@ def _finish_muon(cfg: OptimConfig) -> OptimConfig:
 register_optimizer(
     OptimizerSpec(
         name="muon",
-        reads=("lr", "beta1", "weight_decay", "nesterov", "ns_steps", "muon_scale", "adam_lr"),
+        reads=("lr", "beta1", "weight_decay"),
+        settings=(NESTEROV, NS_STEPS, MUON_SCALE, ADAM_LR),
         # lr / weight_decay / adam_lr depend on muon_scale: _finish_muon
         defaults=dict(beta1=0.95, nesterov=True, ns_steps=5, muon_scale="original"),
         # config.json of every muon run so far has optim.eps 1e-8, its AdamW part's fixed eps
@@ -200,7 +242,8 @@ register_optimizer(
 register_optimizer(
     OptimizerSpec(
         name="soap",
-        reads=("lr", "beta1", "beta2", "eps", "weight_decay", "precond_freq"),
+        reads=("lr", "beta1", "beta2", "eps", "weight_decay"),
+        settings=(PRECOND_FREQ,),
         defaults=dict(
             lr=3e-3, beta1=0.95, beta2=0.95, eps=1e-8, weight_decay=0.01, precond_freq=10
         ),
@@ -211,6 +254,7 @@ register_optimizer(
     OptimizerSpec(
         name="adan",
         reads=("lr", "beta1", "beta2", "beta3", "eps", "weight_decay"),
+        settings=(BETA3,),
         defaults=dict(lr=3e-3, beta1=0.98, beta2=0.92, beta3=0.99, eps=1e-8, weight_decay=0.02),
         build=_build_adan,
     )
@@ -226,7 +270,8 @@ register_optimizer(
 register_optimizer(
     OptimizerSpec(
         name="mars",
-        reads=("lr", "beta1", "beta2", "eps", "weight_decay", "gamma", "adam_lr"),
+        reads=("lr", "beta1", "beta2", "eps", "weight_decay"),
+        settings=(GAMMA, ADAM_LR),
         defaults=dict(
             lr=3e-3, beta1=0.95, beta2=0.99, eps=1e-8, weight_decay=0.01, gamma=0.025, adam_lr=3e-3
         ),
