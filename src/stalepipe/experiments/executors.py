@@ -3,7 +3,7 @@ its local and debug executors for checking the same path without a cluster).
 
 - `local` (the default): `experiments.workers.run_spawned`, one spawned process per run,
   `--workers` at a time. Measured against submitit's LocalExecutor on short runs
-  (benchmarks/sweep_executors.py, docs/benchmarks.md): the pool is faster, it starts each run
+  (benchmarks/speed/sweep_executors.py, docs/benchmarks.md): the pool is faster, it starts each run
   without writing pickles and log files or polling them, so it stays the local executor.
 - `slurm`: one job array through submitit, one array task per run, at most
   `array_parallelism` at once. `stalepipe sweep` submits and returns (the runs outlive it);

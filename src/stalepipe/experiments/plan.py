@@ -17,7 +17,7 @@ from stalepipe.experiments.studies import STUDIES, get_study
 
 # Core-seconds per step of each CPU scale's base config (spawn, evals and checkpoints included),
 # measured on a 2-core machine shared with other jobs. `cpu`: over the paper-mini sweep, 0.09 s
-# at a load of ~3, 0.18 s at ~8. `cpu-regime`: benchmarks/regime_throughput.py at a load of
+# at a load of ~3, 0.18 s at ~8. `cpu-regime`: benchmarks/speed/regime_throughput.py at a load of
 # ~5 (AdamW; 247 s per 1200-step run with its 20 evals; docs/RESULTS.md "Regime"). Used only
 # for the estimates in `stalepipe sweep --help` / --dry-run.
 CPU_SECONDS_PER_STEP = {"cpu": 0.1, "cpu-regime": 0.2}

@@ -2,7 +2,7 @@
 
     cpu         the `paper-mini` model (4 blocks, so pipeline depths 2 and 4 exist),
                 Shakespeare bytes, 200 steps: 20-40 s per run on one core
-    cpu-regime  issue 17's scale, chosen by measurement (`benchmarks/regime_probe.py`,
+    cpu-regime  issue 17's scale, chosen by measurement (`benchmarks/studies/regime_probe.py`,
                 docs/RESULTS.md "Regime"): every run leaves the unigram plateau early and the
                 seed spread is small against AdamW's gap (`regime_base`)
     135m    SmolLM-135M on GPT-2 tokens (`smollm-135m` preset), GPUs
@@ -58,8 +58,8 @@ def paper_mini_base() -> ExperimentConfig:
     )
 
 
-# The `cpu-regime` scale (issue 17), chosen with benchmarks/regime_probe.py: see docs/RESULTS.md
-# "Regime" for the probes that ruled out cheaper candidates.
+# The `cpu-regime` scale (issue 17), chosen with benchmarks/studies/regime_probe.py: see
+# docs/RESULTS.md "Regime" for the probes that ruled out cheaper candidates.
 REGIME_STEPS = 1200
 
 

@@ -34,7 +34,7 @@ def _key(v: Verdict) -> float:
 
 def given_overhead(text: str) -> tuple[float, float, float, str]:
     """`--overhead X,LOW,HIGH[@SIZE]`: a token overhead with its interval from elsewhere (the
-    size ladder's fit at the target model, `benchmarks/ladder_fit.py`; the paper's), and the
+    size ladder's fit at the target model, `benchmarks/studies/ladder_fit.py`; the paper's), and the
     model size it is for. One-line UserError naming the form otherwise."""
     from stalepipe.errors import UserError
 

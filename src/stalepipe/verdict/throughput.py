@@ -7,9 +7,9 @@ run's). Peak memory per rank and whether it fits the device: as the simulator co
 (sim/memory.py). All calls to the simulator go through `simulate_all`.
 
 Measured (`load_costs`): a JSON or CSV file (docs/verdict.md), for example tokens/s read off
-`benchmarks/pipeline_throughput.py`'s table:
+`benchmarks/speed/pipeline_throughput.py`'s table:
 
-    {"source": "benchmarks/pipeline_throughput.py, P=2, m=8, CPU", "num_stages": 2,
+    {"source": "benchmarks/speed/pipeline_throughput.py, P=2, m=8, CPU", "num_stages": 2,
      "schedules": [{"name": "1f1b", "tokens_per_s": 5200},
                    {"name": "2bw", "tokens_per_s": 6100, "peak_memory_gb": [1.2, 1.1]},
                    {"name": "torch-zbv", "policy": "sync", "tokens_per_s": 5600}]}

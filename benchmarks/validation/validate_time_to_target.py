@@ -1,6 +1,6 @@
 """Time to target, end to end: 2bw against 1f1b on the pipeline runtime, predicted against measured.
 
-    OMP_NUM_THREADS=1 python benchmarks/validate_time_to_target.py --out /tmp/ttt \\
+    OMP_NUM_THREADS=1 python benchmarks/validation/validate_time_to_target.py --out /tmp/ttt \\
         [--steps 200] [--microbatches 4] [--extend 1.25 1.5 2] [--repeats 3] [--reuse]
 
 docs/verdict.md, 'Validation' (b). Trains, with `stalepipe train` on the pipeline runtime
@@ -28,17 +28,12 @@ printed before and after.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
-
-from pipeline_spans import measured_costs  # benchmarks/pipeline_spans.py
-from pipeline_throughput import P, ours  # benchmarks/pipeline_throughput.py
 
 from stalepipe.analysis.overhead import Curve, token_curve, tokens_to_reach
 from stalepipe.analysis.results import load_runs
@@ -48,6 +43,11 @@ from stalepipe.launch.pool import WorkerPool
 from stalepipe.rundir.metrics import read_metrics
 from stalepipe.schedules.generators import make_schedule
 from stalepipe.sim.timing import simulate, summarize
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
+from benchmarks.common import parser, print_load, timing_args
+from benchmarks.speed.pipeline_spans import measured_costs
+from benchmarks.speed.pipeline_throughput import P, ours
 
 GOAL = 0.15
 MODEL = {  # validate_step_time.py's model (pipeline_throughput.py's defaults)
@@ -135,17 +135,17 @@ def train_arms(args, pool: WorkerPool, model: ModelConfig, rates: dict) -> dict[
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--out", type=Path, required=True, help="directory of the runs")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW's peak LR")
     ap.add_argument("--extend", type=float, nargs="*", default=[1.25, 1.5, 2.0])
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs per schedule (costs)")
+    timing_args(ap, repeats=3)  # timed runs per schedule, for the costs
     ap.add_argument("--reuse", action="store_true", help="keep runs already under --out")
     args = ap.parse_args()
-    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print_load("before")
     model = ModelConfig(**{k.removeprefix("model."): v for k, v in MODEL.items()})
     rates: dict[str, list[float]] = {"1f1b": [], "2bw": []}
     pool = WorkerPool(P)
@@ -164,7 +164,7 @@ def main() -> None:
     tps = {k: statistics.median(v) for k, v in rates.items()}
     for k, v in rates.items():
         print(f"simulated {k}: {tps[k]:.0f} tokens/s (rounds: {', '.join(f'{x:.0f}' for x in v)})")
-    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print_load("after")
     if not math.isfinite(st.tokens_delayed):
         print(f"2bw did not reach 1f1b's final loss {target:.4f}: > {st.bound:.2f}x the tokens")
         return

@@ -1,6 +1,6 @@
 """The split backward of zero-bubble schedules against a full backward, on one stage.
 
-    python benchmarks/split_backward.py [--dim 256] [--repeats 21]
+    python benchmarks/speed/split_backward.py [--dim 256] [--repeats 21]
 
 One middle stage of pipeline_throughput.py's model (a quarter of 4 blocks, 8x64 tokens per
 microbatch, one thread). Times, median of `--repeats` fresh graphs each:
@@ -13,28 +13,32 @@ microbatch, one thread). Times, median of `--repeats` fresh graphs each:
 
 from __future__ import annotations
 
-import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
 from stalepipe.config import ModelConfig
 from stalepipe.models import build_model, partition
-from stalepipe.runtime.reparam import Reparametrized
+from stalepipe.models.partition import Reparametrized
 from stalepipe.runtime.split_backward import (
     _weight_branches,
     backward_input,
     backward_weights,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
+from benchmarks.common import parser, pin_threads, timing_args
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=21)
+    timing_args(ap, repeats=21)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    pin_threads(1)
     cfg = ModelConfig(
         vocab_size=256, dim=args.dim, num_layers=4, num_heads=8, num_kv_heads=4,
         ffn_dim=int(args.dim * 8 / 3) // 8 * 8, max_seq_len=64, tie_embeddings=False,

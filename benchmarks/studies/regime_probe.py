@@ -15,12 +15,13 @@ per candidate and arm with the issue's three criteria:
 
 `train s` is each run's training time by its own clock (`tokens_per_s` in its metrics: evals
 left out), for one worker of one thread on this machine under its load at the time; the load
-moves it by 5x, so benchmarks/regime_throughput.py measures speed side by side.
+moves it by 5x, so benchmarks/speed/regime_throughput.py measures speed side by side.
 
-    python benchmarks/regime_probe.py --candidates bpe2k-d96,byte-d96 --arms adamw:sync,adamw:2bw
-    python benchmarks/regime_probe.py --seeds 3 --table-only       # the table of what has run
-    python benchmarks/regime_probe.py --candidates cpu-regime --runs docs/results/momentum-regime \
-        --table-only --groups 'adamw_b1*'                            # any study's run groups
+    python benchmarks/studies/regime_probe.py --candidates bpe2k-d96,byte-d96 \
+        --arms adamw:sync,adamw:2bw
+    python benchmarks/studies/regime_probe.py --seeds 3 --table-only  # the table of what has run
+    python benchmarks/studies/regime_probe.py --candidates cpu-regime \
+        --runs docs/results/momentum-regime --table-only --groups 'adamw_b1*'  # any study's groups
 """
 
 from __future__ import annotations

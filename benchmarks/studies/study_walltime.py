@@ -8,9 +8,9 @@ training time), the median training time of one run (the loop's own clock, evalu
 out, one thread), the commits, and the 1-minute load average at the runs' starts where the
 records have it (stalepipe records it since 2026-12-03; older records show "-").
 
-    python benchmarks/study_walltime.py docs/results/optimizers-regime
-    python benchmarks/study_walltime.py docs/results/optimizers-regime --since 2026-12-03
-    python benchmarks/study_walltime.py docs/results/optimizers-regime --by-study
+    python benchmarks/studies/study_walltime.py docs/results/optimizers-regime
+    python benchmarks/studies/study_walltime.py docs/results/optimizers-regime --since 2026-12-03
+    python benchmarks/studies/study_walltime.py docs/results/optimizers-regime --by-study
 
 `--by-study` adds the commands of one study up (`stalepipe sweep STUDY ...` whatever its
 flags; an ad-hoc `--grid` sweep and each script count as one study): runs, the sum of the
@@ -22,18 +22,20 @@ separate invocation of the command (the same command run again a day later).
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
+import sys
 from datetime import datetime, timedelta
 from pathlib import Path
-
-from regime_probe import train_seconds  # benchmarks/ is the script's directory
 
 from stalepipe.errors import UserError
 from stalepipe.rundir.directory import invocations, read_meta
 from stalepipe.rundir.metrics import read_metrics
 from stalepipe.rundir.status import run_status
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
+from benchmarks.common import parser
+from benchmarks.studies.regime_probe import train_seconds
 
 
 def _command(argv: list[str], cwd: str) -> str:
@@ -162,7 +164,7 @@ def study_table(records: list[dict]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("runs", type=Path, help="a sweep directory")
     p.add_argument("--since", default="", help="only runs started at or after this ISO time")
     p.add_argument("--by-study", action="store_true", help="one row per study, not per command")

@@ -2,7 +2,7 @@
 'Checked against published figures'; tests/verdict/test_cluster_published.py recomputes the
 table there from this script).
 
-    OMP_NUM_THREADS=1 python benchmarks/cluster_published.py
+    OMP_NUM_THREADS=1 python benchmarks/validation/cluster_published.py
 
 Two kinds of row. **Collectives**: nccl-tests bus bandwidth (busbw, GB/s, the largest message
 printed) on published systems, against `sim.cluster.collective_time` on the same system, group

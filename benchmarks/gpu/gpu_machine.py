@@ -1,4 +1,4 @@
-"""The machine side of benchmarks/gpu_check.py: what the check needs installed (and the wheels
+"""The machine side of benchmarks/gpu/gpu_check.py: what the check needs installed (and the wheels
 to bring to an offline machine when something is missing), the checks before any run (torch,
 CUDA, packages), where the runs go, and the machine as the results describe it."""
 
@@ -44,7 +44,7 @@ def wheel_commands(missing: list[str]) -> str:
         f"copy stalepipe-wheels/ into this checkout, then here:\n"
         f"  {Path(sys.executable).name} -m pip install --no-index --no-deps --target {SITE} "
         f"stalepipe-wheels/*.whl\n"
-        f"and run benchmarks/gpu_check.sh again (it puts {SITE} on PYTHONPATH)"
+        f"and run benchmarks/gpu/gpu_check.sh again (it puts {SITE} on PYTHONPATH)"
     )
 
 
@@ -54,7 +54,7 @@ def preflight(cpu_smoke: bool) -> int | None:
     if importlib.util.find_spec("torch") is None:
         print(
             f"gpu_check: {sys.executable} has no torch; run it with the Python of the GPU "
-            f"machine's own CUDA PyTorch (PYTHON=... benchmarks/gpu_check.sh)",
+            f"machine's own CUDA PyTorch (PYTHON=... benchmarks/gpu/gpu_check.sh)",
             file=sys.stderr,
         )
         return 1

@@ -1,6 +1,6 @@
 """What one checkpoint costs, the old single file against DCP shards, side by side.
 
-Run: OMP_NUM_THREADS=1 python benchmarks/checkpoint_cost.py [--repeats 3] [--skip-smollm]
+Run: OMP_NUM_THREADS=1 python benchmarks/speed/checkpoint_cost.py [--repeats 3] [--skip-smollm]
 
 Each contender is the emulator engine a run trains with (`train.emulated.EmulatorEngine`, on
 CPU, fp32) at `--stages` pipeline stages: `cpu-small`, and `smollm-135m` (the preset's model
@@ -39,6 +39,7 @@ import multiprocessing as mp
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -50,11 +51,14 @@ from stalepipe.data import prepare_corpus
 from stalepipe.presets import get_preset
 from stalepipe.rundir import verified
 from stalepipe.rundir.checkpoint import commit_checkpoint, open_checkpoint, save_legacy_checkpoint
+from stalepipe.rundir.checkpoint_parts import flatten_part, saved_split, stage_state
 from stalepipe.rundir.sharded import MANIFEST, ShardedCheckpoint, save_part
-from stalepipe.runtime.checkpoint_parts import flatten_part, saved_split, stage_state
+from stalepipe.schedules.plan import StepPlan
 from stalepipe.train.distributed import SINGLE_PROCESS
 from stalepipe.train.emulated import EmulatorEngine
-from stalepipe.train.engine import StepPlan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
+from benchmarks.common import parser, pin_threads, proc_status_kb, timing_args
 
 POLICIES = {"sync": {"delay.policy": "sync"}, "2bw+ef": {"delay.policy": "2bw", "delay.ef": "true"}}
 
@@ -93,10 +97,7 @@ def contenders(args: argparse.Namespace) -> list[tuple[str, ExperimentConfig]]:
 def _status_mb(field: str) -> float:
     """VmRSS (now) or VmHWM (peak) of this process, in MiB; ru_maxrss would carry the
     spawning parent's peak across exec."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    return proc_status_kb(field) / 1024
 
 
 def _rchar() -> int:
@@ -130,7 +131,7 @@ def _load_rank(path: str, stage: int, threads: int, torch_reader: bool = False) 
 
     if torch_reader:
         _torch_reader()
-    torch.set_num_threads(threads)
+    pin_threads(threads)
     base_rss, base_read, t = _status_mb("VmRSS"), _rchar(), time.perf_counter()
     flat = open_checkpoint(Path(path))
     _, _, names = saved_split(flat)
@@ -239,17 +240,16 @@ def _print(label: str, m: dict, stages: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3, help="saves and loads per contender")
+    ap = parser(__doc__)
+    timing_args(ap, repeats=3, threads=1)  # repeats: saves and loads per contender
     ap.add_argument("--steps", type=int, default=2, help="training steps before the saves")
     ap.add_argument("--stages", type=int, default=2, help="pipeline stages (= runtime ranks)")
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--smollm-batch", type=int, default=2, help="sequences per smollm step")
     ap.add_argument("--smollm-seq", type=int, default=256, help="tokens per smollm sequence")
     ap.add_argument("--skip-smollm", action="store_true", help="only cpu-small (fast)")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary dir)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    pin_threads(args.threads)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         data_dir = prepare_corpus(
             DataConfig(corpus="excerpt", data_dir=f"{tmp}/data"), progress=False

@@ -9,7 +9,7 @@ from stalepipe.config import ModelConfig, OptimConfig
 from stalepipe.models import build_model, partition
 from stalepipe.optim import build_optimizer, resolve_config
 from stalepipe.optim.lr_schedule import set_peak_lr
-from stalepipe.runtime.comm import init_from_env
+from stalepipe.peers.group import init_from_env
 
 P = 2
 

@@ -3,7 +3,7 @@
 # sync / 2bw / 2bw+EF, 3 seeds each (18 runs of SmolLM-135M, 10k steps of 256 x 1024 GPT-2
 # tokens), then the report (gaps, Welch tests, token overhead, EF's share) and the verdict.
 #
-#   benchmarks/claims_135m.sh DATA_DIR [OUT] [more `stalepipe sweep` flags]
+#   benchmarks/studies/claims_135m.sh DATA_DIR [OUT] [more `stalepipe sweep` flags]
 #
 # DATA_DIR holds GPT-2 token shards in the llm.c format, e.g. FineWeb-edu from llm.c's
 # dev/data/fineweb.py or modded-nanogpt's data/cached_fineweb10B.py (*_train_*.bin and

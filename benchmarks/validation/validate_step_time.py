@@ -1,10 +1,12 @@
 """Step time of the pipeline runtime against the timing simulator fed with measured costs.
 
-    OMP_NUM_THREADS=1 python benchmarks/validate_step_time.py [--microbatches 2 4 8] [--repeats 3]
+    OMP_NUM_THREADS=1 python benchmarks/validation/validate_step_time.py \
+        [--microbatches 2 4 8] [--repeats 3]
 
 docs/verdict.md, 'Validation' (a). P=2 processes (gloo, one CPU thread each), the model and
-microbatches of benchmarks/pipeline_throughput.py (whose worker, `ours`, runs each schedule and
-times every action). For 2bw, 1f1b and zb-h1 at each m, `--repeats` interleaved rounds:
+microbatches of benchmarks/speed/pipeline_throughput.py (whose worker, `ours`, runs each
+schedule and times every action). For 2bw, 1f1b and zb-h1 at each m, `--repeats` interleaved
+rounds:
 
 - measured: the timed window (the first forward of step `--warmup` to the last rank's end)
   over the timed steps; the median over the rounds and its range;
@@ -26,23 +28,20 @@ before and after.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
 import statistics
-
-from pipeline_replay import replayed  # benchmarks/pipeline_replay.py
-from pipeline_spans import measured_costs, window  # benchmarks/pipeline_spans.py
-from pipeline_throughput import (
-    P,
-    add_shape_args,
-    bench_model,
-    ours,
-)  # benchmarks/pipeline_throughput.py
+import sys
+from pathlib import Path
 
 from stalepipe.launch.pool import WorkerPool
 from stalepipe.schedules.generators import make_schedule
 from stalepipe.sim.timing import CostModel, simulate, summarize
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
+from benchmarks.common import interleaved_rounds, parser, print_load, timing_args
+from benchmarks.speed.pipeline_replay import replayed
+from benchmarks.speed.pipeline_spans import measured_costs, window
+from benchmarks.speed.pipeline_throughput import P, add_shape_args, bench_model, ours
 
 SCHEDULES = ("2bw", "1f1b", "zb-h1")
 GOAL = 0.10
@@ -114,22 +113,23 @@ def table(results: dict[int, list[dict]]) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     add_shape_args(ap)
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians)")
+    timing_args(ap, repeats=3)
     args = ap.parse_args()
     cfg = bench_model(args.dim, args.layers, args.seq)
-    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print_load("before")
     results: dict[int, list[dict]] = {}
     pool = WorkerPool(P)
     try:
         for m in args.microbatches:
             common = (m, args.mb, args.seq, args.steps, args.warmup)
-            results[m] = []
-            for r in range(args.repeats):  # each round starts with another schedule
-                order = SCHEDULES[r % 3 :] + SCHEDULES[: r % 3]
-                reports = {k: pool.run(ours, (cfg, k, *common), P, timeout_s=900) for k in order}
-                results[m].append(measure_round(reports, m, args.steps, args.warmup))
+
+            def run(k: str, common=common):
+                return pool.run(ours, (cfg, k, *common), P, timeout_s=900)
+
+            rounds = interleaved_rounds(SCHEDULES, args.repeats, run)
+            results[m] = [measure_round(r, m, args.steps, args.warmup) for r in rounds]
             print(f"m={m} done", flush=True)
     finally:
         pool.close()
@@ -141,7 +141,7 @@ def main() -> None:
         "error = predicted / measured - 1"
     )
     print("\n".join(table(results)))
-    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print_load("after")
 
 
 if __name__ == "__main__":

@@ -5,12 +5,11 @@
 2. data parallel: tokens/s of `stalepipe train` under torchrun with 1 and with 2 processes (one
    thread each) for the same global batch; efficiency = tps(2) / (2 * tps(1)).
 
-    python benchmarks/emulator_scaling.py [--preset cpu-tiny] [--steps 40]
+    python benchmarks/speed/emulator_scaling.py [--preset cpu-tiny] [--steps 40]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -19,14 +18,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from stalepipe.config import DelayConfig
 from stalepipe.data import TokenLoader, ensure_prepared
 from stalepipe.delay import DelayEmulator
 from stalepipe.models import build_model
 from stalepipe.optim import build_optimizer
 from stalepipe.presets import get_preset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
+from benchmarks.common import parser, pin_threads, timing_args
 
 
 def emulator_tps(cfg, data_dir: str, steps: int, warmup: int, compile_: bool) -> float:
@@ -89,14 +89,12 @@ def torchrun_tps(preset: str, nproc: int, steps: int, out: str) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__, whole=True)
     ap.add_argument("--preset", default="cpu-tiny")
-    ap.add_argument("--steps", type=int, default=40)
+    timing_args(ap, steps=40)
     ap.add_argument("--skip-compile", action="store_true")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    pin_threads(1)
     cfg = get_preset(args.preset)
     data_dir = str(ensure_prepared(cfg.data))
     print(f"preset {args.preset}, batch {cfg.train.batch_size} x seq {cfg.data.seq_len}, 1 thread")

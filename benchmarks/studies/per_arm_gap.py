@@ -10,7 +10,7 @@ Welch p, and where both groups finished the same seeds (at least two) the gap pa
 with its 95 % interval and paired p (the report's test: the arms of a seed share data order
 and initialisation).
 
-    python benchmarks/per_arm_gap.py \\
+    python benchmarks/studies/per_arm_gap.py \\
         docs/results/lr-tune-regime/adan_lr3e-3_2bw=docs/results/optimizers-regime/adan_sync
 
 Any two groups compare, e.g. PipeDream against 2BW at P = 8 (RESULTS, "Depth P = 8"):

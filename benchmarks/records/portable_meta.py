@@ -1,8 +1,8 @@
 """Rewrite run records' meta.json so they name no machine's paths (run it before committing
 records made by stalepipe older than this script's commit, which wrote absolute paths).
 
-    python benchmarks/portable_meta.py docs/results            # rewrite in place
-    python benchmarks/portable_meta.py docs/results --check    # exit 1 if any record has one
+    python benchmarks/records/portable_meta.py docs/results          # rewrite in place
+    python benchmarks/records/portable_meta.py docs/results --check  # exit 1 if a record has one
 
 `cwd` and `data_dir` become relative to the run directory (as `rundir.directory` now writes
 them; a `cwd` outside the run's checkout, a temporary one, becomes null), `run_dir` is dropped (it is the directory the file is in), and the command line names

@@ -6,38 +6,35 @@ the median per-step time is reported. A forward+backward pass of one batch is ti
 the optimizer cost in proportion. Default hyperparameters; the numbers are step costs, not
 training quality.
 
-    OMP_NUM_THREADS=1 python benchmarks/optimizer_step.py [--rounds 5] [--steps 5] [--threads 1]
+    OMP_NUM_THREADS=1 python benchmarks/speed/optimizer_step.py \
+        [--rounds 5] [--steps 5] [--threads 1]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import sys
 import time
-
-import torch
+from pathlib import Path
 
 from stalepipe.config import OptimConfig
 from stalepipe.models import build_model, count_params
 from stalepipe.optim import OPTIMIZERS, build_optimizer
 from stalepipe.presets import cpu_small
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
+from benchmarks.common import parser, pin_threads, random_tokens, timing_args
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5, help="round-robin rounds (median is kept)")
-    ap.add_argument("--steps", type=int, default=5, help="optimizer steps timed per round")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap = parser(__doc__)
+    timing_args(ap, rounds=5, steps=5, threads=1)  # steps: optimizer steps timed per round
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    pin_threads(args.threads)
 
     cfg = cpu_small()
     model = build_model(cfg.model, seed=0)
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(
-        0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.data.seq_len + 1), generator=gen
-    )
-    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    x, y = random_tokens(cfg, 0)
 
     fwd_bwd = []
     model(x, y).backward()  # warm-up, untimed (first-call allocations)

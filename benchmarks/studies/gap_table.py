@@ -8,8 +8,8 @@ the axis: sync's final val loss, the 2bw gap (delayed minus sync), the 2bw+EF ga
 recovers, and AdamW's gap over Muon's. One seed per cell, so a direction, not a test
 (`stalepipe report` tests the axes that have seeds).
 
-    python benchmarks/gap_table.py docs/results/optimizers-regime
-    python benchmarks/gap_table.py docs/results/optimizers-regime --seed 1 --axis length
+    python benchmarks/studies/gap_table.py docs/results/optimizers-regime
+    python benchmarks/studies/gap_table.py docs/results/optimizers-regime --seed 1 --axis length
 """
 
 from __future__ import annotations

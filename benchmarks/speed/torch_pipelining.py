@@ -9,13 +9,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from pipeline_setup import P, random_batch, setup_stage  # benchmarks/pipeline_setup.py
 
+from benchmarks.speed.pipeline_setup import P, random_batch, setup_stage
 from stalepipe.config import ModelConfig, OptimConfig
 from stalepipe.models import build_model, partition
 from stalepipe.optim import build_optimizer, resolve_config
 from stalepipe.optim.lr_schedule import set_peak_lr
-from stalepipe.runtime.comm import init_from_env
+from stalepipe.peers.group import init_from_env
 
 
 class _TorchStage(torch.nn.Module):

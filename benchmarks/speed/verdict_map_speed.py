@@ -1,6 +1,7 @@
 """How long the verdict's crossover map takes (issue 32: a full map in under 10 s on 2 cores).
 
-    OMP_NUM_THREADS=1 python benchmarks/verdict_map_speed.py [--cluster h100-ib] [--model smollm-360m]
+    OMP_NUM_THREADS=1 python benchmarks/speed/verdict_map_speed.py \
+        [--cluster h100-ib] [--model smollm-360m]
 
 Times `verdict.cluster.crossover_map` from a cold cache (the pipeline timings are
 cached per process), in one process and in its default worker processes (one a CPU), and counts
@@ -10,18 +11,22 @@ docs/benchmarks.md records it.
 
 from __future__ import annotations
 
-import argparse
 import os
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from stalepipe.sim import parallel, steady
 from stalepipe.sim.parallel import all_options
 from stalepipe.verdict.cluster import crossover_map, setting
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
+from benchmarks.common import load_average, parser
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--cluster", default="h100-ib")
     ap.add_argument("--model", default="smollm-360m")
     ap.add_argument("--gpus", type=int, default=32)
@@ -46,7 +51,7 @@ def main() -> None:
         f"crossover map, {args.model} on {args.cluster} around {args.gpus} GPUs: {len(cells)} cells, "
         f"{configs} configurations at the central assumptions (and 8 corners each); cold cache: "
         f"{took[1]:.2f} s in one process, {took[None]:.2f} s in {os.cpu_count()} (load average "
-        f"after: {' '.join(f'{x:.2f}' for x in os.getloadavg())})"
+        f"after: {load_average()})"
     )
 
 

@@ -1,8 +1,8 @@
 """The size ladder's table, fit and prediction (issue 41; the analysis docs/RESULTS.md registered
 before the runs, `stalepipe.analysis.scaling`), from the ladder's run records.
 
-    python benchmarks/ladder_fit.py                                  # docs/results/ladder-regime
-    python benchmarks/ladder_fit.py runs/ladder-regime               # a sweep in progress
+    python benchmarks/studies/ladder_fit.py                     # docs/results/ladder-regime
+    python benchmarks/studies/ladder_fit.py runs/ladder-regime  # a sweep in progress
 
 Every number is a run's final loss on the whole validation split (`val_loss_full`). Per
 optimizer and width, at its phase-2 LR (`experiments.scales.LADDER_LRS`): sync's mean, and the

@@ -1,6 +1,6 @@
 """Delay-engine overhead: step time and memory of sync vs 2bw, EF, pipedream(P=4) and every corrector.
 
-Run: OMP_NUM_THREADS=1 python benchmarks/delay_overhead.py [--preset cpu-small] [--steps 12]
+Run: OMP_NUM_THREADS=1 python benchmarks/speed/delay_overhead.py [--preset cpu-small] [--steps 12]
 
 Timing: all contenders live in one process and take turns step by step (round robin), so
 machine noise hits them alike; ratios are medians over rounds of paired ratios (the two
@@ -23,8 +23,20 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
+from benchmarks.common import (
+    paired_ratios,
+    parser,
+    pin_threads,
+    proc_status_kb,
+    random_tokens,
+    round_robin,
+    timing_args,
+)
 
 CONTENDERS = {
     "sync": ({"policy": "sync"}, 4),
@@ -56,11 +68,7 @@ def build(name: str, preset: str):
 
 
 def batch(cfg, k: int):
-    g = torch.Generator().manual_seed(k)
-    x = torch.randint(
-        0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.data.seq_len + 1), generator=g
-    )
-    return [(x[:, :-1].contiguous(), x[:, 1:].contiguous())]
+    return [random_tokens(cfg, k)]
 
 
 def one_step(cfg, engine, k: int) -> float:
@@ -74,7 +82,7 @@ def one_step(cfg, engine, k: int) -> float:
 def paired(times: list[float], base: list[float]) -> float:
     """Median over rounds of the step time over the base's step time in the same round: the
     two ran back to back, so load that drifts over the run cancels."""
-    return statistics.median(t / b for t, b in zip(times, base, strict=True))
+    return statistics.median(paired_ratios(times, base))
 
 
 def engine_bytes(engine) -> int:
@@ -88,16 +96,8 @@ def engine_bytes(engine) -> int:
     return n
 
 
-def peak_rss_kb() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return 0
-
-
 def memory_child(name: str, preset: str, steps: int) -> None:
-    torch.set_num_threads(1)
+    pin_threads(1)
     cfg, model, engine = build(name, preset)
     peak = 0
     for k in range(steps):
@@ -107,29 +107,23 @@ def memory_child(name: str, preset: str, steps: int) -> None:
         engine.step(k)
     rest = engine_bytes(engine)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    out = {"rss_kb": peak_rss_kb(), "engine_bytes": rest, "peak_bytes": max(peak, rest)}
+    out = {"rss_kb": proc_status_kb("VmHWM"), "engine_bytes": rest, "peak_bytes": max(peak, rest)}
     print(json.dumps({**out, "param_bytes": params}))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--preset", default="cpu-small")
-    ap.add_argument("--steps", type=int, default=12, help="timed steps per contender")
-    ap.add_argument("--warmup", type=int, default=3)
+    timing_args(ap, steps=12, warmup=3)  # timed steps after the warm-up ones
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         memory_child(args.child, args.preset, args.warmup + 2)
         return
 
-    torch.set_num_threads(1)
+    pin_threads(1)
     built = {name: build(name, args.preset) for name in CONTENDERS}
-    times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    for k in range(args.warmup + args.steps):
-        for name, (cfg, _, engine) in built.items():
-            dt = one_step(cfg, engine, k)
-            if k >= args.warmup:
-                times[name].append(dt)
+    times = round_robin(built, lambda c, k: one_step(c[0], c[2], k), args.steps, args.warmup)
     mem = {}
     for name in CONTENDERS:
         out = subprocess.run(

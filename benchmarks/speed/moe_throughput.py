@@ -3,7 +3,7 @@ parameters (cpu-tiny: a token's two experts of width 128 hold exactly cpu-tiny's
 parameters; the MoE adds only the routers), and the dispatch against a dense MLP of the same
 active width in isolation.
 
-Run: OMP_NUM_THREADS=1 python benchmarks/moe_throughput.py [--steps 30] [--device cpu]
+Run: OMP_NUM_THREADS=1 python benchmarks/speed/moe_throughput.py [--steps 30] [--device cpu]
 
 Timing: the contenders live in one process and take turns step by step (round robin), so
 machine noise hits them alike; we report median step times and the ratio MoE / dense. Same
@@ -14,11 +14,15 @@ Equal FLOPs per token (up to the router), so the ratio is the price of routing a
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
+from benchmarks.common import parser, random_tokens, round_robin, timing_args
 
 
 def build(preset: str, device: str):
@@ -31,21 +35,13 @@ def build(preset: str, device: str):
     return cfg, model, opt
 
 
-def batch(cfg, k: int, device: str):
-    g = torch.Generator().manual_seed(k)
-    x = torch.randint(
-        0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.data.seq_len + 1), generator=g
-    )
-    return x[:, :-1].contiguous().to(device), x[:, 1:].contiguous().to(device)
-
-
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
 
 def train_step(cfg, model, opt, k: int, device: str) -> float:
-    x, y = batch(cfg, k, device)
+    x, y = random_tokens(cfg, k, device)
     sync(device)
     t = time.perf_counter()
     loss = model(x, y)
@@ -69,9 +65,8 @@ def main() -> None:
     from stalepipe.models.layers import SwiGLU
     from stalepipe.models.moe import MoE
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap = parser(__doc__)
+    timing_args(ap, steps=30, warmup=3)
     ap.add_argument("--moe", default="cpu-moe")
     ap.add_argument("--dense", default="cpu-tiny")
     ap.add_argument("--device", default="cpu")
@@ -79,12 +74,9 @@ def main() -> None:
     torch.manual_seed(0)
 
     contenders = {name: build(name, args.device) for name in (args.dense, args.moe)}
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for k in range(args.warmup + args.steps):
-        for name, (cfg, model, opt) in contenders.items():
-            dt = train_step(cfg, model, opt, k, args.device)
-            if k >= args.warmup:
-                times[name].append(dt)
+    times = round_robin(
+        contenders, lambda c, k: train_step(*c, k, args.device), args.steps, args.warmup
+    )
 
     print(
         f"training step, {args.device}, threads={torch.get_num_threads()}, median of {args.steps}"
@@ -107,12 +99,12 @@ def main() -> None:
     moe = MoE(cfg).to(args.device)
     dense = SwiGLU(cfg.dim, cfg.top_k * cfg.expert_hidden_dim).to(args.device)
     x = torch.randn(1, tokens, cfg.dim, device=args.device)
-    mlp_times: dict[str, list[float]] = {"dense": [], "moe": []}
-    for k in range(args.warmup + args.steps):
-        for name, mlp in (("dense", dense), ("moe", moe)):
-            dt = mlp_step(mlp, x, args.device)
-            if k >= args.warmup:
-                mlp_times[name].append(dt)
+    mlp_times = round_robin(
+        {"dense": dense, "moe": moe},
+        lambda mlp, k: mlp_step(mlp, x, args.device),
+        args.steps,
+        args.warmup,
+    )
     d, m = (statistics.median(mlp_times[n]) for n in ("dense", "moe"))
     print(
         f"MLP alone, {tokens} tokens, fwd+bwd: dense width {cfg.top_k * cfg.expert_hidden_dim} "

@@ -3,14 +3,14 @@ spawned process per run) or submitit's LocalExecutor (a subprocess per task, wit
 log files)? Both run the same tiny runs side by side in one invocation, alternating, and the
 script prints each one's wall time per run and the ratio.
 
-    python benchmarks/sweep_executors.py --runs 4 --steps 3 --workers 2 --repeats 2
+    python benchmarks/speed/sweep_executors.py --runs 4 --steps 3 --workers 2 --repeats 2
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,13 +19,15 @@ from stalepipe.experiments.grid import axis, expand
 from stalepipe.experiments.scales import paper_mini_base
 from stalepipe.experiments.sweep import run_sweep
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
+from benchmarks.common import parser, timing_args
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--runs", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=2)
+    timing_args(ap, steps=3, repeats=2)
     args = ap.parse_args()
     base = paper_mini_base()
     base = dataclasses.replace(

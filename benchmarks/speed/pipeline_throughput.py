@@ -1,6 +1,6 @@
 """Throughput of the pipeline runtime vs torch.distributed.pipelining, side by side.
 
-    python benchmarks/pipeline_throughput.py [--microbatches 2 4 8] [--steps 26] [--repeats 3]
+    python benchmarks/speed/pipeline_throughput.py [--microbatches 2 4 8] [--steps 26] [--repeats 3]
 
 Same model, P=2 processes (gloo, one CPU thread each), m microbatches of 8x64 tokens per step,
 AdamW, no clipping. For each m: tokens/s of our gpipe, 1f1b, interleaved-1f1b, zb-v and 2bw
@@ -21,22 +21,13 @@ average is printed before and after.
 from __future__ import annotations
 
 import argparse
-import os
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from pipeline_memory import print_memory, stage_sizes  # benchmarks/pipeline_memory.py
-from pipeline_replay import replayed_bubble  # benchmarks/pipeline_replay.py
-from pipeline_setup import P, bench_model, random_batch, setup_stage  # benchmarks/pipeline_setup.py
-from pipeline_spans import (  # benchmarks/pipeline_spans.py
-    busy,
-    measured_costs,
-    median_span,
-    timed_call,
-    window,
-)
-from torch_pipelining import theirs  # benchmarks/torch_pipelining.py
 
 from stalepipe.config import PIPELINE_SCHEDULES, DelayConfig, ModelConfig, OptimConfig
 from stalepipe.delay import DelayedOptimizer
@@ -44,13 +35,22 @@ from stalepipe.launch.pool import WorkerPool
 from stalepipe.models import build_model, partition
 from stalepipe.optim import build_optimizer, resolve_config
 from stalepipe.optim.lr_schedule import set_peak_lr
-from stalepipe.runtime.comm import Comm, init_from_env
+from stalepipe.peers.group import init_from_env
+from stalepipe.peers.topology import Topology
+from stalepipe.runtime.comm import Comm
 from stalepipe.runtime.stage import StageExecutor
 from stalepipe.runtime.stage_io import ModelLayout, StageIO
-from stalepipe.runtime.topology import Topology
-from stalepipe.runtime.votes import StepVotes, lookahead
+from stalepipe.runtime.stage_update import StepVotes, lookahead
 from stalepipe.schedules.generators import make_schedule
 from stalepipe.sim.timing import simulate, summarize
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
+from benchmarks.common import interleaved_rounds, median_range, parser, print_load, timing_args
+from benchmarks.speed.pipeline_memory import print_memory, stage_sizes
+from benchmarks.speed.pipeline_replay import replayed_bubble
+from benchmarks.speed.pipeline_setup import P, bench_model, random_batch, setup_stage
+from benchmarks.speed.pipeline_spans import busy, measured_costs, median_span, timed_call, window
+from benchmarks.speed.torch_pipelining import theirs
 
 OURS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v", "2bw")  # the schedules timed here
 # every registered schedule runs in `ours` (validate_step_time.py times zb-h1 too)
@@ -121,7 +121,7 @@ def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: 
         tied=model_cfg.tie_embeddings,
         grad_clip=0.0,
     )
-    # The per-step vote runs as in a training run (runtime.votes): its cost is measured too.
+    # The per-step vote runs as in a training run (runtime.stage_update): its cost is measured too.
     votes = StepVotes(comm, max(lookahead(list(acts)) for acts in sched.ranks))
     ex = StageExecutor(ios, layout, delayed, sched, _NoCadence(), votes=votes)
     # F, B (B and BI), V (BW: the weight half of a split backward), S (STEP), A (update), W
@@ -205,8 +205,7 @@ CONTENDERS = (*OURS, *TORCH)
 def add_shape_args(ap: argparse.ArgumentParser) -> None:
     """The run's shape: m values, steps (timed after `--warmup`), the model, the microbatch."""
     ap.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--steps", type=int, default=26)
-    ap.add_argument("--warmup", type=int, default=2)
+    timing_args(ap, steps=26, warmup=2)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
@@ -214,17 +213,15 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     add_shape_args(ap)
-    ap.add_argument(
-        "--repeats", type=int, default=3, help="rounds of all contenders (interleaved; medians)"
-    )
+    timing_args(ap, repeats=3)
     args = ap.parse_args()
     if args.layers < 2 * P:
         ap.error(f"--layers must be >= {2 * P}: torch's interleaved and ZB-V schedules split the "
                  f"model into {2 * P} stages")  # fmt: skip
     cfg = bench_model(args.dim, args.layers, args.seq)
-    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print_load("before")
     sizes = stage_sizes(cfg, args.mb, args.seq)
     pool = WorkerPool(P)
     try:
@@ -239,24 +236,17 @@ def main() -> None:
         )
         for m in args.microbatches:
             common = (m, args.mb, args.seq, args.steps, args.warmup)
-            rounds = []
-            for r in range(args.repeats):
-                # Interleaved, and each round starts with another contender: the shared
-                # machine's slow phases hit every contender alike.
-                order = CONTENDERS[r % len(CONTENDERS) :] + CONTENDERS[: r % len(CONTENDERS)]
-                res = {}
-                for name in order:
-                    if name.startswith("torch-"):
-                        fn, sched = theirs, name.removeprefix("torch-")
-                    else:
-                        fn, sched = ours, name
-                    res[name] = pool.run(fn, (cfg, sched, *common), P, timeout_s=900)
-                rounds.append(res)
+
+            def run(name: str, common=common):
+                fn = theirs if name.startswith("torch-") else ours
+                return pool.run(fn, (cfg, name.removeprefix("torch-"), *common), P, timeout_s=900)
+
+            rounds = interleaved_rounds(CONTENDERS, args.repeats, run)
             _print_row(m, rounds, args)
             print_memory(m, args.steps, sizes, rounds, CONTENDERS, POLICY)
     finally:
         pool.close()
-    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print_load("after")
 
 
 def _measure(res: dict) -> tuple[dict, dict]:
@@ -272,24 +262,17 @@ def _measure(res: dict) -> tuple[dict, dict]:
     return tok, bubble
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
-
-
 def _print_row(m: int, rounds: list[dict], args) -> None:
     measured = [_measure(res) for res in rounds]
-    tok = {k: _median([t[k] for t, _ in measured]) for k in CONTENDERS}
-    bubble = {k: _median([b[k] for _, b in measured]) for k in measured[0][1]}
+    tok = {k: statistics.median([t[k] for t, _ in measured]) for k in CONTENDERS}
+    bubble = {k: statistics.median([b[k] for _, b in measured]) for k in measured[0][1]}
 
     def ratio(a: str, b: str) -> str:  # median of the per-round (paired) ratios, and their range
-        rs = [t[a] / t[b] for t, _ in measured]
-        return f"{_median(rs):.3f} [{min(rs):.3f}-{max(rs):.3f}]"
+        return median_range([t[a] / t[b] for t, _ in measured])
 
     steps = args.steps - args.warmup
     replayed = {  # every action at its own measured time (pipeline_replay.py), median of rounds
-        k: _median(
+        k: statistics.median(
             [
                 replayed_bubble(res[k], k, m, args.steps, args.warmup, CHUNKS.get(k, 1))
                 for res in rounds

@@ -10,24 +10,26 @@ model's seconds per full run, runs per core-hour, the speed-up over the study as
 and whether the train losses equal the baseline's bit for bit (a speed-up must keep the
 numbers exact; fewer evaluations do by construction: evaluation draws no random numbers).
 
-    python benchmarks/regime_throughput.py [--scale cpu-regime] [--steps 30] [--rounds 2]
+    python benchmarks/speed/regime_throughput.py [--scale cpu-regime] [--steps 30] [--rounds 2]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
+import sys
 import tempfile
 import time
-
-import torch
+from pathlib import Path
 
 from stalepipe.config import apply_overrides
 from stalepipe.data import ensure_prepared
 from stalepipe.experiments.studies import base_config
 from stalepipe.rundir.metrics import read_metrics
 from stalepipe.train.loop import train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
+from benchmarks.common import parser, pin_threads, timing_args
 
 
 def variants(steps: int) -> dict[str, dict[str, str]]:
@@ -57,16 +59,13 @@ def time_variant(cfg, overrides: dict[str, str], steps: int, out_dir: str, tag: 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser(__doc__, whole=True)
     p.add_argument("--scale", default="cpu-regime")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--rounds", type=int, default=2)
+    timing_args(p, steps=60, rounds=2)
     p.add_argument("--policy", default="sync")
     p.add_argument("--optim", default="adamw")
     args = p.parse_args()
-    torch.set_num_threads(1)
+    pin_threads(1)
     full = base_config(args.scale)
     ensure_prepared(full.data)
     cfg = apply_overrides(

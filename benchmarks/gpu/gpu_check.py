@@ -1,6 +1,6 @@
 """The first GPU run: does stalepipe's CUDA path work, and are its numbers true?
 
-Runs from the source tree with the machine's own CUDA PyTorch (`benchmarks/gpu_check.sh` sets
+Runs from the source tree with the machine's own CUDA PyTorch (`benchmarks/gpu/gpu_check.sh` sets
 PYTHONPATH=src; nothing is installed). On one H100/H200 it takes under 8 minutes:
 
 - the emulator on smollm-135m in bf16: sync / 2bw / 2bw+EF, with AdamW and with Muon, eager and
@@ -19,8 +19,8 @@ wheels to bring). Without CUDA it stops with one line; `--cpu-smoke` runs the sa
 reduced to cpu-small on the CPU (eager only; gloo for the runtime), so the script itself is
 tested everywhere.
 
-    benchmarks/gpu_check.sh [--steps 20] [--json gpu_check.json] [--budget-s 450] [--no-compile]
-    benchmarks/gpu_check.sh --cpu-smoke
+    benchmarks/gpu/gpu_check.sh [--steps 20] [--json gpu_check.json] [--budget-s 450] [--no-compile]
+    benchmarks/gpu/gpu_check.sh --cpu-smoke
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpu_machine import describe_machine, preflight, scratch  # benchmarks/gpu_machine.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
+from benchmarks.common import parser
+from benchmarks.gpu.gpu_machine import describe_machine, preflight, scratch
 
 POLICIES = {
     "sync": {"delay.policy": "sync"},
@@ -352,9 +354,7 @@ def _finite(x: Any) -> Any:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__, whole=True)
     ap.add_argument(
         "--steps",
         type=int,

@@ -4,16 +4,17 @@ Both train the same model on the same batches with AdamW, gradient clipping and 
 microbatching, in this one process, alternating rounds so that machine noise hits both alike.
 The ratio is what matters (goal >= 0.95); absolute numbers depend on the machine.
 
-    python benchmarks/train_throughput.py [--preset cpu-small] [--steps 30] [--rounds 3]
+    python benchmarks/speed/train_throughput.py [--preset cpu-small] [--steps 30] [--rounds 3]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,9 @@ from stalepipe.models import build_model
 from stalepipe.presets import get_preset
 from stalepipe.rundir.metrics import TIMING_WARMUP_STEPS, read_metrics
 from stalepipe.train.loop import train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
+from benchmarks.common import parser, pin_threads, timing_args
 
 
 def hand_written(cfg, data_dir: str, steps: int) -> float:
@@ -67,16 +71,11 @@ def stalepipe_loop(cfg, steps: int, out_dir: str, round_: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__, whole=True)
     ap.add_argument("--preset", default="cpu-small")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    timing_args(ap, steps=30, rounds=3, threads=0)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = pin_threads(args.threads)
     cfg = get_preset(args.preset)
     data_dir = str(ensure_prepared(cfg.data))
     ours, theirs = [], []
@@ -87,7 +86,7 @@ def main() -> None:
     mo, mt = statistics.median(ours), statistics.median(theirs)
     print(
         f"preset {args.preset}, {args.steps} steps x {args.rounds} rounds, "
-        f"batch {cfg.train.batch_size} x seq {cfg.data.seq_len}, threads {torch.get_num_threads()}"
+        f"batch {cfg.train.batch_size} x seq {cfg.data.seq_len}, threads {threads}"
     )
     print(f"{'loop':<22}{'tokens/s (median)':>20}{'rounds':>40}")
     print(f"{'hand-written PyTorch':<22}{mt:>20,.0f}{str([round(t) for t in theirs]):>40}")

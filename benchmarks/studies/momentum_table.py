@@ -12,7 +12,7 @@ the 2bw gap read three ways:
 An LR at the edge of the grid is marked `*` (the optimum may lie outside it). Seeds: the mean
 over the finished seeds of each cell (the count is printed); `stalepipe report` has the tests.
 
-    python benchmarks/momentum_table.py docs/results/momentum-controlled-regime [--grid]
+    python benchmarks/studies/momentum_table.py docs/results/momentum-controlled-regime [--grid]
 
 `--grid` adds every cell: sync's and 2bw's final loss at each LR.
 """
