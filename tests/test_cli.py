@@ -155,9 +155,9 @@ def test_flags_are_the_keywords_of_the_function_a_command_calls(argv, target, si
     module, name = (signature or target).split(":")
     fn = getattr(importlib.import_module(module), name)
     flags = _flags(args)
-    if name == "run_verdict":  # verdict_main keeps --json / --verbose / --overhead (the output)
+    if name == "run_verdict":  # verdict_main keeps --json / --verbose / --overhead* (the output)
         main_fn = importlib.import_module(module).verdict_main
-        for own in ("json", "verbose", "overhead"):
+        for own in ("json", "verbose", "overhead", "overhead_fit"):
             assert own in inspect.signature(main_fn).parameters
             flags.pop(own)
     inspect.signature(fn).bind(**flags)  # raises on a mismatch

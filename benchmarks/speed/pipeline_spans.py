@@ -48,6 +48,32 @@ def busy(report: dict, t0: float, t1: float) -> float:
     return _union(work, t0, t1) - _union(sp["W"], t0, t1)
 
 
+def step_breakdown(report: dict, t0: float, t1: float, steps: int) -> dict[str, float]:
+    """Where one rank's time per timed step goes, in seconds: F+B (its forwards and backwards,
+    net of the waits and updates inside them), the update (the optimizer step), STEP (the
+    rest of post_step: the vote, the norm exchange posted, the tied gradient, retiring sends),
+    waits (for a peer's message: the bubble), and `other`, the wall time inside no span (the
+    executor's own loop: posting receives, taking reports, the generator)."""
+    sp = report["spans"]
+    fb = _union(sp["F"] + sp["B"] + sp["V"], t0, t1)
+    update = _union(sp["A"], t0, t1)
+    waits = _union(sp["W"], t0, t1)
+    step = _union(sp["S"], t0, t1)
+    step_net = step - _union(
+        [x for x in sp["A"] if any(a <= x[0] < b for a, b, _ in sp["S"])], t0, t1
+    )
+    nested_a = update - (step - step_net)  # updates inside F (the rest are inside STEP)
+    everything = _union(sp["F"] + sp["B"] + sp["V"] + sp["S"] + sp["A"] + sp["W"], t0, t1)
+    parts = {
+        "F+B": fb - waits - nested_a,
+        "update": update,
+        "STEP": step_net,
+        "waits": waits,
+        "other": (t1 - t0) - everything,
+    }
+    return {k: v / steps for k, v in parts.items()}
+
+
 def net_spans(
     report: dict, kind: str, cpu: bool = False, stage: int | None = None, from_step: int = 0
 ) -> list[float]:

@@ -49,7 +49,14 @@ from benchmarks.common import interleaved_rounds, median_range, parser, print_lo
 from benchmarks.speed.pipeline_memory import print_memory, stage_sizes
 from benchmarks.speed.pipeline_replay import replayed_bubble
 from benchmarks.speed.pipeline_setup import P, bench_model, random_batch, setup_stage
-from benchmarks.speed.pipeline_spans import busy, measured_costs, median_span, timed_call, window
+from benchmarks.speed.pipeline_spans import (
+    busy,
+    measured_costs,
+    median_span,
+    step_breakdown,
+    timed_call,
+    window,
+)
 from benchmarks.speed.torch_pipelining import theirs
 
 OURS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v", "2bw")  # the schedules timed here
@@ -322,6 +329,7 @@ def _print_row(m: int, rounds: list[dict], args) -> None:
         f"torch-zbv = {ratio('zb-v', 'torch-zbv')}",
         flush=True,
     )
+    _print_breakdown(rounds, steps)
     ours_sync = max((k for k in OURS if POLICY[k] == "sync"), key=lambda k: tok[k])
     print(
         f"  2bw / the best of our synchronous schedules ({ours_sync}) = {ratio('2bw', ours_sync)}",
@@ -333,6 +341,22 @@ def _print_row(m: int, rounds: list[dict], args) -> None:
         f"at m = 4 and 8)",
         flush=True,
     )
+
+
+def _print_breakdown(rounds: list[dict], steps: int) -> None:
+    """Where a step's time goes on 1f1b and 2bw (`step_breakdown`; medians over the rounds of
+    the ranks' mean): what the simulator times (F+B, update, waits) and what it does not
+    (STEP's own work, the executor's time between actions)."""
+    for name in ("1f1b", "2bw"):
+        per_round = []
+        for res in rounds:
+            t0, t1 = window(res[name])
+            parts = [step_breakdown(r, t0, t1, steps) for r in res[name]]
+            per_round.append({k: sum(p[k] for p in parts) / P for k in parts[0]})
+        cells = ", ".join(
+            f"{k} {1e3 * statistics.median(r[k] for r in per_round):.1f}" for k in per_round[0]
+        )
+        print(f"  {name} per step, ms (mean of the ranks): {cells}", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,35 +15,33 @@ SmolLM-135M and -360M against the paper's 360M figures.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from stalepipe.analysis import scaling, stats
+from stalepipe.errors import UserError
 from stalepipe.experiments.scales import LADDER, LADDER_LRS
 
-ARMS = {"sync": ("sync", False), "2bw": ("2bw", False), "2bw+ef": ("2bw", True)}
+ARMS = ("sync", "2bw", "2bw+ef")  # `scaling.LadderRun.arm`
 PAPER = {("muon", "2bw"): 0.012, ("muon", "2bw+ef"): 0.005}  # the paper's 360M runs
 ADAMW_FLOOR = 0.2  # the paper: AdamW's gap > 0.2 at 135M-360M
 
 
 def finals(root: Path) -> dict[tuple[str, int, str], dict[int, float]]:
-    """(optimizer, width, arm) -> seed -> whole-split final loss, at the width's chosen LR."""
+    """(optimizer, width, arm) -> seed -> whole-split final loss, at the width's chosen LR and
+    its 1x tokens (the lengths runs of the overhead are read by `scaling.overhead_at`)."""
+    runs = [
+        r
+        for r in scaling.ladder_runs(root)
+        if LADDER_LRS.get((r.optimizer, r.width)) is not None
+        and float(LADDER_LRS[r.optimizer, r.width]) == r.lr
+    ]
+    base: dict[tuple[str, int], int] = {}
+    for r in runs:
+        base[r.optimizer, r.width] = min(base.get((r.optimizer, r.width), r.tokens), r.tokens)
     out: dict[tuple[str, int, str], dict[int, float]] = {}
-    for cfg_path in sorted(root.glob("*/config.json")):
-        c = json.loads(cfg_path.read_text())
-        name, width = c["optim"]["name"], c["model"]["dim"]
-        if (
-            LADDER_LRS.get((name, width)) is None
-            or float(LADDER_LRS[name, width]) != c["optim"]["lr"]
-        ):
-            continue
-        last = json.loads(cfg_path.with_name("metrics.jsonl").read_text().splitlines()[-1])
-        if "val_loss_full" not in last:
-            continue
-        arm = next(
-            a for a, (p, ef) in ARMS.items() if (p, ef) == (c["delay"]["policy"], c["delay"]["ef"])
-        )
-        out.setdefault((name, width, arm), {})[c["train"]["seed"]] = last["val_loss_full"]
+    for r in runs:
+        if r.tokens == base[r.optimizer, r.width] and r.arm in ARMS:
+            out.setdefault((r.optimizer, r.width, r.arm), {})[r.seed] = r.loss
     return out
 
 
@@ -62,7 +60,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", nargs="?", default="docs/results/ladder-regime")
     args = ap.parse_args()
-    runs = finals(Path(args.root))
+    gap_table(Path(args.root))
+    overhead_fit(Path(args.root))
+
+
+def overhead_fit(root: Path) -> None:
+    """Muon+EF's token overhead over the ladder (`stalepipe verdict --overhead-fit`), or why not
+    yet."""
+    print()
+    for label, n in (("135M", scaling.SMOLLM_135M), ("360M", scaling.SMOLLM_360M)):
+        try:
+            x, lo, hi, what = scaling.overhead_at(root, n)
+        except UserError as e:
+            print(f"token overhead: {e}")
+            return
+        print(f"token overhead of one run at {label}: {x:.4f}x [{lo:.4f}, {hi:.4f}] ({what})")
+
+
+def gap_table(root: Path) -> None:
+    """The gaps per optimizer and width, and the registered fit once every width has them."""
+    runs = finals(root)
     print(f"{'optimizer':<6} {'width':>5} {'N':>8} {'seeds':>5} {'sync':>7} "
           f"{'2bw gap [95% CI]':>26} {'2bw+EF gap [95% CI]':>26} {'EF share [95%]':>18}")  # fmt: skip
     trends = {}

@@ -16,18 +16,27 @@ width, a gap the delayed run's final loss minus sync's at the same seed (paired)
   log mean there, widened by one run's relative seed spread; held against a published figure
   by `against_paper`;
 - EF's recovered share per width (`ef_share`): a ratio of means, its interval a paired seed
-  bootstrap.
+  bootstrap;
+- the token overhead at a width (`ladder_overheads`): per seed, where the delayed arm's final
+  loss over its complete runs at several lengths crosses sync's 1x final loss
+  (`targets.final_crossing`), minus one, fitted like a gap; `overhead_at` predicts it at a
+  target size, the interval the verdict takes (`stalepipe verdict --overhead-fit`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from stalepipe.analysis.stats import t_quantile, t_sf_two_sided
+from stalepipe.analysis.targets import final_crossing
+from stalepipe.delay.policies import never_delays
+from stalepipe.errors import UserError
 
 N0 = 406_368  # width 96's non-embedding parameters: the fit's reference size
 SMOLLM_135M, SMOLLM_360M = 106_203_456, 314_635_200  # non-embedding, counted from the presets
@@ -187,3 +196,140 @@ def ef_share(gap_2bw: Points, gap_ef: Points, resamples: int = 2000, seed: int =
         lo, hi = np.percentile(boots, [2.5, 97.5]) if boots else (math.nan, math.nan)
         out[n] = (float(share), float(lo), float(hi))
     return out
+
+
+# ---- the token overhead over the ladder (`stalepipe verdict --overhead-fit`) --------------------
+
+SIZES = {
+    "135m": SMOLLM_135M,
+    "360m": SMOLLM_360M,
+    "smollm-135m": SMOLLM_135M,
+    "smollm-360m": SMOLLM_360M,
+}
+MIN_WIDTHS = 3  # the registered fit of the overhead: its three widths
+
+
+@dataclass(frozen=True)
+class LadderRun:
+    """One finished ladder run: its arm, width, LR, seed, planned tokens and final loss on the
+    whole validation split (`val_loss_full`)."""
+
+    optimizer: str
+    arm: str  # "sync", "2bw", "2bw+ef"
+    width: int
+    params: int  # non-embedding parameters
+    lr: float
+    seed: int
+    tokens: int
+    loss: float
+
+
+def ladder_runs(root: Path) -> list[LadderRun]:
+    """The finished runs under `root` (config.json and the last metrics row; nothing else read,
+    nothing unpickled) that scored the whole validation split."""
+    from stalepipe.config import ModelConfig
+    from stalepipe.models.transformer import count_params
+
+    out = []
+    for cfg_path in sorted(Path(root).glob("*/config.json")):
+        metrics = cfg_path.with_name("metrics.jsonl")
+        if not metrics.exists():
+            continue
+        lines = metrics.read_text().splitlines()
+        last = json.loads(lines[-1]) if lines else {}
+        if "val_loss_full" not in last:
+            continue
+        c = json.loads(cfg_path.read_text())
+        d, t = c["delay"], c["train"]
+        policy = d["policy"]
+        arm = "sync" if never_delays(policy) else policy + ("+ef" if d["ef"] else "")
+        out.append(
+            LadderRun(
+                optimizer=c["optim"]["name"],
+                arm=arm,
+                width=c["model"]["dim"],
+                params=count_params(ModelConfig(**c["model"]))["non_embedding"],
+                lr=float(c["optim"]["lr"]),
+                seed=int(t["seed"]),
+                tokens=int(t["num_steps"]) * int(t["batch_size"]) * int(c["data"]["seq_len"]),
+                loss=float(last["val_loss_full"]),
+            )
+        )
+    return out
+
+
+def ladder_overheads(runs: list[LadderRun], optimizer: str, arm: str) -> tuple[Points, list[str]]:
+    """N -> seed -> token overhead minus one of `optimizer`'s `arm`, at every width whose arm
+    has complete runs at two lengths or more: where its final loss over those runs crosses sync's
+    1x final loss of the same seed (and LR). A seed that never gets there within its longest run
+    leaves its width out, said in the notes (a bound is not a point)."""
+    points: dict[int, dict[int, float]] = {}
+    notes = []
+    groups: dict[tuple[int, float], list[LadderRun]] = {}
+    for r in runs:
+        if r.optimizer == optimizer:
+            groups.setdefault((r.params, r.lr), []).append(r)
+    for (n, _lr), group in sorted(groups.items()):
+        delayed = [r for r in group if r.arm == arm]
+        if len({r.tokens for r in delayed}) < 2:
+            continue
+        base = min(r.tokens for r in group)
+        sync = {r.seed: r for r in group if r.arm == "sync" and r.tokens == base}
+        by_seed: dict[int, float] = {}
+        for seed, s in sorted(sync.items()):
+            mine = [[(r.tokens, r.loss)] for r in delayed if r.seed == seed]
+            if len(mine) < 2:
+                continue
+            crossing = final_crossing(mine, s.loss)
+            if math.isnan(crossing):
+                longest = max(c[0][0] for c in mine) / s.tokens
+                notes.append(f"N={n:,} seed {seed}: never reaches sync's loss by {longest:.2f}x")
+                by_seed = {}
+                break
+            by_seed[seed] = crossing / s.tokens - 1
+        if len(by_seed) >= 2:
+            points[n] = by_seed
+    return points, notes
+
+
+def target_size(text: str) -> int:
+    """`135M`, `360M`, `smollm-360m` or a count of non-embedding parameters (`1.2e8`)."""
+    key = text.strip().lower()
+    if key in SIZES:
+        return SIZES[key]
+    try:
+        n = float(key)
+    except ValueError:
+        n = math.nan
+    if not (n >= 1):
+        raise UserError(
+            f"--overhead-fit: size {text!r}: give 135M, 360M or a number of non-embedding "
+            "parameters (e.g. 1.2e8)"
+        )
+    return int(n)
+
+
+def overhead_at(
+    root: Path, target: int, optimizer: str = "muon", arm: str = "2bw+ef"
+) -> tuple[float, float, float, str]:
+    """The registered fit of the token overhead over the ladder under `root`, predicted for one
+    run at `target` non-embedding parameters: (overhead, 2.5 %, 97.5 %, what it is), the
+    overhead 1 + the prediction of its excess. UserError, naming the sweep that fills it, when
+    fewer than MIN_WIDTHS widths have it."""
+    points, notes = ladder_overheads(ladder_runs(root), optimizer, arm)
+    if len(points) < MIN_WIDTHS:
+        why = "; ".join(notes) or "no lengths runs"
+        raise UserError(
+            f"--overhead-fit: {root} has the token overhead of {optimizer} {arm} at "
+            f"{len(points)} width(s) ({why}); the fit needs {MIN_WIDTHS}: run `stalepipe sweep "
+            f"ladder --scale cpu-regime --seeds 3 --only optim.name={optimizer} --lengths "
+            "1.1,1.2,1.35,1.5`"
+        )
+    t = trend(points)
+    point, lo, hi = predict(points, t, target)
+    widths = ", ".join(f"{n:,}" for n in sorted(points))
+    what = (
+        f"{optimizer} {arm} fitted over N = {widths} ({t.fit.kind} law), predicted at "
+        f"N = {target:,}"
+    )
+    return 1 + point, 1 + lo, 1 + hi, what

@@ -276,6 +276,13 @@ def _add_verdict(sub: Subparsers) -> None:
         help="also judge a token overhead from elsewhere (e.g. the size ladder's fit at the target "
         "model: 1.05,1.01,1.10@360M) against the same best synchronous configuration",
     )
+    add(
+        "--overhead-fit",
+        metavar="LADDER_DIR@SIZE",
+        help="also judge the size ladder's fitted token overhead of Muon+EF (its registered fit "
+        "over the ladder's lengths runs in LADDER_DIR) at SIZE: 135M, 360M or a number of "
+        "non-embedding parameters, e.g. docs/results/ladder-regime@360M",
+    )
     add("--json", action="store_true", help="print the summary as JSON")
     add("--verbose", action="store_true", help="print every table, not the decision block")
     p.set_defaults(fn=runs("stalepipe.verdict.command:verdict_main"))

@@ -408,11 +408,18 @@ def _bars(r: VerdictReport) -> bytes:
 
 
 def verdict_main(
-    sweep_dir: str | Path, *, json: bool = False, verbose: bool = False, overhead: str = "", **kw
+    sweep_dir: str | Path,
+    *,
+    json: bool = False,
+    verbose: bool = False,
+    overhead: str = "",
+    overhead_fit: str = "",
+    **kw,
 ) -> str:
     """`stalepipe verdict`: the decision block (`verbose`: the full text; `overhead`: with a
-    given overhead judged too) and where the files went (`json`: the summary as JSON)."""
-    given = decision.given_overhead(overhead) if overhead else None  # refused before any work
+    given overhead judged too; `overhead_fit`: the size ladder's fitted overhead at a target
+    size) and where the files went (`json`: the summary as JSON)."""
+    given = decision.given(overhead, overhead_fit)  # refused before any work
     r = run_verdict(sweep_dir, **kw)  # type: ignore[arg-type]
     if json:
         return _json.dumps(verdict_json(r), indent=1)

@@ -7,14 +7,19 @@ to call" where the time ratio's interval holds 1), the time to sync's final loss
 best synchronous configuration with its interval (over the seeds and, with the cluster model,
 the ends of its assumptions' ranges), the token overhead and the model size it was measured
 on; then the overhead at which the answer flips (2BW's throughput edge, with its range: a lower
-overhead makes async sooner) and what the intervals cover.
+overhead makes async sooner), a given overhead judged (`--overhead`, or the size ladder's fit at
+a target size, `--overhead-fit`) and what the intervals cover.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
+from stalepipe.analysis import scaling
+from stalepipe.errors import UserError
 from stalepipe.verdict.rule import Verdict
 
 MAX_LINES, WIDTH = 20, 120
@@ -32,12 +37,24 @@ def _key(v: Verdict) -> float:
     return v.ratio.value if math.isfinite(v.ratio.value) else math.inf
 
 
-def given_overhead(text: str) -> tuple[float, float, float, str]:
-    """`--overhead X,LOW,HIGH[@SIZE]`: a token overhead with its interval from elsewhere (the
-    size ladder's fit at the target model, `benchmarks/studies/ladder_fit.py`; the paper's), and the
-    model size it is for. One-line UserError naming the form otherwise."""
-    from stalepipe.errors import UserError
+@dataclass(frozen=True)
+class GivenOverhead:
+    """A token overhead from elsewhere with its interval (`--overhead`, or the size ladder's
+    fit at a target size, `--overhead-fit`), judged against the same best synchronous
+    configuration."""
 
+    x: float
+    low: float
+    high: float
+    size: str  # the model size it is for ("" unknown)
+    source: str  # the option it came from
+    note: str = ""  # what the fit is, on a line of its own
+
+
+def given_overhead(text: str) -> GivenOverhead:
+    """`--overhead X,LOW,HIGH[@SIZE]`: a token overhead with its interval from elsewhere (the
+    paper's, a run of one's own), and the model size it is for. One-line UserError naming the
+    form otherwise."""
     numbers, _, size = text.partition("@")
     try:
         x, low, high = (float(v) for v in numbers.split(","))
@@ -48,27 +65,53 @@ def given_overhead(text: str) -> tuple[float, float, float, str]:
             f"--overhead {text!r}: give the overhead and its interval as X,LOW,HIGH with "
             "0 < LOW <= X <= HIGH, optionally @SIZE (e.g. 1.05,1.01,1.10@360M)"
         )
-    return x, low, high, size.strip()
+    return GivenOverhead(x, low, high, size.strip(), "--overhead")
 
 
-def _given_line(best: Verdict, given: tuple[float, float, float, str]) -> str:
+def fitted_overhead(text: str) -> GivenOverhead:
+    """`--overhead-fit LADDER_DIR@SIZE`: the registered fit of Muon+EF's token overhead over the
+    size ladder's runs in LADDER_DIR (`analysis.scaling.overhead_at`), predicted at SIZE (135M,
+    360M or a number of non-embedding parameters) with its 95 % prediction interval."""
+    root, at, size = text.rpartition("@")
+    if not at or not root or not Path(root).is_dir():
+        raise UserError(
+            f"--overhead-fit {text!r}: give the size ladder's run directory and the target "
+            "size as LADDER_DIR@SIZE (e.g. docs/results/ladder-regime@360M)"
+        )
+    n = scaling.target_size(size)
+    x, low, high, what = scaling.overhead_at(Path(root), n)
+    size = f"{n / 1e6:.0f}M" if n >= 10**6 else f"{n:,}"
+    return GivenOverhead(x, low, high, size, "--overhead-fit", what)
+
+
+def given(overhead: str, overhead_fit: str) -> GivenOverhead | None:
+    """The overhead `--overhead` or `--overhead-fit` gives (at most one of them), or None."""
+    if overhead and overhead_fit:
+        raise UserError("give --overhead or --overhead-fit, not both")
+    if overhead:
+        return given_overhead(overhead)
+    return fitted_overhead(overhead_fit) if overhead_fit else None
+
+
+def _given_lines(best: Verdict, given: GivenOverhead) -> list[str]:
     """What the answer is at a given overhead: its time ratio against the best synchronous
     configuration over its interval and the edge's range, and the call."""
-    x, low, high, size = given
     lo_f, hi_f = best.edge_factors
-    ratio = (x / best.speedup, low / (best.speedup * hi_f), high / (best.speedup * lo_f))
+    g = given
+    ratio = (g.x / best.speedup, g.low / (best.speedup * hi_f), g.high / (best.speedup * lo_f))
     call = (
         "async sooner" if ratio[2] < 1 else "sync sooner" if ratio[1] > 1 else "too close to call"
     )
-    at = f" @ {size}" if size else ""
-    return (
-        f"at the given overhead {x:.2f}x [{low:.2f}, {high:.2f}]{at} (--overhead): time to target "
-        f"{ratio[0]:.2f}x [{ratio[1]:.2f}, {ratio[2]:.2f}], {call}"
-    )
+    at = f" @ {g.size}" if g.size else ""
+    lines = [
+        f"given overhead {g.x:.3f}x [{g.low:.3f}, {g.high:.3f}]{at} ({g.source}): time "
+        f"to target {ratio[0]:.2f}x [{ratio[1]:.2f}, {ratio[2]:.2f}], {call}"
+    ]
+    return lines + ([f"  that overhead: {g.note}"] if g.note else [])
 
 
 def decision_block(
-    verdicts: Sequence[Verdict], title: str, given: tuple[float, float, float, str] | None = None
+    verdicts: Sequence[Verdict], title: str, given: GivenOverhead | None = None
 ) -> str:
     """The block (module docstring); every line cut to `WIDTH`. `given`: an overhead from
     elsewhere (`given_overhead`), judged against the same best synchronous configuration."""
@@ -99,7 +142,7 @@ def decision_block(
             f"a token overhead below 2BW's edge ({best.speedup:.3f}x{span}) makes async sooner"
         )
     if given is not None and best is not None and math.isfinite(best.speedup):
-        lines.append(_given_line(best, given))
+        lines += _given_lines(best, given)
     rest = len(verdicts) - min(len(judged), SHOWN)
     if rest:
         lines.append(f"... {rest} more configuration(s) (fewer seeds, or past the first {SHOWN})")
