@@ -201,12 +201,29 @@ def test_config_and_cli_import_no_torch_and_see_every_component(module):
     `stalepipe train --help` stays fast; a fresh process, since this one imported torch."""
     code = (
         f"import sys, {module}\n"
-        "from stalepipe.config import DELAY_POLICIES, OPTIMIZERS, PIPELINE_SCHEDULES\n"
+        "from stalepipe.config import (CORRECTORS, DELAY_POLICIES, LR_SCHEDULES, OPTIMIZERS,\n"
+        "    PIPELINE_SCHEDULES)\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch'}))\n"
-        "print(len(OPTIMIZERS), len(DELAY_POLICIES), len(PIPELINE_SCHEDULES))\n"
+        "print(len(OPTIMIZERS), len(DELAY_POLICIES), len(PIPELINE_SCHEDULES), len(LR_SCHEDULES),\n"
+        "      len(CORRECTORS))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split("\n")[:2] == ["[]", "7 4 9"]
+    assert out.stdout.split("\n")[:2] == ["[]", "7 4 9 3 8"]
+
+
+def test_design_counts_and_lists_every_room():
+    """docs/design.md's architecture gives the rooms' count and layers as they are, and its table
+    names every room."""
+    import re
+
+    text = (PACKAGE.parents[1] / "docs" / "design.md").read_text()
+    section = text.split("## Architecture", 1)[1]
+    m = re.search(r"\*\*(\d+) rooms on (\d+) layers\*\*", section)
+    assert m, "docs/design.md: no '**N rooms on L layers**' in Architecture"
+    assert (int(m[1]), int(m[2])) == (len(LAYER), len(set(LAYER.values())))
+    table = section.split("```", 2)[1]
+    missing = [room for room in LAYER if not re.search(rf"\b{re.escape(room)}\b", table)]
+    assert not missing, f"rooms missing from design.md's table: {missing}"
 
 
 def test_design_names_only_code_that_exists():
