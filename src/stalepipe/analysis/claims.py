@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from stalepipe.analysis import stats
+from stalepipe.delay.policies import PAPER_ASYNC
 
 if TYPE_CHECKING:
     from stalepipe.analysis.results import Row
@@ -186,7 +187,7 @@ def _main_row(rows: list[Row], optimizer: str) -> Row | None:
         c = r.config
         if (
             c.get("optim.name") == optimizer
-            and r.policy == "2bw"
+            and r.policy == PAPER_ASYNC
             and all(c.get(k) == v for k, v in want.items())
         ):
             return r

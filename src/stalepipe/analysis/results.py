@@ -28,7 +28,7 @@ from stalepipe.analysis import targets as targets_mod
 from stalepipe.config import ExperimentConfig, upgrade_record
 from stalepipe.config.overrides import default_of
 from stalepipe.config.registry import CORRECTORS
-from stalepipe.delay.policies import never_delays
+from stalepipe.delay.policies import SYNC, never_delays
 from stalepipe.fileio import flatten_dict
 from stalepipe.rundir.status import ERROR_FILE, SPEC_FILE, run_status
 
@@ -172,7 +172,7 @@ class Row:
 
     @property
     def policy(self) -> str:
-        return str(self.config.get("delay.policy", "sync"))
+        return str(self.config.get("delay.policy", SYNC))
 
     @property
     def mitigations(self) -> dict[str, Any]:
@@ -257,7 +257,7 @@ def build_rows(runs: list[Run]) -> list[Row]:
 
 def _sync_version(config: dict[str, Any]) -> dict[str, Any]:
     c = dict(config)
-    c["delay.policy"] = "sync"
+    c["delay.policy"] = SYNC
     c.update(mitigation_defaults())
     return c
 

@@ -75,10 +75,15 @@ def _wpipe_stages(num_stages: int) -> None:
         )
 
 
+# The two names the rest of stalepipe may say: the synchronous baseline (what a record without
+# a delay section ran) and the paper's asynchronous arm, PipeDream-2BW's one-step delay (the one
+# its claims, the verdict and the map judge); anything else asks a policy what it does.
+SYNC, PAPER_ASYNC = "sync", "2bw"
+
 # The delay policies by name (`fixed:N` besides), registered for the config to validate against
 # (config/registry.py); this module is torch-free for that reason.
-DELAY_POLICIES.register(_constant("sync", lambda s, P: 0))
-DELAY_POLICIES.register(_constant("2bw", lambda s, P: 1))
+DELAY_POLICIES.register(_constant(SYNC, lambda s, P: 0))
+DELAY_POLICIES.register(_constant(PAPER_ASYNC, lambda s, P: 1))
 DELAY_POLICIES.register(_constant("pipedream", lambda s, P: P - 1 - s, per_microbatch=True))
 # G0 is double-buffered: W_{t+1} = W_t - lr * grad(W_{t-1}) on G0; G1 is always fresh.
 DELAY_POLICIES.register(

@@ -117,7 +117,7 @@ def _build_adamw(cfg: OptimConfig, split: ParamSplit) -> torch.optim.Optimizer:
 
     groups = decay_groups(cfg, split)
     # torch's fused kernel: one pass over each tensor, about twice as fast as the foreach path
-    # on CPU (benchmarks/optimizer_step.py) and faster on GPU. Both engines build their AdamW
+    # on CPU (benchmarks/speed/optimizer_step.py) and faster on GPU. Both engines build their AdamW
     # here, so they stay bitwise equal to each other.
     fused = all(
         p.is_floating_point() and p.device.type in ("cpu", "cuda")

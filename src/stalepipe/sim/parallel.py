@@ -56,7 +56,7 @@ import functools
 from dataclasses import dataclass
 
 from stalepipe.config import ConfigError, ModelConfig
-from stalepipe.delay.policies import never_delays, parse_policy
+from stalepipe.delay.policies import PAPER_ASYNC, never_delays, parse_policy
 from stalepipe.models.transformer import block_flops, block_params, head_flops
 from stalepipe.sim.cluster import Cluster, collective_time, compute_time, leading, trailing
 from stalepipe.sim.devices import Device
@@ -430,7 +430,7 @@ def pipelines(w: Workload, c: Cluster, schedules: tuple[str, ...]) -> list[Optio
 
 
 def all_options(
-    w: Workload, c: Cluster, async_schedules: tuple[str, ...] = ("2bw",)
+    w: Workload, c: Cluster, async_schedules: tuple[str, ...] = (PAPER_ASYNC,)
 ) -> list[Option]:
     """DP, FSDP and every pipeline configuration (synchronous, and `async_schedules`)."""
     if w.num_gpus < 1 or w.global_batch < 1:

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from stalepipe.analysis.plots import png_bytes, pyplot
-from stalepipe.delay.policies import never_delays
+from stalepipe.delay.policies import PAPER_ASYNC, never_delays
 from stalepipe.errors import UserError
 from stalepipe.verdict.rule import Verdict, call, time_to_target, widen
 from stalepipe.verdict.throughput import ScheduleThroughput, Throughputs
 
-ASYNC = "2bw"  # the asynchronous schedule of the map
+ASYNC = PAPER_ASYNC  # the asynchronous schedule of the map (delay.policies)
 MAP_GBPS = (12.5, 25.0, 50.0, 100.0, 200.0, 400.0, 800.0)
 MAP_BATCH = (0.25, 0.5, 1.0, 2.0, 4.0)  # x the global batch
 MAP_GPUS = (0.5, 1.0, 2.0, 4.0)  # x the GPU count
@@ -187,7 +187,7 @@ def throughputs(s: Setting) -> tuple[Throughputs, list[Any]]:
             rows.append(
                 _best_row([o for o in options if (o.schedule, o.stages) == (name, p)], options, p)
             )
-    a = best(options, "2bw")
+    a = best(options, ASYNC)
     window = _window(a, options) if a else None
     c = s.cluster
     left = [o for o in options if not o.fits]

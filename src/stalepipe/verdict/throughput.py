@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from stalepipe.config.registry import PIPELINE_SCHEDULES
-from stalepipe.delay.policies import never_delays, same_delay_at_any_depth
+from stalepipe.delay.policies import PAPER_ASYNC, never_delays, same_delay_at_any_depth
 from stalepipe.errors import UserError
 
 SIM_STEPS = 8
@@ -222,7 +222,7 @@ def simulated(
     kw = dict(microbatch_size=microbatch_size, seq_len=seq, mfu=mfu)
     rows = simulate_all(cfg, dev, num_stages, num_microbatches, **kw)  # type: ignore[arg-type]
     window = simulate_all(
-        cfg, dev, num_stages, num_microbatches, schedules=["2bw"], sync_steps=SIM_STEPS, **kw
+        cfg, dev, num_stages, num_microbatches, schedules=[PAPER_ASYNC], sync_steps=SIM_STEPS, **kw
     )[0]  # type: ignore[arg-type]
     if not any(never_delays(s.policy) and not s.refused for s in rows):
         raise UserError(
