@@ -318,7 +318,8 @@ def overhead_at(
     fewer than MIN_WIDTHS widths have it."""
     points, notes = ladder_overheads(ladder_runs(root), optimizer, arm)
     if len(points) < MIN_WIDTHS:
-        why = "; ".join(notes) or "no lengths runs"
+        have = ", ".join(f"N = {n:,}" for n in sorted(points)) or "no lengths runs"
+        why = "; ".join([have, *notes])
         raise UserError(
             f"--overhead-fit: {root} has the token overhead of {optimizer} {arm} at "
             f"{len(points)} width(s) ({why}); the fit needs {MIN_WIDTHS}: run `stalepipe sweep "
