@@ -209,10 +209,14 @@ def test_momentum_table_reads_the_controlled_grid():
             assert float(cells[8]) <= float(cells[6]) + 1e-9
 
 
-def test_ladder_fit_reads_the_committed_ladder_records():
+def test_ladder_fit_reads_the_committed_ladder_records(tmp_path):
     """The size ladder's table from its records (benchmarks/studies/ladder_fit.py): every width of
-    both optimizers has a row, and the fit waits until every width has two seeds of each arm."""
-    out = _script("studies/ladder_fit.py", "docs/results/ladder-regime").stdout
+    both optimizers has a row, and the fit waits until every width has two seeds of each arm;
+    the token overhead's fit says what it has or gives its prediction; `--plot` draws a PNG."""
+    png = tmp_path / "ladder.png"
+    out = _script("studies/ladder_fit.py", "docs/results/ladder-regime", "--plot", str(png)).stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "the fit needs 3" in out or "token overhead of one run at 360M" in out
     rows = [ln.split() for ln in out.splitlines() if ln.startswith(("adamw ", "muon "))]
     assert len(rows) == 10 and {r[1] for r in rows} == {"32", "48", "64", "96", "136"}
     adamw32 = next(r for r in rows if r[:2] == ["adamw", "32"])

@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from stalepipe.analysis import scaling, stats
+import numpy as np
+
+from stalepipe.analysis import plots, scaling, stats
 from stalepipe.errors import UserError
 from stalepipe.experiments.scales import LADDER, LADDER_LRS
 
@@ -59,9 +61,78 @@ def gaps(runs: dict, name: str, arm: str) -> dict[int, dict[int, float]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", nargs="?", default="docs/results/ladder-regime")
+    ap.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="also draw the gaps and the overhead against size (e.g. docs/results/ladder/ladder.png)",
+    )
     args = ap.parse_args()
     gap_table(Path(args.root))
     overhead_fit(Path(args.root))
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.plot).write_bytes(ladder_plot(Path(args.root)))
+        print(f"\nwrote {args.plot}")
+
+
+def ladder_plot(root: Path) -> bytes:
+    """The registered plot: per optimizer and arm the gap against N (log x), every seed a point,
+    the width means joined, and where the fit is ready its 95 % band for one run, extended to
+    360M with the paper's figures marked; the same for Muon+EF's token overhead minus one."""
+    plt = plots.pyplot()
+    runs = finals(root)
+    panels = [  # (title, points, the paper's figure, the widths the registered fit needs)
+        (f"{name} {arm} gap", gaps(runs, name, arm), PAPER.get((name, arm)), len(LADDER))
+        for name in ("adamw", "muon")
+        for arm in ("2bw", "2bw+ef")
+    ]
+    excess, _ = scaling.ladder_overheads(scaling.ladder_runs(root), "muon", "2bw+ef")
+    panels.append(("muon 2bw+ef token overhead - 1", excess, None, scaling.MIN_WIDTHS))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels), 3.2), squeeze=False)
+    for ax, (title, points, paper, need) in zip(axes[0], panels):
+        floor = ADAMW_FLOOR if title == "adamw 2bw gap" else None
+        _ladder_panel(ax, points, paper, floor, need)
+        ax.set_title(title, fontsize=9)
+        ax.set_xscale("log")
+        ax.set_xlim(3e4, 6e8)  # the ladder to SmolLM-360M, where the paper's figures are
+        ax.set_xlabel("non-embedding parameters N", fontsize=8)
+        ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    return plots.png_bytes(fig)
+
+
+def _ladder_panel(ax, points: dict, paper: float | None, floor: float | None, need: int) -> None:
+    """One panel of `ladder_plot`: the fit only once `need` widths have 2 seeds or more (the
+    registered fit's condition); a log y axis where every value is positive."""
+    for n, by_seed in sorted(points.items()):
+        ax.scatter([n] * len(by_seed), list(by_seed.values()), s=10, color="#0072B2", alpha=0.6)
+    means = scaling.width_means(points)
+    if means:
+        ax.plot(sorted(means), [means[n] for n in sorted(means)], "o-", color="#0072B2", ms=4)
+    ready = len(points) >= need and all(len(v) >= 2 for v in points.values())
+    if ready:
+        t = scaling.trend(points)
+        grid = np.geomspace(min(points) / 1.5, scaling.SMOLLM_360M * 1.5, 60)
+        band = [scaling.predict(points, t, n) for n in grid]
+        ax.plot(grid, [b[0] for b in band], color="#D55E00", lw=1, label=f"fit ({t.fit.kind})")
+        ax.fill_between(grid, [b[1] for b in band], [b[2] for b in band], color="#D55E00",
+                        alpha=0.15, label="95 % for one run")  # fmt: skip
+    else:
+        ax.text(0.5, 0.92, f"fit waits for {need} widths", transform=ax.transAxes, ha="center",
+                fontsize=7)  # fmt: skip
+    if paper is not None:
+        ax.scatter(
+            [scaling.SMOLLM_360M], [paper], marker="*", s=60, color="black", label="paper 360M"
+        )
+    if floor is not None:
+        ax.axhline(floor, color="black", ls=":", lw=1, label=f"paper: > {floor} at 135M-360M")
+    values = [g for by_seed in points.values() for g in by_seed.values()]
+    if values and min(values) > 0:
+        ax.set_yscale("log")
+    else:
+        ax.axhline(0, color="grey", lw=0.5)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=6)
 
 
 def overhead_fit(root: Path) -> None:
