@@ -88,3 +88,11 @@ def test_the_runtime_step_reads_the_files_design_md_lists(make_cfg, run_dist, po
         if caller.startswith("runtime/") and f.startswith("train/")
     }
     assert not back, f"runtime/ called back into train/ during a step: {sorted(back)}"
+    # ... and train/ enters the runtime through one door during a step: the executor's `run`.
+    entries = {
+        f"{f}:{fn}"
+        for rank in calls
+        for f, fn, caller in rank
+        if caller.startswith("train/") and f.startswith("runtime/")
+    }
+    assert entries == {"runtime/stage.py:StageExecutor.run"}, entries
