@@ -60,7 +60,7 @@ class Interrupts:
 
     def requests(self) -> int:
         """This process's pending requests: STOP after a signal, CHECKPOINT when the clock ran
-        out (bits of `train.engine`)."""
+        out (bits of `schedules.plan`)."""
         bits = STOP if self.signal is not None else 0
         if self.every_s and time.monotonic() - self._last >= self.every_s:
             bits |= CHECKPOINT
