@@ -89,7 +89,10 @@ def call(overhead: Overhead | TargetOverhead, ratio: Ratio, speedup: float = mat
         at = e.bound / speedup if speedup > 0 else math.nan
         if at >= 1:  # every seed short at a multiple that alone outweighs the edge
             return f"sync sooner (short of sync's final loss at {e.bound:.2f}x its tokens)"
-        return f"inconclusive ({e.text}; run longer delayed arms: stalepipe sweep length)"
+        return (
+            f"inconclusive ({e.text}; run each short seed complete at longer lengths: stalepipe "
+            "sweep STUDY --lengths 1.1,1.2,1.35,1.5)"
+        )
     if e.status != "tax":
         return f"inconclusive ({e.text})"
     if ratio.high < 1:
