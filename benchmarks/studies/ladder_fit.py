@@ -117,6 +117,13 @@ def _ladder_panel(ax, points: dict, paper: float | None, floor: float | None, ne
         ax.plot(grid, [b[0] for b in band], color="#D55E00", lw=1, label=f"fit ({t.fit.kind})")
         ax.fill_between(grid, [b[1] for b in band], [b[2] for b in band], color="#D55E00",
                         alpha=0.15, label="95 % for one run")  # fmt: skip
+        values = [g for by_seed in points.values() for g in by_seed.values()]
+        top, bottom = max(values + [paper or 0]) * 100, min(v for v in values if v > 0) / 100
+        if max(b[2] for b in band) > top or min(b[1] for b in band) < bottom:  # keep seeds legible
+            ax.set_ylim(bottom, top)
+            _, lo, hi = scaling.predict(points, t, scaling.SMOLLM_360M)
+            ax.text(0.5, 0.04, f"band leaves the axis: [{lo:.2g}, {hi:.2g}] at 360M",
+                    transform=ax.transAxes, ha="center", fontsize=6)  # fmt: skip
     else:
         ax.text(0.5, 0.92, f"fit waits for {need} widths", transform=ax.transAxes, ha="center",
                 fontsize=7)  # fmt: skip
@@ -136,16 +143,27 @@ def _ladder_panel(ax, points: dict, paper: float | None, floor: float | None, ne
 
 
 def overhead_fit(root: Path) -> None:
-    """Muon+EF's token overhead over the ladder (`stalepipe verdict --overhead-fit`), or why not
-    yet."""
+    """Muon+EF's token overhead over the ladder (`stalepipe verdict --overhead-fit`): per width
+    the seeds' values, the registered fit of o(N) - 1 with its shrink rate's interval and test,
+    and the prediction for one run at 135M and 360M; or why not yet."""
     print()
+    points, notes = scaling.ladder_overheads(scaling.ladder_runs(root), "muon", "2bw+ef")
+    for n, by_seed in sorted(points.items()):
+        seeds = ", ".join(f"{1 + v:.3f}x" for _, v in sorted(by_seed.items()))
+        print(f"token overhead of muon 2bw+ef at N = {n:,}: {seeds}")
+    for note in notes:
+        print(f"  {note}")
+    if len(points) >= scaling.MIN_WIDTHS:
+        t = scaling.trend(points)
+        print(f"fit of o(N) - 1: {t.fit.kind}, shrink rate {t.fit.shrink:.3f} [{t.shrink_lo:.3f}, "
+              f"{t.shrink_hi:.3f}], p {t.p:.3g}: {scaling.direction(t, t.p)}")  # fmt: skip
     for label, n in (("135M", scaling.SMOLLM_135M), ("360M", scaling.SMOLLM_360M)):
         try:
             x, lo, hi, what = scaling.overhead_at(root, n)
         except UserError as e:
             print(f"token overhead: {e}")
             return
-        print(f"token overhead of one run at {label}: {x:.4f}x [{lo:.4f}, {hi:.4f}] ({what})")
+        print(f"token overhead of one run at {label}: {x:.4f}x [{lo:.4f}, {hi:.4g}] ({what})")
 
 
 def gap_table(root: Path) -> None:

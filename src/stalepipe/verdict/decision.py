@@ -93,6 +93,12 @@ def given(overhead: str, overhead_fit: str) -> GivenOverhead | None:
     return fitted_overhead(overhead_fit) if overhead_fit else None
 
 
+def _num(x: float, places: int) -> str:
+    """`x` with `places` decimals, or as a power of ten past 1000 (an interval a fit with one
+    degree of freedom gives can reach 1e14: printed, not hidden)."""
+    return f"{x:.{places}f}" if abs(x) < 1000 else f"{x:.1e}"
+
+
 def _given_lines(best: Verdict, given: GivenOverhead) -> list[str]:
     """What the answer is at a given overhead: its time ratio against the best synchronous
     configuration over its interval and the edge's range, and the call."""
@@ -104,8 +110,8 @@ def _given_lines(best: Verdict, given: GivenOverhead) -> list[str]:
     )
     at = f" @ {g.size}" if g.size else ""
     lines = [
-        f"given overhead {g.x:.3f}x [{g.low:.3f}, {g.high:.3f}]{at} ({g.source}): time "
-        f"to target {ratio[0]:.2f}x [{ratio[1]:.2f}, {ratio[2]:.2f}], {call}"
+        f"given overhead {g.x:.3f}x [{_num(g.low, 3)}, {_num(g.high, 3)}]{at} ({g.source}): "
+        f"time to target {ratio[0]:.2f}x [{_num(ratio[1], 2)}, {_num(ratio[2], 2)}], {call}"
     ]
     return lines + ([f"  that overhead: {g.note}"] if g.note else [])
 
