@@ -107,6 +107,7 @@ def test_bad_fits_are_refused_in_one_line(curve_sweep, tmp_path, capsys):
         f"{tmp_path / 'missing'}@360M": "LADDER_DIR@SIZE",
         str(short): "LADDER_DIR@SIZE",
         f"{short}@huge": "give 135M, 360M",
+        f"{short}@360": "at least 10,000",
         f"{short}@360M": "at 2 width(s)",
         f"{never}@360M": "never reaches sync's loss by 1.50x",
     }

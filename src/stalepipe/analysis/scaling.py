@@ -301,10 +301,10 @@ def target_size(text: str) -> int:
         n = float(key)
     except ValueError:
         n = math.nan
-    if not (n >= 1):
+    if not (n >= 1e4):  # below the ladder's smallest rung: a unit left out (360 for 360M)
         raise UserError(
             f"--overhead-fit: size {text!r}: give 135M, 360M or a number of non-embedding "
-            "parameters (e.g. 1.2e8)"
+            "parameters of at least 10,000 (e.g. 1.2e8)"
         )
     return int(n)
 
