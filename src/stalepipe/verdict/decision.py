@@ -74,9 +74,10 @@ def fitted_overhead(text: str) -> GivenOverhead:
     360M or a number of non-embedding parameters) with its 95 % prediction interval."""
     root, at, size = text.rpartition("@")
     if not at or not root or not Path(root).is_dir():
+        missing = f"{root} is not a directory; " if at and root else ""
         raise UserError(
-            f"--overhead-fit {text!r}: give the size ladder's run directory and the target "
-            "size as LADDER_DIR@SIZE (e.g. docs/results/ladder-regime@360M)"
+            f"--overhead-fit {text!r}: {missing}give the size ladder's run directory and the "
+            "target size as LADDER_DIR@SIZE (e.g. docs/results/ladder-regime@360M)"
         )
     n = scaling.target_size(size)
     x, low, high, what = scaling.overhead_at(Path(root), n)
