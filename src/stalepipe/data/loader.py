@@ -123,12 +123,8 @@ class ReplicaBatches:
         num_microbatches: int,
         device: torch.device,
     ) -> None:
-        self.loader, self.batch_size, self.m, self.device = (
-            loader,
-            batch_size,
-            num_microbatches,
-            device,
-        )
+        self.loader, self.batch_size = loader, batch_size
+        self.m, self.device = num_microbatches, device
         share = batch_size // num_replicas
         self.rows = slice(replica * share, (replica + 1) * share)
 

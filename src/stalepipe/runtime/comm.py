@@ -129,7 +129,7 @@ class Comm:
         self.pipe_rank, self.replica = topo.pipe_rank(rank), topo.replica_of(rank)
         # The rank of each stage of this replica, looked up once (every message asks).
         self._peers = [topo.rank(s, self.replica) for s in range(topo.num_stages)]
-        self._pipe = range(topo.num_ranks)  # this replica's pipeline ranks (the all-gather's)
+        self.pipe_size = topo.num_ranks  # ranks in this replica's pipeline (the all-gather's)
         self.pipe_group = None
         self.dp_group = None
         self._groups: dict[tuple[str, int, int], Any] = {}
@@ -262,7 +262,7 @@ class Comm:
         self, t: torch.Tensor, what: str = "the per-step exchange of gradient norms and losses"
     ) -> tuple[Any, list[torch.Tensor]]:
         """Start an all-gather of `t` over this replica's pipeline; wait with `wait_work`."""
-        R = len(self._pipe)
+        R = self.pipe_size
         if self.pipe_group is None or R == 1:
             return None, [t]
         out = [torch.empty_like(t) for _ in range(R)]
