@@ -257,10 +257,27 @@ def test_the_default_output_is_a_decision_block(curve_sweep, capsys):
     assert len(lines) <= 22 and max(len(ln) for ln in lines[:-2]) <= 120, lines
     assert lines[0].startswith("decision: ") and lines[1].startswith("best synchronous: ")
     ef = next(ln for ln in lines if ln.startswith("adamw_2bw+ef "))
-    assert "x [" in ef and "@ " in ef and "(3 seeds)" in ef
+    assert "x [" in ef and "@ " in ef and re.search(r"\b3  \d", ef)
     assert any("makes async sooner" in ln for ln in lines)
     assert any(ln.startswith("intervals cover the seeds only") for ln in lines)
     assert lines[-2].startswith("tables in ") and "verdict.md" in lines[-1]
+
+
+def test_a_lengths_sweep_decides_on_its_headline_rows(curve_sweep, curve_run, capsys):
+    """With sync run at the longer lengths too (`sweep --lengths`), each longer delayed run has
+    a like-for-like baseline and a verdict of its own: those go to the tables, counted in one
+    line; the decision block lists the configurations, read over all their lengths."""
+    for s in range(3):
+        curve_run(curve_sweep, f"adamw_x1.5_sync_s{s}",
+                  {"delay.policy": "sync", "train.warmup_steps": "30"}, s, steps=300)  # fmt: skip
+    out_dir = curve_sweep / "verdict"
+    assert main(["verdict", str(curve_sweep), *SIM]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(ln.startswith("adamw_2bw+ef ") for ln in lines)
+    assert not any(ln.startswith("adamw_x1.5") for ln in lines), lines
+    assert "2 longer runs judged against sync at their own length" in "\n".join(lines)
+    table = (out_dir / "verdict.md").read_text()
+    assert "adamw_x1.5_2bw+ef" in table and "adamw_x1.5_sync" in table
 
 
 def test_a_given_overhead_is_judged_against_the_same_best_sync(curve_sweep, capsys):

@@ -120,6 +120,7 @@ def judge_sweep(rows: list[Row], tp: Throughputs) -> tuple[list[Verdict], list[s
             skipped.append(f"{_label(row)}: {a}")
             continue
         verdicts.append(judge(row, tp, a))
+        verdicts[-1].at_length = id(row) in extensions
     return verdicts, skipped
 
 

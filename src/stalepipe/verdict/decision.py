@@ -8,7 +8,9 @@ best synchronous configuration with its interval (over the seeds and, with the c
 the ends of its assumptions' ranges), the token overhead and the model size it was measured
 on; then the overhead at which the answer flips (2BW's throughput edge, with its range: a lower
 overhead makes async sooner), a given overhead judged (`--overhead`, or the size ladder's fit at
-a target size, `--overhead-fit`) and what the intervals cover.
+a target size, `--overhead-fit`) and what the intervals cover. A lengths sweep's longer runs,
+each judged against sync at its own length (`Verdict.at_length`), are counted in one line and
+left to the tables: their configuration's row already reads its overhead over all its lengths.
 """
 
 from __future__ import annotations
@@ -122,8 +124,9 @@ def decision_block(
 ) -> str:
     """The block (module docstring); every line cut to `WIDTH`. `given`: an overhead from
     elsewhere (`given_overhead`), judged against the same best synchronous configuration."""
+    headline = [v for v in verdicts if not v.at_length]
     judged = sorted(
-        (v for v in verdicts if v.target is not None and len(v.target.seeds) >= 3), key=_key
+        (v for v in headline if v.target is not None and len(v.target.seeds) >= 3), key=_key
     )
     lines = [f"decision: {title}"]
     best = next((v for v in judged if v.best_sync is not None), None)
@@ -134,13 +137,14 @@ def decision_block(
         )
     if not judged:
         lines.append("no configuration has the 3 seeds a verdict needs: every one is inconclusive")
-    head = f"{'configuration':<22} {'verdict':<17} {'time to target':<19} token overhead"
+    head = f"{'configuration':<22} {'verdict':<17} {'time to target':<19} seeds  token overhead"
     lines += [head] if judged else []
     for v in judged[:SHOWN]:
         assert v.target is not None
+        overhead = v.target.describe().replace(" seeds short", " short")
         lines.append(
-            f"{v.label[:22]:<22} {plain(v.verdict):<17} {v.ratio_all.text():<19} {v.target.describe()} "
-            f"@ {v.measured_on} ({len(v.target.seeds)} seeds)"
+            f"{v.label[:22]:<22} {plain(v.verdict):<17} {v.ratio_all.text():<19} "
+            f"{len(v.target.seeds):>5}  {overhead} @ {v.measured_on}"
         )
     if best is not None and math.isfinite(best.speedup):
         lo, hi = (best.speedup * f for f in best.edge_factors)
@@ -150,9 +154,14 @@ def decision_block(
         )
     if given is not None and best is not None and math.isfinite(best.speedup):
         lines += _given_lines(best, given)
-    rest = len(verdicts) - min(len(judged), SHOWN)
+    rest = len(headline) - min(len(judged), SHOWN)
     if rest:
         lines.append(f"... {rest} more configuration(s) (fewer seeds, or past the first {SHOWN})")
+    if len(headline) < len(verdicts):
+        lines.append(
+            f"{len(verdicts) - len(headline)} longer runs judged against sync at their own length: "
+            "in the tables (verdict.md)"
+        )
     ranged = best is not None and best.edge_factors != (1.0, 1.0)
     lines.append(
         "intervals cover the seeds, and MFU, link efficiency and overlap cost over their ranges "
