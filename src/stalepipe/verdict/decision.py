@@ -159,8 +159,8 @@ def decision_block(
         lines.append(f"... {rest} more configuration(s) (fewer seeds, or past the first {SHOWN})")
     if len(headline) < len(verdicts):
         lines.append(
-            f"{len(verdicts) - len(headline)} longer runs judged against sync at their own length: "
-            "in the tables (verdict.md)"
+            f"{len(verdicts) - len(headline)} longer lengths (configuration x length) judged against "
+            "sync at their own length: in the tables (verdict.md)"
         )
     ranged = best is not None and best.edge_factors != (1.0, 1.0)
     lines.append(
