@@ -222,3 +222,5 @@ def test_ladder_fit_reads_the_committed_ladder_records(tmp_path):
     adamw32 = next(r for r in rows if r[:2] == ["adamw", "32"])
     assert int(adamw32[3]) >= 1 and 2.0 < float(adamw32[4]) < 3.0  # seeds, sync's mean loss
     assert "the fit waits" in out or "fit, shrink rate" in out
+    ef = [ln for ln in out.splitlines() if ln.startswith("EF share, ")]  # as registered: apart
+    assert ef and all("; recovers most: " in ln and "; size: " in ln for ln in ef), ef

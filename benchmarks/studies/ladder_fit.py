@@ -15,11 +15,12 @@ SmolLM-135M and -360M against the paper's 360M figures.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import numpy as np
 
-from stalepipe.analysis import plots, scaling, stats
+from stalepipe.analysis import claims, plots, scaling, stats
 from stalepipe.errors import UserError
 from stalepipe.experiments.scales import LADDER, LADDER_LRS
 
@@ -68,6 +69,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     gap_table(Path(args.root))
+    ef_labels(Path(args.root))
     overhead_fit(Path(args.root))
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
@@ -164,6 +166,22 @@ def overhead_fit(root: Path) -> None:
             print(f"token overhead: {e}")
             return
         print(f"token overhead of one run at {label}: {x:.4f}x [{lo:.4f}, {hi:.4g}] ({what})")
+
+
+def ef_labels(root: Path) -> None:
+    """EF's share per optimizer and width, judged as registered: direction (its 95 % interval
+    above 50 %: "recovers most") and size (the interval meets the paper's range) apart."""
+    runs = finals(root)
+    print()
+    for name in ("adamw", "muon"):
+        g2, ge = gaps(runs, name, "2bw"), gaps(runs, name, "2bw+ef")
+        two = {n for n in g2.keys() & ge.keys() if len(g2[n].keys() & ge[n].keys()) >= 2}
+        for n, (s, lo, hi) in sorted(scaling.ef_share(g2, ge).items()):
+            if n not in two or not math.isfinite(lo):  # one seed: no interval to judge
+                continue
+            way = "reproduced" if lo > 0.5 else "not reproduced" if hi < 0.5 else "inconclusive"
+            print(f"EF share, {name} at N = {n:,}: {s:.0%} [{lo:.0%}, {hi:.0%}]; recovers most: "
+                  f"{way}; size: {claims.paper_size(name, lo, hi)}")  # fmt: skip
 
 
 def gap_table(root: Path) -> None:

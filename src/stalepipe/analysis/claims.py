@@ -251,13 +251,13 @@ def claim_ef_recovers_gap(rows: list[Row]) -> list[Finding]:
                 len(shares),
                 need=HEADLINE_SEEDS,
                 partly=_regime(r, r.unmitigated),
-                size=_paper_size(str(r.config.get("optim.name", "")), low, high),
+                size=paper_size(str(r.config.get("optim.name", "")), low, high),
             )
         )
     return out
 
 
-def _paper_size(optimizer: str, low: float, high: float) -> str:
+def paper_size(optimizer: str, low: float, high: float) -> str:
     """Whether the share's interval meets the paper's range for `optimizer` ('' without one)."""
     if optimizer not in PAPER_EF_SHARE:
         return ""
