@@ -1,7 +1,8 @@
 """Every verdict number README.md, docs/verdict.md and docs/RESULTS.md state comes from the
 committed outputs of the command shown beside it (`stalepipe verdict docs/results/
-optimizers-regime --cluster PRESET --out docs/results/optimizers-regime/verdict-PRESET`), and
-those outputs are what the command prints today (issue 40, item 5)."""
+lengths-regime --cluster PRESET --out docs/results/lengths-regime/verdict-PRESET`: the token
+overheads read from complete runs at 1, 1.1, 1.2, 1.35 and 1.5x, issue 40 item 1), and those
+outputs are what the command prints today (issue 40, item 5)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from stalepipe.verdict.cluster import where_sooner
 
 ROOT = Path(__file__).resolve().parents[2]
-SWEEP = ROOT / "docs" / "results" / "optimizers-regime"
+SWEEP = ROOT / "docs" / "results" / "lengths-regime"
 PRESETS = ("h100-ib", "h100-eth100", "h100-eth25", "h100-pcie")
 ARMS = ("muon_2bw+ef", "muon_2bw", "adamw_2bw+ef")
 
