@@ -437,7 +437,7 @@ def test_a_claim_without_its_configurations_is_left_out(check, sweep_dir):
 def test_a_claim_with_a_paper_size_labels_direction_and_size_apart():
     """EF's share: the direction (> half) and the paper's size (AdamW 85-90 %, Muon 50-70 %)
     are two answers; the size reproduces when the share's interval meets the paper's range."""
-    from stalepipe.analysis.claims import Finding, paper_size, label
+    from stalepipe.analysis.claims import Finding, label, paper_size
 
     assert paper_size("adamw", 0.57, 0.69).startswith("not reproduced (interval misses")
     assert paper_size("muon", 0.48, 0.75).startswith("reproduced (interval meets the paper's 50%")

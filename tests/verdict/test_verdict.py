@@ -275,7 +275,10 @@ def test_a_lengths_sweep_decides_on_its_headline_rows(curve_sweep, curve_run, ca
     lines = capsys.readouterr().out.splitlines()
     assert any(ln.startswith("adamw_2bw+ef ") for ln in lines)
     assert not any(ln.startswith("adamw_x1.5") for ln in lines), lines
-    assert "2 longer lengths (configuration x length) judged against sync at their own length" in "\n".join(lines)
+    assert (
+        "2 longer lengths (configuration x length) judged against sync at their own length"
+        in "\n".join(lines)
+    )
     table = (out_dir / "verdict.md").read_text()
     assert "adamw_x1.5_2bw+ef" in table and "adamw_x1.5_sync" in table
 

@@ -37,6 +37,27 @@ def decision(preset: str) -> dict[str, str]:
     return out
 
 
+def test_the_results_lengths_readings_are_the_committed_ones():
+    """RESULTS' lengths-study paragraph: each arm's token overhead (recomputed from the records)
+    and its time against ZB-H1 (the committed `verdict` of the command shown beside it)."""
+    from stalepipe.analysis.results import build_rows, load_runs
+
+    doc = " ".join((ROOT / "docs" / "RESULTS.md").read_text().split())
+    text = (SWEEP / "verdict" / "verdict.md").read_text().split("```")[1]
+    assert "--stages 8 --microbatches 16 --device h100" in doc and "zb-h1" in text
+    rows = {r.label: r for r in build_rows(load_runs(SWEEP))}
+    for arm, name in (
+        ("muon_2bw+ef", "Muon+EF"),
+        ("muon_2bw", "Muon"),
+        ("adamw_2bw+ef", "AdamW+EF"),
+    ):
+        m = re.search(rf"^{re.escape(arm)} +(?:sync sooner|too close to call) +(\S+ \[\S+ \S+\])",
+                      text, re.M)  # fmt: skip
+        assert m and f"{name} {m.group(1)}" in doc, (arm, m)
+        est, lo, hi = rows[arm].targets["final"].interval()
+        assert f"**{est:.2f}x [{lo:.2f}, {hi:.2f}]**" in doc, arm
+
+
 def _row(doc: str, preset: str) -> str:
     """The preset's row of the page's verdict table (the one with calls in it)."""
     starts = (f"| {preset} ", f"| `{preset}` ")
