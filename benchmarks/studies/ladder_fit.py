@@ -205,6 +205,8 @@ def gap_table(root: Path) -> None:
             )
             s, slo, shi = share.get(params, (float("nan"),) * 3)
             share_text = f"{s:.0%} [{slo:.0%}, {shi:.0%}]" if s == s else "-"
+            if s == s and len(g2.get(params, {})) < 2:  # one seed: no interval to give
+                share_text = f"{s:.0%} (1 seed)"
             sync_mean = sum(sync.values()) / len(sync) if sync else float("nan")
             print(f"{name:<6} {width:>5} {params:>8} {len(g2.get(params, {})):>5} {sync_mean:>7.4f} "
                   f"{cells[0]:>26} {cells[1]:>26} {share_text:>18}")  # fmt: skip
