@@ -77,3 +77,18 @@ def test_muon_ef_s_token_overhead(readme):
     lengths = {r.label: r for r in build_rows(load_runs(SWEEP.parent / "lengths-regime"))}
     est, lo, hi = lengths["muon_2bw+ef"].targets["final"].interval()
     assert f"Muon+EF needs {est:.2f}x [{lo:.2f}, {hi:.2f}] sync's tokens" in readme
+
+
+def test_the_ladder_s_overhead_and_its_360m_interval(readme):
+    """The README's size-ladder sentence: the widths' non-embedding sizes, the range of
+    Muon+EF's width means, and the registered fit's interval at 360M, from the ladder's records."""
+    from stalepipe.analysis import scaling
+
+    ladder = ROOT / "docs" / "results" / "ladder-regime"
+    points, _ = scaling.ladder_overheads(scaling.ladder_runs(ladder), "muon", "2bw+ef")
+    means = [1 + m for m in scaling.width_means(points).values()]
+    sizes = f"{min(points) // 1000}k-{max(points) // 1000}k non-embedding parameters"
+    assert sizes in readme
+    assert f"stays at {min(means):.2f}-{max(means):.2f}x" in readme
+    _, lo, hi, _ = scaling.overhead_at(ladder, scaling.SMOLLM_360M)
+    assert f"[{lo:.2f}, {hi:.1e}]" in readme
