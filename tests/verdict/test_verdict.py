@@ -275,12 +275,20 @@ def test_a_lengths_sweep_decides_on_its_headline_rows(curve_sweep, curve_run, ca
     lines = capsys.readouterr().out.splitlines()
     assert any(ln.startswith("adamw_2bw+ef ") for ln in lines)
     assert not any(ln.startswith("adamw_x1.5") for ln in lines), lines
-    assert (
-        "2 longer lengths (configuration x length) judged against sync at their own length"
-        in "\n".join(lines)
-    )
+    counted = next(ln for ln in lines if "longer lengths" in ln)
+    assert counted.startswith("2 longer lengths judged against sync at the same length (")
+    calls = re.findall(r"(\d+) (sync sooner|async sooner|too close to call|inconclusive)", counted)
+    assert sum(int(n) for n, _ in calls) == 2, counted
     table = (out_dir / "verdict.md").read_text()
     assert "adamw_x1.5_2bw+ef" in table and "adamw_x1.5_sync" in table
+    # the cluster map draws the configurations too, not their longer lengths
+    from stalepipe.verdict.cluster import headline
+
+    verdicts, _ = judge_sweep(
+        build_rows(load_runs(curve_sweep)), simulated("smollm-135m", "h100", 4, 8)
+    )
+    assert sum(v.at_length for v in verdicts) == 2
+    assert headline(verdicts) and not any(v.at_length for v in headline(verdicts))
 
 
 def test_a_given_overhead_is_judged_against_the_same_best_sync(curve_sweep, capsys):

@@ -128,3 +128,8 @@ def test_the_committed_decision_is_what_the_command_prints_now(tmp_path):
     fresh = (tmp_path / "verdict.md").read_text().split("```")[1]
     committed = (SWEEP / "verdict-h100-ib" / "verdict.md").read_text().split("```")[1]
     assert fresh == committed
+    # the map draws the configurations, not a longer length of one (`cluster.headline`)
+    for path in (tmp_path, SWEEP / "verdict-h100-ib"):
+        header = (path / "verdict_map.csv").read_text().splitlines()[0].split(",")
+        drawn = header[header.index("speedup_high") + 1 :]
+        assert drawn == ["muon_2bw+ef", "muon_2bw", "adamw_2bw+ef"], (path, drawn)

@@ -157,10 +157,12 @@ def decision_block(
     rest = len(headline) - min(len(judged), SHOWN)
     if rest:
         lines.append(f"... {rest} more configuration(s) (fewer seeds, or past the first {SHOWN})")
-    if len(headline) < len(verdicts):
+    longer = [plain(v.verdict) for v in verdicts if v.at_length]
+    if longer:
+        calls = ", ".join(f"{longer.count(c)} {c}" for c in sorted(set(longer)))
         lines.append(
-            f"{len(verdicts) - len(headline)} longer lengths (configuration x length) judged against "
-            "sync at their own length: in the tables (verdict.md)"
+            f"{len(longer)} longer lengths judged against sync at the same length ({calls}): "
+            "verdict.md"
         )
     ranged = best is not None and best.edge_factors != (1.0, 1.0)
     lines.append(
