@@ -44,7 +44,8 @@ def test_the_results_lengths_readings_are_the_committed_ones():
 
     doc = " ".join((ROOT / "docs" / "RESULTS.md").read_text().split())
     text = (SWEEP / "verdict" / "verdict.md").read_text().split("```")[1]
-    assert "--stages 8 --microbatches 16 --device h100" in doc and "zb-h1" in text
+    command = "verdict docs/results/lengths-regime --model smollm-360m --stages 8 --microbatches 16"
+    assert command in doc and "zb-h1" in text
     rows = {r.label: r for r in build_rows(load_runs(SWEEP))}
     for arm, name in (
         ("muon_2bw+ef", "Muon+EF"),

@@ -119,7 +119,7 @@ class Verdict:
     measured_on: str = ""  # the parameters of the model its runs trained ("0.43M")
     async_row: ScheduleThroughput | None = None  # the row of `schedule` its rate is read off
     edge_factors: tuple[float, float] = (1.0, 1.0)  # `Throughputs.edge_factors`
-    # a longer planned run of another configuration, judged against sync at its own length
+    # the same configuration planned longer, judged against sync at the same length
     # (a lengths sweep's like-for-like row: in the tables, not the decision block)
     at_length: bool = False
 
