@@ -319,8 +319,7 @@ def headline(verdicts: list[Verdict], most: int = 3) -> list[Verdict]:
     final loss and its interval (2 seeds or more), those with the seeds for a verdict (3)
     first, then lowest first (at most `most`); else the first configuration. A one-seed run
     has no interval to carry through the map, so it is never drawn over a measured one. The
-    map is 2BW's: other schedules' configurations are not drawn, nor a lengths sweep's longer
-    lengths (`Verdict.at_length`: their configuration's row reads all its lengths)."""
+    map is 2BW's: other schedules' configurations are not drawn, nor longer lengths (`at_length`)."""
     verdicts = [v for v in verdicts if v.schedule == ASYNC]
     verdicts = [v for v in verdicts if not v.at_length] or verdicts
     measured = [
