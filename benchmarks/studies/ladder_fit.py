@@ -68,8 +68,9 @@ def main() -> None:
         help="also draw the gaps and the overhead against size (e.g. docs/results/ladder/ladder.png)",
     )
     args = ap.parse_args()
-    gap_table(Path(args.root))
-    ef_labels(Path(args.root))
+    runs = finals(Path(args.root))  # read once for the table and EF's labels
+    gap_table(runs)
+    ef_labels(runs)
     overhead_fit(Path(args.root))
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
@@ -177,11 +178,10 @@ def _paired(g2: dict, ge: dict, n: int) -> int:
     return len(g2.get(n, {}).keys() & ge.get(n, {}).keys())
 
 
-def ef_labels(root: Path) -> None:
+def ef_labels(runs: dict) -> None:
     """EF's share per optimizer and width with 3 paired seeds, judged as registered: direction
     (its 95 % interval above 50 %: "recovers most") and size apart (the paper's range "inside
     the interval", read as the claims table reads it: the interval meets the range)."""
-    runs = finals(root)
     print()
     for name in ("adamw", "muon"):
         g2, ge = gaps(runs, name, "2bw"), gaps(runs, name, "2bw+ef")
@@ -193,9 +193,8 @@ def ef_labels(root: Path) -> None:
                   f"{way}; size: {claims.paper_size(name, lo, hi)}")  # fmt: skip
 
 
-def gap_table(root: Path) -> None:
+def gap_table(runs: dict) -> None:
     """The gaps per optimizer and width, and the registered fit once every width has them."""
-    runs = finals(root)
     print(f"{'optimizer':<6} {'width':>5} {'N':>8} {'seeds':>5} {'sync':>7} "
           f"{'2bw gap [95% CI]':>26} {'2bw+EF gap [95% CI]':>26} {'EF share [95%]':>18}")  # fmt: skip
     trends = {}

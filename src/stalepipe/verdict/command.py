@@ -119,8 +119,9 @@ def judge_sweep(rows: list[Row], tp: Throughputs) -> tuple[list[Verdict], list[s
         if isinstance(a, str):
             skipped.append(f"{_label(row)}: {a}")
             continue
-        verdicts.append(judge(row, tp, a))
-        verdicts[-1].at_length = id(row) in extensions
+        v = judge(row, tp, a)
+        v.at_length = id(row) in extensions
+        verdicts.append(v)
     return verdicts, skipped
 
 
