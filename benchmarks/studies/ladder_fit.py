@@ -193,11 +193,23 @@ def ef_labels(runs: dict) -> None:
                   f"{way}; size: {claims.paper_size(name, lo, hi)}")  # fmt: skip
 
 
+def registered_fits(runs: dict) -> dict[tuple[str, str], tuple[dict, scaling.Trend, float]]:
+    """(optimizer, arm) -> (N -> seed -> gap, its fit, Holm p over the fits), for the arms whose
+    every width has at least 2 paired seeds (the registered fit's condition)."""
+    trends = {}
+    for name in ("adamw", "muon"):
+        for arm in ("2bw", "2bw+ef"):
+            g = gaps(runs, name, arm)
+            if len(g) == len(LADDER) and all(len(v) >= 2 for v in g.values()):
+                trends[name, arm] = (g, scaling.trend(g))
+    holm = stats.holm([t.p for _, t in trends.values()]) if trends else []
+    return {k: (g, t, q) for (k, (g, t)), q in zip(trends.items(), holm)}
+
+
 def gap_table(runs: dict) -> None:
     """The gaps per optimizer and width, and the registered fit once every width has them."""
     print(f"{'optimizer':<6} {'width':>5} {'N':>8} {'seeds':>5} {'sync':>7} "
           f"{'2bw gap [95% CI]':>26} {'2bw+EF gap [95% CI]':>26} {'EF share [95%]':>18}")  # fmt: skip
-    trends = {}
     for name in ("adamw", "muon"):
         g2, ge = gaps(runs, name, "2bw"), gaps(runs, name, "2bw+ef")
         for width, _, params in LADDER:
@@ -219,16 +231,13 @@ def gap_table(runs: dict) -> None:
             sync_mean = sum(sync.values()) / len(sync) if sync else float("nan")
             print(f"{name:<6} {width:>5} {params:>8} {len(g2.get(params, {})):>5} {sync_mean:>7.4f} "
                   f"{cells[0]:>26} {cells[1]:>26} {share_text:>18}")  # fmt: skip
-        for arm, g in (("2bw", g2), ("2bw+ef", ge)):
-            if len(g) == len(LADDER) and all(len(v) >= 2 for v in g.values()):
-                trends[name, arm] = (g, scaling.trend(g))
-    if len(trends) < 4:
+    fitted = registered_fits(runs)
+    if len(fitted) < 4:
         print(
-            f"\nthe fit waits for every width at >= 2 seeds of all arms ({len(trends)} of 4 ready)"
+            f"\nthe fit waits for every width at >= 2 seeds of all arms ({len(fitted)} of 4 ready)"
         )
         return
-    holm = stats.holm([t.p for _, t in trends.values()])
-    for ((name, arm), (g, t)), q in zip(trends.items(), holm):
+    for (name, arm), (g, t, q) in fitted.items():
         print(f"\n{name} {arm}: {t.fit.kind} fit, shrink rate {t.fit.shrink:.3f} "
               f"[{t.shrink_lo:.3f}, {t.shrink_hi:.3f}], Holm p {q:.3g}: {scaling.direction(t, q)}")  # fmt: skip
         for label, n in (("135M", scaling.SMOLLM_135M), ("360M", scaling.SMOLLM_360M)):
