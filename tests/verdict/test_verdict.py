@@ -307,3 +307,16 @@ def test_a_given_overhead_is_judged_against_the_same_best_sync(curve_sweep, caps
         assert main(["verdict", str(curve_sweep), *SIM, "--overhead", bad]) == 2
         err = capsys.readouterr().err
         assert "X,LOW,HIGH" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_overhead_that_says_nothing_is_not_called_a_near_tie(curve_sweep, capsys):
+    """An interval that holds 1 and leaves [x / 10, 10 x] (the size ladder's fit with one degree
+    of freedom reaches 1e14) is 'inconclusive (too wide)', not 'too close to call'; the call goes
+    on a line of its own where the numbers fill the first."""
+    wide, near = ("1.05,1.0,1e15@360M", "inconclusive (too wide)"), ("1.05,1.0,1.5", "to call")
+    for given, call in (wide, near):
+        assert main(["verdict", str(curve_sweep), *SIM, "--overhead", given]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        i = next(k for k, x in enumerate(lines) if x.startswith("given overhead"))
+        said = lines[i] if lines[i].endswith(call) else lines[i + 1]
+        assert said.endswith(call) and max(map(len, lines)) <= 120

@@ -26,6 +26,8 @@ from stalepipe.verdict.rule import Verdict
 
 MAX_LINES, WIDTH = 20, 120
 SHOWN = 10  # configurations listed; the rest are counted
+TOO_WIDE = 10  # a given overhead's time ratio whose interval leaves [x / 10, 10 x] and holds 1
+# says nothing, not "too close": the size ladder's rule for the paper's figures (docs/RESULTS.md)
 
 
 def plain(verdict: str) -> str:
@@ -111,11 +113,15 @@ def _given_lines(best: Verdict, given: GivenOverhead) -> list[str]:
     call = (
         "async sooner" if ratio[2] < 1 else "sync sooner" if ratio[1] > 1 else "too close to call"
     )
+    wide = not ratio[0] / TOO_WIDE <= ratio[1] <= ratio[2] <= ratio[0] * TOO_WIDE
+    if call == "too close to call" and wide:  # not a near tie: the overhead is unknown
+        call = "inconclusive (too wide)"
     at = f" @ {g.size}" if g.size else ""
-    lines = [
+    head = (
         f"given overhead {g.x:.3f}x [{_num(g.low, 3)}, {_num(g.high, 3)}]{at} ({g.source}): "
-        f"time to target {ratio[0]:.2f}x [{_num(ratio[1], 2)}, {_num(ratio[2], 2)}], {call}"
-    ]
+        f"time to target {ratio[0]:.2f}x [{_num(ratio[1], 2)}, {_num(ratio[2], 2)}],"
+    )
+    lines = [f"{head} {call}"] if len(head) + len(call) < WIDTH else [head, f"  call: {call}"]
     return lines + ([f"  that overhead: {g.note}"] if g.note else [])
 
 
