@@ -314,9 +314,9 @@ def test_an_overhead_that_says_nothing_is_not_called_a_near_tie(curve_sweep, cap
     of freedom reaches 1e14) is 'inconclusive (too wide)', not 'too close to call'; the call goes
     on a line of its own where the numbers fill the first."""
     wide, near = ("1.05,1.0,1e15@360M", "inconclusive (too wide)"), ("1.05,1.0,1.5", "to call")
-    for given, call in (wide, near):
+    for given, words in (wide, near):
         assert main(["verdict", str(curve_sweep), *SIM, "--overhead", given]) == 0
         lines = capsys.readouterr().out.splitlines()
         i = next(k for k, x in enumerate(lines) if x.startswith("given overhead"))
-        said = lines[i] if lines[i].endswith(call) else lines[i + 1]
-        assert said.endswith(call) and max(map(len, lines)) <= 120
+        said = lines[i] if lines[i].endswith(words) else lines[i + 1]
+        assert said.endswith(words) and max(map(len, lines)) <= 120
