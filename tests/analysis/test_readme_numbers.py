@@ -70,6 +70,9 @@ def test_muon_ef_s_gap_at_equal_tokens(rows, readme):
     r = rows["muon_2bw+ef"]
     lo, hi = r.gap_test.low, r.gap_test.high
     assert f"Muon+EF ends {r.gap:.3f} [{lo:.3f}, {hi:.3f}] above" in readme
+    assert "At equal tokens no delayed arm reaches sync's final loss" in readme
+    delayed = [rows[f"{o}_2bw{ef}"] for o in ("adamw", "muon") for ef in ("", "+ef")]
+    assert all(d.gap_test.low > 0 for d in delayed)  # every interval above sync's loss
 
 
 def test_muon_ef_s_token_overhead(readme):
@@ -77,6 +80,9 @@ def test_muon_ef_s_token_overhead(readme):
     lengths = {r.label: r for r in build_rows(load_runs(SWEEP.parent / "lengths-regime"))}
     est, lo, hi = lengths["muon_2bw+ef"].targets["final"].interval()
     assert f"Muon+EF needs {est:.2f}x [{lo:.2f}, {hi:.2f}] sync's tokens" in readme
+    adamw_ef = lengths["adamw_2bw+ef"].targets["final"].interval()[0]
+    muon = lengths["muon_2bw"].targets["final"].interval()[0]
+    assert f"AdamW+EF ({adamw_ef:.2f}x the tokens)" in readme and f"Muon ({muon:.2f}x)" in readme
 
 
 def test_the_ladder_s_overhead_and_its_360m_interval(readme):
