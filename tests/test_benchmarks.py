@@ -225,3 +225,14 @@ def test_ladder_fit_reads_the_committed_ladder_records(tmp_path):
     assert "the fit waits" in out or "fit, shrink rate" in out
     ef = [ln for ln in out.splitlines() if ln.startswith("EF share, ")]  # as registered: apart
     assert ef and all("; recovers most: " in ln and "; size: " in ln for ln in ef), ef
+
+
+def test_results_quotes_the_ladder_s_table_and_fits_as_the_records_give_them():
+    """docs/RESULTS.md's size-ladder blocks are `ladder_fit.py`'s output on the committed records,
+    line for line: a record added (width 136's third seed, say) without the docs rerun fails."""
+    out = _script("studies/ladder_fit.py", "docs/results/ladder-regime").stdout
+    results = (ROOT / "docs" / "RESULTS.md").read_text().splitlines()
+    shown = [line for line in out.splitlines() if line.strip()]
+    assert len(shown) > 30  # the table, the four fits, EF's labels and the overhead's fit
+    missing = [line for line in shown if line not in results]
+    assert not missing, f"RESULTS.md lacks {len(missing)} of ladder_fit.py's lines: {missing[:3]}"

@@ -104,6 +104,9 @@ def ladder_plot(root: Path) -> bytes:
     return plots.png_bytes(fig)
 
 
+SYMLOG_LINEAR = 1e-3  # a panel with a gap <= 0 is linear within +-0.001 nats, log beyond
+
+
 def _ladder_panel(ax, points: dict, paper: float | None, floor: float | None, need: int) -> None:
     """One panel of `ladder_plot`: the fit only once `need` widths have 2 seeds or more (the
     registered fit's condition); a log y axis where every value is positive."""
@@ -122,6 +125,7 @@ def _ladder_panel(ax, points: dict, paper: float | None, floor: float | None, ne
                         alpha=0.15, label="95 % for one run")  # fmt: skip
         values = [g for by_seed in points.values() for g in by_seed.values()]
         top, bottom = max(values + [paper or 0]) * 100, min(v for v in values if v > 0) / 100
+        bottom = bottom if min(values) > 0 else min(values) * 2  # a seed below sync stays shown
         if max(b[2] for b in band) > top or min(b[1] for b in band) < bottom:  # keep seeds legible
             ax.set_ylim(bottom, top)
             _, lo, hi = scaling.predict(points, t, scaling.SMOLLM_360M)
@@ -139,7 +143,8 @@ def _ladder_panel(ax, points: dict, paper: float | None, floor: float | None, ne
     values = [g for by_seed in points.values() for g in by_seed.values()]
     if values and min(values) > 0:
         ax.set_yscale("log")
-    else:
+    elif values:  # a seed at or below sync: log far from 0, linear through it
+        ax.set_yscale("symlog", linthresh=SYMLOG_LINEAR)
         ax.axhline(0, color="grey", lw=0.5)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=6)
@@ -159,7 +164,7 @@ def overhead_fit(root: Path) -> None:
     if len(points) >= scaling.MIN_WIDTHS:
         t = scaling.trend(points)
         print(f"fit of o(N) - 1: {t.fit.kind}, shrink rate {t.fit.shrink:.3f} [{t.shrink_lo:.3f}, "
-              f"{t.shrink_hi:.3f}], p {t.p:.3g} (one test): {scaling.direction(t, t.p)}")  # fmt: skip
+              f"{t.shrink_hi:.3f}], p {t.p:.3g}: {scaling.direction(t, t.p).replace('Holm p', 'p')}")  # fmt: skip
     for label, n in (("135M", scaling.SMOLLM_135M), ("360M", scaling.SMOLLM_360M)):
         try:
             x, lo, hi, what = scaling.overhead_at(root, n)

@@ -98,3 +98,29 @@ def test_the_ladder_s_overhead_and_its_360m_interval(readme):
     assert f"stays at {min(means):.2f}-{max(means):.2f}x" in readme
     _, lo, hi, _ = scaling.overhead_at(ladder, scaling.SMOLLM_360M)
     assert f"[{lo:.2f}, {hi:.1e}]" in readme
+
+
+def test_the_ladder_s_gap_fits_and_muon_s_360m_interval(readme):
+    """The README's size-ladder bullet: each fit's shrink rate, interval, Holm p and label, and
+    Muon's 360M prediction, as `benchmarks/studies/ladder_fit.py` prints them from the records."""
+    import subprocess
+    import sys
+
+    script = ROOT / "benchmarks" / "studies" / "ladder_fit.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT)
+    fit = r"^(\w+) (2bw\S*): power fit, shrink rate (\S+) \[(\S+), (\S+)\], Holm p (\S+): (\w+)"
+    fits = {(m[1], m[2]): m.groups()[2:] for m in re.finditer(fit, out.stdout, re.M)}
+    assert len(fits) == 4, out.stdout[-500:]
+
+    def said(key) -> str:
+        c, lo, hi, q, _ = fits[key]
+        return f"{float(c):.2f} [{float(lo):.2f}, {float(hi):.2f}], Holm p {float(q):.2g}"
+
+    assert fits["muon", "2bw+ef"][4] == "reproduced"
+    assert f"shrink rate {said(('muon', '2bw+ef'))}: **reproduced**" in readme
+    assert fits["muon", "2bw"][4] == fits["adamw", "2bw"][4] == "inconclusive"
+    assert f"Muon's ({said(('muon', '2bw'))}) and AdamW's ({said(('adamw', '2bw'))})" in readme
+    muon = re.search(r"^muon 2bw: .*\n.*\n  one run at 360M: \S+ (\[\S+ \S+\]); paper 0.012: (.+)$",
+                     out.stdout, re.M)  # fmt: skip
+    assert muon and muon[2] == "inconclusive (too wide)"
+    assert f"Muon's gap at {muon[1]}, below the paper's 0.012" in readme
