@@ -16,7 +16,7 @@ width, a gap the delayed run's final loss minus sync's at the same seed (paired)
   log mean there, widened by one run's relative seed spread; held against a published figure
   by `against_paper`;
 - EF's recovered share per width (`ef_share`): a ratio of means, its registered interval a
-  paired seed bootstrap, which with 3 seeds is about the per-seed range (~75 % coverage, found
+  paired seed bootstrap, which with 3 seeds is about the per-seed range (~72 % coverage, found
   after the data); `fieller_share` gives the ratio's exact 95 % interval beside it;
 - the token overhead at a width (`ladder_overheads`): per seed, where the delayed arm's final
   loss over its complete runs at several lengths crosses sync's 1x final loss
