@@ -423,11 +423,12 @@ def regime_check(r: Row) -> str:
 
 
 def _regime(*rows: Row) -> str:
-    """The first regime check an arm the claim reads fails, named with the arm ('' if none)."""
-    for r in rows:
-        if why := regime_check(r):
-            return f"{why} for {r.label}"
-    return ""
+    """The regime check an arm the claim reads fails, named with the arm ('' if none): an unread
+    one first, whichever arm it is in, so that one arm failing does not hide another's unread
+    check (the label is then "inconclusive (unread)", not "partly")."""
+    fails = [(why, r.label) for r in rows if (why := regime_check(r))]
+    fails.sort(key=lambda f: not f[0].startswith(UNREAD))  # stable: else the first arm's
+    return f"{fails[0][0]} for {fails[0][1]}" if fails else ""
 
 
 # Every claim, in the order the report's claims table lists them; each study names the ones its
