@@ -236,3 +236,21 @@ def test_results_quotes_the_ladder_s_table_and_fits_as_the_records_give_them():
     assert len(shown) > 30  # the table, the four fits, EF's labels and the overhead's fit
     missing = [line for line in shown if line not in results]
     assert not missing, f"RESULTS.md lacks {len(missing)} of ladder_fit.py's lines: {missing[:3]}"
+
+
+def test_whole_split_reads_the_headline_on_both_evaluations():
+    """The headline runs on the whole validation split (benchmarks/studies/whole_split.py, issue
+    41 item 2): the reruns reproduce the committed runs' small evaluation exactly, every arm has
+    its 5 seeds, and each token overhead is read on both evaluations from the same seeds."""
+    out = _script("studies/whole_split.py").stdout
+    assert "[162560] tokens a run" in out
+    assert "the reruns' small evaluation equals the committed runs'" in out
+    arms = [ln.split() for ln in out.splitlines() if re.match(r"(adamw|muon)_\S+ +\d+ ", ln)]
+    assert len(arms) == 6 and all(a[1] == "5" for a in arms), arms
+    overheads = [ln for ln in out.splitlines() if ln.startswith("token overhead of ")]
+    assert len(overheads) == 6 and all(ln.endswith("(5 seeds)") for ln in overheads), overheads
+    readme = " ".join((ROOT / "README.md").read_text().split())  # its sentence on the above
+    short = [ln for ln in overheads if "seeds short" in ln]
+    assert [ln.split(" at ")[0] for ln in short] == ["token overhead of adamw_2bw+ef"], short
+    assert '"> 1.50x (1/5 seeds short)"' in readme and "(1/5 seeds short;" in short[0]
+    assert "whole 162,560-token validation split" in readme
