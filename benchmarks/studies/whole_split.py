@@ -182,7 +182,10 @@ def main() -> None:
     if args.what == "collect":
         if not args.sweep or not Path(args.sweep).is_dir():
             raise SystemExit("collect needs a sweep directory with its runs' checkpoints")
-        print(f"wrote {collect(Path(args.sweep))}")
+        try:
+            print(f"wrote {collect(Path(args.sweep))}")
+        except UserError as e:  # a checkpoint that is not its run's final weights: one line
+            raise SystemExit(f"whole_split.py: {e}") from None
     else:
         compare()
 
