@@ -152,17 +152,20 @@ def _shares(small: dict, full: dict) -> None:
 def _overheads(small: dict, full: dict) -> None:
     """The token overhead at sync's 1x final loss of each lengths arm, on both evaluations,
     from the same seeds (those with whole-split finals for the arm and its sync)."""
-    lengths = json.loads((RESULTS / "whole-split" / "lengths-regime.json").read_text())
+    scored = json.loads((RESULTS / "whole-split" / "lengths-regime.json").read_text())
+    longer = {  # run -> (its arm, multiple, seed, {evaluation: final loss})
+        run: (*_length_run(run), {"whole split": rec["loss"]}) for run, rec in scored.items()
+    }
+    for run, (*_, loss) in longer.items():
+        loss["small"] = _last_eval(RESULTS / "lengths-regime" / run)["val_loss"]
     print()
     for arm in OVERHEAD_ARMS:
         base, seeds = arm.split("_")[0] + "_sync", _seeds(full, arm)
         for name, losses in (("small", small), ("whole split", full)):
             runs = {s: [(1.0, losses[arm][s])] for s in seeds}
-            for run, rec in lengths.items():
-                label, mult, seed = _length_run(run)
+            for label, mult, seed, loss in longer.values():
                 if label == arm and seed in seeds:
-                    small_loss = _last_eval(RESULTS / "lengths-regime" / run)["val_loss"]
-                    runs[seed].append((mult, small_loss if name == "small" else rec["loss"]))
+                    runs[seed].append((mult, loss[name]))
             sync = {s: losses[base][s] for s in seeds}
             print(f"token overhead of {arm} at sync's final loss, {name}: {_overhead(sync, runs)}")
 
