@@ -7,9 +7,9 @@ before the runs, `stalepipe.analysis.scaling`), from the ladder's run records.
 Every number is a run's final loss on the whole validation split (`val_loss_full`). Per
 optimizer and width, at its phase-2 LR (`experiments.scales.LADDER_LRS`): sync's mean, and the
 2bw and 2bw+EF gaps paired by seed, with their t-intervals and EF's share (a ratio of means,
-Fieller's interval; the registered paired bootstrap beside it in the labels). Once every width has at least 2 seeds of all three arms: the fit,
-the test of its direction (Holm over the four fits), and the prediction for one run at
-SmolLM-135M and -360M against the paper's 360M figures.
+Fieller's interval; the registered paired bootstrap beside it in the labels). Once every width
+has at least 2 seeds of all three arms: the fit, the test of its direction (Holm over the four
+fits), and the prediction for one run at SmolLM-135M and -360M against the paper's 360M figures.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def overhead_fit(root: Path) -> None:
     if len(points) >= scaling.MIN_WIDTHS:
         t = scaling.trend(points)
         print(f"fit of o(N) - 1: {t.fit.kind}, shrink rate {t.fit.shrink:.3f} [{t.shrink_lo:.3f}, "
-              f"{t.shrink_hi:.3f}], p {t.p:.3g}: {scaling.direction(t, t.p).replace('Holm p', 'p')}")  # fmt: skip
+              f"{t.shrink_hi:.3f}], p {t.p:.3g}: {scaling.direction(t, t.p, name='p')}")  # fmt: skip
     for label, n in (("135M", scaling.SMOLLM_135M), ("360M", scaling.SMOLLM_360M)):
         try:
             x, lo, hi, what = scaling.overhead_at(root, n)
@@ -210,7 +210,7 @@ def ef_labels(runs: dict) -> None:
 
 def registered_fits(runs: dict) -> dict[tuple[str, str], tuple[dict, scaling.Trend, float]]:
     """(optimizer, arm) -> (N -> seed -> gap, its fit, Holm p over the fits), for the arms whose
-    every width has at least 2 paired seeds (the registered fit's condition)."""
+    every width has at least 2 paired seeds (the registered fit's condition): `gap_table`'s."""
     trends = {}
     for name in ("adamw", "muon"):
         for arm in ("2bw", "2bw+ef"):

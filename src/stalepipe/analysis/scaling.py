@@ -133,10 +133,11 @@ def trend(points: Points) -> Trend:
     return Trend(f, rate - half, rate + half, p)
 
 
-def direction(t: Trend, p_holm: float, alpha: float = 0.05) -> str:
-    """The test's label: the interval of the shrink rate against 0, after Holm."""
+def direction(t: Trend, p_holm: float, alpha: float = 0.05, name: str = "Holm p") -> str:
+    """The test's label: the interval of the shrink rate against 0, after Holm (`name` says
+    which p it is: "p" for a fit tested alone, as the token overhead's)."""
     if not p_holm < alpha:
-        return f"inconclusive (Holm p {p_holm:.3g})"
+        return f"inconclusive ({name} {p_holm:.3g})"
     if t.shrink_lo > 0:
         return "reproduced (shrinks)"
     if t.shrink_hi < 0:
