@@ -136,3 +136,30 @@ def test_the_size_ladder_is_what_results_md_registered():
         == chosen[s.overrides["optim.name"], int(s.overrides["model.dim"])]
     ]
     assert len(reused) == 10 and set(reused) <= phase2  # phase 1's sync run at the chosen LR
+
+
+def test_the_overhead_ladder_holds_the_token_budget_and_varies_size_alone():
+    """docs/RESULTS.md 'Overhead ladder', as registered: four widths over >= 8x of non-embedding
+    parameters at one token budget, Muon at one LR, 2bw and 2bw+EF at 1-1.5x, sync at 1x and
+    1.2x, every run inside one epoch of the 4.78M training tokens; 48 runs a seed."""
+    from stalepipe.experiments import scales
+
+    specs = studies.STUDIES["overhead-ladder"].specs("cpu-regime", 3)
+    assert len(specs) == 3 * 4 * (2 + 2 * 5)
+    assert [s.seed for s in specs] == sorted(s.seed for s in specs)  # seed-major
+    params = {w: n for w, _, n in scales.LADDER}
+    widths = sorted({int(s.overrides["model.dim"]) for s in specs})
+    assert params[widths[-1]] / params[widths[0]] >= 8
+    assert {s.overrides["optim.name"] for s in specs} == {"muon"}
+    assert {s.overrides["optim.lr"] for s in specs} == {scales.OVERHEAD_LR}
+    for s in specs:
+        steps = int(s.overrides["train.num_steps"])
+        factor = steps / scales.OVERHEAD_STEPS
+        arm = s.overrides["delay.policy"] + ("+ef" if s.overrides.get("delay.ef") else "")
+        allowed = scales.OVERHEAD_SYNC_LENGTHS if arm == "sync" else scales.OVERHEAD_LENGTHS
+        assert any(abs(factor - f) < 1e-9 for f in allowed), s.name
+        assert steps * 16 * 128 <= 4_780_000  # one epoch
+        assert int(s.overrides["train.warmup_steps"]) == round(140 * factor)
+        assert int(s.overrides["train.eval_every"]) == round(70 * factor)
+    first = [s.overrides["model.dim"] for s in specs if s.seed == 0]
+    assert first == sorted(first, key=int)  # a seed's narrow widths first

@@ -32,12 +32,17 @@ from stalepipe.experiments.scales import (  # noqa: F401 - studies.X names stay 
     LADDER_LRS,
     LRS,
     OPTIMIZER_NAMES,
+    OVERHEAD_LENGTHS,
+    OVERHEAD_LR,
+    OVERHEAD_SYNC_LENGTHS,
+    OVERHEAD_WIDTHS,
     REGIME_STEPS,
     SCALES,
     base_config,
     ladder_lrs,
     ladder_size,
     optimizer_axis,
+    overhead_rung,
     paper_mini_base,
     regime_base,
 )
@@ -252,6 +257,18 @@ def study_ladder_lr(scale: str) -> list[list[list[Bundle]]]:
     ]
 
 
+def study_overhead_ladder(scale: str) -> list[list[list[Bundle]]]:
+    """The overhead ladder (docs/RESULTS.md, 'Overhead ladder'): Muon sync at 1x and 1.2x, 2bw
+    and 2bw+EF at 1-1.5x one fixed token budget, at four widths; widths outermost, so a seed's
+    narrow widths finish first."""
+    muon = [("muon", {"optim.name": "muon", "optim.lr": OVERHEAD_LR})]
+    grids = []
+    for w in OVERHEAD_WIDTHS:
+        grids.append([muon, [overhead_rung(w, f) for f in OVERHEAD_SYNC_LENGTHS], [SYNC]])
+        grids.append([muon, [overhead_rung(w, f) for f in OVERHEAD_LENGTHS], [TWO_BW, TWO_BW_EF]])
+    return grids
+
+
 def study_ladder(scale: str) -> list[list[list[Bundle]]]:
     """Phase 2: sync / 2bw / 2bw+EF at each width's best phase-1 LR (`LADDER_LRS`), for the
     widths whose LR is chosen (phase 1 finishes the narrow ones first); the run names are phase
@@ -411,6 +428,12 @@ STUDIES: dict[str, Study] = {
         Study("size", study_size, "0.43M, 1.7M, 3.6M params x 3 arms", scales=REGIME),
         Study("ladder-lr", study_ladder_lr, "size ladder, phase 1: sync LR grid", scales=REGIME),
         Study("ladder", study_ladder, "size ladder: 5 widths x 3 arms", scales=REGIME),
+        Study(
+            "overhead-ladder",
+            study_overhead_ladder,
+            "Muon's token overhead at 4 widths, one token budget, 1-1.5x lengths",
+            scales=REGIME,
+        ),
         Study(
             "corpus2",
             study_corpus2,
