@@ -55,3 +55,56 @@ def tiny_config(tmp_path, excerpt_data_dir) -> ExperimentConfig:
             progress=False,
         ),
     )
+
+
+class OldFormats:
+    """What older versions wrote, made by tests: format 1 (one `ckpt_<step>.pt`) and format 2
+    (DCP shards with a pickled `.metadata`, digests as issue 39 recorded them)."""
+
+    @staticmethod
+    def write_format1(run_dir, step: int, state: dict):
+        from pathlib import Path
+
+        path = Path(run_dir) / f"ckpt_{step:08d}.pt"
+        torch.save({"format": 1, "step": step, **state}, path)
+        return path
+
+    @staticmethod
+    def to_format2(ckpt) -> None:
+        """Rewrite a format-3 checkpoint directory in place as format 2."""
+        import json
+        import shutil
+        import warnings
+        from pathlib import Path
+
+        import torch.distributed.checkpoint as dcp
+
+        from stalepipe.rundir import legacy
+        from stalepipe.rundir.sharded import ShardedCheckpoint
+
+        ckpt = Path(ckpt)
+        flat = ShardedCheckpoint(ckpt)
+        files = {}
+        for r, d in enumerate(sorted(p for p in ckpt.iterdir() if p.name.startswith("rank_"))):
+            tensors = flat.read(k for k in flat.stored_keys() if flat._where[k] == d.name)
+            state = (d / "state.json").read_bytes()
+            shutil.rmtree(d)
+            d.mkdir()
+            (d / "state.json").write_bytes(state)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.save(tensors, storage_writer=dcp.FileSystemWriter(d), no_dist=True)
+            md = legacy.SafeUnpickler(open(d / ".metadata", "rb")).load()
+            ranges: dict = {}
+            for info in md.storage_data.values():
+                ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
+            digests = legacy.shard_digests(d, ranges)
+            files.update({f"{d.name}/{k}": v for k, v in digests.items()})
+        manifest = json.loads((ckpt / "checkpoint.json").read_text())
+        manifest.update(format=2, files=files)
+        (ckpt / "checkpoint.json").write_text(json.dumps(manifest))
+
+
+@pytest.fixture
+def old_formats() -> OldFormats:
+    return OldFormats()

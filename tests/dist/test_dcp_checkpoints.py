@@ -1,7 +1,7 @@
 """Checkpoints as DCP shards (rundir.sharded): a runtime run at P = 2 writes one shard per
 process under global names; it resumes at P = 2 and on the emulator at P = 1 bit for bit as
 the uninterrupted run continues; each process reads only its own parameters' keys; an older
-version's single-file checkpoint still resumes; a damaged shard is one line naming the fix
+version's checkpoint (format 1 or 2) is refused in one line, converts, and then resumes; a damaged shard is one line naming the fix
 (tests/train/test_checkpoint_safety.py: payloads and damage in every file a load reads)."""
 
 from __future__ import annotations
@@ -12,18 +12,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from stalepipe.errors import CheckpointError
 from stalepipe.rundir import checkpoint_parts as stage_ckpt
 from stalepipe.rundir.checkpoint import (
+    check_complete,
     checkpoint_step,
     list_checkpoints,
     open_checkpoint,
     remove_checkpoint,
-    save_legacy_checkpoint,
 )
+from stalepipe.rundir.convert import convert
 from stalepipe.rundir.sharded import ShardedCheckpoint
+from stalepipe.rundir.verified import DATA, INDEX
 from stalepipe.train.distributed import SINGLE_PROCESS
 from stalepipe.train.emulated import EmulatorEngine
 from stalepipe.train.loop import train
@@ -66,8 +68,9 @@ def test_runtime_p2_shards_resume_on_p2_and_on_the_emulator_p1(make_cfg, run_dis
     flat = ShardedCheckpoint(ckpt)
     names = stage_ckpt.saved_split(flat)[2]
     for r in (0, 1):  # each shard holds its own stage's weights, optimizer, versions, EF
-        reader = FileSystemReader(ckpt / f"rank_{r:03d}")
-        keys = set(reader.read_metadata().state_dict_metadata)
+        shard = ckpt / f"rank_{r:03d}"  # safetensors and JSON: no pickle anywhere
+        assert sorted(p.name for p in shard.iterdir()) == sorted([DATA, INDEX, "state.json"])
+        keys = set(HuggingFaceStorageReader(str(shard)).read_metadata().state_dict_metadata)
         assert {_param(k) for k in keys if k != "rng"} == set(names[r])
         assert {f"model/{n}" for n in names[r]} <= keys
         assert any(k.startswith("version/1/") for k in keys)  # 2bw keeps W_1 beside W_2
@@ -110,34 +113,58 @@ def test_a_process_reads_only_its_own_keys(make_cfg, run_dist, monkeypatch):
         assert {_param(k) for k in asked if k != "rng"} == set(names[stage])
 
 
-def test_an_old_single_file_checkpoint_resumes(make_cfg, run_dist, dist_utils, tmp_path):
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_an_older_format_is_refused_then_converts_and_resumes(
+    make_cfg, run_dist, dist_utils, old_formats, fmt
+):
     cfg = make_cfg("2bw", 2, 2, steps=6, ckpt_every=2, keep_last=3)
     run_dist(cfg)
     want = dist_utils["final_model"](cfg)
-    # what an older version wrote at step 2: the whole state in one ckpt_00000002.pt
-    emu = _emulator(cfg, 2)
     run_dir = _run_dir(cfg)
-    engine = EmulatorEngine(
-        emu,
-        SINGLE_PROCESS,
-        torch.device("cpu"),
-        Path(cfg.data.data_dir),
-        run_dir,
-        run_dir / "ckpt_00000002",
-    )
-    state = {
-        "config": emu.to_dict(),
-        "model": engine.model.state_dict(),
-        "engine": engine.emulator.state_dict(),
-        "rng": torch.get_rng_state(),
-    }
-    for p in list_checkpoints(run_dir):
-        remove_checkpoint(p)
-    save_legacy_checkpoint(run_dir, 2, state)
-    run_dist(cfg, resume=True)  # the runtime resumes it, and writes DCP from then on
+    if fmt == 1:  # what an older version wrote at step 2: the whole state in one .pt file
+        emu = _emulator(cfg, 2)
+        engine = EmulatorEngine(
+            emu,
+            SINGLE_PROCESS,
+            torch.device("cpu"),
+            Path(cfg.data.data_dir),
+            run_dir,
+            run_dir / "ckpt_00000002",
+        )
+        state = {
+            "config": emu.to_dict(),
+            "model": engine.model.state_dict(),
+            "engine": engine.emulator.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+        for p in list_checkpoints(run_dir):
+            remove_checkpoint(p)
+        old = old_formats.write_format1(run_dir, 2, state)
+    else:  # the shards of the runtime at P = 2, with DCP's pickled metadata
+        _drop_after(cfg, 2)
+        old = run_dir / "ckpt_00000002"
+        old_formats.to_format2(old)
+    for resume in (
+        lambda: check_complete(old),
+        lambda: train(_emulator(cfg, 2), resume=True, verbose=False),
+    ):
+        with pytest.raises(CheckpointError) as err:
+            resume()
+        msg = str(err.value)
+        assert "\n" not in msg and f"stalepipe checkpoint convert {old} " in msg, msg
+    new = run_dir / "ckpt_00000002"
+    if fmt == 1:  # the fix as the message words it
+        convert(old, new)
+        old.rename(f"{old}.old")
+    else:
+        convert(old, Path(f"{old}.v3"))
+        old.rename(f"{old}.old")
+        Path(f"{old}.v3").rename(new)
+    assert (new / "rank_000" / DATA).is_file()
+    run_dist(cfg, resume=True)  # the runtime resumes it bit for bit
     dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), want)
     assert [p.name for p in list_checkpoints(run_dir)] == [
-        "ckpt_00000002.pt",
+        "ckpt_00000002",
         "ckpt_00000004",
         "ckpt_00000006",
     ]
@@ -147,14 +174,12 @@ def test_a_damaged_shard_is_one_line_and_loses_nothing(make_cfg, run_dist):
     cfg = make_cfg("2bw", 2, 2, steps=4, ckpt_every=2)
     run_dist(cfg)
     last = list_checkpoints(_run_dir(cfg))[-1]
-    (last / "rank_001" / "__0_0.distcp").unlink()
+    (last / "rank_001" / DATA).unlink()
     with pytest.raises(CheckpointError) as err:
         open_checkpoint(last).read(["model/norm.weight"])
     msg = str(err.value)
     assert "\n" not in msg and "rank_001" in msg and f"mv {last} {last}.damaged" in msg, msg
-    with pytest.raises(CheckpointError, match="rank_001/__0_0.distcp is missing; move"):
-        ShardedCheckpoint(last).check_files()
-    (last / "rank_000" / ".metadata").write_bytes(b"garbage")
-    with pytest.raises(CheckpointError, match=r"rank_000/.metadata does not match the digest"):
+    (last / "rank_000" / DATA).write_bytes(b"garbage!")
+    with pytest.raises(CheckpointError, match=rf"rank_000/{DATA} claims a \d+-byte header"):
         open_checkpoint(last)
     assert [checkpoint_step(p) for p in list_checkpoints(_run_dir(cfg))] == [2, 4]

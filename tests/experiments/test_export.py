@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from stalepipe.config import DataConfig, ExperimentConfig, ModelConfig, TrainCon
 from stalepipe.experiments.export import ExportError, export_hf
 from stalepipe.fileio import NotOwnedError
 from stalepipe.models import build_model
-from stalepipe.rundir.checkpoint import commit_checkpoint, save_legacy_checkpoint
+from stalepipe.rundir.checkpoint import commit_checkpoint
 from stalepipe.rundir.sharded import save_part
 
 BASE = dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128,
@@ -36,8 +37,16 @@ def make_run(tmp_path, model_cfg, *, tokenizer="byte", dtype="float32", name="ru
                 p.uniform_(0.5, 1.5)
     run_dir = tmp_path / name
     os.makedirs(run_dir)
-    if fmt == "legacy":
-        save_legacy_checkpoint(run_dir, 7, {"config": cfg.to_dict(), "model": model.state_dict()})
+    if fmt == "legacy":  # converted once (`stalepipe checkpoint convert`), then exported
+        from stalepipe.rundir.convert import convert
+
+        old = run_dir / "old" / "ckpt_00000007.pt"
+        old.parent.mkdir()
+        torch.save(
+            {"format": 1, "step": 7, "config": cfg.to_dict(), "model": model.state_dict()}, old
+        )
+        convert(old, run_dir / "ckpt_00000007")
+        shutil.rmtree(old.parent)
     else:
         weights = {n: p for n, p in model.named_parameters()}  # a tied head once, as the owner
         meta = {"step": 7, "policy": None, "num_stages": 1, "stages": [0], "names": {"0": []}}
@@ -200,8 +209,11 @@ def test_bpe_tokenizer_is_found_from_another_working_directory(tmp_path, monkeyp
     cfg = ExperimentConfig(name="run", out_dir="runs", model=model_cfg, data=data)
     run_dir = work / "runs" / "run"
     run_dir.mkdir(parents=True)
-    state = {"config": cfg.to_dict(), "model": build_model(model_cfg, seed=3).state_dict()}
-    save_legacy_checkpoint(run_dir, 7, state)  # an older version's single file
+    model = build_model(model_cfg, seed=3)
+    meta = {"step": 7, "policy": None, "num_stages": 1, "stages": [0], "names": {"0": []}}
+    meta |= {"param_groups": [], "scalars": {}}
+    save_part(run_dir, 7, 0, {f"model/{n}": t for n, t in model.named_parameters()}, meta)
+    commit_checkpoint(run_dir, 7, {"config": cfg.to_dict(), "ranks": [0]}, 1)
     monkeypatch.chdir(tmp_path)
     result = export_hf(run_dir, tmp_path / "hf")
     assert result.tokenizer == "bpe", result.notes

@@ -1,22 +1,18 @@
-"""Checkpoints of a run: where they are, the last K kept, reading either format.
+"""Checkpoints of a run: where they are, the last K kept, reading them.
 
-A checkpoint is a directory `ckpt_<step>/` of DCP shards, one per process (format 2,
-`rundir.sharded`; written by `train.emulated` and `train.pipelined`). Older versions wrote one
-file `ckpt_<step>.pt` (format 1) holding plain containers of tensors and numbers:
-    {"format": 1, "step": next step to run, "config": {...}, "model": state_dict,
-     "engine": {...delay / optimizer state...}, "rng": tensor}
-Both resume as they are (`open_checkpoint` gives either as the same keys, so nothing needs
-converting), and `stalepipe export` / `eval` read both (`load_checkpoint`). Parameter names are
-the model's global names, so a checkpoint does not depend on the pipeline split that wrote it.
-Either format appears under its final name only complete (a renamed directory, a renamed
-file), so a crash never leaves a half-written checkpoint there.
+A checkpoint is a directory `ckpt_<step>/` of DCP shards in safetensors, one per process
+(format 3, `rundir.sharded`; written by `train.emulated` and `train.pipelined`). Parameter
+names are the model's global names, so a checkpoint does not depend on the pipeline split that
+wrote it. A checkpoint appears under its final name only complete (a renamed directory), so a
+crash never leaves a half-written checkpoint there. Older versions' checkpoints (format 2's
+pickled DCP metadata, format 1's `ckpt_<step>.pt`) are listed, so a resume finds them, and
+refused in one line naming `stalepipe checkpoint convert` (`rundir.convert`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +20,9 @@ import torch
 
 from stalepipe.delay import tied
 from stalepipe.errors import CheckpointError
-from stalepipe.fileio import torch_save_atomic
-from stalepipe.rundir import sharded
-from stalepipe.rundir.checkpoint_parts import FlatState, from_merged
+from stalepipe.rundir import sharded, verified
+from stalepipe.rundir.checkpoint_parts import FlatState
 
-FORMAT = 1  # the single-file format of older versions
 _NAME = re.compile(r"^ckpt_(\d{8})(\.pt)?$")
 
 
@@ -46,7 +40,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not run_dir.is_dir():
         return []
     found = [
-        p
+        verified.inside(run_dir, p.name)  # a checkpoint linked in from elsewhere is refused
         for p in run_dir.iterdir()
         if _NAME.match(p.name) and (p.suffix == ".pt" or (p / sharded.MANIFEST).is_file())
     ]
@@ -78,36 +72,24 @@ def remove_checkpoint(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def save_legacy_checkpoint(run_dir: Path, step: int, state: dict[str, Any]) -> Path:
-    """Write `state` as an older version's single file `ckpt_<step>.pt` (format 1), atomically.
-    No engine writes these any more: tests and benchmarks/speed/checkpoint_cost.py use it to make
-    what older versions wrote."""
-    path = Path(run_dir) / f"ckpt_{step:08d}.pt"
-    return torch_save_atomic(path, {"format": FORMAT, "step": step, **state})
+def _refuse_file(path: Path) -> CheckpointError:
+    if not Path(path).exists():
+        return CheckpointError(f"checkpoint {path} does not exist")
+    return sharded.refuse_old(path, "an older version's single file (format 1)")
 
 
 def open_checkpoint(path: Path) -> FlatState:
-    """A checkpoint of either format as the keys of `rundir.checkpoint_parts`: a directory is
-    read lazily (a process reads only the keys it asks for); an old file is loaded whole."""
-    path = Path(path)
-    if path.is_dir():
-        return sharded.ShardedCheckpoint(path)
-    state = load_checkpoint(path)
-    return from_merged(state, tied.aliases(_tied(state.get("config"))))
+    """A checkpoint as the keys of `rundir.checkpoint_parts`, read lazily (a process reads
+    only the keys it asks for)."""
+    if not Path(path).is_dir():
+        raise _refuse_file(path)
+    return sharded.ShardedCheckpoint(path)
 
 
 def check_complete(path: Path) -> None:
-    """Cheap check that a checkpoint is whole, before anything is written (a truncated file,
-    a missing or short shard); CheckpointError naming it and the fix otherwise."""
-    if Path(path).is_dir():
-        ckpt = sharded.ShardedCheckpoint(path)  # its small files: digests, safe unpickling
-        ckpt.check_files()
-        if not ckpt.verifies:
-            sharded.warn_unverified(path, "written before stalepipe recorded digests")
-        return
-    if not zipfile.is_zipfile(path):  # reads the end of the file: a truncated save
-        raise sharded.corrupt(path, "not a complete zip archive")
-    sharded.warn_unverified(path, "an older version's single file")
+    """Cheap check that a checkpoint is whole, before anything is written (a missing or short
+    file, a damaged header); CheckpointError naming it and the fix otherwise."""
+    open_checkpoint(path).check_files()  # type: ignore[attr-defined]
 
 
 def checkpoint_config(path: Path) -> dict[str, Any] | None:
@@ -125,41 +107,55 @@ def _tied(config: dict[str, Any] | None) -> bool:
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a whole checkpoint of either format, safely (a directory through `rundir.verified`,
-    each file checked against its digest; `weights_only=True` for an older version's file):
-    {"format", "step", "config", "model": the whole model's state_dict, "rng", and for an old
-    file "engine"}. A corrupt or foreign one raises CheckpointError naming it and the fix."""
+    """Load a checkpoint's model whole, safely (`rundir.verified`: headers bounded by their
+    files, every tensor checked against its digest), once the model its config describes is
+    known to have the stored shapes (so no config can make a caller build a model larger than
+    the checkpoint holds): {"format", "step", "config", "model": the whole model's
+    state_dict, "rng"}. A corrupt, foreign or older one raises CheckpointError naming it and
+    the fix."""
     path = Path(path)
-    if path.is_dir():
-        ckpt = sharded.ShardedCheckpoint(path)
-        if not ckpt.verifies:
-            sharded.warn_unverified(path, "written before stalepipe recorded digests")
-        got = ckpt.read(k for k in ckpt.stored_keys() if k.startswith("model/") or k == "rng")
-        model = {k.removeprefix("model/"): t for k, t in got.items() if k != "rng"}
-        config = ckpt.manifest.get("config")
-        for key, source in tied.aliases(_tied(config)).items():
-            model[key] = model[source]
-        return {
-            "format": sharded.FORMAT,
-            "step": ckpt.step,
-            "config": config,
-            "model": model,
-            "rng": got.get("rng"),
-        }
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    sharded.warn_unverified(path, "an older version's single file")
+    if not path.is_dir():
+        raise _refuse_file(path)
+    ckpt = sharded.ShardedCheckpoint(path)
+    config = ckpt.manifest.get("config")
+    check_model_shapes(path, config, ckpt.shapes())
+    got = ckpt.read(k for k in ckpt.stored_keys() if k.startswith("model/") or k == "rng")
+    model = {k.removeprefix("model/"): t for k, t in got.items() if k != "rng"}
+    for key, source in tied.aliases(_tied(config)).items():
+        model[key] = model[source]
+    return {
+        "format": sharded.FORMAT,
+        "step": ckpt.step,
+        "config": config,
+        "model": model,
+        "rng": got.get("rng"),
+    }
+
+
+def check_model_shapes(path: Path, config: Any, stored: dict[str, tuple[int, ...]]) -> None:
+    """The model `config` describes, built on the meta device (nothing allocated), has exactly
+    the parameters and shapes the checkpoint stores; CheckpointError otherwise."""
+    from stalepipe.config import ExperimentConfig
+    from stalepipe.models import Transformer
+
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types for truncated / foreign files
-        reason = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-        raise sharded.corrupt(path, reason) from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT or "model" not in state:
-        raise CheckpointError(
-            f"{path} is not a stalepipe checkpoint (format {FORMAT}); delete it or start over "
-            f"with --overwrite"
+        cfg = ExperimentConfig.from_dict(config, strict=False).model
+        with torch.device("meta"):
+            model = Transformer(cfg)
+    except Exception as e:  # a config that is not one: many types
+        raise verified.damaged(path, sharded.MANIFEST, f"holds no usable config ({e})") from None
+    aliases = tied.aliases(cfg.tie_embeddings)
+    want = {k: tuple(t.shape) for k, t in model.state_dict().items() if k not in aliases}
+    have = {k.removeprefix("model/"): v for k, v in stored.items() if k.startswith("model/")}
+    if want != have:
+        diff = sorted(set(want) ^ set(have)) or [k for k in want if want[k] != have[k]]
+        k = diff[0]
+        raise verified.damaged(
+            path,
+            sharded.MANIFEST,
+            f"describes a model its tensors do not hold ({k[:60]}: config "
+            f"{want.get(k, 'none')}, stored {have.get(k, 'none')})",
         )
-    return state
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

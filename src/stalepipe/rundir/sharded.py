@@ -1,14 +1,21 @@
-"""Checkpoints as `torch.distributed.checkpoint` (DCP) shards, one per process.
+"""Checkpoints as `torch.distributed.checkpoint` (DCP) shards in safetensors, one per process.
 
-A checkpoint is a directory `ckpt_<step>/` (format 2):
+A checkpoint is a directory `ckpt_<step>/` (format 3):
 
-    checkpoint.json      {"format": 2, "step", "config", "ranks", "files"}: written last;
+    checkpoint.json      {"format": 3, "step", "config", "ranks", "files"}: written last;
                          "files" holds each file's size and SHA-256 (`rundir.verified`)
-    rank_<r>/            process r's DCP checkpoint: `.metadata` and `__0_0.distcp`, its state
-                         under global keys (`rundir.checkpoint_parts.flatten_part`), and
+    rank_<r>/            process r's DCP checkpoint, written by DCP's `HuggingFaceStorageWriter`:
+                         `model-00001-of-00001.safetensors` (its state under global keys,
+                         `rundir.checkpoint_parts.flatten_part`) and its JSON index, beside
                          state.json, the non-tensor rest of its state (step, policy, its stages
                          and their parameter names, param groups, integer optimizer counters)
     .stalepipe.json      the owner marker (`fileio`): a pruned checkpoint is an owned directory
+
+Nothing in it is a pickle: a load parses the safetensors header itself, bounded by the file
+(`rundir.verified.read_header`), and reads tensors through DCP's `HuggingFaceStorageReader`.
+Format 2 (the same layout with DCP's pickled `.metadata` and `.distcp` files) and format 1 (one
+`ckpt_<step>.pt`) are refused with one line naming `stalepipe checkpoint convert`, the one
+place that reads them (`rundir.legacy`).
 
 Each process saves with `dcp.save(..., no_dist=True)` into its own `rank_<r>/` of the staging
 directory `.ckpt_<step>.tmp/` (so a save needs no collective: it cannot deadlock with the
@@ -16,14 +23,14 @@ runtime's asynchronous votes, and a stage that dies while saving is seen at once
 failure records, `rundir.checkpoint_parts.wait_part`), then hashes its complete files into
 `digests.json`. Rank 0 waits for every shard's digests, writes checkpoint.json with all of them
 and renames the staging directory into place (`commit`): a checkpoint under its final name is
-complete, and older ones are pruned only after it is.
+complete, and older ones are pruned only after it is. A save that fills the disk removes its
+staging directory and stops with one line (`disk_full`): the previous checkpoint stays.
 
 A loader (`ShardedCheckpoint`) reads checkpoint.json, then every shard's small state.json and
-`.metadata`, each checked against its digest, the metadata unpickled by
-`rundir.verified.SafeUnpickler` (nothing in a checkpoint runs code); it `dcp.load`s only the
-keys it asks for, each tensor's bytes checked as they are read: a process reads (and hashes)
-the bytes of its own parameters only, whichever split wrote them. A checkpoint of a version
-that recorded no digests still loads, unverified, with one warning (`warn_unverified`).
+safetensors header, each checked against its digest and every path kept inside the checkpoint
+directory; it `dcp.load`s only the keys it asks for, each tensor's bytes checked as they are
+read: a process reads (and hashes) the bytes of its own parameters only, whichever split wrote
+them.
 """
 
 from __future__ import annotations
@@ -33,7 +40,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -47,7 +53,9 @@ from stalepipe.fileio import mark_owned, remove_owned_dir, write_json_atomic
 from stalepipe.rundir import verified
 from stalepipe.rundir.checkpoint_parts import PART_DONE, part_dir, part_path, staging_dir
 
-FORMAT = 2
+FORMAT = 3
+OLD_FORMATS = (1, 2)  # read only by `stalepipe checkpoint convert` (rundir.legacy)
+MANIFEST_MAX = 64 << 20  # a checkpoint.json larger than this is not one we wrote
 MANIFEST = verified.MANIFEST_NAME  # "checkpoint.json"
 STATE = "state.json"  # a shard's non-tensor state, beside its DCP files
 KIND = "checkpoint"  # the owner marker's kind (fileio)
@@ -74,26 +82,67 @@ def save_part(
     run_dir: Path, step: int, pipe_rank: int, tensors: dict[str, torch.Tensor], meta: dict
 ) -> Path:
     """Write one process's shard of the checkpoint of `step` into the staging directory:
-    state.json, then the DCP files, then (once they are complete) the digests of all of them
-    (`PART_DONE`: the shard is complete when it is there)."""
+    state.json, then the safetensors file (DCP's `HuggingFaceStorageWriter`), then (once they
+    are complete) the digests of all of them (`PART_DONE`: the shard is complete when it is
+    there). A full disk is one line and leaves no staging directory (`disk_full`)."""
     import torch.distributed.checkpoint as dcp
 
     where = part_dir(run_dir, step, pipe_rank)
-    where.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(where / STATE, meta)
     tensors = {k: t.detach() for k, t in tensors.items()}
-    with _quiet():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(where), no_dist=True)
-    md = verified.load_metadata((where / verified.METADATA).read_bytes(), _own_save(where))
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    for info in md.storage_data.values():
-        ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
-    write_json_atomic(where / PART_DONE, verified.shard_digests(where, ranges))
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    with disk_full(run_dir, step, nbytes):
+        where.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(where / STATE, meta)
+        with _quiet():
+            dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(where)), no_dist=True)
+        write_json_atomic(where / PART_DONE, verified.shard_digests(where))
     return where
 
 
-def _own_save(where: Path):
-    return lambda reason: CheckpointError(f"the checkpoint shard just saved in {where} {reason}")
+ENOSPC_TEXT = ("[Errno 28]", "No space left on device", "[Errno 122]")  # ENOSPC, EDQUOT
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    """Whether `e` (or what it wraps: DCP wraps a writer's error in its CheckpointException,
+    with the original inside its failures) is a full disk or quota."""
+    import errno
+
+    seen: set[int] = set()
+    todo: list[object] = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(x, BaseException):
+            todo += [x.__cause__, x.__context__, *getattr(x, "failures", {}).values()]
+        todo.append(getattr(x, "exception", None))  # DCP's WrappedException
+    return any(t in str(e) for t in ENOSPC_TEXT)
+
+
+@contextlib.contextmanager
+def disk_full(run_dir: Path, step: int, nbytes: int) -> Iterator[None]:
+    """Turn a full disk while saving the checkpoint of `step` into one line (TrainingError):
+    what filled, about how much the save needed and how much is free; the staging directory
+    is removed first, so the previous checkpoint is the newest and the disk is as it was."""
+    from stalepipe.errors import TrainingError
+
+    try:
+        yield
+    except BaseException as e:
+        if not _is_disk_full(e):
+            raise
+        clear_staging(run_dir, step)
+        free = shutil.disk_usage(run_dir).free if Path(run_dir).is_dir() else 0
+        kept = sorted(p.name for p in Path(run_dir).glob("ckpt_*") if (p / MANIFEST).is_file())
+        raise TrainingError(
+            f"the checkpoint of step {step} was not saved: no space left on the device of "
+            f"{run_dir} (it needs about {nbytes / 1e6:.1f} MB, {free / 1e6:.1f} MB are free); "
+            f"its partial files are removed and {kept[-1] if kept else 'no checkpoint'} is the "
+            f"newest: free space, then --resume"
+        ) from None
 
 
 def commit(run_dir: Path, step: int, final: Path, manifest: dict[str, Any]) -> Path:
@@ -102,6 +151,11 @@ def commit(run_dir: Path, step: int, final: Path, manifest: dict[str, Any]) -> P
     already under that name (a save of the same step again) is moved aside first and deleted
     after."""
     staging = staging_dir(run_dir, step)
+    with disk_full(run_dir, step, 1 << 20):
+        return _commit(run_dir, step, final, manifest, staging)
+
+
+def _commit(run_dir: Path, step: int, final: Path, manifest: dict[str, Any], staging: Path) -> Path:
     files = {}
     for r in manifest["ranks"]:
         done = part_path(run_dir, step, r)
@@ -158,74 +212,74 @@ def _failed(e: BaseException) -> bool:
     return isinstance(e, Exception) or type(e).__name__ == "CheckpointException"
 
 
-_WARNED: set[Path] = set()
-
-
-def warn_unverified(path: Path, why: str) -> None:
-    """One warning per checkpoint and process that `path` carries no digests."""
-    if Path(path).resolve() not in _WARNED:
-        _WARNED.add(Path(path).resolve())
-        print(
-            f"stalepipe: warning: checkpoint {path} carries no digests ({why}): it loads, but "
-            f"damage inside its files cannot be detected",
-            file=sys.stderr,
+def refuse_old(path: Path, what: str) -> CheckpointError:
+    """The one line for a checkpoint of an older format: it holds a pickle, which no load
+    reads; `stalepipe checkpoint convert` reads it once, hardened, and writes format 3 (for a
+    `.pt` file, as the directory of the same step beside it)."""
+    if path.suffix == ".pt":
+        new = path.with_suffix("")
+        steps = f"stalepipe checkpoint convert {path} {new} && mv {path} {path}.old"
+    else:
+        new = Path(f"{path}.v3")
+        steps = (
+            f"stalepipe checkpoint convert {path} {new} && mv {path} {path}.old && mv {new} {path}"
         )
+    return CheckpointError(
+        f"checkpoint {path} is {what}, which holds a pickle that stalepipe no longer loads; "
+        f"convert it once: `{steps}`"
+    )
 
 
 class ShardedCheckpoint:
-    """A format-2 checkpoint directory, read lazily: the manifest and every shard's state.json
-    and DCP `.metadata` at once (small, each checked against its digest), tensors only by key
-    (`read`, each tensor's bytes checked as read). Anything missing, damaged, truncated or
-    foreign raises CheckpointError naming the file and the fix; nothing in it is unpickled but
-    by `verified.SafeUnpickler`."""
+    """A format-3 checkpoint directory, read lazily: the manifest and every shard's state.json
+    and safetensors header at once (small, each checked against its digest), tensors only by
+    key (`read`, each tensor's bytes checked as read). Anything missing, damaged, truncated,
+    foreign, too large for its files or reached through a link out of the directory raises
+    CheckpointError naming the file and the fix; nothing in it is unpickled."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         where = lambda rel: lambda reason: verified.damaged(self.path, rel, reason)  # noqa: E731
-        try:
-            data = (self.path / MANIFEST).read_bytes()
-        except OSError as e:
-            raise corrupt(self.path, f"{MANIFEST}: {e.strerror or type(e).__name__}") from None
-        self.manifest = verified.read_json(data, where(MANIFEST))
-        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
+        self.manifest = verified.read_json(_read_manifest(self.path), where(MANIFEST))
+        fmt = self.manifest.get("format") if isinstance(self.manifest, dict) else None
+        if fmt in OLD_FORMATS:
+            raise refuse_old(self.path, f"in stalepipe's format {fmt} (a DCP .metadata pickle)")
+        if fmt != FORMAT:
             raise CheckpointError(
                 f"{self.path / MANIFEST} is not a stalepipe checkpoint's (format {FORMAT}); move "
                 f"{self.path} aside or start over with --overwrite"
             )
         files = self.manifest.get("files")
-        self.verifier = verified.Verifier(self.path, files if isinstance(files, dict) else None)
-        try:
-            ranks = [f"rank_{int(r):03d}" for r in self.manifest["ranks"]]
-        except (KeyError, TypeError, ValueError):
-            raise verified.damaged(self.path, MANIFEST, "names no shards") from None
-        self.metas = []
-        for d in ranks:
-            rel = f"{d}/{STATE}"
-            meta = verified.read_json(self.verifier.read_small(rel), where(rel))
-            try:  # JSON made the param groups' tuples (betas) lists
-                for g in meta["param_groups"]:
-                    lists = [k for k, v in g.items() if isinstance(v, list) and k != "param_names"]
-                    g.update({k: tuple(g[k]) for k in lists})
-            except (KeyError, TypeError, AttributeError):
-                raise where(rel)("is not a stalepipe shard's state") from None
-            self.metas.append(meta)
+        if not isinstance(files, dict):
+            raise verified.damaged(self.path, MANIFEST, "records no file digests")
+        self.verifier = verified.Verifier(self.path, files)
+        ranks = self.manifest.get("ranks")
+        if not (
+            isinstance(ranks, list) and ranks and len(ranks) <= 4096 and verified.nonneg_ints(ranks)
+        ):
+            raise verified.damaged(self.path, MANIFEST, "names no shards")
+        dirs = [f"rank_{r:03d}" for r in ranks]
+        self.metas = [self._state(d, where(f"{d}/{STATE}")) for d in dirs]
+        self._entries = {
+            d: verified.read_header(self.verifier, f"{d}/{verified.DATA}") for d in dirs
+        }
         self._shards = {
-            self.path / d: verified.load_metadata(
-                self.verifier.read_small(f"{d}/{verified.METADATA}"),
-                where(f"{d}/{verified.METADATA}"),
-            )
-            for d in ranks
+            d: verified.dcp_metadata(verified.inside(self.path, d), e)
+            for d, e in self._entries.items()
         }
-        self._where = {
-            key: (d, md)
-            for d, meta in self._shards.items()
-            for key, md in meta.state_dict_metadata.items()
-        }
+        self._where = {key: d for d, entries in self._entries.items() for key in entries}
 
-    @property
-    def verifies(self) -> bool:
-        """Whether the checkpoint recorded digests (every version since issue 39 does)."""
-        return self.verifier.files is not None
+    def _state(self, d: str, where: Any) -> dict[str, Any]:
+        """A shard's state.json, checked against its digest; JSON made the param groups'
+        tuples (betas) lists, so they are tuples again."""
+        meta = verified.read_json(self.verifier.read_small(f"{d}/{STATE}"), where)
+        try:
+            for g in meta["param_groups"]:
+                lists = [k for k, v in g.items() if isinstance(v, list) and k != "param_names"]
+                g.update({k: tuple(g[k]) for k in lists})
+        except (KeyError, TypeError, AttributeError):
+            raise where("is not a stalepipe shard's state") from None
+        return meta
 
     @property
     def step(self) -> int:
@@ -234,17 +288,23 @@ class ShardedCheckpoint:
     def stored_keys(self) -> set[str]:
         return set(self._where)
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every stored tensor's shape, from the checked headers (nothing read or allocated)."""
+        return {k: e.shape for entries in self._entries.values() for k, e in entries.items()}
+
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """The tensors of `keys`, read from the shards that hold them (only those bytes), each
         checked against its digest before it is used."""
         import torch.distributed.checkpoint as dcp
 
-        by_shard: dict[Path, dict[str, torch.Tensor]] = {}
+        by_shard: dict[str, dict[str, torch.Tensor]] = {}
         for key in keys:
-            shard, md = self._where[key]
-            by_shard.setdefault(shard, {})[key] = torch.empty(md.size, dtype=md.properties.dtype)
-        for shard, want in by_shard.items():
-            reader = verified.make_reader(shard, self._shards[shard], self.verifier)
+            d = self._where[key]
+            e = self._entries[d][key]
+            by_shard.setdefault(d, {})[key] = torch.empty(e.shape, dtype=e.dtype)
+        for d, want in by_shard.items():
+            shard = verified.inside(self.path, d)
+            reader = verified.make_reader(shard, self._shards[d], self._entries[d], self.verifier)
             try:
                 with _quiet():
                     dcp.load(want, storage_reader=reader, no_dist=True)
@@ -256,20 +316,25 @@ class ShardedCheckpoint:
                     reader.finish()
                 if reader.failure is not None:
                     raise reader.failure from None
-                raise corrupt(self.path, f"{shard.name}: {_reason(e)}") from None
+                raise corrupt(self.path, f"{d}: {_reason(e)}") from None
             finally:
                 reader.close()
         return {k: t for want in by_shard.values() for k, t in want.items()}
 
     def check_files(self) -> None:
         """Cheap check before a resume writes anything: every recorded file has its recorded
-        size, and every data file the shards' metadata names is long enough (no tensor is
-        read; the tensors' digests are checked as they are read)."""
+        size (no tensor is read; the headers were checked against the files when opened, the
+        tensors' digests are checked as they are read)."""
         self.verifier.check_sizes()
-        for shard, meta in self._shards.items():
-            for info in (meta.storage_data or {}).values():
-                f = shard / info.relative_path
-                if not f.is_file() or f.stat().st_size < info.offset + info.length:
-                    raise corrupt(
-                        self.path, f"{shard.name}/{info.relative_path} is missing or short"
-                    )
+
+
+def _read_manifest(path: Path) -> bytes:
+    """A checkpoint's checkpoint.json, inside it and no larger than `MANIFEST_MAX`."""
+    try:
+        f = verified.inside(path, MANIFEST)
+        size = f.stat().st_size
+        if size > MANIFEST_MAX:
+            raise corrupt(path, f"{MANIFEST} is {size} bytes, larger than any stalepipe writes")
+        return f.read_bytes()
+    except OSError as e:
+        raise corrupt(path, f"{MANIFEST}: {e.strerror or type(e).__name__}") from None

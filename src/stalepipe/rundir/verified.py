@@ -1,38 +1,44 @@
-"""Reading a DCP shard without running code, and checking every byte it reads against the
-digests its save recorded (issue 39).
+"""Reading a checkpoint shard without trusting it: safetensors headers parsed and bounded by
+hand, every path kept inside the checkpoint, every byte checked against the digests its save
+recorded (issues 39 and 50).
 
 Checkpoints travel (a shared run directory, a cluster's scratch space, a run someone sends to
 reproduce a result), so a load trusts nothing in them:
 
-- **No code runs.** DCP keeps a shard's metadata as a pickle (`.metadata`), and torch's own
-  `FileSystemReader.read_metadata` reads it with plain `pickle.load`, which runs whatever the
-  file names. `load_metadata` unpickles it with `SafeUnpickler`, which admits only DCP's own
-  metadata classes and the torch values they hold (`ALLOWED`, dtypes), then checks the shape
-  of what came out (`check_metadata`: tensors only, data files inside the shard, no storage
-  transforms). A tensor's bytes go through `torch.load(weights_only=True)` (DCP's own read
-  path). state.json and checkpoint.json are JSON. Anything else is one line naming the file.
+- **Nothing is unpickled.** A shard's tensors are one safetensors file written by DCP's own
+  `HuggingFaceStorageWriter`: an 8-byte header length, a JSON header (dtype, shape and byte
+  range of every tensor) and the raw bytes. `read_header` parses the header itself and checks
+  it before anything is allocated: the length no larger than the file, every dtype one we
+  write, every shape's bytes equal to its range, every range inside the file and none
+  overlapping. DCP then loads through `HuggingFaceStorageReader` with that checked metadata
+  (its own header reader is never called) and the `safetensors` library's reader, which builds
+  tensors and nothing else. state.json and checkpoint.json are JSON.
+- **Nothing outside the directory.** Every file a load opens is resolved inside the checkpoint
+  directory (`inside`): a symlink that points out is refused, one line naming it.
 - **Damage is seen.** After a process's shard is complete, the save hashes its files
-  (`shard_digests`: SHA-256 of `.metadata` and state.json whole, and of each tensor's byte
-  range of every data file; DCP writes the ranges back to back, so they cover the file) and
-  commit puts them in checkpoint.json (`"files"`). Every load checks what it reads before using
-  it: the small files whole, each tensor's bytes as they are read (`VerifiedReader`, so a
-  process that reads only its own parameters' keys hashes only those bytes), and every file's
-  size in the cheap check before a resume writes anything. SHA-256 runs at ~1.8 GB/s on this
-  machine's SHA extensions; docs/benchmarks.md ("Checkpoint cost") has what it costs a load.
+  (`shard_digests`: SHA-256 of the small files whole, and of the data file's header and each
+  tensor's byte range, which cover the file) and commit puts them in checkpoint.json
+  (`"files"`). Every load checks what it reads before using it: the small files whole, the
+  header before it is parsed, each tensor's bytes as they are read (`make_reader`, so a process
+  that reads only its own parameters' keys hashes only those bytes), and every file's size in
+  the cheap check before a resume writes anything. docs/benchmarks.md ("Checkpoint cost") has
+  what it costs a load.
 
 The digests are not a signature: whoever can write a checkpoint can write its checkpoint.json
 too. They find damage (a bad disk, a half-copied file, bytes overwritten in place); safety
-against a crafted file is the unpickler's and `weights_only`'s job, with or without digests.
+against a crafted file is the bounded parser's and the pickle-free format's job, with or
+without digests. Older checkpoints (a DCP `.metadata` pickle, or one `.pt` file) are read only
+by `stalepipe checkpoint convert` (`rundir.legacy`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
+import math
 import os
-import pickle
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,51 +48,25 @@ from stalepipe.errors import CheckpointError
 
 DIGEST = "sha256"
 VERIFY_ENV = "STALEPIPE_VERIFY"  # =0: skip the tensors' digests (sizes and small files stay)
-METADATA = ".metadata"  # DCP's name for a shard's metadata pickle
+DATA = "model-00001-of-00001.safetensors"  # the one data file `HuggingFaceStorageWriter` writes
+INDEX = "model.safetensors.index.json"  # and its JSON index (hashed, never needed to load)
 MANIFEST_NAME = "checkpoint.json"  # a checkpoint directory's manifest (rundir.sharded.MANIFEST)
-_DCP = "torch.distributed.checkpoint"
-# Every global a DCP shard's `.metadata` names (torch 2.4-2.14 write these), besides torch's
-# dtypes: its dataclasses, the path it was saved to, tensor sizes, layouts and memory formats.
-ALLOWED = frozenset(
-    {
-        *(
-            (f"{_DCP}.metadata", name)
-            for name in (
-                "Metadata",
-                "TensorStorageMetadata",
-                "ChunkStorageMetadata",
-                "TensorProperties",
-                "MetadataIndex",
-                "StorageMeta",
-                "_MEM_FORMAT_ENCODING",
-            )
-        ),
-        (f"{_DCP}.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("collections", "OrderedDict"),
-    }
-)
-
-
-class UnsafePickle(Exception):
-    """A pickle names a global outside `ALLOWED`: it would run code, so it is never loaded."""
-
-
-class SafeUnpickler(pickle.Unpickler):
-    """`pickle.Unpickler` that resolves only `ALLOWED` globals and torch's dtypes."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsafePickle(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise UnsafePickle(f"a persistent id ({str(pid)[:40]})")
+HEADER_MAX = 64 << 20  # a header longer than this is not one we wrote (ours: ~200 B a tensor)
+LEN_BYTES = 8  # safetensors: the header's length, little-endian u64, then the header
+# safetensors' dtype names, for the dtypes a stalepipe checkpoint holds
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+MAX_DIMS = 8
 
 
 def sha256(data: bytes | memoryview) -> str:
@@ -99,61 +79,6 @@ def file_record(path: Path) -> dict[str, Any]:
     return {"size": len(data), DIGEST: sha256(data)}
 
 
-class Verifier:
-    """The checks of one checkpoint directory: its `"files"` record (None for a checkpoint
-    written before stalepipe recorded digests) and how to word a failure (`damaged`)."""
-
-    def __init__(self, ckpt: Path, files: dict[str, Any] | None) -> None:
-        self.ckpt = Path(ckpt)
-        self.files = files
-        # the opt-out of hashing tensors' bytes (docs/runtime.md: what it costs a load)
-        self.data = os.environ.get(VERIFY_ENV, "1") != "0"
-        self._chunks: dict[str, dict[int, tuple[int, str]]] = {}
-
-    def damaged(self, rel: str, what: str) -> CheckpointError:
-        return damaged(self.ckpt, rel, what)
-
-    def read_small(self, rel: str) -> bytes:
-        """The bytes of a small file of the checkpoint (a shard's `.metadata` or state.json),
-        checked against its size and digest before anyone parses them."""
-        path = self.ckpt / rel
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise self.damaged(rel, f"unreadable: {e.strerror or type(e).__name__}") from None
-        if self.files is not None:
-            want = self.files.get(rel)
-            if not isinstance(want, dict):
-                raise self.damaged(rel, "not in checkpoint.json's file list")
-            if len(data) != want.get("size") or sha256(data) != want.get(DIGEST):
-                raise self.damaged(rel, "does not match the digest its save recorded")
-        return data
-
-    def check_sizes(self) -> None:
-        """Every recorded file exists with its recorded size (no byte is read)."""
-        for rel, want in (self.files or {}).items():
-            if not isinstance(want, dict):
-                raise self.damaged(MANIFEST_NAME, f"records {rel!r} without a size")
-            path = self.ckpt / rel
-            size = path.stat().st_size if path.is_file() else None
-            if size != want.get("size"):
-                got = "is missing" if size is None else f"is {size} bytes, not {want.get('size')}"
-                raise self.damaged(rel, got)
-
-    def chunks(self, rel: str) -> dict[int, tuple[int, str]] | None:
-        """The recorded byte ranges of a data file: {offset: (length, sha256)}; None when the
-        checkpoint recorded none or `VERIFY_ENV` is 0."""
-        if self.files is None or not self.data:
-            return None
-        if rel not in self._chunks:
-            want = self.files.get(rel)
-            try:
-                self._chunks[rel] = {int(o): (int(n), str(h)) for o, n, h in want["chunks"]}
-            except (TypeError, KeyError, ValueError):
-                raise self.damaged(rel, "has no byte ranges in checkpoint.json") from None
-        return self._chunks[rel]
-
-
 def damaged(ckpt: Path, rel: str, what: str) -> CheckpointError:
     """The one line for a checkpoint file that fails a check: the file, what failed, the fix
     (move the checkpoint aside, so the run's previous one is its newest; nothing is deleted)."""
@@ -164,76 +89,160 @@ def damaged(ckpt: Path, rel: str, what: str) -> CheckpointError:
     )
 
 
-def load_metadata(data: bytes, where: Callable[[str], CheckpointError]) -> Any:
-    """A shard's DCP `Metadata` from the bytes of its `.metadata`, unpickled by `SafeUnpickler`
-    and checked by `check_metadata`; `where(reason)` words the error."""
-    try:
-        md = SafeUnpickler(io.BytesIO(data)).load()
-    except UnsafePickle as e:
-        raise where(
-            f"names {e}, which a DCP checkpoint never holds: not loaded, nothing of it ran"
-        ) from None
-    except Exception as e:  # truncated / garbage bytes: pickle raises many types
-        raise where(f"is not DCP metadata ({type(e).__name__})") from None
-    if (problem := check_metadata(md)) is not None:
-        raise where(problem)
-    return md
+def inside(root: Path, rel: str) -> Path:
+    """`root / rel`, refused (one line naming the link) when a symlink on the way leads out of
+    `root`; `root` itself may be a link. A link that stays inside is followed."""
+    path = Path(root) / rel
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    if os.path.commonpath([real, base]) != base:
+        link = next((str(p) for p in [*reversed(path.parents), path] if p.is_symlink()), str(path))
+        raise CheckpointError(
+            f"{link} is a symlink to {os.readlink(link) if Path(link).is_symlink() else real}, "
+            f"outside {root}: a checkpoint is read only from inside its directory; copy the "
+            f"real file in (cp --remove-destination {real} {path})"
+        )
+    return path
 
 
-def check_metadata(md: Any) -> str | None:
-    """What is wrong with an unpickled `.metadata` for a stalepipe shard, or None: every entry
-    a tensor, every byte range in a plain file of the shard, no storage transforms."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+class Verifier:
+    """The checks of one checkpoint directory: its `"files"` record and how to word a
+    failure (`damaged`)."""
 
-    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
-        return "is not DCP metadata"
-    for key, entry in md.state_dict_metadata.items():
-        if not (
-            isinstance(key, str)
-            and isinstance(entry, TensorStorageMetadata)
-            and isinstance(entry.properties, TensorProperties)
-            and isinstance(entry.properties.dtype, torch.dtype)
-            and isinstance(entry.size, torch.Size)
-        ):
-            return f"holds an entry that is not a tensor ({str(key)[:60]!r})"
-    for index, info in (md.storage_data or {}).items():
-        name = getattr(info, "relative_path", None)
-        if not (
-            isinstance(index, MetadataIndex)
-            and isinstance(info, _StorageInfo)
-            and isinstance(name, str)
-            and name == Path(name).name
-            and not name.startswith(".")
-            and all(isinstance(v, int) and v >= 0 for v in (info.offset, info.length))
-            and not info.transform_descriptors
-        ):
-            return f"points outside its shard or at a transform ({str(name)[:60]!r})"
-    return None
+    def __init__(self, ckpt: Path, files: dict[str, Any]) -> None:
+        self.ckpt = Path(ckpt)
+        self.files = files
+        # the opt-out of hashing tensors' bytes (docs/runtime.md: what it costs a load)
+        self.data = os.environ.get(VERIFY_ENV, "1") != "0"
+        self._chunks: dict[str, dict[tuple[int, int], str]] = {}
 
+    def damaged(self, rel: str, what: str) -> CheckpointError:
+        return damaged(self.ckpt, rel, what)
 
-def shard_digests(shard: Path, data_files: dict[str, list[tuple[int, int]]]) -> dict[str, Any]:
-    """The digests of a complete shard's files, by name in the shard: the small files whole,
-    each data file as its byte ranges (`data_files`: name -> [(offset, length)], from its
-    metadata) with their SHA-256s."""
-    out = {name: file_record(shard / name) for name in sorted(_small_files(shard))}
-    for name, ranges in sorted(data_files.items()):
-        chunks = []
-        with open(shard / name, "rb") as f:
-            for offset, length in sorted(ranges):
+    def record(self, rel: str) -> dict[str, Any]:
+        want = self.files.get(rel)
+        if not isinstance(want, dict) or not isinstance(want.get("size"), int):
+            raise self.damaged(rel, f"is not in {MANIFEST_NAME}'s file list with its size")
+        return want
+
+    def read_small(self, rel: str) -> bytes:
+        """The bytes of a small file of the checkpoint (a shard's state.json), checked against
+        its recorded size before it is read and its digest before anyone parses it."""
+        size = self.record(rel)["size"]
+        data = self.read_range(rel, 0, size)
+        if self.actual_size(rel) != size or sha256(data) != self.files[rel].get(DIGEST):
+            raise self.damaged(rel, "does not match the digest its save recorded")
+        return data
+
+    def actual_size(self, rel: str) -> int | None:
+        path = inside(self.ckpt, rel)
+        return path.stat().st_size if path.is_file() else None
+
+    def read_range(self, rel: str, offset: int, length: int) -> bytes:
+        """`length` bytes of `rel` from `offset`; damaged when the file is shorter."""
+        try:
+            with open(inside(self.ckpt, rel), "rb") as f:
                 f.seek(offset)
-                chunks.append([offset, length, sha256(f.read(length))])
-        out[name] = {"size": (shard / name).stat().st_size, "chunks": chunks}
-    return out
+                data = f.read(length)
+        except OSError as e:
+            raise self.damaged(rel, f"unreadable: {e.strerror or type(e).__name__}") from None
+        if len(data) != length:
+            raise self.damaged(rel, "is shorter than its header or record says")
+        return data
+
+    def check_sizes(self) -> None:
+        """Every recorded file exists with its recorded size (no byte is read)."""
+        for rel in self.files:
+            want = self.record(rel)["size"]
+            size = self.actual_size(rel)
+            if size != want:
+                got = "is missing" if size is None else f"is {size} bytes, not {want}"
+                raise self.damaged(rel, got)
+
+    def chunks(self, rel: str) -> dict[tuple[int, int], str] | None:
+        """The recorded byte ranges of a data file: {(offset, length): sha256}; None when
+        `VERIFY_ENV` is 0."""
+        if not self.data:
+            return None
+        if rel not in self._chunks:
+            try:
+                self._chunks[rel] = {
+                    (int(o), int(n)): str(h) for o, n, h in self.record(rel)["chunks"]
+                }
+            except (TypeError, KeyError, ValueError):
+                raise self.damaged(rel, f"has no byte ranges in {MANIFEST_NAME}") from None
+        return self._chunks[rel]
 
 
-def _small_files(shard: Path) -> list[str]:
-    return [p.name for p in shard.iterdir() if p.name == METADATA or p.suffix == ".json"]
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a safetensors file, as its (checked) header gives it: absolute offsets."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # first byte in the file
+    length: int
+
+
+def read_header(verifier: Verifier, rel: str) -> dict[str, Entry]:
+    """The tensors of the safetensors file `rel`, from its header, checked before anything is
+    allocated past what the file holds: the header's length against the file, its digest (when
+    recorded), then every entry (`_entries`)."""
+    size = verifier.actual_size(rel)
+    if size is None:
+        raise verifier.damaged(rel, "is missing")
+    if size < LEN_BYTES:
+        raise verifier.damaged(rel, "is too short to be a safetensors file")
+    n = int.from_bytes(verifier.read_range(rel, 0, LEN_BYTES), "little")
+    if not 2 <= n <= min(size - LEN_BYTES, HEADER_MAX):
+        raise verifier.damaged(rel, f"claims a {n}-byte header in a {size}-byte file")
+    header = verifier.read_range(rel, LEN_BYTES, n)
+    chunks = verifier.chunks(rel)
+    if chunks is not None and chunks.get((0, LEN_BYTES + n)) != sha256(
+        verifier.read_range(rel, 0, LEN_BYTES + n)
+    ):
+        raise verifier.damaged(rel, "has a header that does not match its recorded digest")
+    try:
+        parsed = json.loads(header)
+    except ValueError:
+        raise verifier.damaged(rel, "has a header that is not JSON") from None
+    problem, entries = _entries(parsed, LEN_BYTES + n, size)
+    if problem:
+        raise verifier.damaged(rel, problem)
+    return entries
+
+
+def _entries(parsed: Any, start: int, size: int) -> tuple[str | None, dict[str, Entry]]:
+    """(what is wrong, the entries) of a parsed safetensors header whose data starts at byte
+    `start` of a `size`-byte file: known dtypes, shapes whose bytes equal their ranges, ranges
+    inside the file and not overlapping, whole tensors only (DCP's saved offsets all 0)."""
+    if not isinstance(parsed, dict):
+        return "has a header that is not a JSON object", {}
+    meta = parsed.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        return "has a malformed __metadata__", {}
+    out: dict[str, Entry] = {}
+    for key, e in parsed.items():
+        what = f"declares tensor {key[:60]!r} "
+        if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+            return what + "without exactly dtype, shape and data_offsets", {}
+        dtype, shape, offs = DTYPES.get(e["dtype"]), e["shape"], e["data_offsets"]
+        if dtype is None:
+            return what + f"of dtype {str(e['dtype'])[:20]!r}", {}
+        if not (
+            nonneg_ints(shape) and len(shape) <= MAX_DIMS and nonneg_ints(offs) and len(offs) == 2
+        ):
+            return what + "with a malformed shape or byte range", {}
+        begin, end = offs
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if not (0 <= begin <= end and start + end <= size and end - begin == nbytes):
+            return what + f"of shape {shape} in bytes {begin}-{end} of a {size}-byte file", {}
+        out[key] = Entry(dtype, tuple(shape), start + begin, nbytes)
+    spans = sorted((e.offset, e.offset + e.length) for e in out.values() if e.length)
+    if any(a[1] > b[0] for a, b in zip(spans, spans[1:], strict=False)):
+        return "declares overlapping tensors", {}
+    if (problem := _whole_tensors(meta, out)) is not None:
+        return problem, {}
+    return None, out
 
 
 def read_json(data: bytes, where: Callable[[str], CheckpointError]) -> Any:
@@ -243,70 +252,134 @@ def read_json(data: bytes, where: Callable[[str], CheckpointError]) -> Any:
         raise where("is not JSON") from None
 
 
+def nonneg_ints(v: Any) -> bool:
+    return isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)
+
+
+def _whole_tensors(meta: dict[str, str], entries: dict[str, Entry]) -> str | None:
+    """DCP records each tensor's offset in the global tensor; a stalepipe shard holds whole
+    tensors only (its keys are the reshard), so every offset is 0."""
+    info = meta.get("DCP_SHARDING_INFO")
+    if info is None:
+        return None
+    try:
+        offsets = {k: v["saved_offsets"] for k, v in json.loads(info).items()}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return "has malformed DCP sharding info"
+    if any(not nonneg_ints(o) or any(o) for o in offsets.values()) or set(offsets) - set(entries):
+        return "holds a piece of a tensor, which a stalepipe shard never does"
+    return None
+
+
+def dcp_metadata(shard: Path, entries: dict[str, Entry]) -> Any:
+    """DCP `Metadata` for a shard's checked entries, as `HuggingFaceStorageReader` would build
+    it from the same header (so DCP's planner and reader work unchanged)."""
+    from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    state, storage = {}, {}
+    for key, e in entries.items():
+        zeros = [0] * len(e.shape)
+        state[key] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=e.dtype),
+            size=torch.Size(e.shape),
+            chunks=[ChunkStorageMetadata(offsets=torch.Size(zeros), sizes=torch.Size(e.shape))],
+        )
+        storage[MetadataIndex(fqn=key, offset=zeros)] = _HFStorageInfo(
+            relative_path=str(shard / DATA), shape=torch.Size(e.shape), dtype=e.dtype
+        )
+    return Metadata(state_dict_metadata=state, storage_data=storage)
+
+
+def shard_digests(shard: Path) -> dict[str, Any]:
+    """The digests of a complete shard's files, by name in the shard: the small files (JSON)
+    whole, the data file as its header and each tensor's byte range with their SHA-256s."""
+    out = {p.name: file_record(p) for p in sorted(shard.iterdir()) if p.suffix == ".json"}
+    size = (shard / DATA).stat().st_size
+    own = Verifier(shard, {DATA: {"size": size}})
+    own.data = False  # nothing recorded yet: this is what gets recorded
+    entries = read_header(own, DATA)
+    chunks = []
+    with open(shard / DATA, "rb") as f:
+        n = LEN_BYTES + int.from_bytes(f.read(LEN_BYTES), "little")
+        for offset, length in [(0, n), *sorted((e.offset, e.length) for e in entries.values())]:
+            f.seek(offset)
+            chunks.append([offset, length, sha256(f.read(length))])
+    out[DATA] = {"size": size, "chunks": chunks}
+    return out
+
+
 BLOCK = 4 << 20  # the digest thread's read size
 
 
-def make_reader(shard: Path, md: Any, verifier: Verifier):
-    """A DCP `FileSystemReader` for `shard` that takes its metadata as already read (`md`: the
-    file is never unpickled again) and checks every tensor's bytes against `verifier`'s digests:
-    DCP reads as it always does, a thread beside it reads the same ranges again (page cache,
-    `BLOCK`s into one buffer) and hashes them (both release the GIL). `finish()` waits for the
-    last digest and raises the first mismatch, before the caller gets any tensor. The first
-    failure is kept in `.failure` (DCP wraps what a reader raises in its own exception)."""
+def make_reader(shard: Path, md: Any, entries: dict[str, Entry], verifier: Verifier):
+    """A DCP `HuggingFaceStorageReader` for `shard` that takes its metadata as already read and
+    checked (`md`, from `read_header`: the file's header is never parsed again by anyone else)
+    and checks every tensor's bytes against `verifier`'s digests: a thread hashes the ranges of
+    the keys asked for (page cache, `BLOCK`s into one buffer) while DCP reads them.
+    `finish()` waits for the last digest and raises the first mismatch, before the caller gets
+    any tensor. The first failure is kept in `.failure` (DCP wraps what a reader raises)."""
     from concurrent.futures import Future, ThreadPoolExecutor
 
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    class VerifiedReader(FileSystemReader):
+    rel = f"{shard.name}/{DATA}"
+
+    class VerifiedReader(HuggingFaceStorageReader):
         failure: CheckpointError | None = None
 
         def __init__(self) -> None:
-            super().__init__(shard)
+            super().__init__(str(shard))
             self.hasher = ThreadPoolExecutor(1, thread_name_prefix="stalepipe-digest")
-            self.pending: list[tuple[Future, Any, tuple]] = []
-            self.fds: dict[str, int] = {}
+            self.pending: list[tuple[Future, str, tuple[int, int]]] = []
+            self.fd: int | None = None
             self.block = memoryview(bytearray(BLOCK))
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             return md
 
-        def _slice_file(self, file: Any, sinfo: Any) -> Any:
-            rel = f"{shard.name}/{sinfo.relative_path}"
+        def read_data(self, plan: Any, planner: Any) -> Any:
             try:
                 chunks = verifier.chunks(rel)
             except CheckpointError as e:  # its record in checkpoint.json is damaged
                 self.failure = e
                 raise
             if chunks is not None:
-                want = chunks.get(sinfo.offset, (None, None))
-                self.pending.append((self.hasher.submit(self._digest, sinfo), sinfo, want))
-            return super()._slice_file(file, sinfo)
+                for key in dict.fromkeys(item.storage_index.fqn for item in plan.items):
+                    span = (entries[key].offset, entries[key].length)
+                    self.pending.append((self.hasher.submit(self._digest, *span), key, span))
+            return super().read_data(plan, planner)
 
-        def _digest(self, sinfo: Any) -> str | None:
-            """SHA-256 of one tensor's byte range (None: the file is shorter), read again from
-            the page cache in blocks into one reused buffer."""
-            name = sinfo.relative_path
-            if name not in self.fds:
-                self.fds[name] = os.open(shard / name, os.O_RDONLY)
-            h, offset, left = hashlib.sha256(), sinfo.offset, sinfo.length
+        def _digest(self, offset: int, left: int) -> str | None:
+            """SHA-256 of one tensor's byte range (None: the file is shorter)."""
+            if self.fd is None:
+                self.fd = os.open(inside(verifier.ckpt, rel), os.O_RDONLY)
+            h = hashlib.sha256()
             while left:
-                n = os.preadv(self.fds[name], [self.block[: min(left, BLOCK)]], offset)
+                n = os.preadv(self.fd, [self.block[: min(left, BLOCK)]], offset)
                 if n == 0:
                     return None
                 h.update(self.block[:n])
                 offset, left = offset + n, left - n
             return h.hexdigest()
 
-        def _check(self, item: tuple[Future, Any, tuple]) -> None:
-            digest, sinfo, (length, want) = item[0].result(), item[1], item[2]
-            if (length, want) != (sinfo.length, digest) and self.failure is None:
-                end = sinfo.offset + sinfo.length
+        def _check(self, item: tuple[Future, str, tuple[int, int]]) -> None:
+            digest, key, (offset, length) = item[0].result(), item[1], item[2]
+            want = verifier.chunks(rel) or {}
+            if want.get((offset, length)) != digest and self.failure is None:
                 what = (
-                    "is shorter than its metadata says"
+                    "is shorter than its header says"
                     if digest is None
-                    else f"does not match the digest its save recorded (bytes {sinfo.offset}-{end})"
+                    else f"does not match the digest its save recorded (bytes {offset}-"
+                    f"{offset + length}, tensor {key[:60]})"
                 )
-                self.failure = verifier.damaged(f"{shard.name}/{sinfo.relative_path}", what)
+                self.failure = verifier.damaged(rel, what)
             if self.failure is not None:
                 raise self.failure
 
@@ -320,8 +393,8 @@ def make_reader(shard: Path, md: Any, verifier: Verifier):
 
         def close(self) -> None:
             self.hasher.shutdown(wait=True, cancel_futures=True)
-            for fd in self.fds.values():
-                os.close(fd)
-            self.fds.clear()
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
 
     return VerifiedReader()
