@@ -72,6 +72,7 @@ class OldFormats:
     @staticmethod
     def to_format2(ckpt) -> None:
         """Rewrite a format-3 checkpoint directory in place as format 2."""
+        import io
         import json
         import shutil
         import warnings
@@ -85,7 +86,7 @@ class OldFormats:
         ckpt = Path(ckpt)
         flat = ShardedCheckpoint(ckpt)
         files = {}
-        for r, d in enumerate(sorted(p for p in ckpt.iterdir() if p.name.startswith("rank_"))):
+        for d in sorted(p for p in ckpt.iterdir() if p.name.startswith("rank_")):
             tensors = flat.read(k for k in flat.stored_keys() if flat._where[k] == d.name)
             state = (d / "state.json").read_bytes()
             shutil.rmtree(d)
@@ -94,7 +95,7 @@ class OldFormats:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 dcp.save(tensors, storage_writer=dcp.FileSystemWriter(d), no_dist=True)
-            md = legacy.SafeUnpickler(open(d / ".metadata", "rb")).load()
+            md = legacy.SafeUnpickler(io.BytesIO((d / ".metadata").read_bytes())).load()
             ranges: dict = {}
             for info in md.storage_data.values():
                 ranges.setdefault(info.relative_path, []).append((info.offset, info.length))

@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from stalepipe.cli.checkpoint import _add_checkpoint
 from stalepipe.cli.common import Subparsers, runs
 from stalepipe.cli.studies import _add_demo, _add_report, _add_sweep, _add_toy, _add_verdict
 from stalepipe.config import (
@@ -366,6 +367,7 @@ COMMANDS = (
     _add_presets,
     _add_export,
     _add_eval,
+    _add_checkpoint,
     _add_sweep,
     _add_report,
     _add_verdict,

@@ -116,9 +116,12 @@ def _is_disk_full(e: BaseException) -> bool:
         seen.add(id(x))
         if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if isinstance(x, BaseException):
-            todo += [x.__cause__, x.__context__, *getattr(x, "failures", {}).values()]
-        todo.append(getattr(x, "exception", None))  # DCP's WrappedException
+        if isinstance(x, tuple):  # DCP's wrapped exception: (exception, stack summary)
+            todo += list(x)
+        elif isinstance(x, BaseException):
+            failures = getattr(x, "failures", None)
+            todo += [x.__cause__, x.__context__]
+            todo += list(failures.values()) if isinstance(failures, dict) else []
     return any(t in str(e) for t in ENOSPC_TEXT)
 
 
