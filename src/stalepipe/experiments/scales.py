@@ -19,10 +19,14 @@ import dataclasses
 
 from stalepipe.config import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
 from stalepipe.errors import UserError
-from stalepipe.experiments.grid import Bundle
+from stalepipe.experiments.grid import Bundle, axis
 from stalepipe.presets import get_preset
 
 SCALES = ("cpu", "cpu-regime", "135m", "360m")
+# The three arms most studies cross: the synchronous baseline, a one-step delay, and with EF.
+SYNC: Bundle = ("sync", {"delay.policy": "sync"})
+TWO_BW: Bundle = ("2bw", {"delay.policy": "2bw"})
+TWO_BW_EF: Bundle = ("2bw+ef", {"delay.policy": "2bw", "delay.ef": "true"})
 CPU_SCALES = ("cpu", "cpu-regime")
 # The `cpu` studies' results (docs/RESULTS.md) predate NAdamW; every other scale has all seven.
 OPTIMIZER_NAMES = ("adamw", "muon", "soap", "adan", "lion", "mars")
@@ -233,3 +237,88 @@ def ladder_lrs(name: str, width: int) -> list[str]:
     """Phase 1's three LRs of `name` at `width` (LADDER_CENTRE)."""
     centre = LADDER_CENTRE[name] / (width if name == "adamw" else 1)
     return [f"{centre * f:.3g}" for f in (0.5, 1, 2)] + list(LADDER_EDGE_LRS.get((name, width), ()))
+
+
+# --------------------------------------------------------------------------------------------
+# The studies that vary length or size (registered in `experiments.studies`): `tokens`,
+# `length`, `size`, the size ladder's phase 1 (`ladder-lr`) and the overhead ladder. The
+# ladder's phase 2 stays beside the registry (`studies.study_ladder`): it reads phase 1's LRs.
+# --------------------------------------------------------------------------------------------
+
+
+def length(n: int, evals: int = 4) -> Bundle:
+    """A training length of n steps (warmup 10%, `evals` evaluations)."""
+    return (
+        f"steps{n}",
+        {
+            "train.num_steps": str(n),
+            "train.warmup_steps": str(max(n // 10, 1)),
+            "train.eval_every": str(max(n // evals, 1)),
+        },
+    )
+
+
+def study_tokens(scale: str) -> list[list[list[Bundle]]]:
+    tc = base_config(scale).train
+    steps, evals = tc.num_steps, tc.num_steps // (tc.eval_every or tc.num_steps)
+    lengths = [steps // 4, steps // 2, steps, steps * 2]
+    grid_steps = [length(n, evals) for n in lengths]
+    return [[optimizer_axis(scale, ("adamw", "muon")), grid_steps, [SYNC, TWO_BW]]]
+
+
+def study_length(scale: str) -> list[list[list[Bundle]]]:
+    """AdamW and Muon, sync / 2bw / 2bw+EF at 1x, 2x and 4x the scale's tokens (the schedule
+    stretched: warmup a tenth, the same number of evaluations); 1x is study 1's run."""
+    tc = base_config(scale).train
+    steps, evals = tc.num_steps, tc.num_steps // (tc.eval_every or tc.num_steps)
+    lengths = [length(n, evals) for n in (steps, steps * 2, steps * 4)]
+    return [[optimizer_axis(scale, ("adamw", "muon")), lengths, [SYNC, TWO_BW, TWO_BW_EF]]]
+
+
+# Model sizes of the size study: (width, SwiGLU width, heads), 4 layers each; 0.43M, 1.67M and
+# 3.62M parameters at the byte vocabulary. Every size trains on the scale's tokens (the same
+# budget, so larger models are further from convergence); AdamW's LR scales as 1/width from the
+# scale's tuned value (the muP rule for hidden matrices), Muon's is kept (its update is
+# normalised per matrix).
+SIZES = ((96, 256, 4), (192, 512, 4), (288, 768, 6))
+
+
+def _size(width: int, ffn: int, heads: int) -> Bundle:
+    return (
+        f"d{width}",
+        {"model.dim": str(width), "model.ffn_dim": str(ffn), "model.num_heads": str(heads)},
+    )
+
+
+def study_size(scale: str) -> list[list[list[Bundle]]]:
+    base_width = base_config(scale).model.dim
+    grids = []
+    for name in ("adamw", "muon"):
+        for width, ffn, heads in SIZES:
+            lr = float(LRS[scale].get(name, "1e-3"))
+            lr = lr * base_width / width if name == "adamw" else lr
+            opt = [(name, {"optim.name": name, "optim.lr": f"{lr:.3g}"})]
+            grids.append([opt, [_size(width, ffn, heads)], [SYNC, TWO_BW, TWO_BW_EF]])
+    return grids
+
+
+def study_ladder_lr(scale: str) -> list[list[list[Bundle]]]:
+    """Phase 1 of the size ladder: sync's LR grid per width and optimizer (seed 0)."""
+    return [
+        [[(name, {"optim.name": name})], axis("optim.lr", ladder_lrs(name, w)), [rung], [SYNC]]
+        for name in ("adamw", "muon")
+        for w, ffn, params in LADDER
+        for rung in [ladder_size(w, ffn, params)]
+    ]
+
+
+def study_overhead_ladder(scale: str) -> list[list[list[Bundle]]]:
+    """The overhead ladder (docs/RESULTS.md, 'Overhead ladder'): Muon sync at 1x and 1.2x, 2bw
+    and 2bw+EF at 1-1.5x one fixed token budget, at four widths; widths outermost, so a seed's
+    narrow widths finish first."""
+    muon = [("muon", {"optim.name": "muon", "optim.lr": OVERHEAD_LR})]
+    grids = []
+    for w in OVERHEAD_WIDTHS:
+        grids.append([muon, [overhead_rung(w, f) for f in OVERHEAD_SYNC_LENGTHS], [SYNC]])
+        grids.append([muon, [overhead_rung(w, f) for f in OVERHEAD_LENGTHS], [TWO_BW, TWO_BW_EF]])
+    return grids

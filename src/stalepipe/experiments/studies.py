@@ -32,24 +32,24 @@ from stalepipe.experiments.scales import (  # noqa: F401 - studies.X names stay 
     LADDER_LRS,
     LRS,
     OPTIMIZER_NAMES,
-    OVERHEAD_LENGTHS,
-    OVERHEAD_LR,
-    OVERHEAD_SYNC_LENGTHS,
-    OVERHEAD_WIDTHS,
     REGIME_STEPS,
     SCALES,
+    SYNC,
+    TWO_BW,
+    TWO_BW_EF,
     base_config,
     ladder_lrs,
     ladder_size,
+    length,
     optimizer_axis,
-    overhead_rung,
     paper_mini_base,
     regime_base,
+    study_ladder_lr,
+    study_length,
+    study_overhead_ladder,
+    study_size,
+    study_tokens,
 )
-
-SYNC: Bundle = ("sync", {"delay.policy": "sync"})
-TWO_BW: Bundle = ("2bw", {"delay.policy": "2bw"})
-TWO_BW_EF: Bundle = ("2bw+ef", {"delay.policy": "2bw", "delay.ef": "true"})
 
 
 def _max_depth(scale: str) -> int:
@@ -191,84 +191,6 @@ def study_delay(scale: str) -> list[list[list[Bundle]]]:
     return [[optimizer_axis(scale, ("adamw", "muon")), [SYNC, TWO_BW, *delays]]]
 
 
-def _length(n: int, evals: int = 4) -> Bundle:
-    """A training length of n steps (warmup 10%, `evals` evaluations)."""
-    return (
-        f"steps{n}",
-        {
-            "train.num_steps": str(n),
-            "train.warmup_steps": str(max(n // 10, 1)),
-            "train.eval_every": str(max(n // evals, 1)),
-        },
-    )
-
-
-def study_tokens(scale: str) -> list[list[list[Bundle]]]:
-    tc = base_config(scale).train
-    steps, evals = tc.num_steps, tc.num_steps // (tc.eval_every or tc.num_steps)
-    lengths = [steps // 4, steps // 2, steps, steps * 2]
-    grid_steps = [_length(n, evals) for n in lengths]
-    return [[optimizer_axis(scale, ("adamw", "muon")), grid_steps, [SYNC, TWO_BW]]]
-
-
-def study_length(scale: str) -> list[list[list[Bundle]]]:
-    """AdamW and Muon, sync / 2bw / 2bw+EF at 1x, 2x and 4x the scale's tokens (the schedule
-    stretched: warmup a tenth, the same number of evaluations); 1x is study 1's run."""
-    tc = base_config(scale).train
-    steps, evals = tc.num_steps, tc.num_steps // (tc.eval_every or tc.num_steps)
-    lengths = [_length(n, evals) for n in (steps, steps * 2, steps * 4)]
-    return [[optimizer_axis(scale, ("adamw", "muon")), lengths, [SYNC, TWO_BW, TWO_BW_EF]]]
-
-
-# Model sizes of the size study: (width, SwiGLU width, heads), 4 layers each; 0.43M, 1.67M and
-# 3.62M parameters at the byte vocabulary. Every size trains on the scale's tokens (the same
-# budget, so larger models are further from convergence); AdamW's LR scales as 1/width from the
-# scale's tuned value (the muP rule for hidden matrices), Muon's is kept (its update is
-# normalised per matrix).
-SIZES = ((96, 256, 4), (192, 512, 4), (288, 768, 6))
-
-
-def _size(width: int, ffn: int, heads: int) -> Bundle:
-    return (
-        f"d{width}",
-        {"model.dim": str(width), "model.ffn_dim": str(ffn), "model.num_heads": str(heads)},
-    )
-
-
-def study_size(scale: str) -> list[list[list[Bundle]]]:
-    base_width = base_config(scale).model.dim
-    grids = []
-    for name in ("adamw", "muon"):
-        for width, ffn, heads in SIZES:
-            lr = float(LRS[scale].get(name, "1e-3"))
-            lr = lr * base_width / width if name == "adamw" else lr
-            opt = [(name, {"optim.name": name, "optim.lr": f"{lr:.3g}"})]
-            grids.append([opt, [_size(width, ffn, heads)], [SYNC, TWO_BW, TWO_BW_EF]])
-    return grids
-
-
-def study_ladder_lr(scale: str) -> list[list[list[Bundle]]]:
-    """Phase 1 of the size ladder: sync's LR grid per width and optimizer (seed 0)."""
-    return [
-        [[(name, {"optim.name": name})], axis("optim.lr", ladder_lrs(name, w)), [rung], [SYNC]]
-        for name in ("adamw", "muon")
-        for w, ffn, params in LADDER
-        for rung in [ladder_size(w, ffn, params)]
-    ]
-
-
-def study_overhead_ladder(scale: str) -> list[list[list[Bundle]]]:
-    """The overhead ladder (docs/RESULTS.md, 'Overhead ladder'): Muon sync at 1x and 1.2x, 2bw
-    and 2bw+EF at 1-1.5x one fixed token budget, at four widths; widths outermost, so a seed's
-    narrow widths finish first."""
-    muon = [("muon", {"optim.name": "muon", "optim.lr": OVERHEAD_LR})]
-    grids = []
-    for w in OVERHEAD_WIDTHS:
-        grids.append([muon, [overhead_rung(w, f) for f in OVERHEAD_SYNC_LENGTHS], [SYNC]])
-        grids.append([muon, [overhead_rung(w, f) for f in OVERHEAD_LENGTHS], [TWO_BW, TWO_BW_EF]])
-    return grids
-
-
 def study_ladder(scale: str) -> list[list[list[Bundle]]]:
     """Phase 2: sync / 2bw / 2bw+EF at each width's best phase-1 LR (`LADDER_LRS`), for the
     widths whose LR is chosen (phase 1 finishes the narrow ones first); the run names are phase
@@ -337,7 +259,7 @@ def study_paper_mini(scale: str) -> list[list[list[Bundle]]]:
             [SYNC, TWO_BW],
         ],
         # (not a claim of the list: does the gap close as training gets longer?)
-        [opt2, [_length(CPU_STEPS * 2), _length(CPU_STEPS * 4)], [SYNC, TWO_BW, TWO_BW_EF]],
+        [opt2, [length(CPU_STEPS * 2), length(CPU_STEPS * 4)], [SYNC, TWO_BW, TWO_BW_EF]],
         # (does EF recover more where the gap is smaller? AdamW at a third of its LR)
         [
             [("adamw", {"optim.name": "adamw"})],
