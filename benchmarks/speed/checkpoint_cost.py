@@ -1,33 +1,31 @@
-"""What one checkpoint costs, the old single file against DCP shards, side by side.
+"""What one checkpoint costs to save and to load: today's format against the pickled one it
+replaced, verified and unverified, side by side.
 
 Run: OMP_NUM_THREADS=1 python benchmarks/speed/checkpoint_cost.py [--repeats 3] [--skip-smollm]
 
 Each contender is the emulator engine a run trains with (`train.emulated.EmulatorEngine`, on
 CPU, fp32) at `--stages` pipeline stages: `cpu-small`, and `smollm-135m` (the preset's model
 shape, trained here on small batches of the packaged excerpt). After a few steps its state is
-written `--repeats` times in each format:
+written `--repeats` times in each format, one shard per stage as the runtime's processes write
+them (`flatten_part` of the stage's state; here one after the other in one process):
 
-- old: the single file `ckpt_<k>.pt` of older versions (`save_legacy_checkpoint`: the whole
-  state, `torch.save` to a temporary file, fsync, rename), which every runtime rank read whole;
-- new: one DCP shard per stage, as the runtime's processes write them (`flatten_part` of the
-  stage's state, `rundir.sharded.save_part`; here one after the other in one process), then
-  the commit (manifest, rename).
+- `v3`: today's format (issue 50): `rundir.sharded.save_part` (DCP's
+  `HuggingFaceStorageWriter`, safetensors, then every shard hashed) and the commit;
+- `v2`: the format it replaced: the same state with DCP's `FileSystemWriter` (a pickled
+  `.metadata` and `.distcp` files), no digests.
 
 Loading is measured per rank, each load in a fresh spawned process (so its peak RSS is its
-own): rank r re-splits the checkpoint for stage r (`checkpoint_parts.stage_state`), through
-`open_checkpoint`. `read MB` is the bytes the process read from files (`rchar` of
-/proc/self/io, page cache included), `peak MB` its peak RSS above its RSS before the load.
-The median of the repeats is reported.
-
-The new format is loaded three ways (issue 39, `rundir.verified`), side by side:
-- `new`: as every load does, the metadata unpickled safely and every byte read checked
-  against the SHA-256 the save recorded;
-- `new-nover`: the same checkpoint with its digests removed from checkpoint.json (what a
-  checkpoint of an older version loads as): the safe unpickler, no hashing;
-- `new-torch`: torch's own `FileSystemReader` (plain `pickle.load` of `.metadata`, no
-  checks): how loads read before issue 39, the cost floor.
-`hash s` is the part of `save s` spent hashing the shards (`verified.shard_digests`, timed
-again on the written files).
+own): rank r re-splits the checkpoint for stage r (`checkpoint_parts.stage_state`).
+- `v3`: as every load reads: headers parsed and bounded, every byte read checked against the
+  SHA-256 the save recorded;
+- `v3-nover`: the same with `STALEPIPE_VERIFY=0` (the tensors' digests skipped; the headers,
+  sizes and small files' digests stay);
+- `v2-torch`: the old format through torch's own `FileSystemReader` (plain `pickle.load` of
+  `.metadata`, no checks): how loads read before issue 39, the cost floor.
+`read MB` is the bytes the process read from files (`rchar` of /proc/self/io, page cache
+included), `peak MB` its peak RSS above its RSS before the load. `hash s` is the part of the v3
+save spent hashing (`verified.shard_digests`, timed again on the written files). The median of
+the repeats is reported, and verification's cost as the median of paired v3 / v3-nover loads.
 """
 
 from __future__ import annotations
@@ -50,9 +48,9 @@ from stalepipe.config import DataConfig, ExperimentConfig, apply_overrides
 from stalepipe.data import prepare_corpus
 from stalepipe.presets import get_preset
 from stalepipe.rundir import verified
-from stalepipe.rundir.checkpoint import commit_checkpoint, open_checkpoint, save_legacy_checkpoint
+from stalepipe.rundir.checkpoint import commit_checkpoint, open_checkpoint
 from stalepipe.rundir.checkpoint_parts import flatten_part, saved_split, stage_state
-from stalepipe.rundir.sharded import MANIFEST, ShardedCheckpoint, save_part
+from stalepipe.rundir.sharded import save_part
 from stalepipe.schedules.plan import StepPlan
 from stalepipe.train.distributed import SINGLE_PROCESS
 from stalepipe.train.emulated import EmulatorEngine
@@ -107,33 +105,55 @@ def _rchar() -> int:
     return 0
 
 
-def _torch_reader() -> None:
-    """Make `ShardedCheckpoint` read as before issue 39: torch's FileSystemReader, pickle."""
-    import io
-    import pickle
+class _PlainV2:
+    """A format-2 directory read as loads read before issue 39: torch's `FileSystemReader`
+    (plain `pickle.load` of each `.metadata`), no checks; the `FlatState` `stage_state` asks."""
 
-    from torch.distributed.checkpoint import FileSystemReader
+    def __init__(self, path: Path) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
 
-    verified.load_metadata = lambda data, where: pickle.load(io.BytesIO(data))  # noqa: S301
+        self.shards = sorted(p for p in path.iterdir() if p.name.startswith("rank_"))
+        self.metas = [json.loads((d / "state.json").read_text()) for d in self.shards]
+        for meta in self.metas:
+            for g in meta["param_groups"]:
+                g.update(
+                    {
+                        k: tuple(v)
+                        for k, v in g.items()
+                        if isinstance(v, list) and k != "param_names"
+                    }
+                )
+        self.md = {d: FileSystemReader(d).read_metadata() for d in self.shards}
+        self.where = {k: d for d, md in self.md.items() for k in md.state_dict_metadata}
 
-    class Plain(FileSystemReader):
-        def finish(self) -> None: ...
+    def stored_keys(self) -> set[str]:
+        return set(self.where)
 
-        def close(self) -> None: ...
+    def read(self, keys) -> dict:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
 
-    verified.make_reader = lambda shard, md, verifier: Plain(shard)
-    verified.Verifier.read_small = lambda self, rel: (self.ckpt / rel).read_bytes()
+        out: dict[Path, dict] = {}
+        for k in keys:
+            e = self.md[self.where[k]].state_dict_metadata[k]
+            out.setdefault(self.where[k], {})[k] = torch.empty(e.size, dtype=e.properties.dtype)
+        for d, want in out.items():
+            dcp.load(want, storage_reader=FileSystemReader(d), no_dist=True)
+        return {k: t for want in out.values() for k, t in want.items()}
 
 
-def _load_rank(path: str, stage: int, threads: int, torch_reader: bool = False) -> dict:
+def _load_rank(path: str, stage: int, threads: int, fmt: str) -> dict:
     """One rank's load, in its own process: what `PipelineEngine._resume` reads for `stage`."""
+    import warnings
+
     import torch.distributed.checkpoint  # noqa: F401 - imported before the clock starts
 
-    if torch_reader:
-        _torch_reader()
+    warnings.filterwarnings("ignore")
+    if fmt == "v3-nover":
+        os.environ[verified.VERIFY_ENV] = "0"
     pin_threads(threads)
     base_rss, base_read, t = _status_mb("VmRSS"), _rchar(), time.perf_counter()
-    flat = open_checkpoint(Path(path))
+    flat = _PlainV2(Path(path)) if fmt == "v2-torch" else open_checkpoint(Path(path))
     _, _, names = saved_split(flat)
     stage_state(
         flat, [stage], names, {"state": {}, "param_groups": []}, [set()] * len(names)
@@ -145,46 +165,35 @@ def _load_rank(path: str, stage: int, threads: int, torch_reader: bool = False) 
 
 def _save_both(engine: EmulatorEngine, cfg: ExperimentConfig, run_dir: Path, step: int) -> dict:
     """Write the state at `step` in both formats; seconds each."""
-    state = {
-        "config": cfg.to_dict(),
-        "model": engine.model.state_dict(),
-        "engine": engine.emulator.state_dict(),
-        "rng": torch.get_rng_state(),
-    }
-    t = time.perf_counter()
-    save_legacy_checkpoint(run_dir, step, state)
-    old = time.perf_counter() - t
-    t = time.perf_counter()
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
     delayed = engine.emulator.delayed.state_dict()
-    shards = []
     weights = dict(engine.model.named_parameters())  # a tied head once, as its owner
+    parts = []
     for s, names in enumerate(delayed["names"]):
         own = {n: weights[n].detach() for n in names}
-        tensors, meta = flatten_part(delayed, [s], own, torch.get_rng_state() if s == 0 else None)
-        shards.append(save_part(run_dir, step, s, tensors, meta).name)
-    manifest = {"config": cfg.to_dict(), "ranks": list(range(len(delayed["names"])))}
+        parts.append(flatten_part(delayed, [s], own, torch.get_rng_state() if s == 0 else None))
+    t = time.perf_counter()
+    shards = [save_part(run_dir, step, s, tensors, meta) for s, (tensors, meta) in enumerate(parts)]
+    manifest = {"config": cfg.to_dict(), "ranks": list(range(len(parts)))}
     final = commit_checkpoint(run_dir, step, manifest, keep_last=10**6)
     new = time.perf_counter() - t
     t = time.perf_counter()
-    for name in shards:  # the hashing save_part did, again on the same files
-        ranges: dict[str, list[tuple[int, int]]] = {}
-        for info in ShardedCheckpoint(final)._shards[final / name].storage_data.values():
-            ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
-        verified.shard_digests(final / name, ranges)
-    return {"old": old, "new": new, "hash": time.perf_counter() - t}
-
-
-def _without_digests(ckpt: Path, to: Path) -> Path:
-    """`ckpt` as a version before issue 39 wrote it: the same files (hard links), no digests."""
-    to.mkdir()
-    for f in ckpt.rglob("*"):
-        if f.is_file() and f.name != MANIFEST:
-            (to / f.relative_to(ckpt)).parent.mkdir(parents=True, exist_ok=True)
-            os.link(f, to / f.relative_to(ckpt))
-    manifest = json.loads((ckpt / MANIFEST).read_text())
-    manifest.pop("files")
-    (to / MANIFEST).write_text(json.dumps(manifest))
-    return to
+    for shard in shards:  # the hashing save_part did, again on the same files
+        verified.shard_digests(final / shard.name)
+    hashed = time.perf_counter() - t
+    t = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for s, (tensors, meta) in enumerate(parts):
+            where = run_dir / "v2" / f"rank_{s:03d}"
+            where.mkdir(parents=True)
+            (where / "state.json").write_text(json.dumps(meta))
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(where), no_dist=True)
+    old = time.perf_counter() - t
+    return {"v2": old, "v3": new, "hash": hashed}
 
 
 def measure(cfg: ExperimentConfig, data_dir: Path, run_dir: Path, args) -> dict:
@@ -197,22 +206,19 @@ def measure(cfg: ExperimentConfig, data_dir: Path, run_dir: Path, args) -> dict:
     for i in range(args.repeats):
         (run_dir / f"r{i}").mkdir()
     saves = [_save_both(engine, cfg, run_dir / f"r{i}", step) for i in range(args.repeats)]
-    for i in range(args.repeats):
-        _without_digests(run_dir / f"r{i}" / f"ckpt_{step:08d}", run_dir / f"r{i}" / "nover")
     pool = mp.get_context("spawn")
     out = {"save": saves, "load": {}}
-    for fmt, name, torch_reader in (
-        ("old", f"ckpt_{step:08d}.pt", False),
-        ("new", f"ckpt_{step:08d}", False),
-        ("new-nover", "nover", False),
-        ("new-torch", f"ckpt_{step:08d}", True),
+    for fmt, name in (
+        ("v3", f"ckpt_{step:08d}"),
+        ("v3-nover", f"ckpt_{step:08d}"),
+        ("v2-torch", "v2"),
     ):
         for r in range(cfg.pipeline.num_stages):
             runs = []
             for i in range(args.repeats):
                 with pool.Pool(1) as p:
                     where = str(run_dir / f"r{i}" / name)
-                    runs.append(p.apply(_load_rank, (where, r, 1, torch_reader)))
+                    runs.append(p.apply(_load_rank, (where, r, 1, fmt)))
             out["load"][fmt, r] = runs
         files = [p for p in (run_dir / "r0" / name).rglob("*") if p.is_file()]
         out[fmt + "_mb"] = sum(p.stat().st_size for p in (files or [run_dir / "r0" / name]))
@@ -221,9 +227,9 @@ def measure(cfg: ExperimentConfig, data_dir: Path, run_dir: Path, args) -> dict:
 
 def _print(label: str, m: dict, stages: int) -> None:
     med = statistics.median
-    for fmt in ("old", "new", "new-nover", "new-torch"):
+    for fmt in ("v3", "v3-nover", "v2-torch"):
         save = med(s[fmt.split("-")[0]] for s in m["save"])
-        hashed = f"{med(s['hash'] for s in m['save']):.2f}" if fmt == "new" else ""
+        hashed = f"{med(s['hash'] for s in m['save']):.2f}" if fmt == "v3" else ""
         for r in range(stages):
             runs = m["load"][fmt, r]
             print(
@@ -233,7 +239,7 @@ def _print(label: str, m: dict, stages: int) -> None:
                 flush=True,
             )
     for r in range(stages):  # verification's share of one rank's load, paired by repeat
-        ratio = [a["s"] / b["s"] for a, b in zip(m["load"]["new", r], m["load"]["new-nover", r])]
+        ratio = [a["s"] / b["s"] for a, b in zip(m["load"]["v3", r], m["load"]["v3-nover", r])]
         print(
             f"{label:<20}  rank {r}: verified / unverified load {med(ratio):.3f} (median of pairs)"
         )
