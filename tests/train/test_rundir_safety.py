@@ -173,11 +173,12 @@ def test_refused_resume_writes_nothing(tiny_config):
         train(other, resume=True, verbose=False)
     assert _snapshot(run_dir) == before
     last = list_checkpoints(run_dir)[-1]
-    shard = next(last.glob("rank_*/*.distcp"))
+    shard = next(last.glob("rank_*/*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:100])  # truncated
     before = _snapshot(run_dir)
     with pytest.raises(
-        CheckpointError, match=r"__0_0.distcp is 100 bytes, not \d+; move the checkpoint aside"
+        CheckpointError,
+        match=r"model-00001-of-00001.safetensors is 100 bytes, not \d+; move the checkpoint aside",
     ):
         open_run_dir(cfg, resume=True, overwrite=False)
     assert _snapshot(run_dir) == before

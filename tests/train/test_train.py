@@ -97,14 +97,14 @@ def test_corrupt_checkpoint_is_reported_with_the_fix(tiny_config, damage):
     cfg = _with(tiny_config, train={"num_steps": 4, "ckpt_every": 2})
     run = train(cfg, verbose=False).run_dir
     last = list_checkpoints(run)[-1]
-    shard = next(last.glob("rank_*/*.distcp"))
+    shard = next(last.glob("rank_*/*.safetensors"))
     if damage == "truncated":  # by a crash of the disk, say
         shard.write_bytes(shard.read_bytes()[:100])
     else:
         shard.unlink()
     with pytest.raises(
         CheckpointError,
-        match=r"^checkpoint file .*ckpt_00000004/rank_000/__0_0.distcp is (missing|100 bytes, "
+        match=r"^checkpoint file .*ckpt_00000004/rank_000/model-00001-of-00001.safetensors is (missing|100 bytes, "
         r"not \d+); move the checkpoint aside \(mv (.*)ckpt_00000004 \2ckpt_00000004.damaged\) "
         r"to resume, eval or export from the run's previous one, or start over with --overwrite$",
     ):

@@ -75,6 +75,11 @@ def remove_checkpoint(path: Path) -> None:
 def _refuse_file(path: Path) -> CheckpointError:
     if not Path(path).exists():
         return CheckpointError(f"checkpoint {path} does not exist")
+    if checkpoint_step(path) is None:
+        return CheckpointError(
+            f"{path} is not a stalepipe checkpoint (a directory ckpt_<step>/ in a run); give the "
+            f"run directory or one of its checkpoints"
+        )
     return sharded.refuse_old(path, "an older version's single file (format 1)")
 
 

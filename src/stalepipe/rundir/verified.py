@@ -190,6 +190,8 @@ def read_header(verifier: Verifier, rel: str) -> dict[str, Entry]:
     size = verifier.actual_size(rel)
     if size is None:
         raise verifier.damaged(rel, "is missing")
+    if rel in verifier.files and size != (want := verifier.record(rel)["size"]):
+        raise verifier.damaged(rel, f"is {size} bytes, not {want}")  # truncated, or appended to
     if size < LEN_BYTES:
         raise verifier.damaged(rel, "is too short to be a safetensors file")
     n = int.from_bytes(verifier.read_range(rel, 0, LEN_BYTES), "little")
