@@ -200,7 +200,7 @@ def toy_main(
     etas: tuple[float, ...] = DEFAULT_ETAS,
 ) -> str:
     """Run the toy study, write toy.md, toy.csv and toy.png under `out`, return the table."""
-    from stalepipe.analysis.report import md_table
+    from stalepipe.analysis.markdown import md_table
 
     results = toy_study(etas, steps=steps, seeds=seeds, n=n, kappa=kappa)
     header, body = toy_table(results, etas)
