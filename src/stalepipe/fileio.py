@@ -130,7 +130,9 @@ def torch_save_atomic(path: str | os.PathLike, obj: Any) -> Path:
     return write_atomic(path, lambda f: torch.save(obj, f))
 
 
-def open_append(path: str | os.PathLike, *, within: str | os.PathLike | None = None) -> TextIO:
+def open_append(
+    path: str | os.PathLike, *, within: str | os.PathLike | None = None, buffering: int = -1
+) -> TextIO:
     """`path` opened to append text (created if absent), without following a symbolic link
     (O_NOFOLLOW: a live or dangling link there is a LinkError, so a log can never grow a file
     outside its run) and only when it is a regular file; `within` as in `write_atomic`."""
@@ -149,7 +151,7 @@ def open_append(path: str | os.PathLike, *, within: str | os.PathLike | None = N
             f"refusing to append to {shown(path)}: it is not a regular file; move it aside "
             f"(mv {shlex.quote(shown(path))} {shlex.quote(shown(path) + '.aside')}), then rerun"
         )
-    return os.fdopen(fd, "a", encoding="utf-8", errors="backslashreplace")
+    return os.fdopen(fd, "a", buffering, encoding="utf-8", errors="backslashreplace")
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,11 +275,12 @@ _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?(inf|nan)", re
 
 def csv_cell(value: Any) -> Any:
     """A CSV cell: text as `one_line`, and text a spreadsheet would run as a formula (starting
-    with =, +, -, @) prefixed with a quote, unless it is a number; other values as they are."""
+    with =, +, -, @; not a number, nor a lone '-') prefixed with a quote; other values as they
+    are."""
     if not isinstance(value, str):
         return value
     text = one_line(value)
-    if text[:1] in ("=", "+", "-", "@") and not _NUMBER.fullmatch(text):
+    if len(text) > 1 and text[0] in "=+-@" and not _NUMBER.fullmatch(text):
         return "'" + text
     return text
 
@@ -350,11 +353,16 @@ def owned_kind(directory: str | os.PathLike) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
-def make_owned_dir(path: str | os.PathLike, kind: str) -> Path:
+def make_owned_dir(
+    path: str | os.PathLike, kind: str, *, within: str | os.PathLike | None = None
+) -> Path:
     """Create `path` (and its parents) as a directory of `kind` that stalepipe owns. An existing
     empty directory is adopted (marked); an existing non-empty one is left as it is (unmarked if
-    it was not ours: it then can never be deleted by `remove_owned_dir`)."""
+    it was not ours: it then can never be deleted by `remove_owned_dir`). `within`: the sweep
+    directory `path` lies in, which a link at `path` must not lead out of (`inside`)."""
     path = Path(path)
+    if within is not None:
+        inside(within, path)
     path.mkdir(parents=True, exist_ok=True)
     if not any(path.iterdir()):
         mark_owned(path, kind)

@@ -33,8 +33,9 @@ class Block:
 
 
 # Backslash-escaped in text from records: the escape itself, code spans, emphasis, links and
-# images, HTML tags and entities, table cells (CommonMark escapes any ASCII punctuation).
-_ACTIVE = re.compile(r"([\\`*\[\]<>|&])")
+# images, HTML tags and entities, table cells (CommonMark escapes any ASCII punctuation). A '>'
+# only quotes at the start of a line, where `md_text` never puts text from a record.
+_ACTIVE = re.compile(r"([\\`*\[\]<|&])")
 
 
 def md_text(text: object) -> str:

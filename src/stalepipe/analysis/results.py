@@ -88,9 +88,8 @@ def load_runs(root: str | Path) -> list[Run]:
     root = Path(root)
     runs = []
     for d in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
-        inside(root, d)
         if (d / "config.json").exists() or (d / SPEC_FILE).exists():
-            runs.append(_load_run(root, d))
+            runs.append(_load_run(root, inside(root, d)))
     return runs
 
 
