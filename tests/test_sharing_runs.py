@@ -105,6 +105,9 @@ def test_an_append_never_follows_a_link(tmp_path, outside):
     with open_append(run / "log.txt", within=run) as f:
         f.write("one\n")
     assert (run / "log.txt").read_text() == "one\n"
+    os.mkfifo(run / "fifo.log")  # no reader: an open for writing would block
+    with pytest.raises(LinkError, match="fifo.log: it is not a regular file; move it aside"):
+        open_append(run / "fifo.log", within=run)
 
 
 def test_a_link_out_of_the_directory_is_refused_and_one_inside_is_read(tmp_path, outside):

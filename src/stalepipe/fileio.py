@@ -39,13 +39,11 @@ from typing import Any, BinaryIO, TextIO
 from stalepipe.errors import UserError
 
 MARKER = ".stalepipe.json"  # {"owner": "stalepipe", "kind": KIND, "created": ...}
+Where = str | os.PathLike | None  # the run or sweep directory a path must not lead out of
 
 
 def write_atomic(
-    path: str | os.PathLike,
-    write: Callable[[BinaryIO], None],
-    *,
-    within: str | os.PathLike | None = None,
+    path: str | os.PathLike, write: Callable[[BinaryIO], None], *, within: Where = None
 ) -> Path:
     """Write `path` atomically: `write(f)` fills a new temporary file beside it, which is
     fsynced and renamed over `path`. A symbolic link at `path` is refused (LinkError), never
@@ -70,9 +68,7 @@ def write_atomic(
     return path
 
 
-def write_text_atomic(
-    path: str | os.PathLike, text: str, *, within: str | os.PathLike | None = None
-) -> Path:
+def write_text_atomic(path: str | os.PathLike, text: str, *, within: Where = None) -> Path:
     """`text` into `path`, atomically (UTF-8; `within` as in `write_atomic`). Text that cannot
     be encoded (a lone surrogate: an undecodable byte of a file name) raises before anything
     is written."""
@@ -81,11 +77,7 @@ def write_text_atomic(
 
 
 def write_json_atomic(
-    path: str | os.PathLike,
-    obj: Any,
-    *,
-    sort_keys: bool = True,
-    within: str | os.PathLike | None = None,
+    path: str | os.PathLike, obj: Any, *, sort_keys: bool = True, within: Where = None
 ) -> Path:
     """`obj` as indented JSON (one trailing newline) into `path`, atomically."""
     text = json.dumps(obj, indent=2, sort_keys=sort_keys) + "\n"
@@ -93,10 +85,7 @@ def write_json_atomic(
 
 
 def write_files(
-    directory: str | os.PathLike,
-    files: dict[str, bytes | str],
-    *,
-    within: str | os.PathLike | None = None,
+    directory: str | os.PathLike, files: dict[str, bytes | str], *, within: Where = None
 ) -> Path:
     """Every file of `files` (name -> content) into `directory`, made if absent, each
     atomically; `within` as in `write_atomic`. Everything is checked and encoded before the
@@ -130,9 +119,7 @@ def torch_save_atomic(path: str | os.PathLike, obj: Any) -> Path:
     return write_atomic(path, lambda f: torch.save(obj, f))
 
 
-def open_append(
-    path: str | os.PathLike, *, within: str | os.PathLike | None = None, buffering: int = -1
-) -> TextIO:
+def open_append(path: str | os.PathLike, *, within: Where = None, buffering: int = -1) -> TextIO:
     """`path` opened to append text (created if absent), without following a symbolic link
     (O_NOFOLLOW: a live or dangling link there is a LinkError, so a log can never grow a file
     outside its run) and only when it is a regular file; `within` as in `write_atomic`."""
@@ -144,9 +131,12 @@ def open_append(
     except OSError as e:
         if e.errno == errno.ELOOP:  # a link put there after the check
             raise LinkError(_write_link_message(path)) from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
+        if e.errno != errno.ENXIO:  # ENXIO: a FIFO without a reader, refused below
+            raise
+        fd = -1
+    if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
+        with contextlib.suppress(OSError):
+            os.close(fd)
         raise LinkError(
             f"refusing to append to {shown(path)}: it is not a regular file; move it aside "
             f"(mv {shlex.quote(shown(path))} {shlex.quote(shown(path) + '.aside')}), then rerun"
@@ -225,7 +215,7 @@ def _leads_into(path: Path, real_root: Path) -> bool:
         return False
 
 
-def check_writable(path: str | os.PathLike, *, within: str | os.PathLike | None = None) -> Path:
+def check_writable(path: str | os.PathLike, *, within: Where = None) -> Path:
     """LinkError unless `path` may be written in place: not a symbolic link (live or
     dangling), and, with `within`, in a directory reached from `within` without leaving it.
     Writers call it first; a command that writes several files checks them all before the
@@ -249,7 +239,8 @@ def read_json_record(root: str | os.PathLike, path: str | os.PathLike) -> dict[s
     take as "unreadable") when it is not JSON or not an object (`null`, a list, a number)."""
     value = json.loads(read_record(root, path))
     if not isinstance(value, dict):
-        raise ValueError(f"{shown(path)} holds {type(value).__name__}, not a JSON object")
+        what = "null" if value is None else f"a JSON {type(value).__name__}"
+        raise ValueError(f"it holds {what}, not an object")
     return value
 
 
@@ -353,9 +344,7 @@ def owned_kind(directory: str | os.PathLike) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
-def make_owned_dir(
-    path: str | os.PathLike, kind: str, *, within: str | os.PathLike | None = None
-) -> Path:
+def make_owned_dir(path: str | os.PathLike, kind: str, *, within: Where = None) -> Path:
     """Create `path` (and its parents) as a directory of `kind` that stalepipe owns. An existing
     empty directory is adopted (marked); an existing non-empty one is left as it is (unmarked if
     it was not ours: it then can never be deleted by `remove_owned_dir`). `within`: the sweep
@@ -395,7 +384,7 @@ def check_removable(
     kind: str,
     allowed: Iterable[str],
     *,
-    within: str | os.PathLike | None = None,
+    within: Where = None,
     fix: str,
 ) -> Path:
     """Raise NotOwnedError unless `remove_owned_dir` may delete `path`; return it resolved.

@@ -20,13 +20,13 @@ import contextlib
 import functools
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stalepipe.analysis import overhead, stats
 from stalepipe.analysis import targets as targets_mod
+from stalepipe.analysis.records import read_spec, seed_or_none, warn, wrong_value
 from stalepipe.config import ExperimentConfig, upgrade_record
 from stalepipe.config.overrides import default_of
 from stalepipe.config.registry import CORRECTORS
@@ -101,7 +101,7 @@ def _load_run(root: Path, d: Path) -> Run:
     if inside(root, d / "config.json").exists():
         with contextlib.suppress(ValueError):  # unreadable: the run has no configuration
             config = flatten_dict(upgrade_record(read_json_record(root, d / "config.json")))
-    spec = _spec(root, d)
+    spec = read_spec(root, d)
     status = run_status(d)
     if status == "partial" and not inside(root, d / "metrics.jsonl").exists():
         status = "missing"  # planned by the sweep, not started
@@ -109,12 +109,14 @@ def _load_run(root: Path, d: Path) -> Run:
         one_line(d.name), d, status, config, one_line(spec.get("group", "")), spec.get("seed")
     )
     if run.seed is None and config:
-        run.seed = config.get("train.seed")
+        run.seed = seed_or_none(config.get("train.seed"))
     records = read_metrics(d)
-    wrong = _wrong_value(records, run.seed)
+    wrong = wrong_value(records)
     if wrong:
-        _warn(f"{shown(d / 'metrics.jsonl')}: {wrong}; run {run.name} is left out of the "
-              "tables (fix or delete that line, then report again)")  # fmt: skip
+        warn(
+            f"{shown(d / 'metrics.jsonl')}: {wrong}; run {run.name} is left out of the tables "
+            "(fix or delete that line, then report again)"
+        )
         run.status, run.error, run.seed = "unreadable", f"metrics.jsonl: {wrong}", None
         return run
     run.curve = [(r["step"], r["loss"]) for r in records if "loss" in r]
@@ -128,53 +130,6 @@ def _load_run(root: Path, d: Path) -> Run:
         except (OSError, ValueError):
             run.error = "unreadable error.json"
     return run
-
-
-def _spec(root: Path, d: Path) -> dict[str, Any]:
-    """A run's sweep.json: its group (a string) and seed (an integer); {} with a warning when
-    it is not such an object (the run is then labelled by its config)."""
-    path = inside(root, d / SPEC_FILE)
-    if not path.exists():
-        return {}
-    try:
-        spec = read_json_record(root, path)
-    except ValueError as e:
-        _warn(f"{shown(path)} is unreadable ({one_line(e)}); run {one_line(d.name)} is "
-              "labelled by its config (rewrite the file by rerunning the sweep, or delete it)")  # fmt: skip
-        return {}
-    if not isinstance(spec.get("group", ""), str) or not _is_int(spec.get("seed", 0)):
-        _warn(f"{shown(path)}: its group is not a string or its seed not an integer; run "
-              f"{one_line(d.name)} is labelled by its config (rewrite the file, or delete it)")  # fmt: skip
-        return {}
-    return spec
-
-
-def _is_int(value: Any) -> bool:
-    return value is None or (isinstance(value, int) and not isinstance(value, bool))
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _wrong_value(records: list[dict[str, Any]], seed: Any) -> str:
-    """What makes a run's records unusable ('' when nothing): a step that is not an integer,
-    a loss or val_loss that is not a number, a seed that is not an integer."""
-    if not _is_int(seed):
-        return f"its seed is {one_line(repr(seed))[:40]}, not an integer"
-    for r in records:
-        if r.get("step") is None or not _is_int(r["step"]):
-            return f"a line's step is {one_line(repr(r.get('step')))[:40]}, not an integer"
-        for key in ("loss", "val_loss"):
-            if key in r and not _is_number(r[key]):
-                value = one_line(repr(r[key]))[:40]
-                return f"the line of step {r['step']} has {key} {value}, not a number"
-    return ""
-
-
-def _warn(text: str) -> None:
-    """A warning line on stderr (the report still goes on)."""
-    print(f"stalepipe: warning: {text}", file=sys.stderr)
 
 
 def config_key(config: dict[str, Any], drop: tuple[str, ...] = ()) -> tuple:
