@@ -197,9 +197,10 @@ def test_a_record_linked_from_outside_is_refused_and_the_copy_it_names_works(
 
 
 def test_names_with_a_newline_or_an_undecodable_byte_cannot_start_a_line(sweep, capsys):
+    """And none can break a plot: `$...$` in a label is text, not mathtext."""
     bad = os.fsdecode(os.path.join(os.fsencode(sweep), b"bw\n" + KEY.encode() + b"\xff_s2"))
     write_curve_run(sweep, os.path.basename(bad), {"delay.policy": "2bw"}, 2, stretch=1.3,
-                    steps=40, group="bw\n" + KEY + "\n# heading <b>|`x`")  # fmt: skip
+                    steps=40, group="bw\n" + KEY + "\n# heading <b>|`x` $\\frac{$")  # fmt: skip
     assert main(["report", str(sweep)]) == 0
     out = sweep / "report"
     md = (out / "report.md").read_bytes().decode("utf-8")  # written, and valid UTF-8
