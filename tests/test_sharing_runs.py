@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import re
+import stat
 import subprocess
 from pathlib import Path
 
@@ -93,6 +94,16 @@ def test_an_atomic_write_refuses_a_link_at_its_path_live_or_dangling(tmp_path, o
     assert not (tmp_path / "nowhere").exists()
     assert sorted(p.name for p in run.iterdir()) == ["config.json", "meta.json"]  # no temp left
     assert LinkError("x").exit_code == EXIT_USER
+
+
+def test_an_atomic_write_makes_its_file_as_open_would(tmp_path):
+    old = os.umask(0o027)
+    try:
+        write_text_atomic(tmp_path / "a.json", "{}")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == 0o640
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
 
 
 def test_an_append_never_follows_a_link(tmp_path, outside):

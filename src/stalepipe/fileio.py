@@ -27,6 +27,7 @@ import io
 import json
 import os
 import re
+import secrets
 import shlex
 import shutil
 import stat
@@ -49,15 +50,15 @@ def write_atomic(
     fsynced and renamed over `path`. A symbolic link at `path` is refused (LinkError), never
     written through; `within` (the run or sweep directory `path` lies in) also refuses a link
     on the way to it that leaves that directory. The temporary file is created exclusively
-    (never an existing file or link an attacker planted) under a name matching `*.tmp*`,
-    with the permissions `open()` would give it (0666 minus the umask)."""
+    (O_EXCL | O_NOFOLLOW: never an existing file or a link an attacker planted) under an
+    unguessable name matching `*.tmp*`, with the permissions `open()` gives (the umask's)."""
     path = Path(path)
     check_writable(path, within=within)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.tmp{os.getpid()}-")
-    tmp = Path(name)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{secrets.token_hex(8)}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o666 & ~current_umask())
             write(f)
             f.flush()
             os.fsync(f.fileno())
