@@ -20,9 +20,12 @@ from stalepipe.delay.policies import never_delays, same_delay_at_any_depth
 
 
 def pyplot() -> Any:
+    """matplotlib's pyplot, headless, with `$...$` read as text: plot labels come from records
+    (group names), and a label that is bad mathtext would fail the whole report."""
     import matplotlib
 
     matplotlib.use("Agg")
+    matplotlib.rcParams["text.parse_math"] = False
     import matplotlib.pyplot as plt
 
     return plt

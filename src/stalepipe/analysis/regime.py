@@ -84,14 +84,12 @@ def unigram_entropy(data_dir: str) -> float:
 def run_entropy(run: Run) -> float:
     """The unigram entropy of the tokens `run` trained on; nan when its data is not found."""
     from stalepipe.config import ExperimentConfig, upgrade_record
+    from stalepipe.fileio import read_json_record
     from stalepipe.rundir.directory import locate_run_data
 
-    try:
-        import json
-
-        cfg = ExperimentConfig.from_dict(
-            upgrade_record(json.loads((run.path / "config.json").read_text())), strict=False
-        )
+    try:  # read_json_record: no link out of the run
+        record = read_json_record(run.path, run.path / "config.json")
+        cfg = ExperimentConfig.from_dict(upgrade_record(record), strict=False)
         found = locate_run_data(run.path, cfg)
     except Exception:  # an unreadable or foreign config only loses this check
         return math.nan

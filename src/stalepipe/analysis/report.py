@@ -8,12 +8,8 @@ configuration, with the token overhead's columns) and `runs.csv` (one row per ru
 
 from __future__ import annotations
 
-import base64
-import csv
-import html
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from stalepipe.analysis import lengths, plots
@@ -28,22 +24,11 @@ from stalepipe.analysis.claims import (
     label,
     regime_check,
 )
+from stalepipe.analysis.markdown import Block, md_code, to_html, to_markdown
 from stalepipe.analysis.overhead import DEFAULT_RULE, Overhead
 from stalepipe.analysis.results import Row, Run, build_rows, load_runs, missing_summary
 from stalepipe.errors import UserError
-
-
-@dataclass
-class Block:
-    """One piece of a report: kind is 'h' (heading), 'p' (paragraph), 'ul' (list),
-    'table' (header + rows) or 'img' (PNG bytes + file name)."""
-
-    kind: str
-    text: str = ""
-    items: list[str] | None = None
-    header: list[str] | None = None
-    rows: list[list[str]] | None = None
-    png: bytes | None = None
+from stalepipe.fileio import csv_text, shown, write_files
 
 
 def summary_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
@@ -193,8 +178,8 @@ def build_report(root: Path, title: str | None = None) -> tuple[list[Block], lis
     runs = load_runs(root)
     if not runs:
         raise UserError(
-            f"{root} holds no run directories (none with a config.json); run "
-            f"`stalepipe sweep STUDY --out {root}` first"
+            f"{shown(root)} holds no run directories (none with a config.json); run "
+            f"`stalepipe sweep STUDY --out {shown(root)}` first"
         )
     rows = build_rows(runs)
     n_fin = sum(r.status == "finished" for r in runs)
@@ -203,7 +188,7 @@ def build_report(root: Path, title: str | None = None) -> tuple[list[Block], lis
         Block(
             "p",
             f"{n_fin} of {len(runs)} runs finished, {len(rows)} configurations. "
-            f"Generated {time.strftime('%Y-%m-%d %H:%M')} from the run directories in `{root}`. "
+            f"Generated {time.strftime('%Y-%m-%d %H:%M')} from the run directories in {md_code(root)}. "
             "Val loss: final validation loss (same held-out batches for every run); mean ± sample std "
             "over seeds. Gap: mean minus the mean of the synchronous baseline (same config with "
             "`delay.policy sync`, mitigations off), with its 95 % interval. p: two-sided t-test, "
@@ -260,69 +245,6 @@ def build_report(root: Path, title: str | None = None) -> tuple[list[Block], lis
     return blocks, rows, runs
 
 
-def to_markdown(blocks: list[Block]) -> str:
-    out, level = [], 1
-    for b in blocks:
-        if b.kind == "h":
-            out.append(("#" * level) + " " + b.text + "\n")
-            level = 2
-        elif b.kind == "p":
-            out.append(b.text + "\n")
-        elif b.kind == "ul":
-            out.append("\n".join(f"- {i}" for i in b.items or []) + "\n")
-        elif b.kind == "table":
-            out.append(md_table(b.header or [], b.rows or []))
-        elif b.kind == "img":
-            out.append(f"![{b.text}]({b.text})\n")
-    return "\n".join(out)
-
-
-def md_table(header: list[str], rows: list[list[str]]) -> str:
-    def cell(s: str) -> str:
-        return str(s).replace("|", "\\|")
-
-    lines = [
-        "| " + " | ".join(cell(h) for h in header) + " |",
-        "|" + "|".join("---" for _ in header) + "|",
-    ]
-    lines += ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
-
-
-def to_html(blocks: list[Block]) -> str:
-    parts, level = [], 1
-    title = next((b.text for b in blocks if b.kind == "h"), "report")
-    for b in blocks:
-        if b.kind == "h":
-            parts.append(f"<h{level}>{html.escape(b.text)}</h{level}>")
-            level = 2
-        elif b.kind == "p":
-            parts.append(f"<p>{html.escape(b.text)}</p>")
-        elif b.kind == "ul":
-            parts.append(
-                "<ul>" + "".join(f"<li>{html.escape(i)}</li>" for i in b.items or []) + "</ul>"
-            )
-        elif b.kind == "table":
-            head = "".join(f"<th>{html.escape(h)}</th>" for h in b.header or [])
-            body = "".join(
-                "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>"
-                for r in b.rows or []
-            )
-            parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
-        elif b.kind == "img" and b.png:
-            data = base64.b64encode(b.png).decode("ascii")
-            parts.append(f'<img alt="{html.escape(b.text)}" src="data:image/png;base64,{data}">')
-    style = (
-        "body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
-        "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 7px}"
-        "th{background:#f3f3f3}img{max-width:100%}"
-    )
-    return (
-        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-        f"<style>{style}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n"
-    )
-
-
 OVERHEAD_COLUMNS = [
     "token_overhead_status",
     "token_overhead",
@@ -359,65 +281,66 @@ def overhead_cells(r: Row) -> list[object]:
     ]
 
 
-def write_csvs(out: Path, rows: list[Row], runs: list[Run]) -> None:
-    with open(out / "summary.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(
+def csv_files(rows: list[Row], runs: list[Run]) -> dict[str, str]:
+    """summary.csv (one row per configuration) and runs.csv (one per run), as text."""
+    summary = [
+        [
+            "configuration",
+            "seeds_finished",
+            "seeds_total",
+            "val_loss_mean",
+            "val_loss_std",
+            "values",
+            "gap",
+            "gap_p",
+            "baseline",
+            "recovered",
+            "recovered_p",
+            "unmitigated",
+            *OVERHEAD_COLUMNS,
+        ]
+    ]
+    for r in rows:
+        summary.append(
             [
-                "configuration",
-                "seeds_finished",
-                "seeds_total",
-                "val_loss_mean",
-                "val_loss_std",
-                "values",
-                "gap",
-                "gap_p",
-                "baseline",
-                "recovered",
-                "recovered_p",
-                "unmitigated",
-                *OVERHEAD_COLUMNS,
+                r.label,
+                r.seeds_done,
+                len(r.runs),
+                r.mean,
+                r.std,
+                " ".join(f"{v:.6f}" for v in r.values),
+                r.gap,
+                r.gap_p,
+                r.baseline.label if r.baseline else "",
+                r.recovered,
+                r.recovered_p,
+                r.unmitigated.label if r.unmitigated else "",
+                *overhead_cells(r),
             ]
         )
-        for r in rows:
-            w.writerow(
-                [
-                    r.label,
-                    r.seeds_done,
-                    len(r.runs),
-                    r.mean,
-                    r.std,
-                    " ".join(f"{v:.6f}" for v in r.values),
-                    r.gap,
-                    r.gap_p,
-                    r.baseline.label if r.baseline else "",
-                    r.recovered,
-                    r.recovered_p,
-                    r.unmitigated.label if r.unmitigated else "",
-                    *overhead_cells(r),
-                ]
-            )
-    with open(out / "runs.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["run", "status", "seed", "steps_done", "final_val_loss", "group", "error"])
-        for r in runs:
-            w.writerow([r.name, r.status, r.seed, r.steps_done, r.final_val, r.group, r.error])
+    per_run = [["run", "status", "seed", "steps_done", "final_val_loss", "group", "error"]]
+    per_run += [
+        [r.name, r.status, r.seed, r.steps_done, r.final_val, r.group, r.error] for r in runs
+    ]
+    return {"summary.csv": csv_text(summary), "runs.csv": csv_text(per_run)}
 
 
 def write_report(root: str | Path, out: str | Path | None = None, title: str | None = None) -> Path:
-    """Build and write the report of the run directories under `root`; returns its directory."""
+    """Build and write the report of the run directories under `root`; returns its directory.
+    Every file is rendered before the first is written, each is written atomically, and none
+    through a symbolic link (`fileio.write_files`): a bad record or a planted link leaves the
+    previous report as it was. The default directory, `root`/report, must not lead out of
+    `root`."""
     root = Path(root)
     if not root.is_dir():
         raise UserError(
-            f"{root} is not a directory; pass the --out of a sweep (e.g. runs/paper-mini)"
+            f"{shown(root)} is not a directory; pass the --out of a sweep (e.g. runs/paper-mini)"
         )
     blocks, rows, runs = build_report(root, title)
-    out_dir = Path(out) if out else root / "report"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for b in blocks:
-        if b.kind == "img" and b.png:
-            (out_dir / b.text).write_bytes(b.png)
-    (out_dir / "report.md").write_text(to_markdown(blocks))
-    (out_dir / "report.html").write_text(to_html(blocks))
-    write_csvs(out_dir, rows, runs)
-    return out_dir
+    files: dict[str, bytes | str] = {b.text: b.png for b in blocks if b.kind == "img" and b.png}
+    files["report.md"] = to_markdown(blocks)
+    files["report.html"] = to_html(blocks)
+    files.update(csv_files(rows, runs))
+    if out:
+        return write_files(out, files)
+    return write_files(root / "report", files, within=root)

@@ -16,6 +16,7 @@ mitigations off.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -25,11 +26,12 @@ from typing import Any
 
 from stalepipe.analysis import overhead, stats
 from stalepipe.analysis import targets as targets_mod
+from stalepipe.analysis.records import read_spec, seed_or_none, warn, wrong_value
 from stalepipe.config import ExperimentConfig, upgrade_record
 from stalepipe.config.overrides import default_of
 from stalepipe.config.registry import CORRECTORS
 from stalepipe.delay.policies import SYNC, never_delays
-from stalepipe.fileio import flatten_dict
+from stalepipe.fileio import flatten_dict, inside, one_line, read_json_record, shown
 from stalepipe.rundir.status import ERROR_FILE, SPEC_FILE, run_status
 
 # Keys that do not define a configuration (the seed axis, names, logging and speed knobs).
@@ -66,7 +68,7 @@ class Run:
 
     name: str
     path: Path
-    status: str  # finished | partial | failed | missing
+    status: str  # finished | partial | failed | missing | unreadable (a wrong value in its records)
     config: dict[str, Any]  # flattened config.json ({} if absent)
     group: str = ""  # sweep.json's group label, or ""
     seed: int | None = None
@@ -79,45 +81,55 @@ class Run:
 
 def load_runs(root: str | Path) -> list[Run]:
     """Every run directory directly under `root` (a directory holding a config.json or a
-    sweep.json), sorted by name."""
-    from stalepipe.rundir.metrics import read_metrics
-
+    sweep.json), sorted by name. Nothing outside `root` is read: a link in it that leads out
+    is a LinkError (`fileio.inside`, exit 2). A run whose records hold a wrong value (a
+    val_loss that is not a number) is kept as 'unreadable', with a warning naming the file:
+    the rest of the sweep still reports, and the run is listed, not silently dropped."""
     root = Path(root)
     runs = []
     for d in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
-        if not ((d / "config.json").exists() or (d / SPEC_FILE).exists()):
-            continue
-        config: dict[str, Any] = {}
-        if (d / "config.json").exists():
-            try:
-                config = flatten_dict(upgrade_record(json.loads((d / "config.json").read_text())))
-            except ValueError:
-                config = {}
-        spec = {}
-        if (d / SPEC_FILE).exists():
-            try:
-                spec = json.loads((d / SPEC_FILE).read_text())
-            except ValueError:
-                spec = {}
-        status = run_status(d)
-        if status == "partial" and not (d / "metrics.jsonl").exists():
-            status = "missing"  # planned by the sweep, not started
-        run = Run(d.name, d, status, config, spec.get("group", ""), spec.get("seed"))
-        if run.seed is None and config:
-            run.seed = config.get("train.seed")
-        records = read_metrics(d)
-        run.curve = [(r["step"], r["loss"]) for r in records if "loss" in r]
-        run.val_curve = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-        run.steps_done = records[-1]["step"] + 1 if records else 0
-        if status == "finished" and run.val_curve:
-            run.final_val = run.val_curve[-1][1]
-        if status == "failed":
-            try:
-                run.error = json.loads((d / ERROR_FILE).read_text()).get("error", "")
-            except (OSError, ValueError):
-                run.error = "unreadable error.json"
-        runs.append(run)
+        if (d / "config.json").exists() or (d / SPEC_FILE).exists():
+            runs.append(_load_run(root, inside(root, d)))
     return runs
+
+
+def _load_run(root: Path, d: Path) -> Run:
+    """One run directory as the report reads it (`load_runs`)."""
+    from stalepipe.rundir.metrics import read_metrics
+
+    config: dict[str, Any] = {}
+    if inside(root, d / "config.json").exists():
+        with contextlib.suppress(ValueError):  # unreadable: the run has no configuration
+            config = flatten_dict(upgrade_record(read_json_record(root, d / "config.json")))
+    spec = read_spec(root, d)
+    status = run_status(d)
+    if status == "partial" and not inside(root, d / "metrics.jsonl").exists():
+        status = "missing"  # planned by the sweep, not started
+    run = Run(
+        one_line(d.name), d, status, config, one_line(spec.get("group", "")), spec.get("seed")
+    )
+    if run.seed is None and config:
+        run.seed = seed_or_none(config.get("train.seed"))
+    records = read_metrics(d)
+    wrong = wrong_value(records)
+    if wrong:
+        warn(
+            f"{shown(d / 'metrics.jsonl')}: {wrong}; run {run.name} is left out of the tables "
+            "(fix or delete that line, then report again)"
+        )
+        run.status, run.error, run.seed = "unreadable", f"metrics.jsonl: {wrong}", None
+        return run
+    run.curve = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    run.val_curve = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    run.steps_done = records[-1]["step"] + 1 if records else 0
+    if status == "finished" and run.val_curve:
+        run.final_val = run.val_curve[-1][1]
+    if status == "failed":
+        try:
+            run.error = one_line(read_json_record(root, d / ERROR_FILE).get("error", ""))
+        except (OSError, ValueError):
+            run.error = "unreadable error.json"
+    return run
 
 
 def config_key(config: dict[str, Any], drop: tuple[str, ...] = ()) -> tuple:
@@ -241,7 +253,7 @@ def build_rows(runs: list[Run]) -> list[Row]:
         vals = [
             r.final_val for r in members if r.status == "finished" and math.isfinite(r.final_val)
         ]
-        row = Row(label or _label(config, varying), config, members, vals)
+        row = Row(one_line(label or _label(config, varying)), config, members, vals)
         row.mean, row.std = stats.mean(vals), stats.std(vals)
         rows.append(row)
     _link(rows)
@@ -420,6 +432,8 @@ def missing_summary(runs: list[Run], rows: list[Row]) -> list[str]:
         )
     for r in by_status.get("failed", []):
         lines.append(f"failed: {r.name}: {r.error}")
+    for r in by_status.get("unreadable", []):
+        lines.append(f"unreadable, left out: {r.name}: {r.error}")
     for row in rows:
         if not row.is_sync and row.baseline is None and row.values:
             lines.append(f"{row.label}: no finished sync baseline, so no gap")

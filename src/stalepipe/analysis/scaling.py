@@ -38,6 +38,7 @@ from stalepipe.analysis.stats import t_quantile, t_sf_two_sided
 from stalepipe.analysis.targets import final_crossing
 from stalepipe.delay.policies import never_delays
 from stalepipe.errors import UserError
+from stalepipe.fileio import inside, read_json_record, read_record
 
 N0 = 406_368  # width 96's non-embedding parameters: the fit's reference size
 SMOLLM_135M, SMOLLM_360M = 106_203_456, 314_635_200  # non-embedding, counted from the presets
@@ -257,14 +258,14 @@ def ladder_runs(root: Path) -> list[LadderRun]:
 
     out = []
     for cfg_path in sorted(Path(root).glob("*/config.json")):
-        metrics = cfg_path.with_name("metrics.jsonl")
+        metrics = inside(root, cfg_path.with_name("metrics.jsonl"))  # no link out of `root`
         if not metrics.exists():
             continue
-        lines = metrics.read_text().splitlines()
+        lines = read_record(root, metrics).splitlines()
         last = json.loads(lines[-1]) if lines else {}
-        if "val_loss_full" not in last:
+        if not isinstance(last, dict) or "val_loss_full" not in last:
             continue
-        c = json.loads(cfg_path.read_text())
+        c = read_json_record(root, cfg_path)
         d, t = c["delay"], c["train"]
         policy = d["policy"]
         arm = "sync" if never_delays(policy) else policy + ("+ef" if d["ef"] else "")

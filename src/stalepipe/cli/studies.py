@@ -212,9 +212,10 @@ def _add_report(sub: Subparsers) -> None:
 
 def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
     from stalepipe.analysis.report import write_report
+    from stalepipe.fileio import shown
 
     out = write_report(args.runs, args.out, title=args.title)
-    print(f"report written to {out}/report.md, report.html, summary.csv, runs.csv")
+    print(f"report written to {shown(out)}/report.md, report.html, summary.csv, runs.csv")
     return 0
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from stalepipe.config import ConfigError, DelayConfig, ExperimentConfig, OptimConfig, PipelineConfig
 from stalepipe.errors import TrainingError
 from stalepipe.experiments.workers import Finished, run_spawned
+from stalepipe.fileio import write_atomic, write_text_atomic
 from stalepipe.presets import cpu_tiny
 from stalepipe.verdict.command import VerdictReport, run_verdict
 
@@ -140,7 +141,7 @@ def run_demo(
     plot_curves(runs, plot_path)
     verdict = run_verdict(out, **VERDICT)  # type: ignore[arg-type]
     summary["verdict"] = verdict_rows(verdict)
-    (out / "demo.json").write_text(json.dumps(summary, indent=2))
+    write_text_atomic(out / "demo.json", json.dumps(summary, indent=2))
     if verbose:
         print()
         print(format_table(summary))
@@ -259,7 +260,7 @@ def plot_curves(runs: Sequence[DemoRun], path: Path) -> None:
     lo = min(min(_ema(r.train_losses)) for r in runs)
     axes[0].set_ylim(lo - 0.05, lo + 1.0)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))  # never through a link
     plt.close(fig)
 
 

@@ -39,7 +39,7 @@ from stalepipe.experiments.eval_tasks import (  # re-exported: part of evaluate'
     write_task,
 )
 from stalepipe.experiments.trained import load_trained
-from stalepipe.fileio import write_json_atomic
+from stalepipe.fileio import check_writable, write_json_atomic
 from stalepipe.rundir.checkpoint import list_checkpoints
 from stalepipe.rundir.directory import run_data_dir
 from stalepipe.train.emulated import evaluate_full
@@ -276,11 +276,12 @@ def chance_losses(data_dir: Path, vocab_size: int) -> dict[str, float]:
 def save_results(result: dict[str, Any], path: str | Path | None = None) -> Path:
     """Write `result` as JSON; by default beside its checkpoint as `eval_<step>.json` (one file
     per evaluated checkpoint, so sync and async runs compare step by step)."""
-    if path is None:
-        path = Path(result["checkpoint"]).parent / f"eval_{result['step']:08d}.json"
-    path = Path(path)
+    run_dir = Path(result["checkpoint"]).parent if path is None else None
+    if run_dir is not None:
+        path = run_dir / f"eval_{result['step']:08d}.json"
+    path = check_writable(Path(path), within=run_dir)  # never through a link
     path.parent.mkdir(parents=True, exist_ok=True)
-    return write_json_atomic(path, result)
+    return write_json_atomic(path, result, within=run_dir)
 
 
 def eval_main(

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from stalepipe.errors import UserError
+from stalepipe.fileio import inside
 
 EXECUTORS = ("local", "slurm", "submitit-local", "submitit-debug")
 # Per run, where --slurm-* does not say (`SlurmOptions.for_runs`): a GPU run's data loading,
@@ -131,6 +132,7 @@ def make_executor(kind: str, out: Path, opts: SlurmOptions) -> Any:
     """A submitit executor of `kind` (a name of EXECUTORS other than `local`)."""
     import submitit
 
+    inside(out, out / SUBMITIT_DIR)  # submitit writes there: not through a link out of the sweep
     folder = out / SUBMITIT_DIR / "%j"
     if kind == "slurm":
         ex = submitit.SlurmExecutor(folder=folder)

@@ -31,6 +31,7 @@ from stalepipe.errors import UserError
 from stalepipe.experiments.trained import load_trained
 from stalepipe.fileio import (
     check_removable,
+    check_writable,
     follow_umask,
     make_temp_dir,
     mark_owned,
@@ -372,7 +373,8 @@ def export_hf(
 def _check_out(out_dir: Path, overwrite: bool) -> None:
     """Refuse (ExportError / NotOwnedError, nothing touched) an `out_dir` the export may not
     replace: a file, a non-empty directory without `overwrite`, one that is not an earlier
-    export of ours, the working directory or a parent of it."""
+    export of ours, the working directory or a parent of it, a symbolic link (LinkError)."""
+    check_writable(out_dir)  # renamed over at the end: never through a link
     if not out_dir.exists():
         return
     if not out_dir.is_dir():

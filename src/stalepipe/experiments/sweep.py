@@ -29,7 +29,14 @@ from stalepipe.errors import EXIT_LEASED, EXIT_PREEMPTED, Preempted
 from stalepipe.experiments.grid import RunSpec
 from stalepipe.experiments.task import run_one, run_task, write_error
 from stalepipe.experiments.workers import gpu_slots, run_spawned
-from stalepipe.fileio import MARKER, check_removable, make_owned_dir, remove_owned_dir
+from stalepipe.fileio import (
+    MARKER,
+    check_removable,
+    make_owned_dir,
+    read_json_record,
+    remove_owned_dir,
+    write_json_atomic,
+)
 from stalepipe.rundir.status import ERROR_FILE, SPEC_FILE, run_status
 
 SWEEP_KIND = "sweep"  # the kind in a sweep directory's marker
@@ -75,8 +82,8 @@ def _saved(run_dir: Path) -> dict[str, Any] | None:
     """The run's config.json, upgraded and flattened; None when absent or unreadable."""
     from stalepipe.fileio import flatten_dict
 
-    try:
-        return flatten_dict(upgrade_record(json.loads((run_dir / "config.json").read_text())))
+    try:  # no link out of the run (LinkError)
+        return flatten_dict(upgrade_record(read_json_record(run_dir, run_dir / "config.json")))
     except (OSError, ValueError):
         return None
 
@@ -153,7 +160,7 @@ def _changed_keys(run_dir: Path, cfg: ExperimentConfig) -> list[str]:
 
 def _read_error(run_dir: Path) -> str:
     try:
-        return json.loads((run_dir / ERROR_FILE).read_text()).get("error", "unknown error")
+        return str(read_json_record(run_dir, run_dir / ERROR_FILE).get("error", "unknown error"))
     except (OSError, ValueError):
         return "unknown error"
 
@@ -332,10 +339,8 @@ def _write_spec_files(out: Path, specs: Sequence[RunSpec], todo: list[RunSpec]) 
     for spec in specs:
         d = out / spec.name
         if d.is_dir() or any(s is spec for s in todo):
-            make_owned_dir(d, RUN_KIND)
-            (d / SPEC_FILE).write_text(
-                json.dumps(dataclasses.asdict(spec), indent=2, sort_keys=True) + "\n"
-            )
+            make_owned_dir(d, RUN_KIND, within=out)
+            write_json_atomic(d / SPEC_FILE, dataclasses.asdict(spec), within=out)
 
 
 @dataclass

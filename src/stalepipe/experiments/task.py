@@ -4,7 +4,6 @@ array task, this process): claim the run, train or resume it, record a crash.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -14,7 +13,7 @@ from typing import Any
 
 from stalepipe.config import ExperimentConfig
 from stalepipe.errors import EXIT_PREEMPTED, EXIT_REQUEUE_FAILED, Preempted
-from stalepipe.fileio import make_owned_dir
+from stalepipe.fileio import make_owned_dir, write_json_atomic
 from stalepipe.rundir.status import ERROR_FILE, run_status
 
 
@@ -22,9 +21,9 @@ def write_error(run_dir: Path, message: str, tb: str = "") -> None:
     """Record a failed run: error.json holds the message and traceback."""
     from stalepipe.rundir.directory import RUN_KIND
 
-    make_owned_dir(run_dir, RUN_KIND)
+    make_owned_dir(run_dir, RUN_KIND, within=run_dir.parent)
     info = {"error": message, "traceback": tb, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    (run_dir / ERROR_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    write_json_atomic(run_dir / ERROR_FILE, info, sort_keys=False, within=run_dir)
 
 
 def run_one(cfg_dict: dict[str, Any], threads: int) -> None:
@@ -43,7 +42,7 @@ def run_one(cfg_dict: dict[str, Any], threads: int) -> None:
         from stalepipe.rundir.lease import RunLeased, lease_run
         from stalepipe.train.loop import train
 
-        make_owned_dir(run_dir, RUN_KIND)
+        make_owned_dir(run_dir, RUN_KIND, within=cfg.out_dir)  # a sweep's: no link out of it
         with lease_run(run_dir) as me:
             if run_status(run_dir, cfg.train.num_steps) == "finished":  # another owner's, since
                 raise RunLeased(run_dir, me)  # this sweep planned: not trained here

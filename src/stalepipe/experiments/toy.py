@@ -19,7 +19,6 @@ delay penalty: its ratio to sync at the same step size.
 
 from __future__ import annotations
 
-import csv
 import io
 import math
 from dataclasses import dataclass
@@ -200,19 +199,19 @@ def toy_main(
     etas: tuple[float, ...] = DEFAULT_ETAS,
 ) -> str:
     """Run the toy study, write toy.md, toy.csv and toy.png under `out`, return the table."""
-    from stalepipe.analysis.report import md_table
+    from stalepipe.analysis.markdown import md_table
+    from stalepipe.fileio import csv_text, write_files
 
     results = toy_study(etas, steps=steps, seeds=seeds, n=n, kappa=kappa)
     header, body = toy_table(results, etas)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "toy.csv", "w", newline="") as f:
-        csv.writer(f).writerows([header, *body])
-    (out / "toy.png").write_bytes(toy_plot(results, etas, eta_index=len(etas) // 2))
     table = md_table(header, body)
-    (out / "toy.md").write_text(
+    files = {"toy.csv": csv_text([header, *body])}
+    files["toy.png"] = toy_plot(results, etas, eta_index=len(etas) // 2)
+    files["toy.md"] = (
         f"# Toy study: delayed Muon (polar-factor LMO) on matrix least squares\n\n"
         f"n = {n}, condition number {kappa:g}, {steps} steps, linear decay, mean over {seeds} "
         f"seeds; f/f0 = relative suboptimality at the end.\n\n{table}\n![toy](toy.png)\n"
     )
+    write_files(out, files)  # each atomically, none through a link
     return table

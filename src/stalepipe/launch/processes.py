@@ -208,7 +208,11 @@ def supervise(
 
 
 def _append(path: Path, line: str) -> None:
-    with contextlib.suppress(OSError), open(path, "a") as f:
+    """One line at the end of a rank's log; never through a link (`fileio.open_append`), and
+    a log that cannot take it only loses the line (the failure is reported anyway)."""
+    from stalepipe.fileio import open_append
+
+    with contextlib.suppress(OSError, UserError), open_append(path) as f:
         f.write(line + "\n")
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import json
 import os
 import platform
 import socket
@@ -27,10 +26,12 @@ from stalepipe.errors import CheckpointError, DataError, UserError
 from stalepipe.fileio import (
     MARKER,
     check_removable,
+    check_writable,
     flatten_dict,
     make_owned_dir,
     mark_owned,
     owned_kind,
+    read_json_record,
     remove_owned_dir,
     write_json_atomic,
 )
@@ -134,8 +135,8 @@ def open_run_dir(
         # out_dir may differ on resume (another working directory): keep the saved spelling,
         # so a run's config.json stays as portable as it was written
         config["out_dir"] = saved["out_dir"]
-    write_json_atomic(run_dir / "config.json", config)
-    write_json_atomic(run_dir / "meta.json", meta)
+    write_json_atomic(run_dir / "config.json", config, within=run_dir)
+    write_json_atomic(run_dir / "meta.json", meta, within=run_dir)
     return run_dir
 
 
@@ -164,10 +165,9 @@ def saved_run_location(config_file: str | os.PathLike) -> tuple[str, str] | None
 
 def _saved_config(run_dir: Path) -> dict[str, Any] | None:
     try:
-        saved = upgrade_record(json.loads((run_dir / "config.json").read_text()))
+        return upgrade_record(read_json_record(run_dir, run_dir / "config.json"))
     except (OSError, ValueError):
         return None
-    return saved if isinstance(saved, dict) else None
 
 
 def check_run_dir(
@@ -186,6 +186,8 @@ def check_run_dir(
             f"{run_dir} exists and is not a stalepipe run directory (it holds {entry!r}); "
             f"{RUN_FIX} or another --out_dir"
         )
+    for name in ("config.json", "meta.json", "metrics.jsonl"):  # links refused before any write
+        check_writable(run_dir / name, within=run_dir)
     if state != "trained":
         return state, None
     if overwrite:
@@ -245,8 +247,8 @@ def _check_resumable(run_dir: Path, cfg: ExperimentConfig) -> Path:
     saved_cfg = run_dir / "config.json"
     if saved_cfg.is_file():
         try:
-            saved = upgrade_record(json.loads(saved_cfg.read_text()))
-        except json.JSONDecodeError:
+            saved = upgrade_record(read_json_record(run_dir, saved_cfg))
+        except ValueError:  # not JSON, or not an object
             raise UserError(
                 f"{saved_cfg} is corrupt; fix it or start over with --overwrite"
             ) from None
@@ -336,10 +338,10 @@ def read_meta(run_dir: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        meta = json.loads(path.read_text())
+        meta = read_json_record(run_dir, path)  # no link out of the run
     except (OSError, ValueError):
         meta = None
-    if not isinstance(meta, dict):
+    if meta is None:
         raise UserError(
             f"{path} is corrupt; move it aside (it records the run's earlier invocations) and "
             f"run the command again"

@@ -85,10 +85,12 @@ def read_lease(run_dir: Path) -> tuple[Owner, float] | None:
 def read_lease_file(path: Path) -> tuple[Owner, float] | None:
     """`read_lease` of one lease file."""
     try:
-        beat = path.stat().st_mtime
+        beat = path.lstat().st_mtime
     except FileNotFoundError:
         return None
     try:
+        if path.is_symlink():  # never read through one: a foreign lease, stale in time
+            raise ValueError(f"{path} is a symbolic link")
         data = json.loads(path.read_text())
         fields = {k: data[k] for k in ("host", "pid", "job", "started")}
         return Owner(**fields, restart=int(data.get("restart", 0))), beat

@@ -15,26 +15,29 @@ from typing import Any
 
 import torch
 
-from stalepipe.fileio import write_text_atomic
+from stalepipe.fileio import check_writable, inside, open_append, read_record, write_text_atomic
 
 
 class MetricsWriter:
     """Appends one JSON object per line to metrics.jsonl, and hands each line's numbers to the
     run's trackers (`rundir.trackers`: TensorBoard, W&B, trackio, MLflow). On resume, lines
     from steps at or after the resume point are dropped first, so the file reads as one
-    uninterrupted run."""
+    uninterrupted run. A symbolic link at metrics.jsonl (live or dangling) is refused before
+    anything is read or written (`fileio.check_writable`): appending through it would grow a
+    file outside the run."""
 
     def __init__(self, run_dir: Path, start_step: int, trackers: list[Any] | None = None) -> None:
-        self.path = Path(run_dir) / "metrics.jsonl"
+        run_dir = Path(run_dir)
+        self.path = check_writable(run_dir / "metrics.jsonl", within=run_dir)
         if self.path.exists():
             kept = [
                 line
-                for line in self.path.read_text().splitlines()
+                for line in read_record(run_dir, self.path).splitlines()
                 if line.strip() and _step_of(line) < start_step
             ]
-            write_text_atomic(self.path, "".join(line + "\n" for line in kept))
+            write_text_atomic(self.path, "".join(line + "\n" for line in kept), within=run_dir)
         self._trackers = trackers or []
-        self._f = open(self.path, "a")  # noqa: SIM115 - closed in close()
+        self._f = open_append(self.path, within=run_dir)
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record) + "\n")
@@ -60,15 +63,19 @@ def _step_of(line: str) -> int:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """All records of a run's metrics.jsonl (a torn final line is skipped)."""
-    path = Path(run_dir) / "metrics.jsonl"
+    """All records of a run's metrics.jsonl: the lines holding a JSON object (a torn final
+    line, or any other, is skipped). A link out of the run is refused (`fileio.inside`); the
+    values are as written, a reader checks the ones it uses (`analysis.results`)."""
+    path = inside(run_dir, Path(run_dir) / "metrics.jsonl")
     out = []
     if path.exists():
-        for line in path.read_text().splitlines():
+        for line in read_record(run_dir, path).splitlines():
             try:
-                out.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(record, dict):
+                out.append(record)
     return out
 
 

@@ -6,10 +6,10 @@ lives below both.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from stalepipe.config import upgrade_record
+from stalepipe.fileio import inside, read_json_record
 
 ERROR_FILE = "error.json"  # a crashed run's error, written by the sweep
 SPEC_FILE = "sweep.json"  # the sweep's record of a planned run (name, group, overrides)
@@ -31,13 +31,13 @@ def run_status(run_dir: Path, steps: int | None = None) -> str:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return "missing"
-    if (run_dir / ERROR_FILE).exists():
+    if inside(run_dir, run_dir / ERROR_FILE).exists():
         return "failed"
     if steps is None:
         try:
-            saved = upgrade_record(json.loads((run_dir / "config.json").read_text()))
+            saved = upgrade_record(read_json_record(run_dir, run_dir / "config.json"))
             steps = int(saved["train"]["num_steps"])
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError):
             return "partial" if any(run_dir.iterdir()) else "missing"
     if checkpoint_path(run_dir, steps).exists():
         return "finished"

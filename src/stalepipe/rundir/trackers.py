@@ -110,11 +110,13 @@ def _run_id(run_dir: Path) -> str:
     """The run's tracker id: made at a fresh start and kept in the run directory, so a resume
     continues the same tracker run and a run started over (`--overwrite`, a failed sweep run
     retried: a new directory) starts a new one."""
-    path = run_dir / ID_FILE
+    from stalepipe.fileio import inside, read_record, write_text_atomic
+
+    path = inside(run_dir, run_dir / ID_FILE)  # no link out of the run
     if path.is_file():
-        return path.read_text().strip()
+        return read_record(run_dir, path).strip()
     run_id = uuid.uuid4().hex[:16]
-    path.write_text(run_id + "\n")
+    write_text_atomic(path, run_id + "\n", within=run_dir)
     return run_id
 
 

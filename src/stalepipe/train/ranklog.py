@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
+from stalepipe.fileio import inside, open_append
+
 
 def rank_log_path(run_dir: str | os.PathLike, rank: int) -> Path:
     """Where rank `rank` of the run in `run_dir` logs."""
@@ -58,12 +60,17 @@ def tee_rank_log(path: Path, console: bool, header: str | None = None) -> Callab
     """Send this process's stdout/stderr to `path` (appended) as well: stdout also to the
     console when `console` (rank 0), stderr always (so failures show up). `header` goes to the
     file only. Returns the function that undoes it; when this process already tees into
-    `path`, nothing changes and that function does nothing."""
-    path = Path(path).resolve()
+    `path`, nothing changes and that function does nothing. The log is appended to without
+    following a link, in a logs/ directory that does not lead out of its run
+    (`fileio.open_append`: a LinkError otherwise)."""
+    log = Path(path)
+    run_dir = log.parent.parent  # rank_log_path: RUN/logs/rankN.log
+    inside(run_dir, log.parent)
+    path = log.resolve()
     if active_log() == path:
         return lambda: None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a", buffering=1)  # noqa: SIM115 - closed by the returned function
+    log.parent.mkdir(parents=True, exist_ok=True)
+    f = open_append(log, within=run_dir, buffering=1)  # closed by the returned function
     if header:
         f.write(header.rstrip("\n") + "\n")
     saved = sys.stdout, sys.stderr

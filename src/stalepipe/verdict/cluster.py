@@ -11,15 +11,14 @@ interval carried through.
 
 from __future__ import annotations
 
-import csv
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from stalepipe.analysis.plots import png_bytes, pyplot
 from stalepipe.delay.policies import PAPER_ASYNC, never_delays
 from stalepipe.errors import UserError
+from stalepipe.fileio import csv_text
 from stalepipe.verdict.rule import Verdict, call, time_to_target, widen
 from stalepipe.verdict.throughput import ScheduleThroughput, Throughputs
 
@@ -332,43 +331,32 @@ def headline(verdicts: list[Verdict], most: int = 3) -> list[Verdict]:
     return sorted(measured, key=key)[:most] or verdicts[:1]
 
 
-def write_map_csv(path: Path, cells: list[Cell], shown: list[Verdict]) -> None:
-    """One row per cell: the two best configurations, their rates, the edge (central, and its
-    lowest and highest over the assumptions' corners), and each drawn verdict."""
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(
+def map_csv(cells: list[Cell], shown: list[Verdict]) -> str:
+    """verdict_map.csv's text, one row per cell: the two best configurations, their rates, the
+    edge (central, and its lowest and highest over the assumptions' corners), and each drawn
+    verdict."""
+    header = ["gpus", "global_batch", "inter_node_gbps", "async_config", "async_tokens_per_s",
+              "sync_config", "sync_tokens_per_s", "speedup", "speedup_low", "speedup_high",
+              *(v.label for v in shown)]  # fmt: skip
+    rows: list[list[Any]] = [header]
+    for c in cells:
+        a, s = c.async_option, c.sync_option
+        rows.append(
             [
-                "gpus",
-                "global_batch",
-                "inter_node_gbps",
-                "async_config",
-                "async_tokens_per_s",
-                "sync_config",
-                "sync_tokens_per_s",
-                "speedup",
-                "speedup_low",
-                "speedup_high",
-                *(v.label for v in shown),
+                c.gpus,
+                c.global_batch,
+                c.inter_gbps,
+                a.label() if a else "none fits",
+                a.tokens_per_s if a else "",
+                s.label() if s else "none fits",
+                s.tokens_per_s if s else "",
+                c.speedup,
+                c.speedup * c.edge_factors[0],
+                c.speedup * c.edge_factors[1],
+                *(cell_verdict(v, c) for v in shown),
             ]
         )
-        for c in cells:
-            a, s = c.async_option, c.sync_option
-            w.writerow(
-                [
-                    c.gpus,
-                    c.global_batch,
-                    c.inter_gbps,
-                    a.label() if a else "none fits",
-                    a.tokens_per_s if a else "",
-                    s.label() if s else "none fits",
-                    s.tokens_per_s if s else "",
-                    c.speedup,
-                    c.speedup * c.edge_factors[0],
-                    c.speedup * c.edge_factors[1],
-                    *(cell_verdict(v, c) for v in shown),
-                ]
-            )
+    return csv_text(rows)
 
 
 def map_plot(cells: list[Cell], shown: list[Verdict], title: str) -> bytes:

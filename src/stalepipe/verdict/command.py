@@ -16,17 +16,17 @@ Writes `verdict.md`, `verdict.csv` and `verdict.png` into SWEEP_DIR/verdict (or 
 
 from __future__ import annotations
 
-import csv
-import json
 import json as _json  # the name `json` is a flag of verdict_main
 import math
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
 from stalepipe.analysis import plots
+from stalepipe.analysis.markdown import md_fenced, md_text
 from stalepipe.analysis.results import Row, build_rows, load_runs, longer_runs
 from stalepipe.delay.policies import never_delays
 from stalepipe.errors import UserError
+from stalepipe.fileio import csv_text, read_json_record, write_files
 from stalepipe.verdict import decision
 from stalepipe.verdict.rule import (
     RULE,
@@ -64,7 +64,8 @@ def sync_window_share(row: Row) -> float:
     from stalepipe.config import ExperimentConfig, upgrade_record
     from stalepipe.delay import DelaySchedule
 
-    record = json.loads((row.runs[0].path / "config.json").read_text())
+    run_dir = row.runs[0].path
+    record = read_json_record(run_dir, run_dir / "config.json")  # no link out of the run
     cfg = ExperimentConfig.from_dict(upgrade_record(record), strict=False)
     steps = cfg.train.num_steps
     delay = DelaySchedule.build(cfg.delay, cfg.pipeline.num_stages, steps, train=cfg.train)
@@ -238,41 +239,40 @@ CSV_HEADER = [
 ]
 
 
-def write_csv(path: Path, verdicts: list[Verdict], tp: Throughputs) -> None:
-    """One row per (configuration, synchronous schedule)."""
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(CSV_HEADER)
-        for v in verdicts:
-            a = v.async_row
-            for s in tp.sync():
-                r = v.ratios[s.name]
-                every = widen(r, *v.edge_factors)
-                w.writerow(
-                    [
-                        v.label,
-                        v.baseline,
-                        v.schedule,
-                        *_target_cells(v),
-                        v.overhead.estimate,
-                        v.overhead.status,
-                        v.overhead.num_seeds,
-                        v.measured_on,
-                        s.name,
-                        v.best_sync is not None and s.name == v.best_sync.name,
-                        v.async_tokens_per_s,
-                        s.tokens_per_s,
-                        r.value,
-                        r.low,
-                        r.high,
-                        every.low,
-                        every.high,
-                        a.memory_list() if a else "",
-                        s.memory_list(),
-                        s.source,
-                        v.verdict,
-                    ]
-                )
+def verdict_csv(verdicts: list[Verdict], tp: Throughputs) -> str:
+    """verdict.csv's text: one row per (configuration, synchronous schedule)."""
+    rows: list[list[object]] = [CSV_HEADER]
+    for v in verdicts:
+        a = v.async_row
+        for s in tp.sync():
+            r = v.ratios[s.name]
+            every = widen(r, *v.edge_factors)
+            rows.append(
+                [
+                    v.label,
+                    v.baseline,
+                    v.schedule,
+                    *_target_cells(v),
+                    v.overhead.estimate,
+                    v.overhead.status,
+                    v.overhead.num_seeds,
+                    v.measured_on,
+                    s.name,
+                    v.best_sync is not None and s.name == v.best_sync.name,
+                    v.async_tokens_per_s,
+                    s.tokens_per_s,
+                    r.value,
+                    r.low,
+                    r.high,
+                    every.low,
+                    every.high,
+                    a.memory_list() if a else "",
+                    s.memory_list(),
+                    s.source,
+                    v.verdict,
+                ]
+            )
+    return csv_text(rows)
 
 
 def _target_cells(v: Verdict) -> list[object]:
@@ -371,29 +371,30 @@ def run_verdict(
     if not verdicts:
         raise UserError(f"no verdict for any configuration in {sweep_dir}: " + "; ".join(skipped))
     inputs = [overhead_source(sweep_dir, rows), *tp.describe()]
-    report = VerdictReport(
-        verdicts, skipped, tp, inputs, Path(out) if out else sweep_dir / "verdict"
-    )
-    _write(report, sweep_dir.name, where)
+    out_dir = Path(out) if out else sweep_dir / "verdict"
+    report = VerdictReport(verdicts, skipped, tp, inputs, out_dir)
+    _write(report, sweep_dir.name, where, None if out else sweep_dir)
     return report
 
 
-def _write(r: VerdictReport, title: str, where: object = None) -> None:
-    r.out_dir.mkdir(parents=True, exist_ok=True)
-    write_csv(r.out_dir / "verdict.csv", r.verdicts, r.throughputs)
+def _write(r: VerdictReport, title: str, where: object, within: Path | None) -> None:
+    """verdict.md, .csv, .png (with a cluster verdict_map.csv), all rendered first, none
+    written through a link (`fileio.write_files`; `within`: the sweep, for the default out)."""
+    files: dict[str, str | bytes] = {"verdict.csv": verdict_csv(r.verdicts, r.throughputs)}
     if where is not None:
         from stalepipe.verdict import cluster as cv
 
         cells, shown = cv.crossover_map(where), cv.headline(r.verdicts)  # type: ignore[arg-type]
-        cv.write_map_csv(r.out_dir / "verdict_map.csv", cells, shown)
-        png = cv.map_plot(cells, shown, r.throughputs.title())
-        (r.out_dir / "verdict.png").write_bytes(png)
+        files["verdict_map.csv"] = cv.map_csv(cells, shown)
+        files["verdict.png"] = cv.map_plot(cells, shown, r.throughputs.title())
         r.inputs.append(cv.map_summary(cells, shown))
     else:
-        (r.out_dir / "verdict.png").write_bytes(_bars(r))
+        files["verdict.png"] = _bars(r)
     block = decision.decision_block(r.verdicts, r.throughputs.title())
-    text = f"# Verdict: {title}\n\n```\n{block}\n```\n\nIn full:\n\n```\n{r.text()}\n```\n"
-    (r.out_dir / "verdict.md").write_text(text)
+    files["verdict.md"] = (
+        f"# Verdict: {md_text(title)}\n\n{md_fenced(block)}\n\nIn full:\n\n{md_fenced(r.text())}\n"
+    )
+    write_files(r.out_dir, files, within=within)
 
 
 def _bars(r: VerdictReport) -> bytes:
