@@ -160,12 +160,12 @@ def test_a_link_out_of_the_checkpoint_is_refused_and_a_linked_run_directory_is_n
             with pytest.raises(CheckpointError) as err:
                 load()
             msg = str(err.value)
-            assert "\n" not in msg and f"{ckpt / rel} is a symlink" in msg, (rel, name, msg)
-            assert "copy the real file in" in msg, msg
+            assert "\n" not in msg and f"{ckpt / rel} is a symbolic link" in msg, (rel, name, msg)
+            assert f"cp --remove-destination {outside} {ckpt / rel}" in msg or "cp -r" in msg, msg
     ckpt = _restore(run_dir)  # a checkpoint directory linked in from outside the run
     shutil.move(ckpt, tmp_path / "ckpt")
     ckpt.symlink_to(tmp_path / "ckpt")
-    with pytest.raises(CheckpointError, match=f"{ckpt} is a symlink"):
+    with pytest.raises(CheckpointError, match=f"{ckpt} is a symbolic link"):
         list_checkpoints(run_dir)
     _restore(run_dir)  # the run directory itself may be a link
     linked = tmp_path / "linked-run"

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from stalepipe import fileio
 from stalepipe.errors import CheckpointError
 
 DIGEST = "sha256"
@@ -90,18 +91,13 @@ def damaged(ckpt: Path, rel: str, what: str) -> CheckpointError:
 
 
 def inside(root: Path, rel: str) -> Path:
-    """`root / rel`, refused (one line naming the link) when a symlink on the way leads out of
-    `root`; `root` itself may be a link. A link that stays inside is followed."""
-    path = Path(root) / rel
-    real, base = os.path.realpath(path), os.path.realpath(root)
-    if os.path.commonpath([real, base]) != base:
-        link = next((str(p) for p in [*reversed(path.parents), path] if p.is_symlink()), str(path))
-        raise CheckpointError(
-            f"{link} is a symlink to {os.readlink(link) if Path(link).is_symlink() else real}, "
-            f"outside {root}: a checkpoint is read only from inside its directory; copy the "
-            f"real file in (cp --remove-destination {real} {path})"
-        )
-    return path
+    """`root / rel`, refused (CheckpointError, one line naming the link and the copy that
+    replaces it) when a symlink on the way leads out of `root` (`fileio.inside`); `root`
+    itself may be a link, and a link that stays inside is followed."""
+    try:
+        return fileio.inside(root, Path(root) / rel)
+    except fileio.LinkError as e:
+        raise CheckpointError(f"checkpoint {root}: {e}") from None
 
 
 class Verifier:
