@@ -13,16 +13,14 @@ limit (`rundir.convert`), through this module:
   the memo holds at most `MEMO_MAX` entries, and a frame may not claim more bytes than the
   pickle has. `check_metadata` then checks the shape of what came out (tensors only, data
   files inside the shard, no storage transforms).
-- **Damage is seen.** Format 2 recorded digests of every file (`Verifier`, `make_reader`):
+- **Damage is seen.** Format 2 recorded digests of every file (`Verifier`, `check_data`):
   the small files are checked whole before they are parsed, each tensor's bytes as they are
   read. A format-2 checkpoint written before digests existed converts with one warning.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import math
 import os
 import pickle
@@ -35,11 +33,17 @@ from typing import Any
 import torch
 
 from stalepipe.errors import CheckpointError
+from stalepipe.rundir.verified import (
+    DIGEST,
+    MANIFEST_NAME,
+    VERIFY_ENV,
+    damaged,
+    file_record,
+    read_json,
+    sha256,
+)
 
-DIGEST = "sha256"
-VERIFY_ENV = "STALEPIPE_VERIFY"  # =0: skip the tensors' digests (sizes and small files stay)
 METADATA = ".metadata"  # DCP's name for a shard's metadata pickle
-MANIFEST_NAME = "checkpoint.json"  # a checkpoint directory's manifest (rundir.sharded.MANIFEST)
 _DCP = "torch.distributed.checkpoint"
 # Every global a DCP shard's `.metadata` names (torch 2.4-2.14 write these), besides torch's
 # dtypes: its dataclasses, the path it was saved to, tensor sizes, layouts and memory formats.
@@ -136,16 +140,6 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the Pyt
         raise UnsafePickle(f"a persistent id ({str(pid)[:40]})")
 
 
-def sha256(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def file_record(path: Path) -> dict[str, Any]:
-    """{"size", "sha256"} of a whole (small) file."""
-    data = path.read_bytes()
-    return {"size": len(data), DIGEST: sha256(data)}
-
-
 class Verifier:
     """The checks of one checkpoint directory: its `"files"` record (None for a checkpoint
     written before stalepipe recorded digests) and how to word a failure (`damaged`)."""
@@ -199,16 +193,6 @@ class Verifier:
             except (TypeError, KeyError, ValueError):
                 raise self.damaged(rel, "has no byte ranges in checkpoint.json") from None
         return self._chunks[rel]
-
-
-def damaged(ckpt: Path, rel: str, what: str) -> CheckpointError:
-    """The one line for a checkpoint file that fails a check: the file, what failed, the fix
-    (move the checkpoint aside, so the run's previous one is its newest; nothing is deleted)."""
-    return CheckpointError(
-        f"checkpoint file {Path(ckpt) / rel} {what}; move the checkpoint aside (mv {ckpt} "
-        f"{ckpt}.damaged) to resume, eval or export from the run's previous one, or start over "
-        f"with --overwrite"
-    )
 
 
 def load_metadata(data: bytes, where: Callable[[str], CheckpointError]) -> Any:
@@ -283,95 +267,34 @@ def _small_files(shard: Path) -> list[str]:
     return [p.name for p in shard.iterdir() if p.name == METADATA or p.suffix == ".json"]
 
 
-def read_json(data: bytes, where: Callable[[str], CheckpointError]) -> Any:
-    try:
-        return json.loads(data)
-    except ValueError:
-        raise where("is not JSON") from None
+def check_data(shard: Path, md: Any, verifier: Verifier) -> None:
+    """Every tensor's bytes of a format-2 shard against the digests its save recorded (when it
+    recorded them), before anything is loaded: a conversion reads each file once anyway."""
+    for info in md.storage_data.values():
+        rel = f"{shard.name}/{info.relative_path}"
+        chunks = verifier.chunks(rel)
+        if chunks is None:
+            continue
+        with open(shard / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        if chunks.get(info.offset) != (info.length, sha256(data)):
+            end = info.offset + info.length
+            raise verifier.damaged(
+                rel, f"does not match the digest its save recorded (bytes {info.offset}-{end})"
+            )
 
 
-BLOCK = 4 << 20  # the digest thread's read size
-
-
-def make_reader(shard: Path, md: Any, verifier: Verifier):
-    """A DCP `FileSystemReader` for `shard` that takes its metadata as already read (`md`: the
-    file is never unpickled again) and checks every tensor's bytes against `verifier`'s digests:
-    DCP reads as it always does, a thread beside it reads the same ranges again (page cache,
-    `BLOCK`s into one buffer) and hashes them (both release the GIL). `finish()` waits for the
-    last digest and raises the first mismatch, before the caller gets any tensor. The first
-    failure is kept in `.failure` (DCP wraps what a reader raises in its own exception)."""
-    from concurrent.futures import Future, ThreadPoolExecutor
-
+def make_reader(shard: Path, md: Any):
+    """torch's `FileSystemReader` for `shard` that takes its metadata as already read (`md`,
+    from `SafeUnpickler`): the file is never unpickled by torch's plain `pickle.load`."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    class VerifiedReader(FileSystemReader):
-        failure: CheckpointError | None = None
-
-        def __init__(self) -> None:
-            super().__init__(shard)
-            self.hasher = ThreadPoolExecutor(1, thread_name_prefix="stalepipe-digest")
-            self.pending: list[tuple[Future, Any, tuple]] = []
-            self.fds: dict[str, int] = {}
-            self.block = memoryview(bytearray(BLOCK))
-
+    class Reader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             return md
 
-        def _slice_file(self, file: Any, sinfo: Any) -> Any:
-            rel = f"{shard.name}/{sinfo.relative_path}"
-            try:
-                chunks = verifier.chunks(rel)
-            except CheckpointError as e:  # its record in checkpoint.json is damaged
-                self.failure = e
-                raise
-            if chunks is not None:
-                want = chunks.get(sinfo.offset, (None, None))
-                self.pending.append((self.hasher.submit(self._digest, sinfo), sinfo, want))
-            return super()._slice_file(file, sinfo)
-
-        def _digest(self, sinfo: Any) -> str | None:
-            """SHA-256 of one tensor's byte range (None: the file is shorter), read again from
-            the page cache in blocks into one reused buffer."""
-            name = sinfo.relative_path
-            if name not in self.fds:
-                self.fds[name] = os.open(shard / name, os.O_RDONLY)
-            h, offset, left = hashlib.sha256(), sinfo.offset, sinfo.length
-            while left:
-                n = os.preadv(self.fds[name], [self.block[: min(left, BLOCK)]], offset)
-                if n == 0:
-                    return None
-                h.update(self.block[:n])
-                offset, left = offset + n, left - n
-            return h.hexdigest()
-
-        def _check(self, item: tuple[Future, Any, tuple]) -> None:
-            digest, sinfo, (length, want) = item[0].result(), item[1], item[2]
-            if (length, want) != (sinfo.length, digest) and self.failure is None:
-                end = sinfo.offset + sinfo.length
-                what = (
-                    "is shorter than its metadata says"
-                    if digest is None
-                    else f"does not match the digest its save recorded (bytes {sinfo.offset}-{end})"
-                )
-                self.failure = verifier.damaged(f"{shard.name}/{sinfo.relative_path}", what)
-            if self.failure is not None:
-                raise self.failure
-
-        def finish(self) -> None:
-            """Wait for every digest; raise the first mismatch."""
-            try:
-                while self.pending:
-                    self._check(self.pending.pop(0))
-            finally:
-                self.close()
-
-        def close(self) -> None:
-            self.hasher.shutdown(wait=True, cancel_futures=True)
-            for fd in self.fds.values():
-                os.close(fd)
-            self.fds.clear()
-
-    return VerifiedReader()
+    return Reader(shard)
 
 
 def _where(ckpt: Path) -> Callable[[str], Callable[[str], CheckpointError]]:
@@ -405,16 +328,8 @@ def read_format2(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list
             k: torch.empty(e.size, dtype=e.properties.dtype)
             for k, e in md.state_dict_metadata.items()
         }
-        reader = make_reader(path / d, md, verifier)
-        try:
-            dcp.load(want, storage_reader=reader, no_dist=True)
-            reader.finish()
-        except BaseException:
-            if reader.failure is not None:
-                raise reader.failure from None
-            raise
-        finally:
-            reader.close()
+        check_data(path / d, md, verifier)
+        dcp.load(want, storage_reader=make_reader(path / d, md), no_dist=True)
         shards.append(want)
     return manifest, metas, shards
 
