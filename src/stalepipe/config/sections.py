@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stalepipe.config.base import ConfigError, check, declares_settings, multiples_near, option
+from stalepipe.config.limits import MAX_STEPS
 from stalepipe.config.registry import LR_SCHEDULES, OPTIMIZERS, PIPELINE_SCHEDULES
 
 
@@ -369,7 +370,11 @@ class TrainConfig:
     tensorboard: bool = option(False, "also write metrics for TensorBoard to <run>/tensorboard")
 
     def __post_init__(self) -> None:
-        check(self.num_steps >= 1, f"train.num_steps must be >= 1, got {self.num_steps}")
+        check(
+            1 <= self.num_steps <= MAX_STEPS,
+            f"train.num_steps must be in [1, {MAX_STEPS:,}] (a run longer than that is a typo), "
+            f"got {self.num_steps:,}",
+        )
         check(self.batch_size >= 1, f"train.batch_size must be >= 1, got {self.batch_size}")
         check(
             self.num_microbatches >= 1,
