@@ -401,10 +401,7 @@ class TrainConfig:
             check(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("num_eval_batches", "log_every", "keep_last"):
             check(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")
-        check(
-            _DEVICE.fullmatch(self.device) is not None,
-            f"train.device must be cpu, cuda or cuda:N (N = a GPU index >= 0), got {self.device!r}",
-        )
+        check_device_name(self.device, "train.device")
         check(
             self.dtype in ("float32", "bfloat16"),
             f"train.dtype must be float32 or bfloat16, got {self.dtype!r}",
@@ -416,6 +413,15 @@ class TrainConfig:
 
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def check_device_name(device: str, key: str) -> None:
+    """ConfigError unless `device` is a device stalepipe runs on: cpu, cuda or cuda:N (whether
+    this machine has it is `train.devices.check_cuda`, asked when a run starts)."""
+    check(
+        _DEVICE.fullmatch(device) is not None,
+        f"{key} must be cpu, cuda or cuda:N (N = a GPU index >= 0), got {device!r}",
+    )
 
 
 TRACKER_NAMES = ("tensorboard", "wandb", "trackio", "mlflow")  # rundir/trackers.py
