@@ -10,7 +10,7 @@ from typing import Any
 
 from stalepipe.config import ExperimentConfig
 from stalepipe.errors import UserError
-from stalepipe.experiments.executors import EXECUTORS, SlurmOptions, sbatch_script
+from stalepipe.experiments.executors import EXECUTORS, SlurmOptions, check_slurm, sbatch_script
 from stalepipe.experiments.grid import RunSpec, dedupe, expand
 from stalepipe.experiments.scales import CPU_SCALES, base_config
 from stalepipe.experiments.studies import STUDIES, get_study
@@ -154,6 +154,8 @@ def sweep_main(
             log(f"sbatch script of the job array ({todo} tasks), exactly as it would be submitted:")
             print(sbatch_script(Path(out_dir), slurm or SlurmOptions(), todo), flush=True)
         return 0
+    if executor == "slurm":
+        check_slurm()  # before the sweep's directories are made
     res = run_sweep(
         specs,
         base,
