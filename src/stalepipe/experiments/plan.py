@@ -142,20 +142,13 @@ def sweep_main(
     longer = [*extend_delayed(specs, base, extend), *extend_delayed(specs, base, lengths, True)]
     specs = dedupe([*specs, *longer])  # complete runs planned longer, toward sync's final loss
     out_dir = out or f"runs/{study or 'grid'}"
-    if executor not in EXECUTORS:
-        raise UserError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
-    if slurm is not None and executor != "slurm":
-        raise UserError("--slurm-* options configure --executor slurm; add it or drop them")
-    if executor == "slurm":
-        slurm = _slurm_for(specs, base, slurm)
+    slurm = _executor_options(executor, slurm, specs, base, dry_run)
     if dry_run:
         todo = _dry_run(specs, base, out_dir, scale, workers, retry_failed, log)
         if executor == "slurm" and todo:
             log(f"sbatch script of the job array ({todo} tasks), exactly as it would be submitted:")
             print(sbatch_script(Path(out_dir), slurm or SlurmOptions(), todo), flush=True)
         return 0
-    if executor == "slurm":
-        check_slurm()  # before the sweep's directories are made
     res = run_sweep(
         specs,
         base,
@@ -168,6 +161,23 @@ def sweep_main(
     )
     log(f"next: stalepipe report {out_dir}")
     return len(res.failed)
+
+
+def _executor_options(
+    executor: str, slurm: Any, specs: Sequence[RunSpec], base: ExperimentConfig, dry_run: bool
+) -> SlurmOptions | None:
+    """`--executor` and `--slurm-*` checked before anything is made; the job array's options
+    (`_slurm_for`) for `--executor slurm`, which off the cluster only a dry run passes
+    (`executors.check_slurm`: no sweep directory left behind)."""
+    if executor not in EXECUTORS:
+        raise UserError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    if slurm is not None and executor != "slurm":
+        raise UserError("--slurm-* options configure --executor slurm; add it or drop them")
+    if executor != "slurm":
+        return slurm
+    if not dry_run:
+        check_slurm()
+    return _slurm_for(specs, base, slurm)
 
 
 def _slurm_for(specs: Sequence[RunSpec], base: ExperimentConfig, slurm: Any) -> SlurmOptions:
