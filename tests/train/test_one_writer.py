@@ -170,3 +170,18 @@ def test_overwrite_keeps_the_lease_it_deleted_with_the_old_run(tiny_config):
     assert not (run_dir / LEASE_FILE).exists()
     assert main(_args(tiny_config, "--train.num_steps", "2", "--overwrite")) == 0
     assert not (run_dir / LEASE_FILE).exists()
+
+
+def test_the_refusal_reaches_every_data_parallel_rank_whole():
+    """Under torchrun rank 0 takes the lease and hands a refusal to the other ranks pickled
+    (`train.distributed.on_main_outside_collectives`): it must arrive as the same line and
+    exit status, not as a TypeError about missing arguments."""
+    import pickle
+
+    from stalepipe.rundir.lease import Owner, RunLeased
+    from stalepipe.rundir.startup import LEASED_FIX
+
+    e = RunLeased(Path("runs/a"), Owner("h", 42, "", "then"), LEASED_FIX)
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is RunLeased and str(back) == str(e) and back.exit_code == EXIT_LEASED
+    assert str(back).startswith("runs/a is being trained by h:42 since then; wait for it")
