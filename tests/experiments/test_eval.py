@@ -153,7 +153,8 @@ def test_bad_eval_flags_are_one_line_before_the_checkpoint_is_read(
     err = capsys.readouterr().err
     assert err.startswith(f"stalepipe: error: {message}") and err.count("\n") == 1, err
     assert not list(trained_run.glob("eval_*.json"))
-    # the flags' valid neighbours work: one batch, one item
+    # the flags' valid neighbours work: one batch, one item (with torch as it is)
+    monkeypatch.undo()
     if flags[0] in ("--batches", "--num-items"):
         out = str(trained_run.parent / "e.json")
         assert main(["eval", str(trained_run), flags[0], "1", "--out", out]) == 0

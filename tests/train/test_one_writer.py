@@ -83,22 +83,27 @@ def test_a_second_train_of_a_run_being_trained_is_refused(tiny_config, engine):
     not race its speed), the second is refused in one line naming it, the first finishes and
     its checkpoint loads. On the distributed engine the launcher holds the lease while its
     ranks run."""
-    steps = "40" if engine == "emulate" else "6"
+    steps = "200" if engine == "emulate" else "6"
     args = _args(tiny_config, "--train.num_steps", steps, "--pipeline.engine", engine)
     if engine == "distributed":
         args += ["--pipeline.num_stages", "2"]
     run_dir = Path(tiny_config.out_dir) / "r"
     first = subprocess.Popen(
-        _stalepipe(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+        _stalepipe(args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        start_new_session=True,  # its own process group: the launcher and its ranks
     )
     try:
         holder = _wait_for_lease(run_dir, first)
         assert holder == first.pid  # the launcher, not a rank
-        os.kill(first.pid, signal.SIGSTOP)  # alive, holding the lease
+        os.killpg(first.pid, signal.SIGSTOP)  # alive, holding the lease, writing nothing
         try:
             _second_train_is_refused(args, run_dir, holder)
         finally:
-            os.kill(first.pid, signal.SIGCONT)
+            os.killpg(first.pid, signal.SIGCONT)
         out, err = first.communicate(timeout=300)
     finally:
         if first.poll() is None:
