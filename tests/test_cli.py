@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import os
 
 import pytest
 
@@ -62,6 +63,26 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     err = capsys.readouterr().err
     assert message in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--name", "a" * 300], "name must be one directory name of 1 to 128 characters"),
+        (["--name", "a\nb"], "got 'a\\nb'; set name to 'a-b'"),
+        (["--name", "a\udcffb"], "set name to 'a-b'"),  # the byte \xff in argv
+        (["--optim.lr", "inf"], "optim.lr must be a finite number, got inf"),
+        (["--train.num_steps", str(10**20)], "train.num_steps must be in [1, 1,000,000,000]"),
+    ],
+)
+def test_unsafe_names_and_numbers_are_one_line_before_anything_is_made(
+    tiny_config, extra, message, capsys
+):
+    assert main(_train_args(tiny_config, *extra)) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    out = tiny_config.out_dir
+    assert not os.path.exists(out) or not os.listdir(out)
 
 
 def test_existing_run_is_refused(tiny_config, capsys):

@@ -290,13 +290,73 @@ def test_run_records_with_ignored_settings_still_load():
         ExperimentConfig.from_dict(record, strict=False)
 
 
-@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "../x", f"a{os.sep}b"])
-def test_the_run_name_is_one_path_component(name):
-    with pytest.raises(ConfigError, match=r"^name must be one directory name") as e:
+@pytest.mark.parametrize(
+    "name",
+    [
+        *("", ".", "..", "a/b", "../x", f"a{os.sep}b"),
+        *("a\nb", "a\udcffb", "a\x00b", "a b", "\t", "run\x1b[31m"),  # \udcff: a \xff byte
+        "a" * 129,
+        "a" * 300,
+    ],
+)
+def test_the_run_name_is_one_safe_directory_name(name):
+    """Nothing a run directory is named after can break a path, a printed command or a
+    report: a control character, an undecodable byte, a name past 128 characters."""
+    with pytest.raises(ConfigError, match=r"^name must be one directory name of 1 to 128") as e:
         _cfg(name=name)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400
     suggested = str(e.value).rsplit("set name to ", 1)[1].strip("'")
     assert _cfg(name=suggested).name == suggested
     _cfg(name="my.run..2")  # dots inside a name are fine
+    _cfg(name="adamw_2bw+ef_lr=3e-4_s0")  # and what a sweep names its runs
+    _cfg(name="a" * 128)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("optim.lr", "inf"),
+        ("optim.lr", "nan"),
+        ("train.grad_clip", "inf"),
+        ("train.ckpt_every_s", "inf"),
+        ("pipeline.timeout_s", "inf"),
+        ("model.rope_theta", "inf"),
+        ("delay.taylor", "inf"),
+        ("delay.sync_cooldown", "inf"),
+        ("data.val_fraction", "nan"),
+    ],
+)
+def test_a_non_finite_float_is_refused_with_a_value_that_passes(key, value):
+    """`--optim.lr inf` once passed (inf > 0), diverged and then recommended itself as the
+    fix; every float field now refuses a non-finite value, naming one that validates."""
+    with pytest.raises(ConfigError, match=rf"^{key} ") as e:
+        apply_overrides(ExperimentConfig(), {key: value})
+    if "finite" in str(e.value):  # the rest: the section's own range, which nan fails
+        shown = str(e.value).rsplit("its default ", 1)[1].split(" ")[0]
+        assert apply_overrides(ExperimentConfig(), {key: shown})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("train.num_steps", str(10**20), r"train.num_steps must be in \[1, 1,000,000,000\]"),
+        ("train.num_steps", str(10**9 + 1), r"train.num_steps must be in \[1, 1,000,000,000\]"),
+        ("model.dim", str(2**31), "model.dim must be at most 2,147,483,647"),
+        ("train.warmup_steps", str(10**12), "train.warmup_steps must be at most"),
+        ("train.batch_size", str(2**40), "train.batch_size must be at most"),
+        ("data.seed", str(2**64), "data.seed must be at most 9,223,372,036,854,775,807"),
+    ],
+)
+def test_counts_no_run_reaches_are_refused(key, value, match):
+    with pytest.raises(ConfigError, match=match):
+        apply_overrides(ExperimentConfig(), {key: value})
+
+
+def test_the_largest_counts_still_validate():
+    cfg = apply_overrides(
+        ExperimentConfig(), {"train.num_steps": str(10**9), "train.seed": str(2**63 - 1)}
+    )
+    assert cfg.train.num_steps == 10**9
 
 
 def test_device_names_are_checked_without_hardware():

@@ -8,7 +8,8 @@ EXIT_BUG = 1  # an unexpected error: a traceback (please report it)
 EXIT_USER = 2  # bad input (config, files, checkpoint): one line naming the fix, nothing written
 EXIT_PEER = 3  # a pipeline worker stopped because a peer failed (a worker's status, not a cause)
 EXIT_FAILED = 4  # training failed: diverged, or a worker crashed or was killed
-EXIT_LEASED = 5  # a sweep worker found its run leased by a live owner elsewhere: skipped
+EXIT_LEASED = 5  # the run is leased by a live owner elsewhere (a sweep's worker: skipped;
+# `train`: refused, nothing read or written): wait for it, or stop it (rundir/lease.py)
 EXIT_PREEMPTED = 75  # a signal stopped the run after a checkpoint (EX_TEMPFAIL): --resume
 EXIT_REQUEUE_FAILED = 76  # so did a SLURM array task's, and its requeue was refused: rerun
 

@@ -154,3 +154,64 @@ def test_data_prepare_cli_force_on_a_foreign_directory(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "refusing to delete" in err and err.count("\n") == 1
     assert (out / "thesis.tex").read_text() == "precious"
+
+
+def _plant_token(shard: Path, token: int) -> None:
+    """Overwrite every token of `shard` with `token`, size and header unchanged: any batch then
+    reads it."""
+    tokens = np.memmap(shard, dtype="<u2", mode="r+", offset=1024)
+    tokens[:] = token
+    tokens.flush()
+    del tokens
+
+
+def test_an_out_of_vocab_token_in_a_right_sized_shard_is_one_line_naming_it(
+    tiny_config, excerpt_data_dir, tmp_path, capsys
+):
+    """Token 65535 planted in a shard of the right size was an IndexError deep in the first
+    forward; the loader checks each shard's digest (and token range) when it opens it, so train
+    and eval stop with one line naming the shard and the command that re-prepares it, and that
+    command fixes it."""
+    import shutil
+
+    data = shutil.copytree(excerpt_data_dir, tmp_path / "data")
+    assert main(_train_args(tiny_config, str(data), "--name", "good")) == 0
+    capsys.readouterr()
+    _plant_token(data / "train_000000.bin", 65535)
+    _plant_token(data / "val_000000.bin", 65535)
+    assert main(_train_args(tiny_config, str(data))) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    fix = f"stalepipe data prepare --corpus excerpt --out {data} --force"
+    assert err == (
+        f"stalepipe: error: token shard {data / 'train_000000.bin'} does not match the SHA-256 in "
+        f"its manifest.json (damaged or changed since it was prepared: it holds token id 65535, "
+        f"outside the tokenizer's 256 ids); re-prepare it: `{fix}`"
+    )
+    run = Path(tiny_config.out_dir) / "good"
+    assert main(["eval", str(run), "--no-tasks"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "val_000000.bin does not match the SHA-256" in err
+    assert not list(run.glob("eval_*.json"))
+    assert main(fix.split()[1:]) == 0  # the printed fix works
+    assert main(_train_args(tiny_config, str(data), "--overwrite")) == 0
+
+
+def test_a_shard_whose_digest_was_rewritten_still_has_its_tokens_checked(
+    excerpt_data_dir, tmp_path
+):
+    """A manifest rewritten to match a planted shard (the digest proves no authorship): the
+    token range, scanned in the same pass, still keeps the id out of the model."""
+    import shutil
+
+    from stalepipe.data import TokenLoader
+    from stalepipe.data.manifest import file_sha256
+
+    data = shutil.copytree(excerpt_data_dir, tmp_path / "data")
+    _plant_token(data / "val_000000.bin", 300)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["splits"]["val"]["shards"][0]["sha256"] = file_sha256(data / "val_000000.bin")
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"val_000000\.bin holds token id 300, outside the "
+                       r"tokenizer's 256 ids, though it matches its manifest\.json"):  # fmt: skip
+        TokenLoader(data, "val", 32, seed=0)
+    TokenLoader(data, "train", 32, seed=0)  # the untouched split opens

@@ -106,3 +106,55 @@ def test_eval_of_a_trained_moe_run_offline(tiny_config, tmp_path):
     assert path.name == f"eval_{out['step']:08d}.json" and json.loads(path.read_text()) == out
     with pytest.raises(EvalError, match="unknown task"):
         evaluate_run(result.run_dir, tasks=("hellaswag",), skip_loss=True)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, excerpt_data_dir):
+    """A two-step tiny run to evaluate (module-wide: the refusals below only read it)."""
+    from stalepipe.cli import main
+
+    out = tmp_path_factory.mktemp("eval-runs")
+    argv = ["train", "--preset", "cpu-tiny", "--out_dir", str(out), "--name", "r"]
+    argv += ["--data.corpus", "excerpt", "--data.data_dir", excerpt_data_dir]
+    argv += ["--train.num_steps", "2", "--train.warmup_steps", "0", "--train.progress", "false"]
+    assert main(argv) == 0
+    return out / "r"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--device", "cuda"], "--device cuda: this torch build (2.x+cpu) has no CUDA support; "
+         "install a CUDA build of torch (README, Running at scale), or pass --device cpu"),
+        (["--device", "tpu"], "--device must be cpu, cuda or cuda:N (N = a GPU index >= 0), "
+         "got 'tpu'"),
+        (["--num-items", "-3"], "--num-items must be a whole number >= 1, got -3"),
+        (["--split", "test"], "--split must be one of train, val (the splits `stalepipe data "
+         "prepare` writes), got 'test'"),
+        (["--batches", "0"], "--batches must be a whole number >= 1, got 0; leave it out for "
+         "the run's train.num_eval_batches"),
+        (["--batches", "-1"], "--batches must be a whole number >= 1, got -1"),
+        (["--batch-size", "0"], "--batch-size must be a whole number >= 1, got 0"),
+        (["--seq-len", "0"], "--seq-len must be a whole number >= 1, got 0"),
+    ],
+)  # fmt: skip
+def test_bad_eval_flags_are_one_line_before_the_checkpoint_is_read(
+    trained_run, flags, message, capsys, monkeypatch
+):
+    """Each of these was a traceback (or, `--batches 0`, the default used silently); now one
+    line listing what the flag takes, exit 2, and no eval_*.json."""
+    from stalepipe.cli import main
+
+    # a CPU-only build, whatever this one is
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch, "__version__", "2.x+cpu")
+    assert main(["eval", str(trained_run), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"stalepipe: error: {message}") and err.count("\n") == 1, err
+    assert not list(trained_run.glob("eval_*.json"))
+    # the flags' valid neighbours work: one batch, one item (with torch as it is)
+    monkeypatch.undo()
+    if flags[0] in ("--batches", "--num-items"):
+        out = str(trained_run.parent / "e.json")
+        assert main(["eval", str(trained_run), flags[0], "1", "--out", out]) == 0

@@ -228,3 +228,37 @@ def test_submitit_local_gives_the_pools_records(tiny_config, tmp_path):
     names = ["sync_s0", "2bw_s0"]
     assert _finals(tmp_path / "pool", names) == _finals(tmp_path / "sub", names)
     assert (tmp_path / "sub" / executors.SUBMITIT_DIR).is_dir()
+
+
+def test_slurm_without_sbatch_and_srun_is_one_line_that_makes_nothing(
+    tmp_path, monkeypatch, capsys
+):
+    """Off the cluster, `--executor slurm` was submitit's traceback after the sweep and its
+    runs' directories were made; now one line before anything is, and the commands found
+    on PATH let it through."""
+    from stalepipe.cli import main
+    from stalepipe.experiments.executors import check_slurm
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--grid", "optim.lr=1e-3,2e-3", "--seeds", "1", "--out", str(out)]
+    assert main([*argv, "--executor", "slurm"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "stalepipe: error: --executor slurm submits a job array with SLURM's sbatch and srun, but "
+        "sbatch and srun are not on this machine's PATH; start the sweep on the cluster's login "
+        "node, or pass --executor local to run it here (--dry-run prints the array's sbatch "
+        "script without SLURM)\n"
+    )
+    assert not out.exists()
+    assert main([*argv, "--executor", "slurm", "--dry-run"]) == 0  # the offered way works
+    assert not out.exists()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    with pytest.raises(UserError, match=r"but srun is not on this machine's PATH"):
+        check_slurm()
+    (bin_dir / "srun").write_text("#!/bin/sh\n")
+    (bin_dir / "srun").chmod(0o755)
+    check_slurm()

@@ -27,8 +27,8 @@ from stalepipe.rundir.directory import (
     locate_run_data,
     open_run_dir,
     run_data_dir,
-    saved_run_location,
 )
+from stalepipe.rundir.resume import saved_run_location
 from stalepipe.train.loop import train, with_resolved_optim
 
 

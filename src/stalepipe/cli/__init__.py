@@ -141,8 +141,7 @@ def _add_train(sub: Subparsers) -> None:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.rundir.directory import saved_run_location
-    from stalepipe.rundir.resume import parent_checkpoint
+    from stalepipe.rundir.resume import parent_checkpoint, saved_run_location
     from stalepipe.train.loop import train
 
     overrides = parse_overrides(extra)

@@ -12,7 +12,6 @@ eval, export and as the base of `--config`, and the setting is refused once some
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import InitVar, dataclass, field
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 from stalepipe.config import sections
 from stalepipe.config.base import ConfigError, check, multiples_near, option
 from stalepipe.config.delay import DelayConfig
+from stalepipe.config.limits import check_name, check_numbers
 from stalepipe.config.overrides import (
     apply_overrides,
     as_dict,
@@ -58,7 +58,7 @@ class ExperimentConfig:
     check_ignored: InitVar[bool] = True
 
     def __post_init__(self, check_ignored: bool) -> None:
-        self._check_name()
+        self._check_name_and_numbers()
         self._check_partition()
         check(
             self.pipeline.num_stages <= self.model.num_layers,
@@ -88,16 +88,13 @@ class ExperimentConfig:
             f"model.num_layers={L}",
         )
 
-    def _check_name(self) -> None:
-        """The run directory is `out_dir/name`: one path component, never '.' or '..'."""
-        seps = {"/", os.sep, os.altsep} - {None}
-        if self.name not in ("", ".", "..") and not any(c in self.name for c in seps):
-            return
-        fix = "".join("-" if c in seps else c for c in self.name).strip("-.")
-        raise ConfigError(
-            f"name must be one directory name (not empty, '.' or '..', no '/'), got "
-            f"{self.name!r}; set name to {fix or 'run'!r}"
-        )
+    def _check_name_and_numbers(self) -> None:
+        """The limits every value passes (config/limits.py): a run name that is one safe
+        directory name, finite floats, counts no run reaches."""
+        from stalepipe.fileio import flatten_dict
+
+        check_name(self.name)
+        check_numbers(flatten_dict(self.to_dict()), lambda key: default_of(type(self), key))
 
     def _check_delay(self) -> None:
         """Rules of the delay config that depend on the pipeline and the training loop."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stalepipe.config.base import ConfigError, check, declares_settings, multiples_near, option
+from stalepipe.config.limits import MAX_STEPS
 from stalepipe.config.registry import LR_SCHEDULES, OPTIMIZERS, PIPELINE_SCHEDULES
 
 
@@ -369,7 +370,11 @@ class TrainConfig:
     tensorboard: bool = option(False, "also write metrics for TensorBoard to <run>/tensorboard")
 
     def __post_init__(self) -> None:
-        check(self.num_steps >= 1, f"train.num_steps must be >= 1, got {self.num_steps}")
+        check(
+            1 <= self.num_steps <= MAX_STEPS,
+            f"train.num_steps must be in [1, {MAX_STEPS:,}] (a run longer than that is a typo), "
+            f"got {self.num_steps:,}",
+        )
         check(self.batch_size >= 1, f"train.batch_size must be >= 1, got {self.batch_size}")
         check(
             self.num_microbatches >= 1,
@@ -396,10 +401,7 @@ class TrainConfig:
             check(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("num_eval_batches", "log_every", "keep_last"):
             check(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")
-        check(
-            _DEVICE.fullmatch(self.device) is not None,
-            f"train.device must be cpu, cuda or cuda:N (N = a GPU index >= 0), got {self.device!r}",
-        )
+        check_device_name(self.device, "train.device")
         check(
             self.dtype in ("float32", "bfloat16"),
             f"train.dtype must be float32 or bfloat16, got {self.dtype!r}",
@@ -411,6 +413,15 @@ class TrainConfig:
 
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def check_device_name(device: str, key: str) -> None:
+    """ConfigError unless `device` is a device stalepipe runs on: cpu, cuda or cuda:N (whether
+    this machine has it is `train.devices.check_cuda`, asked when a run starts)."""
+    check(
+        _DEVICE.fullmatch(device) is not None,
+        f"{key} must be cpu, cuda or cuda:N (N = a GPU index >= 0), got {device!r}",
+    )
 
 
 TRACKER_NAMES = ("tensorboard", "wandb", "trackio", "mlflow")  # rundir/trackers.py

@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stalepipe.data.manifest import SPLITS, has_manifest, read_manifest, split_shards
+from stalepipe.data.manifest import SPLITS, check_shard, has_manifest, read_manifest, split_shards
+from stalepipe.data.prepare import reprepare
 from stalepipe.data.shards import read_shard
 from stalepipe.errors import DataError
 
@@ -52,6 +53,9 @@ class TokenLoader:
         self.seq_len = seq_len
         self.seed = seed
         shards = split_shards(self.data_dir, split)
+        self._manifest = read_manifest(self.data_dir) if has_manifest(self.data_dir) else None
+        if self._manifest is not None:
+            check_split(self.data_dir, split, self._manifest)
         self._tokens = [read_shard(path) for path, _ in shards]
         self.num_tokens = sum(n for _, n in shards)
         # Window starts per shard: 0 .. n - (seq_len + 1), none for shards that are too short.
@@ -65,7 +69,6 @@ class TokenLoader:
             )
         self._window_ends = np.cumsum(windows)
         self.num_windows = int(self._window_ends[-1])
-        self._manifest = read_manifest(self.data_dir) if has_manifest(self.data_dir) else None
 
     @property
     def vocab_size(self) -> int | None:
@@ -106,6 +109,16 @@ class TokenLoader:
         """Inputs and next-token targets of batch `step`, each (batch_size, seq_len) int64."""
         span = self.seq_len + 1
         return _pair([self._tokens[s][o : o + span] for s, o in self.offsets(step, batch_size)])
+
+
+def check_split(data_dir: Path, split: str, manifest: dict) -> None:
+    """Every shard of `split` against its manifest (`manifest.check_shard`: its digest and its
+    token range), once per loader: a process reads each shard in full once when it opens it,
+    never per batch. Shards of another tool (no manifest) are checked by `check_vocab` instead,
+    whose scan of their largest id is the run's start-up."""
+    fix = reprepare(data_dir, manifest)
+    for entry in manifest["splits"][split]["shards"]:
+        check_shard(data_dir / entry["file"], entry, manifest, fix)
 
 
 class ReplicaBatches:

@@ -50,7 +50,7 @@ from stalepipe.data.manifest import (
     write_manifest,
 )
 from stalepipe.data.registry import tokenizer_class
-from stalepipe.data.shards import ShardWriter, version_for_vocab
+from stalepipe.data.shards import REPREPARE, ShardWriter, version_for_vocab
 from stalepipe.data.tokenizer import Tokenizer
 from stalepipe.errors import DataError
 from stalepipe.fileio import check_removable, make_temp_dir, mark_owned, refuse_protected
@@ -280,6 +280,22 @@ def prepare_command(cfg: DataConfig, out: str | os.PathLike | None = None) -> st
     if out is not None:
         parts.append(f"--out {out}")
     return " ".join(parts)
+
+
+def reprepare(directory: str | os.PathLike, manifest: dict[str, Any]) -> str:
+    """The fix for damaged shards in `directory`: the prepare command its manifest describes,
+    with --force (the generic advice when the manifest names no corpus this stalepipe has)."""
+    tokenizer = manifest["tokenizer"]
+    try:
+        cfg = DataConfig(
+            corpus=str(manifest["corpus"]),
+            tokenizer=str(tokenizer["name"]),
+            val_fraction=float(manifest.get("val_fraction", DEFAULT_VAL_FRACTION)),
+            bpe_vocab_size=int(tokenizer.get("requested_vocab_size", DEFAULT_BPE_VOCAB)),
+        )
+    except (KeyError, TypeError, ValueError):  # ConfigError is a ValueError
+        return REPREPARE
+    return f"re-prepare it: `{prepare_command(cfg, directory)} --force`"
 
 
 def _check_split_and_vocab(out: Path, manifest: dict[str, Any], cfg: DataConfig) -> None:

@@ -27,7 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from stalepipe.config import ExperimentConfig
+from stalepipe.config.sections import check_device_name
 from stalepipe.data import EVAL_SEED, Tokenizer, TokenLoader, check_vocab
+from stalepipe.data.manifest import SPLITS
 from stalepipe.experiments.eval_tasks import (  # re-exported: part of evaluate's API
     BUILTIN_TASKS,
     EvalError,
@@ -42,6 +44,7 @@ from stalepipe.experiments.trained import load_trained
 from stalepipe.fileio import check_writable, write_json_atomic
 from stalepipe.rundir.checkpoint import list_checkpoints
 from stalepipe.rundir.directory import run_data_dir
+from stalepipe.train.devices import check_cuda
 from stalepipe.train.emulated import evaluate_full
 
 
@@ -202,6 +205,10 @@ def evaluate_run(
     first when it is a built-in corpus); `seq_len`, `num_batches` and `batch_size` to the run's
     (data.seq_len, train.num_eval_batches, train.batch_size), so the val loss of the defaults is the
     one the training loop logged for that checkpoint."""
+    check_eval_flags(
+        split=split, num_batches=num_batches, batch_size=batch_size, seq_len=seq_len,
+        num_items=num_items, device=device,
+    )  # fmt: skip
     trained = load_trained(run)
     cfg = trained.config
     bad = [
@@ -254,6 +261,37 @@ def evaluate_run(
     return result
 
 
+def check_eval_flags(
+    *,
+    split: str,
+    num_batches: int | None,
+    batch_size: int | None,
+    seq_len: int | None,
+    num_items: int,
+    device: str,
+) -> None:
+    """Refuse a flag `stalepipe eval` cannot use before the checkpoint is read, each in one line
+    listing what it takes: a split the shards do not have, a count below 1 (`--batches 0` once
+    meant the default silently: leaving the flag out says that), a device this machine lacks
+    (the check `stalepipe train` makes)."""
+    if split not in SPLITS:
+        raise EvalError(
+            f"--split must be one of {', '.join(SPLITS)} (the splits `stalepipe data prepare` "
+            f"writes), got {split!r}"
+        )
+    counts = {
+        "--batches": (num_batches, "leave it out for the run's train.num_eval_batches"),
+        "--batch-size": (batch_size, "leave it out for the run's train.batch_size"),
+        "--seq-len": (seq_len, "leave it out for the run's data.seq_len"),
+        "--num-items": (num_items, "the default is 200"),
+    }
+    for flag, (value, default) in counts.items():
+        if value is not None and value < 1:
+            raise EvalError(f"{flag} must be a whole number >= 1, got {value}; {default}")
+    check_device_name(device, "--device")
+    check_cuda(device, "--device")
+
+
 def _nonfinite(ckpt: Path, what: str) -> EvalError:
     """A checkpoint that cannot be evaluated: one line naming it and an earlier one."""
     earlier = [p for p in list_checkpoints(ckpt.parent) if p.name < ckpt.name]
@@ -304,6 +342,8 @@ def eval_main(
     """`stalepipe eval` (its flags as keywords): evaluate `run` and save the results, or with
     `write_task` only write the shakespeare-cloze items; returns the text to print."""
     if write_task:
+        if num_items < 1:
+            raise EvalError(f"--num-items must be a whole number >= 1, got {num_items}")
         path, yaml = write_cloze_task(write_task, num_items)
         return f"wrote {num_items} shakespeare-cloze items to {path}, lm-eval task {yaml}"
     if not run:
@@ -354,6 +394,7 @@ def format_results(result: dict[str, Any]) -> str:
 __all__ = [
     "BUILTIN_TASKS",
     "EvalError",
+    "check_eval_flags",
     "MCItem",
     "choice_logprobs",
     "continuation_logprob",

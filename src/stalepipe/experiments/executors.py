@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -126,6 +127,23 @@ def sbatch_script(out: Path, opts: SlurmOptions, num_runs: int) -> str:
     return _make_sbatch_string(
         command=command, folder=folder, map_count=num_runs, **opts.parameters()
     )
+
+
+SLURM_COMMANDS = ("sbatch", "srun")  # submitit submits with the one, runs each task with the other
+
+
+def check_slurm() -> None:
+    """UserError, in one line, unless SLURM's commands are on this machine's PATH: called
+    before the sweep makes its directory or its runs', so a sweep started off the cluster
+    leaves nothing behind (submitit's own refusal comes only after they were made)."""
+    missing = [c for c in SLURM_COMMANDS if shutil.which(c) is None]
+    if missing:
+        raise UserError(
+            f"--executor slurm submits a job array with SLURM's {' and '.join(SLURM_COMMANDS)}, "
+            f"but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on this "
+            f"machine's PATH; start the sweep on the cluster's login node, or pass --executor "
+            f"local to run it here (--dry-run prints the array's sbatch script without SLURM)"
+        )
 
 
 def make_executor(kind: str, out: Path, opts: SlurmOptions) -> Any:

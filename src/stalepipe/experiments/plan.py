@@ -10,7 +10,7 @@ from typing import Any
 
 from stalepipe.config import ExperimentConfig
 from stalepipe.errors import UserError
-from stalepipe.experiments.executors import EXECUTORS, SlurmOptions, sbatch_script
+from stalepipe.experiments.executors import EXECUTORS, SlurmOptions, check_slurm, sbatch_script
 from stalepipe.experiments.grid import RunSpec, dedupe, expand
 from stalepipe.experiments.scales import CPU_SCALES, base_config
 from stalepipe.experiments.studies import STUDIES, get_study
@@ -142,12 +142,7 @@ def sweep_main(
     longer = [*extend_delayed(specs, base, extend), *extend_delayed(specs, base, lengths, True)]
     specs = dedupe([*specs, *longer])  # complete runs planned longer, toward sync's final loss
     out_dir = out or f"runs/{study or 'grid'}"
-    if executor not in EXECUTORS:
-        raise UserError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
-    if slurm is not None and executor != "slurm":
-        raise UserError("--slurm-* options configure --executor slurm; add it or drop them")
-    if executor == "slurm":
-        slurm = _slurm_for(specs, base, slurm)
+    slurm = _executor_options(executor, slurm, specs, base, dry_run)
     if dry_run:
         todo = _dry_run(specs, base, out_dir, scale, workers, retry_failed, log)
         if executor == "slurm" and todo:
@@ -166,6 +161,23 @@ def sweep_main(
     )
     log(f"next: stalepipe report {out_dir}")
     return len(res.failed)
+
+
+def _executor_options(
+    executor: str, slurm: Any, specs: Sequence[RunSpec], base: ExperimentConfig, dry_run: bool
+) -> SlurmOptions | None:
+    """`--executor` and `--slurm-*` checked before anything is made; the job array's options
+    (`_slurm_for`) for `--executor slurm`, which off the cluster only a dry run passes
+    (`executors.check_slurm`: no sweep directory left behind)."""
+    if executor not in EXECUTORS:
+        raise UserError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    if slurm is not None and executor != "slurm":
+        raise UserError("--slurm-* options configure --executor slurm; add it or drop them")
+    if executor != "slurm":
+        return slurm
+    if not dry_run:
+        check_slurm()
+    return _slurm_for(specs, base, slurm)
 
 
 def _slurm_for(specs: Sequence[RunSpec], base: ExperimentConfig, slurm: Any) -> SlurmOptions:

@@ -46,7 +46,7 @@ def run_one(cfg_dict: dict[str, Any], threads: int) -> None:
         with lease_run(run_dir) as me:
             if run_status(run_dir, cfg.train.num_steps) == "finished":  # another owner's, since
                 raise RunLeased(run_dir, me)  # this sweep planned: not trained here
-            train(cfg, resume=True, verbose=False)
+            train(cfg, resume=True, verbose=False, leased=True)  # held: not taken twice
     except RunLeased as e:  # another sweep or job trains it: not ours, nothing touched
         raise SystemExit(e.exit_code) from None
     except KeyboardInterrupt:

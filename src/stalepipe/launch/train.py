@@ -43,13 +43,13 @@ def launch_train(cfg: ExperimentConfig, start: StartUp = FRESH, *, verbose: bool
     check_device(cfg)  # before anything is written or deleted
     check_config(cfg)
     cfg = with_resolved_optim(cfg)  # config.json records the values used
-    _, run_dir = begin_run(cfg, start, verbose=verbose)
-    for warning in cfg.warnings() if verbose else ():
-        print(f"stalepipe: warning: {warning}", file=sys.stderr)
-    pc = cfg.pipeline
-    topo = Topology.of(pc)
-    jobs = [(_train_rank, (cfg, start, verbose))] * topo.world_size  # run dir opened: PREPARED_ENV
-    return spawn_ranks(jobs, run_dir, pc.timeout_s, topo=topo, console=verbose)
+    with begin_run(cfg, start, verbose=verbose) as (_, run_dir):  # the lease: while ranks run
+        for warning in cfg.warnings() if verbose else ():
+            print(f"stalepipe: warning: {warning}", file=sys.stderr)
+        pc = cfg.pipeline
+        topo = Topology.of(pc)
+        jobs = [(_train_rank, (cfg, start, verbose))] * topo.world_size  # PREPARED_ENV: opened
+        return spawn_ranks(jobs, run_dir, pc.timeout_s, topo=topo, console=verbose)
 
 
 def spawn_ranks(

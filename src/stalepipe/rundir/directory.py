@@ -37,6 +37,7 @@ from stalepipe.fileio import (
 )
 from stalepipe.rundir.checkpoint import check_complete, checkpoint_step, latest_checkpoint
 from stalepipe.rundir.checkpoint_parts import PARTS_DIR
+from stalepipe.rundir.lease import Owner, restore_lease
 from stalepipe.rundir.metrics import read_metrics
 from stalepipe.rundir.resume import config_diff
 
@@ -102,6 +103,7 @@ def open_run_dir(
     overwrite: bool,
     extra_meta: dict[str, Any] | None = None,
     data_dir: str | os.PathLike | None = None,
+    lease: Owner | None = None,
 ) -> Path:
     """Create or reopen `cfg.out_dir/cfg.name`, write config.json and record this invocation
     in meta.json (with `data_dir`, the data directory the run reads: default `cfg`'s). Every
@@ -113,13 +115,14 @@ def open_run_dir(
     - --resume: its newest checkpoint must be complete, and the saved config must match `cfg`
       except for the changes `rundir.resume.config_diff` allows;
     - --overwrite: delete the old run first, only if stalepipe made it and it holds nothing
-      but a run's files (`fileio.remove_owned_dir`);
+      but a run's files (`fileio.remove_owned_dir`), and put back the `lease` held here;
     - a directory that holds anything else and no run: refuse whatever the flags.
     """
     state, resumed_from = check_run_dir(cfg, resume=resume, overwrite=overwrite)
     run_dir = Path(cfg.out_dir) / cfg.name
     if state == "trained" and overwrite:
         remove_owned_dir(run_dir, RUN_KIND, RUN_ENTRIES, within=cfg.out_dir, fix=RUN_FIX)
+        restore_lease(make_owned_dir(run_dir, RUN_KIND), lease, RUN_FIX)  # gone with the run
         state = "new"
     data = Path(cfg.data.resolved_dir() if data_dir is None else data_dir)
     meta = _updated_meta(run_dir, state, data, resumed_from, extra_meta or {})
@@ -150,17 +153,6 @@ def prepare_run(
     if resume:
         return run_data_dir(Path(cfg.out_dir) / cfg.name, cfg, progress=progress)
     return ensure_prepared(cfg.data, progress)
-
-
-def saved_run_location(config_file: str | os.PathLike) -> tuple[str, str] | None:
-    """`(out_dir, name)` of the run whose own config.json `config_file` is (a meta.json beside
-    it), so that `stalepipe train --config RUN/config.json --resume` continues that run from
-    any working directory; None for any other file."""
-    path = Path(config_file)
-    if path.name != "config.json" or not (path.parent / "meta.json").is_file():
-        return None
-    run_dir = path.parent.resolve()
-    return str(run_dir.parent), run_dir.name
 
 
 def _saved_config(run_dir: Path) -> dict[str, Any] | None:

@@ -12,7 +12,11 @@ longer runs; on any host its heartbeat (the file's mtime) is older than `stale_s
 same SLURM job at a lower restart count (a requeued job finding its earlier incarnation's
 lease; two live processes of one allocation do not take each other's). The takeover renames the stale file away first (only
 one process can win that rename), so two takers never both proceed. A live lease raises
-`RunLeased`: the caller skips the run.
+`RunLeased`: a sweep skips the run, `stalepipe train` stops with its one line.
+
+`stalepipe train` holds the same lease while it writes (`rundir.startup.begin_run`: the one
+process that owns the run directory, the launcher or rank 0), so two `train`s of one run, or a
+`train --resume` beside a sweep's worker, never both write it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -49,14 +54,22 @@ class Owner:
 
 
 class RunLeased(UserError):
-    """The run is being trained by a live owner elsewhere."""
+    """The run is being trained by a live owner elsewhere; `then` says what the caller does
+    about it (a sweep: skipped; `train`: the ways on)."""
 
     exit_code = EXIT_LEASED
 
-    def __init__(self, run_dir: Path, owner: Owner) -> None:
-        super().__init__(f"{run_dir} is being trained by {owner.describe()}; skipped")
+    def __init__(self, run_dir: Path, owner: Owner, then: str = "skipped") -> None:
+        super().__init__(
+            f"{run_dir} is being trained by {owner.describe()} since {owner.started}; {then}"
+        )
         self.run_dir = run_dir
         self.owner = owner
+        self.then = then
+
+    def __reduce__(self) -> tuple:
+        # pickled whole: rank 0 hands its refusal to the other ranks (train.distributed)
+        return (type(self), (self.run_dir, self.owner, self.then))
 
 
 def this_job() -> str:
@@ -102,6 +115,12 @@ def read_lease_file(path: Path) -> tuple[Owner, float] | None:
         return Owner("?", -1, "", "?"), beat
 
 
+def took_over(run_dir: Path, stale: Owner) -> str:
+    """The note a takeover of `stale`'s lease on `run_dir` prints."""
+    why = "its owner is gone" if stale.pid >= 0 else "its file was never completed"
+    return f"took over the stale lease of {run_dir} from {stale.describe()} ({why})"
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -139,18 +158,33 @@ def _create(path: Path, owner: Owner) -> bool:
     return True
 
 
-def _take(run_dir: Path, owner: Owner, stale_s: float) -> None:
-    """Create the lease, taking over a stale one; RunLeased when a live owner holds it."""
-    path = run_dir / LEASE_FILE
+def _take(run_dir: Path, owner: Owner, stale_s: float, then: str) -> Owner | None:
+    """Create the lease, taking over a stale one (returned: the owner it replaced, else None);
+    RunLeased ending in `then` when a live owner holds it."""
+    path, replaced = run_dir / LEASE_FILE, None
     for _ in range(3):
         if _create(path, owner):
-            return
+            return replaced
         found = read_lease(run_dir)
         if found is not None and not is_stale(*found, stale_s=stale_s):
-            raise RunLeased(run_dir, found[0])
+            raise RunLeased(run_dir, found[0], then)
         _move_stale(run_dir, found)
+        replaced = found[0] if found is not None else replaced
     found = read_lease(run_dir)
-    raise RunLeased(run_dir, found[0] if found else owner)
+    raise RunLeased(run_dir, found[0] if found else owner, then)
+
+
+def restore_lease(run_dir: str | os.PathLike, owner: Owner | None, then: str = "skipped") -> None:
+    """Put `owner`'s lease back into `run_dir` after its holder replaced the directory
+    (`train --overwrite` deletes the old run, its lease file with it, and makes the directory
+    anew); RunLeased when another process took the new directory's lease in between. Nothing
+    when `owner` is None (the caller holds no lease)."""
+    run_dir = Path(run_dir)
+    if owner is None or _create(run_dir / LEASE_FILE, owner):
+        return
+    found = read_lease(run_dir)
+    if found is None or found[0] != owner:
+        raise RunLeased(run_dir, found[0] if found else owner, then)
 
 
 def _move_stale(run_dir: Path, seen: tuple[Owner, float] | None) -> None:
@@ -172,13 +206,22 @@ def _move_stale(run_dir: Path, seen: tuple[Owner, float] | None) -> None:
 
 @contextmanager
 def lease_run(
-    run_dir: str | os.PathLike, *, heartbeat_s: float = HEARTBEAT_S, stale_s: float = STALE_S
+    run_dir: str | os.PathLike,
+    *,
+    heartbeat_s: float = HEARTBEAT_S,
+    stale_s: float = STALE_S,
+    then: str = "skipped",
+    note: bool = False,
 ) -> Iterator[Owner]:
-    """Hold `run_dir`'s lease while the body runs (module docstring); RunLeased, with nothing
-    touched, when a live owner holds it. The directory must exist."""
+    """Hold `run_dir`'s lease while the body runs (module docstring); RunLeased ending in
+    `then`, with nothing touched, when a live owner holds it. With `note`, taking over a stale
+    lease is said in one line on stderr (a sweep takes them over silently: its log says what it
+    ran). The directory must exist."""
     run_dir = Path(run_dir)
     owner = owner_here()
-    _take(run_dir, owner, stale_s)
+    replaced = _take(run_dir, owner, stale_s, then)
+    if note and replaced is not None:
+        print(f"stalepipe: note: {took_over(run_dir, replaced)}", file=sys.stderr, flush=True)
     stop = threading.Event()
 
     def beat() -> None:

@@ -15,6 +15,7 @@ Three kinds of change are allowed on `--resume`; everything else is refused:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -177,3 +178,14 @@ def parent_meta(init_from: Path | None) -> dict[str, Any]:
         return {}
     step = checkpoint_step(init_from)
     return {"parent": {"checkpoint": str(Path(init_from).resolve()), "step": step}}
+
+
+def saved_run_location(config_file: str | os.PathLike) -> tuple[str, str] | None:
+    """`(out_dir, name)` of the run whose own config.json `config_file` is (a meta.json beside
+    it), so that `stalepipe train --config RUN/config.json --resume` continues that run from
+    any working directory; None for any other file."""
+    path = Path(config_file)
+    if path.name != "config.json" or not (path.parent / "meta.json").is_file():
+        return None
+    run_dir = path.parent.resolve()
+    return str(run_dir.parent), run_dir.name

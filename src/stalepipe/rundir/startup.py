@@ -4,19 +4,25 @@
 branches it from another run's checkpoint (`--init-from`). `StartUp` carries that choice from
 the command line through the launcher and the workers; `begin_run` is the start-up every engine
 runs once per run, in the order that loses nothing (rundir/directory.py): refusals, data, run
-directory.
+directory; and it holds the run's lease (`rundir.lease`) for as long as the run writes, so that
+one run has one writer.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from stalepipe.config import ExperimentConfig
 from stalepipe.data import check_vocab
+from stalepipe.fileio import make_owned_dir
 from stalepipe.rundir.checkpoint import latest_checkpoint
-from stalepipe.rundir.directory import open_run_dir, prepare_run
+from stalepipe.rundir.directory import RUN_KIND, open_run_dir, prepare_run
+from stalepipe.rundir.lease import RunLeased, lease_run, live_owner
 from stalepipe.rundir.resume import parent_meta
 
 
@@ -29,6 +35,7 @@ class StartUp:
     resume: bool = False
     overwrite: bool = False
     init_from: Path | None = None
+    leased: bool = False  # the caller holds the run's lease already (a sweep's worker)
 
     def checkpoint(self, run_dir: Path) -> Path | None:
         """The checkpoint the run starts from: its own newest one on `resume` (so a requeued
@@ -41,23 +48,45 @@ class StartUp:
 FRESH = StartUp()  # a new run into a directory that holds no run yet
 
 
+# What a second `train` of a run that a live process trains is told to do.
+LEASED_FIX = (
+    "wait for it to finish, or stop it (a lease whose process is gone is taken over); or "
+    "choose another --name"
+)
+
+
+@contextmanager
 def begin_run(
     cfg: ExperimentConfig,
     start: StartUp,
     *,
     verbose: bool,
     extra_meta: dict[str, Any] | None = None,
-) -> tuple[Path, Path]:
-    """Refuse what would lose data, prepare the data, open the run directory (config.json,
-    meta.json with `extra_meta` and the parent of an `--init-from` run). Returns (data
-    directory, run directory). The main process only: the others wait for it."""
+) -> Iterator[tuple[Path, Path]]:
+    """Refuse what would lose data, prepare the data, take the run's lease, open the run
+    directory (config.json, meta.json with `extra_meta` and the parent of an `--init-from`
+    run); yields (data directory, run directory) and holds the lease until the body ends: the
+    caller trains inside it. The process that owns the run directory only (the launcher, or rank
+    0): the others wait for it. A run another live process trains is `RunLeased`, exit 5, before
+    anything is read or written; a stale lease is taken over with a note (`verbose`). With
+    `start.leased` the caller holds the lease already (a sweep's worker) and nothing is taken."""
+    run_dir = Path(cfg.out_dir) / cfg.name
+    if not start.leased and (owner := live_owner(run_dir)) is not None:
+        raise RunLeased(run_dir, owner, LEASED_FIX)  # at once, before the data is prepared
     data_dir = prepare_run(cfg, resume=start.resume, overwrite=start.overwrite, progress=verbose)
     check_vocab(data_dir, cfg.model.vocab_size)
-    run_dir = open_run_dir(
-        cfg,
-        resume=start.resume,
-        overwrite=start.overwrite,
-        extra_meta={**(extra_meta or {}), **parent_meta(start.init_from)},
-        data_dir=data_dir,
-    )
-    return data_dir, run_dir
+    with contextlib.ExitStack() as held:
+        owner = None
+        if not start.leased:
+            make_owned_dir(run_dir, RUN_KIND)  # every refusal passed: the lease needs it
+            lease = lease_run(run_dir, then=LEASED_FIX, note=verbose)
+            owner = held.enter_context(lease)
+        run_dir = open_run_dir(
+            cfg,
+            resume=start.resume,
+            overwrite=start.overwrite,
+            extra_meta={**(extra_meta or {}), **parent_meta(start.init_from)},
+            data_dir=data_dir,
+            lease=owner,
+        )
+        yield data_dir, run_dir

@@ -29,10 +29,15 @@ def check_device(cfg: ExperimentConfig) -> None:
     `cuda` under torchrun or on the distributed engine (rank r uses `cuda:<local rank>`),
     index N + 1 for `cuda:N`. Call it first thing, before data is prepared or the run
     directory is opened; a CPU run passes without touching CUDA."""
-    device = cfg.train.device
+    check_cuda(cfg.train.device, "--train.device", local_processes(cfg))
+
+
+def check_cuda(device: str, flag: str, local: int = 1) -> None:
+    """`check_device` of a device string given as `flag` (`--train.device`, or `stalepipe
+    eval --device`), for `local` processes on this machine; a CPU device passes."""
     if not device.startswith("cuda"):
         return
-    flag = f"--train.device {device}"
+    named = f"{flag} {device}"
     if not torch.cuda.is_available():
         if torch.version.cuda is None:
             why = f"this torch build ({torch.__version__}) has no CUDA support"
@@ -42,21 +47,20 @@ def check_device(cfg: ExperimentConfig) -> None:
                 "torch finds no usable GPU (no device, no driver, or CUDA_VISIBLE_DEVICES hides it)"
             )
             fix = "run on a machine with a GPU (check nvidia-smi)"
-        raise DeviceError(f"{flag}: {why}; {fix}, or pass --train.device cpu")
+        raise DeviceError(f"{named}: {why}; {fix}, or pass {flag} cpu")
     count = torch.cuda.device_count()
     have = f"this machine has {count} GPU{'s' if count != 1 else ''}"
     if ":" in device:
         index = int(device.split(":", 1)[1])
         if index >= count:
             raise DeviceError(
-                f"{flag}: {have} (cuda:0 to cuda:{count - 1}); pass --train.device cuda:{count - 1} "
+                f"{named}: {have} (cuda:0 to cuda:{count - 1}); pass {flag} cuda:{count - 1} "
                 f"or a lower index"
             )
         return
-    local = local_processes(cfg)
     if local > count:
         raise DeviceError(
-            f"{flag}: this run puts {local} processes on this machine, one GPU each, but {have}; "
+            f"{named}: this run puts {local} processes on this machine, one GPU each, but {have}; "
             f"start at most {count} per machine (torchrun --nproc-per-node {count}, or fewer "
             f"pipeline.num_stages x pipeline.num_replicas)"
         )

@@ -12,6 +12,7 @@ drives the same loop over its own engine; only the main process writes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -75,12 +76,14 @@ def train(
     overwrite: bool = False,
     verbose: bool = True,
     init_from: Path | None = None,
+    leased: bool = False,
 ) -> TrainResult:
     """Train `cfg` with the delay emulator in `cfg.out_dir/cfg.name`, started as `StartUp`
-    says. Under `torchrun` the ranks train one data-parallel replica each
+    says, holding the run's lease while it writes (`leased`: the caller holds it, a sweep's
+    worker). Under `torchrun` the ranks train one data-parallel replica each
     (train/distributed.py). The pipeline runtime's entry is `train.pipelined.run_worker`."""
     check_device(cfg)  # before anything is written or deleted
-    start = StartUp(resume=resume, overwrite=overwrite, init_from=init_from)
+    start = StartUp(resume=resume, overwrite=overwrite, init_from=init_from, leased=leased)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     ctx = init_data_parallel(cfg)
@@ -89,14 +92,16 @@ def train(
         device = local_device(cfg, ctx)
         set_tf32(cfg.train.tf32, device)  # the runtime's run_worker sets the same
         cfg = with_resolved_optim(cfg)  # config.json records the values used
-        # Data preparation can outlast a collective's timeout: the others wait on the store.
         meta = {"data_parallel_ranks": ctx.world_size}
-        begin = lambda: begin_run(cfg, start, verbose=verbose, extra_meta=meta)  # noqa: E731
-        data_dir, run_dir = on_main_outside_collectives(begin, ctx, "data preparation")
-        for warning in cfg.warnings() if verbose else ():
-            print(f"stalepipe: warning: {warning}", file=sys.stderr)
-        engine = EmulatorEngine(cfg, ctx, device, data_dir, run_dir, start.checkpoint(run_dir))
-        return run_loop(engine, cfg, run_dir, is_main=ctx.is_main, verbose=verbose)
+        with contextlib.ExitStack() as lease:  # the main process's, while the run writes
+            begun = begin_run(cfg, start, verbose=verbose, extra_meta=meta)
+            begin = lambda: lease.enter_context(begun)  # noqa: E731
+            # Data preparation can outlast a collective's timeout: the others wait on the store.
+            data_dir, run_dir = on_main_outside_collectives(begin, ctx, "data preparation")
+            for warning in cfg.warnings() if verbose else ():
+                print(f"stalepipe: warning: {warning}", file=sys.stderr)
+            engine = EmulatorEngine(cfg, ctx, device, data_dir, run_dir, start.checkpoint(run_dir))
+            return run_loop(engine, cfg, run_dir, is_main=ctx.is_main, verbose=verbose)
     finally:
         shutdown(ctx)
 

@@ -138,41 +138,44 @@ def run_worker(
     rank, records = joined.rank, joined.records
     cfg = with_resolved_optim(cfg)
     run_dir = Path(cfg.out_dir) / cfg.name
-    if rank == 0 and not os.environ.get(PREPARED_ENV):  # torchrun: no launcher did it
-        begin_run(cfg, start, verbose=verbose)
-    if rank == 0:  # shards of an interrupted save (maybe of another split): never commit them
-        sharded.clear_staging(run_dir)
-    # Before the groups are made (which waits only pipeline.timeout_s): under torchrun rank 0
-    # may have prepared data for long.
-    what = "the start-up (data preparation on rank 0)"
-    t = max(pc.timeout_s, MAIN_WORK_TIMEOUT_S)
-    barrier_on_store(topo, rank, "start-up", what, t, records)
-    comm = Comm(topo, rank, backend, pc.timeout_s, device, records)
-    restore = tee_rank_log(run_dir / "logs" / f"rank{rank}.log", console=rank == 0 and verbose)
-    try:
-        engine = PipelineEngine(cfg, comm, device, run_dir, start.checkpoint(run_dir))
-        result = run_loop(engine, cfg, run_dir, is_main=rank == 0, verbose=verbose and rank == 0)
-        comm.barrier("the end of training")
-        leave_process_group()
-        return engine.worker_result(result if rank == 0 else None)
-    except Preempted as e:  # every rank stops alike: rank 0 says so
-        # ... but not at the same moment: a peer may still be receiving what this one sent
-        # last (gloo completes a small send before it is read), so no one leaves before all.
-        comm.barrier("the end of a stopped run", via_store=True)
-        leave_process_group()
-        if rank == 0:
-            print(f"stalepipe: {e}", file=sys.stderr, flush=True)
-        raise
-    except KeyboardInterrupt:  # a second Ctrl-C: every rank stops at once, nothing to add
-        raise
-    except BaseException as e:
-        # Into this rank's log while stdout/stderr still go there; main_worker does the rest.
-        print(f"stalepipe: error: {error_line(e, rank)}", file=sys.stderr, flush=True)
-        if wrapped:
-            raise WorkerFailed(e, records) from e
-        raise
-    finally:
-        restore()
+    with contextlib.ExitStack() as lease:  # under torchrun, rank 0's while the run writes
+        if rank == 0 and not os.environ.get(PREPARED_ENV):  # no launcher did it
+            lease.enter_context(begin_run(cfg, start, verbose=verbose))
+        if rank == 0:  # shards of an interrupted save (maybe of another split): never commit them
+            sharded.clear_staging(run_dir)
+        # Before the groups are made (which waits only pipeline.timeout_s): under torchrun rank 0
+        # may have prepared data for long.
+        what = "the start-up (data preparation on rank 0)"
+        t = max(pc.timeout_s, MAIN_WORK_TIMEOUT_S)
+        barrier_on_store(topo, rank, "start-up", what, t, records)
+        comm = Comm(topo, rank, backend, pc.timeout_s, device, records)
+        restore = tee_rank_log(run_dir / "logs" / f"rank{rank}.log", console=rank == 0 and verbose)
+        try:
+            engine = PipelineEngine(cfg, comm, device, run_dir, start.checkpoint(run_dir))
+            result = run_loop(
+                engine, cfg, run_dir, is_main=rank == 0, verbose=verbose and rank == 0
+            )
+            comm.barrier("the end of training")
+            leave_process_group()
+            return engine.worker_result(result if rank == 0 else None)
+        except Preempted as e:  # every rank stops alike: rank 0 says so
+            # ... but not at the same moment: a peer may still be receiving what this one sent
+            # last (gloo completes a small send before it is read), so no one leaves before all.
+            comm.barrier("the end of a stopped run", via_store=True)
+            leave_process_group()
+            if rank == 0:
+                print(f"stalepipe: {e}", file=sys.stderr, flush=True)
+            raise
+        except KeyboardInterrupt:  # a second Ctrl-C: every rank stops at once, nothing to add
+            raise
+        except BaseException as e:
+            # Into this rank's log while stdout/stderr still go there; main_worker does the rest.
+            print(f"stalepipe: error: {error_line(e, rank)}", file=sys.stderr, flush=True)
+            if wrapped:
+                raise WorkerFailed(e, records) from e
+            raise
+        finally:
+            restore()
 
 
 def error_line(e: BaseException, rank: int) -> str:
