@@ -147,8 +147,8 @@ def _subcommands():
 def test_every_command_has_help(capsys):
     names = list(_subcommands())
     assert names == ["train", "data", "demo", "simulate", "info", "config", "presets", "export", "eval",
-                     "sweep", "report", "verdict", "toy"]  # fmt: skip
-    for argv in [[n] for n in names] + [["data", "prepare"]]:
+                     "checkpoint", "sweep", "report", "verdict", "toy"]  # fmt: skip
+    for argv in [[n] for n in names] + [["data", "prepare"], ["checkpoint", "convert"]]:
         with pytest.raises(SystemExit) as e:
             main([*argv, "--help"])
         assert e.value.code == 0, argv
