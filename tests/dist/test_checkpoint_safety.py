@@ -322,27 +322,46 @@ def test_a_checkpoint_without_digests_is_refused(trained):
         load_checkpoint(ckpt)
 
 
+class _FullDisk:
+    """A file opened for writing on a disk that fills after its first 16 bytes or characters:
+    the first write lands partly, then ENOSPC, as a real full disk behaves."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+
+    def write(self, data):
+        self._f.write(data[:16])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self._f.name)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+
 def test_a_full_disk_loses_nothing_and_says_so(tiny_config, monkeypatch):
-    """ENOSPC injected into DCP's file writes at the second checkpoint: one line (what filled,
-    how much was needed), no staging directory left, the first checkpoint kept; once space is
-    back, --resume and eval work."""
-    from torch.distributed.checkpoint.filesystem import FileSystem
+    """ENOSPC injected into every file written for the second checkpoint (the safetensors
+    stream, DCP's index, state.json): one line (what filled, how much was needed), no staging
+    directory left, the first checkpoint kept; once space is back, --resume and eval work."""
+    import builtins
 
     tc = dataclasses.replace(tiny_config.train, ckpt_every=4, keep_last=3, num_steps=8)
     cfg = dataclasses.replace(tiny_config, train=tc)
-    real = FileSystem.create_stream
+    real = builtins.open
     calls = {"n": 0}
 
-    @contextlib.contextmanager
-    def full(self, path, mode):
-        with real(self, path, mode) as stream:
-            if "w" in mode and "ckpt_00000008" in str(path):
-                calls["n"] += 1
-                stream.write(b"\0" * 16)  # a partial file, as a disk that fills mid-write leaves
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-            yield stream
+    def full(file, mode="r", *args, **kwargs):
+        f = real(file, mode, *args, **kwargs)
+        if any(m in mode for m in "wax") and "ckpt_00000008" in str(file):
+            calls["n"] += 1
+            return _FullDisk(f)
+        return f
 
-    monkeypatch.setattr(FileSystem, "create_stream", full)
+    monkeypatch.setattr(builtins, "open", full)
     with pytest.raises(TrainingError) as err:
         train(cfg, verbose=False)
     run = Path(cfg.out_dir) / cfg.name
@@ -352,7 +371,7 @@ def test_a_full_disk_loses_nothing_and_says_so(tiny_config, monkeypatch):
     assert "ckpt_00000004 is the newest: free space, then --resume" in msg, msg
     assert not list(run.glob(".ckpt_*")), list(run.iterdir())
     assert [p.name for p in list_checkpoints(run)] == ["ckpt_00000004"]
-    monkeypatch.setattr(FileSystem, "create_stream", real)  # space is back
+    monkeypatch.setattr(builtins, "open", real)  # space is back
     result = train(cfg, resume=True, verbose=False)
     assert torch.isfinite(torch.tensor(result.final_val_loss))
     assert load_checkpoint(list_checkpoints(run)[-1])["step"] == 8
