@@ -381,17 +381,12 @@ class ShardedCheckpoint:
             try:
                 with _quiet():
                     dcp.load(want, storage_reader=reader, no_dist=True)
-                reader.finish()  # every digest in, before any tensor leaves this method
             except BaseException as e:  # a missing, truncated, damaged or unreadable data file
                 if not _failed(e):
                     raise
-                with contextlib.suppress(CheckpointError):  # damaged bytes explain the error
-                    reader.finish()
-                if reader.failure is not None:
+                if reader.failure is not None:  # damaged bytes explain DCP's wrapped error
                     raise reader.failure from None
                 raise corrupt(self.path, f"{d}: {_reason(e)}") from None
-            finally:
-                reader.close()
         return {k: t for want in by_shard.values() for k, t in want.items()}
 
     def check_files(self) -> None:

@@ -5,22 +5,24 @@ recorded (issues 39 and 50).
 Checkpoints travel (a shared run directory, a cluster's scratch space, a run someone sends to
 reproduce a result), so a load trusts nothing in them:
 
-- **Nothing is unpickled.** A shard's tensors are one safetensors file written by DCP's own
-  `HuggingFaceStorageWriter`: an 8-byte header length, a JSON header (dtype, shape and byte
+- **Nothing is unpickled.** A shard's tensors are one safetensors file written through DCP's
+  `HuggingFaceStorageWriter` (`sharded.streaming_writer`): an 8-byte header length, a JSON header (dtype, shape and byte
   range of every tensor) and the raw bytes. `read_header` parses the header itself and checks
   it before anything is allocated: the length no larger than the file, every dtype one we
   write, every shape's bytes equal to its range, every range inside the file and none
   overlapping. DCP then loads through `HuggingFaceStorageReader` with that checked metadata
-  (its own header reader is never called) and the `safetensors` library's reader, which builds
-  tensors and nothing else. state.json and checkpoint.json are JSON.
+  (its own header reader is never called), each tensor's bytes read straight into the tensor
+  DCP allocated from that metadata (`make_reader`): nothing else is built. state.json and
+  checkpoint.json are JSON.
 - **Nothing outside the directory.** Every file a load opens is resolved inside the checkpoint
   directory (`inside`): a symlink that points out is refused, one line naming it.
 - **Damage is seen.** After a process's shard is complete, the save hashes its files
   (`shard_digests`: SHA-256 of the small files whole, and of the data file's header and each
   tensor's byte range, which cover the file) and commit puts them in checkpoint.json
   (`"files"`). Every load checks what it reads before using it: the small files whole, the
-  header before it is parsed, each tensor's bytes as they are read (`make_reader`, so a process
-  that reads only its own parameters' keys hashes only those bytes), and every file's size in
+  header before it is parsed, each tensor's bytes once read into it, before DCP may use it
+  (`make_reader`: a process that reads only its own parameters' keys hashes only those bytes,
+  and what is checked is what is loaded), and every file's size in
   the cheap check before a resume writes anything. docs/benchmarks.md ("Checkpoint cost") has
   what it costs a load.
 
@@ -313,86 +315,57 @@ def shard_digests(shard: Path) -> dict[str, Any]:
     return out
 
 
-BLOCK = 4 << 20  # the digest thread's read size
-
-
 def make_reader(shard: Path, md: Any, entries: dict[str, Entry], verifier: Verifier):
     """A DCP `HuggingFaceStorageReader` for `shard` that takes its metadata as already read and
-    checked (`md`, from `read_header`: the file's header is never parsed again by anyone else)
-    and checks every tensor's bytes against `verifier`'s digests: a thread hashes the ranges of
-    the keys asked for (page cache, `BLOCK`s into one buffer) while DCP reads them.
-    `finish()` waits for the last digest and raises the first mismatch, before the caller gets
-    any tensor. The first failure is kept in `.failure` (DCP wraps what a reader raises)."""
-    from concurrent.futures import Future, ThreadPoolExecutor
-
+    checked (`md`, from `read_header`: no one else parses the header) and reads each tensor's
+    bytes straight into the tensor DCP hands it (`readinto`, no memory map and no temporary
+    copy), then hashes those very bytes against `verifier`'s digest before DCP may use them: one
+    read, and what is checked is what is loaded. A failure is kept in `.failure` (DCP wraps
+    what a reader raises in its own exception)."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.futures import Future
 
     rel = f"{shard.name}/{DATA}"
 
     class VerifiedReader(HuggingFaceStorageReader):
         failure: CheckpointError | None = None
 
-        def __init__(self) -> None:
-            super().__init__(str(shard))
-            self.hasher = ThreadPoolExecutor(1, thread_name_prefix="stalepipe-digest")
-            self.pending: list[tuple[Future, str, tuple[int, int]]] = []
-            self.fd: int | None = None
-            self.block = memoryview(bytearray(BLOCK))
-
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             return md
 
-        def read_data(self, plan: Any, planner: Any) -> Any:
+        def read_data(self, plan: Any, planner: Any) -> Future:
             try:
                 chunks = verifier.chunks(rel)
-            except CheckpointError as e:  # its record in checkpoint.json is damaged
+                with open(inside(verifier.ckpt, rel), "rb") as f:
+                    for item in plan.items:
+                        self._read(f, item, planner, chunks)
+            except CheckpointError as e:
                 self.failure = e
                 raise
-            if chunks is not None:
-                for key in dict.fromkeys(item.storage_index.fqn for item in plan.items):
-                    span = (entries[key].offset, entries[key].length)
-                    self.pending.append((self.hasher.submit(self._digest, *span), key, span))
-            return super().read_data(plan, planner)
+            fut: Future = Future()
+            fut.set_result(None)
+            return fut
 
-        def _digest(self, offset: int, left: int) -> str | None:
-            """SHA-256 of one tensor's byte range (None: the file is shorter)."""
-            if self.fd is None:
-                self.fd = os.open(inside(verifier.ckpt, rel), os.O_RDONLY)
-            h = hashlib.sha256()
-            while left:
-                n = os.preadv(self.fd, [self.block[: min(left, BLOCK)]], offset)
-                if n == 0:
-                    return None
-                h.update(self.block[:n])
-                offset, left = offset + n, left - n
-            return h.hexdigest()
+        def _read(self, f: Any, item: Any, planner: Any, chunks: Any) -> None:
+            key = item.storage_index.fqn
+            e = entries[key]
+            target = planner.resolve_tensor(item).detach()
+            whole = (
+                list(item.storage_offsets) == [0] * len(e.shape) and tuple(item.lengths) == e.shape
+            )
+            if not whole or target.shape != e.shape or target.dtype != e.dtype:
+                raise verifier.damaged(rel, f"holds {key[:60]!r} as {e.shape}, not as asked")
+            into = target if target.is_contiguous() else torch.empty_like(target).contiguous()
+            buf = memoryview(into.reshape(-1).view(torch.uint8).numpy())
+            f.seek(e.offset)
+            if f.readinto(buf) != e.length:
+                raise verifier.damaged(rel, "is shorter than its header says")
+            if chunks is not None and chunks.get((e.offset, e.length)) != sha256(buf):
+                end = e.offset + e.length
+                what = f"does not match the digest its save recorded (bytes {e.offset}-{end}, tensor {key[:60]})"
+                raise verifier.damaged(rel, what)
+            if into is not target:
+                target.copy_(into)
+            planner.commit_tensor(item, target)
 
-        def _check(self, item: tuple[Future, str, tuple[int, int]]) -> None:
-            digest, key, (offset, length) = item[0].result(), item[1], item[2]
-            want = verifier.chunks(rel) or {}
-            if want.get((offset, length)) != digest and self.failure is None:
-                what = (
-                    "is shorter than its header says"
-                    if digest is None
-                    else f"does not match the digest its save recorded (bytes {offset}-"
-                    f"{offset + length}, tensor {key[:60]})"
-                )
-                self.failure = verifier.damaged(rel, what)
-            if self.failure is not None:
-                raise self.failure
-
-        def finish(self) -> None:
-            """Wait for every digest; raise the first mismatch."""
-            try:
-                while self.pending:
-                    self._check(self.pending.pop(0))
-            finally:
-                self.close()
-
-        def close(self) -> None:
-            self.hasher.shutdown(wait=True, cancel_futures=True)
-            if self.fd is not None:
-                os.close(self.fd)
-                self.fd = None
-
-    return VerifiedReader()
+    return VerifiedReader(str(shard))
