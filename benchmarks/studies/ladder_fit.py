@@ -272,6 +272,9 @@ def regime_table(records: dict, checks: dict) -> None:
     """The regime checks at every width (issue 51): steps and epochs, each arm's latest plateau
     exit over its seeds, sync's seed std against a fifth of each delayed arm's mean gap."""
     entropy, train, where = ladder_labels.ladder_data(records)
+    rec = ladder_labels.RECORDED
+    if (entropy, train) == (rec["unigram_entropy"], rec["train_tokens"]):  # the same either way
+        where = "the token data's, as recorded in analysis/ladder_labels.py"
     print(f"\nregime checks (issue 51): unigram entropy {entropy:.4f} nats, {train:,} training "
           f"tokens ({where}); (a) exit by {ladder_labels.regime.EXIT_BY:.0%}, (b) sync std <= gap/5")  # fmt: skip
     print(f"{'optimizer':<9} {'width':>5} {'steps':>5} {'epochs':>6} "
