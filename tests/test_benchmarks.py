@@ -218,13 +218,16 @@ def test_ladder_fit_reads_the_committed_ladder_records(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "the fit needs 3" in out or "token overhead of one run at 360M" in out
     rows = [ln.split() for ln in out.splitlines() if ln.startswith(("adamw ", "muon "))]
-    rows = [r for r in rows if r[1].isdigit()]  # the table's rows, not the fits' headers
+    rows = [r for r in rows if r[1].isdigit() and int(r[2]) >= 49_440]  # the gap table's (N)
     assert len(rows) == 10 and {r[1] for r in rows} == {"32", "48", "64", "96", "136"}
     adamw32 = next(r for r in rows if r[:2] == ["adamw", "32"])
     assert int(adamw32[3]) >= 1 and 2.0 < float(adamw32[4]) < 3.0  # seeds, sync's mean loss
     assert "the fit waits" in out or "fit, shrink rate" in out
     ef = [ln for ln in out.splitlines() if ln.startswith("EF share, ")]  # as registered: apart
     assert ef and all("; recovers most: " in ln and "; size: " in ln for ln in ef), ef
+    checks = [r for r in (ln.split() for ln in out.splitlines()) if len(r) == 13 and "/" in r]
+    assert len(checks) == 10  # the regime checks' rows (issue 51): every width of both
+    assert out.count("  label (issue 51): ") == 4  # each fit labelled by the project's rules
 
 
 def test_results_quotes_the_ladder_s_table_and_fits_as_the_records_give_them():

@@ -10,6 +10,9 @@ optimizer and width, at its phase-2 LR (`experiments.scales.LADDER_LRS`): sync's
 Fieller's interval; the registered paired bootstrap beside it in the labels). Once every width
 has at least 2 seeds of all three arms: the fit, the test of its direction (Holm over the four
 fits), and the prediction for one run at SmolLM-135M and -360M against the paper's 360M figures.
+Then (issue 51, `analysis.ladder_labels`) the regime checks at every width, the direction on the
+per-seed gaps beside the width means with the fit's lack of fit, and each label by the claims
+table's rule; EF's labels capped by the same checks.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from stalepipe.analysis import claims, plots, scaling, stats
+from stalepipe.analysis import claims, ladder_labels, plots, scaling, stats
+from stalepipe.analysis.ladder_labels import DRAWS
 from stalepipe.errors import UserError
 from stalepipe.experiments.scales import LADDER, LADDER_LRS
 
@@ -69,8 +73,12 @@ def main() -> None:
     )
     args = ap.parse_args()
     runs = finals(Path(args.root))  # read once for the table and EF's labels
+    records = ladder_labels.ladder_records(Path(args.root), LADDER_LRS)
+    checks = ladder_labels.width_checks(records, runs, {w: n for w, _, n in LADDER})
     gap_table(runs)
-    ef_labels(runs)
+    regime_table(records, checks)
+    fit_labels(runs, checks)
+    ef_labels(runs, checks)
     overhead_fit(Path(args.root))
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
@@ -188,13 +196,15 @@ def _paired(g2: dict, ge: dict, n: int) -> int:
     return len(g2.get(n, {}).keys() & ge.get(n, {}).keys())
 
 
-def ef_labels(runs: dict) -> None:
+def ef_labels(runs: dict, checks: dict) -> None:
     """EF's share per optimizer and width with 3 paired seeds, judged as registered: direction
     (its 95 % interval above 50 %: "recovers most") and size apart (the paper's range "inside
     the interval", read as the claims table reads it: the interval meets the range). A deviation
     found after the data: the registered bootstrap's interval is about the 3 seeds' range and
     covers ~72 % (`test_fieller_covers_ef_s_share_where_the_registered_bootstrap_does_not`), so
-    the labels read Fieller's interval of the same ratio of means, the registered one beside."""
+    the labels read Fieller's interval of the same ratio of means, the registered one beside.
+    Issue 51: "recovers most" capped by the width's regime checks as the claims table caps it,
+    the size by the registered "inside" (`claims.paper_size`), a miss with its scale."""
     print()
     for name in ("adamw", "muon"):
         g2, ge = gaps(runs, name, "2bw"), gaps(runs, name, "2bw+ef")
@@ -202,10 +212,23 @@ def ef_labels(runs: dict) -> None:
             if _paired(g2, ge, n) < SHARE_SEEDS or not math.isfinite(blo):
                 continue
             _, lo, hi = scaling.fieller_share(g2[n], ge[n])
-            way = "reproduced" if lo > 0.5 else "not reproduced" if hi < 0.5 else "inconclusive"
+            w = next(c for c in checks.values() if c.optimizer == name and c.params == n)
+            way = _capped(lo, hi, ladder_labels.regime_fails(w, ladder_labels.ARMS, "2bw"), w)
             print(f"EF share, {name} at N = {n:,}: {s:.0%}, Fieller {_pcts(lo, hi)} "
                   f"(registered bootstrap [{blo:.0%}, {bhi:.0%}]); recovers most: {way}; "
-                  f"size: {claims.paper_size(name, lo, hi)}")  # fmt: skip
+                  f"size: {claims.paper_size(name, lo, hi, w.scale)}")  # fmt: skip
+
+
+def _capped(lo: float, hi: float, fails: list[str], w) -> str:
+    """ "Recovers most" (the interval above 50 %) by the claims table's rule: an unread check
+    caps it at inconclusive, a failed one at partly; a miss states its scale."""
+    if not (lo > 0.5 or hi < 0.5):
+        return "inconclusive"
+    if any(f.startswith(ladder_labels.regime.UNREAD) for f in fails):
+        return f"inconclusive ({fails[0]})"
+    if hi < 0.5:
+        return f"not reproduced ({w.scale})"
+    return f"partly ({'; '.join(fails)})" if fails else "reproduced"
 
 
 def registered_fits(runs: dict) -> dict[tuple[str, str], tuple[dict, scaling.Trend, float]]:
@@ -243,29 +266,84 @@ def gap_table(runs: dict) -> None:
             sync_mean = sum(sync.values()) / len(sync) if sync else float("nan")
             print(f"{name:<6} {width:>5} {params:>8} {len(g2.get(params, {})):>5} {sync_mean:>7.4f} "
                   f"{cells[0]:>26} {cells[1]:>26} {share_text:>18}")  # fmt: skip
+
+
+def regime_table(records: dict, checks: dict) -> None:
+    """The regime checks at every width (issue 51): steps and epochs, each arm's latest plateau
+    exit over its seeds, sync's seed std against a fifth of each delayed arm's mean gap."""
+    entropy, train, where = ladder_labels.ladder_data(records)
+    rec = ladder_labels.RECORDED
+    if (entropy, train) == (rec["unigram_entropy"], rec["train_tokens"]):  # the same either way
+        where = "the token data's, as recorded in analysis/ladder_labels.py"
+    print(f"\nregime checks (issue 51): unigram entropy {entropy:.4f} nats, {train:,} training "
+          f"tokens ({where}); (a) exit by {ladder_labels.regime.EXIT_BY:.0%}, (b) sync std <= gap/5")  # fmt: skip
+    print(f"{'optimizer':<9} {'width':>5} {'steps':>5} {'epochs':>6} "
+          f"{'plateau exit sync / 2bw / 2bw+ef':>34} {'sync std':>8} {'gap/5 2bw / 2bw+ef':>19}")  # fmt: skip
+    for (name, width), w in sorted(checks.items()):
+        exits = " / ".join(_pct(w.exits[a]) for a in ladder_labels.ARMS)
+        fifths = " / ".join(f"{w.gaps[a] / 5:.4f}" for a in ("2bw", "2bw+ef"))
+        print(f"{name:<9} {width:>5} {w.steps:>5} {w.epochs:>6.2f} {exits:>34} "
+              f"{w.sync_sd:>8.4f} {fifths:>19}")  # fmt: skip
+
+
+def _pct(x: float) -> str:
+    return "never" if math.isinf(x) else "unread" if math.isnan(x) else f"{x:.0%}"
+
+
+def fit_labels(runs: dict, checks: dict) -> None:
+    """Each registered fit with its test (as registered), then the direction on the per-seed
+    gaps (Jonckheere, Holm over the four arms) and the width means (exact rank test), the
+    per-seed power law and the lack of fit, the label by the claims table's rule with the
+    checks it fails, and the prediction at 135M / 360M (the method amended before any gap)."""
     fitted = registered_fits(runs)
     if len(fitted) < 4:
         print(
             f"\nthe fit waits for every width at >= 2 seeds of all arms ({len(fitted)} of 4 ready)"
         )
         return
+    tests = {k: ladder_labels.direction_tests(g) for k, (g, _, _) in fitted.items()}
+    q_jt = dict(zip(tests, stats.holm([d.jt_p for d in tests.values()])))
     for (name, arm), (g, t, q) in fitted.items():
+        d = tests[name, arm]
         print(f"\n{name} {arm}: {t.fit.kind} fit, shrink rate {t.fit.shrink:.3f} "
-              f"[{t.shrink_lo:.3f}, {t.shrink_hi:.3f}], Holm p {q:.3g}: {scaling.direction(t, q)}")  # fmt: skip
-        for label, n in (("135M", scaling.SMOLLM_135M), ("360M", scaling.SMOLLM_360M)):
-            point, lo, hi = scaling.predict(g, t, n)
-            paper = PAPER.get((name, arm)) if label == "360M" else None
-            vs = f"; paper {paper}: {scaling.against_paper(paper, lo, hi)}" if paper else ""
-            if (name, arm) == ("adamw", "2bw"):  # a bound, not a figure
-                said = (
-                    "agrees"
-                    if lo > ADAMW_FLOOR
-                    else "disagrees"
-                    if hi < ADAMW_FLOOR
-                    else "inconclusive"
-                )
-                vs = f"; paper > {ADAMW_FLOOR}: {said}"
-            print(f"  one run at {label}: {point:.2g} [{lo:.2g}, {hi:.2g}]{vs}")
+              f"[{t.shrink_lo:.3f}, {t.shrink_hi:.3f}], Holm p {q:.3g}: {scaling.direction(t, q)} "
+              "(the registered test alone; the label below)")  # fmt: skip
+        floor = " (none of the permutations as extreme)" if d.jt_p * (DRAWS + 1) < 1.5 else ""
+        print(f"  per seed: the wider width's gap smaller in {d.jt} of {d.pairs} cross-width "
+              f"pairs, rank test p {d.jt_p:.2g}{floor} (Holm {q_jt[name, arm]:.2g}); width "
+              f"means: Spearman {d.rank_rho:+.2f}, exact p {d.rank_p:.3g}")  # fmt: skip
+        lof = f"chi2 {d.chi2:.1f} on {d.df} df, p {d.chi2_p:.2g}" if d.chi2 == d.chi2 else "-"
+        print(f"  least squares on the {sum(map(len, g.values()))} per-seed gaps: c = {d.c:.3f} "
+              f"[{d.c_lo:.3f}, {d.c_hi:.3f}]; lack of fit of the width means: {lof}")  # fmt: skip
+        fails = [
+            f"width {w.width}: {f}"
+            for w in sorted(checks.values(), key=lambda w: w.width)
+            if w.optimizer == name
+            for f in ladder_labels.regime_fails(w, ("sync", arm), arm)
+        ]
+        print(f"  label (issue 51): {ladder_labels.fit_label(t, q, d, q_jt[name, arm], fails)}")
+        for f in fails:
+            print(f"    {f}")
+        _predictions(name, arm, g, t)
+
+
+def _predictions(name: str, arm: str, g: dict, t: scaling.Trend) -> None:
+    """One run at 135M and 360M against the paper's figures, by the prediction method amended
+    on 2026-12-04 at 23:10 UTC, before any delayed run existed (RESULTS, "Size ladder")."""
+    for label, n in (("135M", scaling.SMOLLM_135M), ("360M", scaling.SMOLLM_360M)):
+        point, lo, hi = scaling.predict(g, t, n)
+        paper = PAPER.get((name, arm)) if label == "360M" else None
+        vs = f"; paper {paper}: {scaling.against_paper(paper, lo, hi)}" if paper else ""
+        if (name, arm) == ("adamw", "2bw"):  # a bound, not a figure
+            said = (
+                "agrees"
+                if lo > ADAMW_FLOOR
+                else "disagrees"
+                if hi < ADAMW_FLOOR
+                else "inconclusive"
+            )
+            vs = f"; paper > {ADAMW_FLOOR}: {said}"
+        print(f"  one run at {label} (amended method): {point:.2g} [{lo:.2g}, {hi:.2g}]{vs}")
 
 
 if __name__ == "__main__":

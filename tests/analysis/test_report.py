@@ -223,7 +223,12 @@ def _depth_runs(root, gaps: dict[int, float], seeds: int, noise: float) -> None:
     ("gaps", "seeds", "noise", "verdict"),
     [
         ({2: 0.1, 3: 0.5}, 3, 0.01, "reproduced"),
-        ({2: 0.5, 3: 0.1}, 3, 0.01, "not reproduced"),
+        (
+            {2: 0.5, 3: 0.1},
+            3,
+            0.01,
+            "not reproduced (measured at 0.33M parameters and 4.1k tokens)",
+        ),
         ({3: 0.5}, 3, 0.01, "inconclusive (2 depths)"),  # P = 1 and 3: two points rank +-1
         ({2: 0.1, 3: 0.5}, 2, 0.01, "inconclusive (2 seeds < 3)"),
         ({2: 0.1, 3: 0.2}, 3, 0.5, "inconclusive (Holm p 0.560)"),  # within the seed noise
@@ -385,7 +390,11 @@ def test_the_delay_series_reads_2bw_as_one_step(tmp_path):
     ("gaps", "seeds", "verdict"),
     [
         ({"2bw": 0.1, "fixed:2": 0.3, "fixed:4": 0.6}, 3, "reproduced"),
-        ({"2bw": 0.6, "fixed:2": 0.3, "fixed:4": 0.1}, 3, "not reproduced"),
+        (
+            {"2bw": 0.6, "fixed:2": 0.3, "fixed:4": 0.1},
+            3,
+            "not reproduced (measured at 0.33M parameters and 4.1k tokens)",
+        ),
         ({"2bw": 0.1, "fixed:4": 0.6}, 3, "inconclusive (2 delays)"),
         ({"2bw": 0.1, "fixed:2": 0.3, "fixed:4": 0.6}, 2, "inconclusive (2 seeds < 3)"),
     ],
@@ -436,15 +445,50 @@ def test_a_claim_without_its_configurations_is_left_out(check, sweep_dir):
 
 def test_a_claim_with_a_paper_size_labels_direction_and_size_apart():
     """EF's share: the direction (> half) and the paper's size (AdamW 85-90 %, Muon 50-70 %)
-    are two answers; the size reproduces when the share's interval meets the paper's range."""
-    from stalepipe.analysis.claims import Finding, label, paper_size
+    are two answers. The size by the rule registered before the size ladder (issue 51): the
+    paper's range inside the interval (or the interval inside it) is consistent, a miss is not
+    reproduced with its scale, a part or an interval over SIZE_WIDTH_FACTOR x the range's width
+    is inconclusive. The size is read even where the direction's test is not significant."""
+    from stalepipe.analysis.claims import SIZE_WIDTH_FACTOR, Finding, label, paper_size
 
-    assert paper_size("adamw", 0.57, 0.69).startswith("not reproduced (interval misses")
-    assert paper_size("muon", 0.48, 0.75).startswith("reproduced (interval meets the paper's 50%")
+    at = "measured at 0.43M parameters and 2.5M tokens"
+    assert paper_size("adamw", 0.57, 0.69, at) == (
+        f"not reproduced (interval misses the paper's 85%-90%; {at})"
+    )
+    assert paper_size("muon", 0.48, 0.75) == "consistent with the paper's 50%-70%"
+    assert paper_size("muon", 0.55, 0.65) == "consistent with the paper's 50%-70%"
+    assert paper_size("muon", 0.53, 0.76).startswith("inconclusive (interval holds only part")
+    assert SIZE_WIDTH_FACTOR == 2  # [0.40, 0.80] is 2x the range: still read; 2.1x is not
+    assert paper_size("muon", 0.40, 0.80) == "consistent with the paper's 50%-70%"
+    assert paper_size("muon", 0.29, 0.71).startswith("inconclusive (interval 2.1x as wide")
+    assert paper_size("muon", -0.60, 0.86).startswith("inconclusive (interval 7.3x as wide")
     assert paper_size("muon", math.nan, math.nan).startswith("inconclusive")
     assert paper_size("lion", 0.1, 0.2) == ""
-    f = Finding("EF", True, 1e-4, "63%", 5, need=5, size=paper_size("adamw", 0.57, 0.69))
+    f = Finding("EF", True, 1e-4, "63%", 5, need=5, size=paper_size("adamw", 0.57, 0.69, at))
     (claim,) = label([f])
     assert claim.verdict.startswith("direction reproduced; size not reproduced")
     few = f._replace(seeds=3)
     assert label([few])[0].verdict == "inconclusive (3 seeds < 5)"  # no size without a verdict
+    muon = Finding("EF", True, 0.067, "62%", 5, need=5, size=paper_size("muon", 0.48, 0.75))
+    assert label([muon, muon._replace(p=0.1)])[0].verdict == (
+        "direction inconclusive (Holm p 0.134); size consistent with the paper's 50%-70%"
+    )
+
+
+def test_a_confounded_miss_is_inconclusive_and_a_miss_states_its_scale():
+    """Issue 51: a claim whose effect misses but whose design names a confound (momentum: the LR
+    retuned per beta1) reads inconclusive, not "not reproduced"; a plain miss states the scale
+    it was measured at; a confounded hit is at most partly."""
+    from stalepipe.analysis.claims import Finding, label
+
+    at = "measured at 0.43M parameters and 2.5M tokens"
+    miss = Finding("m", False, 1e-4, "e", 3, scale=at)
+    assert label([miss])[0].verdict == f"not reproduced ({at})"
+    confounded = miss._replace(confound="the LR moves with beta1")
+    assert label([confounded])[0].verdict == (
+        "inconclusive (misses the claim, confounded: the LR moves with beta1)"
+    )
+    hit = confounded._replace(holds=True, partly="(a) plateau exit at 30% > 10% for x")
+    assert label([hit])[0].verdict == (
+        "partly ((a) plateau exit at 30% > 10% for x; the LR moves with beta1)"
+    )

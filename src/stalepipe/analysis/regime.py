@@ -9,7 +9,7 @@ A delay study says something about pretraining only if its runs behave like pret
   `EXIT_BY` for every seed. A delayed arm that escapes late has a gap that mixes delay damage
   with a late escape.
 - (b) the seed spread of the synchronous baseline is at most a fifth of the gap
-  (`claims.regime_check`).
+  (`regime_check`).
 - (c) the train loss is still falling at the end (`end_slope` < 0), read by
   benchmarks/studies/regime_probe.py when a scale is chosen.
 
@@ -120,3 +120,31 @@ def plateau_exit_of(row: Row) -> float:
         fractions = [exit_fraction(r, entropy) for r in done]
         row._exit = max(fractions) if fractions and math.isfinite(entropy) else math.nan
     return row._exit
+
+
+UNREAD = "unread"  # a regime check that could not be read: never a pass (`claims.label`)
+
+
+def regime_check(r: Row) -> str:
+    """The regime check a delayed row fails ('' when it passes, `analysis.regime`): (a) it or
+    its baseline leaves the initial plateau after the first tenth of the run in some seed;
+    (b) the seed spread of its synchronous baseline above a fifth of its gap, so the gap is not
+    much larger than the noise between seeds. A check (a) that cannot be read (the runs' token
+    data not found, so no plateau to measure against) is `UNREAD ...`, which `claims.label` caps at
+    inconclusive: an unread check is never a pass. (Moved here from `claims` in issue 51, so
+    that the ladder's labels read the same checks.)"""
+    for arm in (r, r.baseline):
+        if arm is not None and math.isnan(plateau_exit_of(arm)):
+            return f"{UNREAD}: no token data to find {arm.label}'s plateau exit against"
+        if arm is not None and plateau_exit_of(arm) > EXIT_BY:
+            late = plateau_exit_of(arm)
+            when = "never" if math.isinf(late) else f"at {100 * late:.0f}%"
+            return (
+                f"(a) {'sync ' if arm is not r else ''}plateau exit {when} > {100 * EXIT_BY:.0f}%"
+            )
+    # (b) against the delay's gap: a mitigated row's own gap is small by design
+    base, effect = r.baseline, (r.unmitigated or r).gap
+    readable = base is not None and len(base.values) >= 2 and math.isfinite(effect) and effect > 0
+    if readable and base.std > effect / 5:
+        return f"(b) sync std {base.std:.4f} > gap/5"
+    return ""

@@ -239,3 +239,29 @@ def holm(ps: Sequence[float]) -> list[float]:
         running = max(running, min(1.0, (len(finite) - rank) * p))
         out[i] = running
     return out
+
+
+# ---- how the claims table and the reports print these (moved from `claims`, issue 51) ----
+
+
+def fmt_ci(d: Difference | None, digits: int = 4) -> str:
+    """'[low, high]' of a difference's 95 % interval ('' when it has none)."""
+    if d is None or not math.isfinite(d.low):
+        return ""
+    return f"[{d.low:+.{digits}f}, {d.high:+.{digits}f}]"
+
+
+def fmt(x: float, digits: int = 4) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return f"{x:.{digits}f}"
+
+
+def fmt_p(p: float) -> str:
+    if not math.isfinite(p):
+        return "-"
+    return f"{p:.1e}" if p < 1e-3 else f"{p:.3f}"
+
+
+def fmt_share(x: float) -> str:
+    return "-" if not math.isfinite(x) else f"{100 * x:.0f}%"
