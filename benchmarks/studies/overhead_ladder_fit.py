@@ -42,11 +42,7 @@ def main() -> None:
           "interval of the measured overhead)")  # fmt: skip
     for arm in ol.ARMS:
         for r in ol.slope_relation(runs, arm):
-            verdict = "holds" if r.holds else "fails"
-            print(
-                f"  N={r.n:>9,} {arm:<7} implied {r.implied:.3f}  measured {r.measured:.3f} "
-                f"[{r.lo:.3f}, {r.hi:.3f}] ({r.seeds} seeds): {verdict}"
-            )
+            print(f"  {r.label}: {r.describe()}")
 
 
 def _table(points: dict[str, list[ol.SeedOverhead]]) -> None:

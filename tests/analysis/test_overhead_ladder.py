@@ -91,6 +91,35 @@ def test_the_360m_prediction_and_its_reading():
 def test_gap_equals_slope_times_log_overhead_where_the_curves_are_shifted():
     runs = _runs(lambda n, arm: 1.12, noise=0.02)
     rel = ol.slope_relation(runs, "2bw")
-    assert [r.n for r in rel] == sorted(WIDTHS.values())
+    assert [r.label for r in rel] == [f"N={n:,} 2bw" for n in sorted(WIDTHS.values())]
     for r in rel:
         assert r.holds and r.implied == pytest.approx(r.measured, rel=1e-6), r
+
+
+def test_the_report_sets_the_implied_overhead_beside_the_measured_one():
+    """On the committed lengths study (0.43M, 5 seeds, sync and Muon at 1-1.5x): the report's
+    table of gap = sync slope x ln(overhead), as RESULTS.md quotes it."""
+    from pathlib import Path
+
+    from stalepipe.analysis import lengths
+    from stalepipe.analysis.report import _relation_blocks
+    from stalepipe.analysis.results import build_rows, load_runs
+
+    root = Path(__file__).resolve().parents[2] / "docs" / "results" / "lengths-regime"
+    rows = build_rows(load_runs(root))
+    blocks = _relation_blocks(rows)
+    got = {r.label: r.describe() for r in lengths.slope_relations(rows)}
+    assert got == {
+        "muon_2bw": "implied 1.338, measured 1.275 [1.212, 1.338] (5 seeds): holds",
+        "muon_2bw+ef": "implied 1.122, measured 1.104 [1.041, 1.166] (5 seeds): holds",
+    }
+    assert any(b.text == "Gap = sync slope x ln(token overhead)" for b in blocks)
+
+
+def test_sync_slope_is_the_two_point_slope_with_two_lengths():
+    from stalepipe.analysis.targets import implied_overhead, sync_slope
+
+    s = sync_slope({1.0: 2.0, 1.2: 2.0 - 0.05 * math.log(1.2)})
+    assert s == pytest.approx(0.05)
+    assert implied_overhead(s, 0.05 * math.log(1.1)) == pytest.approx(1.1)
+    assert math.isnan(implied_overhead(-0.01, 0.01))  # sync got worse with length

@@ -18,6 +18,13 @@ from stalepipe.analysis import plots
 from stalepipe.analysis.overhead import tokens_per_step
 from stalepipe.analysis.results import LENGTH_KEYS, Row, config_key, val_curves
 from stalepipe.analysis.stats import t_interval
+from stalepipe.analysis.targets import (
+    Relation,
+    final_crossing,
+    implied_overhead,
+    relate,
+    sync_slope,
+)
 
 
 @dataclass(frozen=True)
@@ -108,3 +115,27 @@ def length_plot(rows: list[Row]) -> bytes | None:
         ax.legend(fontsize=6, frameon=False)
         ax.grid(alpha=0.3)
     return plots._finish_grid(fig, axes, len(items))
+
+
+def slope_relations(rows: list[Row]) -> list[Relation]:
+    """Per delayed configuration of `length_series` whose sync baseline ran complete at longer
+    lengths too: the overhead the equal-token gap and sync's final slope imply (`sync_slope`
+    over sync's complete runs at 1-1.5x), per seed, beside the overhead measured where the
+    delayed arm's final losses cross sync's 1x final loss (`targets.relate`). A seed not there
+    by its longest run has no measured overhead and is left out."""
+    out = []
+    for row, delayed, sync in length_series(rows):
+        if 1.0 not in sync.points or 1.0 not in delayed.points:
+            continue
+        implied, measured = [], []
+        for seed, l1 in sync.points[1.0].items():
+            finals = {x: v[seed] for x, v in sync.points.items() if x <= 1.5 and seed in v}
+            ends = [[(x, v[seed])] for x, v in delayed.points.items() if seed in v]
+            if len(finals) < 2 or seed not in delayed.points[1.0] or len(ends) < 2:
+                continue
+            gap = delayed.points[1.0][seed] - l1
+            implied.append(implied_overhead(sync_slope(finals), gap))
+            measured.append(final_crossing(ends, l1))
+        if (r := relate(row.label, implied, measured)) is not None:
+            out.append(r)
+    return out

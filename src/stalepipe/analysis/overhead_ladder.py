@@ -28,8 +28,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from stalepipe.analysis.scaling import SMOLLM_360M, LadderRun
-from stalepipe.analysis.stats import holm, t_interval, t_quantile, t_sf_two_sided
-from stalepipe.analysis.targets import final_crossing
+from stalepipe.analysis.stats import holm, t_quantile, t_sf_two_sided
+from stalepipe.analysis.targets import (
+    Relation,
+    final_crossing,
+    implied_overhead,
+    relate,
+    sync_slope,
+)
 
 LENGTHS = (1.0, 1.1, 1.2, 1.35, 1.5)  # the delayed arms' registered lengths (scales.py)
 SYNC_SLOPE_LENGTH = 1.2  # sync's second length: its final slope
@@ -183,28 +189,10 @@ def against_paper(lo: float, hi: float, arm: str) -> str:
     return "a miss" if p_hi < lo or p_lo > hi else "agrees"
 
 
-@dataclass(frozen=True)
-class Relation:
-    """`gap = s ln o` at one width and arm: the overhead the gap and sync's slope imply
-    (mean over seeds) beside the measured one's mean and 95 % interval."""
-
-    n: int
-    arm: str
-    implied: float
-    measured: float
-    lo: float
-    hi: float
-    seeds: int
-
-    @property
-    def holds(self) -> bool:
-        return self.lo <= self.implied <= self.hi
-
-
 def slope_relation(runs: Sequence[LadderRun], arm: str) -> list[Relation]:
-    """Per width: sync's final slope `s = (L_1x - L_1.2x) / ln 1.2`, the equal-token gap
-    `g = L_arm,1x - L_sync,1x`, the implied `exp(g / s)` per seed; beside the measured
-    overhead of the same seeds (widths with at least 2 such seeds)."""
+    """Per width (labelled by N): the overhead the equal-token gap and sync's final slope
+    (its 1x and 1.2x runs) imply, per seed, beside the measured overhead of the same seeds
+    (`targets.implied_overhead`, `targets.relate`)."""
     measured = {(p.n, p.seed): p.overhead for p in seed_overheads(runs, arm)}
     out = []
     for n, group in sorted(_by_width(runs).items()):
@@ -213,14 +201,11 @@ def slope_relation(runs: Sequence[LadderRun], arm: str) -> list[Relation]:
         for seed in sorted({r.seed for r in group}):
             at = {(r.arm, _factor(r, base)): r.loss for r in group if r.seed == seed}
             need = [("sync", 1.0), ("sync", SYNC_SLOPE_LENGTH), (arm, 1.0)]
-            if (n, seed) not in measured or not all(k in at for k in need):
-                continue
-            s = (at["sync", 1.0] - at["sync", SYNC_SLOPE_LENGTH]) / math.log(SYNC_SLOPE_LENGTH)
-            if s <= 0:
-                continue  # sync did not improve with length: no slope to divide by
-            implied.append(math.exp((at[arm, 1.0] - at["sync", 1.0]) / s))
-            got.append(measured[n, seed])
-        if len(got) >= 2:
-            m, lo, hi = t_interval(got)
-            out.append(Relation(n, arm, float(np.mean(implied)), m, lo, hi, len(got)))
+            if (n, seed) in measured and all(k in at for k in need):
+                finals = {f: at["sync", f] for f in (1.0, SYNC_SLOPE_LENGTH)}
+                gap = at[arm, 1.0] - at["sync", 1.0]
+                implied.append(implied_overhead(sync_slope(finals), gap))
+                got.append(measured[n, seed])
+        if (r := relate(f"N={n:,} {arm}", implied, got)) is not None:
+            out.append(r)
     return out

@@ -174,6 +174,33 @@ def _table(heading: str, text: str, header: list[str], body: list[list[str]]) ->
     return [Block("h", heading), Block("p", text), Block("table", header=header, rows=body)]
 
 
+def _relation_blocks(rows: list[Row]) -> list[Block]:
+    """gap = sync slope x ln(overhead) (issue 51): the overhead the equal-token gap implies
+    beside the one measured from complete runs, per configuration with lengths runs."""
+    relations = lengths.slope_relations(rows)
+    if not relations:
+        return []
+    text = (
+        "If a delayed run's loss curve is sync's shifted along ln(tokens), its equal-token gap "
+        "is sync's final slope s times ln(token overhead). s = (L_1x - L_fx) / ln f from sync's "
+        "complete runs at 1x and its shortest longer length; the implied overhead exp(gap / s) "
+        "(mean over seeds) beside the measured one (where the final losses cross sync's 1x "
+        "final loss; mean and 95 % t-interval over the same seeds). It holds where the implied "
+        "overhead lies inside the measured one's interval."
+    )
+    body = [
+        [r.label, f"{r.implied:.3f}", f"{r.measured:.3f} [{r.lo:.3f}, {r.hi:.3f}]", str(r.seeds),
+         "holds" if r.holds else "fails"]
+        for r in relations
+    ]  # fmt: skip
+    header = ["configuration", "implied overhead", "measured overhead [95 %]", "seeds", "relation"]
+    return [
+        Block("h", "Gap = sync slope x ln(token overhead)"),
+        Block("p", text),
+        Block("table", header=header, rows=body),
+    ]
+
+
 def build_report(root: Path, title: str | None = None) -> tuple[list[Block], list[Row], list[Run]]:
     runs = load_runs(root)
     if not runs:
@@ -235,6 +262,7 @@ def build_report(root: Path, title: str | None = None) -> tuple[list[Block], lis
             Block("h", "Final loss against planned length (complete runs)"),
             Block("img", text="final_loss_vs_length.png", png=png),
         ]
+    blocks += _relation_blocks(rows)
     for kind in plots.AXES:
         png = plots.gap_plot(rows, kind)
         if png:

@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from stalepipe.analysis.overhead import Curve, log_t_interval, tokens_to_reach
+from stalepipe.analysis.stats import t_interval
 
 SHARES = (("99%", 0.99), ("95%", 0.95), ("90%", 0.90))
 TARGET_NAMES = ("final", *(name for name, _ in SHARES))
@@ -175,3 +176,58 @@ def target_overheads(
                 per_seed.append(seed_target(s, sync[s], delayed[s], targets[name], warmup_tokens))
         out[name] = TargetOverhead(name, tuple(per_seed))
     return out
+
+
+def sync_slope(finals: Mapping[float, float]) -> float:
+    """Sync's final slope `s = -dL / d ln(tokens)` from its complete runs: least squares of the
+    final loss on ln(planned length) over the lengths given (x the 1x tokens); with 1x and 1.2x
+    alone, `(L_1x - L_1.2x) / ln 1.2`; nan with fewer than two lengths."""
+    xs = [math.log(f) for f in sorted(finals)]
+    if len(xs) < 2:
+        return math.nan
+    ys = [finals[f] for f in sorted(finals)]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return -sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+
+
+def implied_overhead(slope: float, gap: float) -> float:
+    """The token overhead the equal-token gap implies if the delayed curve is sync's shifted
+    along ln(tokens): `gap = s ln o`, s sync's final slope (`sync_slope`); nan where sync did
+    not improve with length."""
+    return math.exp(gap / slope) if slope > 0 else math.nan
+
+
+@dataclass(frozen=True)
+class Relation:
+    """`gap = s ln o` for one configuration: the overhead implied by the gap and sync's slope
+    (the mean over seeds) beside the measured one (mean and 95 % t-interval over the same
+    seeds). It holds where the implied overhead lies inside the measured one's interval."""
+
+    label: str
+    implied: float
+    measured: float
+    lo: float
+    hi: float
+    seeds: int
+
+    @property
+    def holds(self) -> bool:
+        return self.lo <= self.implied <= self.hi
+
+    def describe(self) -> str:
+        verdict = "holds" if self.holds else "fails"
+        return (
+            f"implied {self.implied:.3f}, measured {self.measured:.3f} [{self.lo:.3f}, "
+            f"{self.hi:.3f}] ({self.seeds} seeds): {verdict}"
+        )
+
+
+def relate(label: str, implied: Sequence[float], measured: Sequence[float]) -> Relation | None:
+    """The relation over the seeds that have both numbers (None below 2 such seeds)."""
+    pairs = [(i, m) for i, m in zip(implied, measured, strict=True) if math.isfinite(i + m)]
+    if len(pairs) < 2:
+        return None
+    mean, lo, hi = t_interval([m for _, m in pairs])
+    implied_mean = sum(i for i, _ in pairs) / len(pairs)
+    return Relation(label, implied_mean, mean, lo, hi, len(pairs))
