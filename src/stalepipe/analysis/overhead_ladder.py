@@ -24,10 +24,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from stalepipe.analysis.scaling import SMOLLM_360M, LadderRun
+from stalepipe.analysis.scaling import SMOLLM_360M, LadderRun, ladder_runs
 from stalepipe.analysis.stats import holm, t_quantile, t_sf_two_sided
 from stalepipe.analysis.targets import (
     Relation,
@@ -36,6 +37,7 @@ from stalepipe.analysis.targets import (
     relate,
     sync_slope,
 )
+from stalepipe.errors import UserError
 
 LENGTHS = (1.0, 1.1, 1.2, 1.35, 1.5)  # the delayed arms' registered lengths (scales.py)
 SYNC_SLOPE_LENGTH = 1.2  # sync's second length: its final slope
@@ -209,3 +211,38 @@ def slope_relation(runs: Sequence[LadderRun], arm: str) -> list[Relation]:
         if (r := relate(f"N={n:,} {arm}", implied, got)) is not None:
             out.append(r)
     return out
+
+
+MIN_WIDTHS = 3  # the fit the verdict takes: at least three widths with complete seeds
+
+
+def overhead_at(root: Path, n: int, arm: str = "2bw+ef") -> tuple[float, float, float, str]:
+    """The overhead ladder under `root` fitted as registered and predicted for one run at `n`
+    non-embedding parameters: (overhead, 2.5 %, 97.5 %, what it is), for `stalepipe verdict
+    --overhead-fit`. UserError in one line when the widths train different token budgets (size
+    and length would move together: the size ladder) or fewer than MIN_WIDTHS have a seed."""
+    runs = [r for r in ladder_runs(root) if r.optimizer == "muon"]
+    budgets = {r.params: _base([x for x in runs if x.params == r.params]) for r in runs}
+    if len(set(budgets.values())) > 1:
+        raise UserError(
+            f"--overhead-fit: the widths under {root} train different token budgets "
+            f"({min(budgets.values()):,}-{max(budgets.values()):,} tokens at 1x), so size and "
+            "training length move together there; give an overhead ladder at one budget: "
+            "`stalepipe sweep overhead-ladder --scale cpu-regime --seeds 3` (docs/results/"
+            "overhead-ladder)"
+        )
+    points = seed_overheads(runs, arm)
+    widths = sorted({p.n for p in points})
+    if len(widths) < MIN_WIDTHS or (fit := fit_overheads(points)) is None:
+        have = ", ".join(f"{w:,}" for w in widths) or "none"
+        raise UserError(
+            f"--overhead-fit: {root} has complete seeds of muon {arm} at {len(widths)} width(s) "
+            f"(N = {have}); the fit needs {MIN_WIDTHS}: run `stalepipe sweep overhead-ladder "
+            "--scale cpu-regime --seeds 3` to complete it"
+        )
+    o, lo, hi = predict(fit, n)
+    what = (
+        f"muon {arm}, ln o on ln N over {fit.n_points} seeds at N = "
+        f"{', '.join(f'{w:,}' for w in widths)} ({fit.censored} bounds), predicted at N = {n:,}"
+    )
+    return o, lo, hi, what

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from stalepipe.analysis import scaling
+from stalepipe.analysis import overhead_ladder, scaling
 from stalepipe.errors import UserError
 from stalepipe.verdict.rule import Verdict
 
@@ -74,17 +74,18 @@ def given_overhead(text: str) -> GivenOverhead:
 
 def fitted_overhead(text: str) -> GivenOverhead:
     """`--overhead-fit LADDER_DIR@SIZE`: the registered fit of Muon+EF's token overhead over the
-    size ladder's runs in LADDER_DIR (`analysis.scaling.overhead_at`), predicted at SIZE (135M,
-    360M or a number of non-embedding parameters) with its 95 % prediction interval."""
+    overhead ladder's runs in LADDER_DIR (one token budget at every width;
+    `analysis.overhead_ladder.overhead_at`), predicted at SIZE (135M, 360M or a number of
+    non-embedding parameters) with its 95 % prediction interval."""
     root, at, size = text.rpartition("@")
     if not at or not root or not Path(root).is_dir():
         missing = f"{root} is not a directory; " if at and root else ""
         raise UserError(
             f"--overhead-fit {text!r}: {missing}give the size ladder's run directory and the "
-            "target size as LADDER_DIR@SIZE (e.g. docs/results/ladder-regime@360M)"
+            "target size as LADDER_DIR@SIZE (e.g. docs/results/overhead-ladder@360M)"
         )
     n = scaling.target_size(size)
-    x, low, high, what = scaling.overhead_at(Path(root), n)
+    x, low, high, what = overhead_ladder.overhead_at(Path(root), n)
     size = f"{n / 1e6:.0f}M" if n >= 10**6 else f"{n:,}"
     return GivenOverhead(x, low, high, size, "--overhead-fit", what)
 
@@ -116,6 +117,9 @@ def _given_lines(best: Verdict, given: GivenOverhead) -> list[str]:
     wide = not ratio[0] / TOO_WIDE <= ratio[1] <= ratio[2] <= ratio[0] * TOO_WIDE
     if call == "too close to call" and wide:  # not a near tie: the overhead is unknown
         call = "inconclusive (too wide)"
+    elif g.source == "--overhead-fit" and g.low <= best.speedup <= g.high:
+        # the fit's interval alone holds the flip point: the size, not the tie, decides
+        call = "inconclusive at the target size (the fit's interval holds the flip point)"
     at = f" @ {g.size}" if g.size else ""
     head = (
         f"given overhead {g.x:.3f}x [{_num(g.low, 3)}, {_num(g.high, 3)}]{at} ({g.source}): "
