@@ -319,9 +319,10 @@ def make_reader(shard: Path, md: Any, entries: dict[str, Entry], verifier: Verif
     """A DCP `HuggingFaceStorageReader` for `shard` that takes its metadata as already read and
     checked (`md`, from `read_header`: no one else parses the header) and reads each tensor's
     bytes straight into the tensor DCP hands it (`readinto`, no memory map and no temporary
-    copy), then hashes those very bytes against `verifier`'s digest before DCP may use them: one
-    read, and what is checked is what is loaded. A failure is kept in `.failure` (DCP wraps
-    what a reader raises in its own exception)."""
+    copy), and hashes those very bytes against `verifier`'s digest (on a thread, while the next
+    tensor is read), every digest checked before DCP returns: one read, and what is checked is
+    what is loaded. A failure is kept in `.failure` (DCP wraps what a reader raises in its own
+    exception)."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.futures import Future
 
@@ -334,11 +335,21 @@ def make_reader(shard: Path, md: Any, entries: dict[str, Entry], verifier: Verif
             return md
 
         def read_data(self, plan: Any, planner: Any) -> Future:
+            from concurrent.futures import ThreadPoolExecutor
+
             try:
                 chunks = verifier.chunks(rel)
-                with open(inside(verifier.ckpt, rel), "rb") as f:
-                    for item in plan.items:
-                        self._read(f, item, planner, chunks)
+                # a thread hashes each tensor while the next one is read (hashlib releases the
+                # GIL); every digest is checked before DCP returns, so no tensor is used unchecked
+                with ThreadPoolExecutor(1, thread_name_prefix="stalepipe-digest") as hasher:
+                    pending = []
+                    with open(inside(verifier.ckpt, rel), "rb") as f:
+                        for item in plan.items:
+                            key, buf = self._read(f, item, planner)
+                            if chunks is not None:
+                                pending.append((key, hasher.submit(sha256, buf)))
+                    for key, digest in pending:
+                        self._check(key, digest.result(), chunks)
             except CheckpointError as e:
                 self.failure = e
                 raise
@@ -346,26 +357,32 @@ def make_reader(shard: Path, md: Any, entries: dict[str, Entry], verifier: Verif
             fut.set_result(None)
             return fut
 
-        def _read(self, f: Any, item: Any, planner: Any, chunks: Any) -> None:
+        def _read(self, f: Any, item: Any, planner: Any) -> tuple[str, memoryview]:
             key = item.storage_index.fqn
             e = entries[key]
             target = planner.resolve_tensor(item).detach()
             whole = (
                 list(item.storage_offsets) == [0] * len(e.shape) and tuple(item.lengths) == e.shape
             )
-            if not whole or target.shape != e.shape or target.dtype != e.dtype:
+            if (
+                not whole
+                or target.shape != e.shape
+                or target.dtype != e.dtype
+                or not target.is_contiguous()
+            ):
                 raise verifier.damaged(rel, f"holds {key[:60]!r} as {e.shape}, not as asked")
-            into = target if target.is_contiguous() else torch.empty_like(target).contiguous()
-            buf = memoryview(into.reshape(-1).view(torch.uint8).numpy())
+            buf = memoryview(target.reshape(-1).view(torch.uint8).numpy())
             f.seek(e.offset)
             if f.readinto(buf) != e.length:
                 raise verifier.damaged(rel, "is shorter than its header says")
-            if chunks is not None and chunks.get((e.offset, e.length)) != sha256(buf):
+            planner.commit_tensor(item, target)
+            return key, buf
+
+        def _check(self, key: str, digest: str, chunks: dict) -> None:
+            e = entries[key]
+            if chunks.get((e.offset, e.length)) != digest:
                 end = e.offset + e.length
                 what = f"does not match the digest its save recorded (bytes {e.offset}-{end}, tensor {key[:60]})"
                 raise verifier.damaged(rel, what)
-            if into is not target:
-                target.copy_(into)
-            planner.commit_tensor(item, target)
 
     return VerifiedReader(str(shard))
