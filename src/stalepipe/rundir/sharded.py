@@ -82,7 +82,7 @@ def save_part(
     run_dir: Path, step: int, pipe_rank: int, tensors: dict[str, torch.Tensor], meta: dict
 ) -> Path:
     """Write one process's shard of the checkpoint of `step` into the staging directory:
-    state.json, then the safetensors file (DCP's `HuggingFaceStorageWriter`), then (once they
+    state.json, then the safetensors file (`streaming_writer`), then (once they
     are complete) the digests of all of them (`PART_DONE`: the shard is complete when it is
     there). A full disk is one line and leaves no staging directory (`disk_full`)."""
     import torch.distributed.checkpoint as dcp
@@ -104,8 +104,8 @@ def streaming_writer(where: Path) -> Any:
     as a stream: the header DCP's writer would write (the same keys, dtypes, shapes, offsets and
     DCP's sharding info), then each tensor's bytes straight from its memory. DCP's own writer
     first builds the whole file as one bytes object (`safetensors.torch.save`), a second copy
-    of the state in memory and ~3.5x the save time here (docs/benchmarks.md, "Checkpoint
-    cost"). Planning, the index file and the reader are DCP's, unchanged."""
+    of the state in memory and ~4x the save time here (420 MB: 7.1-7.5 s against 1.5-1.7 s).
+    Planning and the index file are DCP's; what DCP's reader reads is this same format."""
     import struct
 
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
