@@ -100,9 +100,9 @@ def check_complete(path: Path) -> None:
 def checkpoint_config(path: Path) -> dict[str, Any] | None:
     """The config a checkpoint directory was saved with (its checkpoint.json, JSON only), or
     None (an older version's file, or a manifest that cannot be read)."""
-    try:
-        config = json.loads((Path(path) / sharded.MANIFEST).read_text()).get("config")
-    except (OSError, ValueError, AttributeError):
+    try:  # inside the checkpoint and bounded, as every read of it (`sharded.read_manifest`)
+        config = json.loads(sharded.read_manifest(Path(path))).get("config")
+    except (CheckpointError, ValueError, AttributeError):
         return None
     return config if isinstance(config, dict) else None
 

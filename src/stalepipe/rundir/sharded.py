@@ -313,7 +313,7 @@ class ShardedCheckpoint:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         where = lambda rel: lambda reason: verified.damaged(self.path, rel, reason)  # noqa: E731
-        self.manifest = verified.read_json(_read_manifest(self.path), where(MANIFEST))
+        self.manifest = verified.read_json(read_manifest(self.path), where(MANIFEST))
         fmt = self.manifest.get("format") if isinstance(self.manifest, dict) else None
         if fmt in OLD_FORMATS:
             raise refuse_old(self.path, f"in stalepipe's format {fmt} (a DCP .metadata pickle)")
@@ -396,7 +396,7 @@ class ShardedCheckpoint:
         self.verifier.check_sizes()
 
 
-def _read_manifest(path: Path) -> bytes:
+def read_manifest(path: Path) -> bytes:
     """A checkpoint's checkpoint.json, inside it and no larger than `MANIFEST_MAX`."""
     try:
         f = verified.inside(path, MANIFEST)
