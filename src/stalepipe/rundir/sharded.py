@@ -93,10 +93,16 @@ def save_part(
     with disk_full(run_dir, step, nbytes):
         where.mkdir(parents=True, exist_ok=True)
         write_json_atomic(where / STATE, meta)
+        writer = streaming_writer(where)
         with _quiet():
-            dcp.save(tensors, storage_writer=streaming_writer(where), no_dist=True)
-        write_json_atomic(where / PART_DONE, verified.shard_digests(where))
+            dcp.save(tensors, storage_writer=writer, no_dist=True)
+        write_json_atomic(where / PART_DONE, verified.shard_digests(where, writer.chunks))
     return where
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """A contiguous tensor's bytes, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def streaming_writer(where: Path) -> Any:
@@ -107,6 +113,7 @@ def streaming_writer(where: Path) -> Any:
     of the state in memory and ~4x the save time here (420 MB: 7.1-7.5 s against 1.5-1.7 s).
     Planning and the index file are DCP's; what DCP's reader reads is this same format."""
     import struct
+    from concurrent.futures import ThreadPoolExecutor
 
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -116,6 +123,8 @@ def streaming_writer(where: Path) -> Any:
     names = {dtype: name for name, dtype in verified.DTYPES.items()}
 
     class StreamingWriter(HuggingFaceStorageWriter):
+        chunks: list[list] | None = None  # [offset, length, sha256] of what write_data wrote
+
         def write_data(self, plan: Any, planner: Any) -> Future:
             items = [(wi, planner.resolve_data(wi).detach().contiguous()) for wi in plan.items]
             header: dict[str, Any] = {}
@@ -141,12 +150,21 @@ def streaming_writer(where: Path) -> Any:
             raw = json.dumps(header, separators=(",", ":")).encode()
             raw += b" " * (-len(raw) % 8)  # the data 8-byte aligned, as safetensors writes it
             start = verified.LEN_BYTES + len(raw)
-            with open(where / verified.DATA, "wb") as f:
-                f.write(struct.pack("<Q", len(raw)) + raw)
-                for _, t in items:
-                    f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            head = struct.pack("<Q", len(raw)) + raw
+            # a thread hashes each piece while the next is written (hashlib releases the GIL):
+            # the digests of what was written, without reading the file back
+            with ThreadPoolExecutor(1) as hasher, open(where / verified.DATA, "wb") as f:
+                pieces = [(0, head)]
+                pieces += [
+                    (start + header[wi.index.fqn]["data_offsets"][0], _raw(t)) for wi, t in items
+                ]
+                hashes = []
+                for at, data in pieces:
+                    f.write(data)
+                    hashes.append((at, len(data), hasher.submit(verified.sha256, data)))
                 f.flush()
                 os.fsync(f.fileno())
+                self.chunks = [[at, n, h.result()] for at, n, h in hashes]
             results = [
                 WriteResult(
                     index=wi.index,

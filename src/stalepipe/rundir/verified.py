@@ -297,20 +297,24 @@ def dcp_metadata(shard: Path, entries: dict[str, Entry]) -> Any:
     return Metadata(state_dict_metadata=state, storage_data=storage)
 
 
-def shard_digests(shard: Path) -> dict[str, Any]:
+def shard_digests(shard: Path, chunks: list[list] | None = None) -> dict[str, Any]:
     """The digests of a complete shard's files, by name in the shard: the small files (JSON)
-    whole, the data file as its header and each tensor's byte range with their SHA-256s."""
+    whole, the data file as its header and each tensor's byte range with their SHA-256s:
+    `chunks` as the writer hashed them while writing ([offset, length, sha256]), or else read
+    back from the file. Either way the header is parsed as a load parses it, so a shard its
+    own reader would refuse is never recorded as complete."""
     out = {p.name: file_record(p) for p in sorted(shard.iterdir()) if p.suffix == ".json"}
     size = (shard / DATA).stat().st_size
     own = Verifier(shard, {DATA: {"size": size}})
     own.data = False  # nothing recorded yet: this is what gets recorded
     entries = read_header(own, DATA)
-    chunks = []
-    with open(shard / DATA, "rb") as f:
-        n = LEN_BYTES + int.from_bytes(f.read(LEN_BYTES), "little")
-        for offset, length in [(0, n), *sorted((e.offset, e.length) for e in entries.values())]:
-            f.seek(offset)
-            chunks.append([offset, length, sha256(f.read(length))])
+    if chunks is None:
+        chunks = []
+        with open(shard / DATA, "rb") as f:
+            n = LEN_BYTES + int.from_bytes(f.read(LEN_BYTES), "little")
+            for offset, length in [(0, n), *sorted((e.offset, e.length) for e in entries.values())]:
+                f.seek(offset)
+                chunks.append([offset, length, sha256(f.read(length))])
     out[DATA] = {"size": size, "chunks": chunks}
     return out
 
