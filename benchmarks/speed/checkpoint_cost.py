@@ -23,8 +23,9 @@ own): rank r re-splits the checkpoint for stage r (`checkpoint_parts.stage_state
 - `v2-torch`: the old format through torch's own `FileSystemReader` (plain `pickle.load` of
   `.metadata`, no checks): how loads read before issue 39, the cost floor.
 `read MB` is the bytes the process read from files (`rchar` of /proc/self/io, page cache
-included), `peak MB` its peak RSS above its RSS before the load. `hash s` is the part of the v3
-save spent hashing (`verified.shard_digests`, timed again on the written files). The median of
+included), `peak MB` its peak RSS above its RSS before the load. `hash s` is what hashing the
+written shards by reading them back costs (`verified.shard_digests` without the writer's
+digests); a v3 save hashes while it writes instead, and `save s` includes that. The median of
 the repeats is reported, and verification's cost as the median of paired v3 / v3-nover loads.
 """
 
