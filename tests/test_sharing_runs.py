@@ -189,6 +189,11 @@ def test_a_report_directory_that_leads_out_of_the_sweep_is_refused(sweep, outsid
     assert "report is a symbolic link to" in _one_line_error(capsys)
     assert sorted(p.name for p in outside.parent.iterdir()) == ["authorized_keys"]
     assert main(["report", str(sweep), "--out", str(outside.parent / "r")]) == 0  # asked for
+    dangling = outside.parent / "dangling"
+    dangling.symlink_to(outside.parent / "nowhere")  # an --out that is a link to nothing
+    assert main(["report", str(sweep), "--out", str(dangling)]) == EXIT_USER
+    assert "which is not a directory; create that directory" in _one_line_error(capsys)
+    assert not (outside.parent / "nowhere").exists()
 
 
 def test_a_record_linked_from_outside_is_refused_and_the_copy_it_names_works(

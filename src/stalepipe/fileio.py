@@ -96,6 +96,11 @@ def write_files(
     if within is not None:
         inside(within, directory)
     data = {name: c.encode() if isinstance(c, str) else c for name, c in files.items()}
+    if directory.is_symlink() and not directory.is_dir():  # a dangling link, or to a file
+        raise LinkError(
+            f"{shown(directory)} is a symbolic link to {shown(os.readlink(directory))}, which is "
+            f"not a directory; create that directory, or give another output directory"
+        )
     directory.mkdir(parents=True, exist_ok=True)
     for name in data:
         check_writable(directory / name, within=within)
