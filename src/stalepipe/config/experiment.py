@@ -184,6 +184,9 @@ class ExperimentConfig:
             fixes = [{"delay.sync_cooldown": 0}, {"delay.sync_cooldown_wsd": False}]
             yield "delay.sync_cooldown", why, fixes
         yield from self._ignored_delay()
+        if self.log.staleness and self.pipeline.engine == "distributed":
+            why = "log.staleness is measured by the emulator engine only (train/staleness.py)"
+            yield "log.staleness", why, [{"log.staleness": False}, {"pipeline.engine": "emulate"}]
         if self.train.final_eval_full and self.pipeline.engine == "distributed":
             why = (
                 "train.final_eval_full runs on the emulator engine (the runtime evaluates its "

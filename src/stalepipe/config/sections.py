@@ -435,6 +435,7 @@ class LogConfig:
         "", "comma list of tensorboard | wandb | trackio | mlflow ('' = metrics.jsonl only)"
     )
     project: str = option("stalepipe", "the trackers' project / experiment name")
+    staleness: bool = option(False, "log update_rel/sS and grad_cos/sS per stage (emulator)")
 
     def __post_init__(self) -> None:
         names = [n.strip() for n in self.tracker.split(",") if n.strip()]

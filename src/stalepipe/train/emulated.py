@@ -39,6 +39,7 @@ from stalepipe.train.distributed import (
     shard_rows,
 )
 from stalepipe.train.engine import StepResult
+from stalepipe.train.staleness import StalenessProbe
 
 Microbatches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -135,9 +136,17 @@ class EmulatorEngine:
             split=cfg.pipeline.partition,
         )
         self.autocast = autocast_for(cfg, device)
+        self.staleness = self._probe() if cfg.log.staleness else None
         self.start_step, self.resumed_from = 0, None
         if (ckpt := start_from) is not None:
             self._resume(ckpt)
+
+    def _probe(self) -> StalenessProbe:
+        """`log.staleness`: the probe over each pipeline stage's parameters."""
+        params = dict(self.model.named_parameters())
+        delayed = self.emulator.delayed
+        names = [delayed.stage_param_names(s) for s in range(delayed.num_stages)]
+        return StalenessProbe([[params[n] for n in stage if n in params] for stage in names])
 
     def _resume(self, ckpt: Path) -> None:
         """Continue from a checkpoint of either engine and format, any split the policy allows
@@ -171,13 +180,16 @@ class EmulatorEngine:
             grad_norm = math.nan
             if tc.grad_clip > 0:
                 grad_norm = self.emulator.clip_grad_norm_(tc.grad_clip)
+            if self.staleness is not None:
+                self.staleness.before_update(step, plan.logs(step), plan.logs(step + 1))
             tau = self.emulator.step(step)["tau"]
+            stale = self.staleness.after_update(step, plan.logs(step)) if self.staleness else {}
             # MoE: router load / aux losses since the last log line ({} for dense models)
             router = self.model.router_stats(per_expert=per_expert) if plan.logs(step) else {}
             lr = self.optimizer.param_groups[0]["lr"]
             # One process acts at once; replicas agree through one small collective.
             plan = plan.with_agreed(step, or_across_ranks(requests(), ctx, self.device))
-            yield StepResult(step, loss, grad_norm, tau, lr, router, plan.agreed_bits(step))
+            yield StepResult(step, loss, grad_norm, tau, lr, router, plan.agreed_bits(step), stale)
             if plan.stops(step):
                 return
 

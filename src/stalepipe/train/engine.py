@@ -38,6 +38,7 @@ class StepResult:
     lr: float  # the LR of the first parameter group at this update
     router: dict[str, float] = field(default_factory=dict)  # MoE metrics at log steps
     agreed: int = 0  # the requests every process agreed to act on right after it (STOP, ...)
+    staleness: dict[str, float] = field(default_factory=dict)  # `log.staleness`, at log steps
 
 
 class Engine(Protocol):

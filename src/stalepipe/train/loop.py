@@ -230,7 +230,7 @@ def _log_fields(r: StepResult, plan: StepPlan, meter: Meter) -> dict[str, Any]:
         "tau": r.tau,
         **meter.fields(r.step),
     }
-    return out | r.router  # MoE router metrics ({} for dense models)
+    return out | r.router | r.staleness  # MoE router metrics, `log.staleness` ({} without)
 
 
 # A run that diverges this soon after a resume, before it wrote a checkpoint of its own, blames
