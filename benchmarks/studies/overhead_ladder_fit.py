@@ -34,7 +34,7 @@ def main() -> None:
     _table(points)
     fits = {arm: f for arm, p in points.items() if (f := ol.fit_overheads(p)) is not None}
     if not fits:
-        print("no fit yet: it needs complete seeds at 2 widths or more")
+        print("no fit yet: it needs 3 complete seeds or more, over 2 widths or more")
         return
     for arm, (holm_p, words) in ol.labels(fits).items():
         _fit_lines(arm, fits[arm], holm_p, words, len(points[arm]))
