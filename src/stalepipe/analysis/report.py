@@ -189,10 +189,15 @@ def _relation_blocks(rows: list[Row]) -> list[Block]:
         "overhead lies inside the measured one's interval."
     )
     body = [
-        [r.label, f"{r.implied:.3f}", f"{r.measured:.3f} [{r.lo:.3f}, {r.hi:.3f}]", str(r.seeds),
-         "holds" if r.holds else "fails"]
+        [
+            r.label,
+            f"{r.implied:.3f}",
+            f"{r.measured:.3f} [{r.lo:.3f}, {r.hi:.3f}]",
+            str(r.seeds),
+            "holds" if r.holds else "fails",
+        ]
         for r in relations
-    ]  # fmt: skip
+    ]
     header = ["configuration", "implied overhead", "measured overhead [95 %]", "seeds", "relation"]
     return [
         Block("h", "Gap = sync slope x ln(token overhead)"),

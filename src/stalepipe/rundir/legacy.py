@@ -99,8 +99,9 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the Pyt
         if isinstance(inst, type) or not _allowed_class(inst):
             raise UnsafePickle(f"a BUILD on {getattr(inst, '__qualname__', type(inst).__name__)}")
         parts = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
-        if getattr(type(inst), "__setstate__", None) is None and not all(p is None or (isinstance(p, dict) and all(type(k) is str for k in p))
-                   for p in parts):  # fmt: skip
+        if getattr(type(inst), "__setstate__", None) is None and not all(
+            p is None or (isinstance(p, dict) and all(type(k) is str for k in p)) for p in parts
+        ):
             raise UnsafePickle("a BUILD with a state that is not a dict of names")
         # an allowed class's own __setstate__ (DCP's TensorProperties takes a tuple) runs as is
         pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
@@ -342,8 +343,10 @@ def _check_sizes(shard: Path, md: Any, where: Callable[[str], CheckpointError]) 
         f = shard / info.relative_path
         size = f.stat().st_size if f.is_file() and not f.is_symlink() else -1
         if info.offset + info.length > size:
-            raise where(f"points at bytes {info.offset}-{info.offset + info.length} of "
-                        f"{info.relative_path}, which is missing, a link or shorter")  # fmt: skip
+            raise where(
+                f"points at bytes {info.offset}-{info.offset + info.length} of "
+                f"{info.relative_path}, which is missing, a link or shorter"
+            )
         stored[index.fqn] = stored.get(index.fqn, 0) + info.length
     for key, e in md.state_dict_metadata.items():
         if math.prod(e.size) * e.properties.dtype.itemsize > stored.get(key, 0):
