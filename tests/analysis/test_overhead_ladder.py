@@ -123,3 +123,19 @@ def test_sync_slope_is_the_two_point_slope_with_two_lengths():
     assert s == pytest.approx(0.05)
     assert implied_overhead(s, 0.05 * math.log(1.1)) == pytest.approx(1.1)
     assert math.isnan(implied_overhead(-0.01, 0.01))  # sync got worse with length
+
+
+def test_results_quotes_the_adamw_lr_share_as_the_script_prints_it():
+    """docs/RESULTS.md's AdamW-LR block is the script's output on the committed records."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks/studies/adamw_lr_share.py")],
+        capture_output=True, text=True, cwd=root, check=True, timeout=300,
+    ).stdout  # fmt: skip
+    results = (root / "docs" / "RESULTS.md").read_text()
+    assert out.strip() and all(line in results for line in out.splitlines()), out
+    assert "predicts 87-97 % of it" in out
