@@ -123,6 +123,18 @@ def test_a_payload_or_a_crafted_size_in_any_file_is_one_line(trained, tmp_path):
     assert not any(ckpt.rglob(".metadata")) and not any(ckpt.rglob("*.pt"))
 
 
+def test_a_recorded_size_is_never_allocated_on_trust(trained):
+    """A checkpoint.json that records state.json as 10^12 bytes: refused by the file's real
+    size before anything is read or allocated."""
+    cfg, run_dir = trained
+    ckpt = list_checkpoints(run_dir)[-1]
+    manifest = json.loads((ckpt / "checkpoint.json").read_text())
+    manifest["files"]["rank_000/state.json"]["size"] = 10**12
+    (ckpt / "checkpoint.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"state.json is \d+ bytes, not 1000000000000"):
+        load_checkpoint(ckpt)
+
+
 def test_a_config_larger_than_the_stored_tensors_is_refused_before_anything_is_built(
     trained, tmp_path, capsys
 ):
@@ -440,6 +452,7 @@ def test_the_opt_out_skips_only_the_tensors_digests(trained, monkeypatch):
     flat = ShardedCheckpoint(ckpt)
     assert flat.verifier.chunks(f"rank_000/{DATA}") is None
     state = (ckpt / "rank_001" / "state.json").read_text()
-    (ckpt / "rank_001" / "state.json").write_text(state.replace("{", "{ ", 1))  # same JSON
+    assert state.endswith("\n")
+    (ckpt / "rank_001" / "state.json").write_text(" " + state[:-1])  # same JSON, same size
     with pytest.raises(CheckpointError, match="state.json does not match the digest"):
         ShardedCheckpoint(ckpt)

@@ -55,6 +55,7 @@ DATA = "model-00001-of-00001.safetensors"  # the one data file `HuggingFaceStora
 INDEX = "model.safetensors.index.json"  # and its JSON index (hashed, never needed to load)
 MANIFEST_NAME = "checkpoint.json"  # a checkpoint directory's manifest (rundir.sharded.MANIFEST)
 HEADER_MAX = 64 << 20  # a header longer than this is not one we wrote (ours: ~200 B a tensor)
+SMALL_MAX = 64 << 20  # nor a state.json (ours: a few kilobytes)
 LEN_BYTES = 8  # safetensors: the header's length, little-endian u64, then the header
 # safetensors' dtype names, for the dtypes a stalepipe checkpoint holds
 DTYPES = {
@@ -125,9 +126,15 @@ class Verifier:
     def read_small(self, rel: str) -> bytes:
         """The bytes of a small file of the checkpoint (a shard's state.json), checked against
         its recorded size before it is read and its digest before anyone parses it."""
-        size = self.record(rel)["size"]
+        size, actual = self.record(rel)["size"], self.actual_size(rel)
+        if actual != size:  # before reading: a recorded size is never allocated on trust
+            raise self.damaged(
+                rel, "is missing" if actual is None else f"is {actual} bytes, not {size}"
+            )
+        if size > SMALL_MAX:
+            raise self.damaged(rel, f"is {size} bytes, more than any stalepipe shard's state")
         data = self.read_range(rel, 0, size)
-        if self.actual_size(rel) != size or sha256(data) != self.files[rel].get(DIGEST):
+        if sha256(data) != self.files[rel].get(DIGEST):
             raise self.damaged(rel, "does not match the digest its save recorded")
         return data
 
