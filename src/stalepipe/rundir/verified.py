@@ -126,11 +126,7 @@ class Verifier:
     def read_small(self, rel: str) -> bytes:
         """The bytes of a small file of the checkpoint (a shard's state.json), checked against
         its recorded size before it is read and its digest before anyone parses it."""
-        size, actual = self.record(rel)["size"], self.actual_size(rel)
-        if actual != size:  # before reading: a recorded size is never allocated on trust
-            raise self.damaged(
-                rel, "is missing" if actual is None else f"is {actual} bytes, not {size}"
-            )
+        size = self.check_size(rel)  # before reading: a recorded size is never allocated on trust
         if size > SMALL_MAX:
             raise self.damaged(rel, f"is {size} bytes, more than any stalepipe shard's state")
         data = self.read_range(rel, 0, size)
@@ -154,14 +150,20 @@ class Verifier:
             raise self.damaged(rel, "is shorter than its header or record says")
         return data
 
+    def check_size(self, rel: str) -> int:
+        """The size of `rel`, once it equals its record (missing, truncated or appended to:
+        damaged); no byte is read."""
+        want, size = self.record(rel)["size"], self.actual_size(rel)
+        if size != want:
+            raise self.damaged(
+                rel, "is missing" if size is None else f"is {size} bytes, not {want}"
+            )
+        return size
+
     def check_sizes(self) -> None:
         """Every recorded file exists with its recorded size (no byte is read)."""
         for rel in self.files:
-            want = self.record(rel)["size"]
-            size = self.actual_size(rel)
-            if size != want:
-                got = "is missing" if size is None else f"is {size} bytes, not {want}"
-                raise self.damaged(rel, got)
+            self.check_size(rel)
 
     def chunks(self, rel: str) -> dict[tuple[int, int], str] | None:
         """The recorded byte ranges of a data file: {(offset, length): sha256}; None when
@@ -192,24 +194,20 @@ def read_header(verifier: Verifier, rel: str) -> dict[str, Entry]:
     """The tensors of the safetensors file `rel`, from its header, checked before anything is
     allocated past what the file holds: the header's length against the file, its digest (when
     recorded), then every entry (`_entries`)."""
-    size = verifier.actual_size(rel)
+    size = verifier.check_size(rel) if rel in verifier.files else verifier.actual_size(rel)
     if size is None:
         raise verifier.damaged(rel, "is missing")
-    if rel in verifier.files and size != (want := verifier.record(rel)["size"]):
-        raise verifier.damaged(rel, f"is {size} bytes, not {want}")  # truncated, or appended to
     if size < LEN_BYTES:
         raise verifier.damaged(rel, "is too short to be a safetensors file")
     n = int.from_bytes(verifier.read_range(rel, 0, LEN_BYTES), "little")
     if not 2 <= n <= min(size - LEN_BYTES, HEADER_MAX):
         raise verifier.damaged(rel, f"claims a {n}-byte header in a {size}-byte file")
-    header = verifier.read_range(rel, LEN_BYTES, n)
+    head = verifier.read_range(rel, 0, LEN_BYTES + n)
     chunks = verifier.chunks(rel)
-    if chunks is not None and chunks.get((0, LEN_BYTES + n)) != sha256(
-        verifier.read_range(rel, 0, LEN_BYTES + n)
-    ):
+    if chunks is not None and chunks.get((0, LEN_BYTES + n)) != sha256(head):
         raise verifier.damaged(rel, "has a header that does not match its recorded digest")
     try:
-        parsed = json.loads(header)
+        parsed = json.loads(head[LEN_BYTES:])
     except ValueError:
         raise verifier.damaged(rel, "has a header that is not JSON") from None
     problem, entries = _entries(parsed, LEN_BYTES + n, size)
