@@ -9,8 +9,11 @@ the mitigations (docs/design.md, 'The delay contract'). Use it in a plain traini
     for step in range(steps):
         with opt.stale_weights():          # forward AND backward inside
             model(x, y).backward()
-        opt.step()
+        opt.step()                         # or opt.step(closure): the closure runs inside
         opt.zero_grad()
+
+LR schedulers, `GradScaler`, `clip_grad_norm_` and trainers take it as they take the base
+(`delay.wrapped`); under a delay, a backward outside `stale_weights()` raises (`delay.guard`).
 
 Memory: a stage with staleness tau keeps tau stored copies besides its live weights (tau + 1
 versions); EF adds one buffer (U_{k-1}); adaptive Taylor and DC-ASGD-EMA one (EMA of g^2);
@@ -33,20 +36,23 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from stalepipe.config import ConfigError, DelayConfig
 from stalepipe.config.registry import CORRECTORS
-from stalepipe.delay import correctors, mitigations
+from stalepipe.delay import correctors, guard, mitigations
 from stalepipe.delay.policies import DelaySchedule
 from stalepipe.delay.stage_params import StageParams, checked_delay_schedule, stage_parameters
+from stalepipe.delay.wrapped import WrappedOptimizer
+
+L = TypeVar("L")
 
 
-class DelayedOptimizer:
+class DelayedOptimizer(WrappedOptimizer):
     """Wraps `optimizer` so that step k's gradient is computed at the stale, per-stage weights
     `W_{max(k - tau_s(k), 0)}` and the update goes to the newest weights.
 
@@ -63,6 +69,10 @@ class DelayedOptimizer:
             caller built it already (the engines do); cfg then supplies the mitigations.
         shared_with: stage -> other stages that also read its weights (`delay.tied.readers`);
             the owner then keeps the versions those stages read too.
+
+    A `torch.optim.Optimizer` over the base's own groups, state and defaults
+    (`delay.wrapped`); `step(closure)` runs the closure inside `stale_weights()` and returns
+    its loss. Under a delay, a backward outside `stale_weights()` raises (`delay.guard`).
 
     Not for: gradients that must be computed at weights other than the current step's stale
     point (only the versions the policy needs are kept).
@@ -82,7 +92,7 @@ class DelayedOptimizer:
         if not stages:
             raise ConfigError("DelayedOptimizer needs at least one stage of parameters")
         delay = checked_delay_schedule(cfg, len(stages), total_steps, delay)
-        self.optimizer = optimizer
+        super().__init__(optimizer)
         self.cfg = cfg
         self.delay = delay
         self.num_stages = len(stages)
@@ -117,6 +127,28 @@ class DelayedOptimizer:
         self._ef_prev: list[list[torch.Tensor]] | None = None  # U_{k-1}; None = U_{-1} = 0
         self._taylor_ms: list[list[torch.Tensor]] | None = None  # EMA of g^2 (adaptive)
         self._swapped: list[tuple[nn.Parameter, torch.Tensor]] | None = None
+        if delay.delayed:
+            guard.install(self, (p for ps in self._params for p in ps))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if self.delay.delayed:
+            guard.install(self, (p for ps in self._params for p in ps))
+
+    def __repr__(self) -> str:
+        return (
+            f"DelayedOptimizer(policy={self.cfg.policy!r}, num_stages={self.num_stages}, "
+            f"step={self._step}, optimizer={type(self.optimizer).__name__})"
+        )
+
+    @property
+    def stale_block_open(self) -> bool:
+        """Whether a `stale_weights()` block is open now (the guard's question)."""
+        return self._swapped is not None
+
+    def guard_message(self) -> str:
+        """What `StaleWeightsError` says at this step (`delay.guard`)."""
+        return guard.outside_message(self.cfg.policy, self._step)
 
     # ---------------------------------------------------------------------------------------
     # The delay schedule
@@ -126,10 +158,6 @@ class DelayedOptimizer:
     def step_count(self) -> int:
         """The step the next gradient belongs to (= number of updates applied so far)."""
         return self._step
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
 
     def staleness(self, step: int | None = None) -> list[int]:
         """tau_s(step) for every stage (default: the current step)."""
@@ -215,7 +243,9 @@ class DelayedOptimizer:
         """Within this block every stage's parameters hold the weights step `step` (default:
         the current one) reads; yields the version per stage. Run forward AND backward inside:
         the live weights come back on exit, and a graph built inside cannot be backpropagated
-        afterwards (autograd raises instead of silently using the wrong weights)."""
+        afterwards (the guard raises `StaleWeightsError` at the first gradient it would
+        accumulate into a trained parameter; autograd raises for a frozen one, whose version
+        is bumped, instead of silently using the wrong weights)."""
         k = self._check_step(step)
         if self._swapped is not None:
             raise RuntimeError("stale_weights() blocks cannot be nested")
@@ -233,28 +263,34 @@ class DelayedOptimizer:
         finally:
             for p, live in swapped:
                 p.data = live
-                torch.autograd.graph.increment_version(p)
+                if not p.requires_grad:  # trained ones: the guard speaks first (delay.guard)
+                    torch.autograd.graph.increment_version(p)
             self._swapped = None
 
     # ---------------------------------------------------------------------------------------
     # The update
     # ---------------------------------------------------------------------------------------
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
     @torch.no_grad()
-    def step(self, *, live_in_use: bool = False) -> dict[str, Any]:
-        """Apply step k's update: Taylor compensation of the stale gradient (and registered
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], L] | None = None, *, live_in_use: bool = False
+    ) -> dict[str, Any] | L:
+        """Apply step k's update: with a `closure` (torch's protocol: it zeroes the gradients,
+        runs the forward and backward, returns the loss) first run it once inside
+        `stale_weights()` and return what it returned; then Taylor compensation of the stale gradient (and registered
         gradient-phase correctors), version bookkeeping (W_k stored where a later step reads
         it), `optimizer.step()` on the newest weights, error feedback (and registered
         update-phase correctors). Returns {"tau": [per stage]}, the staleness this step's
-        gradient had.
+        gradient had (without a closure; `staleness()` tells it too).
 
         `live_in_use`: autograd graphs still hold the live tensors (the pipeline runtime's
         forwards in flight), so they must not change: the parameters move to new storage and
         the old storage becomes the stored W_k (one copy, where clone-then-store makes two).
         """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad(), self.stale_weights():
+                loss = closure()
         k = self._check_step(None)
         taus = self.staleness(k)
         if self.cfg.taylor > 0:
@@ -267,7 +303,7 @@ class DelayedOptimizer:
             self._apply_error_feedback(w_k)
         self._run_registered("update", k, taus)
         self._step += 1
-        return {"tau": taus}
+        return {"tau": taus} if closure is None else loss
 
     def _run_registered(self, phase: str, k: int, taus: list[int]) -> None:
         """The registered correctors of `phase` that the config turns on (`CorrectorSpec`)."""
@@ -347,36 +383,17 @@ class DelayedOptimizer:
         )
 
     def _correct_gradients(self, k: int, taus: list[int]) -> None:
-        """Taylor / DC-ASGD: each stale gradient moved from the point it was taken at to W_k."""
-        # the point is `read_weights`'; adaptive lambda and / or the EMA curvature
-        # (DC-ASGD-EMA) read one EMA of g^2
+        """Taylor / DC-ASGD: each stale gradient moved from the point it was taken at
+        (`read_weights`') to W_k; adaptive lambda and / or DC-ASGD-EMA read one EMA of g^2."""
         cfg = self.cfg
-        used = [max(k - t, 0) for t in taus]
-        ema = cfg.taylor_curvature == "ema"
-        if (cfg.taylor_adaptive or ema) and self._taylor_ms is None:
+        if (cfg.taylor_adaptive or cfg.taylor_curvature == "ema") and self._taylor_ms is None:
             self._taylor_ms = [[torch.zeros_like(p) for p in ps] for ps in self._params]
-        for s, params in enumerate(self._params):
-            if not params:  # another process's stage (the runtime): nothing stored here
-                continue
-            stale = self.read_weights(s, k) if used[s] < k else None
-            for i, p in enumerate(params):
-                if p.grad is None:
-                    continue
-                ms = None
-                if cfg.taylor_adaptive or ema:
-                    ms = self._taylor_ms[s][i]
-                    mitigations.taylor_ema_update_(ms, p.grad, cfg.taylor_ema)
-                if stale is None:
-                    continue
-                curvature = ms if ema else None
-                if cfg.taylor_adaptive:
-                    mitigations.taylor_compensate_adaptive_(
-                        p.grad, p.detach(), stale[i], cfg.taylor, ms, cfg.taylor_eps, curvature
-                    )
-                else:
-                    mitigations.taylor_compensate_(
-                        p.grad, p.detach(), stale[i], cfg.taylor, curvature
-                    )
+        # an empty stage is another process's (the runtime): nothing stored here
+        stale = [
+            self.read_weights(s, k) if params and max(k - t, 0) < k else None
+            for s, (params, t) in enumerate(zip(self._params, taus, strict=True))
+        ]
+        mitigations.taylor_correct_stages_(self._params, stale, self._taylor_ms, self.cfg)
 
     # ---------------------------------------------------------------------------------------
     # Checkpointing
@@ -396,8 +413,9 @@ class DelayedOptimizer:
             "taylor_ms": self._taylor_ms,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore `state_dict()`'s output (load the model's weights separately)."""
+        state = state_dict
         if state["num_stages"] != self.num_stages or state["names"] != self._names:
             raise ConfigError(
                 f"delay state was saved for {state['num_stages']} stages with other parameters; "
