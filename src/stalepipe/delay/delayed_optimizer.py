@@ -35,6 +35,7 @@ tied matrix read by another stage is predicted with the reading stage's tau (`de
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
@@ -44,9 +45,17 @@ from torch import nn
 
 from stalepipe.config import ConfigError, DelayConfig
 from stalepipe.config.registry import CORRECTORS
-from stalepipe.delay import correctors, guard, mitigations
+from stalepipe.delay import correctors, guard, mitigations, tied
 from stalepipe.delay.policies import DelaySchedule
-from stalepipe.delay.stage_params import StageParams, checked_delay_schedule, stage_parameters
+from stalepipe.delay.stage_params import (
+    StageParams,
+    check_saved_state,
+    checked_delay_schedule,
+    owned_copies,
+    stage_parameters,
+    unpack_split,
+)
+from stalepipe.delay.stages import StageSplit
 from stalepipe.delay.wrapped import WrappedOptimizer
 
 L = TypeVar("L")
@@ -60,8 +69,9 @@ class DelayedOptimizer(WrappedOptimizer):
         optimizer: the base optimizer; its `.grad` is the stale gradient, its state sees the
             stale sequence, `param_groups` are its own (set LRs there as usual).
         stages: the parameters of each pipeline stage, first to last, as iterables or
-            name -> parameter mappings (names make checkpoints readable). Every parameter the
-            optimizer updates must belong to exactly one stage.
+            name -> parameter mappings (names make checkpoints readable), or a `StageSplit`
+            (`delay.stages.split_stages`: its tied reads are untied as the emulator does).
+            Every parameter the optimizer updates must belong to exactly one stage.
         cfg: policy and mitigations. `cfg.mode` is ignored here (see `DelayEmulator`).
         total_steps: run length T (sync cooldown and the last needed versions depend on it);
             None when unknown, which forbids a cooldown.
@@ -81,7 +91,7 @@ class DelayedOptimizer(WrappedOptimizer):
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        stages: Sequence[StageParams],
+        stages: Sequence[StageParams] | StageSplit,
         cfg: DelayConfig | None = None,
         total_steps: int | None = None,
         *,
@@ -89,6 +99,7 @@ class DelayedOptimizer(WrappedOptimizer):
         shared_with: Mapping[int, Iterable[int]] | None = None,
     ) -> None:
         cfg = cfg or DelayConfig()
+        stages, shared_with, self._shared = unpack_split(stages, shared_with)
         if not stages:
             raise ConfigError("DelayedOptimizer needs at least one stage of parameters")
         delay = checked_delay_schedule(cfg, len(stages), total_steps, delay)
@@ -134,12 +145,6 @@ class DelayedOptimizer(WrappedOptimizer):
         super().__setstate__(state)
         if self.delay.delayed:
             guard.install(self, (p for ps in self._params for p in ps))
-
-    def __repr__(self) -> str:
-        return (
-            f"DelayedOptimizer(policy={self.cfg.policy!r}, num_stages={self.num_stages}, "
-            f"step={self._step}, optimizer={type(self.optimizer).__name__})"
-        )
 
     @property
     def stale_block_open(self) -> bool:
@@ -245,27 +250,41 @@ class DelayedOptimizer(WrappedOptimizer):
         the live weights come back on exit, and a graph built inside cannot be backpropagated
         afterwards (the guard raises `StaleWeightsError` at the first gradient it would
         accumulate into a trained parameter; autograd raises for a frozen one, whose version
-        is bumped, instead of silently using the wrong weights)."""
+        is bumped). A `StageSplit`'s tied reads at another version than the owner's get their
+        own leaf inside, whose gradient is added to the owner's on exit (`delay.tied`)."""
         k = self._check_step(step)
         if self._swapped is not None:
             raise RuntimeError("stale_weights() blocks cannot be nested")
         versions = self.versions(k)
-        swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
-        for s, v in enumerate(versions):
-            if v == k:
-                continue
-            for param, old in zip(self._params[s], self.read_weights(s, k), strict=True):
-                swapped.append((param, param.data))
-                param.data = old
-        self._swapped = swapped
-        try:
-            yield versions
-        finally:
-            for p, live in swapped:
-                p.data = live
-                if not p.requires_grad:  # trained ones: the guard speaks first (delay.guard)
-                    torch.autograd.graph.increment_version(p)
-            self._swapped = None
+        untie = [u for u in self._shared if versions[u.stage] != versions[u.owner]]
+        with tied.untied(untie, functools.partial(self.read_shared, step=k)) as copies:
+            swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
+            for s, v in enumerate(versions):
+                if v == k:
+                    continue
+                for param, old in zip(self._params[s], self.read_weights(s, k), strict=True):
+                    swapped.append((param, param.data))
+                    param.data = old
+            self._swapped = swapped
+            try:
+                yield versions
+            finally:
+                for p, live in swapped:
+                    p.data = live
+                    if not p.requires_grad:  # trained ones: the guard speaks (delay.guard)
+                        torch.autograd.graph.increment_version(p)
+                self._swapped = None
+        for use, copy in zip(untie, copies, strict=True):  # first stage's, then the reader's
+            use.param.grad = tied.add_head_grad(use.param.grad, copy.grad)
+
+    def read_shared(self, use: tied.SharedUse, step: int) -> torch.Tensor:
+        """What stage `use.stage` computes step `step` at of a matrix another stage owns: its
+        own version, predicted with its own tau (`delay.tied.read_version`)."""
+        return tied.read_version(
+            lambda v: self.weights_at(use.owner, v)[use.owner_index],
+            self.delay.version(use.stage, step),
+            self.prediction_scale(use.stage, step),
+        )
 
     # ---------------------------------------------------------------------------------------
     # The update
@@ -277,8 +296,8 @@ class DelayedOptimizer(WrappedOptimizer):
     ) -> dict[str, Any] | L:
         """Apply step k's update: with a `closure` (torch's protocol: it zeroes the gradients,
         runs the forward and backward, returns the loss) first run it once inside
-        `stale_weights()` and return what it returned; then Taylor compensation of the stale gradient (and registered
-        gradient-phase correctors), version bookkeeping (W_k stored where a later step reads
+        `stale_weights()` and return what it returned; then Taylor compensation of the stale
+        gradient (and registered gradient-phase correctors), version bookkeeping (W_k stored where a later step reads
         it), `optimizer.step()` on the newest weights, error feedback (and registered
         update-phase correctors). Returns {"tau": [per stage]}, the staleness this step's
         gradient had (without a closure; `staleness()` tells it too).
@@ -416,35 +435,14 @@ class DelayedOptimizer(WrappedOptimizer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore `state_dict()`'s output (load the model's weights separately)."""
         state = state_dict
-        if state["num_stages"] != self.num_stages or state["names"] != self._names:
-            raise ConfigError(
-                f"delay state was saved for {state['num_stages']} stages with other parameters; "
-                f"resume with the same pipeline.num_stages and model"
-            )
-        if state["policy"] != self.cfg.policy:
-            raise ConfigError(
-                f"delay state was saved under policy {state['policy']!r}, not "
-                f"{self.cfg.policy!r}; resume with the same --delay.policy"
-            )
-
-        def own(tensors: list[torch.Tensor], like: list[nn.Parameter]) -> list[torch.Tensor]:
-            return [t.detach().to(p.device, p.dtype).clone() for t, p in zip(tensors, like)]
-
+        check_saved_state(state, self._names, self.cfg.policy)
         self.optimizer.load_state_dict(state["optimizer"])
         self._step = int(state["step"])
         self._history = [
-            {int(v): own(ts, self._params[s]) for v, ts in h.items()}
-            for s, h in enumerate(state["history"])
+            {int(v): owned_copies(ts, ps) for v, ts in h.items()}
+            for h, ps in zip(state["history"], self._params, strict=True)
         ]
         self._spare = [None] * self.num_stages
         self._predicted = [{} for _ in range(self.num_stages)]
-        self._ef_prev = (
-            None
-            if state["ef_prev"] is None
-            else [own(ts, self._params[s]) for s, ts in enumerate(state["ef_prev"])]
-        )
-        self._taylor_ms = (
-            None
-            if state["taylor_ms"] is None
-            else [own(ts, self._params[s]) for s, ts in enumerate(state["taylor_ms"])]
-        )
+        self._ef_prev = owned_copies(state["ef_prev"], self._params)
+        self._taylor_ms = owned_copies(state["taylor_ms"], self._params)
