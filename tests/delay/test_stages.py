@@ -111,7 +111,10 @@ def test_hf_llama_split_is_the_emulators_and_trains_as_it():
     assert assignment(by_names.params, by_names.shared) == assignment(split.params, split.shared)
     # the emulator's split of the same model: stage modules by hand, owned by its rule
     m = ref.model
-    stages = [nn.ModuleList([m.embed_tokens, *m.layers[:2]]), nn.ModuleList([*m.layers[2:], m.norm, m.rotary_emb, ref.lm_head])]
+    stages = [
+        nn.ModuleList([m.embed_tokens, *m.layers[:2]]),
+        nn.ModuleList([*m.layers[2:], m.norm, m.rotary_emb, ref.lm_head]),
+    ]
     owned, shared = tied.find_shared(stages)
     ids = {id(p): n for n, p in ref.named_parameters()}
     names = [[ids[id(p)] for p in ps.values()] for ps in owned]
