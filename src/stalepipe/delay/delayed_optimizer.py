@@ -38,7 +38,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -52,6 +52,7 @@ from stalepipe.delay.stage_params import (
     check_saved_state,
     checked_delay_schedule,
     owned_copies,
+    owned_tensors,
     stage_parameters,
     unpack_split,
 )
@@ -322,12 +323,12 @@ class DelayedOptimizer(WrappedOptimizer):
             self._apply_error_feedback(w_k)
         self._run_registered("update", k, taus)
         self._step += 1
-        return {"tau": taus} if closure is None else loss
+        return {"tau": taus} if closure is None else cast(L, loss)
 
     def _run_registered(self, phase: str, k: int, taus: list[int]) -> None:
         """The registered correctors of `phase` that the config turns on (`CorrectorSpec`)."""
         for spec in self._registered:
-            if spec.phase == phase:
+            if spec.phase == phase and spec.apply is not None:  # all have one (__init__)
                 spec.apply(self.cfg, self._params, taus, k)
 
     def _retire_versions(self, k: int, live_in_use: bool) -> list[list[torch.Tensor] | None]:
@@ -439,7 +440,7 @@ class DelayedOptimizer(WrappedOptimizer):
         self.optimizer.load_state_dict(state["optimizer"])
         self._step = int(state["step"])
         self._history = [
-            {int(v): owned_copies(ts, ps) for v, ts in h.items()}
+            {int(v): owned_tensors(ts, ps) for v, ts in h.items()}
             for h, ps in zip(state["history"], self._params, strict=True)
         ]
         self._spare = [None] * self.num_stages

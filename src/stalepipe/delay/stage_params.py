@@ -92,11 +92,17 @@ def check_saved_state(state: Mapping[str, Any], names: list[list[str]], policy: 
         )
 
 
-def owned_copies(saved: Sequence[Any] | None, like: Sequence[Any]) -> list[Any] | None:
-    """Copies of saved tensors on their parameters' devices and dtypes, per stage (or per
-    version): `saved[s][i]` like `like[s][i]`; None stays None."""
+def owned_tensors(
+    saved: Sequence[torch.Tensor], like: Sequence[nn.Parameter]
+) -> list[torch.Tensor]:
+    """Copies of saved tensors on their parameters' devices and dtypes (`like[i]`'s)."""
+    return [t.detach().to(p.device, p.dtype).clone() for t, p in zip(saved, like)]
+
+
+def owned_copies(
+    saved: Sequence[Sequence[torch.Tensor]] | None, like: Sequence[Sequence[nn.Parameter]]
+) -> list[list[torch.Tensor]] | None:
+    """`owned_tensors` of every stage (None stays None: a buffer not started yet)."""
     if saved is None:
         return None
-    if saved and isinstance(saved[0], torch.Tensor):  # one stage's (or version's) tensors
-        return [t.detach().to(p.device, p.dtype).clone() for t, p in zip(saved, like)]
-    return [owned_copies(ts, ps) for ts, ps in zip(saved, like)]
+    return [owned_tensors(ts, ps) for ts, ps in zip(saved, like)]

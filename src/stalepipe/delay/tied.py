@@ -219,4 +219,6 @@ def combine_grads(grads: dict[str, torch.Tensor], head: torch.Tensor | None = No
     if head is None:
         head = grads.pop(TIED_HEAD, None)
     if head is not None:
-        grads[TIED_OWNER] = add_head_grad(grads.get(TIED_OWNER), head)
+        summed = add_head_grad(grads.get(TIED_OWNER), head)
+        assert summed is not None  # a head's gradient makes a sum
+        grads[TIED_OWNER] = summed

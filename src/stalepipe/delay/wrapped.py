@@ -60,7 +60,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self.__dict__.update(state)
         self._init_hooks()
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The base optimizer's param groups (one list: a scheduler's LR lands there)."""
         return self.optimizer.param_groups
@@ -69,7 +69,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = groups
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         """The base optimizer's per-parameter state (momenta, second moments, ...)."""
         return self.optimizer.state
@@ -78,7 +78,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
     def state(self, state: Any) -> None:
         self.optimizer.state = state
 
-    @property  # type: ignore[override]
+    @property
     def defaults(self) -> dict[str, Any]:
         """The base optimizer's default hyperparameters."""
         return self.optimizer.defaults
