@@ -148,8 +148,7 @@ class DelayedOptimizer(WrappedOptimizer):
             guard.install(self, (p for ps in self._params for p in ps))
 
     @property
-    def stale_block_open(self) -> bool:
-        """Whether a `stale_weights()` block is open now (the guard's question)."""
+    def stale_block_open(self) -> bool:  # the guard's question
         return self._swapped is not None
 
     def guard_message(self) -> str:
@@ -249,9 +248,8 @@ class DelayedOptimizer(WrappedOptimizer):
         """Within this block every stage's parameters hold the weights step `step` (default:
         the current one) reads; yields the version per stage. Run forward AND backward inside:
         the live weights come back on exit, and a graph built inside cannot be backpropagated
-        afterwards (the guard raises `StaleWeightsError` at the first gradient it would
-        accumulate into a trained parameter; autograd raises for a frozen one, whose version
-        is bumped). A `StageSplit`'s tied reads at another version than the owner's get their
+        afterwards (`StaleWeightsError` from the guard; autograd's error for a frozen
+        parameter, whose version is bumped). A `StageSplit`'s tied reads at another version than the owner's get their
         own leaf inside, whose gradient is added to the owner's on exit (`delay.tied`)."""
         k = self._check_step(step)
         if self._swapped is not None:
@@ -290,6 +288,9 @@ class DelayedOptimizer(WrappedOptimizer):
     # ---------------------------------------------------------------------------------------
     # The update
     # ---------------------------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
     def step(  # type: ignore[override]

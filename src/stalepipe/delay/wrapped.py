@@ -26,9 +26,9 @@ from stalepipe.config import ConfigError
 
 class WrappedOptimizer(torch.optim.Optimizer):
     """A `torch.optim.Optimizer` whose `param_groups`, `state` and `defaults` are those of
-    `optimizer` (the same objects). Subclasses define `step`, `state_dict` and
-    `load_state_dict`; `zero_grad` is the base's; `add_param_group` is refused (a subclass
-    that fixed its parameters at construction would not see the new ones).
+    `optimizer` (the same objects). Subclasses define `step`, `zero_grad`, `state_dict` and
+    `load_state_dict`; `add_param_group` is refused (a subclass that fixed its parameters at
+    construction would not see the new ones).
 
     Not for: changing an optimizer's groups independently of the base (there is one set)."""
 
@@ -93,7 +93,3 @@ class WrappedOptimizer(torch.optim.Optimizer):
             f"{type(self).__name__} cannot take a new param group: add it to the base "
             f"optimizer (and its parameters to a stage) before wrapping"
         )
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The base optimizer's `zero_grad`."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
