@@ -200,3 +200,20 @@ def test_a_backward_outside_the_block_is_our_error_on_hf_llama():
         loss = model(ids, labels=ids).loss
     with pytest.raises(StaleWeightsError, match="step 1"):
         loss.backward()  # forward inside, backward outside: ours, not autograd's
+
+
+def test_a_model_wrapped_again_is_guarded_by_its_newest_optimizer():
+    model, first = make()
+    second = DelayedOptimizer(
+        torch.optim.AdamW(model.parameters()), split_stages(model, 2), DelayConfig(policy="2bw"), T
+    )
+    with second.stale_weights():  # the first one's block is closed: it stands down
+        loss_of(model, 0).backward()
+    second.step()
+    with pytest.raises(StaleWeightsError, match="step 1"):  # the second's own guard
+        loss_of(model, 1).backward()
+    model.zero_grad()
+    bare = DelayedOptimizer(torch.optim.AdamW(model.parameters()), [list(model.parameters())])
+    loss_of(model, 0).backward()  # sync claims the parameters: no guard speaks
+    bare.step()
+    assert first.step_count == 0

@@ -139,13 +139,11 @@ class DelayedOptimizer(WrappedOptimizer):
         self._ef_prev: list[list[torch.Tensor]] | None = None  # U_{k-1}; None = U_{-1} = 0
         self._taylor_ms: list[list[torch.Tensor]] | None = None  # EMA of g^2 (adaptive)
         self._swapped: list[tuple[nn.Parameter, torch.Tensor]] | None = None
-        if delay.delayed:
-            guard.install(self, (p for ps in self._params for p in ps))
+        guard.install(self, (p for ps in self._params for p in ps), active=delay.delayed)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        if self.delay.delayed:
-            guard.install(self, (p for ps in self._params for p in ps))
+        guard.install(self, (p for ps in self._params for p in ps), active=self.delay.delayed)
 
     @property
     def stale_block_open(self) -> bool:  # the guard's question

@@ -13,7 +13,8 @@ from that backward. It only observes (no tensor is changed, so results are bitwi
 an unguarded run), and costs one Python call per parameter and backward. Gradients assigned
 to `.grad` directly (the pipeline runtime's own accumulation) and `torch.autograd.grad` calls
 are not `.grad` accumulations, so they pass. The hooks hold the optimizer weakly and are
-removed when it is garbage-collected.
+removed when it is garbage-collected; a parameter wrapped again is guarded by its newest
+optimizer only.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ from typing import Protocol
 
 import torch
 from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
+
+# parameter -> (a weak reference to) the optimizer guarding it: a model wrapped again (a new
+# policy in the same session) is guarded by its newest optimizer only
+# (by identity: tensors compare elementwise)
+_OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class StaleWeightsError(RuntimeError):
@@ -51,22 +58,27 @@ class Guarded(Protocol):
     def guard_message(self) -> str: ...
 
 
-def install(owner: Guarded, params: Iterable[torch.Tensor]) -> int:
-    """Hook every parameter of `params` that requires a gradient: while `owner` lives and its
-    `stale_weights()` block is closed, a gradient accumulated into it raises
-    `StaleWeightsError` (`owner.guard_message()`). Returns the number of parameters hooked."""
+def install(owner: Guarded, params: Iterable[torch.Tensor], active: bool = True) -> int:
+    """Hook every parameter of `params` that requires a gradient: while `owner` lives, is
+    the newest optimizer installed over it, and its `stale_weights()` block is closed, a
+    gradient accumulated into it raises `StaleWeightsError` (`owner.guard_message()`).
+    Inactive (a policy without delay): only claim the parameters, so that an older guard
+    stands down. Returns the number of parameters hooked."""
     ref = weakref.ref(owner)
 
-    def check(_param: torch.Tensor) -> None:
+    def check(param: torch.Tensor) -> None:
         opt = ref()
-        if opt is not None and not opt.stale_block_open:
+        if opt is not None and _OWNER.get(param) is ref and not opt.stale_block_open:
             raise StaleWeightsError(opt.guard_message())
 
-    handles: list[RemovableHandle] = [
-        p.register_post_accumulate_grad_hook(check) for p in params if p.requires_grad
-    ]
+    trained = [p for p in params if p.requires_grad]
+    for p in trained:
+        _OWNER[p] = ref  # the newest optimizer over a parameter is the one that guards it
+    if not active:
+        return 0
+    handles = [p.register_post_accumulate_grad_hook(check) for p in trained]
     weakref.finalize(owner, _remove, handles)
-    return len(handles)
+    return len(trained)
 
 
 def _remove(handles: list[RemovableHandle]) -> None:
