@@ -79,8 +79,11 @@ def train(arm: str, args: argparse.Namespace, data: torch.Tensor) -> float:
         base, split_stages(model, args.stages), DelayConfig(policy=policy, ef=ef), args.steps
     )
     warmup = max(1, args.steps // 10)
-    cosine = lambda k: min(1.0, (k + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * k / args.steps))  # noqa: E731
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine)
+
+    def lr_at(k: int) -> float:  # linear warmup, cosine decay (nanoGPT's get_lr, as a factor)
+        return min(1.0, (k + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * k / args.steps))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)  # on the delayed optimizer itself
     for step in range(args.steps):
         x, y = get_batch(data, step, args.batch, args.seq, "train")
         with opt.stale_weights():  # forward and backward at the weights the pipeline would use

@@ -70,7 +70,7 @@ def test_groups_state_and_defaults_are_the_base_optimizers():
     with pytest.raises(ConfigError, match="before wrapping"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
     with pytest.raises(ConfigError, match="wraps a torch.optim.Optimizer"):
-        DelayedOptimizer(object(), [list(model.parameters())], DelayConfig(), T)  # type: ignore[arg-type]
+        DelayedOptimizer(object(), [list(model.parameters())], DelayConfig(), T)  # type: ignore
 
 
 @pytest.mark.parametrize(

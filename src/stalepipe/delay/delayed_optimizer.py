@@ -247,8 +247,8 @@ class DelayedOptimizer(WrappedOptimizer):
         the current one) reads; yields the version per stage. Run forward AND backward inside:
         the live weights come back on exit, and a graph built inside cannot be backpropagated
         afterwards (`StaleWeightsError` from the guard; autograd's error for a frozen
-        parameter, whose version is bumped). A `StageSplit`'s tied reads at another version than the owner's get their
-        own leaf inside, whose gradient is added to the owner's on exit (`delay.tied`)."""
+        parameter, whose version is bumped). A `StageSplit`'s tied reads at another version
+        than the owner's get their own leaf, whose gradient joins the owner's on exit."""
         k = self._check_step(step)
         if self._swapped is not None:
             raise RuntimeError("stale_weights() blocks cannot be nested")
@@ -297,10 +297,10 @@ class DelayedOptimizer(WrappedOptimizer):
         """Apply step k's update: with a `closure` (torch's protocol: it zeroes the gradients,
         runs the forward and backward, returns the loss) first run it once inside
         `stale_weights()` and return what it returned; then Taylor compensation of the stale
-        gradient (and registered gradient-phase correctors), version bookkeeping (W_k stored where a later step reads
-        it), `optimizer.step()` on the newest weights, error feedback (and registered
-        update-phase correctors). Returns {"tau": [per stage]}, the staleness this step's
-        gradient had (without a closure; `staleness()` tells it too).
+        gradient (and registered gradient-phase correctors), version bookkeeping (W_k stored
+        where a later step reads it), `optimizer.step()` on the newest weights, error feedback
+        (and registered update-phase correctors). Returns {"tau": [per stage]}, the staleness
+        of this step's gradient (without a closure; `staleness()` tells it too).
 
         `live_in_use`: autograd graphs still hold the live tensors (the pipeline runtime's
         forwards in flight), so they must not change: the parameters move to new storage and
