@@ -140,8 +140,10 @@ def test_state_dict_round_trips_through_torch_save_and_deepcopy():
     resumed.load_state_dict(saved["model"])
     opt2.load_state_dict(saved["opt"])
     assert_equal(train(resumed, opt2, range(3, T)), full)
-    model3, opt3 = copy.deepcopy((model, opt))  # pickling keeps everything, guard included
+    torch.optim.lr_scheduler.StepLR(opt, step_size=10)  # patches opt.step on the instance
+    model3, opt3 = copy.deepcopy((model, opt))  # everything but that patch, guard included
     assert_equal(train(model3, opt3, range(3, T)), full)
+    assert (opt.step_count, opt3.step_count) == (3, T)  # opt3 stepped itself, not opt
     with pytest.raises(StaleWeightsError):
         loss_of(model3, 0).backward()
 

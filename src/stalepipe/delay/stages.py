@@ -2,7 +2,7 @@
 
     split = split_stages(model, 4)                          # the model's block list, balanced
     split = split_stages(model, 2, blocks="model.layers", cost="blocks")
-    split = split_stages(model, names=[["model.embed_tokens", "model.layers.0"], ["model"]])
+    split = split_stages(model, names=[["model.embed_tokens", "model.layers.0"], [""]])
     opt = DelayedOptimizer(torch.optim.AdamW(model.parameters()), split, cfg, steps)
 
 By a count of blocks: the blocks are the children of one `nn.ModuleList` / `nn.Sequential`

@@ -54,7 +54,9 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self._patch_step_function()
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__)  # all of it (torch's keeps only groups, state, defaults)
+        # all of it (torch's keeps only groups, state and defaults), but a `step` an LR
+        # scheduler patched onto the instance (it refers to the scheduler)
+        return {k: v for k, v in self.__dict__.items() if k != "step"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
