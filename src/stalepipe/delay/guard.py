@@ -42,10 +42,9 @@ def outside_message(policy: str, step: int) -> str:
     """The one line `StaleWeightsError` says: what happened and the fix."""
     return (
         f"DelayedOptimizer (delay.policy {policy}, step {step}): a backward ran outside `with "
-        f"opt.stale_weights():`, so its gradient is not taken at the stale weights (a graph "
-        f"built inside the block sees them modified by an inplace operation once the live "
-        f"weights are back); run the forward AND the backward inside that block, or pass them "
-        f"as a closure to `opt.step(closure)`"
+        f"opt.stale_weights():`, so its gradient is not taken at the stale weights; run the "
+        f"forward AND the backward inside that block, or pass them as a closure to "
+        f"`opt.step(closure)`"
     )
 
 
