@@ -4,12 +4,14 @@ batching several seeds into one model (torch.func / vmap over stacked parameters
 Per scale (cpu-regime and the overhead ladder's widths, as `step_roofline.py` builds them),
 every (optimizer, arm, eager | compiled) contender trains in this process on one thread, the
 contenders in turns step by step (the machine is shared: ratios are read side by side). Printed
-per contender: the median steady step time, the compiled / eager ratio of the same (optimizer,
-arm), whether the compiled train losses equal eager's bit for bit, and runs per core-hour of a
-full run of the scale (its steps x the steady step time, plus the compilation: the first
-`--warmup` steps and one evaluation forward beyond their steady cost; evaluations and
-checkpoints otherwise left out). Each scale starts from a reset dynamo (one shape per process,
-as in a run); inductor's on-disk cache may already hold the graphs (said in the output).
+per (optimizer, arm): the median steady step times, eager and compiled, their ratio read per
+round (median [range]), and whether the compiled train losses equal eager's bit for bit; per
+scale, the pooled ratio and runs per core-hour of a full run of the scale (its steps x the
+steady step time, plus the compilation: the first `--warmup` steps and one evaluation forward
+beyond their steady cost, measured on the scale's first compiled contender, which every run
+pays in its own process; evaluations and checkpoints otherwise left out). Each scale starts
+from a reset dynamo (one shape per process, as in a run); inductor's on-disk cache may already
+hold the graphs (said in the output).
 
 The batching bound: one eager model trains a batch of S x 16 sequences; its time per 16
 sequences against the 16-sequence step is the most S seeds trained as one batched model could
@@ -29,13 +31,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
-from benchmarks.common import parser, pin_threads, print_load, round_robin
+from benchmarks.common import (
+    median_range,
+    paired_ratios,
+    parser,
+    pin_threads,
+    print_load,
+    round_robin,
+)
 from benchmarks.speed.step_roofline import ARMS, StudyStep, scale_config
 
 
 def compiled_first(run: StudyStep, warmup: int) -> float:
     """Seconds of `warmup` steps and one no-grad evaluation forward of a fresh compiled run
-    (its compilation happens here)."""
+    (its compilation happens here), less `warmup` steady steps (timed after them)."""
     t0 = time.perf_counter()
     for _ in range(warmup):
         run.step()
@@ -43,7 +52,8 @@ def compiled_first(run: StudyStep, warmup: int) -> float:
     with torch.no_grad():
         run.model(*run.batch)
     run.model.train()
-    return time.perf_counter() - t0
+    first = time.perf_counter() - t0
+    return first - sum(run.timed() for _ in range(warmup))
 
 
 def eval_forward(run: StudyStep) -> float:
@@ -56,39 +66,45 @@ def eval_forward(run: StudyStep) -> float:
     return time.perf_counter() - t0
 
 
-def scale_rows(width: int | None, args) -> None:
-    """Time one scale's contenders and print their rows."""
+def scale_rows(width: int | None, args) -> list[float]:
+    """Time one scale's contenders, print their rows, and return every paired ratio (eager
+    step time over the compiled step's in the same round) of the scale."""
     import torch._dynamo
 
     torch._dynamo.reset()
     label = "cpu-regime" if width is None else f"d{width}"
-    runs, first = {}, {}
+    runs, compile_s = {}, None
     for optim in args.optims:
         for arm in args.arms:
             for mode in ("eager", "compiled"):
                 run = StudyStep(scale_config(width, optim, arm), compile_model=mode == "compiled")
-                key = (optim, arm, mode)
-                if mode == "compiled":
-                    first[key] = compiled_first(run, args.warmup)
-                else:
-                    for _ in range(args.warmup):
-                        run.step()
-                    first[key] = eval_forward(run)
-                runs[key] = run
+                if mode == "compiled" and compile_s is None:  # later ones reuse its graphs
+                    compile_s = compiled_first(run, args.warmup) - eval_forward(run)
+                for _ in range(args.warmup):
+                    run.step()
+                runs[optim, arm, mode] = run
     times = round_robin(runs, lambda r, _: r.timed(), args.steps, 0)
     cfg = next(iter(runs.values())).cfg
-    steps = cfg.train.num_steps
-    for (optim, arm, mode), run in runs.items():
-        t = statistics.median(times[optim, arm, mode])
-        eager = statistics.median(times[optim, arm, "eager"])
-        e_run = runs[optim, arm, "eager"]
-        exact = run.losses == e_run.losses[: len(run.losses)]
-        fixed = max(first[optim, arm, mode] - args.warmup * t, 0.0)
-        full = steps * t + fixed
-        full_eager = steps * eager + max(first[optim, arm, "eager"] - args.warmup * eager, 0.0)
-        print(f"{label:<11} {optim:<6} {arm:<7} {mode:<9} {t * 1e3:8.1f} {eager / t:7.2f}x "
-              f"{fixed:7.1f} {3600 / full:8.1f} {full_eager / full:7.2f}x "
-              f"{'yes' if exact else 'NO':>5}", flush=True)  # fmt: skip
+    pooled = []
+    for optim in args.optims:
+        for arm in args.arms:
+            eager, comp = times[optim, arm, "eager"], times[optim, arm, "compiled"]
+            ratios = paired_ratios(eager, comp)
+            pooled += ratios
+            exact = runs[optim, arm, "compiled"].losses == runs[optim, arm, "eager"].losses
+            print(f"{label:<11} {optim:<6} {arm:<7} {statistics.median(eager) * 1e3:8.1f} "
+                  f"{statistics.median(comp) * 1e3:8.1f}  {median_range(ratios, '.2f'):<17} "
+                  f"{'yes' if exact else 'NO':>5}", flush=True)  # fmt: skip
+    steady = statistics.median(pooled)
+    eager_s = statistics.median([t for k, v in times.items() if k[2] == "eager" for t in v])
+    full_eager = cfg.train.num_steps * eager_s
+    full_comp = full_eager / steady + compile_s
+    print(f"{label:<11} all: compiled step {median_range(pooled, '.2f')}x faster; compilation "
+          f"{compile_s:.0f} s a run (first {args.warmup} steps and an eval forward, beyond "
+          f"their steady time); a {cfg.train.num_steps}-step run {full_eager:.0f} s eager, "
+          f"{full_comp:.0f} s compiled: {full_eager / full_comp:.2f}x runs per core-hour "
+          f"(evals left out)", flush=True)  # fmt: skip
+    return pooled
 
 
 def batch_rows(width: int | None, args) -> None:
@@ -119,8 +135,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, 1 thread; inductor cache {cache} "
           f"{'exists' if cache.exists() else 'empty'} at the start")  # fmt: skip
     if not args.skip_compile:
-        print(f"{'model':<11} {'optim':<6} {'arm':<7} {'mode':<9} {'step ms':>8} "
-              f"{'speed-up':>8} {'compile':>7} {'runs/c-h':>8} {'vs eager':>8} {'exact':>5}")  # fmt: skip
+        print(f"{'model':<11} {'optim':<6} {'arm':<7} {'eager ms':>8} {'comp ms':>8}  "
+              f"{'eager/compiled':<17} {'exact':>5}")  # fmt: skip
         for width in [None, *args.widths]:
             scale_rows(width, args)
     for width in [None, *args.widths] if args.batch else []:
