@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from stalepipe.config import ExperimentConfig, apply_overrides
 from stalepipe.delay import DelayEmulator, DelaySchedule
 from stalepipe.experiments.scales import LRS, OVERHEAD_LR, base_config, overhead_rung
-from stalepipe.models import build_model, flops_per_token
+from stalepipe.models import build_model, compile_blocks, flops_per_token
 from stalepipe.optim import build_optimizer
 from stalepipe.optim.lr_schedule import apply_lr, lr_multiplier
 
@@ -76,8 +76,8 @@ class StudyStep:
         tc = cfg.train
         self.cfg = cfg
         self.model = build_model(cfg.model, tc.seed)
-        if compile_model:
-            self.model.compile()
+        if compile_model:  # what train.compile does
+            compile_blocks(self.model)
         self.optimizer = build_optimizer(cfg.optim, self.model.named_parameters())
         delay = DelaySchedule.build(cfg.delay, cfg.pipeline.num_stages, tc.num_steps, train=tc)
         self.emulator = DelayEmulator(
