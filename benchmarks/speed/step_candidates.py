@@ -5,7 +5,8 @@ Per scale (cpu-regime and the overhead ladder's widths, as `step_roofline.py` bu
 every (optimizer, arm, eager | compiled) contender trains in this process on one thread, the
 contenders in turns step by step (the machine is shared: ratios are read side by side). Printed
 per (optimizer, arm): the median steady step times, eager and compiled, their ratio read per
-round (median [range]), and whether the compiled train losses equal eager's bit for bit; per
+round (median [range]) and of the two fastest steps (the least disturbed by other jobs on a
+shared machine), and whether the compiled train losses equal eager's bit for bit; per
 scale, the pooled ratio and runs per core-hour of a full run of the scale (its steps x the
 steady step time, plus the compilation: the first `--warmup` steps and one evaluation forward
 beyond their steady cost, measured on the scale's first compiled contender, which every run
@@ -18,7 +19,7 @@ sequences against the 16-sequence step is the most S seeds trained as one batche
 save (a vmapped model runs the same kernels on the same number of rows, plus the stacking).
 
     OMP_NUM_THREADS=1 python benchmarks/speed/step_candidates.py [--steps 5] [--warmup 3]
-        [--widths 48 64 136] [--optims adamw muon] [--batch 2 4]
+        [--widths 48 64 136] [--skip-regime] [--optims adamw muon] [--batch 2 4]
 """
 
 from __future__ import annotations
@@ -92,9 +93,10 @@ def scale_rows(width: int | None, args) -> list[float]:
             ratios = paired_ratios(eager, comp)
             pooled += ratios
             exact = runs[optim, arm, "compiled"].losses == runs[optim, arm, "eager"].losses
+            best = min(eager) / min(comp)
             print(f"{label:<11} {optim:<6} {arm:<7} {statistics.median(eager) * 1e3:8.1f} "
                   f"{statistics.median(comp) * 1e3:8.1f}  {median_range(ratios, '.2f'):<17} "
-                  f"{'yes' if exact else 'NO':>5}", flush=True)  # fmt: skip
+                  f"{best:7.2f} {'yes' if exact else 'NO':>5}", flush=True)  # fmt: skip
     steady = statistics.median(pooled)
     eager_s = statistics.median([t for k, v in times.items() if k[2] == "eager" for t in v])
     full_eager = cfg.train.num_steps * eager_s
@@ -128,18 +130,20 @@ def main() -> None:
     ap.add_argument("--arms", nargs="*", default=list(ARMS))
     ap.add_argument("--batch", type=int, nargs="*", default=[2, 4])
     ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--skip-regime", action="store_true", help="only the --widths")
     args = ap.parse_args()
     pin_threads(1)
     print_load("before")
     cache = Path(f"/tmp/torchinductor_{__import__('getpass').getuser()}")
     print(f"torch {torch.__version__}, 1 thread; inductor cache {cache} "
           f"{'exists' if cache.exists() else 'empty'} at the start")  # fmt: skip
+    scales = [*([] if args.skip_regime else [None]), *args.widths]
     if not args.skip_compile:
         print(f"{'model':<11} {'optim':<6} {'arm':<7} {'eager ms':>8} {'comp ms':>8}  "
-              f"{'eager/compiled':<17} {'exact':>5}")  # fmt: skip
-        for width in [None, *args.widths]:
+              f"{'eager/compiled':<17} {'of mins':>7} {'exact':>5}")  # fmt: skip
+        for width in scales:
             scale_rows(width, args)
-    for width in [None, *args.widths] if args.batch else []:
+    for width in scales if args.batch else []:
         batch_rows(width, args)
     print_load("after")
 

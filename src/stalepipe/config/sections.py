@@ -362,11 +362,7 @@ class TrainConfig:
     dtype: str = option(
         "float32", "compute dtype: float32 | bfloat16 (autocast; fp32 master weights)"
     )
-    compile: bool = option(
-        False,
-        "torch.compile each transformer block (both engines; faster, first steps slow; "
-        "numerics differ from eager, so runs pair only with runs of the same setting)",
-    )
+    compile: bool = option(False, "torch.compile each block (numerics differ from eager's)")
     tf32: bool = option(True, "allow TF32 matmuls on CUDA (ignored on CPU)")
     progress: bool = option(
         True, "show progress: a bar on a terminal, a plain line every ~10% or 60 s otherwise"
