@@ -152,6 +152,19 @@ def test_compile_is_refused_only_where_the_runtime_splits_the_backward():
     apply_overrides(get_preset("cpu-tiny"), ZB)  # the split backward itself runs eager
 
 
+def test_compile_blocks_compiles_every_block_and_nothing_else():
+    """Both engines compile the same modules: the whole model's blocks, a stage's blocks."""
+    from stalepipe.models import build_model, build_stage, compile_blocks
+    from stalepipe.models.layers import Block
+
+    cfg = get_preset("cpu-tiny").model
+    for module in (build_model(cfg, 0), build_stage(cfg, 0, 2, 1)):
+        compile_blocks(module)  # lazy: nothing compiles before a call
+        compiled = [n for n, m in module.named_modules() if m._compiled_call_impl is not None]
+        assert compiled == [n for n, m in module.named_modules() if isinstance(m, Block)]
+        assert compiled
+
+
 def test_compiling_an_moe_model_warns_what_it_costs():
     (w,) = apply_overrides(get_preset("cpu-moe"), {"train.compile": "true"}).warnings()
     assert w.startswith("train.compile with MoE layers: each layer's dispatch breaks the graph")
