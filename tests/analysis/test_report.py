@@ -11,7 +11,7 @@ import pytest
 from stalepipe.analysis import stats
 from stalepipe.analysis.claims import CLAIMS
 from stalepipe.analysis.report import claims, write_report
-from stalepipe.analysis.results import best_row, build_rows, load_runs
+from stalepipe.analysis.results import best_row, build_rows, load_runs, missing_summary
 from stalepipe.config import ExperimentConfig, apply_overrides
 from stalepipe.errors import UserError
 from stalepipe.experiments.studies import STUDIES, declared_claims, study_mitigations
@@ -106,6 +106,22 @@ def test_a_record_from_before_a_new_setting_joins_its_configuration(sweep_dir):
     # a setting away from its default still tells two configurations apart
     make_run(sweep_dir, "adamw_sync_b2_s0", {**SYNC, "optim.beta2": "0.9"}, 0, 2.0)
     assert len(rows_by_label(sweep_dir)) == 4
+
+
+def test_runs_of_different_numerics_settings_never_pair(sweep_dir):
+    """train.compile changes a run's numbers (issue 55): a compiled 2bw arm finds no eager
+    sync baseline, the report says why, and the eager arms still pair as before."""
+    for s, v in enumerate([2.4, 2.5, 2.6]):
+        make_run(sweep_dir, f"adamw_2bw_compiled_s{s}", {**BW, "train.compile": "true"}, s, v)
+    runs = load_runs(sweep_dir)
+    rows = {r.label: r for r in build_rows(runs)}
+    compiled = rows["adamw_2bw_compiled"]
+    assert compiled.baseline is None and math.isnan(compiled.gap)
+    assert rows["adamw_2bw"].baseline is rows["adamw_sync"]
+    lines = missing_summary(runs, list(rows.values()))
+    why = "of its train.compile (adamw_sync ran with another: never paired)"
+    assert f"adamw_2bw_compiled: no finished sync baseline {why}, so no gap" in lines
+    assert not any(line.startswith("adamw_2bw:") for line in lines)
 
 
 @pytest.mark.parametrize("scale", ["cpu", "cpu-regime"])

@@ -137,21 +137,32 @@ def test_both_engines_apply_train_tf32_before_training(tiny_config, monkeypatch,
     assert seen == [(tf32, "cpu"), (tf32, "cpu")]
 
 
-# ---- train.compile: refused where it would compile nothing that trains -------------------------
+# ---- train.compile: every block compiled on both engines; refused where the backward is split --
+
+ZB = {"pipeline.engine": "distributed", "pipeline.schedule": "zb-h1"}
 
 
-@pytest.mark.parametrize(
-    ("overrides", "fixes"),
-    [
-        ({"delay.mode": "exact"}, "set train.compile to false, or delay.mode to fast"),
-        ({"pipeline.engine": "distributed"}, "set train.compile to false"),
-    ],
-)
-def test_compile_is_refused_in_exact_mode_and_on_the_runtime(overrides, fixes):
-    with pytest.raises(ConfigError) as e:
+def test_compile_is_refused_only_where_the_runtime_splits_the_backward():
+    for overrides in ({}, {"delay.mode": "exact"}, {"pipeline.engine": "distributed"}):
         apply_overrides(get_preset("cpu-tiny"), {"train.compile": "true", **overrides})
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(get_preset("cpu-tiny"), {"train.compile": "true", **ZB})
+    fixes = "set train.compile to false, or pipeline.schedule to 1f1b"
     assert str(e.value).endswith(fixes) and "\n" not in str(e.value)
-    apply_overrides(get_preset("cpu-tiny"), {"train.compile": "true"})  # fast mode compiles
+    apply_overrides(get_preset("cpu-tiny"), ZB)  # the split backward itself runs eager
+
+
+def test_compile_blocks_compiles_every_block_and_nothing_else():
+    """Both engines compile the same modules: the whole model's blocks, a stage's blocks."""
+    from stalepipe.models import build_model, build_stage, compile_blocks
+    from stalepipe.models.layers import Block
+
+    cfg = get_preset("cpu-tiny").model
+    for module in (build_model(cfg, 0), build_stage(cfg, 0, 2, 1)):
+        compile_blocks(module)  # lazy: nothing compiles before a call
+        compiled = [n for n, m in module.named_modules() if m._compiled_call_impl is not None]
+        assert compiled == [n for n, m in module.named_modules() if isinstance(m, Block)]
+        assert compiled
 
 
 def test_compiling_an_moe_model_warns_what_it_costs():
@@ -160,8 +171,9 @@ def test_compiling_an_moe_model_warns_what_it_costs():
     assert apply_overrides(get_preset("cpu-tiny"), {"train.compile": "true"}).warnings() == []
 
 
-def test_the_cli_refuses_compile_on_the_runtime_in_one_line(tmp_path):
-    args = ["--preset", "cpu-tiny", "--train.compile", "true", "--pipeline.engine", "distributed"]
+def test_the_cli_refuses_compile_with_a_split_backward_in_one_line(tmp_path):
+    args = ["--preset", "cpu-tiny", "--train.compile", "true", "--pipeline.engine", "distributed",
+            "--pipeline.schedule", "zb-h1"]  # fmt: skip
     out = subprocess.run(
         [sys.executable, "-m", "stalepipe", "train", *args, "--out_dir", str(tmp_path)],
         capture_output=True,

@@ -36,17 +36,9 @@ from stalepipe.rundir.status import ERROR_FILE, SPEC_FILE, run_status
 
 # Keys that do not define a configuration (the seed axis, names, logging and speed knobs).
 NON_CONFIG_KEYS = {
-    "name",
-    "out_dir",
-    "train.seed",
-    "data.seed",
-    "train.progress",
-    "train.log_every",
-    "train.ckpt_every",
-    "train.keep_last",
-    "train.threads",
-    "data.data_dir",
-}
+    "name", "out_dir", "train.seed", "data.seed", "train.progress", "train.log_every",
+    "train.ckpt_every", "train.keep_last", "train.threads", "data.data_dir",
+}  # fmt: skip
 
 
 def mitigation_defaults() -> dict[str, Any]:
@@ -438,7 +430,17 @@ def missing_summary(runs: list[Run], rows: list[Row]) -> list[str]:
         lines.append(f"unreadable, left out: {r.name}: {r.error}")
     for row in rows:
         if not row.is_sync and row.baseline is None and row.values:
-            lines.append(f"{row.label}: no finished sync baseline, so no gap")
+            lines.append(f"{row.label}: no finished sync baseline{_apart(row, rows)}, so no gap")
         if row.mitigations and row.unmitigated is None and row.values:
             lines.append(f"{row.label}: no finished unmitigated counterpart, so no recovery share")
     return lines
+
+
+def _apart(row: Row, rows: list[Row]) -> str:
+    """Why a sync arm equal but for `train.compile` (a setting of the numbers) is not its."""
+    ignore = _tuning() + ("delay.mode", "train.compile")
+    key = config_key(_sync_version(row.config), ignore)
+    other = [r for r in rows if r.is_sync and r.values and config_key(r.config, ignore) == key]
+    if not other:
+        return ""
+    return f" of its train.compile ({other[0].label} ran with another: never paired)"

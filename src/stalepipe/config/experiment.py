@@ -196,24 +196,18 @@ class ExperimentConfig:
             yield "train.final_eval_full", why, [{"train.final_eval_full": False}]
 
     def _ignored_compile(self) -> Iterator[tuple[str, str, list[Fix]]]:
-        """train.compile compiles `Transformer.forward`: what only the fast emulator runs per
-        step (exact mode and the runtime run stage modules, so it would compile evaluation
-        alone, or nothing)."""
-        if not self.train.compile:
+        """train.compile compiles each transformer block (`models.compile_blocks`), on both
+        engines; the runtime's split backward (BI apart from BW) cannot split a compiled
+        block's one backward graph."""
+        pc = self.pipeline
+        if not (self.train.compile and pc.engine == "distributed"):
             return
-        off: Fix = {"train.compile": False}
-        if self.pipeline.engine == "distributed":
+        if PIPELINE_SCHEDULES[pc.schedule].splits_backward:
             why = (
-                "train.compile compiles the whole model's forward, which the distributed engine "
-                "never runs (each process runs its stage, uncompiled)"
+                f"train.compile with pipeline.schedule {pc.schedule}: its backward runs as BI and "
+                f"BW apart, which a compiled block's one backward graph cannot"
             )
-            yield "train.compile", why, [off]
-        elif self.delay.mode == "exact":
-            why = (
-                "train.compile compiles the whole model's forward; delay.mode exact runs the "
-                "model stage by stage and would compile only its evaluations"
-            )
-            yield "train.compile", why, [off, {"delay.mode": "fast"}]
+            yield "train.compile", why, [{"train.compile": False}, {"pipeline.schedule": "1f1b"}]
 
     def _ignored_delay(self) -> Iterator[tuple[str, str, list[Fix]]]:
         """A delay policy without delay at this stage count, and mitigations with no delay."""

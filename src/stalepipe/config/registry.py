@@ -133,7 +133,8 @@ class ScheduleSpec:
     groups); `placement`: 'v' puts rank r's stages at r and 2R-1-r; `runtime`: the distributed
     engine runs it (every schedule so far: the runtime runs every schedule the simulator times);
     `sizes`: its own rule on the microbatch count (interleaved 1F1B's groups, DualPipeV's and
-    2BW's minimum); `cluster`: the cluster model compares it.
+    2BW's minimum); `cluster`: the cluster model compares it; `splits_backward`: its backward
+    runs as BI and BW apart (zero-bubble schedules).
     """
 
     name: str
@@ -153,6 +154,7 @@ class ScheduleSpec:
     # one dominates there (GPipe: 1F1B's time with more memory) or whose delay is not comparable
     # across P (WPipe: docs/verdict.md)
     cluster: bool = True
+    splits_backward: bool = False
 
     def size_rule(self, stages: int, ranks: int, m: int, batch: int, replicas: int) -> str:
         """Why the distributed engine refuses these sizes for this schedule ("" if it runs)."""

@@ -362,7 +362,7 @@ class TrainConfig:
     dtype: str = option(
         "float32", "compute dtype: float32 | bfloat16 (autocast; fp32 master weights)"
     )
-    compile: bool = option(False, "torch.compile the model (first steps are slow at first)")
+    compile: bool = option(False, "torch.compile each block (numerics differ from eager's)")
     tf32: bool = option(True, "allow TF32 matmuls on CUDA (ignored on CPU)")
     progress: bool = option(
         True, "show progress: a bar on a terminal, a plain line every ~10% or 60 s otherwise"

@@ -9,7 +9,13 @@ from stalepipe.models.partition import (
     split_layers,
     stage_specs,
 )
-from stalepipe.models.transformer import Transformer, build_model, count_params, flops_per_token
+from stalepipe.models.transformer import (
+    Transformer,
+    build_model,
+    compile_blocks,
+    count_params,
+    flops_per_token,
+)
 
 __all__ = [
     "PipelineStage",
@@ -17,6 +23,7 @@ __all__ = [
     "Transformer",
     "build_model",
     "build_stage",
+    "compile_blocks",
     "count_params",
     "describe",
     "flops_per_token",

@@ -70,6 +70,21 @@ class Transformer(nn.Module):
         return router_stats(enumerate(self.layers), per_expert=per_expert, reset=reset)
 
 
+def compile_blocks(module: nn.Module) -> None:
+    """`train.compile`: torch.compile every transformer block of `module` (a `Transformer` or
+    a pipeline stage of one), in place; the embedding and the head stay eager.
+
+    Per block, not the whole model, so that every engine runs the same compiled graphs (the
+    emulator's whole model in fast mode, its stages in exact mode, the runtime's stages): within
+    the setting they stay bitwise equal, as eager engines are. Compiled numbers are not eager's
+    (inductor fuses and reorders elementwise work), so the setting is part of a run's config
+    and a report never pairs runs of different settings (docs/benchmarks.md, 'Study step
+    speed')."""
+    for m in module.modules():
+        if isinstance(m, Block):
+            m.compile()
+
+
 def param_seed(seed: int, name: str) -> int:
     """The seed of the initial values of the parameter called `name` (its global name)."""
     return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63

@@ -337,7 +337,7 @@ for _spec in (
         chunks=None,
         sizes=_interleaved_sizes,
     ),
-    ScheduleSpec(name="zb-h1", policy="sync", generate=zb_h1),
+    ScheduleSpec(name="zb-h1", policy="sync", generate=zb_h1, splits_backward=True),
     ScheduleSpec(name="2bw", policy="2bw", generate=two_bw, sizes=_two_bw_sizes, flushed="1f1b"),
     ScheduleSpec(
         name="pipedream",
@@ -350,7 +350,9 @@ for _spec in (
     ScheduleSpec(
         name="wpipe", policy="wpipe", generate=wpipe, rank_stages=2, cluster=False, flushed="1f1b"
     ),
-    ScheduleSpec(name="zb-v", policy="sync", generate=zb_v, chunks=2, placement="v"),
+    ScheduleSpec(
+        name="zb-v", policy="sync", generate=zb_v, chunks=2, placement="v", splits_backward=True
+    ),
     ScheduleSpec(
         name="dualpipev",
         policy="sync",
@@ -358,6 +360,7 @@ for _spec in (
         chunks=2,
         placement="v",
         sizes=_dualpipev_sizes,
+        splits_backward=True,
     ),
 ):
     PIPELINE_SCHEDULES.register(_spec)

@@ -22,7 +22,7 @@ import torch
 from stalepipe.config import ExperimentConfig
 from stalepipe.data import EVAL_SEED, TokenLoader
 from stalepipe.delay import DelayEmulator, DelaySchedule, tied
-from stalepipe.models import Transformer, build_model
+from stalepipe.models import Transformer, build_model, compile_blocks
 from stalepipe.optim import build_optimizer
 from stalepipe.optim.lr_schedule import apply_lr, config_peak_lr
 from stalepipe.rundir.checkpoint import commit_checkpoint, load_model_state, open_checkpoint
@@ -121,8 +121,8 @@ class EmulatorEngine:
         self.train_data = TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.data.seed)
         self.val_data = TokenLoader(data_dir, "val", cfg.data.seq_len, EVAL_SEED)
         self.model = build_model(cfg.model, tc.seed, device)
-        if tc.compile:  # compiles forward only; the emulator's weight swaps keep the same graph
-            self.model.compile()
+        if tc.compile:  # per block: the graphs the runtime's stages compile too
+            compile_blocks(self.model)
         self.optimizer = build_optimizer(cfg.optim, self.model.named_parameters())
         self.delay = DelaySchedule.build(cfg.delay, cfg.pipeline.num_stages, tc.num_steps, train=tc)
         self.emulator = DelayEmulator(

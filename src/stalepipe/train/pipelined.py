@@ -32,7 +32,7 @@ from stalepipe.data import EVAL_SEED, TokenLoader
 from stalepipe.data.loader import ReplicaBatches
 from stalepipe.delay import DelayedOptimizer, DelaySchedule, tied
 from stalepipe.errors import Preempted
-from stalepipe.models import Transformer, build_stage, partition
+from stalepipe.models import Transformer, build_stage, compile_blocks, partition
 from stalepipe.optim import build_optimizer
 from stalepipe.optim.lr_schedule import config_peak_lr, set_peak_lr
 from stalepipe.peers.failures import WorkerFailed
@@ -239,6 +239,8 @@ class PipelineEngine:
             s: build_stage(cfg.model, tc.seed, P, s, cfg.data.seq_len, device, split)
             for s in self.stages
         }
+        for module in self.modules.values() if tc.compile else ():
+            compile_blocks(module)  # the emulator's graphs: bitwise equal within the setting
         self.names_per_stage = [list(s.owned_parameters()) for s in stages]
         self.router_layers = [s.router_layers() for s in stages]
         own = {s: m.owned_parameters() for s, m in self.modules.items()}
