@@ -28,6 +28,8 @@ from stalepipe.config.sections import DEFAULT_SCHEDULE
 from stalepipe.errors import Preempted, UserError
 from stalepipe.presets import PRESETS, get_preset
 
+HF_PREFIX = "hf:"  # `--init-from hf:DIR` (rundir.hf_checkpoint.PREFIX, spelled out: no torch)
+
 
 def parse_overrides(tokens: Sequence[str]) -> dict[str, str]:
     """`--a.b 1 --c=2` -> {"a.b": "1", "c": "2"}; anything else is a usage error."""
@@ -131,10 +133,11 @@ def _add_train(sub: Subparsers) -> None:
     add("--overwrite", action="store_true", help="delete an existing run of this name first")
     add(
         "--init-from",
-        metavar="RUN[@STEP]",
+        metavar="RUN[@STEP]|hf:DIR",
         help="start a new run from another run's newest "
-        "checkpoint (or the one of STEP, or a ckpt_* checkpoint), with this run's settings; the "
-        "parent is recorded in meta.json",
+        "checkpoint (or the one of STEP, or a ckpt_* checkpoint), with this run's settings; or "
+        "from the weights of a Hugging Face Llama / Mixtral directory (hf:DIR, step 0, its shape "
+        "in --model.* flags); the parent is recorded in meta.json",
     )
     add("--print-config", action="store_true", help="print the resolved config and exit")
     p.set_defaults(fn=cmd_train)
@@ -155,14 +158,25 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.print_config:
         print(cfg.to_json())
         return 0
-    init_from = parent_checkpoint(args.init_from, cfg.train.num_steps) if args.init_from else None
+    init_from, init_hf = None, None
+    if args.init_from and args.init_from.startswith(HF_PREFIX):  # before anything is written
+        from stalepipe.rundir.hf_checkpoint import open_hf
+
+        (hf := open_hf(args.init_from)).check_fits(cfg.model)
+        init_hf = hf.path
+    elif args.init_from:
+        init_from = parent_checkpoint(args.init_from, cfg.train.num_steps)
     if cfg.pipeline.engine == "distributed":  # one process per stage (docs/runtime.md)
         from stalepipe.launch.train import launch_train
         from stalepipe.rundir.startup import StartUp
 
-        start = StartUp(resume=args.resume, overwrite=args.overwrite, init_from=init_from)
+        start = StartUp(
+            resume=args.resume, overwrite=args.overwrite, init_from=init_from, init_hf=init_hf
+        )
         return launch_train(cfg, start)
-    result = train(cfg, resume=args.resume, overwrite=args.overwrite, init_from=init_from)
+    result = train(
+        cfg, resume=args.resume, overwrite=args.overwrite, init_from=init_from, init_hf=init_hf
+    )
     if os.environ.get("RANK", "0") != "0" or not result.train_losses:
         return 0  # torchrun: rank 0 speaks for the run; nothing trained: said so already
     print(result.summary())
