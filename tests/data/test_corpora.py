@@ -73,7 +73,7 @@ def test_bad_paths(tmp_path):
         text_corpus([tmp_path / "missing.txt"])
     with pytest.raises(DataError, match="unsupported file type '.csv'"):
         text_corpus([tmp_path / "x.csv"])
-    with pytest.raises(DataError, match="holds no .txt or .jsonl"):
+    with pytest.raises(DataError, match="holds no .txt, .jsonl"):
         text_corpus([tmp_path / "empty"])
     with pytest.raises(DataError, match="--corpus text --text PATH"):
         text_corpus([])

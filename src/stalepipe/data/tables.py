@@ -1,0 +1,86 @@
+"""Documents from columnar files: Parquet (how FineWeb and most HF datasets ship) and Arrow (what
+an HF `datasets` `save_to_disk` directory holds: `data-0000i-of-0000n.arrow` files in Arrow's
+streaming IPC format, beside `dataset_info.json` and `state.json`).
+
+One document per row, the text from a named string column (`--text-column`, default `text`),
+read a record batch at a time so a large shard never sits in memory whole. pyarrow is an extra
+(`pip install 'stalepipe[data]'`); without it a table is one line naming that command.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from stalepipe.errors import DataError
+
+TABLE_SUFFIXES = (".parquet", ".arrow")
+INSTALL = "pip install 'stalepipe[data]'"  # the extra that brings pyarrow
+BATCH_ROWS = 1024
+
+
+def _pyarrow(path: Path) -> Any:
+    try:
+        import pyarrow  # noqa: F401
+        import pyarrow.ipc
+        import pyarrow.parquet
+    except ImportError:
+        raise DataError(
+            f"reading {path.name} needs pyarrow, which is not installed; run `{INSTALL}`"
+        ) from None
+    return pyarrow
+
+
+def _batches(path: Path, column: str) -> Iterator[Any]:
+    """The file's record batches of `column` (DataError: unreadable, or no such column)."""
+    pa = _pyarrow(path)
+    try:
+        if path.suffix == ".parquet":
+            table = pa.parquet.ParquetFile(path)
+            names = table.schema_arrow.names
+            reader = lambda: table.iter_batches(batch_size=BATCH_ROWS, columns=[column])  # noqa: E731
+        else:
+            source = pa.memory_map(str(path))
+            try:  # datasets writes the streaming format; the file format is read too
+                stream = pa.ipc.open_stream(source)
+            except pa.ArrowInvalid:
+                stream = pa.ipc.open_file(source)
+            names = stream.schema.names
+            reader = lambda: _arrow_batches(stream)  # noqa: E731
+        if column not in names:
+            shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+            raise DataError(
+                f"{path} has no column {column!r} (its columns: {shown}); pass --text-column NAME"
+            )
+        for batch in reader():
+            yield batch.column(batch.schema.get_field_index(column))
+    except (pa.ArrowException, OSError) as e:
+        kind = "Parquet" if path.suffix == ".parquet" else "Arrow"
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise DataError(f"{path} is not a readable {kind} file ({reason})") from None
+
+
+def _arrow_batches(stream: Any) -> Iterator[Any]:
+    if hasattr(stream, "num_record_batches"):  # the file format
+        for i in range(stream.num_record_batches):
+            yield stream.get_batch(i)
+    else:
+        yield from stream
+
+
+def table_rows(path: Path, name: str, column: str) -> Iterator[tuple[str, str]]:
+    """`(name:row, text)` of each row whose `column` holds a non-empty string (rows from 1,
+    null cells skipped); DataError for a column that is not a string column."""
+    row = 0
+    for values in _batches(path, column):
+        pa = _pyarrow(path)
+        if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+            raise DataError(
+                f"{path}: column {column!r} holds {values.type}, not text; pass the name of a "
+                f"string column with --text-column"
+            )
+        for text in values.to_pylist():
+            row += 1
+            if text:
+                yield f"{name}:{row}", text
