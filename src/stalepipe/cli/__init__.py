@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from stalepipe.cli.checkpoint import _add_checkpoint
 from stalepipe.cli.common import Subparsers, runs
 from stalepipe.cli.data import _add_data
+from stalepipe.cli.generate import _add_generate
 from stalepipe.cli.studies import _add_demo, _add_report, _add_sweep, _add_toy, _add_verdict
 from stalepipe.config import (
     PIPELINE_SCHEDULES,
@@ -340,6 +341,7 @@ COMMANDS = (
     _add_presets,
     _add_export,
     _add_eval,
+    _add_generate,
     _add_checkpoint,
     _add_sweep,
     _add_report,
