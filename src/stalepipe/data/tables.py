@@ -14,21 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from stalepipe.errors import DataError
+from stalepipe.lazy import require
 
 TABLE_SUFFIXES = (".parquet", ".arrow")
-INSTALL = "pip install 'stalepipe[data]'"  # the extra that brings pyarrow
 BATCH_ROWS = 1024
 
 
 def _pyarrow(path: Path) -> Any:
-    try:
-        import pyarrow  # noqa: F401
-        import pyarrow.ipc
-        import pyarrow.parquet
-    except ImportError:
-        raise DataError(
-            f"reading {path.name} needs pyarrow, which is not installed; run `{INSTALL}`"
-        ) from None
+    pyarrow = require("pyarrow", f"reading {path.name}")
+    require("pyarrow.ipc", f"reading {path.name}")
+    require("pyarrow.parquet", f"reading {path.name}")
     return pyarrow
 
 

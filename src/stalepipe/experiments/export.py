@@ -37,6 +37,7 @@ from stalepipe.fileio import (
     refuse_protected,
     remove_owned_dir,
 )
+from stalepipe.lazy import require
 from stalepipe.models.hf import (
     ARCHITECTURES,
     HfFormatError,
@@ -135,6 +136,7 @@ def hf_state_dict(
 
 def _byte_level_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]):
     """A byte-level BPE `tokenizers.Tokenizer` with GPT-2's pre-tokenizer and decoder."""
+    require("tokenizers", "the exported tokenizer.json")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
