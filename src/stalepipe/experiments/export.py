@@ -198,9 +198,7 @@ def write_tokenizer(
                 f"no tokenizer written: the run's bpe tokenizer {src} is not here (copy the "
                 f"tokenizer.json of its data directory into {out_dir})"
             )
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(src))
+        tok = require("tokenizers", "the exported tokenizer.json").Tokenizer.from_file(str(src))
     tok.save(str(out_dir / "tokenizer.json"))
     special = "<|endoftext|>"
     tok_config = {
@@ -223,9 +221,8 @@ def _eos_token_id(cfg: ExperimentConfig, run_dir: Path | None = None) -> int | N
         return 50256
     path = _bpe_file(cfg, run_dir)
     if path.is_file():
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_file(str(path)).token_to_id("<|endoftext|>")
+        tokenizers = require("tokenizers", "the exported tokenizer.json")
+        return tokenizers.Tokenizer.from_file(str(path)).token_to_id("<|endoftext|>")
     return None
 
 
