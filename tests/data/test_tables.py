@@ -63,7 +63,8 @@ def test_parquet_with_a_named_column_and_gpt2(tmp_path, capsys):
     tokens = _tokens(out)
     first = Gpt2Tokenizer().encode(DOCS[0])
     assert any(list(tokens[i : i + len(first)]) == first for i in range(len(tokens)))
-    assert "tokenizing" in capsys.readouterr().err  # progress
+    err = capsys.readouterr().err
+    assert "reading" in err and "tokenizing" in err  # progress, both passes
 
 
 def test_a_missing_column_and_an_unreadable_file_are_one_line(tmp_path, capsys):

@@ -31,7 +31,7 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from stalepipe.data import fetch
-from stalepipe.data.tables import TABLE_SUFFIXES, table_rows
+from stalepipe.data.tables import TABLE_SUFFIXES, check_table, table_rows
 from stalepipe.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".jsonl", *TABLE_SUFFIXES)
@@ -164,6 +164,8 @@ def text_corpus(paths: Sequence[str | Path], column: str = JSONL_FIELD) -> Corpu
 
     def add(name: str, path: Path) -> None:
         if path.resolve() not in seen:  # the same file given twice is one copy of its documents
+            if path.suffix in TABLE_SUFFIXES:
+                check_table(path, column)  # its column, before anything is read or written
             seen.add(path.resolve())
             files.append(SourceFile(name, path, column))
 

@@ -234,7 +234,10 @@ def prepare_corpus(
     hf = HfTokenizer.from_file(tokenizer_file, eot_token) if tokenizer_file else None
     paths = [str(p) for p in text_paths or []]
     corpus = load_corpus(cfg.corpus, paths, progress, text_column)
-    names = [name for name, _ in corpus.documents()]
+    docs = tqdm(
+        corpus.documents(), desc="reading", unit="doc", disable=not progress, file=sys.stderr
+    )
+    names = [name for name, _ in docs]  # the split is a function of the names
     is_val = val_mask(names, cfg.val_fraction)
 
     out.parent.mkdir(parents=True, exist_ok=True)

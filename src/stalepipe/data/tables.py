@@ -9,7 +9,7 @@ read a record batch at a time so a large shard never sits in memory whole. pyarr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +27,20 @@ def _pyarrow(path: Path) -> Any:
     return pyarrow
 
 
-def _batches(path: Path, column: str) -> Iterator[Any]:
-    """The file's record batches of `column` (DataError: unreadable, or no such column)."""
+def _unreadable(path: Path, e: BaseException) -> DataError:
+    kind = "Parquet" if path.suffix == ".parquet" else "Arrow"
+    reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    return DataError(f"{path} is not a readable {kind} file ({reason})")
+
+
+def _open(path: Path, column: str) -> Callable[[], Iterator[Any]]:
+    """The file's record batches of `column`, as a function, once its schema is checked
+    (DataError, one line: unreadable, no such column, not a string column)."""
     pa = _pyarrow(path)
     try:
         if path.suffix == ".parquet":
             table = pa.parquet.ParquetFile(path)
-            names = table.schema_arrow.names
+            schema = table.schema_arrow
             reader = lambda: table.iter_batches(batch_size=BATCH_ROWS, columns=[column])  # noqa: E731
         else:
             source = pa.memory_map(str(path))
@@ -41,19 +48,29 @@ def _batches(path: Path, column: str) -> Iterator[Any]:
                 stream = pa.ipc.open_stream(source)
             except pa.ArrowInvalid:
                 stream = pa.ipc.open_file(source)
-            names = stream.schema.names
+            schema = stream.schema
             reader = lambda: _arrow_batches(stream)  # noqa: E731
-        if column not in names:
-            shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-            raise DataError(
-                f"{path} has no column {column!r} (its columns: {shown}); pass --text-column NAME"
-            )
-        for batch in reader():
-            yield batch.column(batch.schema.get_field_index(column))
     except (pa.ArrowException, OSError) as e:
-        kind = "Parquet" if path.suffix == ".parquet" else "Arrow"
-        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise DataError(f"{path} is not a readable {kind} file ({reason})") from None
+        raise _unreadable(path, e) from None
+    if column not in schema.names:
+        names = schema.names
+        shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+        raise DataError(
+            f"{path} has no column {column!r} (its columns: {shown}); pass --text-column NAME"
+        )
+    kind = schema.field(column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DataError(
+            f"{path}: column {column!r} holds {kind}, not text; pass the name of a string "
+            f"column with --text-column"
+        )
+    return reader
+
+
+def check_table(path: Path, column: str) -> None:
+    """Refuse now (one line) a table the corpus could not read `column` of: before any
+    progress bar, and before anything is written."""
+    _open(path, column)
 
 
 def _arrow_batches(stream: Any) -> Iterator[Any]:
@@ -66,16 +83,13 @@ def _arrow_batches(stream: Any) -> Iterator[Any]:
 
 def table_rows(path: Path, name: str, column: str) -> Iterator[tuple[str, str]]:
     """`(name:row, text)` of each row whose `column` holds a non-empty string (rows from 1,
-    null cells skipped); DataError for a column that is not a string column."""
-    row = 0
-    for values in _batches(path, column):
-        pa = _pyarrow(path)
-        if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
-            raise DataError(
-                f"{path}: column {column!r} holds {values.type}, not text; pass the name of a "
-                f"string column with --text-column"
-            )
-        for text in values.to_pylist():
-            row += 1
-            if text:
-                yield f"{name}:{row}", text
+    null cells skipped), a record batch at a time."""
+    pa, row = _pyarrow(path), 0
+    try:
+        for batch in _open(path, column)():
+            for text in batch.column(batch.schema.get_field_index(column)).to_pylist():
+                row += 1
+                if text:
+                    yield f"{name}:{row}", text
+    except (pa.ArrowException, OSError) as e:
+        raise _unreadable(path, e) from None
