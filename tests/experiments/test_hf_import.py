@@ -198,3 +198,11 @@ def test_cli_refuses_a_mismatch_before_writing(tmp_path, excerpt_data_dir, capsy
     assert not (tmp_path / "runs" / "bad").exists()
     assert main(["train", "--preset", "cpu-tiny", "--init-from", f"hf:{tmp_path}/nope"]) == 2
     assert "not a Hugging Face model directory" in capsys.readouterr().err
+
+
+def test_the_cli_spells_the_readers_prefix():
+    """cli/__init__.py spells `hf:` out (its --help imports no torch): the reader's own."""
+    from stalepipe import cli
+    from stalepipe.rundir import hf_checkpoint
+
+    assert cli.HF_PREFIX == hf_checkpoint.PREFIX
