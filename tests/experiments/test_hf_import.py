@@ -118,12 +118,24 @@ def _edit(path, **changes):
         (lambda d: _edit(d / "config.json", architectures=["Qwen2ForCausalLM"]), "architectures"),
         (lambda d: _edit(d / "config.json", rope_parameters={"rope_type": "llama3"}), "rope type"),
         (lambda d: _edit(d / "config.json", attention_bias=True), "biases"),
+        (lambda d: _edit(d / "config.json", hidden_size="32"), "hidden_size is '32', not an integer"),
+        (lambda d: _edit(d / "config.json", tie_word_embeddings=1), "is 1, not true or false"),
         (lambda d: (d / "config.json").write_text("{"), "is not JSON"),
         (lambda d: (d / "config.json").unlink(), "no config.json"),
         (lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 8 + b"{}"), "header"),
         (lambda d: (d / "model.safetensors").unlink(), "holds no model.safetensors"),
     ],
-    ids=["qwen", "llama3-rope", "bias", "json", "no-config", "header", "no-weights"],
+    ids=[
+        "qwen",
+        "llama3-rope",
+        "bias",
+        "str",
+        "int-for-bool",
+        "json",
+        "no-config",
+        "header",
+        "no-weights",
+    ],
 )
 def test_what_our_model_cannot_hold_is_refused_in_one_line(tmp_path, damage, match):
     hf_dir, _ = exported(tmp_path, DENSE)

