@@ -105,3 +105,18 @@ def test_the_sdist_holds_every_tracked_test_and_doc(tmp_path):
     missing = sorted(set(wanted) - names)
     assert not missing, missing[:10]
     assert {"tests/conftest.py", "Makefile", "pyproject.toml"} <= names
+
+
+@pytest.mark.parametrize("tokenizer", ["gpt2", "bpe"])
+def test_a_tokenizer_without_its_package_is_named_before_reading(tokenizer, monkeypatch, capsys):
+    from stalepipe.cli import main
+    from stalepipe.data.registry import TOKENIZERS
+
+    for module in TOKENIZERS[tokenizer].needs:
+        monkeypatch.setitem(sys.modules, module, None)
+    assert main(["data", "prepare", "--corpus", "excerpt", "--tokenizer", tokenizer]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"stalepipe: error: the {tokenizer} tokenizer needs the {TOKENIZERS[tokenizer].needs[0]} "
+        "package, which is not installed; run `pip install 'stalepipe[tokenizers]'`\n"
+    )

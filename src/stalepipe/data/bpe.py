@@ -29,6 +29,7 @@ class BpeTokenizer(Tokenizer):
     """
 
     name = "bpe"
+    needs = ("tokenizers",)
 
     def __init__(self, hf: Any) -> None:
         self._hf = hf

@@ -100,6 +100,7 @@ class Gpt2Tokenizer(Tokenizer):
     """
 
     name = "gpt2"
+    needs = ("tiktoken",)
 
     def __init__(self) -> None:
         self._enc = gpt2_encoding()

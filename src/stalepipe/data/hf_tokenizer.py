@@ -37,6 +37,7 @@ class HfTokenizer(Tokenizer):
     """A `tokenizers.Tokenizer` read from a tokenizer.json file, with its end-of-text token."""
 
     name = "hf"
+    needs = ("tokenizers",)
 
     def __init__(self, hf, eot_text: str) -> None:
         self._hf, self.eot_text = hf, eot_text

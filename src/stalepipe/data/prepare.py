@@ -56,6 +56,7 @@ from stalepipe.data.shards import REPREPARE, ShardWriter, version_for_vocab
 from stalepipe.data.tokenizer import Tokenizer
 from stalepipe.errors import DataError
 from stalepipe.fileio import check_removable, make_temp_dir, mark_owned, refuse_protected
+from stalepipe.lazy import require
 
 SHARD_TOKENS = 100_000_000  # as modded-nanogpt's FineWeb shards: ~200 MB of uint16 each
 SPLIT_RULE = "val = round(val_fraction * N) documents (1..N-1) with the smallest sha256(name)"
@@ -225,6 +226,8 @@ def prepare_corpus(
     out = Path(cfg.resolved_dir())
     _check_target(out, force)
     tokenizer_cls = tokenizer_class(cfg.tokenizer)
+    for module in tokenizer_cls.needs:  # named in one line before the corpus is read
+        require(module, f"the {cfg.tokenizer} tokenizer")
     if cfg.tokenizer == "hf" and tokenizer_file is None:
         raise DataError("the hf tokenizer is a file: pass --tokenizer-file PATH (tokenizer.json)")
     if tokenizer_file is not None and cfg.tokenizer != "hf":
