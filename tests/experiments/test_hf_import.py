@@ -118,7 +118,10 @@ def _edit(path, **changes):
         (lambda d: _edit(d / "config.json", architectures=["Qwen2ForCausalLM"]), "architectures"),
         (lambda d: _edit(d / "config.json", rope_parameters={"rope_type": "llama3"}), "rope type"),
         (lambda d: _edit(d / "config.json", attention_bias=True), "biases"),
-        (lambda d: _edit(d / "config.json", hidden_size="32"), "hidden_size is '32', not an integer"),
+        (
+            lambda d: _edit(d / "config.json", hidden_size="32"),
+            "hidden_size is '32', not an integer",
+        ),
         (lambda d: _edit(d / "config.json", tie_word_embeddings=1), "is 1, not true or false"),
         (lambda d: (d / "config.json").write_text("{"), "is not JSON"),
         (lambda d: (d / "config.json").unlink(), "no config.json"),
