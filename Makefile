@@ -22,9 +22,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
+# mypy checks the public API's modules and a user's view of them ([tool.mypy] in pyproject.toml)
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) .venv-torch-* build *.egg-info

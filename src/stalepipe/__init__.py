@@ -8,6 +8,10 @@ is imported first.
 
 __version__ = "0.1.0"
 
+# The root exports only the version; the public API is each package's `__all__`
+# (docs/api.md: what is stable). Importing the root loads no torch.
+__all__ = ["__version__"]
+
 from stalepipe.delay import policies as _policies  # noqa: E402, F401
 from stalepipe.optim import lr_schedule as _lr_schedules  # noqa: E402, F401
 from stalepipe.optim import specs as _optimizers  # noqa: E402, F401

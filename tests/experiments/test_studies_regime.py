@@ -163,3 +163,28 @@ def test_the_overhead_ladder_holds_the_token_budget_and_varies_size_alone():
         assert int(s.overrides["train.eval_every"]) == round(70 * factor)
     first = [s.overrides["model.dim"] for s in specs if s.seed == 0]
     assert first == sorted(first, key=int)  # a seed's narrow widths first
+
+
+def test_adamw_second_lrs_are_phase_one_runner_ups_and_reuse_its_sync_runs():
+    """docs/RESULTS.md "AdamW's ladder with its LR held apart", as registered: each width's
+    second-best phase-1 LR by seed 0's sync whole-split loss (the committed records), sync and
+    2bw at it, the seed-0 sync run phase 1's own (same name, already committed)."""
+    from pathlib import Path
+
+    from stalepipe.analysis import scaling
+    from stalepipe.experiments import scales
+
+    root = Path(__file__).parents[2] / "docs" / "results" / "ladder-regime"
+    scan: dict[int, dict[float, float]] = {}
+    for r in scaling.ladder_runs(root):
+        if (r.optimizer, r.arm, r.seed) == ("adamw", "sync", 0):
+            scan.setdefault(r.width, {})[r.lr] = r.loss
+    for width, *_ in scales.LADDER:
+        ranked = sorted(scan[width], key=scan[width].get)
+        assert f"{ranked[0]:g}" == scales.LADDER_LRS["adamw", width]
+        assert f"{ranked[1]:g}" == scales.LADDER_ADAMW_SECOND_LRS[width]
+    specs = studies.STUDIES["ladder-adamw-lr2"].specs("cpu-regime", 3)
+    assert len(specs) == 5 * 2 * 3
+    assert {s.overrides["delay.policy"] for s in specs} == {"sync", "2bw"}
+    reused = [s.name for s in specs if s.seed == 0 and s.overrides["delay.policy"] == "sync"]
+    assert len(reused) == 5 and all((root / name / "metrics.jsonl").is_file() for name in reused)

@@ -31,7 +31,7 @@ def test_the_metrics_are_logged_per_stage_and_the_run_is_unchanged(tiny_config):
         {"delay.policy": "2bw", "pipeline.num_stages": "2", "train.log_every": "3"},
     )
     _, plain_rows, plain = _run(cfg, False, "plain")
-    _, rows, probed = _run(cfg, True, "probed")
+    run, rows, probed = _run(cfg, True, "probed")
     assert all(torch.equal(plain[k], probed[k]) for k in plain)  # bit for bit
     logged = [r for r in rows if "update_rel/s0" in r]
     assert [r["step"] for r in logged] == [2, 5, 8, 11]
@@ -40,6 +40,26 @@ def test_the_metrics_are_logged_per_stage_and_the_run_is_unchanged(tiny_config):
             assert 0 < r[f"update_rel/s{s}"] < 1
             assert -1 <= r[f"grad_cos/s{s}"] <= 1
     assert not any("update_rel/s0" in r for r in plain_rows)
+    _report_shows_the_medians(run, logged, warmup=cfg.train.warmup_steps)
+
+
+def _report_shows_the_medians(run, logged, warmup: int) -> None:
+    """`stalepipe report` on the run's directory: one staleness line, the medians over the
+    window [warmup, 2 x warmup) of every stage; a crafted value is skipped, not trusted."""
+    import json
+    import statistics
+
+    from stalepipe.analysis.report import build_report
+
+    window = [r for r in logged if warmup <= r["step"] < 2 * warmup] if warmup else logged
+    with (run / "metrics.jsonl").open("a") as f:  # a line whose values are not numbers
+        f.write(json.dumps({"step": 3, "loss": 1.0, "update_rel/s0": "9e9"}) + "\n")
+    blocks, _, _ = build_report(run.parent)
+    i = next(i for i, b in enumerate(blocks) if b.text == "Staleness (log.staleness)")
+    (row,) = [r for r in blocks[i + 2].rows if r[0] == run.name]
+    u = statistics.median(r[f"update_rel/s{s}"] for r in window for s in (0, 1))
+    c = statistics.median(r[f"grad_cos/s{s}"] for r in window for s in (0, 1))
+    assert row[3:] == [f"{u:.3g}", f"{c:.3f}"]
 
 
 def test_the_probe_measures_what_it_says():

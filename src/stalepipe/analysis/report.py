@@ -9,6 +9,7 @@ configuration, with the token overhead's columns) and `runs.csv` (one row per ru
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -206,6 +207,43 @@ def _relation_blocks(rows: list[Row]) -> list[Block]:
     ]
 
 
+STALENESS_TEXT = (
+    "Runs trained with `--log.staleness`: per pipeline stage, u = |W_k+1 - W_k| / |W_k+1| (the "
+    "relative size of an update) and c = the cosine between consecutive gradients, each the "
+    "median over every stage and log step in [warmup, 2 x warmup) (the window the ladders' "
+    "probes use; shorter if the run is). docs/RESULTS.md, 'Staleness across the ladders', sets "
+    "the ladders' u and c beside their gaps and overheads: place a run of yours there."
+)
+
+
+def staleness_table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
+    """One line per run that logged `log.staleness` (STALENESS_TEXT); values that are not
+    numbers are skipped (records are read, not trusted)."""
+    body = []
+    for run in runs:
+        warmup = run.config.get("train.warmup_steps", 0)
+        warmup = warmup if isinstance(warmup, int) and warmup > 0 else 0
+        lines = [r for r in run.staleness if isinstance(r.get("step"), int)]
+        window = [r for r in lines if warmup <= r["step"] < 2 * warmup] if warmup else lines
+        u, c = _finite(window, "update_rel/"), _finite(window, "grad_cos/")
+        if u:
+            lo, hi = window[0]["step"], window[-1]["step"]
+            med_c = f"{statistics.median(c):.3f}" if c else "-"
+            body.append(
+                [run.name, f"{lo}-{hi}", str(len(window)), f"{statistics.median(u):.3g}", med_c]
+            )
+    return ["run", "log steps", "lines", "median u", "median c"], body
+
+
+def _finite(lines: list[dict], prefix: str) -> list[float]:
+    return [
+        float(v)
+        for r in lines
+        for k, v in r.items()
+        if k.startswith(prefix) and isinstance(v, (int, float)) and math.isfinite(v)
+    ]
+
+
 def build_report(root: Path, title: str | None = None) -> tuple[list[Block], list[Row], list[Run]]:
     runs = load_runs(root)
     if not runs:
@@ -268,6 +306,7 @@ def build_report(root: Path, title: str | None = None) -> tuple[list[Block], lis
             Block("img", text="final_loss_vs_length.png", png=png),
         ]
     blocks += _relation_blocks(rows)
+    blocks += _table("Staleness (log.staleness)", STALENESS_TEXT, *staleness_table(runs))
     for kind in plots.AXES:
         png = plots.gap_plot(rows, kind)
         if png:

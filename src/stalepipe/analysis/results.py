@@ -77,6 +77,7 @@ class Run:
     curve: list[tuple[int, float]] = field(default_factory=list)  # (step, train loss)
     val_curve: list[tuple[int, float]] = field(default_factory=list)
     error: str = ""
+    staleness: list[dict[str, float]] = field(default_factory=list)  # log.staleness lines
 
 
 def load_runs(root: str | Path) -> list[Run]:
@@ -122,6 +123,7 @@ def _load_run(root: Path, d: Path) -> Run:
     run.curve = [(r["step"], r["loss"]) for r in records if "loss" in r]
     run.val_curve = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     run.steps_done = records[-1]["step"] + 1 if records else 0
+    run.staleness = [r for r in records if any(k.startswith("update_rel/") for k in r)]
     if status == "finished" and run.val_curve:
         run.final_val = run.val_curve[-1][1]
     if status == "failed":

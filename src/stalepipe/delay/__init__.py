@@ -5,14 +5,26 @@
 - `mitigations`: error feedback, Taylor compensation, sync-window resolution (pure math);
 - `correctors`: weight prediction, PipeMare's LR schedule, adaptive momentum (pure math) and
   the per-stage param groups they need;
-- `DelayedOptimizer`: wraps any optimizer for a plain training loop;
+- `DelayedOptimizer`: wraps any optimizer for a plain training loop (a `torch.optim.Optimizer`);
+- `split_stages`: any `nn.Module` into pipeline stages for it (`StageSplit`);
 - `DelayEmulator`: the engine the training loop drives (fast and exact modes);
 - `reference`: a slow, obvious implementation the tests compare both against.
 """
 
-from stalepipe.config.registry import DELAY_POLICIES
+from typing import TYPE_CHECKING
+
+from stalepipe.config.delay import DelayConfig
+from stalepipe.config.registry import CORRECTORS, DELAY_POLICIES, CorrectorSpec
 from stalepipe.delay.policies import DelaySchedule, Policy, wpipe_group
 from stalepipe.lazy import lazy_getattr
+
+if TYPE_CHECKING:  # what the lazy names below are, for type checkers (never run)
+    from stalepipe.delay.delayed_optimizer import DelayedOptimizer
+    from stalepipe.delay.emulator import DelayEmulator, microbatch_seed
+    from stalepipe.delay.guard import StaleWeightsError
+    from stalepipe.delay.mitigations import resolve_delay_config
+    from stalepipe.delay.stages import StageSplit, split_stages
+    from stalepipe.delay.wrapped import WrappedOptimizer
 
 # Loaded on first use (PEP 562): the package root imports `delay.policies` to register the
 # policies (config/registry.py), and that must not import torch through this file.
@@ -21,19 +33,31 @@ _LAZY = {
     "DelayEmulator": "stalepipe.delay.emulator",
     "microbatch_seed": "stalepipe.delay.emulator",
     "resolve_delay_config": "stalepipe.delay.mitigations",
+    "StageSplit": "stalepipe.delay.stages",
+    "split_stages": "stalepipe.delay.stages",
+    "StaleWeightsError": "stalepipe.delay.guard",
+    "WrappedOptimizer": "stalepipe.delay.wrapped",
 }
 
 
 __getattr__ = lazy_getattr("stalepipe.delay", _LAZY)
 
 
+# The public API (docs/api.md: what is stable); everything else in the package is internal.
 __all__ = [
+    "CORRECTORS",
     "DELAY_POLICIES",
+    "CorrectorSpec",
+    "DelayConfig",
     "DelayEmulator",
     "DelaySchedule",
     "DelayedOptimizer",
     "Policy",
+    "StageSplit",
+    "StaleWeightsError",
+    "WrappedOptimizer",
     "microbatch_seed",
     "resolve_delay_config",
+    "split_stages",
     "wpipe_group",
 ]

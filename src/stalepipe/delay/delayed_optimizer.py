@@ -9,8 +9,11 @@ the mitigations (docs/design.md, 'The delay contract'). Use it in a plain traini
     for step in range(steps):
         with opt.stale_weights():          # forward AND backward inside
             model(x, y).backward()
-        opt.step()
+        opt.step()                         # or opt.step(closure): the closure runs inside
         opt.zero_grad()
+
+LR schedulers, `GradScaler`, `clip_grad_norm_` and trainers take it as they take the base
+(`delay.wrapped`); under a delay, a backward outside `stale_weights()` raises (`delay.guard`).
 
 Memory: a stage with staleness tau keeps tau stored copies besides its live weights (tau + 1
 versions); EF adds one buffer (U_{k-1}); adaptive Taylor and DC-ASGD-EMA one (EMA of g^2);
@@ -32,21 +35,34 @@ tied matrix read by another stage is predicted with the reading stage's tau (`de
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
 
 from stalepipe.config import ConfigError, DelayConfig
 from stalepipe.config.registry import CORRECTORS
-from stalepipe.delay import correctors, mitigations
+from stalepipe.delay import correctors, guard, mitigations, tied
 from stalepipe.delay.policies import DelaySchedule
-from stalepipe.delay.stage_params import StageParams, checked_delay_schedule, stage_parameters
+from stalepipe.delay.stage_params import (
+    StageParams,
+    check_saved_state,
+    checked_delay_schedule,
+    owned_copies,
+    owned_tensors,
+    stage_parameters,
+    unpack_split,
+)
+from stalepipe.delay.stages import StageSplit
+from stalepipe.delay.wrapped import WrappedOptimizer
+
+L = TypeVar("L")
 
 
-class DelayedOptimizer:
+class DelayedOptimizer(WrappedOptimizer):
     """Wraps `optimizer` so that step k's gradient is computed at the stale, per-stage weights
     `W_{max(k - tau_s(k), 0)}` and the update goes to the newest weights.
 
@@ -54,8 +70,9 @@ class DelayedOptimizer:
         optimizer: the base optimizer; its `.grad` is the stale gradient, its state sees the
             stale sequence, `param_groups` are its own (set LRs there as usual).
         stages: the parameters of each pipeline stage, first to last, as iterables or
-            name -> parameter mappings (names make checkpoints readable). Every parameter the
-            optimizer updates must belong to exactly one stage.
+            name -> parameter mappings (names make checkpoints readable), or a `StageSplit`
+            (`delay.stages.split_stages`: its tied reads are untied as the emulator does).
+            Every parameter the optimizer updates must belong to exactly one stage.
         cfg: policy and mitigations. `cfg.mode` is ignored here (see `DelayEmulator`).
         total_steps: run length T (sync cooldown and the last needed versions depend on it);
             None when unknown, which forbids a cooldown.
@@ -64,6 +81,10 @@ class DelayedOptimizer:
         shared_with: stage -> other stages that also read its weights (`delay.tied.readers`);
             the owner then keeps the versions those stages read too.
 
+    A `torch.optim.Optimizer` over the base's own groups, state and defaults
+    (`delay.wrapped`); `step(closure)` runs the closure inside `stale_weights()` and returns
+    its loss. Under a delay, a backward outside `stale_weights()` raises (`delay.guard`).
+
     Not for: gradients that must be computed at weights other than the current step's stale
     point (only the versions the policy needs are kept).
     """
@@ -71,7 +92,7 @@ class DelayedOptimizer:
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        stages: Sequence[StageParams],
+        stages: Sequence[StageParams] | StageSplit,
         cfg: DelayConfig | None = None,
         total_steps: int | None = None,
         *,
@@ -79,10 +100,11 @@ class DelayedOptimizer:
         shared_with: Mapping[int, Iterable[int]] | None = None,
     ) -> None:
         cfg = cfg or DelayConfig()
+        stages, shared_with, self._shared = unpack_split(stages, shared_with)
         if not stages:
             raise ConfigError("DelayedOptimizer needs at least one stage of parameters")
         delay = checked_delay_schedule(cfg, len(stages), total_steps, delay)
-        self.optimizer = optimizer
+        super().__init__(optimizer)
         self.cfg = cfg
         self.delay = delay
         self.num_stages = len(stages)
@@ -117,6 +139,19 @@ class DelayedOptimizer:
         self._ef_prev: list[list[torch.Tensor]] | None = None  # U_{k-1}; None = U_{-1} = 0
         self._taylor_ms: list[list[torch.Tensor]] | None = None  # EMA of g^2 (adaptive)
         self._swapped: list[tuple[nn.Parameter, torch.Tensor]] | None = None
+        guard.install(self, (p for ps in self._params for p in ps), active=delay.delayed)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        guard.install(self, (p for ps in self._params for p in ps), active=self.delay.delayed)
+
+    @property
+    def stale_block_open(self) -> bool:  # the guard's question
+        return self._swapped is not None
+
+    def guard_message(self) -> str:
+        """What `StaleWeightsError` says at this step (`delay.guard`)."""
+        return guard.outside_message(self.cfg.policy, self._step)
 
     # ---------------------------------------------------------------------------------------
     # The delay schedule
@@ -126,10 +161,6 @@ class DelayedOptimizer:
     def step_count(self) -> int:
         """The step the next gradient belongs to (= number of updates applied so far)."""
         return self._step
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
 
     def staleness(self, step: int | None = None) -> list[int]:
         """tau_s(step) for every stage (default: the current step)."""
@@ -215,26 +246,42 @@ class DelayedOptimizer:
         """Within this block every stage's parameters hold the weights step `step` (default:
         the current one) reads; yields the version per stage. Run forward AND backward inside:
         the live weights come back on exit, and a graph built inside cannot be backpropagated
-        afterwards (autograd raises instead of silently using the wrong weights)."""
+        afterwards (`StaleWeightsError` from the guard; autograd's error for a frozen
+        parameter, whose version is bumped). A `StageSplit`'s tied reads at another version
+        than the owner's get their own leaf, whose gradient joins the owner's on exit."""
         k = self._check_step(step)
         if self._swapped is not None:
             raise RuntimeError("stale_weights() blocks cannot be nested")
         versions = self.versions(k)
-        swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
-        for s, v in enumerate(versions):
-            if v == k:
-                continue
-            for param, old in zip(self._params[s], self.read_weights(s, k), strict=True):
-                swapped.append((param, param.data))
-                param.data = old
-        self._swapped = swapped
-        try:
-            yield versions
-        finally:
-            for p, live in swapped:
-                p.data = live
-                torch.autograd.graph.increment_version(p)
-            self._swapped = None
+        untie = [u for u in self._shared if versions[u.stage] != versions[u.owner]]
+        with tied.untied(untie, functools.partial(self.read_shared, step=k)) as copies:
+            swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
+            for s, v in enumerate(versions):
+                if v == k:
+                    continue
+                for param, old in zip(self._params[s], self.read_weights(s, k), strict=True):
+                    swapped.append((param, param.data))
+                    param.data = old
+            self._swapped = swapped
+            try:
+                yield versions
+            finally:
+                for p, live in swapped:
+                    p.data = live
+                    if not p.requires_grad:  # trained ones: the guard speaks (delay.guard)
+                        torch.autograd.graph.increment_version(p)
+                self._swapped = None
+        for use, copy in zip(untie, copies, strict=True):  # first stage's, then the reader's
+            use.param.grad = tied.add_head_grad(use.param.grad, copy.grad)
+
+    def read_shared(self, use: tied.SharedUse, step: int) -> torch.Tensor:
+        """What stage `use.stage` computes step `step` at of a matrix another stage owns: its
+        own version, predicted with its own tau (`delay.tied.read_version`)."""
+        return tied.read_version(
+            lambda v: self.weights_at(use.owner, v)[use.owner_index],
+            self.delay.version(use.stage, step),
+            self.prediction_scale(use.stage, step),
+        )
 
     # ---------------------------------------------------------------------------------------
     # The update
@@ -244,17 +291,25 @@ class DelayedOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
-    def step(self, *, live_in_use: bool = False) -> dict[str, Any]:
-        """Apply step k's update: Taylor compensation of the stale gradient (and registered
-        gradient-phase correctors), version bookkeeping (W_k stored where a later step reads
-        it), `optimizer.step()` on the newest weights, error feedback (and registered
-        update-phase correctors). Returns {"tau": [per stage]}, the staleness this step's
-        gradient had.
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], L] | None = None, *, live_in_use: bool = False
+    ) -> dict[str, Any] | L:
+        """Apply step k's update: with a `closure` (torch's protocol: it zeroes the gradients,
+        runs the forward and backward, returns the loss) first run it once inside
+        `stale_weights()` and return what it returned; then Taylor compensation of the stale
+        gradient (and registered gradient-phase correctors), version bookkeeping (W_k stored
+        where a later step reads it), `optimizer.step()` on the newest weights, error feedback
+        (and registered update-phase correctors). Returns {"tau": [per stage]}, the staleness
+        of this step's gradient (without a closure; `staleness()` tells it too).
 
         `live_in_use`: autograd graphs still hold the live tensors (the pipeline runtime's
         forwards in flight), so they must not change: the parameters move to new storage and
         the old storage becomes the stored W_k (one copy, where clone-then-store makes two).
         """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad(), self.stale_weights():
+                loss = closure()
         k = self._check_step(None)
         taus = self.staleness(k)
         if self.cfg.taylor > 0:
@@ -267,12 +322,12 @@ class DelayedOptimizer:
             self._apply_error_feedback(w_k)
         self._run_registered("update", k, taus)
         self._step += 1
-        return {"tau": taus}
+        return {"tau": taus} if closure is None else cast(L, loss)
 
     def _run_registered(self, phase: str, k: int, taus: list[int]) -> None:
         """The registered correctors of `phase` that the config turns on (`CorrectorSpec`)."""
         for spec in self._registered:
-            if spec.phase == phase:
+            if spec.phase == phase and spec.apply is not None:  # all have one (__init__)
                 spec.apply(self.cfg, self._params, taus, k)
 
     def _retire_versions(self, k: int, live_in_use: bool) -> list[list[torch.Tensor] | None]:
@@ -347,36 +402,17 @@ class DelayedOptimizer:
         )
 
     def _correct_gradients(self, k: int, taus: list[int]) -> None:
-        """Taylor / DC-ASGD: each stale gradient moved from the point it was taken at to W_k."""
-        # the point is `read_weights`'; adaptive lambda and / or the EMA curvature
-        # (DC-ASGD-EMA) read one EMA of g^2
+        """Taylor / DC-ASGD: each stale gradient moved from the point it was taken at
+        (`read_weights`') to W_k; adaptive lambda and / or DC-ASGD-EMA read one EMA of g^2."""
         cfg = self.cfg
-        used = [max(k - t, 0) for t in taus]
-        ema = cfg.taylor_curvature == "ema"
-        if (cfg.taylor_adaptive or ema) and self._taylor_ms is None:
+        if (cfg.taylor_adaptive or cfg.taylor_curvature == "ema") and self._taylor_ms is None:
             self._taylor_ms = [[torch.zeros_like(p) for p in ps] for ps in self._params]
-        for s, params in enumerate(self._params):
-            if not params:  # another process's stage (the runtime): nothing stored here
-                continue
-            stale = self.read_weights(s, k) if used[s] < k else None
-            for i, p in enumerate(params):
-                if p.grad is None:
-                    continue
-                ms = None
-                if cfg.taylor_adaptive or ema:
-                    ms = self._taylor_ms[s][i]
-                    mitigations.taylor_ema_update_(ms, p.grad, cfg.taylor_ema)
-                if stale is None:
-                    continue
-                curvature = ms if ema else None
-                if cfg.taylor_adaptive:
-                    mitigations.taylor_compensate_adaptive_(
-                        p.grad, p.detach(), stale[i], cfg.taylor, ms, cfg.taylor_eps, curvature
-                    )
-                else:
-                    mitigations.taylor_compensate_(
-                        p.grad, p.detach(), stale[i], cfg.taylor, curvature
-                    )
+        # an empty stage is another process's (the runtime): nothing stored here
+        stale = [
+            self.read_weights(s, k) if params and max(k - t, 0) < k else None
+            for s, (params, t) in enumerate(zip(self._params, taus, strict=True))
+        ]
+        mitigations.taylor_correct_stages_(self._params, stale, self._taylor_ms, self.cfg)
 
     # ---------------------------------------------------------------------------------------
     # Checkpointing
@@ -396,37 +432,17 @@ class DelayedOptimizer:
             "taylor_ms": self._taylor_ms,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore `state_dict()`'s output (load the model's weights separately)."""
-        if state["num_stages"] != self.num_stages or state["names"] != self._names:
-            raise ConfigError(
-                f"delay state was saved for {state['num_stages']} stages with other parameters; "
-                f"resume with the same pipeline.num_stages and model"
-            )
-        if state["policy"] != self.cfg.policy:
-            raise ConfigError(
-                f"delay state was saved under policy {state['policy']!r}, not "
-                f"{self.cfg.policy!r}; resume with the same --delay.policy"
-            )
-
-        def own(tensors: list[torch.Tensor], like: list[nn.Parameter]) -> list[torch.Tensor]:
-            return [t.detach().to(p.device, p.dtype).clone() for t, p in zip(tensors, like)]
-
+        state = state_dict
+        check_saved_state(state, self._names, self.cfg.policy)
         self.optimizer.load_state_dict(state["optimizer"])
         self._step = int(state["step"])
         self._history = [
-            {int(v): own(ts, self._params[s]) for v, ts in h.items()}
-            for s, h in enumerate(state["history"])
+            {int(v): owned_tensors(ts, ps) for v, ts in h.items()}
+            for h, ps in zip(state["history"], self._params, strict=True)
         ]
         self._spare = [None] * self.num_stages
         self._predicted = [{} for _ in range(self.num_stages)]
-        self._ef_prev = (
-            None
-            if state["ef_prev"] is None
-            else [own(ts, self._params[s]) for s, ts in enumerate(state["ef_prev"])]
-        )
-        self._taylor_ms = (
-            None
-            if state["taylor_ms"] is None
-            else [own(ts, self._params[s]) for s, ts in enumerate(state["taylor_ms"])]
-        )
+        self._ef_prev = owned_copies(state["ef_prev"], self._params)
+        self._taylor_ms = owned_copies(state["taylor_ms"], self._params)

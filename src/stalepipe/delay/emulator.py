@@ -21,8 +21,8 @@ when that version differs from the owner's (pipedream, wpipe).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -139,7 +139,8 @@ class DelayEmulator:
             for u in self._shared
             if self.cfg.mode == "exact" or versions[u.stage] != versions[u.owner]
         ]
-        with self._untied(untie, step) as copies, self.delayed.stale_weights(step):
+        read = functools.partial(self.delayed.read_shared, step=step)
+        with tied.untied(untie, read) as copies, self.delayed.stale_weights(step):
             if self.cfg.mode == "exact":
                 loss = self._exact(step, microbatches)
             else:
@@ -203,31 +204,6 @@ class DelayEmulator:
                     loss = loss + aux.detach()
             total = total + loss.float()
         return total.item()
-
-    @contextlib.contextmanager
-    def _untied(self, uses: list[tied.SharedUse], step: int) -> Iterator[list[nn.Parameter]]:
-        """Give each reading stage its own leaf holding the weights that stage computes step
-        `step` at (its version; with weight prediction, predicted with its own tau:
-        `delay.tied.read_version`)."""
-        copies = []
-        for u in uses:
-            w = self._read_shared(u, step)
-            copy = nn.Parameter(w, requires_grad=u.param.requires_grad)
-            u.module._parameters[u.attr] = copy
-            copies.append(copy)
-        try:
-            yield copies
-        finally:
-            for u in uses:
-                u.module._parameters[u.attr] = u.param
-
-    def _read_shared(self, use: tied.SharedUse, step: int) -> torch.Tensor:
-        d = self.delayed
-        return tied.read_version(
-            lambda v: d.weights_at(use.owner, v)[use.owner_index],
-            d.delay.version(use.stage, step),
-            d.prediction_scale(use.stage, step),
-        )
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip the stale gradient's global norm (as the bare loop would); returns the norm."""

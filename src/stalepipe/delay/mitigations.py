@@ -15,6 +15,7 @@ All functions work in place on the tensors they are given and return what the ca
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -76,6 +77,39 @@ def taylor_compensate_adaptive_(
         grad.add_(scale * grad * grad * (w_new - w_stale))
     else:
         grad.add_(scale * curvature * (w_new - w_stale))
+
+
+@torch.no_grad()
+def taylor_correct_stages_(
+    params: Sequence[Sequence[torch.Tensor]],
+    stale: Sequence[Sequence[torch.Tensor] | None],
+    mean_squares: Sequence[Sequence[torch.Tensor]] | None,
+    cfg: DelayConfig,
+) -> None:
+    """Taylor / DC-ASGD over every stage, in place: each `params[s][i].grad` moved from the
+    point `stale[s][i]` it was taken at to the live weights (None: stage s read its live
+    weights); `mean_squares[s][i]`, the EMA of g^2 (adaptive lambda, DC-ASGD-EMA), is updated
+    first with every gradient, fresh or stale."""
+    ema = cfg.taylor_curvature == "ema"
+    for s, stage in enumerate(params):
+        for i, p in enumerate(stage):
+            if p.grad is None:
+                continue
+            ms = None
+            if mean_squares is not None:
+                ms = mean_squares[s][i]
+                taylor_ema_update_(ms, p.grad, cfg.taylor_ema)
+            point = stale[s]
+            if point is None:
+                continue
+            curvature = ms if ema else None
+            if cfg.taylor_adaptive:
+                assert ms is not None
+                taylor_compensate_adaptive_(
+                    p.grad, p.detach(), point[i], cfg.taylor, ms, cfg.taylor_eps, curvature
+                )
+            else:
+                taylor_compensate_(p.grad, p.detach(), point[i], cfg.taylor, curvature)
 
 
 def resolve_delay_config(delay: DelayConfig, train: TrainConfig) -> DelayConfig:

@@ -4,14 +4,30 @@ the run's delay schedule, checked against them."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from stalepipe.config import ConfigError, DelayConfig
 from stalepipe.delay.policies import DelaySchedule
+from stalepipe.delay.stages import StageSplit
+from stalepipe.delay.tied import SharedUse
 
 StageParams = Iterable[nn.Parameter] | Mapping[str, nn.Parameter]
+
+
+def unpack_split(
+    stages: Sequence[StageParams] | StageSplit,
+    shared_with: Mapping[int, Iterable[int]] | None,
+) -> tuple[Sequence[StageParams], Mapping[int, Iterable[int]] | None, list[SharedUse]]:
+    """(stages, shared_with, the tied reads to untie) of a `StageSplit` or of plain stages
+    (which untie nothing: a caller with stage modules unties itself, as `DelayEmulator`)."""
+    if not isinstance(stages, StageSplit):
+        return stages, shared_with, []
+    if shared_with is not None:
+        raise ConfigError("a StageSplit carries its own shared_with; do not pass one")
+    return stages.params, stages.shared_with, list(stages.shared)
 
 
 def checked_delay_schedule(
@@ -60,3 +76,33 @@ def stage_parameters(
                     f"no stage; pass every trained parameter in `stages`"
                 )
     return names, params
+
+
+def check_saved_state(state: Mapping[str, Any], names: list[list[str]], policy: str) -> None:
+    """Refuse a `DelayedOptimizer.state_dict()` saved for other stages or another policy."""
+    if state["num_stages"] != len(names) or state["names"] != names:
+        raise ConfigError(
+            f"delay state was saved for {state['num_stages']} stages with other parameters; "
+            f"resume with the same pipeline.num_stages and model"
+        )
+    if state["policy"] != policy:
+        raise ConfigError(
+            f"delay state was saved under policy {state['policy']!r}, not {policy!r}; resume "
+            f"with the same --delay.policy"
+        )
+
+
+def owned_tensors(
+    saved: Sequence[torch.Tensor], like: Sequence[nn.Parameter]
+) -> list[torch.Tensor]:
+    """Copies of saved tensors on their parameters' devices and dtypes (`like[i]`'s)."""
+    return [t.detach().to(p.device, p.dtype).clone() for t, p in zip(saved, like)]
+
+
+def owned_copies(
+    saved: Sequence[Sequence[torch.Tensor]] | None, like: Sequence[Sequence[nn.Parameter]]
+) -> list[list[torch.Tensor]] | None:
+    """`owned_tensors` of every stage (None stays None: a buffer not started yet)."""
+    if saved is None:
+        return None
+    return [owned_tensors(ts, ps) for ts, ps in zip(saved, like)]

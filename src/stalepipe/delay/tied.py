@@ -38,7 +38,8 @@ listed twice (optimizer groups, `models.partition`, the slow `delay.reference`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,11 +57,13 @@ __all__ = [
     "aliases",
     "combine_grads",
     "find_shared",
+    "find_shared_in",
     "head_floor",
     "head_reads",
     "read_version",
     "readers",
     "tied_role",
+    "untied",
 ]
 
 Scale = Callable[[int, int], float]  # (reading stage, step) -> weight prediction's c * tau
@@ -102,12 +105,20 @@ def find_shared(
 ) -> tuple[list[dict[str, nn.Parameter]], list[SharedUse]]:
     """Per stage, the parameters it owns (the first stage listing a parameter owns it), and
     every place a later stage reads a parameter owned by another (a tied head)."""
+    return find_shared_in([stage.named_modules() for stage in stages])
+
+
+def find_shared_in(
+    stages: Sequence[Iterable[tuple[str, nn.Module]]],
+) -> tuple[list[dict[str, nn.Parameter]], list[SharedUse]]:
+    """`find_shared` over each stage's (name, module) pairs, in order: the modules a stage
+    holds of a larger model, under their names in it (`delay.stages.split_stages`)."""
     owner: dict[int, tuple[int, int]] = {}
     owned: list[dict[str, nn.Parameter]] = []
     shared: list[SharedUse] = []
     for s, stage in enumerate(stages):
         mine: dict[str, nn.Parameter] = {}
-        for mod_name, module in stage.named_modules():
+        for mod_name, module in stage:
             for attr, p in module._parameters.items():
                 if p is None:
                     continue
@@ -173,6 +184,26 @@ def head_floor(delay: DelaySchedule, step: int, newest: int, scale: Scale) -> in
     return floor
 
 
+@contextlib.contextmanager
+def untied(
+    uses: Sequence[SharedUse], read: Callable[[SharedUse], torch.Tensor]
+) -> Iterator[list[nn.Parameter]]:
+    """Within the block each reading stage's slot (`use.module.<use.attr>`) holds a leaf of
+    its own at `read(use)`, the weights that stage computes at (`DelayedOptimizer.
+    read_shared`); yields the leaves, whose gradients the caller adds to the owner's with
+    `add_head_grad` (first stage's, then the reader's). The shared parameter is back after."""
+    copies = []
+    for u in uses:
+        copy = nn.Parameter(read(u), requires_grad=u.param.requires_grad)
+        u.module._parameters[u.attr] = copy
+        copies.append(copy)
+    try:
+        yield copies
+    finally:
+        for u in uses:
+            u.module._parameters[u.attr] = u.param
+
+
 # ---- the one gradient --------------------------------------------------------------------------
 
 
@@ -188,4 +219,6 @@ def combine_grads(grads: dict[str, torch.Tensor], head: torch.Tensor | None = No
     if head is None:
         head = grads.pop(TIED_HEAD, None)
     if head is not None:
-        grads[TIED_OWNER] = add_head_grad(grads.get(TIED_OWNER), head)
+        summed = add_head_grad(grads.get(TIED_OWNER), head)
+        assert summed is not None  # a head's gradient makes a sum
+        grads[TIED_OWNER] = summed

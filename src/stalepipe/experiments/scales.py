@@ -182,6 +182,18 @@ LADDER_LRS: dict[tuple[str, int], str] = {
 }
 
 
+# Issue 51, item 6 (docs/RESULTS.md, "AdamW's ladder with its LR held apart", registered before
+# its runs): AdamW's second-best phase-1 LR at each width (seed 0's sync whole-split loss), so
+# each width's gap is read at two LRs and the size trend is fitted with the LR as a covariate.
+LADDER_ADAMW_SECOND_LRS: dict[int, str] = {
+    32: "0.009",
+    48: "0.003",
+    64: "0.009",
+    96: "0.003",
+    136: "0.00212",
+}
+
+
 def ladder_size(width: int, ffn: int, params: int) -> Bundle:
     """The overrides of one rung: model shape, length by the tokens-per-parameter rule, the
     schedule scaled with it, the larger validation split, scored whole at the end."""
@@ -231,6 +243,20 @@ def overhead_rung(width: int, factor: float) -> Bundle:
         "train.eval_every": str(round(OVERHEAD_STEPS // 20 * factor)),
     }
     return (label if factor == 1 else f"{label}_x{factor:g}", overrides)
+
+
+def study_ladder_adamw_lr2(scale: str) -> list[list[list[Bundle]]]:
+    """AdamW sync and 2bw at each ladder width's second-best LR (`LADDER_ADAMW_SECOND_LRS`); the
+    run names are phase 1's, so its seed-0 sync runs are reused."""
+    return [
+        [
+            [("adamw", {"optim.name": "adamw"})],
+            axis("optim.lr", [LADDER_ADAMW_SECOND_LRS[w]]),
+            [ladder_size(w, ffn, params)],
+            [SYNC, TWO_BW],
+        ]
+        for w, ffn, params in LADDER
+    ]
 
 
 def ladder_lrs(name: str, width: int) -> list[str]:

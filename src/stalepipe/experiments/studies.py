@@ -10,14 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from stalepipe.analysis.claims import (
-    ClaimCheck,
-    claim_adamw_gap_exceeds_muon,
-    claim_ef_recovers_gap,
-    claim_gap_grows_with_delay,
-    claim_momentum_shrinks_gap,
-    claim_pipedream_gap_grows_with_depth,
-)
+from stalepipe.analysis import claims as c
+from stalepipe.analysis.claims import ClaimCheck
 from stalepipe.config import (
     ExperimentConfig,
     unknown_choice,
@@ -44,6 +38,7 @@ from stalepipe.experiments.scales import (  # noqa: F401 - studies.X names stay 
     optimizer_axis,
     paper_mini_base,
     regime_base,
+    study_ladder_adamw_lr2,
     study_ladder_lr,
     study_length,
     study_overhead_ladder,
@@ -308,25 +303,25 @@ STUDIES: dict[str, Study] = {
             "optimizers",
             study_optimizers,
             "6 optimizers (7 with NAdamW beyond cpu) x sync / 2bw / 2bw+EF",
-            claims=(claim_adamw_gap_exceeds_muon, claim_ef_recovers_gap),
+            claims=(c.claim_adamw_gap_exceeds_muon, c.claim_ef_recovers_gap),
         ),
         Study(
             "momentum",
             study_momentum,
             "AdamW & Muon beta1 in 0.8-0.98 under sync and 2bw (x 3 LRs beyond cpu)",
-            claims=(claim_momentum_shrinks_gap,),
+            claims=(c.claim_momentum_shrinks_gap,),
         ),
         Study(
             "mitigations",
             study_mitigations,
             "EF, Taylor, sync start/cooldown, EF+cooldown; the correctors beyond cpu",
-            claims=(claim_ef_recovers_gap,),
+            claims=(c.claim_ef_recovers_gap,),
         ),
         Study(
             "depth",
             study_depth,
             "pipedream vs 2bw for P in 2-16 (AdamW, + Muon beyond cpu)",
-            claims=(claim_pipedream_gap_grows_with_depth,),
+            claims=(c.claim_pipedream_gap_grows_with_depth,),
         ),
         Study(
             "hparams",
@@ -337,7 +332,7 @@ STUDIES: dict[str, Study] = {
             "delay",
             study_delay,
             "sync, 2bw (N = 1) and fixed:N for N in 2, 4, 8",
-            claims=(claim_gap_grows_with_delay,),
+            claims=(c.claim_gap_grows_with_delay,),
         ),
         Study("tokens", study_tokens, "the gap as the training length grows (x1/4 .. x2)"),
         Study(
@@ -351,6 +346,12 @@ STUDIES: dict[str, Study] = {
         Study("ladder-lr", study_ladder_lr, "size ladder, phase 1: sync LR grid", scales=REGIME),
         Study("ladder", study_ladder, "size ladder: 5 widths x 3 arms", scales=REGIME),
         Study(
+            "ladder-adamw-lr2",
+            study_ladder_adamw_lr2,
+            "size ladder: AdamW sync / 2bw at each width's second-best LR",
+            scales=REGIME,
+        ),
+        Study(
             "overhead-ladder",
             study_overhead_ladder,
             "Muon's token overhead at 4 widths, one token budget, 1-1.5x lengths",
@@ -361,7 +362,7 @@ STUDIES: dict[str, Study] = {
             study_corpus2,
             "AdamW & Muon sync / 2bw / 2bw+EF on Django's docs at a 2048 BPE",
             scales=REGIME,
-            claims=(claim_adamw_gap_exceeds_muon, claim_ef_recovers_gap),
+            claims=(c.claim_adamw_gap_exceeds_muon, c.claim_ef_recovers_gap),
         ),
         Study(
             "paper-mini",
@@ -369,10 +370,10 @@ STUDIES: dict[str, Study] = {
             "CPU check of the paper's 4 qualitative claims",
             scales=("cpu",),
             claims=(
-                claim_adamw_gap_exceeds_muon,
-                claim_ef_recovers_gap,
-                claim_momentum_shrinks_gap,
-                claim_pipedream_gap_grows_with_depth,
+                c.claim_adamw_gap_exceeds_muon,
+                c.claim_ef_recovers_gap,
+                c.claim_momentum_shrinks_gap,
+                c.claim_pipedream_gap_grows_with_depth,
             ),
         ),
     ]

@@ -9,6 +9,7 @@ P-1 too; how the two ends read versions and combine gradients is `delay.tied`'s 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,17 +65,32 @@ def split_layers(
         counts = _counts(split, L, num_stages)
         starts = [sum(counts[:s]) for s in range(num_stages + 1)]
         return [range(starts[s], starts[s + 1]) for s in range(num_stages)]
-    prefix = [0]  # prefix[i]: FLOPs of blocks 0..i-1 (blocks differ with dense first layers)
-    for i in range(L):
-        prefix.append(prefix[-1] + block_flops(cfg, seq_len or cfg.max_seq_len, i))
-    extra_last = head_flops(cfg)
+    seq = seq_len or cfg.max_seq_len
+    costs = [block_flops(cfg, seq, i) for i in range(L)]  # blocks differ with dense first layers
+    return balance_blocks(costs, num_stages, last_extra=head_flops(cfg))
 
-    def cost(lo: int, hi: int, last: bool) -> int:
-        return prefix[hi] - prefix[lo] + (extra_last if last else 0)
+
+def balance_blocks(
+    costs: Sequence[float], num_stages: int, *, first_extra: float = 0, last_extra: float = 0
+) -> list[range]:
+    """Contiguous runs of blocks (costs `costs`, in order), one per stage, each at least one
+    block, minimising the most expensive stage's cost, `first_extra` and `last_extra` counted
+    on the first and last stage (an embedding, an output head); exact DP over split points,
+    O(P * L^2). Ties go to the split with the smallest sum of squared stage costs (blocks
+    spread evenly when a large head fixes the maximum)."""
+    L = len(costs)
+    if not 1 <= num_stages <= L:
+        raise ConfigError(f"{num_stages} stages need 1 <= stages <= {L} blocks")
+    prefix: list[float] = [0]  # prefix[i]: cost of blocks 0..i-1 (ints stay exact ints)
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(lo: int, hi: int, last: bool) -> float:
+        extra = (last_extra if last else 0) + (first_extra if lo == 0 else 0)
+        return prefix[hi] - prefix[lo] + extra
 
     # best[p][i]: the lexicographically smallest (max stage cost, sum of squared stage costs)
-    # over splits of the first i blocks into p stages; the second key spreads blocks evenly
-    # among stages when the most expensive stage is fixed (e.g. by a large output head).
+    # over splits of the first i blocks into p stages
     inf = (float("inf"), float("inf"))
     best = [[inf] * (L + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (L + 1) for _ in range(num_stages + 1)]
