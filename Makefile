@@ -1,6 +1,9 @@
 # Two entry points (see README): `make demo` and `make test`. Both create .venv on first use.
 PY ?= python3
-VENV := .venv
+# torch: the lowest supported release by default; CI also runs the suite on the newest one
+# (.ci/run: make test TORCH=2.14.1 VENV=.venv-torch-2.14.1), the range pyproject.toml allows.
+TORCH ?= 2.13.0
+VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
@@ -9,7 +12,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q torch==$(TORCH)
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
@@ -26,4 +29,4 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-torch-* build *.egg-info

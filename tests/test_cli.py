@@ -147,7 +147,7 @@ def _subcommands():
 def test_every_command_has_help(capsys):
     names = list(_subcommands())
     assert names == ["train", "data", "demo", "simulate", "info", "config", "presets", "export", "eval",
-                     "checkpoint", "sweep", "report", "verdict", "toy"]  # fmt: skip
+                     "generate", "checkpoint", "sweep", "report", "verdict", "toy"]  # fmt: skip
     for argv in [[n] for n in names] + [["data", "prepare"], ["checkpoint", "convert"]]:
         with pytest.raises(SystemExit) as e:
             main([*argv, "--help"])

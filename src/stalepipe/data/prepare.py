@@ -37,7 +37,9 @@ from tqdm import tqdm
 
 from stalepipe.config import DataConfig
 from stalepipe.data.bpe import FILENAME as BPE_FILE
-from stalepipe.data.corpora import Corpus, load_corpus
+from stalepipe.data.corpora import JSONL_FIELD, Corpus, load_corpus
+from stalepipe.data.hf_tokenizer import CONFIG as HF_CONFIG
+from stalepipe.data.hf_tokenizer import HfTokenizer
 from stalepipe.data.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -54,13 +56,14 @@ from stalepipe.data.shards import REPREPARE, ShardWriter, version_for_vocab
 from stalepipe.data.tokenizer import Tokenizer
 from stalepipe.errors import DataError
 from stalepipe.fileio import check_removable, make_temp_dir, mark_owned, refuse_protected
+from stalepipe.lazy import require
 
 SHARD_TOKENS = 100_000_000  # as modded-nanogpt's FineWeb shards: ~200 MB of uint16 each
 SPLIT_RULE = "val = round(val_fraction * N) documents (1..N-1) with the smallest sha256(name)"
 DATA_KIND = "data"  # the kind in the marker of a prepared directory
 # Everything prepare writes at the top of a data directory (`*.tmp` shards of a crash included):
 # --force replaces a directory only when it holds nothing else.
-DATA_ENTRIES = (MANIFEST, "train_*.bin", "val_*.bin", "*.tmp*", BPE_FILE)
+DATA_ENTRIES = (MANIFEST, "train_*.bin", "val_*.bin", "*.tmp*", BPE_FILE, HF_CONFIG)
 REPLACE_FIX = "choose another --out"
 # `stalepipe data prepare`'s defaults
 DEFAULT_TOKENIZER, DEFAULT_BPE_VOCAB, DEFAULT_VAL_FRACTION = "byte", 4096, 0.05
@@ -206,18 +209,38 @@ def prepare_corpus(
     force: bool = False,
     progress: bool = True,
     shard_tokens: int = SHARD_TOKENS,
+    *,
+    text_column: str = JSONL_FIELD,
+    tokenizer_file: str | os.PathLike | None = None,
+    eot_token: str | None = None,
 ) -> Path:
     """Tokenize `cfg.corpus` with `cfg.tokenizer` into shards in `cfg.resolved_dir()`.
 
-    `text_paths` are the files/directories of the `text` corpus. Refuses (DataError) to replace
-    an existing prepared directory unless `force`, and never replaces a directory that is not
-    one. Returns the directory. `shard_tokens` exists for tests; leave it at the default.
+    `text_paths` are the files/directories of the `text` corpus (`text_column`: a .jsonl
+    field's or a table column's name). The `hf` tokenizer is `tokenizer_file` (a
+    tokenizer.json; `eot_token` its end-of-text token when it cannot be found). Refuses
+    (DataError) to replace an existing prepared directory unless `force`, and never replaces a
+    directory that is not one. Returns the directory. `shard_tokens` exists for tests; leave it
+    at the default.
     """
     out = Path(cfg.resolved_dir())
     _check_target(out, force)
     tokenizer_cls = tokenizer_class(cfg.tokenizer)
-    corpus = load_corpus(cfg.corpus, [str(p) for p in text_paths or []], progress)
-    names = [name for name, _ in corpus.documents()]
+    for module in tokenizer_cls.needs:  # named in one line before the corpus is read
+        require(module, f"the {cfg.tokenizer} tokenizer")
+    if cfg.tokenizer == "hf" and tokenizer_file is None:
+        raise DataError("the hf tokenizer is a file: pass --tokenizer-file PATH (tokenizer.json)")
+    if tokenizer_file is not None and cfg.tokenizer != "hf":
+        raise DataError(f"--tokenizer-file is the hf tokenizer; drop --tokenizer {cfg.tokenizer}")
+    if eot_token is not None and tokenizer_file is None:
+        raise DataError("--eot-token names a token of a --tokenizer-file; give that file too")
+    hf = HfTokenizer.from_file(tokenizer_file, eot_token) if tokenizer_file else None
+    paths = [str(p) for p in text_paths or []]
+    corpus = load_corpus(cfg.corpus, paths, progress, text_column)
+    docs = tqdm(
+        corpus.documents(), desc="reading", unit="doc", disable=not progress, file=sys.stderr
+    )
+    names = [name for name, _ in docs]  # the split is a function of the names
     is_val = val_mask(names, cfg.val_fraction)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -228,7 +251,7 @@ def prepare_corpus(
         def train_texts():
             return (t for i, (_, t) in enumerate(corpus.documents()) if not is_val[i])
 
-        tokenizer = tokenizer_cls.build(train_texts, cfg.bpe_vocab_size, progress)
+        tokenizer = hf or tokenizer_cls.build(train_texts, cfg.bpe_vocab_size, progress)
         tokenizer_files = tokenizer.save(staging)
         splits = _tokenize(corpus, is_val, tokenizer, staging, shard_tokens, progress)
         manifest = {
@@ -243,7 +266,9 @@ def prepare_corpus(
                 "eot": tokenizer.eot,
                 "files": tokenizer_files,
                 **({"requested_vocab_size": cfg.bpe_vocab_size} if cfg.tokenizer == "bpe" else {}),
+                **({"eot_text": hf.eot_text, "source": str(Path(tokenizer_file))} if hf else {}),
             },
+            **({"text_column": text_column} if cfg.corpus == "text" else {}),
             "shard_version": version_for_vocab(tokenizer.vocab_size),
             "val_fraction": cfg.val_fraction,
             "split_rule": SPLIT_RULE,
@@ -271,7 +296,9 @@ def prepare_command(cfg: DataConfig, out: str | os.PathLike | None = None) -> st
     parts = ["stalepipe data prepare", f"--corpus {cfg.corpus}"]
     if cfg.corpus == "text":
         parts.append("--text PATH")
-    if cfg.tokenizer != DEFAULT_TOKENIZER:
+    if cfg.tokenizer == "hf":
+        parts.append("--tokenizer-file PATH")
+    elif cfg.tokenizer != DEFAULT_TOKENIZER:
         parts.append(f"--tokenizer {cfg.tokenizer}")
     if cfg.tokenizer == "bpe" and cfg.bpe_vocab_size != DEFAULT_BPE_VOCAB:
         parts.append(f"--bpe-vocab-size {cfg.bpe_vocab_size}")
@@ -367,13 +394,16 @@ def ensure_prepared(cfg: DataConfig, progress: bool = True) -> Path:
 
 def prepare_main(
     corpus: str | None = None,
-    tokenizer: str = DEFAULT_TOKENIZER,
+    tokenizer: str | None = None,
     text: Sequence[str] | None = None,
     out: str | None = None,
     bpe_vocab_size: int = DEFAULT_BPE_VOCAB,
     val_fraction: float = DEFAULT_VAL_FRACTION,
     force: bool = False,
     progress: bool = True,
+    text_column: str = JSONL_FIELD,
+    tokenizer_file: str | None = None,
+    eot_token: str | None = None,
 ) -> Path:
     """`stalepipe data prepare`: prepare a corpus and print a short summary to stdout.
 
@@ -382,6 +412,7 @@ def prepare_main(
     (DataError / ConfigError) whose message is meant to be printed as one line.
     """
     corpus = corpus or ("text" if text else "shakespeare")
+    tokenizer = tokenizer or ("hf" if tokenizer_file else DEFAULT_TOKENIZER)
     cfg = DataConfig(
         corpus=corpus,
         tokenizer=tokenizer,
@@ -389,7 +420,15 @@ def prepare_main(
         bpe_vocab_size=bpe_vocab_size,
         val_fraction=val_fraction,
     )
-    directory = prepare_corpus(cfg, text_paths=text, force=force, progress=progress)
+    directory = prepare_corpus(
+        cfg,
+        text_paths=text,
+        force=force,
+        progress=progress,
+        text_column=text_column,
+        tokenizer_file=tokenizer_file,
+        eot_token=eot_token,
+    )
     print(summary(directory))
     return directory
 

@@ -7,6 +7,7 @@ import os
 
 from stalepipe.data.bpe import BpeTokenizer
 from stalepipe.data.gpt2 import Gpt2Tokenizer
+from stalepipe.data.hf_tokenizer import HfTokenizer
 from stalepipe.data.manifest import read_manifest
 from stalepipe.data.shards import REPREPARE
 from stalepipe.data.tokenizer import ByteTokenizer, Tokenizer
@@ -16,6 +17,7 @@ TOKENIZERS: dict[str, type[Tokenizer]] = {
     "byte": ByteTokenizer,
     "gpt2": Gpt2Tokenizer,
     "bpe": BpeTokenizer,
+    "hf": HfTokenizer,  # a tokenizer.json given to `data prepare --tokenizer-file`
 }
 
 

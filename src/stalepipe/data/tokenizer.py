@@ -20,6 +20,7 @@ class Tokenizer(ABC):
     """Text <-> token ids. Subclasses set `name`, `vocab_size` and `eot`."""
 
     name: ClassVar[str]
+    needs: ClassVar[tuple[str, ...]] = ()  # optional packages it imports (stalepipe.lazy.EXTRAS)
     vocab_size: int
     eot: int
 

@@ -28,6 +28,7 @@ from stalepipe.config import ConfigError, DelayConfig, ExperimentConfig, OptimCo
 from stalepipe.errors import TrainingError
 from stalepipe.experiments.workers import Finished, run_spawned
 from stalepipe.fileio import write_atomic, write_text_atomic
+from stalepipe.lazy import require
 from stalepipe.presets import cpu_tiny
 from stalepipe.verdict.command import VerdictReport, run_verdict
 
@@ -231,9 +232,7 @@ def format_table(summary: dict) -> str:
 
 def plot_curves(runs: Sequence[DemoRun], path: Path) -> None:
     """Smoothed training-loss curves, one panel per optimizer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "the demo's loss-curve plot").use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(

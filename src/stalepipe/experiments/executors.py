@@ -34,6 +34,7 @@ from typing import Any
 
 from stalepipe.errors import UserError
 from stalepipe.fileio import inside
+from stalepipe.lazy import require
 
 EXECUTORS = ("local", "slurm", "submitit-local", "submitit-debug")
 # Per run, where --slurm-* does not say (`SlurmOptions.for_runs`): a GPU run's data loading,
@@ -119,6 +120,7 @@ class SlurmOptions:
 
 def sbatch_script(out: Path, opts: SlurmOptions, num_runs: int) -> str:
     """The sbatch array script `--executor slurm` would submit for `num_runs` runs."""
+    require("submitit", "--executor slurm")
     from submitit.slurm.slurm import _make_sbatch_string
 
     folder = out / SUBMITIT_DIR / "%j"
@@ -148,8 +150,7 @@ def check_slurm() -> None:
 
 def make_executor(kind: str, out: Path, opts: SlurmOptions) -> Any:
     """A submitit executor of `kind` (a name of EXECUTORS other than `local`)."""
-    import submitit
-
+    submitit = require("submitit", f"--executor {kind}")
     inside(out, out / SUBMITIT_DIR)  # submitit writes there: not through a link out of the sweep
     folder = out / SUBMITIT_DIR / "%j"
     if kind == "slurm":

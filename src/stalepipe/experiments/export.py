@@ -6,11 +6,10 @@ Writes `config.json`, `model.safetensors` (or shards plus `model.safetensors.ind
 `LlamaForCausalLM` (dense) or `MixtralForCausalLM` (MoE) with logits equal to ours, and
 `AutoTokenizer.from_pretrained(DIR)` gives the ids the run was trained on.
 
-The mapping needs no reshaping: our RoPE uses HF Llama's half-split (rotate_half) layout, our
-norms and SwiGLU compute what HF's do, and expert weights are written under the Mixtral checkpoint
-names (`block_sparse_moe.experts.{e}.w1/w2/w3`) that every transformers version loads (version 5
-fuses them into `gate_up_proj` / `down_proj` on load). Mixtral has no shared experts and no dense
-layers, so MoE configs with either are refused with a clear error.
+The names and config keys are `models.hf`'s (the one table that `train --init-from hf:DIR`
+reads back): no reshaping, expert weights under the Mixtral checkpoint names that every
+transformers version loads (version 5 fuses them into `gate_up_proj` / `down_proj` on load).
+Mixtral has no shared experts and no dense layers, so MoE configs with either are refused.
 
 The output directory is made by stalepipe and marked as an export (`fileio.MARKER`):
 `--overwrite` replaces only such a directory, holding only what an export writes.
@@ -27,7 +26,6 @@ from pathlib import Path
 import torch
 
 from stalepipe.config import ExperimentConfig, ModelConfig
-from stalepipe.errors import UserError
 from stalepipe.experiments.trained import load_trained
 from stalepipe.fileio import (
     check_removable,
@@ -38,6 +36,14 @@ from stalepipe.fileio import (
     owned_kind,
     refuse_protected,
     remove_owned_dir,
+)
+from stalepipe.lazy import require
+from stalepipe.models.hf import (
+    ARCHITECTURES,
+    HfFormatError,
+    hf_architecture,
+    hf_fields,
+    hf_name,
 )
 from stalepipe.rundir.directory import locate_run_data
 
@@ -57,8 +63,9 @@ EXPORT_ENTRIES = (
 EXPORT_FIX = "choose another --out"
 
 
-class ExportError(UserError):
-    """A run that cannot be exported as asked; the message names why and what to do."""
+# One error for both directions of the HF mapping (`models.hf`): what cannot be exported as HF
+# (a Mixtral without room for shared experts) and what an export refuses (its --out, --dtype).
+ExportError = HfFormatError
 
 
 @dataclass
@@ -75,45 +82,19 @@ class ExportResult:
 # --------------------------------------------------------------------------------------------
 
 
-def hf_architecture(cfg: ModelConfig) -> str:
-    """'LlamaForCausalLM' or 'MixtralForCausalLM'; ExportError for what neither can express."""
-    if cfg.num_experts == 0:
-        return "LlamaForCausalLM"
-    unsupported = []
-    if cfg.num_shared_experts:
-        unsupported.append(f"model.num_shared_experts={cfg.num_shared_experts}")
-    if cfg.num_dense_layers:
-        unsupported.append(f"model.num_dense_layers={cfg.num_dense_layers}")
-    if unsupported:
-        raise ExportError(
-            f"Mixtral (the Hugging Face MoE architecture we export to) has no shared experts or "
-            f"dense layers, but this run uses {' and '.join(unsupported)}; only MoE runs with "
-            f"both 0 can be exported as HF"
-        )
-    return "MixtralForCausalLM"
-
-
 def hf_config(cfg: ExperimentConfig, dtype: torch.dtype, eos_token_id: int | None) -> dict:
     """The `config.json` of the exported model."""
     m = cfg.model
     arch = hf_architecture(m)
     out = {
         "architectures": [arch],
-        "model_type": "llama" if arch == "LlamaForCausalLM" else "mixtral",
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.dim,
-        "intermediate_size": m.ffn_dim if m.num_experts == 0 else m.expert_hidden_dim,
-        "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_heads,
-        "num_key_value_heads": m.num_kv_heads,
+        "model_type": ARCHITECTURES[arch],
+        **hf_fields(m),  # the shape, RoPE, norm and tie (one table, models.hf.HF_FIELDS)
         "head_dim": m.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": m.max_seq_len,
-        "rms_norm_eps": m.norm_eps,
         # transformers < 5 reads rope_theta, >= 5 rope_parameters: write both
-        "rope_theta": m.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-        "tie_word_embeddings": m.tie_embeddings,
         "initializer_range": m.init_std,
         "attention_dropout": m.dropout,  # HF Llama has no residual dropout (inference: none)
         "bos_token_id": eos_token_id,  # documents start with eot (the llm.c convention)
@@ -126,8 +107,6 @@ def hf_config(cfg: ExperimentConfig, dtype: torch.dtype, eos_token_id: int | Non
         out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     else:
         out.update(
-            num_local_experts=m.num_experts,
-            num_experts_per_tok=m.top_k,
             # HF's balance loss is top_k times ours (see moe.load_balancing_loss)
             router_aux_loss_coef=m.aux_loss_weight / m.top_k,
             output_router_logits=False,
@@ -135,36 +114,6 @@ def hf_config(cfg: ExperimentConfig, dtype: torch.dtype, eos_token_id: int | Non
             sliding_window=None,
         )
     return out
-
-
-def hf_name(name: str, cfg: ModelConfig) -> str | None:
-    """The HF parameter name of our global parameter `name`; None for a tied head."""
-    if name == "lm_head.weight":
-        return None if cfg.tie_embeddings else "lm_head.weight"
-    if name == "tok_emb.weight":
-        return "model.embed_tokens.weight"
-    if name == "norm.weight":
-        return "model.norm.weight"
-    parts = name.split(".")
-    assert parts[0] == "layers", f"unexpected parameter {name}"
-    prefix, rest = f"model.layers.{parts[1]}", ".".join(parts[2:])
-    fixed = {
-        "attn_norm.weight": "input_layernorm.weight",
-        "mlp_norm.weight": "post_attention_layernorm.weight",
-        "attn.wq.weight": "self_attn.q_proj.weight",
-        "attn.wk.weight": "self_attn.k_proj.weight",
-        "attn.wv.weight": "self_attn.v_proj.weight",
-        "attn.wo.weight": "self_attn.o_proj.weight",
-        "mlp.w1.weight": "mlp.gate_proj.weight",
-        "mlp.w3.weight": "mlp.up_proj.weight",
-        "mlp.w2.weight": "mlp.down_proj.weight",
-        "mlp.router.weight": "block_sparse_moe.gate.weight",
-    }
-    if rest in fixed:
-        return f"{prefix}.{fixed[rest]}"
-    if rest.startswith("mlp.experts."):  # mlp.experts.{e}.w{1,2,3}.weight: Mixtral's own names
-        return f"{prefix}.block_sparse_moe.{rest.removeprefix('mlp.')}"
-    raise AssertionError(f"no Hugging Face name for parameter {name}")
 
 
 def hf_state_dict(
@@ -187,6 +136,7 @@ def hf_state_dict(
 
 def _byte_level_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]):
     """A byte-level BPE `tokenizers.Tokenizer` with GPT-2's pre-tokenizer and decoder."""
+    require("tokenizers", "the exported tokenizer.json")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
@@ -248,9 +198,7 @@ def write_tokenizer(
                 f"no tokenizer written: the run's bpe tokenizer {src} is not here (copy the "
                 f"tokenizer.json of its data directory into {out_dir})"
             )
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(src))
+        tok = require("tokenizers", "the exported tokenizer.json").Tokenizer.from_file(str(src))
     tok.save(str(out_dir / "tokenizer.json"))
     special = "<|endoftext|>"
     tok_config = {
@@ -273,9 +221,8 @@ def _eos_token_id(cfg: ExperimentConfig, run_dir: Path | None = None) -> int | N
         return 50256
     path = _bpe_file(cfg, run_dir)
     if path.is_file():
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_file(str(path)).token_to_id("<|endoftext|>")
+        tokenizers = require("tokenizers", "the exported tokenizer.json")
+        return tokenizers.Tokenizer.from_file(str(path)).token_to_id("<|endoftext|>")
     return None
 
 

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from stalepipe.lazy import require
+
 VARIANTS = ("sync", "delay", "delay+ef")
 DEFAULT_ETAS = (0.003, 0.01, 0.03, 0.1, 0.3)
 
@@ -151,9 +153,7 @@ def toy_plot(
     results: dict[tuple[float, str], torch.Tensor], etas: tuple[float, ...], eta_index: int
 ) -> bytes:
     """Left: convergence at one step size per momentum; right: final f/f0 vs step size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "the toy's plot").use("Agg")
     import matplotlib.pyplot as plt
 
     betas = sorted({b for b, _ in results})

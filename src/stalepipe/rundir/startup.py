@@ -36,6 +36,12 @@ class StartUp:
     overwrite: bool = False
     init_from: Path | None = None
     leased: bool = False  # the caller holds the run's lease already (a sweep's worker)
+    init_hf: Path | None = None  # `--init-from hf:DIR`: weights from an HF model directory
+
+    def hf_weights(self, run_dir: Path) -> Path | None:
+        """The HF directory (`rundir.hf_checkpoint`) whose weights the run starts from, with a
+        fresh optimizer at step 0: only while the run has no checkpoint of its own."""
+        return self.init_hf if self.checkpoint(run_dir) is None else None
 
     def checkpoint(self, run_dir: Path) -> Path | None:
         """The checkpoint the run starts from: its own newest one on `resume` (so a requeued
@@ -75,6 +81,7 @@ def begin_run(
         raise RunLeased(run_dir, owner, LEASED_FIX)  # at once, before the data is prepared
     data_dir = prepare_run(cfg, resume=start.resume, overwrite=start.overwrite, progress=verbose)
     check_vocab(data_dir, cfg.model.vocab_size)
+    hf = {"parent": {"hf": str(start.init_hf.resolve())}} if start.init_hf else {}
     with contextlib.ExitStack() as held:
         owner = None
         if not start.leased:
@@ -85,7 +92,7 @@ def begin_run(
             cfg,
             resume=start.resume,
             overwrite=start.overwrite,
-            extra_meta={**(extra_meta or {}), **parent_meta(start.init_from)},
+            extra_meta={**(extra_meta or {}), **parent_meta(start.init_from), **hf},
             data_dir=data_dir,
             lease=owner,
         )

@@ -1,7 +1,7 @@
 """Experiment trackers beside metrics.jsonl: TensorBoard, Weights & Biases, trackio, MLflow.
 
 `--log.tracker tensorboard,wandb,trackio,mlflow` (any subset; each an optional extra:
-`pip install -e '.[trackers]'`). metrics.jsonl stays the record every report reads; a tracker
+`pip install 'stalepipe[trackers]'`). metrics.jsonl stays the record every report reads; a tracker
 is a view of it. Each gets the run's config once, at the start, and every logged line under
 hierarchical names (`tracker_name`): train/loss, train/grad_norm, val/loss, optim/lr,
 delay/tau/stage0, perf/tokens_per_s, ... Only the main process logs.
@@ -99,7 +99,7 @@ def _need(module: str, tracker: str, package: str) -> Any:
     except ImportError:
         raise UserError(
             f"log.tracker {tracker} needs the {package} package: pip install {package} "
-            "(or pip install -e '.[trackers]')"
+            "(or pip install 'stalepipe[trackers]')"
         ) from None
 
 

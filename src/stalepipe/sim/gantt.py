@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from stalepipe.errors import UserError
+from stalepipe.lazy import require
 from stalepipe.sim.timing import Timeline, summarize
 
 COLORS = {
@@ -32,9 +33,7 @@ def plot_timelines(timelines: list[Timeline], path: str, *, title: str | None = 
     """Draw `timelines` one above the other and save to `path` (.png, .svg or .pdf)."""
     if not path.lower().endswith((".png", ".svg", ".pdf")):
         raise UserError(f"plot file must end in .png, .svg or .pdf, got {path!r}")
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "--plot").use("Agg")
     import matplotlib.pyplot as plt
 
     heights = [max(1.2, 0.32 * tl.schedule.num_ranks + 0.7) for tl in timelines]

@@ -27,6 +27,7 @@ from stalepipe.optim import build_optimizer
 from stalepipe.optim.lr_schedule import apply_lr, config_peak_lr
 from stalepipe.rundir.checkpoint import commit_checkpoint, load_model_state, open_checkpoint
 from stalepipe.rundir.checkpoint_parts import emulator_state, flatten_part, saved_split
+from stalepipe.rundir.hf_checkpoint import load_hf_weights
 from stalepipe.rundir.sharded import clear_staging, save_part
 from stalepipe.schedules.plan import StepPlan, no_requests
 from stalepipe.train.distributed import (
@@ -105,7 +106,8 @@ class EmulatorEngine:
 
     Build it after the run directory is open; it continues from `start_from`, a checkpoint
     (`rundir.startup.StartUp.checkpoint`: the run's own, or its parent's; of either engine, any
-    stage split the policy allows), or starts at step 0."""
+    stage split the policy allows), or starts at step 0: from `init_hf`'s weights when given
+    (an HF model directory, `rundir.hf_checkpoint`), else from the seeded initialisation."""
 
     def __init__(
         self,
@@ -115,12 +117,15 @@ class EmulatorEngine:
         data_dir: Path,
         run_dir: Path,
         start_from: Path | None = None,
+        init_hf: Path | None = None,
     ) -> None:
         tc = cfg.train
         self.cfg, self.ctx, self.device, self.run_dir = cfg, ctx, device, run_dir
         self.train_data = TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.data.seed)
         self.val_data = TokenLoader(data_dir, "val", cfg.data.seq_len, EVAL_SEED)
         self.model = build_model(cfg.model, tc.seed, device)
+        if init_hf is not None:  # before the optimizer and the delay keep any version
+            load_hf_weights(dict(self.model.named_parameters()), cfg.model, init_hf)
         if tc.compile:  # per block: the graphs the runtime's stages compile too
             compile_blocks(self.model)
         self.optimizer = build_optimizer(cfg.optim, self.model.named_parameters())

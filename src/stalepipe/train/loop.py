@@ -77,13 +77,16 @@ def train(
     verbose: bool = True,
     init_from: Path | None = None,
     leased: bool = False,
+    init_hf: Path | None = None,
 ) -> TrainResult:
     """Train `cfg` with the delay emulator in `cfg.out_dir/cfg.name`, started as `StartUp`
     says, holding the run's lease while it writes (`leased`: the caller holds it, a sweep's
     worker). Under `torchrun` the ranks train one data-parallel replica each
     (train/distributed.py). The pipeline runtime's entry is `train.pipelined.run_worker`."""
     check_device(cfg)  # before anything is written or deleted
-    start = StartUp(resume=resume, overwrite=overwrite, init_from=init_from, leased=leased)
+    start = StartUp(
+        resume=resume, overwrite=overwrite, init_from=init_from, leased=leased, init_hf=init_hf
+    )
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     ctx = init_data_parallel(cfg)
@@ -100,7 +103,8 @@ def train(
             data_dir, run_dir = on_main_outside_collectives(begin, ctx, "data preparation")
             for warning in cfg.warnings() if verbose else ():
                 print(f"stalepipe: warning: {warning}", file=sys.stderr)
-            engine = EmulatorEngine(cfg, ctx, device, data_dir, run_dir, start.checkpoint(run_dir))
+            ckpt, hf = start.checkpoint(run_dir), start.hf_weights(run_dir)
+            engine = EmulatorEngine(cfg, ctx, device, data_dir, run_dir, ckpt, hf)
             return run_loop(engine, cfg, run_dir, is_main=ctx.is_main, verbose=verbose)
     finally:
         shutdown(ctx)

@@ -48,6 +48,7 @@ from stalepipe.rundir import checkpoint_parts as stage_ckpt
 from stalepipe.rundir import sharded
 from stalepipe.rundir.checkpoint import commit_checkpoint, open_checkpoint
 from stalepipe.rundir.directory import run_data_dir
+from stalepipe.rundir.hf_checkpoint import load_hf_weights
 from stalepipe.rundir.startup import FRESH, StartUp, begin_run
 from stalepipe.runtime.comm import Comm
 from stalepipe.runtime.stage import StageExecutor
@@ -151,7 +152,8 @@ def run_worker(
         comm = Comm(topo, rank, backend, pc.timeout_s, device, records)
         restore = tee_rank_log(run_dir / "logs" / f"rank{rank}.log", console=rank == 0 and verbose)
         try:
-            engine = PipelineEngine(cfg, comm, device, run_dir, start.checkpoint(run_dir))
+            ckpt, hf = start.checkpoint(run_dir), start.hf_weights(run_dir)
+            engine = PipelineEngine(cfg, comm, device, run_dir, ckpt, hf)
             result = run_loop(
                 engine, cfg, run_dir, is_main=rank == 0, verbose=verbose and rank == 0
             )
@@ -222,6 +224,7 @@ class PipelineEngine:
         device: torch.device,
         run_dir: Path,
         start_from: Path | None = None,
+        init_hf: Path | None = None,
     ) -> None:
         pc, tc = cfg.pipeline, cfg.train
         self.cfg, self.comm, self.device, self.run_dir = cfg, comm, device, run_dir
@@ -245,6 +248,9 @@ class PipelineEngine:
         self.router_layers = [s.router_layers() for s in stages]
         own = {s: m.owned_parameters() for s, m in self.modules.items()}
         self.owned = {n: p for s in self.stages for n, p in own[s].items()}  # stage order
+        if init_hf is not None:  # an HF model's weights: this process's stages, a tied head too
+            mine = {n: p for m in self.modules.values() for n, p in m.named_parameters()}
+            load_hf_weights(mine, cfg.model, init_hf)
         self.optimizer = build_optimizer(cfg.optim, list(self.owned.items()))
         set_peak_lr(self.optimizer)
         self.sched = runtime_schedule(cfg)
