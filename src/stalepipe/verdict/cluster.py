@@ -203,7 +203,10 @@ def throughputs(s: Setting) -> tuple[Throughputs, list[Any]]:
     lines.append(assumptions_line(s, low, high, edge(options)))
     short = f"{s.model} on {s.gpus} x {c.name}, global batch {s.global_batch} (cluster model)"
     rate = window.tokens_per_s if window else math.nan
-    tp = Throughputs(rows, rate, a and a.stages, lines, short, (low, high))
+    from stalepipe.models.transformer import count_params
+
+    target = count_params(s.cfg)["non_embedding"]
+    tp = Throughputs(rows, rate, a and a.stages, lines, short, (low, high), target)
     return tp, options
 
 
@@ -234,7 +237,7 @@ def assumptions_line(s: Setting, low: float, high: float, central: float) -> str
     from stalepipe.sim import cluster as cl
 
     m = [f"{s.mfu * f:.2f}" for f in cl.MFU_RANGE]
-    eff = "-".join(f"{x:.2f}" for x in cl.LINK_EFFICIENCY_RANGE)
+    eff = "-".join(f"{x:.2f}" for x in cl.link_efficiency_range(s.cluster))
     cost = "-".join(f"{x:.2f}" for x in cl.OVERLAP_COST_RANGE)
     return (
         f"assumptions (central, range): MFU {s.mfu:.2f} ({m[0]}-{m[1]}), link efficiency "
@@ -308,8 +311,8 @@ def cell_verdict(v: Verdict, c: Cell) -> str:
     if not math.isfinite(c.speedup):
         return "inconclusive"
     target = v.target if v.target is not None else v.overhead
-    ratio = widen(time_to_target(target, c.speedup), *c.edge_factors)
-    verdict = call(target, ratio, c.speedup * c.edge_factors[1])
+    ratio = widen(time_to_target(target, c.speedup), *c.edge_factors, v.transfer)
+    verdict = call(target, ratio, c.speedup * c.edge_factors[1] / v.transfer.low)
     return next((k for k in COLORS if verdict.startswith(k)), "inconclusive")
 
 
