@@ -155,11 +155,14 @@ def test_what_does_not_fit_is_kept_and_marked_never_chosen():
     """A 10.9B model: plain DP holds 18 bytes a parameter (196 GB) on every GPU of 80 GB."""
     w = par.Workload(model_config("llama-10b"), 4096, 64, 16)
     opts = par.all_options(w, CLUSTERS["h100-ib"])
-    dp = next(o for o in opts if o.schedule == "dp")
-    assert not dp.fits and dp.peak_memory > 18 * 10.9e9 and dp.label() == "dp x16 (microbatch 1)"
-    assert par.best(opts, kind="dp") is None
+    plain = [o for o in opts if o.schedule == "dp" and o.tp == 1]
+    (dp,) = plain
+    # the nearest to fitting is shown: microbatch 1 with full recomputation (issue 52)
+    assert not dp.fits and dp.peak_memory > 18 * 10.9e9
+    assert dp.label() == "dp x16 (microbatch 1, full AC)"
+    assert par.best(plain, kind="dp") is None
     chosen = par.best(opts)
-    assert chosen is not None and chosen.fits and chosen.kind in ("fsdp", "hybrid", "pp")
+    assert chosen is not None and chosen.fits and chosen.kind != "dp" or chosen.tp > 1
 
 
 def test_2bw_keeps_two_weight_versions():

@@ -131,6 +131,7 @@ def ef_speedup(row: dict) -> float:
         (["--cluster", "BAD.json"], "did you mean 'inter_node_gbps'"),
         (["--cluster", "h100-ib", "--stages", "4"], "drop --stages"),
         (["--model", "smollm-135m", "--gpus", "8"], "add --cluster"),
+        (["--model", "smollm-135m", "--no-map"], "it needs --cluster PRESET"),
     ],
 )
 def test_bad_cluster_input_is_one_line(args, message, curve_sweep, tmp_path, capsys):

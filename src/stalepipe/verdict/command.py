@@ -208,6 +208,7 @@ def run_verdict(
     seq_len: int | None = None,
     microbatch_size: int = 1,
     fit: decision.GivenOverhead | None = None,
+    no_map: bool = False,
 ) -> VerdictReport:
     """The verdict of the runs under `sweep_dir` on throughputs simulated on a cluster
     (`cluster`, `gpus`, `global_batch`: every configuration, `verdict.cluster`), simulated for
@@ -219,6 +220,8 @@ def run_verdict(
     from stalepipe.verdict.cluster import check_modes
 
     check_modes(model, costs, cluster, stages, microbatches, gpus, global_batch, inter_node_gbps)
+    if no_map and cluster is None:
+        raise UserError("--no-map skips the cluster model's map; it needs --cluster PRESET")
     rows = _rows_of(sweep_dir)
     where = None
     if cluster is not None:
@@ -240,7 +243,7 @@ def run_verdict(
     inputs = [overhead_source(sweep_dir, rows), *tp.describe(), intervals_line(verdicts)]
     out_dir = Path(out) if out else sweep_dir / "verdict"
     report = VerdictReport(verdicts, skipped, tp, inputs, out_dir)
-    _write(report, sweep_dir.name, where, None if out else sweep_dir)
+    _write(report, sweep_dir.name, None if no_map else where, None if out else sweep_dir)
     return report
 
 
