@@ -86,3 +86,19 @@ def test_a_configuration_over_memory_is_never_chosen():
     chosen = best(opts)
     assert all(o.fits for o in [chosen] if o is not None)
     assert any(not o.fits for o in opts)
+
+
+def test_expert_parallelism_gathers_a_share_of_the_experts_and_pays_all_to_alls():
+    """An MoE model under FSDP: with EP over a node each GPU gathers 1/8 of a unit's routed
+    experts (the issue: FSDP gathered all 10.2B parameters, 6x the active ones, every
+    microbatch), and each MoE layer adds four all-to-alls of its routed tokens."""
+    cfg, seq, batch = model_shape("moe-10b")
+    w, c = Workload(cfg, seq, batch, 64), CLUSTERS["h100-eth25"]
+    plain = rp.flat_step(w, c, "fsdp", 1, 8, "selective")
+    ep = rp.flat_step(w, c, "fsdp", 1, 8, "selective", ep=8)
+    a2a = cfg.num_layers * rp.a2a_time(c, cfg, 8 * seq, 8)
+    assert a2a > 0 and rp.a2a_time(c, cfg, 8 * seq, 1) == 0
+    assert ep[1] - a2a * (batch // 64 // 8) < plain[1]  # less gather traffic exposed
+    assert rp.experts(cfg, 0) == 64 * 3 * cfg.dim * cfg.expert_hidden_dim
+    labels = [o.label() for o in rp.flat_options(w, c, ("fsdp",))]
+    assert any(" x ep 8 " in label for label in labels), labels

@@ -203,14 +203,16 @@ def get_cluster(name: str, inter_node_gbps: float | None = None) -> Cluster:
 
 # ---- collectives (alpha-beta, as NCCL runs them) ----------------------------------------------
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 
 
 def ring_bytes_per_rank(kind: str, nbytes: float, n: int) -> float:
     """Bytes each rank sends (and receives) in a ring `kind` over `n` ranks of a tensor of
     `nbytes` (the whole tensor: the all-reduced one, the gathered one, the one scattered)."""
     share = (n - 1) / n * nbytes
-    return {"all-reduce": 2 * share, "all-gather": share, "reduce-scatter": share}[kind]
+    # all-to-all: each rank keeps 1/n of its S bytes and sends the rest, 1/n to each peer
+    return {"all-reduce": 2 * share, "all-gather": share, "reduce-scatter": share,
+            "all-to-all": share}[kind]  # fmt: skip
 
 
 def ring_time(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:

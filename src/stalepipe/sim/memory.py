@@ -271,6 +271,7 @@ def gpu_memory(
     versions: int = 1,
     last_stage: bool = True,
     gathered: bool = False,
+    ep: int = 1,
 ) -> Memory:
     """The peak of one GPU holding `layers` layers (default all) with `params` parameters
     (default the whole model's), `in_flight` microbatches of `microbatch` sequences stashed
@@ -279,7 +280,8 @@ def gpu_memory(
     every stash, the logits on the last stage, one layer's recomputation. `gathered`: FSDP
     under a pipeline as torchtitan runs it (no resharding after forward, gradients accumulated
     unsharded until the step's last microbatch): the stage's bf16 weights and fp32 gradients
-    whole, instead of a unit at a time."""
+    whole, instead of a unit at a time. `ep`: expert parallelism (a unit's routed experts are
+    gathered 1/ep at a time)."""
     layers = cfg.num_layers if layers is None else layers
     if params is None:
         params = sum(block_params(cfg, i) for i in range(cfg.num_layers))
@@ -293,7 +295,10 @@ def gpu_memory(
     if zero >= 3 and shard > 1 and gathered:
         buffers = (2.0 + 4.0) * params / tp
     elif zero >= 3 and shard > 1:  # two gathered bf16 units and one unit's fp32 gradient
-        unit = max(block_params(cfg, 0), cfg.vocab_size * cfg.dim) / tp
+        last = cfg.num_layers - 1  # with EP a GPU gathers 1/ep of the routed experts
+        routed = cfg.num_experts * 3 * cfg.dim * cfg.expert_hidden_dim if cfg.num_experts else 0
+        block = max(block_params(cfg, 0), block_params(cfg, last) - routed * (1 - 1 / ep))
+        unit = max(block, cfg.vocab_size * cfg.dim) / tp
         buffers = 2 * 2.0 * unit + 4.0 * unit
     logits = logits_bytes(cfg, tokens, tp) if last_stage else 0.0
     return Memory(state, acts, transient_bytes(cfg, tokens, recompute, tp), logits, buffers)

@@ -76,12 +76,32 @@ def tp_choices(c: Cluster, num_gpus: int) -> list[int]:
     return [t for t in TP_DEGREES if t <= g and num_gpus % t == 0]
 
 
-def flat_step(w, c: Cluster, kind: str, tp: int, b: int, recompute: str) -> tuple:
+def experts(cfg: ModelConfig, layer: int) -> int:
+    """Routed expert parameters of block `layer` (0 for a dense block)."""
+    if not cfg.num_experts or not cfg.is_moe_layer(layer):
+        return 0
+    return cfg.num_experts * 3 * cfg.dim * cfg.expert_hidden_dim
+
+
+def a2a_time(c: Cluster, cfg: ModelConfig, tokens: float, ep: int) -> float:
+    """Seconds of one MoE layer's expert-parallel traffic in forward and backward over `ep`
+    GPUs of a node: dispatch and combine all-to-alls of the routed tokens' bf16 activations
+    (tokens x top-k x dim), each once in forward and once in backward; not overlapped (the
+    forward/backward overlap of DualPipe is not modelled)."""
+    if ep <= 1:
+        return 0.0
+    return 4 * collective_time(c, "all-to-all", 2.0 * tokens * cfg.top_k * cfg.dim, ep, ep)
+
+
+def flat_step(w, c: Cluster, kind: str, tp: int, b: int, recompute: str, ep: int = 1) -> tuple:
     """(step time, exposed traffic, peak memory) of data-parallel `kind` at TP `tp`, microbatch
-    `b` sequences, recomputation `recompute` (module docstring); `w` a `sim.workload.Workload`."""
+    `b` sequences, recomputation `recompute`, expert parallelism `ep` (FSDP, MoE: each GPU
+    holds 1/ep of the routed experts, gathered over the n/ep GPUs holding the same ones, one a
+    node, each on its own rail); `w` a `sim.workload.Workload`."""
     from stalepipe.sim.workload import _units
 
     units, n = _units(w.cfg, w.seq_len), w.num_gpus // tp
+    routed = [experts(w.cfg, i) for i in range(len(units))]
     params = sum(p for p, _ in units)
     speed, hbm = c.peak_tflops * 1e12 * w.mfu, c.hbm_tbps * 1e12
     tokens, k = b * w.seq_len, w.global_batch // n // b
@@ -95,9 +115,16 @@ def flat_step(w, c: Cluster, kind: str, tp: int, b: int, recompute: str) -> tupl
     def coll(op: str, nbytes: float, ranks: int, per_node: int = 0) -> float:
         return collective_time(c, op, nbytes / tp, ranks, per_node or min(ranks, g))
 
+    def sharded(op: str, nbytes: float, expert_bytes: float) -> float:
+        if ep <= 1:
+            return coll(op, nbytes + expert_bytes, shard)
+        return coll(op, nbytes, shard) + coll(op, expert_bytes / ep, shard // ep, 1)
+
     if zero == 3:  # per unit and microbatch, inside the shard group
-        gather = [coll("all-gather", PARAM_BYTES * p, shard) for p, _ in units]
-        scatter = [coll("reduce-scatter", GRAD_BYTES * p, shard) for p, _ in units]
+        gather = [sharded("all-gather", 2.0 * (p - x), 2.0 * x) for (p, _), x in zip(units, routed)]
+        scatter = [
+            sharded("reduce-scatter", 4.0 * (p - x), 4.0 * x) for (p, _), x in zip(units, routed)
+        ]
         exposed = gather[0] + sum(max(0.0, a - f) for a, f in zip(gather[1:], fwd))
         exposed += sum(max(0.0, a + s - 2 * f) for a, s, f in zip(gather, scatter, fwd))
         comm = k * (2 * sum(gather) + sum(scatter))
@@ -117,21 +144,22 @@ def flat_step(w, c: Cluster, kind: str, tp: int, b: int, recompute: str) -> tupl
             exposed += (k - 1) * max(0.0, rs - 2 * sum(fwd))
     exposed += w.overlap_cost * (comm - exposed)
     opt = OPT_TRAFFIC * params / tp / (n if zero else 1) / hbm
-    step = k * (3 * sum(fwd) + extra) + exposed + opt
-    return step, exposed, flat_memory(w, c, kind, tp, b, recompute)
+    a2a = sum(1 for x in routed if x) * a2a_time(c, w.cfg, tokens, ep)
+    step = k * (3 * sum(fwd) + extra + a2a) + exposed + opt
+    return step, exposed + k * a2a, flat_memory(w, c, kind, tp, b, recompute, ep)
 
 
-def flat_memory(w, c: Cluster, kind: str, tp: int, b: int, recompute: str) -> float:
+def flat_memory(w, c: Cluster, kind: str, tp: int, b: int, recompute: str, ep: int = 1) -> float:
     """Peak bytes per GPU of data-parallel `kind` (`sim.memory.gpu_memory`)."""
     n, zero = w.num_gpus // tp, KINDS[kind]
     shard = min(n, int(c.gpus_per_node) // tp) if kind == "hsdp" else n
     return gpu_memory(
         w.cfg, seq_len=w.seq_len, microbatch=b, tp=tp, dp=shard if zero == 3 else n,
-        zero=zero, recompute=recompute,
+        zero=zero, recompute=recompute, ep=ep,
     ).total  # fmt: skip
 
 
-def best_flat(w, c: Cluster, kind: str, tp: int) -> tuple | None:
+def best_flat(w, c: Cluster, kind: str, tp: int, ep: int = 1) -> tuple | None:
     """(step, exposed, memory, microbatch, recompute) of `kind` at TP `tp`: per recomputation
     the largest microbatch that fits (the model charges a microbatch's compute in proportion
     to its tokens, so the largest is the fastest but for the roofline), the fastest of those;
@@ -144,14 +172,14 @@ def best_flat(w, c: Cluster, kind: str, tp: int) -> tuple | None:
     limit = c.memory_gb * 1e9
     timed = []
     for mode in RECOMPUTE:
-        b = next((b for b in sizes if flat_memory(w, c, kind, tp, b, mode) <= limit), None)
+        b = next((b for b in sizes if flat_memory(w, c, kind, tp, b, mode, ep) <= limit), None)
         if b is not None:
-            timed.append((*flat_step(w, c, kind, tp, b, mode), b, mode))
+            timed.append((*flat_step(w, c, kind, tp, b, mode, ep), b, mode))
             if b == sizes[0]:
                 break  # more recomputation at the same microbatch is only slower
     if timed:
         return min(timed, key=lambda r: r[0])
-    return (*flat_step(w, c, kind, tp, sizes[-1], "full"), sizes[-1], "full")
+    return (*flat_step(w, c, kind, tp, sizes[-1], "full", ep), sizes[-1], "full")
 
 
 def flat_options(w, c: Cluster, kinds=tuple(KINDS)) -> list:
@@ -164,29 +192,40 @@ def flat_options(w, c: Cluster, kinds=tuple(KINDS)) -> list:
         for tp in tp_choices(c, w.num_gpus):
             if tp > 1 and any(o.schedule == kind and o.fits and o.recompute == "none" for o in out):
                 break  # TP buys memory the smaller degree no longer needs (sim.hybrid's rule)
-            r = best_flat(w, c, kind, tp)
-            if r is None:
-                continue
-            step, exposed, mem, b, mode = r
-            n = w.num_gpus // tp
-            out.append(
-                Option(
-                    kind,
-                    "sync",
-                    1,
-                    n,
-                    "fsdp" if KINDS[kind] == 3 else "dp",
-                    w.global_batch // n // b,
-                    b,
-                    "",
-                    step,
-                    exposed,
-                    0.0,
-                    mem,
-                    c.memory_gb * 1e9,
-                    w.global_batch * w.seq_len / step,
-                    tp,
-                    mode,
-                )  # fmt: skip
-            )
+            for ep in _ep_choices(w, c, kind, tp):
+                r = best_flat(w, c, kind, tp, ep)
+                if r is None:
+                    continue
+                step, exposed, mem, b, mode = r
+                n = w.num_gpus // tp
+                out.append(
+                    Option(
+                        kind,
+                        "sync",
+                        1,
+                        n,
+                        "fsdp" if KINDS[kind] == 3 else "dp",
+                        w.global_batch // n // b,
+                        b,
+                        "",
+                        step,
+                        exposed,
+                        0.0,
+                        mem,
+                        c.memory_gb * 1e9,
+                        w.global_batch * w.seq_len / step,
+                        tp,
+                        mode,
+                        ep,
+                    )  # fmt: skip
+                )
     return [o for o in out if math.isfinite(o.tokens_per_s)]
+
+
+def _ep_choices(w, c: Cluster, kind: str, tp: int) -> tuple[int, ...]:
+    """Expert-parallel degrees tried: 1, and for an MoE model under FSDP without TP a node's
+    GPUs (at most the experts), where the batch and the shard group split evenly."""
+    g = min(int(c.gpus_per_node), w.cfg.num_experts)
+    if not w.cfg.num_experts or kind != "fsdp" or tp > 1 or g <= 1 or w.num_gpus % g:
+        return (1,)
+    return (1, g)

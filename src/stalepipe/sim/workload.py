@@ -74,6 +74,7 @@ class Option:
     tokens_per_s: float
     tp: int = 1  # tensor-parallel degree inside a node (`sim.replicas`)
     recompute: str = "none"  # activation recomputation: none, selective, full
+    ep: int = 1  # expert-parallel degree inside a node (MoE, `sim.replicas`)
 
     @property
     def fits(self) -> bool:
@@ -90,6 +91,7 @@ class Option:
         """E.g. 'fsdp x16 (microbatch 4)', 'fsdp x32 x tp 8 (microbatch 2, full AC)' or
         '1f1b P=4 x fsdp 4 (stages in a node), m=32'."""
         tp = f" x tp {self.tp}" if self.tp > 1 else ""
+        tp += f" x ep {self.ep}" if self.ep > 1 else ""
         ac = f", {self.recompute} AC" if self.recompute != "none" else ""
         if self.stages == 1:
             return f"{self.schedule} x{self.replicas}{tp} (microbatch {self.microbatch_size}{ac})"

@@ -174,10 +174,10 @@ def decision_block(
     lines = [f"decision: {title}"]
     best = next((v for v in judged if v.best_sync is not None), None)
     if best is not None and best.best_sync is not None:
-        lines.append(
-            f"best synchronous: {best.best_sync.shown()} ({best.best_sync.rate_text()} tok/s); "
-            f"2BW's throughput edge over it {best.speedup:.3f}x"
-        )
+        head = f"best synchronous: {best.best_sync.shown()} ({best.best_sync.rate_text()} tok/s)"
+        edge = f"2BW's throughput edge over it {best.speedup:.3f}x"
+        fits = len(head) + len(edge) + 2 <= WIDTH  # a long configuration: two lines
+        lines += [f"{head}; {edge}"] if fits else [head, f"  {edge}"]
     if not judged:
         lines.append("no configuration has the 3 seeds a verdict needs: every one is inconclusive")
     kind = judged[0].interval_kind if judged else ""
