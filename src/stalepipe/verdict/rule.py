@@ -257,5 +257,6 @@ def overhead_source(sweep_dir: Path, rows: list[Row]) -> str:
         f"token overhead: measured, val curves of {len(runs)} finished runs in {sweep_dir} "
         f"(engine {values('pipeline.engine', 'emulate')}, model {values('model.num_layers', '?')} "
         f"layers x dim {values('model.dim', '?')}, P={values('pipeline.num_stages', 1)}); "
-        "assumed to carry over to the throughputs' model and P"
+        "carried to the throughputs' P as measured, and to their model with the size transfer "
+        "below (a term of the interval)"
     )
