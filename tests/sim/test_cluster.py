@@ -50,8 +50,11 @@ def test_a_ring_across_nodes_runs_on_the_group_s_rails():
     S = 1e9
     whole = collective_time(c, "all-gather", S, 32)  # 4 nodes x 8: all 8 rails
     one = collective_time(c, "all-gather", S, 4, per_node=1)  # 4 nodes x 1: one rail
-    assert whole == pytest.approx(31 / 32 * S / (0.92 * 8 * 25e9 / 8))
-    assert one == pytest.approx(3 / 4 * S / (0.92 * 25e9 / 8))
+    # Ethernet (RoCE) at NCCL's 0.75 of line rate (NVIDIA/nccl issue 495; issue 52: the
+    # Ethernet presets had InfiniBand's 0.92)
+    assert c.link_efficiency == 0.75
+    assert whole == pytest.approx(31 / 32 * S / (0.75 * 8 * 25e9 / 8))
+    assert one == pytest.approx(3 / 4 * S / (0.75 * 25e9 / 8))
     # inside a node the NVLink bounds it: 8 rails of 400 Gb/s exceed NVLink's 82 %
     ib = dataclasses.replace(
         CLUSTERS["h100-ib"], inter_node_latency_us=1e-9, intra_node_latency_us=1e-9
@@ -152,11 +155,14 @@ def test_what_does_not_fit_is_kept_and_marked_never_chosen():
     """A 10.9B model: plain DP holds 18 bytes a parameter (196 GB) on every GPU of 80 GB."""
     w = par.Workload(model_config("llama-10b"), 4096, 64, 16)
     opts = par.all_options(w, CLUSTERS["h100-ib"])
-    dp = next(o for o in opts if o.schedule == "dp")
-    assert not dp.fits and dp.peak_memory > 18 * 10.9e9 and dp.label() == "dp x16 (microbatch 1)"
-    assert par.best(opts, kind="dp") is None
+    plain = [o for o in opts if o.schedule == "dp" and o.tp == 1]
+    (dp,) = plain
+    # the nearest to fitting is shown: microbatch 1 with full recomputation (issue 52)
+    assert not dp.fits and dp.peak_memory > 18 * 10.9e9
+    assert dp.label() == "dp x16 (microbatch 1, full AC)"
+    assert par.best(plain, kind="dp") is None
     chosen = par.best(opts)
-    assert chosen is not None and chosen.fits and chosen.kind in ("fsdp", "hybrid", "pp")
+    assert chosen is not None and chosen.fits and chosen.kind != "dp" or chosen.tp > 1
 
 
 def test_2bw_keeps_two_weight_versions():

@@ -15,6 +15,7 @@ from stalepipe.analysis.results import build_rows, load_runs
 from stalepipe.cli import main
 from stalepipe.verdict import cluster as cv
 from stalepipe.verdict.command import judge_sweep
+from stalepipe.verdict.rule import Transfer
 
 CLUSTER = ["--cluster", "h100-ib", "--gpus", "16", "--global-batch", "64"]
 
@@ -31,6 +32,8 @@ def test_map_calls_follow_the_known_tax(curve_sweep):
     )
     verdicts, _ = judge_sweep(build_rows(load_runs(curve_sweep)), tp)
     ef = next(v for v in verdicts if v.label == "adamw_2bw+ef")
+    assert ef.transfer.low < 1 < ef.transfer.high  # the fixture's tiny model -> smollm-135m
+    ef.transfer = Transfer()  # the map's rule apart from the size transfer
     low, high = ef.target.interval()[1:]
     assert 1.05 < low < high < 1.15
 
@@ -74,8 +77,11 @@ def test_cluster_verdict_end_to_end(curve_sweep, capsys):
     # every cell's call is the rule applied to its own edge over the assumptions' range: sooner
     # when even its lowest edge is above the overhead's interval, later when even its highest is
     # below, too close to call otherwise
+    # ... and the overhead's size transfer (the fixture's tiny model -> smollm-135m, issue 52)
     low, high = ef["time_to_target_ci"][1:]
-    tax_low, tax_high = (x * ef_speedup(ef) for x in (low, high))
+    t_low, t_high, source = ef["transfer"]
+    assert t_low < 1 < t_high and source.startswith("default")
+    tax_low, tax_high = low * t_low * ef_speedup(ef), high * t_high * ef_speedup(ef)
     seen = set()
     for c in cells:
         lo, hi = float(c["speedup_low"]), float(c["speedup_high"])
@@ -125,6 +131,7 @@ def ef_speedup(row: dict) -> float:
         (["--cluster", "BAD.json"], "did you mean 'inter_node_gbps'"),
         (["--cluster", "h100-ib", "--stages", "4"], "drop --stages"),
         (["--model", "smollm-135m", "--gpus", "8"], "add --cluster"),
+        (["--model", "smollm-135m", "--no-map"], "it needs --cluster PRESET"),
     ],
 )
 def test_bad_cluster_input_is_one_line(args, message, curve_sweep, tmp_path, capsys):

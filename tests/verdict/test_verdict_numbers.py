@@ -27,8 +27,8 @@ def decision(preset: str) -> dict[str, str]:
     text = (SWEEP / f"verdict-{preset}" / "verdict.md").read_text().split("```")[1]
     out = {}
     for arm in ARMS:
-        m = re.search(rf"^{re.escape(arm)} +(sync sooner|too close to call|async sooner) +"
-                      r"(\S+ \[\S+ \S+\])", text, re.M)  # fmt: skip
+        m = re.search(rf"^{re.escape(arm)} +(sync sooner|too close to call|async sooner|"
+                      r"inconclusive at target size) +(\S+ \[\S+ \S+\])", text, re.M)  # fmt: skip
         assert m, (preset, arm)
         out[arm] = f"{m.group(2)} {m.group(1)}"
     m = re.search(r"2BW's edge \((\S+)x, (\S+)-(\S+)x over the assumptions\)", text)
@@ -62,12 +62,19 @@ def test_the_results_lengths_readings_are_the_committed_ones():
 def _row(doc: str, preset: str) -> str:
     """The preset's row of the page's verdict table (the one with calls in it)."""
     starts = (f"| {preset} ", f"| `{preset}` ")
-    rows = [line for line in doc.splitlines() if line.startswith(starts) and "sooner" in line]
+    calls = ("sooner", "inconclusive at target size", "too close to call")
+    rows = [ln for ln in doc.splitlines() if ln.startswith(starts) and any(c in ln for c in calls)]
     assert len(rows) == 1, (preset, rows)
     return rows[0].replace("**", "")
 
 
-@pytest.mark.parametrize("page", ["docs/verdict.md", "docs/RESULTS.md"])
+# docs/RESULTS.md still shows the calls made before issue 52 added the overhead's size
+# transfer and Ethernet's link efficiency; the branch that did so was not to edit RESULTS.md:
+# strict, so the test fails once its table is brought up to date (then drop the mark)
+STALE = pytest.mark.xfail(strict=True, reason="RESULTS.md's verdict table predates issue 52")
+
+
+@pytest.mark.parametrize("page", ["docs/verdict.md", pytest.param("docs/RESULTS.md", marks=STALE)])
 def test_the_docs_tables_are_the_committed_decisions(page):
     doc = (ROOT / page).read_text()
     for preset in PRESETS:
@@ -79,13 +86,13 @@ def test_the_docs_tables_are_the_committed_decisions(page):
 def test_the_readme_states_the_committed_decisions():
     readme = " ".join((ROOT / "README.md").read_text().split())
     ib = decision("h100-ib")
-    assert f"within {ib['edge'].split()[0]} of 2BW's throughput" in readme
+    assert f"2BW's best runs at {ib['edge'].split()[0]} of ZeRO-1's throughput" in readme
     ratio, verdict = ib["muon_2bw+ef"].rsplit("]", 1)
     assert f"**{verdict.strip()}** ({ratio}] the time" in readme
     edges = sorted(float(decision(p)["edge"].split("x")[0]) for p in PRESETS[1:])
     assert f"(edge {edges[0]:.2f}-{edges[-1]:.2f}x)" in readme
     calls = {decision(p)["muon_2bw+ef"].split("] ")[1] for p in PRESETS[1:]}
-    assert calls == {"too close to call"} and "is **too close to call**" in readme
+    assert calls == {"inconclusive at target size"} and "so is every arm on Ethernet" in readme
 
 
 def _map(preset: str) -> list[dict[str, str]]:
@@ -117,7 +124,10 @@ def test_each_throughput_rises_with_the_link_though_their_ratio_need_not(preset)
         cells.sort(key=lambda r: float(r["inter_node_gbps"]))
         for col in ("async_tokens_per_s", "sync_tokens_per_s"):
             rates = [float(r[col]) for r in cells if r[col]]
-            assert all(a <= b * (1 + 1e-9) for a, b in zip(rates, rates[1:])), (preset, col)
+            # within 0.1 %: on h100-pcie at 16 GPUs x 128 sequences the best synchronous rate
+            # dips 0.02 % from 100 to 200 Gb/s (DualPipeV's simulated step, whose event order
+            # moves with the p2p time; seen once RoCE's efficiency changed the links, issue 52)
+            assert all(a <= b * (1 + 1e-3) for a, b in zip(rates, rates[1:])), (preset, col)
 
 
 def test_the_committed_decision_is_what_the_command_prints_now(tmp_path):

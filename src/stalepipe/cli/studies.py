@@ -256,6 +256,11 @@ def _add_verdict(sub: Subparsers) -> None:
         "--inter-node-gbps", type=float, help="with --cluster: override its inter-node Gb/s per GPU"
     )
     add(
+        "--no-map",
+        action="store_true",
+        help="with --cluster: skip the crossover map (133 cells: minutes for a 70B+ model)",
+    )
+    add(
         "--model",
         help="preset or simulator shape (e.g. smollm-360m; --cluster: default smollm-360m)",
     )

@@ -129,12 +129,19 @@ def _from_device(name: str, dev: Device, inter_gbps: float, inter_us: float) -> 
 
 
 _H100 = DEVICES["h100"]  # NVLink 4: 450 GB/s one way = 3600 Gb/s per GPU (devices.py)
+# NCCL's bus bandwidth over Ethernet (RoCE): NVIDIA/nccl issue 495, "~600 of 800 Gb/s" on
+# 8 x 100G RoCE NICs = 0.75 of line rate (InfiniBand's 0.92: nccl-tests issue 290)
+ROCE_EFFICIENCY = 0.75
 CLUSTERS: dict[str, Cluster] = {
     # DGX H100: one ConnectX-7 NDR InfiniBand 400 Gb/s NIC per GPU
     "h100-ib": _from_device("h100-ib", _H100, 400.0, 10.0),
     # the same nodes on Ethernet (RoCE) at 100 and 25 Gb/s per GPU
-    "h100-eth100": _from_device("h100-eth100", _H100, 100.0, 20.0),
-    "h100-eth25": _from_device("h100-eth25", _H100, 25.0, 30.0),
+    "h100-eth100": dataclasses.replace(
+        _from_device("h100-eth100", _H100, 100.0, 20.0), link_efficiency=ROCE_EFFICIENCY
+    ),
+    "h100-eth25": dataclasses.replace(
+        _from_device("h100-eth25", _H100, 25.0, 30.0), link_efficiency=ROCE_EFFICIENCY
+    ),
     # DGX A100: NVLink 3 (300 GB/s one way), one HDR InfiniBand 200 Gb/s NIC per GPU
     "a100-ib": _from_device("a100-ib", DEVICES["a100"], 200.0, 10.0),
     # PCIe-only nodes: NVIDIA H100 PCIe datasheet (756 TFLOPS bf16 dense, 80 GB HBM2e at
@@ -144,6 +151,7 @@ CLUSTERS: dict[str, Cluster] = {
         _from_device("h100-pcie", _H100, 100.0, 20.0),
         **dict(gpu="NVIDIA H100 PCIe", peak_tflops=756.5, hbm_tbps=2.0, intra_node_gbps=512.0),
         intra_node_latency_us=10.0,
+        link_efficiency=ROCE_EFFICIENCY,
     ),
 }
 
@@ -195,14 +203,16 @@ def get_cluster(name: str, inter_node_gbps: float | None = None) -> Cluster:
 
 # ---- collectives (alpha-beta, as NCCL runs them) ----------------------------------------------
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 
 
 def ring_bytes_per_rank(kind: str, nbytes: float, n: int) -> float:
     """Bytes each rank sends (and receives) in a ring `kind` over `n` ranks of a tensor of
     `nbytes` (the whole tensor: the all-reduced one, the gathered one, the one scattered)."""
     share = (n - 1) / n * nbytes
-    return {"all-reduce": 2 * share, "all-gather": share, "reduce-scatter": share}[kind]
+    # all-to-all: each rank keeps 1/n of its S bytes and sends the rest, 1/n to each peer
+    return {"all-reduce": 2 * share, "all-gather": share, "reduce-scatter": share,
+            "all-to-all": share}[kind]  # fmt: skip
 
 
 def ring_time(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
@@ -282,8 +292,19 @@ def leading(comm: float, compute: float, units: int) -> float:
 # A verdict holds only where it holds at every corner of these (docs/verdict.md, 'The cluster
 # model'; `assumption_corners`).
 MFU_RANGE = (0.75, 1.25)  # x the given MFU: torchtitan's H100 FSDP runs 33-39 %, its A100 57 %
-LINK_EFFICIENCY_RANGE = (0.75, 0.96)  # NCCL bus bandwidth / line rate: RoCE 0.75, IB 0.92-0.96
+# NCCL bus bandwidth / line rate on InfiniBand: 0.75 (p5's all-gathers at 8-16 nodes) to 0.96
+# (nccl-tests 290's 48 GB/s per NDR NIC) around its central 0.92; a preset of another fabric
+# (RoCE, 0.75) takes the same spread relative to its central value (`link_efficiency_range`)
+LINK_EFFICIENCY_RANGE = (0.75, 0.96)
+IB_EFFICIENCY = 0.92
 OVERLAP_COST_RANGE = (0.0, 0.15)  # no published measurement used: wide enough to show its weight
+
+
+def link_efficiency_range(c: Cluster) -> tuple[float, float]:
+    """`LINK_EFFICIENCY_RANGE` scaled by the cluster's central efficiency over InfiniBand's
+    (the same range for InfiniBand; 0.61-0.78 for RoCE's 0.75), at most 1."""
+    f = c.link_efficiency / IB_EFFICIENCY
+    return tuple(min(1.0, x * f) for x in LINK_EFFICIENCY_RANGE)  # type: ignore[return-value]
 
 
 def assumption_corners(w: Any, c: Cluster) -> list[tuple[Any, Cluster]]:
@@ -291,8 +312,7 @@ def assumption_corners(w: Any, c: Cluster) -> list[tuple[Any, Cluster]]:
     assumptions' ranges (8: MFU, link efficiency, overlap cost each at its low and high end; a
     given value outside a range widens it)."""
     mfus = (w.mfu * MFU_RANGE[0], min(1.0, w.mfu * MFU_RANGE[1]))
-    lo, hi = LINK_EFFICIENCY_RANGE
-    effs = (min(lo, c.link_efficiency), max(hi, c.link_efficiency))
+    effs = link_efficiency_range(c)
     costs = (min(OVERLAP_COST_RANGE[0], w.overlap_cost), max(OVERLAP_COST_RANGE[1], w.overlap_cost))
     return [
         (dataclasses.replace(w, mfu=m, overlap_cost=o), dataclasses.replace(c, link_efficiency=e))

@@ -32,6 +32,16 @@ SIM_MODELS["llama3-8b"] = dataclasses.replace(
     SIM_MODELS["llama-10b"], vocab_size=128256, num_layers=32, max_seq_len=8192
 )
 
+# Llama 3 70B and 405B (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 3: layers, model
+# dimension, FFN dimension, attention / key-value heads; vocabulary 128,000 in the table,
+# 128,256 in the released checkpoints, used here as torchtitan does)
+SIM_MODELS["llama3-70b"] = dataclasses.replace(
+    SIM_MODELS["llama3-8b"], dim=8192, num_layers=80, num_heads=64, ffn_dim=28672
+)
+SIM_MODELS["llama3-405b"] = dataclasses.replace(
+    SIM_MODELS["llama3-8b"], dim=16384, num_layers=126, num_heads=128, ffn_dim=53248
+)
+
 
 def model_config(name: str) -> ModelConfig:
     """A model shape by name: SIM_MODELS or a training preset of presets.PRESETS."""

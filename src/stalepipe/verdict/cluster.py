@@ -169,15 +169,17 @@ def _best_row(mine: list[Any], options: list[Any], stages: int | None = None) ->
 
 
 def throughputs(s: Setting) -> tuple[Throughputs, list[Any]]:
-    """One row per kind of synchronous contender (dp, fsdp, each pipeline schedule, its best
-    configuration over P, D, placement), 2BW's best over P, PipeDream's best at each P (its
+    """One row per kind of synchronous contender (dp, zero1, zero2, fsdp, hsdp, each pipeline
+    schedule, its best configuration over TP, P, D, placement), 2BW's best over P, PipeDream's best at each P (its
     delay grows with P: a run is judged at its own P), and every option timed."""
     from stalepipe.sim.parallel import all_options, best, cluster_schedules
 
     asyncs = cluster_schedules(sync=False)  # 2bw, pipedream: the registry's, in its order
     options = all_options(s.workload(), s.cluster, asyncs)
     rows = []
-    for name in ("dp", "fsdp", *cluster_schedules(sync=True), ASYNC):
+    from stalepipe.sim.replicas import KINDS
+
+    for name in (*KINDS, *cluster_schedules(sync=True), ASYNC):
         mine = [o for o in options if o.schedule == name]
         if mine:
             rows.append(_best_row(mine, options))
@@ -197,13 +199,17 @@ def throughputs(s: Setting) -> tuple[Throughputs, list[Any]]:
         f"{s.mfu:.2f} for every configuration; {len(options)} configurations, the best of each "
         "kind shown (docs/verdict.md, 'The cluster model', states the assumptions)",
         f"left out, over {c.memory_gb:g} GB per GPU ({len(left)}): "
-        + (", ".join(f"{o.label()} ({o.peak_memory / 1e9:.0f} GB)" for o in left) or "none"),
+        + (", ".join(f"{o.label()} ({o.peak_memory / 1e9:.0f} GB)" for o in left[:12]) or "none")
+        + (f", and {len(left) - 12} more" if len(left) > 12 else ""),
     ]
     low, high = edge_range(s.workload(), c, options)
     lines.append(assumptions_line(s, low, high, edge(options)))
     short = f"{s.model} on {s.gpus} x {c.name}, global batch {s.global_batch} (cluster model)"
     rate = window.tokens_per_s if window else math.nan
-    tp = Throughputs(rows, rate, a and a.stages, lines, short, (low, high))
+    from stalepipe.models.transformer import count_params
+
+    target = count_params(s.cfg)["non_embedding"]
+    tp = Throughputs(rows, rate, a and a.stages, lines, short, (low, high), target)
     return tp, options
 
 
@@ -234,7 +240,7 @@ def assumptions_line(s: Setting, low: float, high: float, central: float) -> str
     from stalepipe.sim import cluster as cl
 
     m = [f"{s.mfu * f:.2f}" for f in cl.MFU_RANGE]
-    eff = "-".join(f"{x:.2f}" for x in cl.LINK_EFFICIENCY_RANGE)
+    eff = "-".join(f"{x:.2f}" for x in cl.link_efficiency_range(s.cluster))
     cost = "-".join(f"{x:.2f}" for x in cl.OVERLAP_COST_RANGE)
     return (
         f"assumptions (central, range): MFU {s.mfu:.2f} ({m[0]}-{m[1]}), link efficiency "
@@ -308,8 +314,8 @@ def cell_verdict(v: Verdict, c: Cell) -> str:
     if not math.isfinite(c.speedup):
         return "inconclusive"
     target = v.target if v.target is not None else v.overhead
-    ratio = widen(time_to_target(target, c.speedup), *c.edge_factors)
-    verdict = call(target, ratio, c.speedup * c.edge_factors[1])
+    ratio = widen(time_to_target(target, c.speedup), *c.edge_factors, v.transfer)
+    verdict = call(target, ratio, c.speedup * c.edge_factors[1] / v.transfer.low)
     return next((k for k in COLORS if verdict.startswith(k)), "inconclusive")
 
 

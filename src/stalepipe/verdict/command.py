@@ -26,17 +26,29 @@ from stalepipe.analysis.markdown import md_fenced, md_text
 from stalepipe.analysis.results import Row, build_rows, load_runs, longer_runs
 from stalepipe.delay.policies import never_delays
 from stalepipe.errors import UserError
-from stalepipe.fileio import csv_text, read_json_record, write_files
+from stalepipe.fileio import read_json_record, write_files
 from stalepipe.verdict import decision
 from stalepipe.verdict.rule import (
     RULE,
-    Estimate,
+    Transfer,
     Verdict,
+    at_size,
     call,
+    default_transfer,
+    model_params,
     model_size,
     overhead_source,
+    size_text,
     time_to_target,
-    widen,
+)
+from stalepipe.verdict.tables import (
+    SUMMARY_HEADER,
+    align,
+    format_verdict,
+    intervals_line,
+    summary_rows,
+    verdict_csv,
+    verdict_json,
 )
 from stalepipe.verdict.throughput import (
     ScheduleThroughput,
@@ -72,9 +84,12 @@ def sync_window_share(row: Row) -> float:
     return sum(delay.in_sync_window(k) for k in range(steps)) / steps
 
 
-def judge(row: Row, tp: Throughputs, a: ScheduleThroughput) -> Verdict:
+def judge(
+    row: Row, tp: Throughputs, a: ScheduleThroughput, transfer: Transfer | None = None
+) -> Verdict:
     """The verdict of one delayed row (with a token overhead) on the throughputs `tp`, its
-    asynchronous schedule's rate read off row `a` of them."""
+    asynchronous schedule's rate read off row `a` of them; `transfer`: the overhead's move to
+    the throughputs' model size (default: `rule.default_transfer` from the two sizes)."""
     assert row.token_overhead is not None and row.baseline is not None
     share = sync_window_share(row)
     rate = a.tokens_per_s
@@ -92,13 +107,20 @@ def judge(row: Row, tp: Throughputs, a: ScheduleThroughput) -> Verdict:
     # quality floor: the band says so with its own margin
     floor = v.target.missed and row.token_overhead.status == "floor"
     v.edge_factors = tp.edge_factors  # a bound below must outweigh the edge at its highest
-    edge = v.speedup * v.edge_factors[1]
-    v.verdict = call(row.token_overhead if floor else v.target, v.ratio_all, edge)
+    n = model_params(row.config)["non_embedding"]
+    v.transfer = transfer or default_transfer(
+        n, tp.target_params, size_text(n), size_text(tp.target_params)
+    )
+    edge = v.speedup * v.edge_factors[1] / v.transfer.low
+    v.verdict = at_size(v, call(row.token_overhead if floor else v.target, v.ratio_all, edge))
     return v
 
 
-def judge_sweep(rows: list[Row], tp: Throughputs) -> tuple[list[Verdict], list[str]]:
-    """Verdicts of every delayed row with a baseline; and why other delayed rows have none."""
+def judge_sweep(
+    rows: list[Row], tp: Throughputs, fit: decision.GivenOverhead | None = None
+) -> tuple[list[Verdict], list[str]]:
+    """Verdicts of every delayed row with a baseline; and why other delayed rows have none.
+    `fit`: an `--overhead-fit`, whose prediction interval is then each row's transfer."""
     verdicts, skipped = [], []
     # a delayed arm's longer planned runs extend it toward sync's final loss (`targets`):
     # read with it, not configurations of their own
@@ -120,167 +142,11 @@ def judge_sweep(rows: list[Row], tp: Throughputs) -> tuple[list[Verdict], list[s
         if isinstance(a, str):
             skipped.append(f"{_label(row)}: {a}")
             continue
-        v = judge(row, tp, a)
+        n = model_params(row.config)["non_embedding"]
+        v = judge(row, tp, a, decision.fit_transfer(fit, n) if fit else None)
         v.at_length = id(row) in extensions
         verdicts.append(v)
     return verdicts, skipped
-
-
-def align(rows: list[list[str]]) -> str:
-    """Rows of cells as left-aligned text columns (the first row is the header)."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
-SUMMARY_HEADER = [
-    *("configuration", "token overhead at sync's final loss", "band median", "seeds @ model"),
-    *("best sync", "throughput async/sync", "time to target (95% CI)", "verdict"),
-]
-
-
-def summary_rows(verdicts: list[Verdict]) -> list[list[str]]:
-    """One row per configuration, against the best synchronous schedule."""
-    return [
-        [
-            v.label,
-            v.target.describe() if v.target else "-",
-            v.overhead.describe(),
-            f"{len(v.target.seeds) if v.target else v.overhead.num_seeds} @ {v.measured_on}",
-            f"{v.best_sync.shown()}: {v.best_sync.rate_text()} tok/s" if v.best_sync else "-",
-            f"{v.speedup:.3f}" if math.isfinite(v.speedup) else "-",
-            v.ratio.text(),
-            v.verdict,
-        ]
-        for v in verdicts
-    ]
-
-
-def detail_rows(v: Verdict, tp: Throughputs) -> list[list[str]]:
-    """One configuration's table: every schedule, its throughput and memory, and the async
-    schedule's time to target against each synchronous one."""
-    head = [
-        *("schedule", "policy", "tokens/s", "bubble", "peak mem/rank GB", "fits"),
-        f"{v.schedule} time to target vs it",
-    ]
-    out = [head]
-    for s in tp.rows:
-        if not never_delays(s.policy) and s is not v.async_row:
-            continue  # another delay policy's schedule, or another P of it
-        name = s.shown() + (" (best sync)" if v.best_sync and s.name == v.best_sync.name else "")
-        if s.refused:
-            out.append([name, s.policy, "refused: " + s.refused, "", "", "", ""])
-            continue
-        rate = v.async_tokens_per_s if s is v.async_row else s.tokens_per_s
-        ratio = v.ratios[s.name].text() if s.name in v.ratios else "-"
-        out.append(
-            [
-                name,
-                s.policy,
-                s.rate_text(rate),
-                s.bubble_text(),
-                s.memory_text(),
-                s.fits_text(),
-                ratio,
-            ]
-        )
-    return out
-
-
-def format_verdict(
-    verdicts: list[Verdict], skipped: list[str], tp: Throughputs, inputs: list[str]
-) -> str:
-    """The text `stalepipe verdict` prints: inputs, the summary table, one table per
-    configuration, what was left out, and the rule."""
-    out = ["inputs:", *(f"  {line}" for line in inputs), ""]
-    out += [align([SUMMARY_HEADER, *summary_rows(verdicts)]), ""]
-    for v in verdicts:
-        windows = (
-            f"; {v.sync_window_share:.0%} of its steps in sync windows, at the flushed rate"
-            if v.sync_window_share
-            else ""
-        )
-        out += [
-            f"{v.label} (vs {v.baseline}): token overhead at sync's final loss "
-            f"{v.target.describe() if v.target else '-'}, over the band {v.overhead.describe()}, "
-            f"{v.overhead.num_seeds} seed(s){windows}",
-            align(detail_rows(v, tp)),
-            "",
-        ]
-    out += [f"no verdict: {s}" for s in skipped]
-    out += [RULE]
-    return "\n".join(out)
-
-
-CSV_HEADER = [
-    "configuration",
-    "baseline",
-    "async_schedule",
-    "token_overhead",
-    "token_overhead_ci_low",
-    "token_overhead_ci_high",
-    "token_overhead_status",
-    "band_token_overhead",
-    "band_token_overhead_status",
-    "seeds",
-    "measured_on_params",
-    "sync_schedule",
-    "best_sync",
-    "async_tokens_per_s",
-    "sync_tokens_per_s",
-    "time_to_target",
-    "time_to_target_ci_low",
-    "time_to_target_ci_high",
-    "time_to_target_all_low",  # over the seeds and the assumptions' ranges (what is called)
-    "time_to_target_all_high",
-    "async_peak_memory_gb",
-    "sync_peak_memory_gb",
-    "throughput_source",
-    "verdict",
-]
-
-
-def verdict_csv(verdicts: list[Verdict], tp: Throughputs) -> str:
-    """verdict.csv's text: one row per (configuration, synchronous schedule)."""
-    rows: list[list[object]] = [CSV_HEADER]
-    for v in verdicts:
-        a = v.async_row
-        for s in tp.sync():
-            r = v.ratios[s.name]
-            every = widen(r, *v.edge_factors)
-            rows.append(
-                [
-                    v.label,
-                    v.baseline,
-                    v.schedule,
-                    *_target_cells(v),
-                    v.overhead.estimate,
-                    v.overhead.status,
-                    v.overhead.num_seeds,
-                    v.measured_on,
-                    s.name,
-                    v.best_sync is not None and s.name == v.best_sync.name,
-                    v.async_tokens_per_s,
-                    s.tokens_per_s,
-                    r.value,
-                    r.low,
-                    r.high,
-                    every.low,
-                    every.high,
-                    a.memory_list() if a else "",
-                    s.memory_list(),
-                    s.source,
-                    v.verdict,
-                ]
-            )
-    return csv_text(rows)
-
-
-def _target_cells(v: Verdict) -> list[object]:
-    """The final-loss overhead's estimate, interval and status ('short': a bound) for the CSV."""
-    e = Estimate.of(v.target) if v.target else None
-    if e is None:
-        return [math.nan, math.nan, math.nan, "no pairs"]
-    return [e.bound if e.status == "short" else e.value, e.low, e.high, e.status]
 
 
 def _rows_of(sweep_dir: Path) -> list[Row]:
@@ -341,6 +207,8 @@ def run_verdict(
     mfu: float = 0.4,
     seq_len: int | None = None,
     microbatch_size: int = 1,
+    fit: decision.GivenOverhead | None = None,
+    no_map: bool = False,
 ) -> VerdictReport:
     """The verdict of the runs under `sweep_dir` on throughputs simulated on a cluster
     (`cluster`, `gpus`, `global_batch`: every configuration, `verdict.cluster`), simulated for
@@ -352,6 +220,8 @@ def run_verdict(
     from stalepipe.verdict.cluster import check_modes
 
     check_modes(model, costs, cluster, stages, microbatches, gpus, global_batch, inter_node_gbps)
+    if no_map and cluster is None:
+        raise UserError("--no-map skips the cluster model's map; it needs --cluster PRESET")
     rows = _rows_of(sweep_dir)
     where = None
     if cluster is not None:
@@ -367,13 +237,13 @@ def run_verdict(
         P, m = 8 if stages is None else stages, 16 if microbatches is None else microbatches
         tp = simulated(model, device, P, m, mfu=mfu, seq_len=seq_len,
                        microbatch_size=microbatch_size)  # fmt: skip
-    verdicts, skipped = judge_sweep(rows, tp)
+    verdicts, skipped = judge_sweep(rows, tp, fit)
     if not verdicts:
         raise UserError(f"no verdict for any configuration in {sweep_dir}: " + "; ".join(skipped))
-    inputs = [overhead_source(sweep_dir, rows), *tp.describe()]
+    inputs = [overhead_source(sweep_dir, rows), *tp.describe(), intervals_line(verdicts)]
     out_dir = Path(out) if out else sweep_dir / "verdict"
     report = VerdictReport(verdicts, skipped, tp, inputs, out_dir)
-    _write(report, sweep_dir.name, where, None if out else sweep_dir)
+    _write(report, sweep_dir.name, None if no_map else where, None if out else sweep_dir)
     return report
 
 
@@ -423,28 +293,12 @@ def verdict_main(
     given overhead judged too; `overhead_fit`: the size ladder's fitted overhead at a target
     size) and where the files went (`json`: the summary as JSON)."""
     given = decision.given(overhead, overhead_fit)  # refused before any work
-    r = run_verdict(sweep_dir, **kw)  # type: ignore[arg-type]
+    fit = given if given is not None and given.source == "--overhead-fit" else None
+    r = run_verdict(sweep_dir, fit=fit, **kw)  # type: ignore[arg-type]
     if json:
-        return _json.dumps(verdict_json(r), indent=1)
+        return _json.dumps(verdict_json(r.verdicts, r.inputs, r.skipped), indent=1)
     extra = ", verdict_map.csv" if (r.out_dir / "verdict_map.csv").exists() else ""
     text = (
         r.text() if verbose else decision.decision_block(r.verdicts, r.throughputs.title(), given)
     )
     return text + f"\ntables in {r.out_dir}:\n  verdict.md, verdict.csv{extra}, verdict.png"
-
-
-def verdict_json(r: VerdictReport) -> dict[str, object]:
-    """`--json`: the inputs, and per configuration what the summary table prints."""
-    keys = ["configuration", "token_overhead", "band", "seeds", "best_sync",
-            "throughput_ratio", "time_to_target", "verdict"]  # fmt: skip
-    rows = [dict(zip(keys, row)) for row in summary_rows(r.verdicts)]
-    for row, v in zip(rows, r.verdicts):
-        ratio = v.ratio
-        row["seeds"], row["measured_on_params"] = row["seeds"].split(" @ ")
-        row["best_sync_tokens_per_s"] = v.best_sync.tokens_per_s if v.best_sync else None
-        row["async_tokens_per_s"] = v.async_tokens_per_s
-        row["async_config"] = v.async_row.shown() if v.async_row else v.schedule
-        row["time_to_target_ci"] = [
-            x if math.isfinite(x) else None for x in (ratio.value, ratio.low, ratio.high)
-        ]
-    return {"inputs": r.inputs, "skipped": r.skipped, "verdicts": rows}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from stalepipe.analysis import overhead_ladder, scaling
 from stalepipe.errors import UserError
-from stalepipe.verdict.rule import Verdict
+from stalepipe.verdict.rule import Transfer, Verdict, size_text
 
 MAX_LINES, WIDTH = 20, 120
 SHOWN = 10  # configurations listed; the rest are counted
@@ -34,6 +34,8 @@ def plain(verdict: str) -> str:
     """The verdict's words for a decision: an interval holding 1 is too close to call."""
     if verdict.startswith("inconclusive (interval holds 1"):
         return "too close to call"
+    if verdict.startswith("inconclusive at the target size"):
+        return "inconclusive at target size"
     return verdict.split(" (")[0]
 
 
@@ -53,6 +55,21 @@ class GivenOverhead:
     size: str  # the model size it is for ("" unknown)
     source: str  # the option it came from
     note: str = ""  # what the fit is, on a line of its own
+    root: str = ""  # --overhead-fit: the ladder's directory (the fit is read again per size)
+
+
+def fit_transfer(g: GivenOverhead, measured_n: int) -> Transfer:
+    """With `--overhead-fit`, the overhead's transfer from a run's model (`measured_n`
+    non-embedding parameters) to the target size: the ladder's 95 % prediction interval at the
+    target over its fitted overhead at the measured size (issue 52, item 4)."""
+    at_measured = overhead_ladder.overhead_at(Path(g.root), measured_n)[0]
+    return Transfer(
+        g.low / at_measured,
+        g.high / at_measured,
+        size_text(measured_n),
+        g.size,
+        "--overhead-fit: the ladder's 95% prediction interval over its fit at the measured size",
+    )
 
 
 def given_overhead(text: str) -> GivenOverhead:
@@ -87,7 +104,7 @@ def fitted_overhead(text: str) -> GivenOverhead:
     n = scaling.target_size(size)
     x, low, high, what = overhead_ladder.overhead_at(Path(root), n)
     size = f"{n / 1e6:.0f}M" if n >= 10**6 else f"{n:,}"
-    return GivenOverhead(x, low, high, size, "--overhead-fit", what)
+    return GivenOverhead(x, low, high, size, "--overhead-fit", what, root)
 
 
 def given(overhead: str, overhead_fit: str) -> GivenOverhead | None:
@@ -123,10 +140,26 @@ def _given_lines(best: Verdict, given: GivenOverhead) -> list[str]:
     at = f" @ {g.size}" if g.size else ""
     head = (
         f"given overhead {g.x:.3f}x [{_num(g.low, 3)}, {_num(g.high, 3)}]{at} ({g.source}): "
-        f"time to target {ratio[0]:.2f}x [{_num(ratio[1], 2)}, {_num(ratio[2], 2)}],"
+        f"time to target {ratio[0]:.2f}x [{_num(ratio[1], 2)}, {_num(ratio[2], 2)}] (bound),"
     )
     lines = [f"{head} {call}"] if len(head) + len(call) < WIDTH else [head, f"  call: {call}"]
     return lines + ([f"  that overhead: {g.note}"] if g.note else [])
+
+
+def _covers(v: Verdict | None) -> list[str]:
+    """What the time-to-target intervals cover and what they are (a bound, or the seeds' CI),
+    and the overhead's transfer to the target size with where its range comes from."""
+    if v is None or v.interval_kind == "95% CI":
+        return [
+            "intervals: the seeds' 95% CI only (throughputs are point values, no size transfer)"
+        ]
+    terms = ["the seeds' 95% CI"]
+    terms += ["MFU, link efficiency, overlap cost"] if v.edge_factors != (1.0, 1.0) else []
+    terms += ["size transfer"] if not v.transfer.none else []
+    out = [f"bound: worst case of {', '.join(terms)} (stacked, not a 95% CI)"]
+    if not v.transfer.none:
+        out.append(f"size transfer of the overhead {v.transfer.text()}")
+    return out
 
 
 def decision_block(
@@ -141,26 +174,31 @@ def decision_block(
     lines = [f"decision: {title}"]
     best = next((v for v in judged if v.best_sync is not None), None)
     if best is not None and best.best_sync is not None:
-        lines.append(
-            f"best synchronous: {best.best_sync.shown()} ({best.best_sync.rate_text()} tok/s); "
-            f"2BW's throughput edge over it {best.speedup:.3f}x"
-        )
+        head = f"best synchronous: {best.best_sync.shown()} ({best.best_sync.rate_text()} tok/s)"
+        edge = f"2BW's throughput edge over it {best.speedup:.3f}x"
+        fits = len(head) + len(edge) + 2 <= WIDTH  # a long configuration: two lines
+        lines += [f"{head}; {edge}"] if fits else [head, f"  {edge}"]
     if not judged:
         lines.append("no configuration has the 3 seeds a verdict needs: every one is inconclusive")
-    head = f"{'configuration':<22} {'verdict':<17} {'time to target':<19} seeds  token overhead"
+    kind = judged[0].interval_kind if judged else ""
+    head = (
+        f"{'configuration':<22} {'verdict':<27} {f'time to target ({kind})':<22} seeds  "
+        "token overhead (95% CI)"
+    )
     lines += [head] if judged else []
     for v in judged[:SHOWN]:
         assert v.target is not None
         overhead = v.target.describe().replace(" seeds short", " short")
         lines.append(
-            f"{v.label[:22]:<22} {plain(v.verdict):<17} {v.ratio_all.text():<19} "
+            f"{v.label[:22]:<22} {plain(v.verdict):<27} {v.ratio_all.text():<22} "
             f"{len(v.target.seeds):>5}  {overhead} @ {v.measured_on}"
         )
     if best is not None and math.isfinite(best.speedup):
         lo, hi = (best.speedup * f for f in best.edge_factors)
         span = f", {lo:.3f}-{hi:.3f}x over the assumptions" if (lo, hi) != (hi, hi) else ""
+        at = f" at {best.transfer.target}" if best.transfer.target else ""
         lines.append(
-            f"a token overhead below 2BW's edge ({best.speedup:.3f}x{span}) makes async sooner"
+            f"a token overhead{at} below 2BW's edge ({best.speedup:.3f}x{span}) makes async sooner"
         )
     if given is not None and best is not None and math.isfinite(best.speedup):
         lines += _given_lines(best, given)
@@ -174,11 +212,5 @@ def decision_block(
             f"{len(longer)} longer lengths judged against sync at the same length ({calls}): "
             "verdict.md"
         )
-    ranged = best is not None and best.edge_factors != (1.0, 1.0)
-    lines.append(
-        "intervals cover the seeds, and MFU, link efficiency and overlap cost over their ranges "
-        "(docs/verdict.md)"
-        if ranged
-        else "intervals cover the seeds only: the throughputs are point values"
-    )
+    lines += _covers(best or (judged[0] if judged else None))
     return "\n".join(line[:WIDTH] for line in lines[:MAX_LINES])

@@ -24,6 +24,54 @@ RULE = (
 )
 
 
+# The overhead's transfer from the model its runs trained to the throughputs' model (issue 52,
+# item 4). Without a fit (`--overhead-fit`), ln o may move by up to TRANSFER_SLOPE per e-fold of
+# non-embedding parameters either way: the overhead ladder's registered "flat within +-0.05"
+# margin (docs/RESULTS.md, 'Overhead ladder', written before its runs), an assumption stated
+# and printed, not a measurement: the ladder has not confirmed it.
+TRANSFER_SLOPE = 0.05
+CI = "95% CI"  # the seeds' interval alone: no other term enters
+BOUND = "bound"  # worst case of the seeds' 95% CI, the assumptions' corners and the transfer
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """The factor range the token overhead may take moving from the measured model to the
+    throughputs' model, and where it comes from; (1, 1): none applied (same model, or unknown)."""
+
+    low: float = 1.0
+    high: float = 1.0
+    measured: str = ""  # "0.43M"
+    target: str = ""  # "362M"
+    source: str = ""  # what the range is (printed)
+
+    @property
+    def none(self) -> bool:
+        return (self.low, self.high) == (1.0, 1.0)
+
+    def text(self) -> str:
+        """'0.43M -> 362M x0.72-1.39 (default: ...)', '' when none applied."""
+        if self.none:
+            return ""
+        return (
+            f"{self.measured} -> {self.target}: x{self.low:.2f}-{_short(self.high)} ({self.source})"
+        )
+
+
+def _short(x: float) -> str:
+    return f"{x:.2f}" if x < 1000 else f"{x:.1e}"
+
+
+def default_transfer(measured_n: float, target_n: float, measured: str, target: str) -> Transfer:
+    """`TRANSFER_SLOPE` over the e-folds between `measured_n` and `target_n` non-embedding
+    parameters (no range when either is unknown or they are equal)."""
+    if not (measured_n > 0 and target_n > 0) or measured_n == target_n:
+        return Transfer()
+    e = TRANSFER_SLOPE * abs(math.log(target_n / measured_n))
+    how = f"default: ln o +-{TRANSFER_SLOPE} per e-fold of size, docs/verdict.md"
+    return Transfer(math.exp(-e), math.exp(e), measured, target, how)
+
+
 @dataclass(frozen=True)
 class Ratio:
     """Time to target of the async schedule over one synchronous schedule, with its interval."""
@@ -119,6 +167,7 @@ class Verdict:
     measured_on: str = ""  # the parameters of the model its runs trained ("0.43M")
     async_row: ScheduleThroughput | None = None  # the row of `schedule` its rate is read off
     edge_factors: tuple[float, float] = (1.0, 1.0)  # `Throughputs.edge_factors`
+    transfer: Transfer = Transfer()  # the overhead's move to the throughputs' model size
     # the same configuration planned longer, judged against sync at the same length
     # (a lengths sweep's like-for-like row: in the tables, not the decision block)
     at_length: bool = False
@@ -141,25 +190,60 @@ class Verdict:
 
     @property
     def ratio_all(self) -> Ratio:
-        """`ratio` with its interval over the seeds and the assumptions' ranges: the lowest
-        overhead at the highest edge, the highest at the lowest (what the verdict calls on)."""
-        return widen(self.ratio, *self.edge_factors)
+        """`ratio` with its interval over the seeds, the assumptions' ranges and the transfer:
+        the lowest overhead at the highest edge, the highest at the lowest (what the verdict
+        calls on; labelled `interval_kind`)."""
+        return widen(self.ratio, *self.edge_factors, self.transfer)
+
+    @property
+    def interval_kind(self) -> str:
+        """The one label of `ratio_all`: the seeds' 95% CI when nothing else enters it, else a
+        worst-case bound (the corners are stacked, not combined into a 95 % interval)."""
+        return CI if self.edge_factors == (1.0, 1.0) and self.transfer.none else BOUND
 
 
-def widen(r: Ratio, low: float, high: float) -> Ratio:
+def widen(r: Ratio, low: float, high: float, transfer: Transfer = Transfer()) -> Ratio:
     """A time-to-target ratio's interval with the throughput edge anywhere in [low, high] x its
-    central value."""
-    return Ratio(r.value, r.low / high, r.high / low)
+    central value and the overhead anywhere in the transfer's range: a worst-case bound."""
+    return Ratio(r.value, r.low * transfer.low / high, r.high * transfer.high / low)
 
 
-def model_size(config: dict[str, object]) -> str:
-    """The parameter count of a run's model, from its flattened config ("0.43M")."""
+def at_size(v: Verdict, verdict: str) -> str:
+    """`verdict`, or where the interval holds 1 and the transfer alone spans the flip point
+    (the overhead's point times the transfer's range holds 1 x the edge), 'inconclusive at the
+    target size' with the overheads that would decide it (issue 52, item 4)."""
+    t, r = v.transfer, v.ratio
+    if not verdict.startswith("inconclusive (interval holds 1") or not math.isfinite(r.value):
+        return verdict
+    if not r.value * t.low < 1 < r.value * t.high:
+        return verdict
+    lo, hi = (v.speedup * f for f in v.edge_factors)
+    return (
+        f"inconclusive at the target size (async sooner if its overhead at {t.target} is below "
+        f"{lo:.3f}x, sync sooner above {hi:.3f}x)"
+    )
+
+
+def model_params(config: dict[str, object]) -> dict[str, int]:
+    """`models.transformer.count_params` of a run's model, from its flattened config."""
     from stalepipe.config import ModelConfig
     from stalepipe.models.transformer import count_params
 
     fields = {k[6:]: v for k, v in config.items() if k.startswith("model.")}
     known = {k: v for k, v in fields.items() if k in ModelConfig.__dataclass_fields__}
-    return f"{count_params(ModelConfig(**known))['total'] / 1e6:.2f}M"
+    return count_params(ModelConfig(**known))
+
+
+def model_size(config: dict[str, object]) -> str:
+    """The parameter count of a run's model, from its flattened config ("0.43M")."""
+    return f"{model_params(config)['total'] / 1e6:.2f}M"
+
+
+def size_text(n: float) -> str:
+    """A non-embedding parameter count as the transfer prints it ('0.41M', '315M', '70.0B')."""
+    if n >= 1e9:
+        return f"{n / 1e9:.1f}B"
+    return f"{n / 1e6:.0f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
 
 
 def overhead_source(sweep_dir: Path, rows: list[Row]) -> str:
@@ -173,5 +257,6 @@ def overhead_source(sweep_dir: Path, rows: list[Row]) -> str:
         f"token overhead: measured, val curves of {len(runs)} finished runs in {sweep_dir} "
         f"(engine {values('pipeline.engine', 'emulate')}, model {values('model.num_layers', '?')} "
         f"layers x dim {values('model.dim', '?')}, P={values('pipeline.num_stages', 1)}); "
-        "assumed to carry over to the throughputs' model and P"
+        "carried to the throughputs' P as measured, and to their model with the size transfer "
+        "below (a term of the interval)"
     )

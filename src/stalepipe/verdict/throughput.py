@@ -92,6 +92,9 @@ class Throughputs:
     # 2BW's throughput edge over the best synchronous option at the assumptions' ends, over its
     # central value (`verdict.cluster.edge_range`); (1, 1) where no model's assumption moves it
     edge_factors: tuple[float, float] = (1.0, 1.0)
+    # non-embedding parameters of the model the throughputs are for (0: not known, as for a
+    # measured costs file): the size the token overhead must transfer to
+    target_params: float = 0.0
 
     def get(self, name: str) -> ScheduleThroughput:
         return next(s for s in self.rows if s.name == name)
@@ -212,6 +215,7 @@ def simulated(
 ) -> Throughputs:
     """Every schedule of the simulator for `model` on `device` at P = `num_stages`,
     m = `num_microbatches`; bad names or sizes raise UserError (ConfigError)."""
+    from stalepipe.models.transformer import count_params
     from stalepipe.sim.devices import get_device
 
     if num_stages < 1 or num_microbatches < 1 or microbatch_size < 1:
@@ -241,7 +245,8 @@ def simulated(
     ]
     short = f"{model} on {device}, P={num_stages}, m={num_microbatches} (simulated)"
     rate = window.tokens_per_s if not window.refused else math.nan
-    return Throughputs(rows, rate, num_stages, lines, short)
+    target = count_params(cfg)["non_embedding"]
+    return Throughputs(rows, rate, num_stages, lines, short, target_params=target)
 
 
 def load_costs(path: str | Path) -> Throughputs:

@@ -1,0 +1,75 @@
+"""The crossover plot of issue 52, item 5: the best synchronous configuration's lost fraction
+(its bubble plus its exposed communication, a share of its step) against the token overhead at
+which 2BW would reach the target as soon (2BW's throughput edge over it), one point per
+setting; the measured overheads at 0.43M as horizontal lines (async sooner below a point's
+edge, if the overhead carried over unchanged).
+
+    OMP_NUM_THREADS=1 python benchmarks/studies/crossover_plot.py [OUT.png]
+
+Settings: smollm-360m on 32 GPUs of each preset at the lengths study's batch (the committed
+verdicts), and the 10B MoE on 64 H100s. Llama 3 70B / 405B take minutes each: pass --large to
+add them (1,024 H100s, 2,048 sequences of 8,192 tokens).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from stalepipe.analysis.plots import png_bytes, pyplot
+from stalepipe.sim.cluster import CLUSTERS
+from stalepipe.sim.parallel import Workload, all_options, best
+from stalepipe.verdict.throughput import model_shape
+
+# the lengths study's token overheads at sync's final loss (docs/verdict.md's table, 5 seeds)
+OVERHEADS = {"Muon+EF": 1.10, "Muon": 1.27, "AdamW+EF": 1.38}
+
+
+def settings(large: bool) -> list[tuple[str, str, int, int]]:
+    out = [
+        ("smollm-360m", p, 32, 256) for p in ("h100-ib", "h100-eth100", "h100-eth25", "h100-pcie")
+    ]
+    out.append(("moe-10b", "h100-ib", 64, 512))
+    if large:
+        out += [("llama3-70b", "h100-ib", 1024, 2048), ("llama3-405b", "h100-ib", 1024, 2048)]
+    return out
+
+
+def lost(o) -> float:
+    """Bubble plus exposed communication, a share of the step."""
+    busy = o.step_time - o.exposed_comm
+    return (o.bubble * busy + o.exposed_comm) / o.step_time
+
+
+def main(argv: list[str]) -> None:
+    large = "--large" in argv
+    out = Path(next((a for a in argv if not a.startswith("--")), "crossover.png"))
+    points = []
+    print("model, cluster, GPUs, batch: best sync (lost share), best 2bw, edge")
+    for model, preset, gpus, batch in settings(large):
+        cfg, seq, _ = model_shape(model)
+        opts = all_options(Workload(cfg, seq, batch, gpus), CLUSTERS[preset], ("2bw",))
+        s, a = best(opts), best(opts, "2bw")
+        edge = a.tokens_per_s / s.tokens_per_s
+        points.append((f"{model} {preset}", lost(s), edge))
+        print(f"{model}, {preset}, {gpus}, {batch}: {s.label()} ({lost(s):.1%}), {a.label()}, "
+              f"{edge:.3f}x")  # fmt: skip
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, x, y in points:
+        ax.scatter([x], [y], color="#0072B2")
+        ax.annotate(label, (x, y), fontsize=7, xytext=(4, 2), textcoords="offset points")
+    for name, o in OVERHEADS.items():
+        ax.axhline(o, color="#E69F00", lw=0.8, ls="--")
+        ax.text(ax.get_xlim()[0], o, f" {name} {o:.2f}x @ 0.43M", fontsize=7, va="bottom")
+    ax.axhline(1.0, color="black", lw=0.6)
+    ax.set_xlabel("best synchronous configuration: bubble + exposed communication (share of step)")
+    ax.set_ylabel("2BW's throughput edge = overhead at the flip")
+    ax.set_title("async sooner where a token overhead lies below its setting's point", fontsize=9)
+    fig.tight_layout()
+    out.write_bytes(png_bytes(fig))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
