@@ -261,11 +261,15 @@ def plot(size: list[Point], over: list[Point]) -> bytes | None:
             f"d{p.width}", (p.u_sync, p.y), fontsize=7, xytext=(3, 3), textcoords="offset points"
         )
     axes[2].set(
-        xscale="log",
         xlabel="update_rel u (sync probe, median)",
         ylabel="2bw token overhead",
         title="overhead ladder",
     )
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    for ax in axes[:1]:  # plain tick labels (pyplot() reads no mathtext)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -334,7 +338,7 @@ def run(data_dir: Path) -> None:
         )
 
 
-def report() -> None:
+def report(draw: bool = True) -> None:
     probes = read_probes(OUT)
     if not probes:
         sys.exit("stalepipe: no probes under docs/results/staleness-probe; run with `run` first")
@@ -345,7 +349,7 @@ def report() -> None:
     runs = scaling.ladder_runs(Path(LADDERS["overhead-ladder"]))
     over = overhead_points(probes, runs)
     print(table(over, "overhead ladder (Muon 2bw token overhead, mean of its complete seeds)"))
-    png = plot(size, over)
+    png = plot(size, over) if draw else None
     if png is not None:
         (OUT / "staleness.png").write_bytes(png)
         print(f"plot: {OUT / 'staleness.png'}")
@@ -355,8 +359,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", nargs="?", choices=["run", "report"], default="report")
     ap.add_argument("--data-dir", default="data_cache/shakespeare-byte-val0.08")
+    ap.add_argument("--no-plot", action="store_true", help="print the reading, write no plot")
     args = ap.parse_args()
-    run(Path(args.data_dir)) if args.mode == "run" else report()
+    run(Path(args.data_dir)) if args.mode == "run" else report(draw=not args.no_plot)
 
 
 if __name__ == "__main__":

@@ -139,3 +139,24 @@ def test_results_quotes_the_adamw_lr_share_as_the_script_prints_it():
     results = (root / "docs" / "RESULTS.md").read_text()
     assert out.strip() and all(line in results for line in out.splitlines()), out
     assert "predicts 87-97 % of it" in out
+
+
+def test_results_quotes_the_staleness_probes_as_the_script_prints_them():
+    """docs/RESULTS.md's staleness block is benchmarks/studies/staleness_probe.py's reading of
+    the committed probes and ladder records, line for line (a probe or record added without the
+    docs rerun fails), and every committed probe is its run's exact prefix."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks/studies/staleness_probe.py"), "--no-plot"],
+        capture_output=True, text=True, cwd=root, check=True, timeout=300,
+    ).stdout  # fmt: skip
+    results = (root / "docs" / "RESULTS.md").read_text().splitlines()
+    missing = [line for line in out.splitlines() if line not in results]
+    assert out.strip() and not missing, missing[:3]
+    probes = sorted((root / "docs/results/staleness-probe").glob("*/*.json"))
+    assert len(probes) >= 26 and all(json.loads(p.read_text())["exact"] for p in probes)
