@@ -51,10 +51,22 @@ def test_the_label_says_what_entered_the_interval():
     assert _verdict(1.1, 1.0, Transfer()).interval_kind == CI
     assert _verdict(1.1, 1.0, Transfer(), (0.95, 1.05)).interval_kind == BOUND
     assert _verdict(1.1, 1.0, Transfer(0.9, 1.1)).interval_kind == BOUND
-    v = _verdict(1.1, 1.0, Transfer(0.9, 1.2), (0.95, 1.05))
+    v = _verdict(1.3, 1.0, Transfer(0.9, 1.2), (0.95, 1.05))
     r = v.ratio_all  # every term at the corner that moves the ratio most
-    assert (r.low, r.high) == pytest.approx((1.1 * 0.97 * 0.9 / 1.05, 1.1 * 1.03 * 1.2 / 0.95))
+    assert (r.low, r.high) == pytest.approx((1.3 * 0.97 * 0.9 / 1.05, 1.3 * 1.03 * 1.2 / 0.95))
     assert widen(v.ratio, *v.edge_factors, v.transfer) == r
+
+
+def test_the_transfer_never_takes_the_overhead_below_one():
+    """An overhead is at least 1 (a delayed run already at sync's loss reads 1.0), so the
+    transfer's low end stops there: at an edge below 1, sync is sooner at every size."""
+    v = _verdict(1.1 / 0.937, 0.937, Transfer(0.55, 1.83, "0.41M", "68.5B"), (0.99, 1.004))
+    r = v.ratio_all
+    assert r.low == pytest.approx(1 / 0.937 / 1.004)  # an overhead of 1 at the highest edge
+    assert r.high == pytest.approx(1.1 / 0.937 * 1.03 * 1.83 / 0.99)
+    assert r.low > 1  # what the call reads: sync sooner, not "inconclusive at the target size"
+    holds = "inconclusive (interval holds 1)"
+    assert at_size(_verdict(1.05, 0.99, Transfer(0.5, 2.0, "a", "b")), holds) == holds
 
 
 def test_a_transfer_that_alone_spans_the_flip_point_leaves_it_open_at_the_target_size():

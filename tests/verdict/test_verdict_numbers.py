@@ -68,13 +68,7 @@ def _row(doc: str, preset: str) -> str:
     return rows[0].replace("**", "")
 
 
-# docs/RESULTS.md still shows the calls made before issue 52 added the overhead's size
-# transfer and Ethernet's link efficiency; the branch that did so was not to edit RESULTS.md:
-# strict, so the test fails once its table is brought up to date (then drop the mark)
-STALE = pytest.mark.xfail(strict=True, reason="RESULTS.md's verdict table predates issue 52")
-
-
-@pytest.mark.parametrize("page", ["docs/verdict.md", pytest.param("docs/RESULTS.md", marks=STALE)])
+@pytest.mark.parametrize("page", ["docs/verdict.md", "docs/RESULTS.md"])
 def test_the_docs_tables_are_the_committed_decisions(page):
     doc = (ROOT / page).read_text()
     for preset in PRESETS:
@@ -91,8 +85,12 @@ def test_the_readme_states_the_committed_decisions():
     assert f"**{verdict.strip()}** ({ratio}] the time" in readme
     edges = sorted(float(decision(p)["edge"].split("x")[0]) for p in PRESETS[1:])
     assert f"(edge {edges[0]:.2f}-{edges[-1]:.2f}x)" in readme
-    calls = {decision(p)["muon_2bw+ef"].split("] ")[1] for p in PRESETS[1:]}
-    assert calls == {"inconclusive at target size"} and "so is every arm on Ethernet" in readme
+    calls = {p: {decision(p)[arm].split("] ")[1] for arm in ARMS} for p in PRESETS}
+    assert calls["h100-ib"] == {"sync sooner"}  # an edge below 1 at every corner
+    assert calls["h100-eth100"] == {"too close to call"}
+    assert calls["h100-eth25"] == calls["h100-pcie"] == {"inconclusive at target size"}
+    assert "at 100 Gb/s each is too close to call" in readme
+    assert "at 25 Gb/s and on PCIe nodes each is inconclusive at target size" in readme
 
 
 def _map(preset: str) -> list[dict[str, str]]:

@@ -197,9 +197,16 @@ def decision_block(
         lo, hi = (best.speedup * f for f in best.edge_factors)
         span = f", {lo:.3f}-{hi:.3f}x over the assumptions" if (lo, hi) != (hi, hi) else ""
         at = f" at {best.transfer.target}" if best.transfer.target else ""
-        lines.append(
-            f"a token overhead{at} below 2BW's edge ({best.speedup:.3f}x{span}) makes async sooner"
-        )
+        if hi < 1:  # an overhead is at least 1: no size makes async sooner here
+            lines.append(
+                f"2BW's edge ({best.speedup:.3f}x{span}) is below 1: sync is sooner at any "
+                f"overhead{at}"
+            )
+        else:
+            lines.append(
+                f"a token overhead{at} below 2BW's edge ({best.speedup:.3f}x{span}) makes async "
+                f"sooner"
+            )
     if given is not None and best is not None and math.isfinite(best.speedup):
         lines += _given_lines(best, given)
     rest = len(headline) - min(len(judged), SHOWN)

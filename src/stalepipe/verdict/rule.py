@@ -193,7 +193,8 @@ class Verdict:
         """`ratio` with its interval over the seeds, the assumptions' ranges and the transfer:
         the lowest overhead at the highest edge, the highest at the lowest (what the verdict
         calls on; labelled `interval_kind`)."""
-        return widen(self.ratio, *self.edge_factors, self.transfer)
+        floor = 1 / self.speedup if self.speedup > 0 else 0.0  # an overhead is at least 1
+        return widen(self.ratio, *self.edge_factors, self.transfer, floor)
 
     @property
     def interval_kind(self) -> str:
@@ -202,10 +203,15 @@ class Verdict:
         return CI if self.edge_factors == (1.0, 1.0) and self.transfer.none else BOUND
 
 
-def widen(r: Ratio, low: float, high: float, transfer: Transfer = Transfer()) -> Ratio:
+def widen(
+    r: Ratio, low: float, high: float, transfer: Transfer = Transfer(), floor: float = 0.0
+) -> Ratio:
     """A time-to-target ratio's interval with the throughput edge anywhere in [low, high] x its
-    central value and the overhead anywhere in the transfer's range: a worst-case bound."""
-    return Ratio(r.value, r.low * transfer.low / high, r.high * transfer.high / low)
+    central value and the overhead anywhere in the transfer's range: a worst-case bound. The
+    transfer never takes the overhead below 1 (`floor`: the ratio of an overhead of exactly 1 at
+    the central edge): the estimator reads a delayed run already at sync's loss as 1.0, so a
+    smaller overhead is not a value the measurement can have, at any size."""
+    return Ratio(r.value, max(r.low * transfer.low, floor) / high, r.high * transfer.high / low)
 
 
 def at_size(v: Verdict, verdict: str) -> str:
@@ -215,7 +221,8 @@ def at_size(v: Verdict, verdict: str) -> str:
     t, r = v.transfer, v.ratio
     if not verdict.startswith("inconclusive (interval holds 1") or not math.isfinite(r.value):
         return verdict
-    if not r.value * t.low < 1 < r.value * t.high:
+    floor = 1 / v.speedup if v.speedup > 0 else 0.0  # an overhead of 1 (`widen`)
+    if not max(r.value * t.low, floor) < 1 < r.value * t.high:
         return verdict
     lo, hi = (v.speedup * f for f in v.edge_factors)
     return (
