@@ -205,7 +205,7 @@ def _cli(capsys, *argv: str) -> tuple[int, str]:
 
 
 def test_every_command_refuses_an_older_format_and_the_conversion_resumes_it(
-    trained, tmp_path, capsys, monkeypatch, dist_utils, old_formats
+    trained, tmp_path, capsys, monkeypatch, dist_utils, old_formats, run_dist
 ):
     cfg, run_dir = trained
     want = dist_utils["final_model"](cfg)
@@ -254,7 +254,7 @@ def test_every_command_refuses_an_older_format_and_the_conversion_resumes_it(
     ckpt.rename(f"{ckpt}.old")
     Path(f"{ckpt}.v3").rename(ckpt)
     list(map(shutil.rmtree, list_checkpoints(run_dir)[:-1]))
-    launch_train(cfg, StartUp(resume=True), verbose=False)
+    run_dist(cfg, resume=True)  # the launcher's part was the refusal above; the ranks' here
     dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), want)
 
 
@@ -319,7 +319,7 @@ def test_a_conversion_that_asks_for_too_much_memory_stops_in_its_child(
 
 
 def test_damage_of_the_same_size_is_found_and_the_previous_checkpoint_resumes(
-    trained, dist_utils, capsys
+    trained, dist_utils, capsys, run_dist
 ):
     cfg, run_dir = trained
     want = dist_utils["final_model"](cfg)
@@ -343,7 +343,7 @@ def test_damage_of_the_same_size_is_found_and_the_previous_checkpoint_resumes(
     assert [p.name for p in list_checkpoints(run_dir)] == ["ckpt_00000002", "ckpt_00000004"]
     # the fix as the message words it: move it aside, resume from the previous one
     ckpt.rename(f"{ckpt}.damaged")
-    launch_train(cfg, StartUp(resume=True), verbose=False)
+    run_dist(cfg, resume=True)  # the ranks of the launch refused above, on the test pool
     dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), want)
     assert Path(f"{ckpt}.damaged").is_dir()  # nothing deleted
 
