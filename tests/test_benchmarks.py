@@ -209,12 +209,12 @@ def test_momentum_table_reads_the_controlled_grid():
             assert float(cells[8]) <= float(cells[6]) + 1e-9
 
 
-def test_ladder_fit_reads_the_committed_ladder_records(tmp_path):
-    """The size ladder's table from its records (benchmarks/studies/ladder_fit.py): every width of
-    both optimizers has a row, and the fit waits until every width has two seeds of each arm;
-    the token overhead's fit says what it has or gives its prediction; `--plot` draws a PNG."""
-    png = tmp_path / "ladder.png"
-    out = _script("studies/ladder_fit.py", "docs/results/ladder-regime", "--plot", str(png)).stdout
+def test_ladder_fit_reads_the_committed_ladder_records(ladder_fit):
+    """The size ladder's table from its records (benchmarks/studies/ladder_fit.py, run once by
+    the `ladder_fit` fixture): every width of both optimizers has a row, and the fit waits until
+    every width has two seeds of each arm; the token overhead's fit says what it has or gives
+    its prediction; `--plot` draws a PNG."""
+    out, png = ladder_fit
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "the fit needs 3" in out or "token overhead of one run at 360M" in out
     rows = [ln.split() for ln in out.splitlines() if ln.startswith(("adamw ", "muon "))]
@@ -230,10 +230,10 @@ def test_ladder_fit_reads_the_committed_ladder_records(tmp_path):
     assert out.count("  label (issue 51): ") == 4  # each fit labelled by the project's rules
 
 
-def test_results_quotes_the_ladder_s_table_and_fits_as_the_records_give_them():
+def test_results_quotes_the_ladder_s_table_and_fits_as_the_records_give_them(ladder_fit):
     """docs/RESULTS.md's size-ladder blocks are `ladder_fit.py`'s output on the committed records,
     line for line: a record added (width 136's third seed, say) without the docs rerun fails."""
-    out = _script("studies/ladder_fit.py", "docs/results/ladder-regime").stdout
+    out = ladder_fit[0]
     results = (ROOT / "docs" / "RESULTS.md").read_text().splitlines()
     shown = [line for line in out.splitlines() if line.strip()]
     assert len(shown) > 30  # the table, the four fits, EF's labels and the overhead's fit
