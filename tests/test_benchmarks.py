@@ -25,6 +25,28 @@ def _script(name: str, *args: str) -> subprocess.CompletedProcess:
     return out
 
 
+def _as_main(capsys, monkeypatch, script: Path, *args: str) -> tuple[int, str, str]:
+    """`script` run as `__main__` in this process, for a script's further cases once a first
+    run has shown it works as a process of its own: (the exit status the interpreter would
+    give, stdout, stderr)."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [str(script), *args])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # what the script adds goes with it
+    monkeypatch.chdir(ROOT)
+    code = 0
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        if isinstance(e.code, str):  # the interpreter prints the message and exits 1
+            print(e.code, file=sys.stderr)
+            code = 1
+        else:
+            code = e.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def test_pipeline_throughput_runs_every_contender():
     """A tiny run of the runtime-vs-torch benchmark: it must not rot between benchmark runs."""
     args = ["--microbatches", "2", "--steps", "4", "--warmup", "1", "--repeats", "1"]
@@ -82,7 +104,7 @@ def test_split_backward_benchmark_runs():
     assert "split (BI + BW)" in out.stdout and "two calls (before)" in out.stdout
 
 
-def test_study_walltime_groups_committed_records_by_command(tmp_path):
+def test_study_walltime_groups_committed_records_by_command(tmp_path, capsys, monkeypatch):
     """`benchmarks/studies/study_walltime.py` on copies of two committed run records: one row per
     command, the span from the first start to the last run's start plus its training time,
     the load where the record has it; a directory without records is one line and exit 2."""
@@ -108,16 +130,16 @@ def test_study_walltime_groups_committed_records_by_command(tmp_path):
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[:4] == ["`stalepipe sweep optimizers`", "2", "2026-12-03 06:00", "12-03 06:10"]
     assert 10 < int(cells[4].split()[0]) < 30 and cells[7] == "1.5-1.5"  # 10 min + one run
-    by_study = subprocess.run([*script, str(tmp_path), "--by-study"], capture_output=True,
-                              text=True, cwd=ROOT)  # fmt: skip
-    (row,) = [line for line in by_study.stdout.splitlines() if line.startswith("| `")]
-    assert row.startswith("| `stalepipe sweep optimizers` | 2 | 3 | 2026-12-03 06:00 |")
-    empty = subprocess.run([*script, str(tmp_path / "adamw_sync_s0")], capture_output=True,
-                           text=True, cwd=ROOT)  # fmt: skip
-    assert empty.returncode == 2 and "no finished runs" in empty.stderr
+    code, by_study, _ = _as_main(capsys, monkeypatch, Path(script[1]), str(tmp_path), "--by-study")
+    (row,) = [line for line in by_study.splitlines() if line.startswith("| `")]
+    assert code == 0 and row.startswith(
+        "| `stalepipe sweep optimizers` | 2 | 3 | 2026-12-03 06:00 |"
+    )
+    code, _, err = _as_main(capsys, monkeypatch, Path(script[1]), str(tmp_path / "adamw_sync_s0"))
+    assert code == 2 and "no finished runs" in err
 
 
-def test_per_arm_gap_compares_run_groups_across_directories(tmp_path):
+def test_per_arm_gap_compares_run_groups_across_directories(tmp_path, capsys, monkeypatch):
     """`benchmarks/studies/per_arm_gap.py` on copies of committed records: AdamW 2bw at 3e-3 against
     sync at 9e-3 (its 3-seed optimum), as RESULTS reads it; a bad pair is one line, exit 2."""
     import shutil
@@ -135,11 +157,11 @@ def test_per_arm_gap_compares_run_groups_across_directories(tmp_path):
     assert out.stdout.rstrip().endswith(
         "| +0.2258 | 4.8e-06 | +0.2258 [+0.1891, +0.2626] (3) | 1.4e-03 |"
     )
-    bad = subprocess.run([*script, "adamw_2bw"], capture_output=True, text=True, cwd=ROOT)
-    assert bad.returncode == 2 and "is not ARM=SYNC" in bad.stderr
-    gone = subprocess.run([*script, f"{tmp_path}/a/nope={tmp_path}/b/adamw_lr0.009_sync"],
-                          capture_output=True, text=True, cwd=ROOT)  # fmt: skip
-    assert gone.returncode == 1 and "name a run group" in gone.stderr
+    code, _, err = _as_main(capsys, monkeypatch, Path(script[1]), "adamw_2bw")
+    assert code == 2 and "is not ARM=SYNC" in err
+    gone = f"{tmp_path}/a/nope={tmp_path}/b/adamw_lr0.009_sync"
+    code, _, err = _as_main(capsys, monkeypatch, Path(script[1]), gone)
+    assert code == 1 and "name a run group" in err
 
 
 def test_committed_records_name_no_machine_paths(tmp_path):
