@@ -59,6 +59,17 @@ def tiny_config(tmp_path, excerpt_data_dir) -> ExperimentConfig:
 
 
 @pytest.fixture(scope="session")
+def pool():
+    """4 spawned workers (gloo, one thread each) for the whole session: a run on 2-4 ranks
+    that needs no launcher of its own pays for a process group, not for 2-4 interpreters."""
+    from stalepipe.launch.pool import WorkerPool
+
+    p = WorkerPool(4)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="session")
 def ladder_fit(tmp_path_factory) -> tuple[str, Path]:
     """benchmarks/studies/ladder_fit.py on the committed ladder records with `--plot`, run once
     for the tests that read it (its table and fits; the README's and RESULTS.md's quotes of

@@ -1,5 +1,5 @@
-"""Multi-process fixtures: one pool of 4 spawned workers (gloo, one thread each) for the whole
-session, and a tiny config builder. Every run has a short `pipeline.timeout_s`, so a broken
+"""Multi-process fixtures: the session's pool of spawned workers (`pool`, tests/conftest.py) and
+a tiny config builder. Every run has a short `pipeline.timeout_s`, so a broken
 run fails fast instead of hanging."""
 
 from __future__ import annotations
@@ -20,18 +20,10 @@ from stalepipe.config import (
     PipelineConfig,
     TrainConfig,
 )
-from stalepipe.launch.pool import WorkerPool
 from stalepipe.launch.pooled import worker_entry
 from stalepipe.rundir.checkpoint import latest_checkpoint, load_checkpoint
 from stalepipe.rundir.metrics import read_metrics
 from stalepipe.train.loop import train
-
-
-@pytest.fixture(scope="session")
-def pool():
-    p = WorkerPool(4)
-    yield p
-    p.close()
 
 
 def tiny_cfg(

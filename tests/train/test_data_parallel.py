@@ -67,11 +67,12 @@ def test_two_ranks_equal_one_process(tiny_config, tmp_path):
     _assert_close(_weights(single.run_dir), _weights(run_dir))
 
 
-def test_sigterm_to_torchrun_checkpoints_every_rank_alike_then_resumes(tiny_config, tmp_path):
+def test_sigterm_to_torchrun_checkpoints_every_rank_alike_then_resumes(tiny_config, tmp_path, pool):
     """torchrun forwards SIGTERM to its workers: they agree on a step (one all-reduce of the
     request bits), rank 0 writes the checkpoint, and a resumed run ends where one process
-    ends (up to data-parallel rounding). 2bw with EF: the uninterrupted 2-rank run equals one
-    process, and the 2-rank checkpoint resumes on 1 rank too."""
+    ends (up to data-parallel rounding). 2bw with EF: the uninterrupted 2-rank run (on the
+    test pool: the previous test ran torchrun uninterrupted) equals one process, and the 2-rank
+    checkpoint resumes on 1 rank too."""
     import signal
     import time
 
@@ -107,7 +108,7 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_alike_then_resumes(tiny_conf
     _torchrun(short, tmp_path, "--resume")
     # bit for bit the uninterrupted 2-rank run of that length, and close to one process
     whole = dataclasses.replace(short, name="dp-whole")
-    _torchrun(whole, tmp_path)
+    pool.run(train, (whole,), 2, timeout_s=240)  # 2 ranks on env://, as torchrun starts them
     meta = json.loads(Path(whole.out_dir, whole.name, "meta.json").read_text())
     assert meta["data_parallel_ranks"] == 2
     a, b = _weights(f"{whole.out_dir}/{whole.name}"), _weights(run_dir)
