@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +56,37 @@ def tiny_config(tmp_path, excerpt_data_dir) -> ExperimentConfig:
             progress=False,
         ),
     )
+
+
+@pytest.fixture(scope="session")
+def pool():
+    """4 spawned workers (gloo, one thread each) for the whole session: a run on 2-4 ranks
+    that needs no launcher of its own pays for a process group, not for 2-4 interpreters."""
+    from stalepipe.launch.pool import WorkerPool
+
+    p = WorkerPool(4)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="session")
+def ladder_fit(tmp_path_factory) -> tuple[str, Path]:
+    """benchmarks/studies/ladder_fit.py on the committed ladder records with `--plot`, run once
+    for the tests that read it (its table and fits; the README's and RESULTS.md's quotes of
+    them): its stdout without the plot's 'wrote' line, and the PNG it drew."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    png = tmp_path_factory.mktemp("ladder-fit") / "ladder.png"
+    script = root / "benchmarks" / "studies" / "ladder_fit.py"
+    args = [sys.executable, str(script), "docs/results/ladder-regime", "--plot", str(png)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    wrote = f"wrote {png}\n"
+    assert out.stdout.endswith(f"\n{wrote}"), out.stdout[-300:]
+    return out.stdout.removesuffix(wrote), png
 
 
 class OldFormats:

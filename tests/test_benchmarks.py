@@ -25,6 +25,28 @@ def _script(name: str, *args: str) -> subprocess.CompletedProcess:
     return out
 
 
+def _as_main(capsys, monkeypatch, script: Path, *args: str) -> tuple[int, str, str]:
+    """`script` run as `__main__` in this process, for a script's further cases once a first
+    run has shown it works as a process of its own: (the exit status the interpreter would
+    give, stdout, stderr)."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [str(script), *args])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # what the script adds goes with it
+    monkeypatch.chdir(ROOT)
+    code = 0
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        if isinstance(e.code, str):  # the interpreter prints the message and exits 1
+            print(e.code, file=sys.stderr)
+            code = 1
+        else:
+            code = e.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def test_pipeline_throughput_runs_every_contender():
     """A tiny run of the runtime-vs-torch benchmark: it must not rot between benchmark runs."""
     args = ["--microbatches", "2", "--steps", "4", "--warmup", "1", "--repeats", "1"]
@@ -82,7 +104,7 @@ def test_split_backward_benchmark_runs():
     assert "split (BI + BW)" in out.stdout and "two calls (before)" in out.stdout
 
 
-def test_study_walltime_groups_committed_records_by_command(tmp_path):
+def test_study_walltime_groups_committed_records_by_command(tmp_path, capsys, monkeypatch):
     """`benchmarks/studies/study_walltime.py` on copies of two committed run records: one row per
     command, the span from the first start to the last run's start plus its training time,
     the load where the record has it; a directory without records is one line and exit 2."""
@@ -108,16 +130,16 @@ def test_study_walltime_groups_committed_records_by_command(tmp_path):
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[:4] == ["`stalepipe sweep optimizers`", "2", "2026-12-03 06:00", "12-03 06:10"]
     assert 10 < int(cells[4].split()[0]) < 30 and cells[7] == "1.5-1.5"  # 10 min + one run
-    by_study = subprocess.run([*script, str(tmp_path), "--by-study"], capture_output=True,
-                              text=True, cwd=ROOT)  # fmt: skip
-    (row,) = [line for line in by_study.stdout.splitlines() if line.startswith("| `")]
-    assert row.startswith("| `stalepipe sweep optimizers` | 2 | 3 | 2026-12-03 06:00 |")
-    empty = subprocess.run([*script, str(tmp_path / "adamw_sync_s0")], capture_output=True,
-                           text=True, cwd=ROOT)  # fmt: skip
-    assert empty.returncode == 2 and "no finished runs" in empty.stderr
+    code, by_study, _ = _as_main(capsys, monkeypatch, Path(script[1]), str(tmp_path), "--by-study")
+    (row,) = [line for line in by_study.splitlines() if line.startswith("| `")]
+    assert code == 0 and row.startswith(
+        "| `stalepipe sweep optimizers` | 2 | 3 | 2026-12-03 06:00 |"
+    )
+    code, _, err = _as_main(capsys, monkeypatch, Path(script[1]), str(tmp_path / "adamw_sync_s0"))
+    assert code == 2 and "no finished runs" in err
 
 
-def test_per_arm_gap_compares_run_groups_across_directories(tmp_path):
+def test_per_arm_gap_compares_run_groups_across_directories(tmp_path, capsys, monkeypatch):
     """`benchmarks/studies/per_arm_gap.py` on copies of committed records: AdamW 2bw at 3e-3 against
     sync at 9e-3 (its 3-seed optimum), as RESULTS reads it; a bad pair is one line, exit 2."""
     import shutil
@@ -135,11 +157,11 @@ def test_per_arm_gap_compares_run_groups_across_directories(tmp_path):
     assert out.stdout.rstrip().endswith(
         "| +0.2258 | 4.8e-06 | +0.2258 [+0.1891, +0.2626] (3) | 1.4e-03 |"
     )
-    bad = subprocess.run([*script, "adamw_2bw"], capture_output=True, text=True, cwd=ROOT)
-    assert bad.returncode == 2 and "is not ARM=SYNC" in bad.stderr
-    gone = subprocess.run([*script, f"{tmp_path}/a/nope={tmp_path}/b/adamw_lr0.009_sync"],
-                          capture_output=True, text=True, cwd=ROOT)  # fmt: skip
-    assert gone.returncode == 1 and "name a run group" in gone.stderr
+    code, _, err = _as_main(capsys, monkeypatch, Path(script[1]), "adamw_2bw")
+    assert code == 2 and "is not ARM=SYNC" in err
+    gone = f"{tmp_path}/a/nope={tmp_path}/b/adamw_lr0.009_sync"
+    code, _, err = _as_main(capsys, monkeypatch, Path(script[1]), gone)
+    assert code == 1 and "name a run group" in err
 
 
 def test_committed_records_name_no_machine_paths(tmp_path):
@@ -209,12 +231,12 @@ def test_momentum_table_reads_the_controlled_grid():
             assert float(cells[8]) <= float(cells[6]) + 1e-9
 
 
-def test_ladder_fit_reads_the_committed_ladder_records(tmp_path):
-    """The size ladder's table from its records (benchmarks/studies/ladder_fit.py): every width of
-    both optimizers has a row, and the fit waits until every width has two seeds of each arm;
-    the token overhead's fit says what it has or gives its prediction; `--plot` draws a PNG."""
-    png = tmp_path / "ladder.png"
-    out = _script("studies/ladder_fit.py", "docs/results/ladder-regime", "--plot", str(png)).stdout
+def test_ladder_fit_reads_the_committed_ladder_records(ladder_fit):
+    """The size ladder's table from its records (benchmarks/studies/ladder_fit.py, run once by
+    the `ladder_fit` fixture): every width of both optimizers has a row, and the fit waits until
+    every width has two seeds of each arm; the token overhead's fit says what it has or gives
+    its prediction; `--plot` draws a PNG."""
+    out, png = ladder_fit
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "the fit needs 3" in out or "token overhead of one run at 360M" in out
     rows = [ln.split() for ln in out.splitlines() if ln.startswith(("adamw ", "muon "))]
@@ -230,10 +252,10 @@ def test_ladder_fit_reads_the_committed_ladder_records(tmp_path):
     assert out.count("  label (issue 51): ") == 4  # each fit labelled by the project's rules
 
 
-def test_results_quotes_the_ladder_s_table_and_fits_as_the_records_give_them():
+def test_results_quotes_the_ladder_s_table_and_fits_as_the_records_give_them(ladder_fit):
     """docs/RESULTS.md's size-ladder blocks are `ladder_fit.py`'s output on the committed records,
     line for line: a record added (width 136's third seed, say) without the docs rerun fails."""
-    out = _script("studies/ladder_fit.py", "docs/results/ladder-regime").stdout
+    out = ladder_fit[0]
     results = (ROOT / "docs" / "RESULTS.md").read_text().splitlines()
     shown = [line for line in out.splitlines() if line.strip()]
     assert len(shown) > 30  # the table, the four fits, EF's labels and the overhead's fit

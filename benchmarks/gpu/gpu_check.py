@@ -17,10 +17,11 @@ Output: one table on stdout and a JSON file (`--json`). Exit 0 when every check 
 one failed or was skipped, 2 when a package the check needs is missing (the line says which
 wheels to bring). Without CUDA it stops with one line; `--cpu-smoke` runs the same checks
 reduced to cpu-small on the CPU (eager only; gloo for the runtime), so the script itself is
-tested everywhere.
+tested everywhere (the test narrows the model further with `--set`, config overrides over the
+check's own).
 
     benchmarks/gpu/gpu_check.sh [--steps 20] [--json gpu_check.json] [--budget-s 450] [--no-compile]
-    benchmarks/gpu/gpu_check.sh --cpu-smoke
+    benchmarks/gpu/gpu_check.sh --cpu-smoke [--set model.dim=64 ...]
 """
 
 from __future__ import annotations
@@ -111,6 +112,11 @@ def setup(args: argparse.Namespace, work: Path) -> Setup:
         }
     else:
         common |= {"train.batch_size": "8", "train.num_microbatches": "2", "train.threads": "1"}
+    for kv in getattr(args, "set", None) or ():  # the user's, over the mode's
+        key, sep, value = kv.partition("=")
+        if not sep:
+            raise SystemExit(f"gpu_check: --set expects KEY=VALUE, got {kv!r}")
+        common[key] = value
     return Setup(
         cuda=cuda,
         steps=steps,
@@ -373,6 +379,13 @@ def main() -> int:
         "--cpu-smoke",
         action="store_true",
         help="no GPU: the same checks reduced to cpu-small on the CPU (eager only)",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a config override over the check's own (repeatable), e.g. a smaller model for "
+        "a quicker --cpu-smoke (the tests' run)",
     )
     args = ap.parse_args()
     if (refused := preflight(args.cpu_smoke)) is not None:

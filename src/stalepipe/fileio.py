@@ -118,13 +118,6 @@ def csv_text(rows: Iterable[Iterable[Any]]) -> str:
     return buf.getvalue()
 
 
-def torch_save_atomic(path: str | os.PathLike, obj: Any) -> Path:
-    """`torch.save(obj)` into `path`, atomically."""
-    import torch  # here: the rest of this module must stay cheap to import (the CLI's --help)
-
-    return write_atomic(path, lambda f: torch.save(obj, f))
-
-
 def open_append(path: str | os.PathLike, *, within: Where = None, buffering: int = -1) -> TextIO:
     """`path` opened to append text (created if absent), without following a symbolic link
     (O_NOFOLLOW: a live or dangling link there is a LinkError, so a log can never grow a file

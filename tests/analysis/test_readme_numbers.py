@@ -121,21 +121,19 @@ def test_the_ladder_s_overhead_and_its_360m_interval(readme):
     assert f"[{lo:.2f}, {hi:.1e}]" in readme
 
 
-def test_the_ladder_s_gap_fits_and_muon_s_360m_interval(readme):
+def test_the_ladder_s_gap_fits_and_muon_s_360m_interval(readme, ladder_fit):
     """The README's size-ladder bullet: the label by the project's rules (issue 51), the
     per-seed rank test, Muon sync's plateau exits, each registered fit's shrink rate, interval
     and Holm p, their lack of fit, and Muon's 360M prediction, as
     `benchmarks/studies/ladder_fit.py` prints them from the records."""
-    import subprocess
     import sys
 
     from stalepipe.analysis.ladder_labels import CONFOUND
 
-    script = ROOT / "benchmarks" / "studies" / "ladder_fit.py"
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT)
+    stdout = ladder_fit[0]  # the script's output, run once for every test (tests/conftest.py)
     fit = r"^(\w+) (2bw\S*): power fit, shrink rate (\S+) \[(\S+), (\S+)\], Holm p (\S+): (\w+)"
-    fits = {(m[1], m[2]): m.groups()[2:] for m in re.finditer(fit, out.stdout, re.M)}
-    assert len(fits) == 4, out.stdout[-500:]
+    fits = {(m[1], m[2]): m.groups()[2:] for m in re.finditer(fit, stdout, re.M)}
+    assert len(fits) == 4, stdout[-500:]
 
     def said(key) -> str:
         c, lo, hi, q, _ = fits[key]
@@ -143,26 +141,26 @@ def test_the_ladder_s_gap_fits_and_muon_s_360m_interval(readme):
 
     assert f"Muon+EF's shrink rate {said(('muon', '2bw+ef'))}" in readme
     assert f"Muon's {said(('muon', '2bw'))}; AdamW's {said(('adamw', '2bw'))}" in readme
-    labels = re.findall(r"^  label \(issue 51\): (.+)$", out.stdout, re.M)
+    labels = re.findall(r"^  label \(issue 51\): (.+)$", stdout, re.M)
     assert len(labels) == 4 and all(x.startswith(f"partly: {CONFOUND} (") for x in labels)
     assert f"**partly: {CONFOUND}**" in readme
-    holm = re.findall(r"^  per seed: .* \(Holm (\S+)\); width", out.stdout, re.M)
+    holm = re.findall(r"^  per seed: .* \(Holm (\S+)\); width", stdout, re.M)
     assert holm[2] == holm[3] and f"Holm p {holm[2]} for Muon and Muon+EF" in readme
-    exits = [re.search(rf"^muon +{w} .* (\d+)% / \S+ / \S+ ", out.stdout, re.M)[1]
+    exits = [re.search(rf"^muon +{w} .* (\d+)% / \S+ / \S+ ", stdout, re.M)[1]
              for w in (32, 48, 64)]  # fmt: skip
     assert f"({exits[0]} %, {exits[1]} %, {exits[2]} % of the run)" in readme
-    chi2 = [float(x) for x in re.findall(r"lack of fit of the width means: chi2 (\S+)", out.stdout)]
+    chi2 = [float(x) for x in re.findall(r"lack of fit of the width means: chi2 (\S+)", stdout)]
     assert f"chi-squared {min(chi2):.3g} to {max(chi2):.3g} on 3 df" in readme
     muon = re.search(
         r"^muon 2bw: .*\n(?:  .*\n)*?  one run at 360M \(amended method\): \S+ (\[\S+ \S+\]); "
-        r"paper 0.012: (.+)$", out.stdout, re.M,
+        r"paper 0.012: (.+)$", stdout, re.M,
     )  # fmt: skip
     assert muon and muon[2] == "inconclusive (too wide)"
     assert f"puts Muon's gap at {muon[1]}, below the paper's 0.012" in readme
     ladder = ROOT / "docs" / "results" / "ladder-regime"
-    sys.path.insert(0, str(script.parent))
-    import ladder_fit
+    sys.path.insert(0, str(ROOT / "benchmarks" / "studies"))
+    import ladder_fit as script
 
-    widest = list(ladder_fit.gaps(ladder_fit.finals(ladder), "muon", "2bw+ef").values())[-1]
+    widest = list(script.gaps(script.finals(ladder), "muon", "2bw+ef").values())[-1]
     m, lo, hi = stats.t_interval(list(widest.values()))
     assert f"Muon+EF's gap is {m:.4f} [{lo:+.4f}, {hi:+.4f}]: not told from 0" in readme

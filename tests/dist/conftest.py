@@ -1,5 +1,5 @@
-"""Multi-process fixtures: one pool of 4 spawned workers (gloo, one thread each) for the whole
-session, and a tiny config builder. Every run has a short `pipeline.timeout_s`, so a broken
+"""Multi-process fixtures: the session's pool of spawned workers (`pool`, tests/conftest.py) and
+a tiny config builder. Every run has a short `pipeline.timeout_s`, so a broken
 run fails fast instead of hanging."""
 
 from __future__ import annotations
@@ -20,73 +20,73 @@ from stalepipe.config import (
     PipelineConfig,
     TrainConfig,
 )
-from stalepipe.launch.pool import WorkerPool
 from stalepipe.launch.pooled import worker_entry
 from stalepipe.rundir.checkpoint import latest_checkpoint, load_checkpoint
 from stalepipe.rundir.metrics import read_metrics
 from stalepipe.train.loop import train
 
 
-@pytest.fixture(scope="session")
-def pool():
-    p = WorkerPool(4)
-    yield p
-    p.close()
+def tiny_cfg(
+    out_dir: str,
+    data_dir: str,
+    schedule: str = "1f1b",
+    P: int = 2,
+    m: int = 2,
+    *,
+    steps: int = 4,
+    tied: bool = True,
+    optim: str = "adamw",
+    dp: int = 1,
+    chunks: int = 1,
+    dropout: float = 0.0,
+    name: str = "dist",
+    **train_kw,
+) -> ExperimentConfig:
+    """The tests' tiny pipeline config (`make_cfg` with the directories given: a module-scoped
+    fixture builds one too)."""
+    train_kw = {
+        "batch_size": 2 * m * dp,
+        "warmup_steps": 1,
+        "eval_every": 0,
+        "num_eval_batches": 1,
+        "log_every": 1,
+        "progress": False,
+        "grad_clip": 1.0,
+        **train_kw,
+    }
+    return ExperimentConfig(
+        name=name,
+        out_dir=out_dir,
+        model=ModelConfig(
+            vocab_size=256,
+            dim=32,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            ffn_dim=64,
+            max_seq_len=16,
+            tie_embeddings=tied,
+            dropout=dropout,
+        ),
+        data=DataConfig(corpus="excerpt", data_dir=data_dir, seq_len=16),
+        optim=OptimConfig(name=optim),
+        delay=DelayConfig(policy=PIPELINE_SCHEDULES[schedule].policy, mode="exact"),
+        pipeline=PipelineConfig(
+            num_stages=P,
+            engine="distributed",
+            schedule=schedule,
+            num_replicas=dp,
+            num_chunks=chunks,
+            timeout_s=20,
+        ),
+        train=TrainConfig(num_steps=steps, num_microbatches=m, **train_kw),
+    )
 
 
 @pytest.fixture
 def make_cfg(tmp_path, excerpt_data_dir):
-    def make(
-        schedule: str = "1f1b",
-        P: int = 2,
-        m: int = 2,
-        *,
-        steps: int = 4,
-        tied: bool = True,
-        optim: str = "adamw",
-        dp: int = 1,
-        chunks: int = 1,
-        dropout: float = 0.0,
-        name: str = "dist",
-        **train_kw,
-    ) -> ExperimentConfig:
-        train_kw = {
-            "batch_size": 2 * m * dp,
-            "warmup_steps": 1,
-            "eval_every": 0,
-            "num_eval_batches": 1,
-            "log_every": 1,
-            "progress": False,
-            "grad_clip": 1.0,
-            **train_kw,
-        }
-        return ExperimentConfig(
-            name=name,
-            out_dir=str(tmp_path / "runs"),
-            model=ModelConfig(
-                vocab_size=256,
-                dim=32,
-                num_layers=4,
-                num_heads=4,
-                num_kv_heads=2,
-                ffn_dim=64,
-                max_seq_len=16,
-                tie_embeddings=tied,
-                dropout=dropout,
-            ),
-            data=DataConfig(corpus="excerpt", data_dir=excerpt_data_dir, seq_len=16),
-            optim=OptimConfig(name=optim),
-            delay=DelayConfig(policy=PIPELINE_SCHEDULES[schedule].policy, mode="exact"),
-            pipeline=PipelineConfig(
-                num_stages=P,
-                engine="distributed",
-                schedule=schedule,
-                num_replicas=dp,
-                num_chunks=chunks,
-                timeout_s=20,
-            ),
-            train=TrainConfig(num_steps=steps, num_microbatches=m, **train_kw),
-        )
+    def make(*args, **kwargs) -> ExperimentConfig:
+        return tiny_cfg(str(tmp_path / "runs"), excerpt_data_dir, *args, **kwargs)
 
     return make
 

@@ -12,7 +12,6 @@ loses nothing."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -29,6 +28,7 @@ import torch
 
 from stalepipe.cli import main
 from stalepipe.errors import CheckpointError, TrainingError, UserError
+from stalepipe.launch.pooled import worker_entry
 from stalepipe.launch.train import launch_train
 from stalepipe.rundir import legacy
 from stalepipe.rundir.checkpoint import (
@@ -40,6 +40,8 @@ from stalepipe.rundir.checkpoint import (
 from stalepipe.rundir.startup import StartUp
 from stalepipe.rundir.verified import DATA
 from stalepipe.train.loop import train
+
+from .conftest import tiny_cfg
 
 
 class _Payload:
@@ -71,12 +73,23 @@ def _loaders(ckpt: Path) -> dict:
     }
 
 
+@pytest.fixture(scope="module")
+def trained_once(tmp_path_factory, excerpt_data_dir, pool):
+    """A runtime run at P = 2 with checkpoints at steps 2 and 4, trained once for the module."""
+    out = tmp_path_factory.mktemp("trained") / "runs"
+    cfg = tiny_cfg(str(out), excerpt_data_dir, "2bw", 2, 2, steps=4, ckpt_every=2, keep_last=3,
+                   tied=False)  # fmt: skip
+    pool.run(worker_entry, (cfg, False, True), 2, timeout_s=180)
+    return cfg
+
+
 @pytest.fixture
-def trained(make_cfg, run_dist):
-    """A runtime run at P = 2 with checkpoints at steps 2 and 4, and a pristine copy of it."""
-    cfg = make_cfg("2bw", 2, 2, steps=4, ckpt_every=2, keep_last=3, tied=False)
-    run_dist(cfg)
+def trained(trained_once, tmp_path):
+    """The module's run copied into this test's directory (each test damages its own), and a
+    pristine copy of it."""
+    cfg = dataclasses.replace(trained_once, out_dir=str(tmp_path / "runs"))
     run_dir = Path(cfg.out_dir) / cfg.name
+    shutil.copytree(Path(trained_once.out_dir) / cfg.name, run_dir)
     shutil.copytree(run_dir, run_dir.with_name("pristine"))
     return cfg, run_dir
 
@@ -192,7 +205,7 @@ def _cli(capsys, *argv: str) -> tuple[int, str]:
 
 
 def test_every_command_refuses_an_older_format_and_the_conversion_resumes_it(
-    trained, tmp_path, capsys, monkeypatch, dist_utils, old_formats
+    trained, tmp_path, capsys, monkeypatch, dist_utils, old_formats, run_dist
 ):
     cfg, run_dir = trained
     want = dist_utils["final_model"](cfg)
@@ -205,8 +218,16 @@ def test_every_command_refuses_an_older_format_and_the_conversion_resumes_it(
         "eval": ("eval", str(run_dir), "--no-tasks"),
         "export": ("export", str(run_dir), "--out", str(tmp_path / "hf")),
         "resume, emulator at P = 1": (
-            "train", "--config", config, "--resume", "--pipeline.engine", "emulate",
-            "--pipeline.num_stages", "1", "--pipeline.schedule", "1f1b",
+            "train",
+            "--config",
+            config,
+            "--resume",
+            "--pipeline.engine",
+            "emulate",
+            "--pipeline.num_stages",
+            "1",
+            "--pipeline.schedule",
+            "1f1b",
         ),  # fmt: skip
     }
     fix = f"`stalepipe checkpoint convert {ckpt} {ckpt}.v3 && mv {ckpt} {ckpt}.old && mv "
@@ -233,7 +254,7 @@ def test_every_command_refuses_an_older_format_and_the_conversion_resumes_it(
     ckpt.rename(f"{ckpt}.old")
     Path(f"{ckpt}.v3").rename(ckpt)
     list(map(shutil.rmtree, list_checkpoints(run_dir)[:-1]))
-    launch_train(cfg, StartUp(resume=True), verbose=False)
+    run_dist(cfg, resume=True)  # the launcher's part was the refusal above; the ranks' here
     dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), want)
 
 
@@ -246,15 +267,18 @@ def test_the_hardened_unpickler_reads_dcp_metadata_and_refuses_steering(tmp_path
 
     import torch.distributed.checkpoint as dcp
 
-    tensors = {"a": torch.ones(2, 3), "b": torch.zeros(4, dtype=torch.int64), "c": torch.tensor(1.0)}
+    tensors = {
+        "a": torch.ones(2, 3),
+        "b": torch.zeros(4, dtype=torch.int64),
+        "c": torch.tensor(1.0),
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp_path / "s"), no_dist=True)
     md = legacy.SafeUnpickler(io.BytesIO((tmp_path / "s" / ".metadata").read_bytes())).load()
     assert set(md.state_dict_metadata) == {"a", "b", "c"} and legacy.check_metadata(md) is None
     steer = (
-        b"\x80\x04cpathlib\nPosixPath\nN}X\x06\x00\x00\x00parent"
-        b"X\n\x00\x00\x00/elsewheres\x86b."
+        b"\x80\x04cpathlib\nPosixPath\nN}X\x06\x00\x00\x00parentX\n\x00\x00\x00/elsewheres\x86b."
     )
     cases = {
         steer: "a BUILD on PosixPath",
@@ -295,7 +319,7 @@ def test_a_conversion_that_asks_for_too_much_memory_stops_in_its_child(
 
 
 def test_damage_of_the_same_size_is_found_and_the_previous_checkpoint_resumes(
-    trained, dist_utils, capsys
+    trained, dist_utils, capsys, run_dist
 ):
     cfg, run_dir = trained
     want = dist_utils["final_model"](cfg)
@@ -319,7 +343,7 @@ def test_damage_of_the_same_size_is_found_and_the_previous_checkpoint_resumes(
     assert [p.name for p in list_checkpoints(run_dir)] == ["ckpt_00000002", "ckpt_00000004"]
     # the fix as the message words it: move it aside, resume from the previous one
     ckpt.rename(f"{ckpt}.damaged")
-    launch_train(cfg, StartUp(resume=True), verbose=False)
+    run_dist(cfg, resume=True)  # the ranks of the launch refused above, on the test pool
     dist_utils["assert_bitwise"](dist_utils["final_model"](cfg), want)
     assert Path(f"{ckpt}.damaged").is_dir()  # nothing deleted
 

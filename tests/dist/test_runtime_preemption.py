@@ -71,12 +71,12 @@ def test_lookahead_of_the_schedules(make_cfg):
     ],
 )
 def test_sigterm_to_one_rank_stops_all_at_one_step_and_resume_is_bitwise(
-    make_cfg, tmp_path, schedule, P, m
+    make_cfg, run_dist, tmp_path, schedule, P, m
 ):
-    cfg = make_cfg(schedule, P=P, m=m, steps=STEPS, log_every=1)
-    full = dataclasses.replace(cfg, name="full")
-    assert _train(full, tmp_path).wait(timeout=240) == 0
-
+    """STEPS is the margin the signal lands in; the resume then extends the run to 4 steps
+    past the stop (a constant LR extends, tests/train/test_extend.py), and the uninterrupted
+    run of that length runs on the test pool."""
+    cfg = make_cfg(schedule, P=P, m=m, steps=STEPS, log_every=1, lr_schedule="constant")
     proc = _train(cfg, tmp_path)
     run_dir = Path(cfg.out_dir) / cfg.name
     _wait_for_steps(run_dir, 10, proc, timeout_s=120)
@@ -90,9 +90,11 @@ def test_sigterm_to_one_rank_stops_all_at_one_step_and_resume_is_bitwise(
     assert f"stopped by a signal to another process after {stopped} of {STEPS} steps" in err, err
     assert proc.returncode == EXIT_PREEMPTED, err
 
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_steps=stopped + 4))
     resumed = _train(cfg, tmp_path, "--resume")
     _, err = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, err
+    run_dist(dataclasses.replace(cfg, name="full"))
     a = load_checkpoint(latest_checkpoint(Path(cfg.out_dir) / "full"))["model"]
     b = load_checkpoint(latest_checkpoint(run_dir))["model"]
     assert a.keys() == b.keys()

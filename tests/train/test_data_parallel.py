@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
-from stalepipe.rundir.checkpoint import latest_checkpoint, load_checkpoint, remove_checkpoint
+from stalepipe.rundir.checkpoint import latest_checkpoint, load_checkpoint
 from stalepipe.train.loop import train
 
 
@@ -56,26 +56,23 @@ def _cfg(tiny_config, name, policy, ef):
     )
 
 
-@pytest.mark.parametrize(("policy", "ef"), [("sync", False), ("2bw", True)])
-def test_two_ranks_equal_one_process(tiny_config, tmp_path, policy, ef):
-    single = train(_cfg(tiny_config, f"single-{policy}", policy, ef), verbose=False)
-    dp = _cfg(tiny_config, f"dp-{policy}", policy, ef)
+def test_two_ranks_equal_one_process(tiny_config, tmp_path):
+    """sync; 2bw with EF is the next test's uninterrupted 2-rank run (one torchrun fewer)."""
+    single = train(_cfg(tiny_config, "single-sync", "sync", False), verbose=False)
+    dp = _cfg(tiny_config, "dp-sync", "sync", False)
     _torchrun(dp, tmp_path)
     run_dir = f"{dp.out_dir}/{dp.name}"
     meta = json.loads(Path(run_dir, "meta.json").read_text())
     assert meta["data_parallel_ranks"] == 2
     _assert_close(_weights(single.run_dir), _weights(run_dir))
 
-    if policy == "2bw":  # resume the 2-rank run on 1 rank from its step-3 checkpoint
-        remove_checkpoint(Path(run_dir) / "ckpt_00000006")
-        resumed = train(dp, resume=True, verbose=False)
-        _assert_close(_weights(single.run_dir), _weights(resumed.run_dir))
 
-
-def test_sigterm_to_torchrun_checkpoints_every_rank_alike_then_resumes(tiny_config, tmp_path):
+def test_sigterm_to_torchrun_checkpoints_every_rank_alike_then_resumes(tiny_config, tmp_path, pool):
     """torchrun forwards SIGTERM to its workers: they agree on a step (one all-reduce of the
     request bits), rank 0 writes the checkpoint, and a resumed run ends where one process
-    ends (up to data-parallel rounding)."""
+    ends (up to data-parallel rounding). 2bw with EF: the uninterrupted 2-rank run (on the
+    test pool: the previous test ran torchrun uninterrupted) equals one process, and the 2-rank
+    checkpoint resumes on 1 rank too."""
     import signal
     import time
 
@@ -105,12 +102,20 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_alike_then_resumes(tiny_conf
     assert 3 <= stopped < 2000
 
     short = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_steps=stopped + 4))
+    one_rank = dataclasses.replace(short, out_dir=str(tmp_path / "one-rank"))
+    shutil.copytree(run_dir, Path(one_rank.out_dir, cfg.name))  # for the resume on 1 rank
     path.write_text(short.to_json())  # resume under torchrun with 4 more steps to go
     _torchrun(short, tmp_path, "--resume")
     # bit for bit the uninterrupted 2-rank run of that length, and close to one process
     whole = dataclasses.replace(short, name="dp-whole")
-    _torchrun(whole, tmp_path)
+    pool.run(train, (whole,), 2, timeout_s=240)  # 2 ranks on env://, as torchrun starts them
+    meta = json.loads(Path(whole.out_dir, whole.name, "meta.json").read_text())
+    assert meta["data_parallel_ranks"] == 2
     a, b = _weights(f"{whole.out_dir}/{whole.name}"), _weights(run_dir)
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
     single = train(dataclasses.replace(short, name="single-stop"), verbose=False)
     _assert_close(_weights(single.run_dir), b)
+    # the 2-rank run's checkpoint resumed on 1 rank ends where one process ends, too
+    resumed = train(one_rank, resume=True, verbose=False)
+    assert len(resumed.train_losses) == 4  # from the stopped step
+    _assert_close(_weights(single.run_dir), _weights(resumed.run_dir))

@@ -3,10 +3,6 @@ written. The suite runs on CPU-only torch; GPU counts are simulated by patching 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -109,7 +105,10 @@ def test_train_refuses_before_touching_the_run_directory(tmp_path, excerpt_data_
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU-only torch build")
-def test_the_cli_prints_one_line_and_exits_2(tmp_path, excerpt_data_dir):
+def test_the_cli_prints_one_line_and_exits_2(tmp_path, excerpt_data_dir, capsys):
+    """`main` here: `python -m stalepipe` exits with what it returns (`__main__.py`)."""
+    from stalepipe.cli import main
+
     cfg = _cuda_run(tmp_path, excerpt_data_dir, "emulate")
     args = ["--preset", "cpu-tiny", "--train.device", "cuda", "--name", "new", "--overwrite"]
     args += [
@@ -120,14 +119,7 @@ def test_the_cli_prints_one_line_and_exits_2(tmp_path, excerpt_data_dir):
         "--data.data_dir",
         excerpt_data_dir,
     ]
-    out = subprocess.run(
-        [sys.executable, "-m", "stalepipe", "train", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert out.returncode == EXIT_USER
-    (line,) = out.stderr.strip().splitlines()
+    assert main(["train", *args]) == EXIT_USER
+    (line,) = capsys.readouterr().err.strip().splitlines()
     assert "--train.device cuda: this torch build" in line and "--train.device cpu" in line
     assert not (tmp_path / "runs").exists()

@@ -171,18 +171,15 @@ def test_compiling_an_moe_model_warns_what_it_costs():
     assert apply_overrides(get_preset("cpu-tiny"), {"train.compile": "true"}).warnings() == []
 
 
-def test_the_cli_refuses_compile_with_a_split_backward_in_one_line(tmp_path):
+def test_the_cli_refuses_compile_with_a_split_backward_in_one_line(tmp_path, capsys):
+    """`main` here: `python -m stalepipe` exits with what it returns (`__main__.py`), and other
+    tests run the CLI as a process of its own."""
+    from stalepipe.cli import main
+
     args = ["--preset", "cpu-tiny", "--train.compile", "true", "--pipeline.engine", "distributed",
             "--pipeline.schedule", "zb-h1"]  # fmt: skip
-    out = subprocess.run(
-        [sys.executable, "-m", "stalepipe", "train", *args, "--out_dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert out.returncode == EXIT_USER
-    (line,) = out.stderr.strip().splitlines()
+    assert main(["train", *args, "--out_dir", str(tmp_path)]) == EXIT_USER
+    (line,) = capsys.readouterr().err.strip().splitlines()
     assert "train.compile" in line and "set train.compile to false" in line
     assert not any(tmp_path.iterdir())
 

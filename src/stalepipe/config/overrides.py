@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from typing import Any, NamedTuple, TypeVar
@@ -42,6 +43,13 @@ def upgrade_record(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """`cls`'s resolved annotations, once per class: a class's annotations do not change, and
+    resolving them was most of the time of expanding a study's grid (every override parsed)."""
+    return typing.get_type_hints(cls)
+
+
 def from_dict(
     cls: type, d: dict[str, Any], *, prefix: str = "", root: type | None = None, **init: Any
 ) -> Any:
@@ -49,7 +57,7 @@ def from_dict(
     ConfigError that suggests the closest key of `root` (the top-level class, default `cls`).
     `init` goes to `cls` alone (its init-only arguments, e.g. `check_ignored`)."""
     root = root or cls
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     kwargs = {}
     names = {f.name for f in dataclasses.fields(cls)} - {DECLARED} | set(declared_settings(cls))
     for key, value in d.items():
@@ -92,7 +100,7 @@ class Leaf(NamedTuple):
 
 def _all_keys(cls: type, prefix: str = "") -> dict[str, Leaf]:
     """Flat map 'section.field' -> Leaf for every leaf field and declared setting."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     out: dict[str, Leaf] = {}
     for f in dataclasses.fields(cls):
         if f.name == DECLARED:

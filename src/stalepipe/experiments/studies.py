@@ -19,13 +19,11 @@ from stalepipe.config import (
 from stalepipe.errors import UserError
 from stalepipe.experiments.grid import Bundle, RunSpec, axis, dedupe, expand
 from stalepipe.experiments.scales import (  # noqa: F401 - studies.X names stay importable
-    ALL_OPTIMIZER_NAMES,
     CPU_SCALES,
     CPU_STEPS,
     LADDER,
     LADDER_LRS,
     LRS,
-    OPTIMIZER_NAMES,
     REGIME_STEPS,
     SCALES,
     SYNC,

@@ -19,8 +19,9 @@ defined when every stage has the same delay (sync, 2bw, fixed:N: each stage keep
 versions and the trajectory does not depend on the split); pipedream and wpipe across
 different splits are refused (`check_resplit`).
 
-The single-file checkpoints of older versions (one merged `ckpt_<k>.pt`) load through the same
-path: `from_merged` turns one into the same keys in memory.
+The single-file checkpoints of older versions (one merged `ckpt_<k>.pt`) are read only by
+`stalepipe checkpoint convert` (`rundir/convert.py`): `from_merged` turns one into the same keys
+in memory, which the converter then writes as format 3.
 
 Rank 0 waits for the other processes' shards on the filesystem (`wait_part`); the wait also
 reads the run's failure records (`peers.failures.Failure`), so a stage that died instead of
