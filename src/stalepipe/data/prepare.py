@@ -359,8 +359,9 @@ def ensure_prepared(cfg: DataConfig, progress: bool = True) -> Path:
         if have != (cfg.corpus, cfg.tokenizer):
             raise DataError(
                 f"{out} holds corpus={have[0]} tokenizer={have[1]}, but the config asks for "
-                f"corpus={cfg.corpus} tokenizer={cfg.tokenizer}; set --data.data_dir to another "
-                "directory, or rebuild it with `stalepipe data prepare --force`"
+                f"corpus={cfg.corpus} tokenizer={cfg.tokenizer}; to train on it pass "
+                f"--data.corpus {have[0]} --data.tokenizer {have[1]}, else set --data.data_dir to "
+                "another directory"
             )
         _check_split_and_vocab(out, manifest, cfg)
         for split in SPLITS:
