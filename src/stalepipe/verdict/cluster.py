@@ -314,8 +314,7 @@ def cell_verdict(v: Verdict, c: Cell) -> str:
     if not math.isfinite(c.speedup):
         return "inconclusive"
     target = v.target if v.target is not None else v.overhead
-    floor = 1 / c.speedup  # an overhead is at least 1 (`rule.widen`)
-    ratio = widen(time_to_target(target, c.speedup), *c.edge_factors, v.transfer, floor)
+    ratio = widen(time_to_target(target, c.speedup), *c.edge_factors, v.transfer, c.speedup)
     verdict = call(target, ratio, c.speedup * c.edge_factors[1] / v.transfer.low)
     return next((k for k in COLORS if verdict.startswith(k)), "inconclusive")
 

@@ -193,8 +193,7 @@ class Verdict:
         """`ratio` with its interval over the seeds, the assumptions' ranges and the transfer:
         the lowest overhead at the highest edge, the highest at the lowest (what the verdict
         calls on; labelled `interval_kind`)."""
-        floor = 1 / self.speedup if self.speedup > 0 else 0.0  # an overhead is at least 1
-        return widen(self.ratio, *self.edge_factors, self.transfer, floor)
+        return widen(self.ratio, *self.edge_factors, self.transfer, self.speedup)
 
     @property
     def interval_kind(self) -> str:
@@ -204,13 +203,14 @@ class Verdict:
 
 
 def widen(
-    r: Ratio, low: float, high: float, transfer: Transfer = Transfer(), floor: float = 0.0
+    r: Ratio, low: float, high: float, transfer: Transfer = Transfer(), speedup: float = math.inf
 ) -> Ratio:
     """A time-to-target ratio's interval with the throughput edge anywhere in [low, high] x its
-    central value and the overhead anywhere in the transfer's range: a worst-case bound. The
-    transfer never takes the overhead below 1 (`floor`: the ratio of an overhead of exactly 1 at
-    the central edge): the estimator reads a delayed run already at sync's loss as 1.0, so a
-    smaller overhead is not a value the measurement can have, at any size."""
+    central value (`speedup`) and the overhead anywhere in the transfer's range: a worst-case
+    bound. The transfer never takes the overhead below 1 (a ratio of 1 / speedup): the estimator
+    reads a delayed run already at sync's loss as 1.0, so a smaller overhead is not a value the
+    measurement can have, at any size."""
+    floor = 1 / speedup if speedup > 0 else 0.0
     return Ratio(r.value, max(r.low * transfer.low, floor) / high, r.high * transfer.high / low)
 
 

@@ -136,8 +136,7 @@ def verdict_csv(verdicts: list[Verdict], tp: Throughputs) -> str:
         a, t = v.async_row, v.transfer
         for s in tp.sync():
             r = v.ratios[s.name]
-            speedup = v.async_tokens_per_s / s.tokens_per_s  # an overhead of 1 floors it
-            called = widen(r, *v.edge_factors, t, 1 / speedup if speedup > 0 else 0.0)
+            called = widen(r, *v.edge_factors, t, v.async_tokens_per_s / s.tokens_per_s)
             rows.append(
                 [
                     *(v.label, v.baseline, v.schedule, *_target_cells(v), v.overhead.estimate),
