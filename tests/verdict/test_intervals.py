@@ -120,3 +120,8 @@ def test_the_committed_tables_print_the_interval_the_verdict_used(preset):
         summary = (SWEEP / f"verdict-{preset}" / "verdict.md").read_text().split("```")[3]
         line = next(x for x in summary.splitlines() if x.startswith(arm + " "))
         assert ratio in line and f"  {BOUND}  " in line
+        # the arm's per-schedule table prints the same interval on its best-sync row
+        text = (SWEEP / f"verdict-{preset}" / "verdict.md").read_text()
+        table = text.split(f"\n{arm} (vs ")[1].split("\n\n")[0]
+        best_row = next(x for x in table.splitlines() if "(best sync)" in x)
+        assert best_row.rstrip().endswith(ratio.split(" ", 1)[1]), (arm, best_row, ratio)

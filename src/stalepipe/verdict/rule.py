@@ -195,6 +195,12 @@ class Verdict:
         calls on; labelled `interval_kind`)."""
         return widen(self.ratio, *self.edge_factors, self.transfer, self.speedup)
 
+    def ratio_against(self, s: ScheduleThroughput) -> Ratio:
+        """`ratio_all`'s interval against synchronous schedule `s` instead of the best one (the
+        per-schedule tables and the CSV print it)."""
+        speedup = self.async_tokens_per_s / s.tokens_per_s if s.tokens_per_s > 0 else math.nan
+        return widen(self.ratios[s.name], *self.edge_factors, self.transfer, speedup)
+
     @property
     def interval_kind(self) -> str:
         """The one label of `ratio_all`: the seeds' 95% CI when nothing else enters it, else a

@@ -15,7 +15,7 @@ from typing import Any
 
 from stalepipe.delay.policies import never_delays
 from stalepipe.fileio import csv_text
-from stalepipe.verdict.rule import RULE, Estimate, Verdict, widen
+from stalepipe.verdict.rule import RULE, Estimate, Verdict
 from stalepipe.verdict.throughput import Throughputs
 
 
@@ -67,8 +67,7 @@ def detail_rows(v: Verdict, tp: Throughputs) -> list[list[str]]:
             out.append([name, s.policy, "refused: " + s.refused, "", "", "", ""])
             continue
         rate = v.async_tokens_per_s if s is v.async_row else s.tokens_per_s
-        ratio = v.ratios.get(s.name)
-        shown = widen(ratio, *v.edge_factors, v.transfer).text() if ratio else "-"
+        shown = v.ratio_against(s).text() if s.name in v.ratios else "-"
         out.append(
             [name, s.policy, s.rate_text(rate), s.bubble_text(), s.memory_text(), s.fits_text(),
              shown]
@@ -136,7 +135,7 @@ def verdict_csv(verdicts: list[Verdict], tp: Throughputs) -> str:
         a, t = v.async_row, v.transfer
         for s in tp.sync():
             r = v.ratios[s.name]
-            called = widen(r, *v.edge_factors, t, v.async_tokens_per_s / s.tokens_per_s)
+            called = v.ratio_against(s)
             rows.append(
                 [
                     *(v.label, v.baseline, v.schedule, *_target_cells(v), v.overhead.estimate),
