@@ -38,7 +38,7 @@ class DelayedTrainer(Trainer):
 
 
 def examples(seq: int, n: int, offset: int = 0) -> list[dict[str, torch.Tensor]]:
-    text = (resources.files("stalepipe") / "data/excerpt/sonnets.txt").read_text()
+    text = (resources.files("stalepipe") / "training/data/excerpt/sonnets.txt").read_text()
     ids = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
     return [{"input_ids": c, "labels": c} for c in ids[offset:].split(seq)[:n] if len(c) == seq]
 

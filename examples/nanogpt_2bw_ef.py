@@ -56,7 +56,7 @@ class GPT(nn.Module):
 
 
 def shakespeare() -> torch.Tensor:
-    text = (resources.files("stalepipe") / "data/excerpt/hamlet.txt").read_text()
+    text = (resources.files("stalepipe") / "training/data/excerpt/hamlet.txt").read_text()
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
 
 

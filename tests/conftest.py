@@ -22,7 +22,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture(scope="session")
 def excerpt_data_dir(tmp_path_factory) -> str:
     """Token shards of the packaged Shakespeare excerpt, byte tokenizer (prepared once)."""
-    from stalepipe.data import prepare_corpus
+    from stalepipe.training.data import prepare_corpus
 
     out = tmp_path_factory.mktemp("data") / "excerpt-byte"
     cfg = DataConfig(corpus="excerpt", tokenizer="byte", data_dir=str(out))
@@ -62,7 +62,7 @@ def tiny_config(tmp_path, excerpt_data_dir) -> ExperimentConfig:
 def pool():
     """4 spawned workers (gloo, one thread each) for the whole session: a run on 2-4 ranks
     that needs no launcher of its own pays for a process group, not for 2-4 interpreters."""
-    from stalepipe.launch.pool import WorkerPool
+    from stalepipe.training.launch.pool import WorkerPool
 
     p = WorkerPool(4)
     yield p
@@ -112,8 +112,8 @@ class OldFormats:
 
         import torch.distributed.checkpoint as dcp
 
-        from stalepipe.rundir import legacy
-        from stalepipe.rundir.sharded import ShardedCheckpoint
+        from stalepipe.training.rundir import legacy
+        from stalepipe.training.rundir.sharded import ShardedCheckpoint
 
         ckpt = Path(ckpt)
         flat = ShardedCheckpoint(ckpt)

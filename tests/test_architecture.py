@@ -1,8 +1,18 @@
-"""The rooms of docs/design.md ("Architecture") and their one-way import order: config ->
-models, optim, data -> delay -> schedules -> sim, runtime -> rundir -> train -> launch ->
-analysis -> verdict -> experiments -> cli. A module may import its own layer and the layers below, never
-above (function-level imports included: they are dependencies too); no two modules import each
-other, directly or through others; no room holds more than 15 Python files."""
+"""The plan of the house (docs/design.md, 'Architecture'): two wings over a small core.
+
+- the **core** (config, errors, fileio, lazy, presets, hardware) imports neither wing;
+- the **training wing** (`stalepipe.training`) never imports the lab, and inside it a room
+  imports only the rooms at or below its rank (`TRAINING_ORDER`: the delay sits below
+  everything pipelined, the loop above what it composes);
+- the **lab** (`stalepipe.lab`) never imports the runtime, peers, the loop, the launcher or the
+  tools for trained models, and reads runs only through rundir's record readers
+  (`RECORD_READERS`); a sweep is handed the task that trains a run;
+- the **top** (cli, `__main__`) composes both wings and nothing imports it; `stalepipe.delay` is
+  the stable API's one entry, re-exporting the training wing's names;
+- no two modules import each other, directly or through others.
+
+Function-level imports count: they are dependencies too.
+"""
 
 import ast
 import subprocess
@@ -14,34 +24,42 @@ import pytest
 import stalepipe
 
 PACKAGE = Path(stalepipe.__file__).parent
-LAYER = {
-    "config": 0,
-    "errors": 0,
-    "fileio": 0,
-    "lazy": 0,
-    "presets": 0,
-    "models": 1,
-    "optim": 1,
-    "data": 1,
-    "delay": 2,
-    "schedules": 3,
-    "sim": 4,
-    "runtime": 4,
-    "peers": 4,
-    "rundir": 5,
-    "train": 6,
-    "launch": 7,
-    "analysis": 8,
-    "verdict": 9,
-    "experiments": 10,
-    "cli": 11,
-    "__main__": 11,
+CORE = {"config", "errors", "fileio", "lazy", "presets", "hardware"}
+TOP = {"cli", "__main__"}
+API = {"delay"}  # stalepipe.delay: the stable names (docs/api.md)
+TRAINING_ORDER = {
+    "models": 0,
+    "optim": 0,
+    "data": 0,
+    "delay": 1,
+    "schedules": 2,
+    "runtime": 3,
+    "peers": 3,
+    "rundir": 4,
+    "train": 5,
+    "launch": 6,
+    "tools": 6,
 }
+LAB = {"sweeps", "studies", "analysis", "sim", "verdict"}
+LAB_NEVER = {"runtime", "peers", "train", "launch", "tools"}  # what executes or serves runs
+RECORD_READERS = {"status", "metrics", "directory", "lease", "resume", "checkpoint"}
 
 
-def _part(module: str) -> str:
-    """'stalepipe.runtime.stage' -> 'runtime'."""
-    return module.split(".")[1]
+def _room(module: str) -> tuple[str, str]:
+    """'stalepipe.training.runtime.stage' -> ('training', 'runtime'); 'stalepipe.fileio' ->
+    ('core', 'fileio'); 'stalepipe.cli.demo' -> ('top', 'cli')."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return ("root", "")
+    if parts[0] in ("training", "lab"):
+        return (parts[0], parts[1] if len(parts) > 1 else "")
+    if parts[0] in CORE:
+        return ("core", parts[0])
+    if parts[0] in TOP:
+        return ("top", parts[0])
+    if parts[0] in API:
+        return ("api", parts[0])
+    return ("unknown", parts[0])
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -60,20 +78,77 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 MODULES = sorted(p for p in PACKAGE.rglob("*.py"))
 
 
-def test_every_top_level_part_has_a_layer():
-    parts = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in MODULES}
-    assert parts - {"__init__"} <= LAYER.keys()
+def _here(path: Path) -> str:
+    return _module_name(path)
+
+
+def test_every_module_sits_in_a_wing_the_core_or_the_top():
+    """A new room is placed on purpose: in `TRAINING_ORDER`, `LAB`, `CORE` or `TOP`."""
+    unplaced = []
+    for p in MODULES:
+        wing, room = _room(_here(p))
+        known = {
+            "training": room in TRAINING_ORDER or room == "",
+            "lab": room in LAB or room == "",
+        }.get(wing, wing in ("core", "top", "api", "root"))
+        if not known:
+            unplaced.append(_here(p))
+    assert not unplaced, f"place these rooms in tests/test_architecture.py: {unplaced}"
+
+
+def _violation(here: str, name: str) -> str | None:
+    """Why `here` may not import `name`, or None."""
+    (wing, room), (to_wing, to_room) = _room(here), _room(name)
+    if to_wing == "top" and wing != "top":
+        return "nothing imports the cli"
+    if wing == "core" and to_wing in ("training", "lab", "api"):
+        return "the core imports neither wing"
+    if wing == "training" and to_wing in ("lab", "api"):
+        return "the training wing never imports the lab"
+    below = wing == to_wing == "training" and to_room and room
+    if below and TRAINING_ORDER[to_room] > TRAINING_ORDER[room]:
+        return f"{room} sits below {to_room} in the training wing"
+    if wing == "lab" and to_wing == "training" and to_room in LAB_NEVER:
+        return "the lab never imports what executes runs"
+    if wing == "lab" and to_wing == "training" and to_room == "rundir":
+        module = name.split(".")[3] if len(name.split(".")) > 3 else ""
+        if module not in RECORD_READERS:
+            return "the lab reads runs only through rundir's record readers"
+    if wing == "lab" and to_wing == "api":
+        return "inside the package, import the training wing's own path"
+    return None
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_imports_point_down(path):
-    here = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
-    if here == "__init__":
-        return
+def test_imports_keep_the_plan(path):
+    here = _here(path)
     bad = [
-        f"line {line}: {name}" for line, name in _imports(path) if LAYER[_part(name)] > LAYER[here]
+        f"line {line}: {name} ({why})"
+        for line, name in _imports(path)
+        if (why := _violation(here, name)) is not None
     ]
-    assert not bad, f"{path.relative_to(PACKAGE)} imports from a higher layer: {bad}"
+    assert not bad, f"{path.relative_to(PACKAGE)}: {bad}"
+
+
+@pytest.mark.parametrize(
+    "here, name",
+    [
+        ("stalepipe.config.base", "stalepipe.training.delay.policies"),
+        ("stalepipe.training.rundir.status", "stalepipe.lab.analysis.stats"),
+        ("stalepipe.training.delay.emulator", "stalepipe.training.runtime.stage"),
+        ("stalepipe.lab.sweeps.sweep", "stalepipe.training.train.loop"),
+        ("stalepipe.lab.analysis.results", "stalepipe.training.rundir.sharded"),
+        ("stalepipe.lab.verdict.command", "stalepipe.cli.demo"),
+    ],
+)
+def test_the_rules_catch_a_wrong_import(here, name):
+    assert _violation(here, name) is not None
+
+
+def test_the_rules_let_the_plan_through():
+    assert _violation("stalepipe.lab.analysis.results", "stalepipe.training.rundir.status") is None
+    assert _violation("stalepipe.training.train.loop", "stalepipe.training.delay") is None
+    assert _violation("stalepipe.cli.demo", "stalepipe.training.train.loop") is None
 
 
 def _module_name(path: Path) -> str:
@@ -151,51 +226,6 @@ def test_the_circle_finder_finds_one():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_no_room_holds_more_than_15_python_files():
-    rooms = {p.parent for p in MODULES}
-    crowded = {
-        str(r.relative_to(PACKAGE)): n for r in rooms if (n := len(list(r.glob("*.py")))) > 15
-    }
-    assert not crowded
-
-
-def test_sim_and_runtime_are_apart():
-    """The simulator times schedules without torch.distributed; the runtime executes them
-    without the cost model: neither room imports the other."""
-    for path in MODULES:
-        here = path.relative_to(PACKAGE).parts[0]
-        if here in ("sim", "runtime"):
-            other = "runtime" if here == "sim" else "sim"
-            bad = [n for _, n in _imports(path) if _part(n) == other]
-            assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}"
-
-
-def _function_lengths(path: Path) -> list[tuple[str, int]]:
-    tree = ast.parse(path.read_text())
-    return [
-        (node.name, node.end_lineno - node.lineno + 1)
-        for node in ast.walk(tree)
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-    ]
-
-
-def test_files_and_functions_fit_on_a_screen():
-    """docs/design.md, 'Style', rule 1: a backstop for reading, not a goal: no file over 450
-    lines, no function over 80."""
-    long_files = {
-        str(p.relative_to(PACKAGE)): n
-        for p in MODULES
-        if (n := len(p.read_text().splitlines())) > 450
-    }
-    long_functions = {
-        f"{p.relative_to(PACKAGE)}::{name}": n
-        for p in MODULES
-        for name, n in _function_lengths(p)
-        if n > 80
-    }
-    assert not long_files and not long_functions, (long_files, long_functions)
-
-
 # Every registry's names in order, as one printed line (run here and in a fresh process).
 REGISTRY_NAMES = (
     "from stalepipe.config import CORRECTORS, DELAY_POLICIES, LR_SCHEDULES, OPTIMIZERS\n"
@@ -229,19 +259,24 @@ def test_config_and_cli_import_no_torch_and_see_every_component(module):
     assert out.stdout.split("\n")[:2] == ["[]", str(here["names"])]
 
 
-def test_design_counts_and_lists_every_room():
-    """docs/design.md's architecture gives the rooms' count and layers as they are, and its table
-    names every room."""
+def _resolve(path: str) -> Path:
+    """A file design.md cites by its room (`delay/policies.py`, `sweeps/sweep.py`), found in
+    the core, the training wing or the lab (room names are unique across them)."""
+    for base in (PACKAGE, PACKAGE / "training", PACKAGE / "lab"):
+        if (base / path).exists():
+            return base / path
+    return PACKAGE / path
+
+
+def test_design_draws_every_room():
+    """docs/design.md's architecture picture names every room of both wings and the core."""
     import re
 
     text = (PACKAGE.parents[1] / "docs" / "design.md").read_text()
-    section = text.split("## Architecture", 1)[1]
-    m = re.search(r"\*\*(\d+) rooms on (\d+) layers\*\*", section)
-    assert m, "docs/design.md: no '**N rooms on L layers**' in Architecture"
-    assert (int(m[1]), int(m[2])) == (len(LAYER), len(set(LAYER.values())))
-    table = section.split("```", 2)[1]
-    missing = [room for room in LAYER if not re.search(rf"\b{re.escape(room)}\b", table)]
-    assert not missing, f"rooms missing from design.md's table: {missing}"
+    section = text.split("## Architecture", 1)[1].split("\n## ", 1)[0]
+    rooms = CORE | TOP | set(TRAINING_ORDER) | LAB
+    missing = sorted(r for r in rooms if not re.search(rf"\b{re.escape(r)}\b", section))
+    assert not missing, f"rooms missing from design.md's Architecture: {missing}"
 
 
 def test_design_names_only_code_that_exists():
@@ -254,7 +289,7 @@ def test_design_names_only_code_that_exists():
     assert len(cited) > 20
     missing = []
     for path, name in sorted(cited):
-        file = PACKAGE / path
+        file = _resolve(path)
         if not file.is_file():
             missing.append(f"{path} (no such file)")
             continue
@@ -292,5 +327,5 @@ def test_design_names_only_classes_and_files_that_exist():
     paths = set(re.findall(r"`((?:tests|benchmarks|docs)/[\w/.-]+|[a-z_]+/[a-z_]+\.py)", text))
     assert len(paths) > 20
     gone = sorted(c for c in classes if c not in defined)
-    gone += sorted(p for p in paths if not (PACKAGE / p).exists() and not (root / p).exists())
+    gone += sorted(p for p in paths if not _resolve(p).exists() and not (root / p).exists())
     assert not gone, gone

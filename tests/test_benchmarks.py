@@ -77,7 +77,7 @@ def test_the_135m_claims_script_plans_its_18_runs_and_refuses_a_dir_without_shar
     runs with their GPU-hours; a directory without shards is one line and exit 2."""
     import numpy as np
 
-    from stalepipe.data.shards import write_shard
+    from stalepipe.training.data.shards import write_shard
 
     script = ROOT / "benchmarks" / "studies" / "claims_135m.sh"
     env = {**os.environ, "STALEPIPE": str(Path(sys.executable).parent / "stalepipe")}

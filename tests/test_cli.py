@@ -158,14 +158,14 @@ def test_every_command_has_help(capsys):
 @pytest.mark.parametrize(
     ("argv", "target", "signature"),
     [
-        (["data", "prepare"], "stalepipe.data:prepare_main", None),
-        (["simulate"], "stalepipe.sim.simulate:simulate_main", None),
-        (["eval", "RUN"], "stalepipe.experiments.evaluate:eval_main", None),
-        (["export", "RUN", "--out", "hf"], "stalepipe.experiments.export:export_main", None),
-        (["demo"], "stalepipe.experiments.demo:run_demo", None),
+        (["data", "prepare"], "stalepipe.training.data:prepare_main", None),
+        (["simulate"], "stalepipe.lab.sim.simulate:simulate_main", None),
+        (["eval", "RUN"], "stalepipe.training.tools.evaluate:eval_main", None),
+        (["export", "RUN", "--out", "hf"], "stalepipe.training.tools.export:export_main", None),
+        (["demo"], "stalepipe.cli.demo:run_demo", None),
         # verdict_main passes its keywords on to run_verdict: the flags must fit run_verdict
-        (["verdict", "RUNS"], "stalepipe.verdict.command:verdict_main",
-         "stalepipe.verdict.command:run_verdict"),
+        (["verdict", "RUNS"], "stalepipe.lab.verdict.command:verdict_main",
+         "stalepipe.lab.verdict.command:run_verdict"),
     ],
 )  # fmt: skip
 def test_flags_are_the_keywords_of_the_function_a_command_calls(argv, target, signature):
@@ -185,7 +185,7 @@ def test_flags_are_the_keywords_of_the_function_a_command_calls(argv, target, si
 
 
 def test_export_format_choices_are_the_exporters():
-    from stalepipe.experiments.export import EXPORTERS
+    from stalepipe.training.tools.export import EXPORTERS
 
     fmt = next(a for a in _subcommands()["export"]._actions if a.dest == "format")
     assert set(fmt.choices) == set(EXPORTERS) and fmt.default in EXPORTERS

@@ -246,7 +246,7 @@ def test_ignored_settings_are_refused_with_fixes_that_work(overrides, match, fix
     for fix in offered:
         cfg = _cfg(**{**overrides, **fix})
         if cfg.pipeline.engine == "distributed":
-            from stalepipe.train.pipelined import check_config
+            from stalepipe.training.train.pipelined import check_config
 
             check_config(cfg)  # the runtime's own schedule rules accept it too
 
@@ -383,7 +383,7 @@ def test_presets_have_no_warnings(name):
 def test_delay_policy_names_are_the_implemented_ones():
     from stalepipe import config
     from stalepipe.config import DELAY_POLICIES
-    from stalepipe.delay.policies import parse_policy
+    from stalepipe.training.delay.policies import parse_policy
 
     assert list(DELAY_POLICIES)
     for name in DELAY_POLICIES:  # the config accepts each; delay/policies.py implements each
@@ -426,7 +426,7 @@ def test_stored_configs_of_every_optimizer_load():
     import json
 
     from stalepipe.config import OPTIMIZERS
-    from stalepipe.optim import resolve_config
+    from stalepipe.training.optim import resolve_config
 
     for name in OPTIMIZERS:
         for scale in ("original", "match_rms") if name == "muon" else (None,):

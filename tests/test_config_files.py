@@ -147,7 +147,7 @@ def test_a_runtime_runs_config_resumes_on_the_emulator_with_no_extra_flag(tmp_pa
     emulator's, since 2bw's delay is the policy's. A schedule whose delay is not the run's
     policy is still refused, naming the fix."""
     from stalepipe.config import ExperimentConfig, apply_overrides
-    from stalepipe.rundir.resume import config_diff
+    from stalepipe.training.rundir.resume import config_diff
 
     runtime = apply_overrides(ExperimentConfig(), {
         "pipeline.engine": "distributed", "pipeline.num_stages": "2", "pipeline.schedule": "2bw",

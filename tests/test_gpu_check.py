@@ -118,7 +118,7 @@ def test_every_config_the_gpu_mode_builds_is_valid(gpu_check, tmp_path, num_gpus
     cfg = gpu_check.runtime_config(s, P)
     assert cfg.pipeline.num_stages == P == num_gpus
     assert cfg.pipeline.schedule == ("2bw" if P > 1 else "1f1b")
-    from stalepipe.train.pipelined import check_config
+    from stalepipe.training.train.pipelined import check_config
 
     check_config(cfg)  # what the runtime itself refuses
     v = gpu_check.runtime_config(s, P, v_shape=True)  # two stages per GPU, in a V

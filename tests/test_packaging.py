@@ -70,12 +70,12 @@ def test_nothing_starts_pip_or_a_subprocess_package_manager():
 
 
 def test_the_gpt2_vocabulary_ships_in_the_package():
-    from stalepipe.data.gpt2 import FILE_SHA256, _read_package_file
+    from stalepipe.training.data.gpt2 import FILE_SHA256, _read_package_file
 
     for name in FILE_SHA256:
         assert _read_package_file(name)  # checked against GPT-2's published SHA-256
     assert (
-        "data/gpt2_files/*"
+        "training/data/gpt2_files/*"
         in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
             "package-data"
         ]["stalepipe"]
@@ -110,7 +110,7 @@ def test_the_sdist_holds_every_tracked_test_and_doc(tmp_path):
 @pytest.mark.parametrize("tokenizer", ["gpt2", "bpe"])
 def test_a_tokenizer_without_its_package_is_named_before_reading(tokenizer, monkeypatch, capsys):
     from stalepipe.cli import main
-    from stalepipe.data.registry import TOKENIZERS
+    from stalepipe.training.data.registry import TOKENIZERS
 
     for module in TOKENIZERS[tokenizer].needs:
         monkeypatch.setitem(sys.modules, module, None)

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from stalepipe.config import ModelConfig
-from stalepipe.models import build_model
+from stalepipe.training.models import build_model
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from stalepipe.analysis.markdown import md_code, md_fenced, md_text
 from stalepipe.cli import main
 from stalepipe.errors import EXIT_USER
 from stalepipe.fileio import (
@@ -31,6 +30,7 @@ from stalepipe.fileio import (
     write_files,
     write_text_atomic,
 )
+from stalepipe.lab.analysis.markdown import md_code, md_fenced, md_text
 
 _spec = importlib.util.spec_from_file_location(
     "analysis_curve_fixtures", Path(__file__).parent / "analysis" / "conftest.py"
@@ -312,10 +312,10 @@ def test_resume_with_a_dangling_metrics_link_is_refused_and_creates_nothing(
 
 
 def test_run_writers_refuse_links(tmp_path, outside):
-    from stalepipe.experiments.evaluate import save_results
-    from stalepipe.experiments.task import write_error
-    from stalepipe.rundir.trackers import ID_FILE, _run_id
-    from stalepipe.train.ranklog import rank_log_path, tee_rank_log
+    from stalepipe.training.launch.task import write_error
+    from stalepipe.training.rundir.trackers import ID_FILE, _run_id
+    from stalepipe.training.tools.evaluate import save_results
+    from stalepipe.training.train.ranklog import rank_log_path, tee_rank_log
 
     run = tmp_path / "sweep" / "run"
     (run / "ckpt_00000004").mkdir(parents=True)

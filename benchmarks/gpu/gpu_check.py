@@ -85,7 +85,7 @@ class Setup:
 def setup(args: argparse.Namespace, work: Path) -> Setup:
     import torch
 
-    from stalepipe.rundir.metrics import TIMING_WARMUP_STEPS
+    from stalepipe.training.rundir.metrics import TIMING_WARMUP_STEPS
 
     cuda = not args.cpu_smoke
     timed = args.steps if args.steps is not None else 20 if cuda else 3
@@ -137,7 +137,7 @@ def config(s: Setup, name: str, **overrides: str):
 
 
 def last_record(run_dir: Path) -> dict[str, Any]:
-    from stalepipe.rundir.metrics import read_metrics
+    from stalepipe.training.rundir.metrics import read_metrics
 
     return [r for r in read_metrics(run_dir) if "tokens_per_s" in r][-1]
 
@@ -162,7 +162,7 @@ def emulator_config(s: Setup, policy: str, optim: str, compiled: bool):
 def emulator_row(s: Setup, policy: str, optim: str, compiled: bool) -> Row:
     import torch
 
-    from stalepipe.train.loop import train
+    from stalepipe.training.train.loop import train
 
     row = Row("throughput", "emulator", policy, optim, compiled)
     if s.cuda:
@@ -183,13 +183,13 @@ def resume_row(s: Setup) -> Row:
     then differs from the first too, and the note gives both differences)."""
     import torch
 
-    from stalepipe.rundir.checkpoint import (
+    from stalepipe.training.rundir.checkpoint import (
         checkpoint_path,
         latest_checkpoint,
         load_checkpoint,
         remove_checkpoint,
     )
-    from stalepipe.train.loop import train
+    from stalepipe.training.train.loop import train
 
     row = Row("resume", "emulator", "2bw+EF", "adamw", False)
     half = s.steps // 2
@@ -267,8 +267,8 @@ def runtime_config(s: Setup, P: int, v_shape: bool = False):
 
 def runtime_row(s: Setup, v_shape: bool = False) -> Row:
     """The runtime at the largest P this machine allows (`runtime_stages`)."""
-    from stalepipe.launch.train import launch_train
-    from stalepipe.rundir.metrics import read_metrics
+    from stalepipe.training.launch.train import launch_train
+    from stalepipe.training.rundir.metrics import read_metrics
 
     P = runtime_stages(s)
     cfg = runtime_config(s, P, v_shape)
@@ -390,7 +390,7 @@ def main() -> int:
     args = ap.parse_args()
     if (refused := preflight(args.cpu_smoke)) is not None:
         return refused
-    from stalepipe.rundir.metrics import TIMING_WARMUP_STEPS
+    from stalepipe.training.rundir.metrics import TIMING_WARMUP_STEPS
 
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="stalepipe-gpu-check-", dir=scratch()) as tmp:
@@ -405,7 +405,7 @@ def main() -> int:
     )
     print(table(rows))
     if s.cuda and machine["peak_bf16_flops"] is None:
-        print(f"no MFU: {machine['device']!r} is not in stalepipe.sim.devices.PEAK_BF16_FLOPS")
+        print(f"no MFU: {machine['device']!r} is not in stalepipe.hardware.PEAK_BF16_FLOPS")
     elapsed = time.monotonic() - t0
     print(
         f"{'all checks passed' if ok else 'SOME CHECKS FAILED OR WERE SKIPPED'} "

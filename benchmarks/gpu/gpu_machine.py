@@ -94,7 +94,7 @@ def scratch() -> str | None:
 def describe_machine(cuda: bool) -> dict[str, Any]:
     import torch
 
-    from stalepipe.sim.devices import peak_bf16_flops
+    from stalepipe.hardware import peak_bf16_flops
 
     name = torch.cuda.get_device_name() if cuda else "cpu"
     return {

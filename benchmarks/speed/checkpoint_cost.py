@@ -46,15 +46,15 @@ from pathlib import Path
 import torch
 
 from stalepipe.config import DataConfig, ExperimentConfig, apply_overrides
-from stalepipe.data import prepare_corpus
 from stalepipe.presets import get_preset
-from stalepipe.rundir import verified
-from stalepipe.rundir.checkpoint import commit_checkpoint, open_checkpoint
-from stalepipe.rundir.checkpoint_parts import flatten_part, saved_split, stage_state
-from stalepipe.rundir.sharded import save_part
-from stalepipe.schedules.plan import StepPlan
-from stalepipe.train.distributed import SINGLE_PROCESS
-from stalepipe.train.emulated import EmulatorEngine
+from stalepipe.training.data import prepare_corpus
+from stalepipe.training.rundir import verified
+from stalepipe.training.rundir.checkpoint import commit_checkpoint, open_checkpoint
+from stalepipe.training.rundir.checkpoint_parts import flatten_part, saved_split, stage_state
+from stalepipe.training.rundir.sharded import save_part
+from stalepipe.training.schedules.plan import StepPlan
+from stalepipe.training.train.distributed import SINGLE_PROCESS
+from stalepipe.training.train.emulated import EmulatorEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
 from benchmarks.common import parser, pin_threads, proc_status_kb, timing_args

@@ -55,9 +55,9 @@ CONTENDERS = {
 
 def build(name: str, preset: str):
     from stalepipe.config import DelayConfig
-    from stalepipe.delay import DelayEmulator
-    from stalepipe.models import build_model
     from stalepipe.presets import get_preset
+    from stalepipe.training.delay import DelayEmulator
+    from stalepipe.training.models import build_model
 
     cfg = get_preset(preset)
     delay, P = CONTENDERS[name]

@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 from stalepipe.config import DelayConfig
-from stalepipe.data import TokenLoader, ensure_prepared
-from stalepipe.delay import DelayEmulator
-from stalepipe.models import build_model
-from stalepipe.optim import build_optimizer
 from stalepipe.presets import get_preset
+from stalepipe.training.data import TokenLoader, ensure_prepared
+from stalepipe.training.delay import DelayEmulator
+from stalepipe.training.models import build_model
+from stalepipe.training.optim import build_optimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
 from benchmarks.common import parser, pin_threads, timing_args

@@ -26,8 +26,8 @@ from benchmarks.common import parser, random_tokens, round_robin, timing_args
 
 
 def build(preset: str, device: str):
-    from stalepipe.models import build_model
     from stalepipe.presets import get_preset
+    from stalepipe.training.models import build_model
 
     cfg = get_preset(preset)
     model = build_model(cfg.model, seed=0, device=device)
@@ -61,9 +61,9 @@ def mlp_step(mlp, x, device: str) -> float:
 
 
 def main() -> None:
-    from stalepipe.models import count_params
-    from stalepipe.models.layers import SwiGLU
-    from stalepipe.models.moe import MoE
+    from stalepipe.training.models import count_params
+    from stalepipe.training.models.layers import SwiGLU
+    from stalepipe.training.models.moe import MoE
 
     ap = parser(__doc__)
     timing_args(ap, steps=30, warmup=3)

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from stalepipe.config import OptimConfig
-from stalepipe.models import build_model, count_params
-from stalepipe.optim import OPTIMIZERS, build_optimizer
 from stalepipe.presets import cpu_small
+from stalepipe.training.models import build_model, count_params
+from stalepipe.training.optim import OPTIMIZERS, build_optimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
 from benchmarks.common import parser, pin_threads, random_tokens, timing_args

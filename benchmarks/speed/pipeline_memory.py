@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from stalepipe.config import ModelConfig
-from stalepipe.models import build_model, partition
-from stalepipe.schedules.generators import make_schedule
-from stalepipe.sim.memory import rank_memory
+from stalepipe.lab.sim.memory import rank_memory
+from stalepipe.training.models import build_model, partition
+from stalepipe.training.schedules.generators import make_schedule
 
 P = 2  # processes, as in pipeline_throughput.py
 

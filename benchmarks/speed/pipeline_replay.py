@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from stalepipe.schedules.generators import make_schedule
-from stalepipe.schedules.schedule import Action
-from stalepipe.sim.timing import CostModel, SimResult, simulate, summarize, uniform_costs
+from stalepipe.lab.sim.timing import CostModel, SimResult, simulate, summarize, uniform_costs
+from stalepipe.training.schedules.generators import make_schedule
+from stalepipe.training.schedules.schedule import Action
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from stalepipe.config import ModelConfig, OptimConfig
-from stalepipe.models import build_model, partition
-from stalepipe.optim import build_optimizer, resolve_config
-from stalepipe.optim.lr_schedule import set_peak_lr
-from stalepipe.peers.group import init_from_env
+from stalepipe.training.models import build_model, partition
+from stalepipe.training.optim import build_optimizer, resolve_config
+from stalepipe.training.optim.lr_schedule import set_peak_lr
+from stalepipe.training.peers.group import init_from_env
 
 P = 2
 

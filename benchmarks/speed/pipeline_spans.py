@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from stalepipe.sim.timing import CostModel, uniform_costs
+from stalepipe.lab.sim.timing import CostModel, uniform_costs
 
 
 def window(reports: list[dict]) -> tuple[float, float]:

@@ -30,19 +30,19 @@ import torch
 import torch.distributed as dist
 
 from stalepipe.config import PIPELINE_SCHEDULES, DelayConfig, ModelConfig, OptimConfig
-from stalepipe.delay import DelayedOptimizer
-from stalepipe.launch.pool import WorkerPool
-from stalepipe.models import build_model, partition
-from stalepipe.optim import build_optimizer, resolve_config
-from stalepipe.optim.lr_schedule import set_peak_lr
-from stalepipe.peers.group import init_from_env
-from stalepipe.peers.topology import Topology
-from stalepipe.runtime.comm import Comm
-from stalepipe.runtime.stage import StageExecutor
-from stalepipe.runtime.stage_io import ModelLayout, StageIO
-from stalepipe.runtime.stage_update import StepVotes, lookahead
-from stalepipe.schedules.generators import make_schedule
-from stalepipe.sim.timing import simulate, summarize
+from stalepipe.lab.sim.timing import simulate, summarize
+from stalepipe.training.delay import DelayedOptimizer
+from stalepipe.training.launch.pool import WorkerPool
+from stalepipe.training.models import build_model, partition
+from stalepipe.training.optim import build_optimizer, resolve_config
+from stalepipe.training.optim.lr_schedule import set_peak_lr
+from stalepipe.training.peers.group import init_from_env
+from stalepipe.training.peers.topology import Topology
+from stalepipe.training.runtime.comm import Comm
+from stalepipe.training.runtime.stage import StageExecutor
+from stalepipe.training.runtime.stage_io import ModelLayout, StageIO
+from stalepipe.training.runtime.stage_update import StepVotes, lookahead
+from stalepipe.training.schedules.generators import make_schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
 from benchmarks.common import interleaved_rounds, median_range, parser, print_load, timing_args

@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 from stalepipe.config import apply_overrides
-from stalepipe.data import ensure_prepared
-from stalepipe.experiments.studies import base_config
-from stalepipe.rundir.metrics import read_metrics
-from stalepipe.train.loop import train
+from stalepipe.lab.studies.studies import base_config
+from stalepipe.training.data import ensure_prepared
+from stalepipe.training.rundir.metrics import read_metrics
+from stalepipe.training.train.loop import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
 from benchmarks.common import parser, pin_threads, timing_args

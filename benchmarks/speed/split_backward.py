@@ -21,9 +21,9 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from stalepipe.config import ModelConfig
-from stalepipe.models import build_model, partition
-from stalepipe.models.partition import Reparametrized
-from stalepipe.runtime.split_backward import (
+from stalepipe.training.models import build_model, partition
+from stalepipe.training.models.partition import Reparametrized
+from stalepipe.training.runtime.split_backward import (
     _weight_branches,
     backward_input,
     backward_weights,

@@ -42,11 +42,11 @@ import torch
 import torch.nn.functional as F
 
 from stalepipe.config import ExperimentConfig, apply_overrides
-from stalepipe.delay import DelayEmulator, DelaySchedule
-from stalepipe.experiments.scales import LRS, OVERHEAD_LR, base_config, overhead_rung
-from stalepipe.models import build_model, compile_blocks, flops_per_token
-from stalepipe.optim import build_optimizer
-from stalepipe.optim.lr_schedule import apply_lr, lr_multiplier
+from stalepipe.lab.studies.scales import LRS, OVERHEAD_LR, base_config, overhead_rung
+from stalepipe.training.delay import DelayEmulator, DelaySchedule
+from stalepipe.training.models import build_model, compile_blocks, flops_per_token
+from stalepipe.training.optim import build_optimizer
+from stalepipe.training.optim.lr_schedule import apply_lr, lr_multiplier
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
 from benchmarks.common import parser, pin_threads, print_load, random_tokens, round_robin

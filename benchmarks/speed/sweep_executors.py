@@ -15,9 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from stalepipe.experiments.grid import axis, expand
-from stalepipe.experiments.scales import paper_mini_base
-from stalepipe.experiments.sweep import run_sweep
+from stalepipe.lab.studies.scales import paper_mini_base
+from stalepipe.lab.sweeps.grid import axis, expand
+from stalepipe.lab.sweeps.sweep import run_sweep
+from stalepipe.training.launch import task as trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
 from benchmarks.common import parser, timing_args
@@ -41,7 +42,7 @@ def main() -> None:
             for name, kind in (("local (pool)", "local"), ("submitit-local", "submitit-local")):
                 out = work / f"{kind}-{rep}"
                 t = time.perf_counter()
-                res = run_sweep(specs, base, out, workers=args.workers, executor=kind,
+                res = run_sweep(trainer, specs, base, out, workers=args.workers, executor=kind,
                                 log=lambda m: None)  # fmt: skip
                 assert len(res.ran) == args.runs and not res.failed, res
                 times[name].append((time.perf_counter() - t) / args.runs)

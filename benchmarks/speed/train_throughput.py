@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from stalepipe.config import apply_overrides
-from stalepipe.data import TokenLoader, ensure_prepared
-from stalepipe.models import build_model
 from stalepipe.presets import get_preset
-from stalepipe.rundir.metrics import TIMING_WARMUP_STEPS, read_metrics
-from stalepipe.train.loop import train
+from stalepipe.training.data import TokenLoader, ensure_prepared
+from stalepipe.training.models import build_model
+from stalepipe.training.rundir.metrics import TIMING_WARMUP_STEPS, read_metrics
+from stalepipe.training.train.loop import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
 from benchmarks.common import parser, pin_threads, timing_args

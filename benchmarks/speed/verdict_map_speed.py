@@ -17,9 +17,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from stalepipe.sim import parallel, steady
-from stalepipe.sim.parallel import all_options
-from stalepipe.verdict.cluster import crossover_map, setting
+from stalepipe.lab.sim import parallel, steady
+from stalepipe.lab.sim.parallel import all_options
+from stalepipe.lab.verdict.cluster import crossover_map, setting
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
 from benchmarks.common import load_average, parser

@@ -16,10 +16,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from stalepipe.analysis.plots import png_bytes, pyplot
-from stalepipe.sim.cluster import CLUSTERS
-from stalepipe.sim.parallel import Workload, all_options, best
-from stalepipe.verdict.throughput import model_shape
+from stalepipe.lab.analysis.plots import png_bytes, pyplot
+from stalepipe.lab.sim.cluster import CLUSTERS
+from stalepipe.lab.sim.parallel import Workload, all_options, best
+from stalepipe.lab.verdict.throughput import model_shape
 
 # the lengths study's token overheads at sync's final loss (docs/verdict.md's table, 5 seeds)
 OVERHEADS = {"Muon+EF": 1.10, "Muon": 1.27, "AdamW+EF": 1.38}

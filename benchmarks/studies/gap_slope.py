@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from stalepipe.analysis import lengths
-from stalepipe.analysis.results import build_rows, load_runs
+from stalepipe.lab.analysis import lengths
+from stalepipe.lab.analysis.results import build_rows, load_runs
 
 
 def main() -> None:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from stalepipe.analysis.results import Run, config_key, load_runs
-from stalepipe.verdict.rule import model_size
+from stalepipe.lab.analysis.results import Run, config_key, load_runs
+from stalepipe.lab.verdict.rule import model_size
 
 # Keys an axis may change against the reference (beside the delay's), and the one it shows.
 AXES = {

@@ -1,5 +1,5 @@
 """The size ladder's table, fit and prediction (issue 41; the analysis docs/RESULTS.md registered
-before the runs, `stalepipe.analysis.scaling`), from the ladder's run records.
+before the runs, `stalepipe.lab.analysis.scaling`), from the ladder's run records.
 
     python benchmarks/studies/ladder_fit.py                     # docs/results/ladder-regime
     python benchmarks/studies/ladder_fit.py runs/ladder-regime  # a sweep in progress
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from stalepipe.analysis import claims, ladder_labels, plots, scaling, stats
-from stalepipe.analysis.ladder_labels import DRAWS
 from stalepipe.errors import UserError
-from stalepipe.experiments.scales import LADDER, LADDER_LRS
+from stalepipe.lab.analysis import claims, ladder_labels, plots, scaling, stats
+from stalepipe.lab.analysis.ladder_labels import DRAWS
+from stalepipe.lab.studies.scales import LADDER, LADDER_LRS
 
 ARMS = ("sync", "2bw", "2bw+ef")  # `scaling.LadderRun.arm`
 PAPER = {("muon", "2bw"): 0.012, ("muon", "2bw+ef"): 0.005}  # the paper's 360M runs

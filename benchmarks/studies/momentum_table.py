@@ -24,7 +24,7 @@ import math
 import statistics
 from collections import defaultdict
 
-from stalepipe.analysis.results import load_runs
+from stalepipe.lab.analysis.results import load_runs
 
 Cell = dict[str, list[float]]  # delay policy -> final losses over seeds
 

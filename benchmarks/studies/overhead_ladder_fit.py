@@ -1,5 +1,5 @@
 """The overhead ladder's table, fit, tests and 360M prediction (issue 51; the analysis
-docs/RESULTS.md registered before the runs, `stalepipe.analysis.overhead_ladder`), from the
+docs/RESULTS.md registered before the runs, `stalepipe.lab.analysis.overhead_ladder`), from the
 sweep's run records.
 
     python benchmarks/studies/overhead_ladder_fit.py                         # docs/results/overhead-ladder
@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from stalepipe.analysis import overhead_ladder as ol
-from stalepipe.analysis import scaling
+from stalepipe.lab.analysis import overhead_ladder as ol
+from stalepipe.lab.analysis import scaling
 
 REGISTERED_POINTS = 12  # 4 widths x 3 seeds
 

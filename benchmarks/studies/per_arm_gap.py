@@ -23,9 +23,9 @@ import argparse
 import statistics
 from pathlib import Path
 
-from stalepipe.analysis.stats import paired_difference, welch_t_test
-from stalepipe.rundir.metrics import read_metrics
-from stalepipe.rundir.status import run_status
+from stalepipe.lab.analysis.stats import paired_difference, welch_t_test
+from stalepipe.training.rundir.metrics import read_metrics
+from stalepipe.training.rundir.status import run_status
 
 
 def final_losses(group: Path) -> dict[int, float]:

@@ -33,14 +33,16 @@ import math
 import statistics
 from pathlib import Path
 
-from stalepipe.analysis.regime import end_slope, plateau_exit, unigram_entropy
 from stalepipe.config import ExperimentConfig, apply_overrides
-from stalepipe.data import ensure_prepared
-from stalepipe.experiments.grid import RunSpec
-from stalepipe.experiments.studies import LRS, SCALES, base_config, paper_mini_base
-from stalepipe.experiments.sweep import run_status, run_sweep
-from stalepipe.models import count_params
-from stalepipe.rundir.metrics import read_metrics
+from stalepipe.lab.analysis.regime import end_slope, plateau_exit
+from stalepipe.lab.studies.studies import LRS, SCALES, base_config, paper_mini_base
+from stalepipe.lab.sweeps.grid import RunSpec
+from stalepipe.lab.sweeps.sweep import run_status, run_sweep
+from stalepipe.training.data import ensure_prepared
+from stalepipe.training.data.manifest import unigram_entropy
+from stalepipe.training.launch import task as trainer
+from stalepipe.training.models import count_params
+from stalepipe.training.rundir.metrics import read_metrics
 
 
 def _shape(vocab: int, dim: int, ffn: int, layers: int = 4, seq: int = 64) -> dict[str, str]:
@@ -276,7 +278,7 @@ def main() -> None:
             base = candidate_config(name)
             ensure_prepared(base.data)
             specs = arm_specs(arms, args.seeds, lrs, LRS[name] if args.study_names else None)
-            run_sweep(specs, base, run_root, workers=args.workers)
+            run_sweep(trainer, specs, base, run_root, workers=args.workers)
     print(table(dirs, arms, args.seeds, lrs, args.study_names))
 
 

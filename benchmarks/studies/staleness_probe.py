@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from stalepipe.analysis import overhead_ladder as ol
-from stalepipe.analysis import scaling, stats
-from stalepipe.analysis.plots import png_bytes, pyplot
+from stalepipe.lab.analysis import overhead_ladder as ol
+from stalepipe.lab.analysis import scaling, stats
+from stalepipe.lab.analysis.plots import png_bytes, pyplot
 
 LADDERS = {
     "ladder-regime": "docs/results/ladder-regime",
@@ -284,9 +284,9 @@ def probe(src: Path, dest: Path, data_dir: Path) -> dict:
     import torch
 
     from stalepipe.config import ExperimentConfig
-    from stalepipe.schedules.plan import StepPlan
-    from stalepipe.train.distributed import DistContext
-    from stalepipe.train.emulated import EmulatorEngine
+    from stalepipe.training.schedules.plan import StepPlan
+    from stalepipe.training.train.distributed import DistContext
+    from stalepipe.training.train.emulated import EmulatorEngine
 
     saved = json.loads((src / "config.json").read_text())
     saved["log"]["staleness"] = True

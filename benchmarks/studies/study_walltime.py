@@ -29,9 +29,9 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from stalepipe.errors import UserError
-from stalepipe.rundir.directory import invocations, read_meta
-from stalepipe.rundir.metrics import read_metrics
-from stalepipe.rundir.status import run_status
+from stalepipe.training.rundir.directory import invocations, read_meta
+from stalepipe.training.rundir.metrics import read_metrics
+from stalepipe.training.rundir.status import run_status
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
 from benchmarks.common import parser

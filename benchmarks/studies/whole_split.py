@@ -26,9 +26,9 @@ import json
 import math
 from pathlib import Path
 
-from stalepipe.analysis import stats
-from stalepipe.analysis.targets import TargetOverhead, final_target
 from stalepipe.errors import UserError
+from stalepipe.lab.analysis import stats
+from stalepipe.lab.analysis.targets import TargetOverhead, final_target
 
 RESULTS = Path("docs/results")
 ARMS = [f"{o}_{a}" for o in ("adamw", "muon") for a in ("sync", "2bw", "2bw+ef")]
@@ -47,7 +47,7 @@ def _last_eval(run: Path) -> dict:
 
 def collect(sweep: Path) -> Path:
     """Score every finished run of `sweep` with a checkpoint at its last step (module doc)."""
-    from stalepipe.experiments.evaluate import evaluate_run
+    from stalepipe.training.tools.evaluate import evaluate_run
 
     out = RESULTS / "whole-split" / f"{sweep.name}.json"
     scored = json.loads(out.read_text()) if out.exists() else {}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from stalepipe.sim.cluster import CLUSTERS, Cluster, collective_time, ring_bytes_per_rank
+from stalepipe.lab.sim.cluster import CLUSTERS, Cluster, collective_time, ring_bytes_per_rank
 
 GIB = 2**30
 WITHIN = 0.15  # the issue's tolerance: a row outside it is a miss, explained in docs/verdict.md
@@ -103,7 +103,7 @@ def torchtitan_mfu(cfg, seq_len: int, mfu: float) -> float:
     the embedding) + 12 x layers x heads x head_dim x seq_len per token (attention as if not
     causal); the model counts causal attention at half that. The same hardware rate is a
     different MFU in each count."""
-    from stalepipe.models.transformer import count_params, flops_per_token
+    from stalepipe.training.models.transformer import count_params, flops_per_token
 
     c = count_params(cfg)
     theirs = 6 * (c["total"] - c["embedding"]) + 12 * cfg.num_layers * cfg.dim * seq_len
@@ -114,8 +114,8 @@ def fsdp_tps_per_gpu(
     cluster: Cluster, gpus: int, local_batch: int, mfu: float
 ) -> tuple[float, str]:
     """The model's FSDP tokens/s per GPU for torchtitan's Llama 3 8B at torchtitan's `mfu`."""
-    from stalepipe.sim.models import model_config
-    from stalepipe.sim.parallel import Workload, data_parallel
+    from stalepipe.lab.sim.models import model_config
+    from stalepipe.lab.sim.parallel import Workload, data_parallel
 
     cfg = model_config("llama3-8b")
     ours = torchtitan_mfu(cfg, 8192, mfu)
@@ -150,9 +150,9 @@ def training_rows() -> list[tuple[str, str, float, float, str]]:
 def steady_step(name: str, stages: int, m: int, costs: tuple[float, ...], chunks: int = 2) -> float:
     """The simulator's steady step (`sim.steady`) of schedule `name` with per-rank times
     (forward, backward-input, backward-weight, p2p latency) split evenly over its chunks."""
-    from stalepipe.schedules.generators import make_schedule
-    from stalepipe.sim.steady import Plan
-    from stalepipe.sim.timing import uniform_costs
+    from stalepipe.lab.sim.steady import Plan
+    from stalepipe.lab.sim.timing import uniform_costs
+    from stalepipe.training.schedules.generators import make_schedule
 
     f, bi, bw, p2p = costs
     sched = make_schedule(name, stages, m, 3, num_chunks=chunks)

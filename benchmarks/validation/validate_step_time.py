@@ -33,9 +33,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from stalepipe.launch.pool import WorkerPool
-from stalepipe.schedules.generators import make_schedule
-from stalepipe.sim.timing import CostModel, simulate, summarize
+from stalepipe.lab.sim.timing import CostModel, simulate, summarize
+from stalepipe.training.launch.pool import WorkerPool
+from stalepipe.training.schedules.generators import make_schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
 from benchmarks.common import interleaved_rounds, parser, print_load, timing_args

@@ -35,14 +35,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stalepipe.analysis.overhead import Curve, token_curve, tokens_to_reach
-from stalepipe.analysis.results import load_runs
-from stalepipe.analysis.targets import seed_target, target_losses
 from stalepipe.config import ModelConfig
-from stalepipe.launch.pool import WorkerPool
-from stalepipe.rundir.metrics import read_metrics
-from stalepipe.schedules.generators import make_schedule
-from stalepipe.sim.timing import simulate, summarize
+from stalepipe.lab.analysis.overhead import Curve, token_curve, tokens_to_reach
+from stalepipe.lab.analysis.results import load_runs
+from stalepipe.lab.analysis.targets import seed_target, target_losses
+from stalepipe.lab.sim.timing import simulate, summarize
+from stalepipe.training.launch.pool import WorkerPool
+from stalepipe.training.rundir.metrics import read_metrics
+from stalepipe.training.schedules.generators import make_schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root: benchmarks.*
 from benchmarks.common import parser, print_load, timing_args

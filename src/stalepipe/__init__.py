@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 # (docs/api.md: what is stable). Importing the root loads no torch.
 __all__ = ["__version__"]
 
-from stalepipe.delay import policies as _policies  # noqa: E402, F401
-from stalepipe.optim import lr_schedule as _lr_schedules  # noqa: E402, F401
-from stalepipe.optim import specs as _optimizers  # noqa: E402, F401
-from stalepipe.schedules import generators as _schedules  # noqa: E402, F401
+from stalepipe.training.delay import policies as _policies  # noqa: E402, F401
+from stalepipe.training.optim import lr_schedule as _lr_schedules  # noqa: E402, F401
+from stalepipe.training.optim import specs as _optimizers  # noqa: E402, F401
+from stalepipe.training.schedules import generators as _schedules  # noqa: E402, F401

@@ -7,7 +7,7 @@ from stalepipe.cli import main
 
 code = main()
 if "torch" in sys.modules:  # only a command that ran something imported torch (--help does not)
-    from stalepipe.peers.group import under_torchrun
+    from stalepipe.training.peers.group import under_torchrun
 else:
     under_torchrun = lambda: False  # noqa: E731 - no torch, no process group to tear down
 if under_torchrun():

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from stalepipe.config import ExperimentConfig, apply_overrides
-from stalepipe.experiments.sweep import SPEC_FILE
-from stalepipe.optim import resolve_config
+from stalepipe.lab.sweeps.sweep import SPEC_FILE
+from stalepipe.training.optim import resolve_config
 
 STEPS, EVAL_EVERY, BATCH, SEQ = 200, 10, 4, 32
 LENGTHS = (1.1, 1.2, 1.35, 1.5)  # the delayed arms' longer complete runs (`sweep --lengths`)
@@ -92,7 +92,7 @@ def _synthetic_runs_leave_the_plateau_at_once(monkeypatch):
     their rows are taken to leave the initial plateau at once, so check (a) is read and passes.
     A test that sets a row's exit itself (`row._exit`, tests/analysis/test_regime.py, where an
     unread check caps a claim at inconclusive) gets what it set."""
-    from stalepipe.analysis import regime
+    from stalepipe.lab.analysis import regime
 
     real = regime.plateau_exit_of
     monkeypatch.setattr(regime, "run_entropy", lambda run: math.nan)

@@ -1,6 +1,6 @@
 """The report's figures show every configuration of a sweep (issue 34): no panel limit."""
 
-from stalepipe.analysis.results import build_rows, load_runs
+from stalepipe.lab.analysis.results import build_rows, load_runs
 
 from .test_report import BW, SYNC, make_run
 
@@ -9,7 +9,7 @@ def test_figures_show_every_configuration(tmp_path):
     """Every sync baseline gets a loss-curve panel holding each configuration compared with it,
     and every delayed configuration with a token overhead gets an overhead panel: nothing is
     cut at a panel limit (24 baselines here, more than the old limit of 18)."""
-    from stalepipe.analysis import plots
+    from stalepipe.lab.analysis import plots
 
     root = tmp_path / "many"
     for lr in range(24):
@@ -30,8 +30,8 @@ def test_figures_show_every_configuration(tmp_path):
 def test_final_loss_against_planned_length(curve_sweep, tmp_path):
     """Complete runs at several lengths: per delayed configuration its final losses by seed and
     length (x sync's 1x), beside sync's; drawn, and in the report."""
-    from stalepipe.analysis.lengths import length_plot, length_series
-    from stalepipe.analysis.report import write_report
+    from stalepipe.lab.analysis.lengths import length_plot, length_series
+    from stalepipe.lab.analysis.report import write_report
 
     rows = build_rows(load_runs(curve_sweep))
     series = {row.label: (d, s) for row, d, s in length_series(rows)}

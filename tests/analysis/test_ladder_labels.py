@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stalepipe.analysis import ladder_labels as ll
-from stalepipe.analysis import scaling
-from stalepipe.experiments.scales import LADDER, LADDER_LRS
+from stalepipe.lab.analysis import ladder_labels as ll
+from stalepipe.lab.analysis import scaling
+from stalepipe.lab.studies.scales import LADDER, LADDER_LRS
 
 ROOT = Path(__file__).resolve().parents[2]
 LADDER_ROOT = ROOT / "docs" / "results" / "ladder-regime"
@@ -111,7 +111,7 @@ def test_the_recorded_data_is_the_prepared_data():
     data_cache; the ladder's checks then read RECORDED)."""
     import json
 
-    from stalepipe.analysis.regime import unigram_entropy
+    from stalepipe.training.data.manifest import unigram_entropy
 
     data = ROOT / "data_cache" / "shakespeare-byte-val0.08"
     if not (data / "manifest.json").exists():

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from stalepipe.analysis import overhead as oh
-from stalepipe.analysis import stats
+from stalepipe.lab.analysis import overhead as oh
+from stalepipe.lab.analysis import stats
 
 
 def loss(t: float) -> float:

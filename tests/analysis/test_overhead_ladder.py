@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from stalepipe.analysis import overhead_ladder as ol
-from stalepipe.analysis.scaling import LadderRun
+from stalepipe.lab.analysis import overhead_ladder as ol
+from stalepipe.lab.analysis.scaling import LadderRun
 
 WIDTHS = {48: 101_808, 64: 197_184, 96: 406_368, 136: 849_864}
 BASE = 1_400 * 2_048
@@ -101,9 +101,9 @@ def test_the_report_sets_the_implied_overhead_beside_the_measured_one():
     table of gap = sync slope x ln(overhead), as RESULTS.md quotes it."""
     from pathlib import Path
 
-    from stalepipe.analysis import lengths
-    from stalepipe.analysis.report import _relation_blocks
-    from stalepipe.analysis.results import build_rows, load_runs
+    from stalepipe.lab.analysis import lengths
+    from stalepipe.lab.analysis.report import _relation_blocks
+    from stalepipe.lab.analysis.results import build_rows, load_runs
 
     root = Path(__file__).resolve().parents[2] / "docs" / "results" / "lengths-regime"
     rows = build_rows(load_runs(root))
@@ -117,7 +117,7 @@ def test_the_report_sets_the_implied_overhead_beside_the_measured_one():
 
 
 def test_sync_slope_is_the_two_point_slope_with_two_lengths():
-    from stalepipe.analysis.targets import implied_overhead, sync_slope
+    from stalepipe.lab.analysis.targets import implied_overhead, sync_slope
 
     s = sync_slope({1.0: 2.0, 1.2: 2.0 - 0.05 * math.log(1.2)})
     assert s == pytest.approx(0.05)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from stalepipe.analysis import stats
-from stalepipe.analysis.results import build_rows, load_runs, recovered_shares
+from stalepipe.lab.analysis import stats
+from stalepipe.lab.analysis.results import build_rows, load_runs, recovered_shares
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEP = ROOT / "docs" / "results" / "optimizers-regime"
@@ -88,7 +88,7 @@ def test_muon_ef_s_gap_at_equal_tokens(rows, readme):
     lo, hi = r.gap_test.low, r.gap_test.high
     assert f"Muon+EF ends {r.gap:.3f} [{lo:.3f}, {hi:.3f}] above" in readme
     assert "At equal tokens no delayed arm reaches sync's final loss at 0.43M parameters" in readme
-    from stalepipe.analysis.claims import scale_of
+    from stalepipe.lab.analysis.claims import scale_of
 
     at = scale_of(r).removeprefix("measured at ")
     assert f"**not reproduced** at {at}" in readme
@@ -109,7 +109,7 @@ def test_muon_ef_s_token_overhead(readme):
 def test_the_ladder_s_overhead_and_its_360m_interval(readme):
     """The README's size-ladder sentence: the widths' non-embedding sizes, the range of
     Muon+EF's width means, and the registered fit's interval at 360M, from the ladder's records."""
-    from stalepipe.analysis import scaling
+    from stalepipe.lab.analysis import scaling
 
     ladder = ROOT / "docs" / "results" / "ladder-regime"
     points, _ = scaling.ladder_overheads(scaling.ladder_runs(ladder), "muon", "2bw+ef")
@@ -128,7 +128,7 @@ def test_the_ladder_s_gap_fits_and_muon_s_360m_interval(readme, ladder_fit):
     `benchmarks/studies/ladder_fit.py` prints them from the records."""
     import sys
 
-    from stalepipe.analysis.ladder_labels import CONFOUND
+    from stalepipe.lab.analysis.ladder_labels import CONFOUND
 
     stdout = ladder_fit[0]  # the script's output, run once for every test (tests/conftest.py)
     fit = r"^(\w+) (2bw\S*): power fit, shrink rate (\S+) \[(\S+), (\S+)\], Holm p (\S+): (\w+)"

@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from stalepipe.analysis import regime, stats
-from stalepipe.analysis.claims import Finding, label, regime_check
-from stalepipe.analysis.results import Row, Run
+from stalepipe.lab.analysis import regime, stats
+from stalepipe.lab.analysis.claims import Finding, label, regime_check
+from stalepipe.lab.analysis.results import Row, Run
 
 
 def test_plateau_exit_and_end_slope_by_hand():
@@ -56,7 +56,7 @@ def test_regime_check_reads_a_late_exit_then_the_seed_spread():
 def test_one_arm_failing_does_not_hide_another_arm_s_unread_check():
     """A claim over two arms, the first failing (a) and the second unread, is capped at
     'inconclusive (unread)', not labelled 'partly' by the first failure found."""
-    from stalepipe.analysis.claims import _regime
+    from stalepipe.lab.analysis.claims import _regime
 
     sync = _row("sync", 0.05, [2.0, 2.1, 2.2])
     late, unread = _row("late", 0.3, [3.0], 1.0, sync), _row("unread", math.nan, [3.0], 1.0, sync)

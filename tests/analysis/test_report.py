@@ -8,15 +8,15 @@ import math
 
 import pytest
 
-from stalepipe.analysis import stats
-from stalepipe.analysis.claims import CLAIMS
-from stalepipe.analysis.report import claims, write_report
-from stalepipe.analysis.results import best_row, build_rows, load_runs, missing_summary
 from stalepipe.config import ExperimentConfig, apply_overrides
 from stalepipe.errors import UserError
-from stalepipe.experiments.studies import STUDIES, declared_claims, study_mitigations
-from stalepipe.experiments.sweep import SPEC_FILE, write_error
-from stalepipe.optim import resolve_config
+from stalepipe.lab.analysis import stats
+from stalepipe.lab.analysis.claims import CLAIMS
+from stalepipe.lab.analysis.report import claims, write_report
+from stalepipe.lab.analysis.results import best_row, build_rows, load_runs, missing_summary
+from stalepipe.lab.studies.studies import STUDIES, declared_claims, study_mitigations
+from stalepipe.lab.sweeps.sweep import SPEC_FILE, write_error
+from stalepipe.training.optim import resolve_config
 
 STEPS = 4
 
@@ -351,7 +351,7 @@ def test_momentum_reads_each_beta1_at_its_best_sync_lr(tmp_path):
 def test_gap_plots_over_batch_size_weight_decay_and_lr(tmp_path):
     """The hparams study's one-at-a-time grids each give a gap series over their axis (the
     x1 point shared), and the report draws them."""
-    from stalepipe.analysis import plots
+    from stalepipe.lab.analysis import plots
 
     root = tmp_path / "hparams"
     points = {"train.batch_size": ["2", "4", "8"], "optim.weight_decay": ["0", "0.3"],
@@ -379,7 +379,7 @@ def test_gap_plots_over_batch_size_weight_decay_and_lr(tmp_path):
 def test_the_delay_series_reads_2bw_as_one_step(tmp_path):
     """fixed:N rows give the gap over the delay; 2bw (tau 1 on every stage) is its N = 1, and
     a fixed:1 run beside it stands for N = 1 once; PipeDream (tau by stage) is not a point."""
-    from stalepipe.analysis import plots
+    from stalepipe.lab.analysis import plots
 
     root = tmp_path / "delay"
     for s in range(2):
@@ -465,7 +465,7 @@ def test_a_claim_with_a_paper_size_labels_direction_and_size_apart():
     paper's range inside the interval (or the interval inside it) is consistent, a miss is not
     reproduced with its scale, a part or an interval over SIZE_WIDTH_FACTOR x the range's width
     is inconclusive. The size is read even where the direction's test is not significant."""
-    from stalepipe.analysis.claims import SIZE_WIDTH_FACTOR, Finding, label, paper_size
+    from stalepipe.lab.analysis.claims import SIZE_WIDTH_FACTOR, Finding, label, paper_size
 
     at = "measured at 0.43M parameters and 2.5M tokens"
     assert paper_size("adamw", 0.57, 0.69, at) == (
@@ -495,7 +495,7 @@ def test_a_confounded_miss_is_inconclusive_and_a_miss_states_its_scale():
     """Issue 51: a claim whose effect misses but whose design names a confound (momentum: the LR
     retuned per beta1) reads inconclusive, not "not reproduced"; a plain miss states the scale
     it was measured at; a confounded hit is at most partly."""
-    from stalepipe.analysis.claims import Finding, label
+    from stalepipe.lab.analysis.claims import Finding, label
 
     at = "measured at 0.43M parameters and 2.5M tokens"
     miss = Finding("m", False, 1e-4, "e", 3, scale=at)

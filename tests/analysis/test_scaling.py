@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stalepipe.analysis import scaling
-from stalepipe.experiments.scales import LADDER
+from stalepipe.lab.analysis import scaling
+from stalepipe.lab.studies.scales import LADDER
 
 SIZES = [params for _, _, params in LADDER]
 

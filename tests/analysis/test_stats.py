@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from stalepipe.analysis import stats
+from stalepipe.lab.analysis import stats
 
 
 def test_mean_std_hand_computed():

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from stalepipe.analysis import targets
-from stalepipe.analysis.overhead import overhead_over_seeds
+from stalepipe.lab.analysis import targets
+from stalepipe.lab.analysis.overhead import overhead_over_seeds
 
 # sync: 3.0 at 100 tokens falling linearly to 2.0 at 1000 tokens (10 evals)
 SYNC = [(100.0 * i, 3.0 - (i - 1) / 9) for i in range(1, 11)]

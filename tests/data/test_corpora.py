@@ -11,10 +11,10 @@ from urllib.error import URLError
 
 import pytest
 
-from stalepipe.data import fetch, load_corpus
-from stalepipe.data.corpora import excerpt_corpus, text_corpus
-from stalepipe.data.prepare import val_mask
 from stalepipe.errors import DataError
+from stalepipe.training.data import fetch, load_corpus
+from stalepipe.training.data.corpora import excerpt_corpus, text_corpus
+from stalepipe.training.data.prepare import val_mask
 
 
 def _jsonl(path, texts):

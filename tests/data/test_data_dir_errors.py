@@ -15,7 +15,9 @@ import pytest
 
 from stalepipe.cli import main
 from stalepipe.config import DataConfig
-from stalepipe.data import (
+from stalepipe.errors import DataError
+from stalepipe.fileio import MARKER, NotOwnedError, make_temp_dir
+from stalepipe.training.data import (
     check_vocab,
     ensure_prepared,
     max_token_id,
@@ -24,8 +26,6 @@ from stalepipe.data import (
     read_manifest,
     write_shard,
 )
-from stalepipe.errors import DataError
-from stalepipe.fileio import MARKER, NotOwnedError, make_temp_dir
 
 
 def _train_args(tiny_config, data_dir: str, *extra: str) -> list[str]:
@@ -203,8 +203,8 @@ def test_a_shard_whose_digest_was_rewritten_still_has_its_tokens_checked(
     token range, scanned in the same pass, still keeps the id out of the model."""
     import shutil
 
-    from stalepipe.data import TokenLoader
-    from stalepipe.data.manifest import file_sha256
+    from stalepipe.training.data import TokenLoader
+    from stalepipe.training.data.manifest import file_sha256
 
     data = shutil.copytree(excerpt_data_dir, tmp_path / "data")
     _plant_token(data / "val_000000.bin", 300)

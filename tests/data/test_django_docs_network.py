@@ -10,8 +10,8 @@ import json
 import pytest
 
 from stalepipe.config import DataConfig
-from stalepipe.data import fetch, prepare_corpus, read_manifest, verify
-from stalepipe.experiments.studies import CORPUS2
+from stalepipe.lab.studies.studies import CORPUS2
+from stalepipe.training.data import fetch, prepare_corpus, read_manifest, verify
 
 
 @pytest.mark.network

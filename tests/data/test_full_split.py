@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from stalepipe.config import ConfigError
-from stalepipe.data import TokenLoader
-from stalepipe.experiments.evaluate import evaluate_run
-from stalepipe.rundir.metrics import read_metrics
-from stalepipe.train.loop import train
+from stalepipe.training.data import TokenLoader
+from stalepipe.training.rundir.metrics import read_metrics
+from stalepipe.training.tools.evaluate import evaluate_run
+from stalepipe.training.train.loop import train
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 64])

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from stalepipe.data import TokenLoader, batch_seed, check_vocab, fingerprint, write_shard
 from stalepipe.errors import DataError
+from stalepipe.training.data import TokenLoader, batch_seed, check_vocab, fingerprint, write_shard
 
 
 def test_same_step_same_batch_across_loaders(excerpt_data_dir):

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from stalepipe.config import DataConfig
-from stalepipe.data import (
+from stalepipe.errors import DataError
+from stalepipe.training.data import (
     ensure_prepared,
     load_corpus,
     load_tokenizer,
@@ -21,8 +22,7 @@ from stalepipe.data import (
     val_mask,
     verify,
 )
-from stalepipe.data.manifest import file_sha256
-from stalepipe.errors import DataError
+from stalepipe.training.data.manifest import file_sha256
 
 
 def _docs_of(directory, split):

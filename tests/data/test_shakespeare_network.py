@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from stalepipe.config import DataConfig
-from stalepipe.data import fetch, prepare_corpus, read_manifest, verify
+from stalepipe.training.data import fetch, prepare_corpus, read_manifest, verify
 
 
 @pytest.mark.network

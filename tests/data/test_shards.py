@@ -7,7 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from stalepipe.data.shards import (
+from stalepipe.errors import DataError
+from stalepipe.training.data.shards import (
     HEADER_BYTES,
     MAGIC,
     ShardWriter,
@@ -16,7 +17,6 @@ from stalepipe.data.shards import (
     version_for_vocab,
     write_shard,
 )
-from stalepipe.errors import DataError
 
 
 def _llmc_shard(path, tokens, version=1, magic=MAGIC, count=None):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from stalepipe.cli import main
-from stalepipe.data import load_tokenizer, read_manifest, read_shard, split_shards
+from stalepipe.training.data import load_tokenizer, read_manifest, read_shard, split_shards
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -47,7 +47,7 @@ def _prepare(*args):
 
 
 def test_parquet_with_a_named_column_and_gpt2(tmp_path, capsys):
-    from stalepipe.data.gpt2 import Gpt2Tokenizer
+    from stalepipe.training.data.gpt2 import Gpt2Tokenizer
 
     src = _parquet(tmp_path / "shard.parquet")
     out = tmp_path / "out"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from stalepipe.data import gpt2 as gpt2_module
-from stalepipe.data import load_corpus
-from stalepipe.data.registry import TOKENIZERS, tokenizer_class
 from stalepipe.errors import DataError
+from stalepipe.training.data import gpt2 as gpt2_module
+from stalepipe.training.data import load_corpus
+from stalepipe.training.data.registry import TOKENIZERS, tokenizer_class
 
 SAMPLE = "To be, or not to be: that is the question.\n\n  Ophelia! café, naïve ✓ 日本 🎭 1234\t"
 

@@ -13,7 +13,7 @@ Torch-free like every spec: the corrector works on the tensors it is given.
 from __future__ import annotations
 
 from stalepipe.config import CORRECTORS, DELAY_POLICIES, CorrectorSpec, Setting
-from stalepipe.delay import Policy
+from stalepipe.training.delay import Policy
 
 
 def alternate_tau(stage: int, step: int, num_stages: int) -> int:

@@ -10,8 +10,12 @@ import pytest
 import torch
 
 from stalepipe.config import ConfigError, DelayConfig
-from stalepipe.delay import DelayedOptimizer, DelaySchedule
-from stalepipe.delay.correctors import adaptive_momentum, pipemare_lr_factor, predict_weights
+from stalepipe.training.delay import DelayedOptimizer, DelaySchedule
+from stalepipe.training.delay.correctors import (
+    adaptive_momentum,
+    pipemare_lr_factor,
+    predict_weights,
+)
 
 P = 3
 LR = 0.1
@@ -242,7 +246,7 @@ def test_a_run_recorded_before_the_correctors_resumes():
     import copy
 
     from stalepipe.config import ExperimentConfig
-    from stalepipe.rundir.resume import config_diff
+    from stalepipe.training.rundir.resume import config_diff
 
     current = ExperimentConfig(delay=DelayConfig(policy="2bw")).to_dict()
     old = copy.deepcopy(current)
@@ -256,7 +260,7 @@ def test_a_run_recorded_before_the_correctors_resumes():
 
 def test_experiment_config_refuses_before_anything_is_written():
     from stalepipe.config import ExperimentConfig, OptimConfig
-    from stalepipe.optim import resolve_config
+    from stalepipe.training.optim import resolve_config
 
     nadamw = resolve_config(OptimConfig(name="nadamw"))  # what train() records: beta1 0.99
     with pytest.raises(ConfigError, match="which is mu at optim.beta1 0.99; set optim.beta1 to"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stalepipe.config import ConfigError, DelayConfig
-from stalepipe.delay import DelayedOptimizer, DelaySchedule
+from stalepipe.training.delay import DelayedOptimizer, DelaySchedule
 
 
 def version_used(policy: str, stage: int, step: int, P: int, T: int) -> int:
@@ -206,7 +206,7 @@ def test_taylor_compensation_formula(adaptive):
 def test_backward_outside_the_stale_block_raises():
     """Ours, in one line naming the fix (delay/guard.py), where autograd's in-place error (an
     HF model) or nothing at all (a plain MLP) came before."""
-    from stalepipe.delay.guard import StaleWeightsError
+    from stalepipe.training.delay.guard import StaleWeightsError
 
     ws = init()
     dopt = DelayedOptimizer(

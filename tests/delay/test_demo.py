@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from stalepipe.experiments.demo import (
+from stalepipe.cli.demo import (
     VERDICT,
     DemoRun,
     demo_configs,
@@ -45,8 +45,8 @@ def test_demo_configs_are_six_ordinary_runs(tmp_path):
 
 
 def test_demo_verdict_is_for_a_named_gpu_cluster():
+    from stalepipe.hardware import get_device
     from stalepipe.presets import PRESETS
-    from stalepipe.sim.devices import get_device
 
     assert get_device(VERDICT["device"]).name == "NVIDIA H100 SXM"
     assert VERDICT["model"] in PRESETS and VERDICT["stages"] >= 2

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from stalepipe.config import ConfigError, DelayConfig, OptimConfig
-from stalepipe.delay import DelayEmulator, DelaySchedule
-from stalepipe.delay.reference import reference_train, stage_of_uses
-from stalepipe.models import build_model, partition
+from stalepipe.training.delay import DelayEmulator, DelaySchedule
+from stalepipe.training.delay.reference import reference_train, stage_of_uses
+from stalepipe.training.models import build_model, partition
 
 from .conftest import make_batches, tiny_model_cfg
 
@@ -276,7 +276,7 @@ def test_bad_input_messages():
 
 def _optimizer_names():
     try:
-        from stalepipe.optim import OPTIMIZERS
+        from stalepipe.training.optim import OPTIMIZERS
     except ImportError:  # the optimizer registry has not landed
         return []
     return list(OPTIMIZERS)
@@ -285,7 +285,7 @@ def _optimizer_names():
 @pytest.mark.parametrize("name", _optimizer_names())
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_optimizer_under_every_policy_runs_3_steps(name, policy):
-    from stalepipe.optim import build_optimizer, resolve_config
+    from stalepipe.training.optim import build_optimizer, resolve_config
 
     model = build_model(tiny_model_cfg(), seed=0)
     opt = build_optimizer(resolve_config(OptimConfig(name=name)), model.named_parameters())

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from stalepipe.config import ConfigError, DelayConfig
-from stalepipe.delay import DelayedOptimizer, StaleWeightsError, split_stages
+from stalepipe.training.delay import DelayedOptimizer, StaleWeightsError, split_stages
 
 T = 6
 

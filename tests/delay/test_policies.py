@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from stalepipe.config import ConfigError, DelayConfig, TrainConfig
-from stalepipe.delay import DELAY_POLICIES, DelaySchedule, resolve_delay_config
-from stalepipe.delay.policies import cooldown_steps, wpipe_group
+from stalepipe.training.delay import DELAY_POLICIES, DelaySchedule, resolve_delay_config
+from stalepipe.training.delay.policies import cooldown_steps, wpipe_group
 
 
 def sched(policy: str, P: int, T: int, sync_start: int = 0, sync_cooldown: float = 0.0):
@@ -152,7 +152,7 @@ def test_a_policy_answers_whether_it_delays_and_whether_p_matters():
     """Code outside delay/ asks these instead of comparing names (issue 43): a registered
     policy answers for itself, with no list to update."""
     from stalepipe.config.registry import DELAY_POLICIES
-    from stalepipe.delay.policies import Policy, never_delays, same_delay_at_any_depth
+    from stalepipe.training.delay.policies import Policy, never_delays, same_delay_at_any_depth
 
     assert [never_delays(p) for p in ("sync", "fixed:0", "2bw", "pipedream")] == [1, 1, 0, 0]
     assert [same_delay_at_any_depth(p) for p in ("2bw", "fixed:3", "pipedream", "wpipe")] == [

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from stalepipe.analysis.results import build_rows, load_runs
 from stalepipe.cli import main
 from stalepipe.config import (
     CORRECTORS,
@@ -21,9 +20,11 @@ from stalepipe.config import (
     ExperimentConfig,
     apply_overrides,
 )
-from stalepipe.delay import DelayedOptimizer
-from stalepipe.experiments.grid import check_overrides, expand, parse_grid_arg, select_runs
-from stalepipe.experiments.sweep import run_sweep
+from stalepipe.lab.analysis.results import build_rows, load_runs
+from stalepipe.lab.sweeps.grid import check_overrides, expand, parse_grid_arg, select_runs
+from stalepipe.lab.sweeps.sweep import run_sweep
+from stalepipe.training.delay import DelayedOptimizer
+from stalepipe.training.launch import task as trainer
 
 ALTERNATE = {"delay.policy": "alternate", "pipeline.num_stages": "2"}
 
@@ -101,7 +102,7 @@ def test_a_sweep_grid_runs_them_and_the_report_shows_them(dummy, tiny_config, tm
     stale = ("alternate+stale", {**ALTERNATE, "delay.stale_scale": "0.5"})
     specs = expand([[sync, ("alternate", ALTERNATE), stale]])
     out = tmp_path / "sweep"
-    assert sorted(run_sweep(specs, base, out, log=lambda m: None).ran) == sorted(
+    assert sorted(run_sweep(trainer, specs, base, out, log=lambda m: None).ran) == sorted(
         s.name for s in specs
     )
     rows = {r.label: r for r in build_rows(load_runs(out))}

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stalepipe.delay import DelaySchedule, tied
-from stalepipe.delay.correctors import predict_weights
-from stalepipe.models import build_model, partition
+from stalepipe.training.delay import DelaySchedule, tied
+from stalepipe.training.delay.correctors import predict_weights
+from stalepipe.training.models import build_model, partition
 
 from .conftest import tiny_model_cfg
 

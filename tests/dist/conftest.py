@@ -20,10 +20,10 @@ from stalepipe.config import (
     PipelineConfig,
     TrainConfig,
 )
-from stalepipe.launch.pooled import worker_entry
-from stalepipe.rundir.checkpoint import latest_checkpoint, load_checkpoint
-from stalepipe.rundir.metrics import read_metrics
-from stalepipe.train.loop import train
+from stalepipe.training.launch.pooled import worker_entry
+from stalepipe.training.rundir.checkpoint import latest_checkpoint, load_checkpoint
+from stalepipe.training.rundir.metrics import read_metrics
+from stalepipe.training.train.loop import train
 
 
 def tiny_cfg(

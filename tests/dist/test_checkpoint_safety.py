@@ -28,18 +28,18 @@ import torch
 
 from stalepipe.cli import main
 from stalepipe.errors import CheckpointError, TrainingError, UserError
-from stalepipe.launch.pooled import worker_entry
-from stalepipe.launch.train import launch_train
-from stalepipe.rundir import legacy
-from stalepipe.rundir.checkpoint import (
+from stalepipe.training.launch.pooled import worker_entry
+from stalepipe.training.launch.train import launch_train
+from stalepipe.training.rundir import legacy
+from stalepipe.training.rundir.checkpoint import (
     check_complete,
     list_checkpoints,
     load_checkpoint,
     open_checkpoint,
 )
-from stalepipe.rundir.startup import StartUp
-from stalepipe.rundir.verified import DATA
-from stalepipe.train.loop import train
+from stalepipe.training.rundir.startup import StartUp
+from stalepipe.training.rundir.verified import DATA
+from stalepipe.training.train.loop import train
 
 from .conftest import tiny_cfg
 
@@ -159,7 +159,7 @@ def test_a_config_larger_than_the_stored_tensors_is_refused_before_anything_is_b
     manifest["config"]["model"].update(dim=65536, ffn_dim=65536)
     (ckpt / "checkpoint.json").write_text(json.dumps(manifest))
     built = []
-    import stalepipe.models.transformer as transformer
+    import stalepipe.training.models.transformer as transformer
 
     real = transformer.materialize
     transformer.materialize = lambda *a, **k: built.append(1) or real(*a, **k)
@@ -417,9 +417,9 @@ def _poisoned(tiny_config) -> tuple:
     """A tiny emulator run with checkpoints at steps 4 and 8 (12 removed), the one of step 8
     rewritten by the run's own save path with a NaN weight: its digests are valid, its state
     is not (a checkpoint written just as the run diverged, or damaged before it was hashed)."""
-    from stalepipe.train.distributed import SINGLE_PROCESS
-    from stalepipe.train.emulated import EmulatorEngine
-    from stalepipe.train.loop import with_resolved_optim
+    from stalepipe.training.train.distributed import SINGLE_PROCESS
+    from stalepipe.training.train.emulated import EmulatorEngine
+    from stalepipe.training.train.loop import with_resolved_optim
 
     tc = dataclasses.replace(tiny_config.train, ckpt_every=4, keep_last=3)
     cfg = with_resolved_optim(dataclasses.replace(tiny_config, train=tc))
@@ -468,7 +468,7 @@ def test_eval_of_a_checkpoint_with_nonfinite_weights_fails(tiny_config, capsys):
 def test_the_opt_out_skips_only_the_tensors_digests(trained, monkeypatch):
     """STALEPIPE_VERIFY=0 (docs/runtime.md: what hashing costs a load) skips the tensors'
     digests; the small files' digests and the header checks stay."""
-    from stalepipe.rundir.sharded import ShardedCheckpoint
+    from stalepipe.training.rundir.sharded import ShardedCheckpoint
 
     cfg, run_dir = trained
     ckpt = list_checkpoints(run_dir)[-1]

@@ -15,20 +15,20 @@ import torch
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from stalepipe.errors import CheckpointError
-from stalepipe.rundir import checkpoint_parts as stage_ckpt
-from stalepipe.rundir.checkpoint import (
+from stalepipe.training.rundir import checkpoint_parts as stage_ckpt
+from stalepipe.training.rundir.checkpoint import (
     check_complete,
     checkpoint_step,
     list_checkpoints,
     open_checkpoint,
     remove_checkpoint,
 )
-from stalepipe.rundir.convert import convert
-from stalepipe.rundir.sharded import ShardedCheckpoint
-from stalepipe.rundir.verified import DATA, INDEX
-from stalepipe.train.distributed import SINGLE_PROCESS
-from stalepipe.train.emulated import EmulatorEngine
-from stalepipe.train.loop import train
+from stalepipe.training.rundir.convert import convert
+from stalepipe.training.rundir.sharded import ShardedCheckpoint
+from stalepipe.training.rundir.verified import DATA, INDEX
+from stalepipe.training.train.distributed import SINGLE_PROCESS
+from stalepipe.training.train.emulated import EmulatorEngine
+from stalepipe.training.train.loop import train
 
 
 def _run_dir(cfg) -> Path:

@@ -32,12 +32,12 @@ from pathlib import Path
 import pytest
 
 from stalepipe.errors import EXIT_PEER, EXIT_PREEMPTED, EXIT_USER, TrainingError, UserError
-from stalepipe.launch.processes import host_store, supervise, worker_env
-from stalepipe.launch.train import launch_train, spawn_ranks
-from stalepipe.peers.topology import Topology
-from stalepipe.rundir.checkpoint import list_checkpoints, load_checkpoint
-from stalepipe.rundir.checkpoint_parts import wait_part
-from stalepipe.rundir.startup import StartUp
+from stalepipe.training.launch.processes import host_store, supervise, worker_env
+from stalepipe.training.launch.train import launch_train, spawn_ranks
+from stalepipe.training.peers.topology import Topology
+from stalepipe.training.rundir.checkpoint import list_checkpoints, load_checkpoint
+from stalepipe.training.rundir.checkpoint_parts import wait_part
+from stalepipe.training.rundir.startup import StartUp
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,9 +96,9 @@ _POST = textwrap.dedent(
     """
     import os, signal, sys, time
     import torch
-    from stalepipe.runtime.comm import Comm
-    from stalepipe.peers.group import PeerError, init_from_env
-    from stalepipe.peers.topology import Topology
+    from stalepipe.training.runtime.comm import Comm
+    from stalepipe.training.peers.group import PeerError, init_from_env
+    from stalepipe.training.peers.topology import Topology
 
     joined = init_from_env("gloo", 10)
     rank = joined.rank
@@ -269,7 +269,7 @@ _LAUNCHER = textwrap.dedent(
     """
     import os, signal, sys, time
     from pathlib import Path
-    from stalepipe.launch.train import spawn_ranks
+    from stalepipe.training.launch.train import spawn_ranks
 
     def worker(run):
         got = []

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from stalepipe.errors import EXIT_FAILED, EXIT_PEER, TrainingError
-from stalepipe.launch.train import launch_train
-from stalepipe.rundir.checkpoint import list_checkpoints
-from stalepipe.rundir.startup import StartUp
+from stalepipe.training.launch.train import launch_train
+from stalepipe.training.rundir.checkpoint import list_checkpoints
+from stalepipe.training.rundir.startup import StartUp
 
 pytestmark = pytest.mark.gpu
 

@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from stalepipe.errors import CheckpointError, UserError
-from stalepipe.rundir import checkpoint_parts as stage_ckpt
-from stalepipe.rundir.checkpoint import (
+from stalepipe.training.rundir import checkpoint_parts as stage_ckpt
+from stalepipe.training.rundir.checkpoint import (
     checkpoint_step,
     list_checkpoints,
     load_checkpoint,
     open_checkpoint,
     remove_checkpoint,
 )
-from stalepipe.rundir.resume import config_diff
-from stalepipe.train.loop import train
+from stalepipe.training.rundir.resume import config_diff
+from stalepipe.training.train.loop import train
 
 
 def _on(cfg, engine: str, P: int):

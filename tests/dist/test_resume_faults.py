@@ -18,10 +18,10 @@ import torch
 
 from stalepipe.config import ConfigError
 from stalepipe.errors import EXIT_FAILED, EXIT_PEER, TrainingError
-from stalepipe.launch.train import launch_train
-from stalepipe.rundir.checkpoint import list_checkpoints, load_checkpoint, remove_checkpoint
-from stalepipe.rundir.startup import StartUp
-from stalepipe.train.pipelined import check_config
+from stalepipe.training.launch.train import launch_train
+from stalepipe.training.rundir.checkpoint import list_checkpoints, load_checkpoint, remove_checkpoint
+from stalepipe.training.rundir.startup import StartUp
+from stalepipe.training.train.pipelined import check_config
 
 
 def _ckpts(cfg) -> list[Path]:

@@ -77,7 +77,7 @@ def test_an_uneven_partition_equals_emulator_exact(make_cfg, run_dist, dist_util
     bit."""
     import dataclasses
 
-    from stalepipe.models import split_layers
+    from stalepipe.training.models import split_layers
 
     cfg = make_cfg("2bw", 2, 2, steps=3, eval_every=1, dropout=0.1)
     cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, partition="1,3"))

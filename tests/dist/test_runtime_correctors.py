@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from stalepipe.config import ConfigError, OptimConfig
-from stalepipe.rundir.checkpoint import checkpoint_step, list_checkpoints, remove_checkpoint
-from stalepipe.train.loop import train
+from stalepipe.training.rundir.checkpoint import checkpoint_step, list_checkpoints, remove_checkpoint
+from stalepipe.training.train.loop import train
 
 CASES = {
     # the tied head predicted on the last stage; the sync start's end re-reads an old version

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from stalepipe.errors import EXIT_PREEMPTED
-from stalepipe.rundir.checkpoint import latest_checkpoint, load_checkpoint
-from stalepipe.runtime.stage_update import lookahead
-from stalepipe.train.pipelined import runtime_schedule
+from stalepipe.training.rundir.checkpoint import latest_checkpoint, load_checkpoint
+from stalepipe.training.runtime.stage_update import lookahead
+from stalepipe.training.train.pipelined import runtime_schedule
 
 STEPS = 300
 

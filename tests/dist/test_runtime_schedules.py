@@ -27,13 +27,13 @@ import torch
 
 from stalepipe.cli import main
 from stalepipe.config import ConfigError
-from stalepipe.data import TokenLoader
-from stalepipe.models import build_model
+from stalepipe.training.data import TokenLoader
+from stalepipe.training.models import build_model
 from stalepipe.presets import PRESETS
-from stalepipe.rundir.metrics import read_metrics
-from stalepipe.schedules.generators import make_schedule, one_stage_per_rank
-from stalepipe.schedules.schedule import peak_versions, validate
-from stalepipe.train.pipelined import check_config, runtime_schedule
+from stalepipe.training.rundir.metrics import read_metrics
+from stalepipe.training.schedules.generators import make_schedule, one_stage_per_rank
+from stalepipe.training.schedules.schedule import peak_versions, validate
+from stalepipe.training.train.pipelined import check_config, runtime_schedule
 
 
 def _moe(cfg, **model_kw):

@@ -9,9 +9,9 @@ import torch
 from torch.func import functional_call
 
 from stalepipe.config import ModelConfig
-from stalepipe.delay.rng import seeded
-from stalepipe.models import build_model, partition
-from stalepipe.models.partition import Reparametrized
+from stalepipe.training.delay.rng import seeded
+from stalepipe.training.models import build_model, partition
+from stalepipe.training.models.partition import Reparametrized
 
 
 @pytest.mark.parametrize("tied", [False, True])

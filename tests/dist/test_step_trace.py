@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from stalepipe.launch.pooled import worker_entry
-from stalepipe.train.loop import train
+from stalepipe.training.launch.pooled import worker_entry
+from stalepipe.training.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "stalepipe"

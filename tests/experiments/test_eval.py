@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from stalepipe.config import ModelConfig
-from stalepipe.data import ByteTokenizer
-from stalepipe.experiments.evaluate import (
+from stalepipe.training.data import ByteTokenizer
+from stalepipe.training.models import build_model
+from stalepipe.training.tools.evaluate import (
     EvalError,
     MCItem,
     choice_logprobs,
@@ -24,7 +25,6 @@ from stalepipe.experiments.evaluate import (
     shakespeare_cloze,
     write_task,
 )
-from stalepipe.models import build_model
 
 
 class PrefersA(nn.Module):
@@ -80,7 +80,7 @@ def test_cloze_task_is_deterministic_and_round_trips(tmp_path):
 
 
 def test_eval_of_a_trained_moe_run_offline(tiny_config, tmp_path):
-    from stalepipe.train.loop import train
+    from stalepipe.training.train.loop import train
 
     cfg = dataclasses.replace(
         tiny_config,

@@ -1,4 +1,4 @@
-"""Sweeps through submitit (experiments/executors.py): the SLURM array script, submitit's local
+"""Sweeps through submitit (sweeps/executors.py): the SLURM array script, submitit's local
 executor giving the pool's records, a preempted task requeueing itself, and bad flags."""
 
 import dataclasses
@@ -8,11 +8,12 @@ import subprocess
 import pytest
 
 from stalepipe.errors import UserError
-from stalepipe.experiments import executors
-from stalepipe.experiments.executors import SlurmOptions, sbatch_script
-from stalepipe.experiments.grid import expand
-from stalepipe.experiments.sweep import run_sweep
-from stalepipe.experiments.task import run_task
+from stalepipe.lab.sweeps import executors
+from stalepipe.lab.sweeps.executors import SlurmOptions, sbatch_script
+from stalepipe.lab.sweeps.grid import expand
+from stalepipe.lab.sweeps.sweep import run_sweep
+from stalepipe.training.launch import task as trainer
+from stalepipe.training.launch.task import run_task
 
 
 def test_the_sbatch_array_script_carries_every_option(tmp_path):
@@ -53,7 +54,7 @@ def test_a_preempted_task_requeues_itself(monkeypatch):
     def preempted(cfg, threads):
         raise SystemExit(75)
 
-    monkeypatch.setattr("stalepipe.experiments.task.run_one", preempted)
+    monkeypatch.setattr("stalepipe.training.launch.task.run_one", preempted)
     assert run_task({}, 1) == 75 and calls == [["scontrol", "requeue", "12_3"]]
 
 
@@ -63,7 +64,7 @@ def test_a_refused_requeue_is_said_in_the_log_and_the_exit_status(monkeypatch, c
     refused = subprocess.CompletedProcess([], 1, "", "scontrol: error: Requeue of job disabled\n")
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: refused)
     monkeypatch.setattr(
-        "stalepipe.experiments.task.run_one", lambda c, t: exec("raise SystemExit(75)")
+        "stalepipe.training.launch.task.run_one", lambda c, t: exec("raise SystemExit(75)")
     )
     assert run_task({}, 1) == 76  # EXIT_REQUEUE_FAILED: sacct shows it, not a quiet 75
     err = capsys.readouterr().err
@@ -221,8 +222,8 @@ def test_submitit_local_gives_the_pools_records(tiny_config, tmp_path):
         tiny_config, train=dataclasses.replace(tiny_config.train, num_steps=4, eval_every=0)
     )
     specs = expand([[("sync", {"delay.policy": "sync"}), ("2bw", {"delay.policy": "2bw"})]])
-    pool = run_sweep(specs, base, tmp_path / "pool", log=lambda m: None)
-    sub = run_sweep(specs, base, tmp_path / "sub", log=lambda m: None, executor="submitit-local",
+    pool = run_sweep(trainer, specs, base, tmp_path / "pool", log=lambda m: None)
+    sub = run_sweep(trainer, specs, base, tmp_path / "sub", log=lambda m: None, executor="submitit-local",
                     workers=2)  # fmt: skip
     assert sorted(pool.ran) == sorted(sub.ran) == ["2bw_s0", "sync_s0"] and not sub.failed
     names = ["sync_s0", "2bw_s0"]
@@ -237,7 +238,7 @@ def test_slurm_without_sbatch_and_srun_is_one_line_that_makes_nothing(
     runs' directories were made; now one line before anything is, and the commands found
     on PATH let it through."""
     from stalepipe.cli import main
-    from stalepipe.experiments.executors import check_slurm
+    from stalepipe.lab.sweeps.executors import check_slurm
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -9,11 +9,11 @@ import torch
 import transformers
 
 from stalepipe.config import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
-from stalepipe.experiments.export import ExportError, export_hf
 from stalepipe.fileio import NotOwnedError
-from stalepipe.models import build_model
-from stalepipe.rundir.checkpoint import commit_checkpoint
-from stalepipe.rundir.sharded import save_part
+from stalepipe.training.models import build_model
+from stalepipe.training.rundir.checkpoint import commit_checkpoint
+from stalepipe.training.rundir.sharded import save_part
+from stalepipe.training.tools.export import ExportError, export_hf
 
 BASE = dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128,
             max_seq_len=32, rope_theta=500.0, norm_eps=1e-6)  # fmt: skip
@@ -38,7 +38,7 @@ def make_run(tmp_path, model_cfg, *, tokenizer="byte", dtype="float32", name="ru
     run_dir = tmp_path / name
     os.makedirs(run_dir)
     if fmt == "legacy":  # converted once (`stalepipe checkpoint convert`), then exported
-        from stalepipe.rundir.convert import convert
+        from stalepipe.training.rundir.convert import convert
 
         old = run_dir / "old" / "ckpt_00000007.pt"
         old.parent.mkdir()
@@ -78,7 +78,7 @@ def test_exported_checkpoint_loads_in_transformers_with_equal_logits(tmp_path, m
 
 
 def test_gpt2_tokenizer_export_matches_ours(tmp_path):
-    from stalepipe.data.gpt2 import Gpt2Tokenizer
+    from stalepipe.training.data.gpt2 import Gpt2Tokenizer
 
     cfg = ModelConfig(**{**BASE, "vocab_size": 50304, "dim": 32, "ffn_dim": 32, "num_layers": 1})
     run_dir, _ = make_run(tmp_path, cfg, tokenizer="gpt2")
@@ -196,7 +196,7 @@ def test_cli_export_and_eval(tmp_path, capsys, fmt):
 def test_bpe_tokenizer_is_found_from_another_working_directory(tmp_path, monkeypatch):
     """A run's relative data_dir (config.json as written) is located from where the run
     directory is, so export from elsewhere still writes the run's trained tokenizer."""
-    from stalepipe.data import prepare_corpus
+    from stalepipe.training.data import prepare_corpus
 
     work = tmp_path / "work"
     work.mkdir()

@@ -4,7 +4,7 @@ a seed, and the two agree token for token when greedy."""
 import pytest
 
 from stalepipe.cli import main
-from stalepipe.train.loop import train
+from stalepipe.training.train.loop import train
 
 
 @pytest.fixture(scope="module")

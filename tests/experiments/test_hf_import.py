@@ -11,15 +11,15 @@ import transformers
 
 from stalepipe.cli import main
 from stalepipe.config import DataConfig, ExperimentConfig, ModelConfig
-from stalepipe.data import TokenLoader
 from stalepipe.errors import CheckpointError
-from stalepipe.experiments.export import export_hf
-from stalepipe.models import build_model
-from stalepipe.models.hf import HfFormatError
-from stalepipe.rundir.checkpoint import commit_checkpoint
-from stalepipe.rundir.hf_checkpoint import load_hf_weights, open_hf
-from stalepipe.rundir.metrics import read_metrics
-from stalepipe.rundir.sharded import save_part
+from stalepipe.training.data import TokenLoader
+from stalepipe.training.models import build_model
+from stalepipe.training.models.hf import HfFormatError
+from stalepipe.training.rundir.checkpoint import commit_checkpoint
+from stalepipe.training.rundir.hf_checkpoint import load_hf_weights, open_hf
+from stalepipe.training.rundir.metrics import read_metrics
+from stalepipe.training.rundir.sharded import save_part
+from stalepipe.training.tools.export import export_hf
 
 BASE = dict(vocab_size=256, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64,
             max_seq_len=32, rope_theta=500.0, norm_eps=1e-6)  # fmt: skip
@@ -218,6 +218,6 @@ def test_cli_refuses_a_mismatch_before_writing(tmp_path, excerpt_data_dir, capsy
 def test_the_cli_spells_the_readers_prefix():
     """cli/__init__.py spells `hf:` out (its --help imports no torch): the reader's own."""
     from stalepipe import cli
-    from stalepipe.rundir import hf_checkpoint
+    from stalepipe.training.rundir import hf_checkpoint
 
     assert cli.HF_PREFIX == hf_checkpoint.PREFIX

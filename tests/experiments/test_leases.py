@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from stalepipe.rundir.lease import LEASE_FILE, RunLeased, lease_run, live_owner, read_lease
+from stalepipe.training.rundir.lease import LEASE_FILE, RunLeased, lease_run, live_owner, read_lease
 
 
 def test_a_lease_being_written_is_not_taken_over(tmp_path):
@@ -80,12 +80,13 @@ def test_a_live_lease_refuses_and_a_dead_one_is_taken_over(tmp_path, monkeypatch
 SWEEP = """
 import json, sys
 from stalepipe.config import ExperimentConfig
-from stalepipe.experiments.grid import expand
-from stalepipe.experiments.sweep import run_sweep
+from stalepipe.lab.sweeps.grid import expand
+from stalepipe.lab.sweeps.sweep import run_sweep
+from stalepipe.training.launch import task as trainer
 base = ExperimentConfig.from_dict(json.loads(sys.argv[1]))
 specs = expand([[("sync", {"delay.policy": "sync"}), ("2bw", {"delay.policy": "2bw"})]],
                seeds=[0, 1])
-res = run_sweep(specs, base, sys.argv[2], log=lambda m: None)
+res = run_sweep(trainer, specs, base, sys.argv[2], log=lambda m: None)
 print(json.dumps({"ran": res.ran, "elsewhere": res.elsewhere, "failed": list(res.failed)}))
 """
 

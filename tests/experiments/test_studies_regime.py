@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from stalepipe.errors import UserError
-from stalepipe.experiments import plan, studies
+from stalepipe.lab.studies import studies
+from stalepipe.lab.sweeps import plan
 
 
 def test_cpu_regime_runs_all_seven_optimizers_and_cpu_keeps_its_six():
@@ -75,8 +76,8 @@ def test_beyond_cpu_the_studies_retune_the_lr_and_add_muon_and_the_correctors():
 
 
 def test_gpu_estimates_are_the_runs_training_flops_at_the_stated_mfu():
-    from stalepipe.models import flops_per_token
-    from stalepipe.sim.devices import get_device
+    from stalepipe.hardware import get_device
+    from stalepipe.training.models import flops_per_token
 
     base = studies.base_config("135m")
     specs = studies.STUDIES["optimizers"].specs("135m", 1)[:2]
@@ -96,8 +97,8 @@ def test_the_size_ladder_is_what_results_md_registered():
     phase 1; phase 2 refuses to run before its LRs are chosen, and reuses phase 1's sync runs."""
     import dataclasses
 
-    from stalepipe.experiments import scales
-    from stalepipe.models import build_model
+    from stalepipe.lab.studies import scales
+    from stalepipe.training.models import build_model
 
     base = scales.regime_base().model
     counts = []
@@ -142,7 +143,7 @@ def test_the_overhead_ladder_holds_the_token_budget_and_varies_size_alone():
     """docs/RESULTS.md 'Overhead ladder', as registered: four widths over >= 8x of non-embedding
     parameters at one token budget, Muon at one LR, 2bw and 2bw+EF at 1-1.5x, sync at 1x and
     1.2x, every run inside one epoch of the 4.78M training tokens; 48 runs a seed."""
-    from stalepipe.experiments import scales
+    from stalepipe.lab.studies import scales
 
     specs = studies.STUDIES["overhead-ladder"].specs("cpu-regime", 3)
     assert len(specs) == 3 * 4 * (2 + 2 * 5)
@@ -171,8 +172,8 @@ def test_adamw_second_lrs_are_phase_one_runner_ups_and_reuse_its_sync_runs():
     2bw at it, the seed-0 sync run phase 1's own (same name, already committed)."""
     from pathlib import Path
 
-    from stalepipe.analysis import scaling
-    from stalepipe.experiments import scales
+    from stalepipe.lab.analysis import scaling
+    from stalepipe.lab.studies import scales
 
     root = Path(__file__).parents[2] / "docs" / "results" / "ladder-regime"
     scan: dict[int, dict[float, float]] = {}

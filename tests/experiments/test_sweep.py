@@ -7,8 +7,9 @@ import pytest
 
 from stalepipe.config import ConfigError
 from stalepipe.errors import UserError
-from stalepipe.experiments import plan, studies
-from stalepipe.experiments.grid import (
+from stalepipe.lab.studies import studies
+from stalepipe.lab.sweeps import plan
+from stalepipe.lab.sweeps.grid import (
     axis,
     check_overrides,
     dedupe,
@@ -16,12 +17,13 @@ from stalepipe.experiments.grid import (
     parse_grid_arg,
     select_runs,
 )
-from stalepipe.experiments.sweep import (
+from stalepipe.lab.sweeps.sweep import (
     ERROR_FILE,
     run_status,
     run_sweep,
     write_error,
 )
+from stalepipe.training.launch import task as trainer
 
 
 def test_expand_product_names_and_seeds():
@@ -93,7 +95,7 @@ def test_dedupe_keeps_first_and_rejects_clashes():
 def test_every_study_expands_to_valid_configs(name, monkeypatch):
     study = studies.STUDIES[name]
     if name == "ladder":  # phase 2 waits for phase 1's LRs: expand it with the grids' middles
-        from stalepipe.experiments import scales
+        from stalepipe.lab.studies import scales
 
         lrs = {
             (n, w): scales.ladder_lrs(n, w)[1] for n in ("adamw", "muon") for w, *_ in scales.LADDER
@@ -146,7 +148,7 @@ def test_sweep_resume_skip_and_retry(tiny_config, tmp_path):
                      ("2bw", {"delay.policy": "2bw"})]])  # fmt: skip
     out = tmp_path / "sweep"
     logs = []
-    res = run_sweep(specs, base, out, log=logs.append)
+    res = run_sweep(trainer, specs, base, out, log=logs.append)
     assert sorted(res.ran) == ["2bw_s0", "sync_s0"]
     assert list(res.failed) == ["bad_s0"] and "vocab" in res.failed["bad_s0"]
     err = json.loads((out / "bad_s0" / ERROR_FILE).read_text())
@@ -156,7 +158,7 @@ def test_sweep_resume_skip_and_retry(tiny_config, tmp_path):
     assert any("[2/3] bad_s0: FAILED: DataError" in m for m in logs), logs
 
     logs.clear()
-    res = run_sweep(specs, base, out, log=logs.append)
+    res = run_sweep(trainer, specs, base, out, log=logs.append)
     assert res.ran == [] and sorted(res.finished) == ["2bw_s0", "sync_s0"]
     assert res.skipped_failed == ["bad_s0"] and "vocab" in res.failed["bad_s0"]
     assert "2 finished, 1 failed earlier (rerun with --retry-failed), 0 to run" in logs[0]
@@ -164,17 +166,17 @@ def test_sweep_resume_skip_and_retry(tiny_config, tmp_path):
     # changing the study's config does not silently rerun or relabel finished runs: it warns
     logs.clear()
     lr_base = dataclasses.replace(base, optim=dataclasses.replace(base.optim, lr=0.5))
-    res = run_sweep(specs[:1], lr_base, out, log=logs.append)
+    res = run_sweep(trainer, specs[:1], lr_base, out, log=logs.append)
     assert res.ran == [] and res.changed == {"sync_s0": ["optim.lr"]}
     assert "warning: 1 finished run(s) were made with a different config" in logs[1]
-    assert run_sweep(specs[:1], base, out, log=logs.append).changed == {}
+    assert run_sweep(trainer, specs[:1], base, out, log=logs.append).changed == {}
 
     # a finished run whose error.json appears (say, a crash after its last step) is failed
     write_error(out / "2bw_s0", "RuntimeError: simulated crash")
     good = [s for s in specs if s.name != "bad_s0"]
-    res = run_sweep(good, base, out, log=logs.append)
+    res = run_sweep(trainer, good, base, out, log=logs.append)
     assert res.ran == [] and res.failed == {"2bw_s0": "RuntimeError: simulated crash"}
-    res = run_sweep(good, base, out, retry_failed=True, log=logs.append)
+    res = run_sweep(trainer, good, base, out, retry_failed=True, log=logs.append)
     assert res.ran == ["2bw_s0"] and not res.failed
     assert not (out / "2bw_s0" / ERROR_FILE).exists()
 
@@ -185,15 +187,15 @@ def test_the_same_run_under_two_names_is_trained_once(tiny_config, tmp_path):
     the dry run lists them as the same, the sweep counts them and trains the rest."""
     import dataclasses
 
-    from stalepipe.experiments.sweep import plan_status
-    from stalepipe.optim import resolve_config
+    from stalepipe.lab.sweeps.sweep import plan_status
+    from stalepipe.training.optim import resolve_config
 
     base = dataclasses.replace(
         tiny_config, train=dataclasses.replace(tiny_config.train, num_steps=3, eval_every=0)
     )
     out = tmp_path / "sweep"
     first = expand([[("sync", {"delay.policy": "sync"})]])
-    assert run_sweep(first, base, out, log=lambda m: None).ran == ["sync_s0"]
+    assert run_sweep(trainer, first, base, out, log=lambda m: None).ran == ["sync_s0"]
     lr0 = resolve_config(base.optim).lr  # the default, as train() records it
     lr = str(lr0)
     specs = expand(
@@ -207,7 +209,7 @@ def test_the_same_run_under_two_names_is_trained_once(tiny_config, tmp_path):
     assert plan == {"lr_sync_s0": "sync_s0", "lr_2bw_s0": "", "lr2_sync_s0": "",
                     "lr2_2bw_s0": "", "again_2bw_s0": "lr_2bw_s0"}  # fmt: skip
     logs = []
-    res = run_sweep(specs, base, out, log=logs.append)
+    res = run_sweep(trainer, specs, base, out, log=logs.append)
     assert sorted(res.ran) == ["lr2_2bw_s0", "lr2_sync_s0", "lr_2bw_s0"]
     assert res.same == {"lr_sync_s0": "sync_s0", "again_2bw_s0": "lr_2bw_s0"}
     assert "2 the same as another run (not repeated), 0 failed earlier, 3 to run" in logs[0]
@@ -228,7 +230,7 @@ def test_parallel_failure_is_isolated(tiny_config, tmp_path):
         tiny_config, train=dataclasses.replace(tiny_config.train, num_steps=2, eval_every=0)
     )
     specs = expand([[("ok", {}), ("bad", {"model.vocab_size": "64"})]])
-    res = run_sweep(specs, base, tmp_path / "s", workers=2, log=lambda m: None)
+    res = run_sweep(trainer, specs, base, tmp_path / "s", workers=2, log=lambda m: None)
     assert res.ran == ["ok_s0"]
     assert list(res.failed) == ["bad_s0"] and "vocab" in res.failed["bad_s0"]
     err = json.loads((tmp_path / "s" / "bad_s0" / ERROR_FILE).read_text())
@@ -275,7 +277,7 @@ def test_a_signal_stops_the_sweep_with_its_run_checkpointed_not_failed(
     import signal
 
     from stalepipe.errors import Preempted
-    from stalepipe.rundir import metrics
+    from stalepipe.training.rundir import metrics
 
     base = dataclasses.replace(
         tiny_config, train=dataclasses.replace(tiny_config.train, num_steps=8, eval_every=0)
@@ -292,7 +294,7 @@ def test_a_signal_stops_the_sweep_with_its_run_checkpointed_not_failed(
     out = tmp_path / "sweep"
     logs = []
     with pytest.raises(Preempted, match="rerun it to resume"):
-        run_sweep(specs, base, out, log=logs.append)
+        run_sweep(trainer, specs, base, out, log=logs.append)
     assert not (out / "2bw_s0" / ERROR_FILE).exists()
     assert (
         run_status(out / "2bw_s0") != "failed"
@@ -300,7 +302,7 @@ def test_a_signal_stops_the_sweep_with_its_run_checkpointed_not_failed(
     )
     assert any("stopped by a signal" in m for m in logs), logs
     monkeypatch.undo()
-    res = run_sweep(specs, base, out, log=logs.append)
+    res = run_sweep(trainer, specs, base, out, log=logs.append)
     assert sorted(res.finished) == ["2bw_s0", "2bw_s1"] and not res.failed
 
 
@@ -309,7 +311,7 @@ def test_extend_plans_the_delayed_arms_longer(tiny_config):
     eval interval stretched (the evaluations stay as many), sync never; factors <= 1 refused."""
     import dataclasses
 
-    from stalepipe.experiments.grid import extend_delayed
+    from stalepipe.lab.sweeps.grid import extend_delayed
 
     base = dataclasses.replace(
         tiny_config, train=dataclasses.replace(tiny_config.train, num_steps=40, warmup_steps=4,

@@ -9,9 +9,10 @@ import shutil
 
 import pytest
 
-from stalepipe.analysis.results import load_runs
-from stalepipe.experiments.grid import axis, expand
-from stalepipe.experiments.sweep import (
+from stalepipe.fileio import MARKER, NotOwnedError, make_owned_dir
+from stalepipe.lab.analysis.results import load_runs
+from stalepipe.lab.sweeps.grid import axis, expand
+from stalepipe.lab.sweeps.sweep import (
     ERROR_FILE,
     RECORD_FILES,
     record_files,
@@ -20,8 +21,8 @@ from stalepipe.experiments.sweep import (
     run_sweep,
     write_error,
 )
-from stalepipe.fileio import MARKER, NotOwnedError, make_owned_dir
-from stalepipe.rundir.checkpoint import list_checkpoints, remove_checkpoint
+from stalepipe.training.launch import task as trainer
+from stalepipe.training.rundir.checkpoint import list_checkpoints, remove_checkpoint
 
 
 def _short(tiny_config, steps=3):
@@ -75,19 +76,19 @@ def test_sweep_marks_its_directories_and_retries_only_its_own(tiny_config, tmp_p
     )
     specs = expand([axis("delay.policy", ["sync"])])
     out = tmp_path / "sweep"
-    res = run_sweep(specs, base, out, log=lambda m: None)
+    res = run_sweep(trainer, specs, base, out, log=lambda m: None)
     assert res.ran == ["sync_s0"]
     assert _kind(out) == "sweep" and _kind(out / "sync_s0") == "run"
     write_error(out / "sync_s0", "RuntimeError: simulated crash")
     (out / "sync_s0" / "notes.txt").write_text("mine")
     with pytest.raises(NotOwnedError, match="holds 'notes.txt'"):
-        run_sweep(specs, base, out, retry_failed=True, log=lambda m: None)
+        run_sweep(trainer, specs, base, out, retry_failed=True, log=lambda m: None)
     assert (out / "sync_s0" / "notes.txt").exists() and (out / "sync_s0" / ERROR_FILE).exists()
     (out / "sync_s0" / "notes.txt").unlink()
-    res = run_sweep(specs, base, out, retry_failed=True, log=lambda m: None)
+    res = run_sweep(trainer, specs, base, out, retry_failed=True, log=lambda m: None)
     assert res.ran == ["sync_s0"] and run_status(out / "sync_s0") == "finished"
     # overwrite: the whole sweep, being all ours, is deleted and run again
-    res = run_sweep(specs, base, out, overwrite=True, log=lambda m: None)
+    res = run_sweep(trainer, specs, base, out, overwrite=True, log=lambda m: None)
     assert res.ran == ["sync_s0"]
 
 
@@ -97,12 +98,12 @@ def test_a_run_that_stopped_before_its_first_checkpoint_starts_over(tiny_config,
     )
     specs = expand([axis("delay.policy", ["sync"])])
     out = tmp_path / "sweep"
-    run_sweep(specs, base, out, log=lambda m: None)
+    run_sweep(trainer, specs, base, out, log=lambda m: None)
     run_dir = out / "sync_s0"
     for ckpt in list_checkpoints(run_dir):
         remove_checkpoint(ckpt)
     (run_dir / "metrics.jsonl").write_text('{"step": 0, "loss": 5.0}\n')  # killed at step 1
-    res = run_sweep(specs, base, out, log=lambda m: None)
+    res = run_sweep(trainer, specs, base, out, log=lambda m: None)
     assert res.ran == ["sync_s0"] and not res.failed
 
 
@@ -110,7 +111,7 @@ def test_a_sweep_committed_without_checkpoints_runs_only_what_is_missing(tiny_co
     base = _short(tiny_config)
     specs = expand([axis("delay.policy", ["sync", "2bw", "fixed:2"])])
     out = tmp_path / "here" / "sweep"
-    run_sweep(specs[:2], base, out, log=lambda m: None)
+    run_sweep(trainer, specs[:2], base, out, log=lambda m: None)
     # 2bw_s0 was stopped by a signal after step 1 (its checkpoint is not committed)
     stopped = out / "2bw_s0" / "metrics.jsonl"
     uninterrupted = read_vals(out / "2bw_s0")
@@ -130,7 +131,7 @@ def test_a_sweep_committed_without_checkpoints_runs_only_what_is_missing(tiny_co
         "sync_s0": "finished",
     }
     before = (there / "sync_s0" / "metrics.jsonl").read_bytes()
-    res = run_sweep(specs, base, there, log=lambda m: None)
+    res = run_sweep(trainer, specs, base, there, log=lambda m: None)
     assert sorted(res.ran) == ["2bw_s0", "fixed-2_s0"] and not res.failed
     assert (there / "sync_s0" / "metrics.jsonl").read_bytes() == before
     assert not list_checkpoints(there / "sync_s0")
@@ -151,11 +152,11 @@ def test_a_record_copied_without_markers_still_reads_as_finished(tiny_config, tm
     base = _short(tiny_config)
     specs = expand([axis("delay.policy", ["sync"])])
     out = tmp_path / "sweep"
-    run_sweep(specs, base, out, log=lambda m: None)
+    run_sweep(trainer, specs, base, out, log=lambda m: None)
     there = tmp_path / "copy"
     _copy([f for f in record_files(out) if f.name != MARKER], out, there)
     assert run_status(there / "sync_s0") == "finished"
-    res = run_sweep(specs, base, there, log=lambda m: None)
+    res = run_sweep(trainer, specs, base, there, log=lambda m: None)
     assert res.ran == [] and res.finished == ["sync_s0"]
 
 

@@ -4,7 +4,7 @@ the qualitative results it reports."""
 import numpy as np
 import torch
 
-from stalepipe.experiments import toy
+from stalepipe.lab.studies import toy
 
 
 def test_polar_factor():

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from stalepipe.experiments.workers import run_spawned
+from stalepipe.lab.sweeps.workers import run_spawned
 
 
 def run_all(jobs, workers=2):
@@ -49,7 +49,7 @@ def test_each_slot_gets_its_own_gpu_round_robin(monkeypatch):
     """`gpu_slots`: one visible GPU per worker slot (the CUDA_VISIBLE_DEVICES already set, else
     0..N-1), and run_spawned gives a job its slot's environment: jobs running together never
     share a GPU, and a freed slot's GPU goes to the next job."""
-    from stalepipe.experiments.workers import gpu_slots
+    from stalepipe.lab.sweeps.workers import gpu_slots
 
     assert gpu_slots(0) is None
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

@@ -7,9 +7,16 @@ import pytest
 import torch
 
 from stalepipe.config import ConfigError, ModelConfig
-from stalepipe.models import Transformer, build_model, count_params, flops_per_token, partition
-from stalepipe.models.layers import SwiGLU
-from stalepipe.models.moe import (
+from stalepipe.presets import cpu_moe, cpu_tiny, moe_10b
+from stalepipe.training.models import (
+    Transformer,
+    build_model,
+    count_params,
+    flops_per_token,
+    partition,
+)
+from stalepipe.training.models.layers import SwiGLU
+from stalepipe.training.models.moe import (
     MoE,
     dispatch,
     dispatch_reference,
@@ -18,9 +25,8 @@ from stalepipe.models.moe import (
     router_z_loss,
     summarize_router_stats,
 )
-from stalepipe.models.partition import split_layers
-from stalepipe.models.transformer import block_flops
-from stalepipe.presets import cpu_moe, cpu_tiny, moe_10b
+from stalepipe.training.models.partition import split_layers
+from stalepipe.training.models.transformer import block_flops
 
 MOE = ModelConfig(
     vocab_size=128,

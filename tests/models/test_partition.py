@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from stalepipe.config import ConfigError, ModelConfig
-from stalepipe.models import build_model, build_stage, partition, split_layers
 from stalepipe.presets import smollm_135m
+from stalepipe.training.models import build_model, build_stage, partition, split_layers
 
 CFG = ModelConfig(
     vocab_size=128, dim=32, num_layers=6, num_heads=4, num_kv_heads=2, ffn_dim=64, max_seq_len=16

@@ -3,8 +3,8 @@
 import torch
 
 from stalepipe.config import ModelConfig
-from stalepipe.models import build_model
-from stalepipe.models.sample import next_token, sample
+from stalepipe.training.models import build_model
+from stalepipe.training.models.sample import next_token, sample
 
 CFG = ModelConfig(vocab_size=64, dim=32, num_layers=1, num_heads=2, num_kv_heads=1, ffn_dim=32,
                   max_seq_len=8)  # fmt: skip

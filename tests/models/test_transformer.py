@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from stalepipe.config import ModelConfig
-from stalepipe.models import Transformer, build_model, count_params, flops_per_token
-from stalepipe.models.layers import Attention, Rotary
 from stalepipe.presets import cpu_small, cpu_tiny, smollm_135m, smollm_360m
+from stalepipe.training.models import Transformer, build_model, count_params, flops_per_token
+from stalepipe.training.models.layers import Attention, Rotary
 
 TINY = ModelConfig(
     vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128, max_seq_len=32
@@ -89,7 +89,7 @@ def test_same_seed_same_weights_and_rng_untouched():
 
 
 def test_dropout_in_training_mode_only_and_seeded():
-    from stalepipe.delay.rng import seeded
+    from stalepipe.training.delay.rng import seeded
 
     drop = build_model(ModelConfig(**{**TINY.__dict__, "dropout": 0.2}), seed=0)
     plain = build_model(TINY, seed=0)

@@ -8,7 +8,7 @@ the config accepts it, the registry builds it, `stalepipe train --optim.name dum
 from __future__ import annotations
 
 from stalepipe.config import OptimizerSpec, Setting, register_optimizer
-from stalepipe.optim.specs import decay_groups
+from stalepipe.training.optim.specs import decay_groups
 
 MOMENTUM = 0.9  # fixed: the dummy reads no optim.beta1
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stalepipe.optim import MARS, SOAP, Adan, Lion, Muon
+from stalepipe.training.optim import MARS, SOAP, Adan, Lion, Muon
 
 STEPS = 40
 SHAPES_2D = [(8, 12), (12, 8), (16, 16)]

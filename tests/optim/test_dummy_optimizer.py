@@ -13,9 +13,9 @@ import torch
 
 from stalepipe.cli import main
 from stalepipe.config import OPTIMIZERS, ConfigError, ExperimentConfig, OptimConfig, apply_overrides
-from stalepipe.models import build_model
-from stalepipe.optim import build_optimizer, resolve_config
 from stalepipe.presets import cpu_tiny
+from stalepipe.training.models import build_model
+from stalepipe.training.optim import build_optimizer, resolve_config
 
 
 @pytest.fixture

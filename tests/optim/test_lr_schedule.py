@@ -14,8 +14,8 @@ from stalepipe.config import (
     TrainConfig,
     apply_overrides,
 )
-from stalepipe.delay import DelaySchedule
-from stalepipe.optim.lr_schedule import lr_multiplier
+from stalepipe.training.delay import DelaySchedule
+from stalepipe.training.optim.lr_schedule import lr_multiplier
 
 
 def linear(step: int, cfg: TrainConfig) -> float:

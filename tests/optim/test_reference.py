@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from stalepipe.optim import MARS, SOAP, Adan, Lion, Muon, NAdamW
+from stalepipe.training.optim import MARS, SOAP, Adan, Lion, Muon, NAdamW
 
 STEPS = 24
 SHAPES = [(8, 12), (12, 8), (16, 16), (30, 6), (10,), (7,)]

@@ -12,11 +12,11 @@ import torch
 
 from stalepipe.config import OPTIMIZERS, ConfigError, OptimConfig
 from stalepipe.config.overrides import as_dict
-from stalepipe.models import build_model
-from stalepipe.optim import build_optimizer, resolve_config, split_params
-from stalepipe.optim.lr_schedule import apply_lr
-from stalepipe.optim.specs import AUX_ADAMW_EPS
 from stalepipe.presets import cpu_tiny
+from stalepipe.training.models import build_model
+from stalepipe.training.optim import build_optimizer, resolve_config, split_params
+from stalepipe.training.optim.lr_schedule import apply_lr
+from stalepipe.training.optim.specs import AUX_ADAMW_EPS
 
 NAMES = list(OPTIMIZERS)
 

@@ -14,13 +14,13 @@ import pytest
 import torch.distributed as dist
 
 from stalepipe.errors import UserError
-from stalepipe.peers.failures import FailureRecords
-from stalepipe.peers.group import PeerError
-from stalepipe.peers.topology import Topology
-from stalepipe.peers.waits import backend_timeout_s, poll_work, store_barrier
-from stalepipe.runtime import comm as comm_mod
-from stalepipe.runtime.comm import Comm
-from stalepipe.train.distributed import DistContext, on_main_outside_collectives
+from stalepipe.training.peers.failures import FailureRecords
+from stalepipe.training.peers.group import PeerError
+from stalepipe.training.peers.topology import Topology
+from stalepipe.training.peers.waits import backend_timeout_s, poll_work, store_barrier
+from stalepipe.training.runtime import comm as comm_mod
+from stalepipe.training.runtime.comm import Comm
+from stalepipe.training.train.distributed import DistContext, on_main_outside_collectives
 
 
 class FakeWork:

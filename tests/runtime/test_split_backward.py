@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from stalepipe.config import ModelConfig
-from stalepipe.models import build_model, partition
-from stalepipe.models.partition import Reparametrized
 from stalepipe.presets import PRESETS
-from stalepipe.runtime.split_backward import backward_input, backward_weights
+from stalepipe.training.models import build_model, partition
+from stalepipe.training.models.partition import Reparametrized
+from stalepipe.training.runtime.split_backward import backward_input, backward_weights
 
 CFG = ModelConfig(
     vocab_size=64, dim=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=64,

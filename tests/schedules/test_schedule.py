@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from stalepipe.config import PIPELINE_SCHEDULES, ConfigError, DelayConfig
-from stalepipe.delay import DelaySchedule
-from stalepipe.schedules.generators import make_schedule
-from stalepipe.schedules.schedule import (
+from stalepipe.training.delay import DelaySchedule
+from stalepipe.training.schedules.generators import make_schedule
+from stalepipe.training.schedules.schedule import (
     Action,
     PipelineSchedule,
     ScheduleError,

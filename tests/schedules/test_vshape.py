@@ -13,16 +13,16 @@ import dataclasses
 import pytest
 
 from stalepipe.config import PIPELINE_SCHEDULES, ConfigError, PipelineConfig
-from stalepipe.schedules.generators import make_schedule
-from stalepipe.schedules.schedule import (
+from stalepipe.lab.sim.memory import rank_memory
+from stalepipe.lab.sim.timing import SimResult, simulate, summarize, uniform_costs
+from stalepipe.training.schedules.generators import make_schedule
+from stalepipe.training.schedules.schedule import (
     Action,
     PipelineSchedule,
     ScheduleError,
     stage_rank,
     validate,
 )
-from stalepipe.sim.memory import rank_memory
-from stalepipe.sim.timing import SimResult, simulate, summarize, uniform_costs
 
 SIZES = [(2, 4), (3, 6), (4, 8), (4, 13), (8, 16), (8, 32)]  # (R, m) with m >= 2R
 

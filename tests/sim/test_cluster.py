@@ -9,9 +9,8 @@ import json
 import pytest
 
 from stalepipe.config import ConfigError
-from stalepipe.schedules.generators import make_schedule
-from stalepipe.sim import parallel as par
-from stalepipe.sim.cluster import (
+from stalepipe.lab.sim import parallel as par
+from stalepipe.lab.sim.cluster import (
     CLUSTERS,
     collective_time,
     get_cluster,
@@ -20,9 +19,10 @@ from stalepipe.sim.cluster import (
     ring_time,
     trailing,
 )
-from stalepipe.sim.models import model_config
-from stalepipe.sim.steady import Plan
-from stalepipe.sim.timing import simulate, summarize, uniform_costs
+from stalepipe.lab.sim.models import model_config
+from stalepipe.lab.sim.steady import Plan
+from stalepipe.lab.sim.timing import simulate, summarize, uniform_costs
+from stalepipe.training.schedules.generators import make_schedule
 
 
 @pytest.mark.parametrize("n", [2, 4, 8, 64])
@@ -143,7 +143,7 @@ def test_the_fast_steady_timer_equals_the_reference_simulator(name):
     dev = CLUSTERS["h100-eth25"].device()
     dev = dataclasses.replace(dev, gpus_per_node=2)  # p2p across nodes too
     sched = make_schedule(name, 4, 8, 3)
-    from stalepipe.sim.simulate import model_costs
+    from stalepipe.lab.sim.simulate import model_costs
 
     for costs in model_costs(sched, cfg, dev, {}, mfu=0.4, seq_len=1024, mb_size=1):
         assert Plan(sched).time(costs).step_time == pytest.approx(

@@ -12,9 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from stalepipe.sim.cluster import CLUSTERS
-from stalepipe.sim.memory import gpu_memory, layer_bytes_per_token_dim, logits_bytes, state_bytes
-from stalepipe.sim.models import model_config
+from stalepipe.lab.sim.cluster import CLUSTERS
+from stalepipe.lab.sim.memory import (
+    gpu_memory,
+    layer_bytes_per_token_dim,
+    logits_bytes,
+    state_bytes,
+)
+from stalepipe.lab.sim.models import model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 MISSES = {"Table 4: 70B, FSDP 32 x TP 8, local batch 16, full AC"}  # named in docs/verdict.md
@@ -55,8 +60,8 @@ def test_llama3_8b_fsdp_at_microbatch_2_needs_recomputation_on_80_gb():
     cfg = model_config("llama3-8b")
     none = gpu_memory(cfg, seq_len=8192, microbatch=2, dp=64, zero=3)
     assert none.total > 80e9 and none.activations > 80e9
-    from stalepipe.sim.parallel import Workload, data_parallel
-    from stalepipe.sim.replicas import flat_step
+    from stalepipe.lab.sim.parallel import Workload, data_parallel
+    from stalepipe.lab.sim.replicas import flat_step
 
     w, c = Workload(cfg, 8192, 128, 64), CLUSTERS["h100-ib"]
     assert flat_step(w, c, "fsdp", 1, 2, "none")[2] > 80e9

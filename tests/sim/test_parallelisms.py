@@ -8,12 +8,12 @@ import dataclasses
 
 import pytest
 
-from stalepipe.sim import replicas as rp
-from stalepipe.sim.cluster import CLUSTERS, collective_time
-from stalepipe.sim.hybrid import effective_mfu, tp_cluster
-from stalepipe.sim.models import model_config
-from stalepipe.sim.parallel import Workload, all_options, best
-from stalepipe.verdict.throughput import model_shape
+from stalepipe.lab.sim import replicas as rp
+from stalepipe.lab.sim.cluster import CLUSTERS, collective_time
+from stalepipe.lab.sim.hybrid import effective_mfu, tp_cluster
+from stalepipe.lab.sim.models import model_config
+from stalepipe.lab.sim.parallel import Workload, all_options, best
+from stalepipe.lab.verdict.throughput import model_shape
 
 
 def test_selective_recomputation_redoes_every_second_matmul():

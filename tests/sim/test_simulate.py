@@ -6,11 +6,11 @@ import pytest
 
 from stalepipe.config import PIPELINE_SCHEDULES, ConfigError
 from stalepipe.errors import UserError
+from stalepipe.lab.sim.gantt import plot_timelines
+from stalepipe.lab.sim.simulate import best_sync, compare_schedules, parse_times, simulate_main
+from stalepipe.lab.sim.timing import simulate, uniform_costs
 from stalepipe.presets import smollm_360m
-from stalepipe.schedules.generators import make_schedule
-from stalepipe.sim.gantt import plot_timelines
-from stalepipe.sim.simulate import best_sync, compare_schedules, parse_times, simulate_main
-from stalepipe.sim.timing import simulate, uniform_costs
+from stalepipe.training.schedules.generators import make_schedule
 
 
 def test_single_schedule_table_and_files(tmp_path):

@@ -5,19 +5,19 @@ from __future__ import annotations
 import pytest
 
 from stalepipe.config import ConfigError
-from stalepipe.models.partition import split_layers
-from stalepipe.models.transformer import flops_per_token
-from stalepipe.presets import smollm_360m
-from stalepipe.schedules.generators import make_schedule
-from stalepipe.sim.balance import rank_balanced_layers
-from stalepipe.sim.devices import DEVICES, get_device
-from stalepipe.sim.timing import (
+from stalepipe.hardware import DEVICES, get_device
+from stalepipe.lab.sim.balance import rank_balanced_layers
+from stalepipe.lab.sim.timing import (
     analytic_costs,
     simulate,
     stage_params,
     summarize,
     uniform_costs,
 )
+from stalepipe.presets import smollm_360m
+from stalepipe.training.models.partition import split_layers
+from stalepipe.training.models.transformer import flops_per_token
+from stalepipe.training.schedules.generators import make_schedule
 
 
 def run(name: str, P: int, m: int, N: int = 1, **kw):

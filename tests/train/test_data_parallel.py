@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from stalepipe.rundir.checkpoint import latest_checkpoint, load_checkpoint
-from stalepipe.train.loop import train
+from stalepipe.training.rundir.checkpoint import latest_checkpoint, load_checkpoint
+from stalepipe.training.train.loop import train
 
 
 def _torchrun(cfg, tmp_path, *extra: str, nproc: int = 2) -> None:

@@ -9,7 +9,7 @@ import torch
 from stalepipe.config import apply_overrides
 from stalepipe.errors import EXIT_USER
 from stalepipe.presets import get_preset
-from stalepipe.train.devices import DeviceError, check_device
+from stalepipe.training.train.devices import DeviceError, check_device
 
 
 def _cfg(**overrides: str):
@@ -91,9 +91,9 @@ def _cuda_run(tmp_path, excerpt_data_dir, engine: str):
 @pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU-only torch build")
 @pytest.mark.parametrize("engine", ["emulate", "distributed"])
 def test_train_refuses_before_touching_the_run_directory(tmp_path, excerpt_data_dir, engine):
-    from stalepipe.launch.train import launch_train
-    from stalepipe.rundir.startup import StartUp
-    from stalepipe.train.loop import train
+    from stalepipe.training.launch.train import launch_train
+    from stalepipe.training.rundir.startup import StartUp
+    from stalepipe.training.train.loop import train
 
     cfg = _cuda_run(tmp_path, excerpt_data_dir, engine)
     with pytest.raises(DeviceError):

@@ -12,14 +12,14 @@ import torch
 
 from stalepipe.cli import main
 from stalepipe.errors import CheckpointError, UserError
-from stalepipe.rundir.checkpoint import (
+from stalepipe.training.rundir.checkpoint import (
     checkpoint_path,
     latest_checkpoint,
     load_checkpoint,
     remove_checkpoint,
 )
-from stalepipe.rundir.metrics import read_metrics
-from stalepipe.train.loop import train
+from stalepipe.training.rundir.metrics import read_metrics
+from stalepipe.training.train.loop import train
 
 
 def _cfg(tiny_config, name, **train_kw):
@@ -110,7 +110,7 @@ def test_init_from_cli_branches_and_a_requeued_branch_continues_itself(tiny_conf
 )
 def test_init_from_errors_name_what_exists(tiny_config, spec, match):
     run = train(_cfg(tiny_config, "p", num_steps=8), verbose=False).run_dir
-    from stalepipe.rundir.resume import parent_checkpoint
+    from stalepipe.training.rundir.resume import parent_checkpoint
 
     with pytest.raises(CheckpointError, match=match):
         parent_checkpoint(spec.format(run=run))

@@ -15,11 +15,11 @@ import torch
 
 from stalepipe.config import ConfigError, apply_overrides
 from stalepipe.errors import EXIT_USER
+from stalepipe.hardware import PEAK_BF16_FLOPS, peak_bf16_flops
 from stalepipe.presets import get_preset
-from stalepipe.rundir import metrics as metrics_mod
-from stalepipe.rundir.metrics import TIMING_WARMUP_STEPS, Meter, read_metrics
-from stalepipe.sim.devices import PEAK_BF16_FLOPS, peak_bf16_flops
-from stalepipe.train.devices import DeviceError, peak_flops, set_tf32
+from stalepipe.training.rundir import metrics as metrics_mod
+from stalepipe.training.rundir.metrics import TIMING_WARMUP_STEPS, Meter, read_metrics
+from stalepipe.training.train.devices import DeviceError, peak_flops, set_tf32
 
 CUDA = torch.device("cuda")  # a device object only: nothing here runs a CUDA kernel
 
@@ -74,7 +74,7 @@ def test_a_resumed_run_warms_up_again_and_a_short_one_reports_since_its_start(cl
 
 
 def test_the_loop_logs_steady_state_throughput(tiny_config):
-    from stalepipe.train.loop import train
+    from stalepipe.training.train.loop import train
 
     cfg = dataclasses.replace(
         tiny_config, train=dataclasses.replace(tiny_config.train, log_every=1)
@@ -121,7 +121,7 @@ def _recorder(seen):
 
 @pytest.mark.parametrize("tf32", [True, False])
 def test_both_engines_apply_train_tf32_before_training(tiny_config, monkeypatch, tf32):
-    from stalepipe.train import loop, pipelined
+    from stalepipe.training.train import loop, pipelined
 
     seen: list = []
     monkeypatch.setattr(loop, "set_tf32", _recorder(seen))
@@ -154,8 +154,8 @@ def test_compile_is_refused_only_where_the_runtime_splits_the_backward():
 
 def test_compile_blocks_compiles_every_block_and_nothing_else():
     """Both engines compile the same modules: the whole model's blocks, a stage's blocks."""
-    from stalepipe.models import build_model, build_stage, compile_blocks
-    from stalepipe.models.layers import Block
+    from stalepipe.training.models import build_model, build_stage, compile_blocks
+    from stalepipe.training.models.layers import Block
 
     cfg = get_preset("cpu-tiny").model
     for module in (build_model(cfg, 0), build_stage(cfg, 0, 2, 1)):
@@ -211,7 +211,7 @@ def _under_torchrun(monkeypatch, world: int) -> None:
 def test_the_runtime_under_torchrun_refuses_more_stages_than_gpus(
     tiny_config, two_gpus, monkeypatch
 ):
-    from stalepipe.train.pipelined import run_worker
+    from stalepipe.training.train.pipelined import run_worker
 
     cfg = apply_overrides(
         tiny_config,
@@ -234,7 +234,7 @@ def test_the_runtime_under_torchrun_refuses_more_stages_than_gpus(
 def test_a_data_parallel_run_under_torchrun_refuses_more_ranks_than_gpus(
     tiny_config, two_gpus, monkeypatch
 ):
-    from stalepipe.train.loop import train
+    from stalepipe.training.train.loop import train
 
     cfg = apply_overrides(tiny_config, {"train.device": "cuda", "train.num_microbatches": "4"})
     _under_torchrun(monkeypatch, 4)
@@ -277,7 +277,7 @@ def test_every_listed_part_is_a_dense_figure_below_the_sparse_one():
 
 
 def test_mfu_counts_every_process_gpu(monkeypatch):
-    from stalepipe.train.loop import run_meter
+    from stalepipe.training.train.loop import run_meter
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
     assert peak_flops(CUDA, 4) == pytest.approx(4 * 756.5e12)
@@ -293,7 +293,7 @@ def test_mfu_counts_every_process_gpu(monkeypatch):
 
 
 def test_soap_turns_tf32_off_inside_and_restores_it(tf32_flags):
-    from stalepipe.optim.soap import full_fp32_matmuls
+    from stalepipe.training.optim.soap import full_fp32_matmuls
 
     torch.backends.cuda.matmul.allow_tf32 = True
     with full_fp32_matmuls(CUDA):
@@ -308,7 +308,7 @@ def test_soap_turns_tf32_off_under_torchs_new_precision_api_too():
     # In a process of its own: after the new API is used, torch refuses the legacy flags.
     code = (
         "import torch\n"
-        "from stalepipe.optim.soap import full_fp32_matmuls\n"
+        "from stalepipe.training.optim.soap import full_fp32_matmuls\n"
         "m = torch.backends.cuda.matmul\n"
         "m.fp32_precision = 'tf32'\n"
         "with full_fp32_matmuls(torch.device('cuda')):\n"
@@ -320,7 +320,7 @@ def test_soap_turns_tf32_off_under_torchs_new_precision_api_too():
 
 
 def test_soap_eigh_falls_back_to_float64_when_float32_fails(monkeypatch):
-    from stalepipe.optim import soap
+    from stalepipe.training.optim import soap
 
     real = torch.linalg.eigh
     calls: list[torch.dtype] = []
@@ -343,7 +343,7 @@ def test_soap_eigh_falls_back_to_float64_when_float32_fails(monkeypatch):
 
 
 def test_soap_eigenvectors_without_a_failure_are_eighs_own():
-    from stalepipe.optim import soap
+    from stalepipe.training.optim import soap
 
     g = torch.randn(5, 3, generator=torch.Generator().manual_seed(1))
     f = g @ g.T

@@ -19,9 +19,9 @@ from stalepipe.presets import get_preset
 def _syncs_per_step(cfg, num_microbatches: int) -> int:
     from torch.profiler import ProfilerActivity, profile
 
-    from stalepipe.delay import DelayEmulator
-    from stalepipe.models import build_model
-    from stalepipe.optim import build_optimizer
+    from stalepipe.training.delay import DelayEmulator
+    from stalepipe.training.models import build_model
+    from stalepipe.training.optim import build_optimizer
 
     model = build_model(cfg.model, 0, torch.device("cpu"))
     opt = build_optimizer(cfg.optim, model.named_parameters())
@@ -85,7 +85,7 @@ def _runtime_host_reads(tmp_path, num_microbatches: int, num_steps: int, monkeyp
     """Host reads of a whole one-stage runtime run in this process (gloo, world of 1)."""
     import socket
 
-    from stalepipe.train.pipelined import run_worker
+    from stalepipe.training.train.pipelined import run_worker
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -18,10 +18,10 @@ import pytest
 
 from stalepipe.cli import main
 from stalepipe.errors import EXIT_LEASED
-from stalepipe.experiments.trained import load_trained
 from stalepipe.fileio import make_owned_dir
-from stalepipe.rundir.directory import RUN_KIND, open_run_dir
-from stalepipe.rundir.lease import LEASE_FILE, lease_run, read_lease
+from stalepipe.training.rundir.directory import RUN_KIND, open_run_dir
+from stalepipe.training.rundir.lease import LEASE_FILE, lease_run, read_lease
+from stalepipe.training.tools.trained import load_trained
 
 NOTE = "stalepipe: note: took over the stale lease of"
 
@@ -189,8 +189,8 @@ def test_the_refusal_reaches_every_data_parallel_rank_whole():
     exit status, not as a TypeError about missing arguments."""
     import pickle
 
-    from stalepipe.rundir.lease import Owner, RunLeased
-    from stalepipe.rundir.startup import LEASED_FIX
+    from stalepipe.training.rundir.lease import Owner, RunLeased
+    from stalepipe.training.rundir.startup import LEASED_FIX
 
     e = RunLeased(Path("runs/a"), Owner("h", 42, "", "then"), LEASED_FIX)
     back = pickle.loads(pickle.dumps(e))

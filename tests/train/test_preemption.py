@@ -16,9 +16,13 @@ import pytest
 import torch
 
 from stalepipe.errors import EXIT_PREEMPTED, Preempted
-from stalepipe.rundir import metrics as metrics_file
-from stalepipe.rundir.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
-from stalepipe.train.loop import train
+from stalepipe.training.rundir import metrics as metrics_file
+from stalepipe.training.rundir.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+)
+from stalepipe.training.train.loop import train
 
 
 def _cfg(tiny_config, name, **train_kw):
@@ -119,7 +123,7 @@ def test_cli_sigterm_exits_75_with_one_line_and_resumes(tiny_config, tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_the_notice_names_the_signal_it_got(sig, capfd):
-    from stalepipe.peers.interrupts import Interrupts
+    from stalepipe.training.peers.interrupts import Interrupts
 
     with Interrupts(0, verbose=True) as interrupts:
         os.kill(os.getpid(), sig)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from stalepipe.train.progress import Progress
+from stalepipe.training.train.progress import Progress
 
 
 class FakeClock:

@@ -19,8 +19,8 @@ import torch
 from stalepipe.cli import main
 from stalepipe.errors import CheckpointError, DataError, UserError
 from stalepipe.fileio import MARKER, NotOwnedError, make_owned_dir, mark_owned, remove_owned_dir
-from stalepipe.rundir.checkpoint import list_checkpoints, remove_checkpoint
-from stalepipe.rundir.directory import (
+from stalepipe.training.rundir.checkpoint import list_checkpoints, remove_checkpoint
+from stalepipe.training.rundir.directory import (
     RUN_ENTRIES,
     RUN_KIND,
     invocations,
@@ -28,8 +28,8 @@ from stalepipe.rundir.directory import (
     open_run_dir,
     run_data_dir,
 )
-from stalepipe.rundir.resume import saved_run_location
-from stalepipe.train.loop import train, with_resolved_optim
+from stalepipe.training.rundir.resume import saved_run_location
+from stalepipe.training.train.loop import train, with_resolved_optim
 
 
 def _cfg(tiny_config, **train_fields):
@@ -313,7 +313,7 @@ def test_git_dirty_counts_code_not_docs_or_markdown(tmp_path, monkeypatch):
     import subprocess
 
     import stalepipe
-    from stalepipe.rundir.directory import git_dirty
+    from stalepipe.training.rundir.directory import git_dirty
 
     repo = tmp_path / "repo"
     for rel in ("src/pkg/__init__.py", "docs/results/run/sweep.json", "README.md"):

@@ -12,10 +12,10 @@ import torch
 
 from stalepipe.config import apply_overrides
 from stalepipe.errors import UserError
-from stalepipe.rundir.checkpoint import latest_checkpoint, load_checkpoint
-from stalepipe.rundir.metrics import read_metrics
-from stalepipe.train.loop import train
-from stalepipe.train.staleness import StalenessProbe
+from stalepipe.training.rundir.checkpoint import latest_checkpoint, load_checkpoint
+from stalepipe.training.rundir.metrics import read_metrics
+from stalepipe.training.train.loop import train
+from stalepipe.training.train.staleness import StalenessProbe
 
 
 def _run(cfg, staleness: bool, name: str):
@@ -49,7 +49,7 @@ def _report_shows_the_medians(run, logged, warmup: int) -> None:
     import json
     import statistics
 
-    from stalepipe.analysis.report import build_report
+    from stalepipe.lab.analysis.report import build_report
 
     window = [r for r in logged if warmup <= r["step"] < 2 * warmup] if warmup else logged
     with (run / "metrics.jsonl").open("a") as f:  # a line whose values are not numbers

@@ -8,10 +8,10 @@ import sqlite3
 import pytest
 
 from stalepipe.config import ConfigError, LogConfig
-from stalepipe.optim import resolve_config
-from stalepipe.rundir.metrics import read_metrics
-from stalepipe.rundir.trackers import scalars, tracker_name
-from stalepipe.train.loop import train
+from stalepipe.training.optim import resolve_config
+from stalepipe.training.rundir.metrics import read_metrics
+from stalepipe.training.rundir.trackers import scalars, tracker_name
+from stalepipe.training.train.loop import train
 
 
 def test_hierarchical_names():
@@ -62,7 +62,7 @@ def test_wandb_mlflow_and_trackio_offline_mirror_the_metrics(tiny_config, tmp_pa
 def test_a_run_started_over_gets_a_new_tracker_id(tmp_path):
     """The tracker id is made at a fresh start and kept for resumes; a run directory made anew
     (--overwrite, a failed sweep run retried) gets a new one, so no tracker run is reopened."""
-    from stalepipe.rundir.trackers import ID_FILE, _run_id
+    from stalepipe.training.rundir.trackers import ID_FILE, _run_id
 
     first = _run_id(tmp_path)
     assert _run_id(tmp_path) == first and (tmp_path / ID_FILE).read_text().strip() == first

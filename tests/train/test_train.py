@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from stalepipe.errors import CheckpointError, TrainingError, UserError
-from stalepipe.rundir.checkpoint import (
+from stalepipe.training.rundir.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     remove_checkpoint,
 )
-from stalepipe.rundir.metrics import TIMING_FIELDS, read_metrics
-from stalepipe.train.loop import train
+from stalepipe.training.rundir.metrics import TIMING_FIELDS, read_metrics
+from stalepipe.training.train.loop import train
 
 
 def _with(cfg, **sections):
@@ -118,8 +118,8 @@ def test_corrupt_checkpoint_is_reported_with_the_fix(tiny_config, damage):
 
 
 def test_checkpoint_of_another_model_is_refused(tiny_config, tmp_path):
-    from stalepipe.models import build_model
-    from stalepipe.rundir.checkpoint import load_model_state
+    from stalepipe.training.models import build_model
+    from stalepipe.training.rundir.checkpoint import load_model_state
 
     run = train(_with(tiny_config, train={"num_steps": 2}), verbose=False).run_dir
     state = load_checkpoint(latest_checkpoint(run))
@@ -135,7 +135,7 @@ def test_checkpoint_of_another_model_is_refused(tiny_config, tmp_path):
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_config, monkeypatch):
-    from stalepipe.delay import DelayEmulator
+    from stalepipe.training.delay import DelayEmulator
 
     real = DelayEmulator.forward_backward
 
@@ -200,7 +200,7 @@ def test_the_divergence_message_recommends_a_command_that_works(tiny_config, tmp
     """A NaN loss at step 3 without clipping: the message's command (same config, --resume,
     half the LR, clipping on) is accepted and continues from the last good checkpoint."""
     from stalepipe.cli import main
-    from stalepipe.delay import DelayEmulator
+    from stalepipe.training.delay import DelayEmulator
 
     real = DelayEmulator.forward_backward
     monkeypatch.setattr(

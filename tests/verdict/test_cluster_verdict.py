@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from stalepipe.analysis.results import build_rows, load_runs
 from stalepipe.cli import main
-from stalepipe.verdict import cluster as cv
-from stalepipe.verdict.command import judge_sweep
-from stalepipe.verdict.rule import Transfer
+from stalepipe.lab.analysis.results import build_rows, load_runs
+from stalepipe.lab.verdict import cluster as cv
+from stalepipe.lab.verdict.command import judge_sweep
+from stalepipe.lab.verdict.rule import Transfer
 
 CLUSTER = ["--cluster", "h100-ib", "--gpus", "16", "--global-batch", "64"]
 

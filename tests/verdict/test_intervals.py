@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from stalepipe.sim.cluster import CLUSTERS, link_efficiency_range
-from stalepipe.verdict.rule import (
+from stalepipe.lab.sim.cluster import CLUSTERS, link_efficiency_range
+from stalepipe.lab.verdict.rule import (
     BOUND,
     CI,
     TRANSFER_SLOPE,

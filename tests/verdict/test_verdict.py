@@ -11,12 +11,12 @@ import re
 
 import pytest
 
-from stalepipe.analysis import overhead as oh
-from stalepipe.analysis.results import build_rows, load_runs
 from stalepipe.cli import main
-from stalepipe.verdict.command import call, judge_sweep, time_to_target
-from stalepipe.verdict.rule import Ratio
-from stalepipe.verdict.throughput import load_costs, simulated
+from stalepipe.lab.analysis import overhead as oh
+from stalepipe.lab.analysis.results import build_rows, load_runs
+from stalepipe.lab.verdict.command import call, judge_sweep, time_to_target
+from stalepipe.lab.verdict.rule import Ratio
+from stalepipe.lab.verdict.throughput import load_costs, simulated
 
 SIM = ["--model", "smollm-135m", "--stages", "4", "--microbatches", "8"]
 
@@ -53,7 +53,7 @@ def test_a_bound_speaks_for_the_arm_only_when_every_seed_is_short():
     """Four seeds reach sync's final loss at 1.05x, one is short at 2x: the arm's multiplier
     is at least 1.19x, not 2x, so no 'sync sooner' from the bound (speedup 1.3); with every
     seed short at 2x it is."""
-    from stalepipe.analysis.targets import SeedTarget, TargetOverhead
+    from stalepipe.lab.analysis.targets import SeedTarget, TargetOverhead
 
     def seed(s, reached):
         return SeedTarget(s, 2.0, 100.0, 105.0 if reached else math.nan, 2.0, False)
@@ -178,15 +178,16 @@ def test_bad_input_is_one_line_and_writes_nothing(
 
 def test_verdict_on_a_tiny_trained_sweep(tiny_config, tmp_path, capsys):
     """A real sweep: cpu-sized sync and 2bw runs of the tiny model, 2 seeds, through the CLI."""
-    from stalepipe.experiments.grid import expand
-    from stalepipe.experiments.sweep import run_sweep
+    from stalepipe.lab.sweeps.grid import expand
+    from stalepipe.lab.sweeps.sweep import run_sweep
+    from stalepipe.training.launch import task as trainer
 
     base = dataclasses.replace(
         tiny_config, train=dataclasses.replace(tiny_config.train, num_steps=24, eval_every=3)
     )
     specs = expand([[("sync", {"delay.policy": "sync"}), ("2bw", {"delay.policy": "2bw"})]],
                    seeds=2)  # fmt: skip
-    res = run_sweep(specs, base, tmp_path / "tiny", log=lambda m: None)
+    res = run_sweep(trainer, specs, base, tmp_path / "tiny", log=lambda m: None)
     assert len(res.ran) == 4 and not res.failed
     assert main(["verdict", str(tmp_path / "tiny"), *SIM, "--device", "a100", "--verbose"]) == 0
     text = capsys.readouterr().out
@@ -198,8 +199,8 @@ def test_verdict_on_a_tiny_trained_sweep(tiny_config, tmp_path, capsys):
 
 
 def test_best_sync_is_the_fastest_that_fits():
-    from stalepipe.verdict.throughput import ScheduleThroughput as T
-    from stalepipe.verdict.throughput import Throughputs
+    from stalepipe.lab.verdict.throughput import ScheduleThroughput as T
+    from stalepipe.lab.verdict.throughput import Throughputs
 
     rows = [T("gpipe", "sync", 10.0, fits=True), T("zb-h1", "sync", 20.0, fits=False),
             T("1f1b", "sync", 15.0, fits=True), T("2bw", "2bw", 30.0, fits=True),
@@ -289,7 +290,7 @@ def test_a_lengths_sweep_decides_on_its_headline_rows(curve_sweep, curve_run, ca
     table = (out_dir / "verdict.md").read_text()
     assert "adamw_x1.5_2bw+ef" in table and "adamw_x1.5_sync" in table
     # the cluster map draws the configurations too, not their longer lengths
-    from stalepipe.verdict.cluster import headline
+    from stalepipe.lab.verdict.cluster import headline
 
     verdicts, _ = judge_sweep(
         build_rows(load_runs(curve_sweep)), simulated("smollm-135m", "h100", 4, 8)

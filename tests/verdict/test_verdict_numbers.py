@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from stalepipe.verdict.cluster import where_sooner
+from stalepipe.lab.verdict.cluster import where_sooner
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEP = ROOT / "docs" / "results" / "lengths-regime"
@@ -40,7 +40,7 @@ def decision(preset: str) -> dict[str, str]:
 def test_the_results_lengths_readings_are_the_committed_ones():
     """RESULTS' lengths-study paragraph: each arm's token overhead (recomputed from the records)
     and its time against ZB-H1 (the committed `verdict` of the command shown beside it)."""
-    from stalepipe.analysis.results import build_rows, load_runs
+    from stalepipe.lab.analysis.results import build_rows, load_runs
 
     doc = " ".join((ROOT / "docs" / "RESULTS.md").read_text().split())
     text = (SWEEP / "verdict" / "verdict.md").read_text().split("```")[1]
@@ -131,7 +131,7 @@ def test_each_throughput_rises_with_the_link_though_their_ratio_need_not(preset)
 def test_the_committed_decision_is_what_the_command_prints_now(tmp_path):
     """The h100-ib outputs regenerated from the committed runs equal the committed ones (the
     other presets differ only in the preset's links: one stands for all, to keep this fast)."""
-    from stalepipe.verdict.command import run_verdict
+    from stalepipe.lab.verdict.command import run_verdict
 
     run_verdict(SWEEP, cluster="h100-ib", out=tmp_path)
     fresh = (tmp_path / "verdict.md").read_text().split("```")[1]

@@ -146,8 +146,8 @@ def _add_train(sub: Subparsers) -> None:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.rundir.resume import parent_checkpoint, saved_run_location
-    from stalepipe.train.loop import train
+    from stalepipe.training.rundir.resume import parent_checkpoint, saved_run_location
+    from stalepipe.training.train.loop import train
 
     overrides = parse_overrides(extra)
     cfg = build_config(args.preset, args.config, overrides)
@@ -162,15 +162,15 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         return 0
     init_from, init_hf = None, None
     if args.init_from and args.init_from.startswith(HF_PREFIX):  # before anything is written
-        from stalepipe.rundir.hf_checkpoint import open_hf
+        from stalepipe.training.rundir.hf_checkpoint import open_hf
 
         (hf := open_hf(args.init_from)).check_fits(cfg.model)
         init_hf = hf.path
     elif args.init_from:
         init_from = parent_checkpoint(args.init_from, cfg.train.num_steps)
     if cfg.pipeline.engine == "distributed":  # one process per stage (docs/runtime.md)
-        from stalepipe.launch.train import launch_train
-        from stalepipe.rundir.startup import StartUp
+        from stalepipe.training.launch.train import launch_train
+        from stalepipe.training.rundir.startup import StartUp
 
         start = StartUp(
             resume=args.resume, overwrite=args.overwrite, init_from=init_from, init_hf=init_hf
@@ -220,7 +220,7 @@ def _add_simulate(sub: Subparsers) -> None:
     add("--plot", help="write a Gantt chart (.png / .svg / .pdf)")
     add("--csv", help="write the timed actions (.csv)")
     add("--text", help="write the schedules' compact text form (.txt)")
-    p.set_defaults(fn=runs("stalepipe.sim.simulate:simulate_main"))
+    p.set_defaults(fn=runs("stalepipe.lab.sim.simulate:simulate_main"))
 
 
 def _add_info(sub: Subparsers) -> None:
@@ -230,7 +230,7 @@ def _add_info(sub: Subparsers) -> None:
 
 
 def cmd_info(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.models import describe
+    from stalepipe.training.models import describe
 
     cfg = build_config(args.preset, args.config, parse_overrides(extra))
     pc = cfg.pipeline
@@ -275,7 +275,7 @@ def _add_presets(sub: Subparsers) -> None:
 
 
 def cmd_presets(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.models import count_params
+    from stalepipe.training.models import count_params
 
     for name, fn in PRESETS.items():
         cfg = fn()
@@ -297,7 +297,7 @@ def _add_export(sub: Subparsers) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: the run's dtype)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    p.set_defaults(fn=runs("stalepipe.experiments.export:export_main"))
+    p.set_defaults(fn=runs("stalepipe.training.tools.export:export_main"))
 
 
 def _add_eval(sub: Subparsers) -> None:
@@ -328,7 +328,7 @@ def _add_eval(sub: Subparsers) -> None:
         metavar="PATH",
         help="write the shakespeare-cloze items as JSONL (+ an lm-eval task .yaml) and exit",
     )
-    p.set_defaults(fn=runs("stalepipe.experiments.evaluate:eval_main"))
+    p.set_defaults(fn=runs("stalepipe.training.tools.evaluate:eval_main"))
 
 
 COMMANDS = (

@@ -25,7 +25,7 @@ def _add_checkpoint(sub: Subparsers) -> None:
 
 
 def cmd_convert(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.rundir.convert import convert
+    from stalepipe.training.rundir.convert import convert
 
     print(f"converted {args.old} -> {convert(args.old, args.new)}")
     return 0

@@ -55,4 +55,4 @@ def _add_data(sub: Subparsers) -> None:
     )
     add("--out", help="output directory (default data_cache/<corpus>-<tokenizer>)")
     add("--force", action="store_true", help="replace an existing prepared directory")
-    p.set_defaults(fn=runs("stalepipe.data:prepare_main", prints=False))
+    p.set_defaults(fn=runs("stalepipe.training.data:prepare_main", prints=False))

@@ -57,9 +57,9 @@ def _from_hf(run: str, device: str):
     """(model, tokenizer, max_seq_len, autocast) of an HF directory."""
     import contextlib
 
-    from stalepipe.data.hf_tokenizer import FILENAME, HfTokenizer
-    from stalepipe.models import build_model
-    from stalepipe.rundir.hf_checkpoint import load_hf_weights, open_hf
+    from stalepipe.training.data.hf_tokenizer import FILENAME, HfTokenizer
+    from stalepipe.training.models import build_model
+    from stalepipe.training.rundir.hf_checkpoint import load_hf_weights, open_hf
 
     checkpoint = open_hf(run)
     if not (checkpoint.path / FILENAME).is_file():
@@ -73,9 +73,9 @@ def _from_hf(run: str, device: str):
 
 def _from_run(run: str, device: str, data_dir: str | None):
     """(model, tokenizer, max_seq_len, autocast) of a run's newest checkpoint."""
-    from stalepipe.data import load_tokenizer
-    from stalepipe.experiments.trained import load_trained
-    from stalepipe.rundir.directory import locate_run_data
+    from stalepipe.training.data import load_tokenizer
+    from stalepipe.training.rundir.directory import locate_run_data
+    from stalepipe.training.tools.trained import load_trained
 
     trained = load_trained(run)
     cfg = trained.config
@@ -103,7 +103,7 @@ def generate_main(
 ) -> str:
     """`stalepipe generate`: the prompt and its sampled continuation."""
     _check(max_new_tokens, temperature, top_k)
-    from stalepipe.models.sample import sample
+    from stalepipe.training.models.sample import sample
 
     if _is_hf(run):
         model, tokenizer, max_seq_len, autocast = _from_hf(run, device)

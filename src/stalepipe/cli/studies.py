@@ -19,12 +19,12 @@ def _add_demo(sub: Subparsers) -> None:
     p.add_argument("--out-dir", default="runs/demo", help="parent of the six run directories")
     p.add_argument("--steps", type=int, default=400, help="steps per run")
     p.add_argument("--workers", type=int, default=2, help="parallel runs (1 thread each)")
-    p.set_defaults(fn=runs("stalepipe.experiments.demo:run_demo", prints=False))
+    p.set_defaults(fn=runs("stalepipe.cli.demo:run_demo", prints=False))
 
 
 def _add_sweep(sub: Subparsers) -> None:
-    from stalepipe.experiments.plan import study_table
-    from stalepipe.experiments.studies import SCALES, STUDIES
+    from stalepipe.lab.studies.studies import SCALES, STUDIES
+    from stalepipe.lab.sweeps.plan import study_table
 
     p = sub.add_parser(
         "sweep",
@@ -49,7 +49,7 @@ def _add_sweep(sub: Subparsers) -> None:
         choices=[*STUDIES, "toy"],
         help="study name (see below)",
     )
-    add("--scale", default="cpu", choices=SCALES, help="model scale (experiments/scales.py)")
+    add("--scale", default="cpu", choices=SCALES, help="model scale (studies/scales.py)")
     add("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
     add(
         "--workers",
@@ -151,7 +151,7 @@ def _factors(text: str | None) -> tuple[float, ...]:
 
 def slurm_options(args: argparse.Namespace) -> object:
     """The --slurm-* flags as SlurmOptions (None when none is given)."""
-    from stalepipe.experiments.executors import SlurmOptions
+    from stalepipe.lab.sweeps.executors import SlurmOptions
 
     given = {
         "partition": args.slurm_partition,
@@ -170,13 +170,15 @@ def slurm_options(args: argparse.Namespace) -> object:
 
 
 def cmd_sweep(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.experiments.grid import parse_set_args
-    from stalepipe.experiments.plan import sweep_main
+    from stalepipe.lab.sweeps.grid import parse_set_args
+    from stalepipe.lab.sweeps.plan import sweep_main
+    from stalepipe.training.launch import task
 
     if args.study == "toy":
         return cmd_toy(args, extra)
     failed = sweep_main(
         args.study,
+        task,  # the training wing trains each run; the lab's sweep only plans and counts
         scale=args.scale,
         seeds=args.seeds,
         workers=args.workers,
@@ -211,8 +213,8 @@ def _add_report(sub: Subparsers) -> None:
 
 
 def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.analysis.report import write_report
     from stalepipe.fileio import shown
+    from stalepipe.lab.analysis.report import write_report
 
     out = write_report(args.runs, args.out, title=args.title)
     print(f"report written to {shown(out)}/report.md, report.html, summary.csv, runs.csv")
@@ -291,7 +293,7 @@ def _add_verdict(sub: Subparsers) -> None:
     )
     add("--json", action="store_true", help="print the summary as JSON")
     add("--verbose", action="store_true", help="print every table, not the decision block")
-    p.set_defaults(fn=runs("stalepipe.verdict.command:verdict_main"))
+    p.set_defaults(fn=runs("stalepipe.lab.verdict.command:verdict_main"))
 
 
 def _add_toy(sub: Subparsers) -> None:
@@ -309,7 +311,7 @@ def _add_toy(sub: Subparsers) -> None:
 
 
 def cmd_toy(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.experiments.toy import toy_main
+    from stalepipe.lab.studies.toy import toy_main
 
     out = getattr(args, "out", None) or "runs/toy"
     print(toy_main(out, steps=getattr(args, "steps", 500), seeds=getattr(args, "seeds", 3)))

@@ -248,7 +248,7 @@ def register_optimizer(spec: OptimizerSpec) -> OptimizerSpec:
 def resolve_config(cfg: Any) -> Any:
     """`cfg` (an `OptimConfig`) with every `None` field the optimizer reads replaced by its
     default, and the fields it fixes (`OptimizerSpec.fixed`) at their values: what the run's
-    config.json records. Torch-free (`stalepipe.optim.resolve_config` is this function)."""
+    config.json records. Torch-free (`stalepipe.training.optim.resolve_config` is this function)."""
     spec = OPTIMIZERS[cfg.name]
     defaults = {**spec.defaults, **spec.fixed}
     out = dataclasses.replace(cfg, **{f: v for f, v in defaults.items() if getattr(cfg, f) is None})

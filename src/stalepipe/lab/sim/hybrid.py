@@ -1,0 +1,265 @@
+"""Pipelines of replicas on a cluster (`sim.parallel`'s docstring states the model), with
+tensor parallelism inside a node and activation recomputation (issue 52, item 1):
+
+- **TP** t: a TP group of t GPUs is one pipeline rank of a virtual cluster (`tp_cluster`) with
+  t times the compute, HBM bandwidth and links (each GPU of the group moves its 1/t slice on its
+  own NVLink and rail), at an MFU lowered by the layer's TP traffic over its compute (the
+  traffic is on the critical path, `sim.replicas.tp_time`); a GPU holds 1/t of its rank.
+  t = 1 first; a larger t is tried only while the smaller left every pipeline of that depth
+  needing recomputation or over memory (TP buys memory; the speed it may buy otherwise at large
+  models is not searched).
+- **Recomputation**: the least of none, selective, full whose memory fits, its extra forward
+  FLOPs stretching each backward and the step (`_timed`, `sim.replicas.recompute_share`).
+- **Memory per GPU** (`rank_memory`): the schedule's peak of weight versions and optimizer
+  state (`sim.memory`), plus error feedback's buffer on asynchronous schedules, plus the most
+  microbatch stashes the rank holds at once times one stash (`sim.memory`, SwiGLU and GQA
+  per layer), one layer's recomputation and, on the rank holding the last stage, the logits.
+- **Depth**: P up to `MAX_STAGES` (64) and the model's layers; interleaved and V schedules hold
+  two stages a rank. Depths past `ALWAYS_STAGES` (8) are searched only while no shallower
+  pipeline fits without recomputation: a search bound that keeps the map under 10 s (a
+  pipeline of 16+ stages each simulated costs seconds), not a claim that deeper never pays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from stalepipe.config import ConfigError
+from stalepipe.config.registry import PIPELINE_SCHEDULES
+from stalepipe.hardware import Device
+from stalepipe.lab.sim.cluster import Cluster, collective_time, leading, trailing
+from stalepipe.lab.sim.memory import (
+    EF_BYTES,
+    RECOMPUTE,
+    activation_bytes,
+    logits_bytes,
+    transient_bytes,
+)
+from stalepipe.lab.sim.replicas import recompute_share, tp_choices, tp_time
+from stalepipe.lab.sim.workload import (
+    GRAD_BYTES,
+    PARAM_BYTES,
+    Option,
+    PipeTiming,
+    Workload,
+    pipeline_timing,
+)
+from stalepipe.training.delay.policies import never_delays, parse_policy
+
+MAX_STAGES = 64
+ALWAYS_STAGES = 8  # depths searched always; deeper ones while no shallower one fits as it is
+
+
+def tp_cluster(c: Cluster, tp: int) -> Cluster:
+    """A TP group of `tp` GPUs as one GPU of a virtual cluster (module docstring)."""
+    if tp == 1:
+        return c
+    return dataclasses.replace(
+        c, gpus_per_node=int(c.gpus_per_node) // tp, peak_tflops=c.peak_tflops * tp,
+        hbm_tbps=c.hbm_tbps * tp, memory_gb=c.memory_gb * tp,
+        intra_node_gbps=c.intra_node_gbps * tp, inter_node_gbps=c.inter_node_gbps * tp,
+    )  # fmt: skip
+
+
+def effective_mfu(w: Workload, c: Cluster, tp: int, recompute: str) -> float:
+    """The MFU a TP group runs a layer at, with its TP traffic charged (and recomputation's,
+    as a lower MFU over the whole step, where `recompute` is not 'none')."""
+    from stalepipe.training.models.transformer import block_flops
+
+    if tp <= 1 and recompute == "none":
+        return w.mfu  # exactly: the simulator's cache is keyed on it
+    seq = w.seq_len
+    compute = seq * block_flops(w.cfg, seq, 0) / (tp * c.peak_tflops * 1e12 * w.mfu)
+    slow = 1 + tp_time(c, w.cfg, seq, tp) / compute
+    return w.mfu / slow * 3 / (3 + recompute_share(w.cfg, recompute))
+
+
+def rank_memory(
+    w: Workload, t: PipeTiming, stages: int, tp: int, recompute: str, sync: bool
+) -> tuple[float, ...]:
+    """Per GPU peak of each rank of the pipeline (module docstring), bytes."""
+    out = []
+    for r, (weights, stashed, chunks) in enumerate(zip(t.weights, t.stashed, t.chunks)):
+        layers = w.cfg.num_layers / (stages * chunks)
+        m = weights / tp + (0.0 if sync else EF_BYTES * t.params[r] / tp)
+        m += stashed * activation_bytes(w.cfg, w.seq_len, layers, recompute, tp)
+        m += transient_bytes(w.cfg, w.seq_len, recompute, tp)
+        m += logits_bytes(w.cfg, w.seq_len, tp) if r == t.last else 0.0
+        out.append(m)
+    return tuple(out)
+
+
+def _placements(c: Cluster, n: int, stages: int, replicas: int) -> list[tuple[str, int, int]]:
+    """(name, stages per node, a stage's replicas in each node) of each placement: the
+    replicas of a stage cross nodes on that many rails (`sim.cluster.collective_time`)."""
+    g = int(c.gpus_per_node)
+    if n <= g:
+        return [("", stages, replicas)]
+    out = [("stages in a node", g, min(replicas, g // min(stages, g)))]
+    if replicas > 1:
+        out.append(("replicas in a node", max(1, g // replicas), min(replicas, g)))
+    return out
+
+
+def _pipeline_device(c: Cluster, stages_per_node: int, stages: int) -> Device:
+    """The simulator's device for a pipeline with `stages_per_node`; when the whole pipeline
+    sits in a node the inter-node link plays no part and is left out (so the cache hits)."""
+    dev = dataclasses.replace(c.device(), name="", gpus_per_node=stages_per_node)
+    if stages <= stages_per_node:
+        bw, lat = c.link(False)
+        return dataclasses.replace(dev, inter_node_bandwidth=bw, p2p_latency=lat)
+    return dev
+
+
+def _hybrid(
+    w: Workload,
+    c: Cluster,
+    t: PipeTiming,
+    replicas: int,
+    across: str,
+    per_node: int,
+    sync: bool,
+    sharded: PipeTiming | None = None,
+) -> tuple[float, float, float]:
+    """(step time, exposed traffic, peak memory) of a pipeline replica with `replicas`
+    sharing gradients `across` ('dp' or 'fsdp'), `per_node` of each stage's replicas in a
+    node (module docstring). `sharded`: the same pipeline timed with each rank updating its
+    1/D shard (FSDP, asynchronous: the update sits inside the stream, so it is simulated there
+    rather than subtracted)."""
+    memory = max(t.memory)
+    if replicas == 1:
+        return t.step_time, 0.0, memory
+    units = max(1, round(w.cfg.num_layers / len(t.params)))  # blocks per rank
+
+    def coll(kind: str, nbytes: float) -> float:
+        return collective_time(c, kind, nbytes, replicas, per_node)
+
+    if across == "dp":
+        grads = [coll("all-reduce", GRAD_BYTES * p) for p in t.params]
+        gather = [0.0] * len(t.params)
+        opt = list(t.optimizer)
+    else:
+        grads = [coll("reduce-scatter", GRAD_BYTES * p) for p in t.params]
+        gather = [coll("all-gather", PARAM_BYTES * p) for p in t.params]
+        opt = [o / replicas for o in t.optimizer]
+        memory = max(m - s * (1 - 1 / replicas) for m, s in zip(t.memory, t.state))
+    cost = w.overlap_cost
+    if sync:  # each rank: gradients behind its last backward, weights behind its next forward
+        late = []
+        for r, (x, g, o) in enumerate(zip(grads, gather, opt)):
+            tail = trailing(x, t.backward[r], units) - t.backward[r]
+            ag = leading(g, t.forward[r], units)
+            ready = max(t.gap[r], tail + o + g / units) + ag - g / units if g else tail + o
+            late.append(ready - t.gap[r] + cost * (x + g))
+        step = t.step_time + max(0.0, *late)
+    else:  # no flush: a whole step to hide it in
+        hidden = max(x + g for x, g in zip(grads, gather))
+        longest = max(x + g + o for x, g, o in zip(grads, gather, opt))
+        step = max((sharded or t).step_time + cost * hidden, longest)
+    return step, max(0.0, step - t.step_time), memory
+
+
+def _timed(
+    w: Workload, c: Cluster, dev: Device, name: str, stages: int, m_sim: int, tp: int, mode: str
+) -> PipeTiming | None:
+    """The replica's steady step at TP `tp` and recomputation `mode` (None: refused sizes):
+    simulated once without recomputation, whose extra forward then stretches each backward
+    and the step by the same share (the stashes do not change; p2p and the update are
+    stretched too, a small overcharge)."""
+    try:
+        t = pipeline_timing(
+            w.cfg, w.seq_len, effective_mfu(w, c, tp, "none"), dev, name, stages, m_sim
+        )
+    except ConfigError:
+        return None  # too many stages for the layers, or m too small for it
+    extra = recompute_share(w.cfg, mode)
+    if not extra:
+        return t
+    back = tuple(b * (2 + extra) / 2 for b in t.backward)
+    return dataclasses.replace(t, step_time=t.step_time * (3 + extra) / 3, backward=back)
+
+
+def _one(w: Workload, c: Cluster, v: Cluster, where: tuple, name: str, tp: int) -> list[Option]:
+    """Every sharing of schedule `name` at one depth, placement and TP: the least
+    recomputation that fits (the nearest to fitting when none does)."""
+    stages, replicas, m, (spn_name, spn, per_node), dev = where
+    policy = PIPELINE_SCHEDULES[name].policy
+    # PipeDream updates after every microbatch: its steady update is the same at any m >= P,
+    # so one m is simulated and a global batch takes m updates
+    updates = m if parse_policy(policy).per_microbatch else 1
+    m_sim = min(m, 2 * stages) if updates > 1 else m
+    sync, out = never_delays(policy), []
+    limit = c.memory_gb * 1e9
+    for across in ("dp", "fsdp") if replicas > 1 else ("dp",):
+        pick = None
+        for mode in RECOMPUTE:
+            t = _timed(w, c, dev, name, stages, m_sim, tp, mode)
+            if t is None:
+                return out
+            per_gpu = rank_memory(w, t, stages, tp, mode, sync)
+            t = dataclasses.replace(t, memory=per_gpu, state=tuple(s / tp for s in t.state))
+            sharded = None
+            if across == "fsdp" and not sync:
+                sharded = pipeline_timing(
+                    w.cfg, w.seq_len, effective_mfu(w, c, tp, "none"), dev, name, stages, m_sim,
+                    1 / replicas,
+                )  # fmt: skip
+                stretch = (3 + recompute_share(w.cfg, mode)) / 3
+                sharded = dataclasses.replace(sharded, step_time=sharded.step_time * stretch)
+            step, exposed, mem = _hybrid(w, v, t, replicas, across, per_node, sync, sharded)
+            row = (step * updates, exposed * updates, mem, mode, t.bubble)
+            if mem <= limit:  # the least recomputation that fits
+                pick = row
+                break
+            pick = row if pick is None or mem < pick[2] else pick
+        step, exposed, mem, mode, bubble = pick
+        out.append(
+            Option(
+                name,
+                policy,
+                stages,
+                replicas,
+                across,
+                m,
+                1,
+                spn_name,
+                step,
+                exposed,
+                bubble,
+                mem,
+                limit,
+                w.global_batch * w.seq_len / step,
+                tp,
+                mode,
+            )  # fmt: skip
+        )
+    return out
+
+
+def pipelines(w: Workload, c: Cluster, schedules: tuple[str, ...]) -> list[Option]:
+    """Every pipeline configuration of `schedules`: TP t, P (powers of two up to MAX_STAGES and
+    the model's layers), D = N / (P t) replicas sharing by DP or FSDP, each placement;
+    m = global batch / D (module docstring)."""
+    out: list[Option] = []
+    for tp in tp_choices(c, w.num_gpus):
+        v, n = tp_cluster(c, tp), w.num_gpus // tp
+        vw = dataclasses.replace(w, num_gpus=n)
+        mine: list[Option] = []
+        for stages in (2**i for i in range(1, n.bit_length())):
+            if n % stages or stages > min(w.cfg.num_layers, MAX_STAGES):
+                continue
+            if stages > ALWAYS_STAGES and any(o.fits and o.recompute == "none" for o in mine):
+                break  # deeper pipelines only where memory asks for them (module docstring)
+            replicas = n // stages
+            m = w.global_batch // replicas
+            if w.global_batch % replicas or m < stages:
+                continue
+            for place in _placements(v, n, stages, replicas):
+                dev = _pipeline_device(v, place[1], stages)
+                for name in schedules:
+                    where = (stages, replicas, m, place, dev)
+                    mine += _one(vw, c, v, where, name, tp)
+        out += mine
+        if any(o.fits and o.recompute == "none" for o in mine):
+            break  # a larger TP buys memory this one no longer needs (module docstring)
+    return out

@@ -1,0 +1,101 @@
+"""Every way to train one model on N GPUs of a cluster, timed and sized (docs/verdict.md, 'The
+cluster model'): data parallelism (DP), FSDP / ZeRO-3, each pipeline schedule of the simulator
+over P and m, and hybrids (P stages x D replicas = N GPUs, the replicas sharing gradients by
+DP or FSDP), synchronous and asynchronous.
+
+Assumptions, each stated once (the three with a range, MFU, link efficiency and overlap cost,
+are `sim.cluster`'s `*_RANGE`; BI = BW = F):
+
+- compute: a forward is the roofline of its FLOPs at peak x MFU and of reading its bf16 weights
+  from HBM (`compute_time`); one MFU for every configuration above that.
+- collectives: NCCL's ring or tree, over the group's rails across nodes (`sim.cluster`).
+- overlap: communication hidden behind compute still slows it, by `overlap_cost` of the
+  communication's time (NCCL's kernels take SMs and HBM bandwidth from the compute).
+- memory: mixed-precision AdamW, `PARAM_BYTES` (bf16 weights) per weight version plus
+  `STATE_BYTES` (fp32 gradient accumulator, fp32 master weights, two fp32 moments) per
+  parameter, plus the activations of the microbatches in flight (`timing.ACT_BYTES_PER_TOKEN_DIM`,
+  no recomputation); nothing else (no logits, buffers, fragmentation). A configuration over the
+  GPU's memory is kept, marked `fits=False`, and named by the verdict, never chosen.
+- DP: an all-reduce of the fp32 gradients (`GRAD_BYTES`) once per step, bucket by bucket behind
+  the backward of the step's last microbatch (DDP's buckets; `trailing`).
+- FSDP (ZeRO-3, weights, gradients and optimizer state sharded over all N): per unit (a block;
+  the embedding folded into the first, norm and head into the last) an all-gather of its bf16
+  weights in forward and again in backward, a reduce-scatter of its fp32 gradients in backward,
+  for every microbatch; unit l+1's gather behind unit l's forward (FSDP2's prefetch), each
+  backward's gather and reduce-scatter behind that unit's backward; exposed: the first gather
+  and what each unit's traffic leaves over its compute. Memory: the sharded weights and state,
+  two gathered units (the one computing and the one prefetched) and one microbatch's
+  activations.
+- Pipelines: the timing simulator's steady step (`sim.simulate`, both stage splits, the faster
+  kept), cached per (schedule, P, m, placement, link): it does not depend on the replicas'
+  link. Microbatches of one sequence; m = global batch / D; m < P is not considered. Past
+  `MAX_SIM_MICROBATCHES` (and 4P) the step time and memory are extrapolated linearly from
+  m = max(8, 2P) and twice that (exact once the steady state is affine in m).
+- Hybrids: the replicas of each stage share gradients once a step ("dp": all-reduce; "fsdp":
+  reduce-scatter of gradients, optimizer on a 1/D shard, all-gather of the bf16 weights, as
+  torchtitan runs FSDP with PP: weights gathered once per step), layer by layer as FSDP does it,
+  for synchronous and asynchronous schedules alike. Synchronous: each rank sends its layers'
+  gradients behind its last backward of the step (`trailing`), updates its shard, and gathers
+  its layers' weights behind its first forward of the next (`leading`), using the idle window
+  the schedule leaves it between the two (its `gap`: the drain and the next fill); the latest
+  rank delays the step by what it overruns. Asynchronous (no flush): a whole step to hide it
+  in, exposed only when longer than a step; its update, on a 1/D shard under FSDP, is simulated
+  inside its stream.
+- PipeDream (Narayanan et al. 2019) as published: an update after every microbatch, stage s
+  keeping P - s weight versions; a global batch is m updates, each paying the optimizer and
+  the replicas' gradient exchange (hidden behind the next update only).
+- Placement across nodes (N > GPUs per node): "stages in a node" (pipeline p2p on the fast
+  link, each stage's replicas across nodes, as many rails as the node holds of them) or
+  "replicas in a node" (gradient traffic on the fast link, p2p across nodes); both are tried.
+"""
+
+from __future__ import annotations
+
+from stalepipe.config import ConfigError
+from stalepipe.lab.sim.cluster import Cluster
+from stalepipe.lab.sim.hybrid import MAX_STAGES, _pipeline_device, pipelines
+from stalepipe.lab.sim.replicas import flat_options
+from stalepipe.lab.sim.workload import (
+    GRAD_BYTES,
+    PARAM_BYTES,
+    STATE_BYTES,
+    Option,
+    PipeTiming,
+    Workload,
+    _costs,
+    _memory,
+    _units,
+    cluster_schedules,
+    pipeline_timing,
+)
+from stalepipe.training.delay.policies import PAPER_ASYNC
+
+__all__ = [
+    "GRAD_BYTES", "MAX_STAGES", "_pipeline_device", "PARAM_BYTES", "STATE_BYTES", "Option", "PipeTiming",
+    "Workload", "_costs", "_memory", "_units", "all_options", "best", "cluster_schedules",
+    "data_parallel", "pipeline_timing", "pipelines",
+]  # fmt: skip
+
+
+def data_parallel(w: Workload, c: Cluster, *, sharded: bool) -> Option | None:
+    """DP (`sharded` False) or FSDP over all N GPUs without TP (`sim.replicas`), at the fastest
+    fitting microbatch and recomputation (the nearest to fitting when none does); None when
+    the batch does not split over N."""
+    opts = flat_options(w, c, ("fsdp" if sharded else "dp",))
+    return next((o for o in opts if o.tp == 1), None)
+
+
+def all_options(
+    w: Workload, c: Cluster, async_schedules: tuple[str, ...] = (PAPER_ASYNC,)
+) -> list[Option]:
+    """DP, FSDP and every pipeline configuration (synchronous, and `async_schedules`)."""
+    if w.num_gpus < 1 or w.global_batch < 1:
+        raise ConfigError("the GPU count and the global batch must be >= 1")
+    synchronous = cluster_schedules(sync=True)
+    return flat_options(w, c) + pipelines(w, c, synchronous + async_schedules)
+
+
+def best(options: list[Option], policy: str = "sync", kind: str | None = None) -> Option | None:
+    """The fastest option of `policy` (and `kind`) that fits in memory; None when none does."""
+    ok = [o for o in options if o.policy == policy and o.fits and kind in (None, o.kind)]
+    return max(ok, key=lambda o: o.tokens_per_s, default=None)

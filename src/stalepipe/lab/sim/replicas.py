@@ -1,0 +1,231 @@
+"""The data-parallel family of the cluster model (issue 52, item 1), each with Megatron's tensor
+parallelism inside a node and a choice of activation recomputation (docs/verdict.md, 'The
+cluster model'):
+
+- **dp** (DDP): fp32 gradients all-reduced once a step, bucket by bucket behind the last
+  backward; every state replicated.
+- **zero1** (Megatron's distributed optimizer; ZeRO stage 1): the same gradient traffic as a
+  reduce-scatter (fp32) then an all-gather of the bf16 weights, once a step; master weights and
+  optimizer state sharded, the update on a 1/D shard.
+- **zero2**: gradients sharded too, so reduce-scattered after every microbatch's backward.
+- **fsdp** (ZeRO-3; FSDP2 as torchtitan runs it): per unit and microbatch an all-gather of the
+  bf16 weights in forward and again in backward, a reduce-scatter of the fp32 gradients
+  (`sim.parallel`'s docstring has the overlap).
+- **hsdp**: FSDP inside a node (the shard group), replicas across nodes all-reducing each
+  node's gradient shard once a step.
+
+**Tensor parallelism** t (Narayanan et al. 2021, Section 2.3: the MLP's first weight split by
+columns and its second by rows, attention split by heads; with Korthikanti et al. 2022's
+sequence parallelism the two all-reduces of a layer's forward become two all-gathers and two
+reduce-scatters of the layer's input, tokens x dim bf16, and the backward the same again), inside
+a node only, t in (1, 2, 4, 8): a GPU computes 1/t of each matmul and holds 1/t of the weights
+and activations (`sim.memory`); the TP traffic is on the critical path (not overlapped:
+Megatron's default and torchtitan without AsyncTP, whose Table 4 gains 5.7 % with it).
+
+**Recomputation** (`RECOMPUTE`): none, selective (torchtitan's op-level policy: every second
+matmul of a block recomputed, `recompute_share`) or full (the whole forward again): the extra
+forward FLOPs slow the backward, and the kept activations shrink (`sim.memory`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from stalepipe.config import ModelConfig
+from stalepipe.lab.sim.cluster import Cluster, collective_time, compute_time, trailing
+from stalepipe.lab.sim.memory import RECOMPUTE, gpu_memory
+
+KINDS = {"dp": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "hsdp": 3}
+TP_DEGREES = (1, 2, 4, 8)
+GRAD_BYTES, PARAM_BYTES, OPT_TRAFFIC = 4.0, 2.0, 28.0  # as sim.parallel
+
+
+def recompute_share(cfg: ModelConfig, mode: str) -> float:
+    """Extra forward FLOPs per forward under recomputation `mode`: 0, 1 (full), or for
+    torchtitan's selective op policy the matmuls it does not save (every second one of a
+    block's seven: K, the output projection and the up projection) over the block's matmuls."""
+    if mode == "none":
+        return 0.0
+    if mode == "full":
+        return 1.0
+    if mode != "selective":
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {mode!r}")
+    h, kv = cfg.dim, cfg.num_kv_heads * cfg.head_dim
+    q = h * cfg.num_heads * cfg.head_dim
+    ffn = cfg.ffn_dim
+    matmuls = 2 * q + 2 * h * kv + 3 * h * ffn
+    return (h * kv + q + h * ffn) / matmuls
+
+
+def tp_time(c: Cluster, cfg: ModelConfig, tokens: float, t: int) -> float:
+    """Seconds of one layer's forward TP traffic over `t` GPUs of a node, sequence parallel:
+    two all-gathers and two reduce-scatters of the layer's bf16 input (tokens x dim); the
+    backward moves the same again."""
+    if t <= 1:
+        return 0.0
+    size = 2.0 * tokens * cfg.dim
+    return 2 * (
+        collective_time(c, "all-gather", size, t, t)
+        + collective_time(c, "reduce-scatter", size, t, t)
+    )
+
+
+def tp_choices(c: Cluster, num_gpus: int) -> list[int]:
+    """TP degrees that fit in a node and divide the GPU count."""
+    g = int(c.gpus_per_node)
+    return [t for t in TP_DEGREES if t <= g and num_gpus % t == 0]
+
+
+def experts(cfg: ModelConfig, layer: int) -> int:
+    """Routed expert parameters of block `layer` (0 for a dense block)."""
+    if not cfg.num_experts or not cfg.is_moe_layer(layer):
+        return 0
+    return cfg.num_experts * 3 * cfg.dim * cfg.expert_hidden_dim
+
+
+def a2a_time(c: Cluster, cfg: ModelConfig, tokens: float, ep: int) -> float:
+    """Seconds of one MoE layer's expert-parallel traffic in forward and backward over `ep`
+    GPUs of a node: dispatch and combine all-to-alls of the routed tokens' bf16 activations
+    (tokens x top-k x dim), each once in forward and once in backward; not overlapped (the
+    forward/backward overlap of DualPipe is not modelled)."""
+    if ep <= 1:
+        return 0.0
+    return 4 * collective_time(c, "all-to-all", 2.0 * tokens * cfg.top_k * cfg.dim, ep, ep)
+
+
+def flat_step(w, c: Cluster, kind: str, tp: int, b: int, recompute: str, ep: int = 1) -> tuple:
+    """(step time, exposed traffic, peak memory) of data-parallel `kind` at TP `tp`, microbatch
+    `b` sequences, recomputation `recompute`, expert parallelism `ep` (FSDP, MoE: each GPU
+    holds 1/ep of the routed experts, gathered over the n/ep GPUs holding the same ones, one a
+    node, each on its own rail); `w` a `sim.workload.Workload`."""
+    from stalepipe.lab.sim.workload import _units
+
+    units, n = _units(w.cfg, w.seq_len), w.num_gpus // tp
+    routed = [experts(w.cfg, i) for i in range(len(units))]
+    params = sum(p for p, _ in units)
+    speed, hbm = c.peak_tflops * 1e12 * w.mfu, c.hbm_tbps * 1e12
+    tokens, k = b * w.seq_len, w.global_batch // n // b
+    tpc = tp_time(c, w.cfg, tokens, tp)
+    fwd = [compute_time(tokens * f / tp, PARAM_BYTES * p / tp, speed, hbm) + tpc for p, f in units]
+    extra = recompute_share(w.cfg, recompute) * sum(fwd)
+    g = int(c.gpus_per_node) // tp  # this GPU's data-parallel peers in its node
+    zero = KINDS[kind]
+    shard = min(n, g) if kind == "hsdp" else n
+
+    def coll(op: str, nbytes: float, ranks: int, per_node: int = 0) -> float:
+        return collective_time(c, op, nbytes / tp, ranks, per_node or min(ranks, g))
+
+    def sharded(op: str, nbytes: float, expert_bytes: float) -> float:
+        if ep <= 1:
+            return coll(op, nbytes + expert_bytes, shard)
+        return coll(op, nbytes, shard) + coll(op, expert_bytes / ep, shard // ep, 1)
+
+    if zero == 3:  # per unit and microbatch, inside the shard group
+        gather = [sharded("all-gather", 2.0 * (p - x), 2.0 * x) for (p, _), x in zip(units, routed)]
+        scatter = [
+            sharded("reduce-scatter", 4.0 * (p - x), 4.0 * x) for (p, _), x in zip(units, routed)
+        ]
+        exposed = gather[0] + sum(max(0.0, a - f) for a, f in zip(gather[1:], fwd))
+        exposed += sum(max(0.0, a + s - 2 * f) for a, s, f in zip(gather, scatter, fwd))
+        comm = k * (2 * sum(gather) + sum(scatter))
+        exposed *= k
+        if shard < n:  # hsdp: the shard's gradient all-reduced across nodes once a step
+            across = coll("all-reduce", GRAD_BYTES * params / shard, n // shard, 1)
+            tail = trailing(across, 2 * sum(fwd), len(units)) - 2 * sum(fwd)
+            comm, exposed = comm + across, exposed + tail
+    else:
+        rs = coll("reduce-scatter", GRAD_BYTES * params, n)
+        ag = coll("all-gather", PARAM_BYTES * params, n)
+        ar = coll("all-reduce", GRAD_BYTES * params, n)
+        once = ar if zero == 0 else rs + ag
+        comm = once + (k - 1) * rs if zero == 2 else once
+        exposed = trailing(once, 2 * sum(fwd), len(units)) - 2 * sum(fwd)
+        if zero == 2:
+            exposed += (k - 1) * max(0.0, rs - 2 * sum(fwd))
+    exposed += w.overlap_cost * (comm - exposed)
+    opt = OPT_TRAFFIC * params / tp / (n if zero else 1) / hbm
+    a2a = sum(1 for x in routed if x) * a2a_time(c, w.cfg, tokens, ep)
+    step = k * (3 * sum(fwd) + extra + a2a) + exposed + opt
+    return step, exposed + k * a2a, flat_memory(w, c, kind, tp, b, recompute, ep)
+
+
+def flat_memory(w, c: Cluster, kind: str, tp: int, b: int, recompute: str, ep: int = 1) -> float:
+    """Peak bytes per GPU of data-parallel `kind` (`sim.memory.gpu_memory`)."""
+    n, zero = w.num_gpus // tp, KINDS[kind]
+    shard = min(n, int(c.gpus_per_node) // tp) if kind == "hsdp" else n
+    return gpu_memory(
+        w.cfg, seq_len=w.seq_len, microbatch=b, tp=tp, dp=shard if zero == 3 else n,
+        zero=zero, recompute=recompute, ep=ep,
+    ).total  # fmt: skip
+
+
+def best_flat(w, c: Cluster, kind: str, tp: int, ep: int = 1) -> tuple | None:
+    """(step, exposed, memory, microbatch, recompute) of `kind` at TP `tp`: per recomputation
+    the largest microbatch that fits (the model charges a microbatch's compute in proportion
+    to its tokens, so the largest is the fastest but for the roofline), the fastest of those;
+    the one nearest to fitting when none fits; None when the batch does not split."""
+    n = w.num_gpus // tp
+    if w.global_batch % n or (kind == "hsdp" and n <= int(c.gpus_per_node) // tp):
+        return None
+    local = w.global_batch // n
+    sizes = [b for b in (2**i for i in range(local.bit_length(), -1, -1)) if local % b == 0]
+    limit = c.memory_gb * 1e9
+    timed = []
+    for mode in RECOMPUTE:
+        b = next((b for b in sizes if flat_memory(w, c, kind, tp, b, mode, ep) <= limit), None)
+        if b is not None:
+            timed.append((*flat_step(w, c, kind, tp, b, mode, ep), b, mode))
+            if b == sizes[0]:
+                break  # more recomputation at the same microbatch is only slower
+    if timed:
+        return min(timed, key=lambda r: r[0])
+    return (*flat_step(w, c, kind, tp, sizes[-1], "full", ep), sizes[-1], "full")
+
+
+def flat_options(w, c: Cluster, kinds=tuple(KINDS)) -> list:
+    """The best of each data-parallel kind at each TP degree, a larger degree only while the
+    smaller needs recomputation or does not fit (`sim.workload.Option`s)."""
+    from stalepipe.lab.sim.workload import Option
+
+    out = []
+    for kind in kinds:
+        for tp in tp_choices(c, w.num_gpus):
+            if tp > 1 and any(o.schedule == kind and o.fits and o.recompute == "none" for o in out):
+                break  # TP buys memory the smaller degree no longer needs (sim.hybrid's rule)
+            for ep in _ep_choices(w, c, kind, tp):
+                r = best_flat(w, c, kind, tp, ep)
+                if r is None:
+                    continue
+                step, exposed, mem, b, mode = r
+                n = w.num_gpus // tp
+                out.append(
+                    Option(
+                        kind,
+                        "sync",
+                        1,
+                        n,
+                        "fsdp" if KINDS[kind] == 3 else "dp",
+                        w.global_batch // n // b,
+                        b,
+                        "",
+                        step,
+                        exposed,
+                        0.0,
+                        mem,
+                        c.memory_gb * 1e9,
+                        w.global_batch * w.seq_len / step,
+                        tp,
+                        mode,
+                        ep,
+                    )  # fmt: skip
+                )
+    return [o for o in out if math.isfinite(o.tokens_per_s)]
+
+
+def _ep_choices(w, c: Cluster, kind: str, tp: int) -> tuple[int, ...]:
+    """Expert-parallel degrees tried: 1, and for an MoE model under FSDP without TP a node's
+    GPUs (at most the experts), where the batch and the shard group split evenly."""
+    g = min(int(c.gpus_per_node), w.cfg.num_experts)
+    if not w.cfg.num_experts or kind != "fsdp" or tp > 1 or g <= 1 or w.num_gpus % g:
+        return (1,)
+    return (1, g)

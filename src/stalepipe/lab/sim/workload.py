@@ -1,0 +1,220 @@
+"""The cluster model's shared parts (docs/verdict.md, 'The cluster model'; `sim.parallel` states
+the model): what is trained (`Workload`), one configuration (`Option`), the FSDP units, and one
+pipeline replica's simulated steady step (`pipeline_timing`), which `sim.replicas` (the data-
+parallel family) and `sim.hybrid` (pipelines of replicas) build on."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from stalepipe.config import ModelConfig
+from stalepipe.hardware import Device
+from stalepipe.lab.sim.memory import RankMemory, rank_memory
+from stalepipe.lab.sim.simulate import model_costs
+from stalepipe.lab.sim.steady import Plan, plan
+from stalepipe.lab.sim.timing import CostModel
+from stalepipe.training.delay.policies import never_delays, parse_policy
+from stalepipe.training.models.transformer import block_flops, block_params, head_flops
+
+PARAM_BYTES = 2.0  # bf16 weights: one version, and what FSDP gathers
+STATE_BYTES = 16.0  # fp32 grad accumulator 4 + fp32 master 4 + AdamW moments 8 (timing.py)
+GRAD_BYTES = 4.0  # gradients are reduced in fp32 (torchtitan's default reduce dtype)
+OPT_TRAFFIC = 28.0  # HBM bytes an AdamW update moves per parameter (timing.analytic_costs)
+MAX_SIM_MICROBATCHES = 16
+SIM_STEPS = 3
+
+
+def cluster_schedules(sync: bool) -> tuple[str, ...]:
+    """The registered pipeline schedules the cluster model compares (`ScheduleSpec.cluster`),
+    the synchronous ones or the others, in the registry's order: a schedule registered later
+    is compared with no change here."""
+    from stalepipe.config.registry import PIPELINE_SCHEDULES
+
+    return tuple(
+        name
+        for name, spec in PIPELINE_SCHEDULES.items()
+        if spec.cluster and never_delays(spec.policy) == sync
+    )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: a model shape, its sequence length, the global batch (sequences per
+    optimizer step) and the number of GPUs, at a model FLOPs utilisation `mfu` (the compute
+    roof; `compute_time` adds the memory roof), with communication that slows the compute it
+    hides behind by `overlap_cost` of its own time (`sim.cluster.OVERLAP_COST_RANGE`)."""
+
+    cfg: ModelConfig
+    seq_len: int
+    global_batch: int
+    num_gpus: int
+    mfu: float = 0.4
+    overlap_cost: float = 0.05
+
+
+@dataclass(frozen=True)
+class Option:
+    """One configuration: how it trains, its steady step and memory on the largest rank."""
+
+    schedule: str  # "dp", "fsdp" or a pipeline schedule
+    policy: str  # "sync" or the delay policy the schedule realises
+    stages: int  # P (1 without a pipeline)
+    replicas: int  # D
+    across: str  # how replicas share gradients: "dp" or "fsdp"
+    microbatches: int  # per replica per step
+    microbatch_size: int  # sequences
+    placement: str  # "" (one node, or no pipeline), "stages in a node", "replicas in a node"
+    step_time: float  # seconds
+    exposed_comm: float  # seconds of the step spent on gradient / weight traffic alone
+    bubble: float
+    peak_memory: float  # bytes, the largest rank
+    memory_limit: float
+    tokens_per_s: float
+    tp: int = 1  # tensor-parallel degree inside a node (`sim.replicas`)
+    recompute: str = "none"  # activation recomputation: none, selective, full
+    ep: int = 1  # expert-parallel degree inside a node (MoE, `sim.replicas`)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory <= self.memory_limit
+
+    @property
+    def kind(self) -> str:
+        """'dp', 'zero1', 'zero2', 'fsdp', 'hsdp', 'pp' (one replica) or 'hybrid'."""
+        if self.stages == 1:
+            return self.schedule
+        return "pp" if self.replicas == 1 else "hybrid"
+
+    def label(self) -> str:
+        """E.g. 'fsdp x16 (microbatch 4)', 'fsdp x32 x tp 8 (microbatch 2, full AC)' or
+        '1f1b P=4 x fsdp 4 (stages in a node), m=32'."""
+        tp = f" x tp {self.tp}" if self.tp > 1 else ""
+        tp += f" x ep {self.ep}" if self.ep > 1 else ""
+        ac = f", {self.recompute} AC" if self.recompute != "none" else ""
+        if self.stages == 1:
+            return f"{self.schedule} x{self.replicas}{tp} (microbatch {self.microbatch_size}{ac})"
+        rep = f" x {self.across} {self.replicas}" if self.replicas > 1 else ""
+        where = f" ({self.placement})" if self.placement else ""
+        each = " (an update each)" if parse_policy(self.policy).per_microbatch else ""
+        return f"{self.schedule} P={self.stages}{rep}{tp}{where}, m={self.microbatches}{each}{ac}"
+
+
+def _units(cfg: ModelConfig, seq_len: int) -> list[tuple[int, int]]:
+    """(parameters, forward FLOPs per token) of each FSDP unit: the blocks, the embedding
+    folded into the first, the final norm and untied head into the last."""
+    out = [(block_params(cfg, i), block_flops(cfg, seq_len, i)) for i in range(cfg.num_layers)]
+    emb = cfg.vocab_size * cfg.dim
+    out[0] = (out[0][0] + emb, out[0][1])
+    head = cfg.dim + (0 if cfg.tie_embeddings else emb)
+    out[-1] = (out[-1][0] + head, out[-1][1] + head_flops(cfg))
+    return out
+
+
+@dataclass(frozen=True)
+class PipeTiming:
+    """One pipeline replica's steady step, as the replicas' gradient traffic needs it."""
+
+    step_time: float
+    bubble: float
+    memory: tuple[float, ...]  # per rank peak, bytes
+    state: tuple[float, ...]  # per rank optimizer state + gradient accumulator, bytes
+    params: tuple[float, ...]  # per rank parameters
+    optimizer: tuple[float, ...]  # per rank update time
+    gap: tuple[float, ...]  # per rank: next step's first forward - this step's last backward
+    forward: tuple[float, ...]  # per rank: one microbatch's forward, s
+    backward: tuple[float, ...]  # per rank: one microbatch's backward (BI + BW), s
+    weights: tuple[float, ...] = ()  # per rank peak of weight versions + state, bytes
+    stashed: tuple[float, ...] = ()  # per rank most microbatch stashes held at once
+    chunks: tuple[int, ...] = ()  # per rank stages held (2 for interleaved and V schedules)
+    last: int = -1  # the rank holding the last stage (the logits)
+
+    @staticmethod
+    def blend(a: PipeTiming, b: PipeTiming, t: float) -> PipeTiming:
+        """a + t (b - a) for the step time, memory and stashes (linear extrapolation in m)."""
+        mem = tuple(x + t * (y - x) for x, y in zip(a.memory, b.memory))
+        stashed = tuple(x + t * (y - x) for x, y in zip(a.stashed, b.stashed))
+        step = a.step_time + t * (b.step_time - a.step_time)
+        return dataclasses.replace(b, step_time=step, memory=mem, stashed=stashed)
+
+
+@functools.lru_cache(maxsize=4096)
+def pipeline_timing(
+    cfg: ModelConfig,
+    seq_len: int,
+    mfu: float,
+    dev: Device,
+    schedule: str,
+    stages: int,
+    m: int,
+    opt_share: float = 1.0,
+) -> PipeTiming:
+    """The simulated steady step of one replica (cached; `dev.gpus_per_node` is the stages
+    per node), of the two stage splits the faster (`simulate.model_costs`), each rank updating
+    `opt_share` of its stages' parameters (1/D under FSDP). Raises ConfigError when the
+    schedule refuses these sizes."""
+    half = max(MAX_SIM_MICROBATCHES // 2, 2 * stages)  # past the V schedules' m >= 2P
+    if m > 2 * half:
+        a = pipeline_timing(cfg, seq_len, mfu, dev, schedule, stages, half, opt_share)
+        b = pipeline_timing(cfg, seq_len, mfu, dev, schedule, stages, 2 * half, opt_share)
+        return PipeTiming.blend(a, b, (m - half) / half)
+    p = plan(schedule, stages, m, SIM_STEPS)
+    links = dict(
+        intra_node_bandwidth=dev.intra_node_bandwidth,
+        inter_node_bandwidth=dev.inter_node_bandwidth,
+        ranks_per_node=dev.gpus_per_node,
+        p2p_latency=dev.p2p_latency,
+    )
+    compute = (cfg, seq_len, mfu, dev.peak_flops, dev.hbm_bandwidth)
+    options = [
+        dataclasses.replace(c, optimizer=tuple(o * opt_share for o in c.optimizer), **links)
+        for c in _costs(p, *compute)
+    ]
+    costs, t = min(((c, p.time(c)) for c in options), key=lambda ct: ct[1].step_time)
+    sizes = (costs.weight_bytes, costs.state_bytes, costs.activation_bytes)
+    ranks = [p.sched.stages_of(r) for r in range(p.sched.num_ranks)]
+
+    def per_rank(*xs: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(sum(x[s] for x in xs for s in stages) for stages in ranks)
+
+    state = per_rank(costs.state_bytes)
+    memory = _memory(p, *sizes)
+    last = next(r for r, stages in enumerate(ranks) if p.sched.num_stages - 1 in stages)
+    return PipeTiming(
+        t.step_time,
+        1 - sum(t.busy) / (len(t.busy) * t.step_time),
+        tuple(m.total for m in memory),
+        state,
+        tuple(x / STATE_BYTES for x in state),
+        per_rank(costs.optimizer),
+        t.gap,
+        per_rank(costs.forward),
+        per_rank(costs.backward_input, costs.backward_weight),
+        tuple(m.weights for m in memory),
+        tuple(float(m.stashed) for m in memory),
+        tuple(len(stages) for stages in ranks),
+        last,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _costs(
+    p: Plan, cfg: ModelConfig, seq_len: int, mfu: float, flops: float, hbm: float
+) -> list[CostModel]:
+    """The analytic cost models of `p`'s schedule (both stage splits) on a GPU of `flops` and
+    `hbm` bandwidth; the links are set by the caller (so the cache ignores them)."""
+    dev = Device(
+        name="",
+        peak_flops=flops,
+        hbm_bandwidth=hbm,
+        intra_node_bandwidth=1.0,
+        inter_node_bandwidth=1.0,
+    )
+    return model_costs(p.sched, cfg, dev, {}, mfu=mfu, seq_len=seq_len, mb_size=1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _memory(p: Plan, weight: tuple, state: tuple, activation: tuple) -> tuple[RankMemory, ...]:
+    """Per rank peaks (`sim.memory`: the schedule's order alone, no timing)."""
+    return rank_memory(p.sched, weight, state, activation)

@@ -1,0 +1,90 @@
+"""A pool of started workers, for many short multi-process runs (tests, benchmarks).
+
+Not on the training path: `stalepipe train` starts its workers once per run
+(`launch.train`). A pooled run pays for a process group, not for starting Python and
+importing torch again; `launch.pooled.worker_entry` runs one training worker on it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+
+from stalepipe.training.launch.processes import free_port
+from stalepipe.training.peers.group import leave_process_group
+
+
+def _pool_worker(index: int, jobs, results) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        fn, args, env = job
+        os.environ.update(env)
+        os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(index)
+        try:
+            out = ("ok", fn(*args))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            out = ("error", f"{type(e).__name__}: {e}")
+        finally:
+            leave_process_group()
+        results.put((index, out))
+
+
+class WorkerPool:
+    """`size` spawned processes that run world-sized jobs one after another, so that each run
+    pays for a process group, not for starting Python and importing torch again.
+
+    `pool.run(fn, args, world)` calls `fn(*args)` on ranks 0..world-1 with the env://
+    variables set (fresh port each time) and returns the per-rank results; a rank's exception
+    comes back as a RuntimeError naming the rank. Not for fault tests (a killed worker is gone).
+    """
+
+    def __init__(self, size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.size = size
+        self._jobs = [ctx.Queue() for _ in range(size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(target=_pool_worker, args=(i, self._jobs[i], self._results), daemon=True)
+            for i in range(size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, args: tuple, world: int, timeout_s: float = 300.0) -> list:
+        assert world <= self.size, (world, self.size)
+        env = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": "1",
+        }
+        for i in range(world):
+            self._jobs[i].put((fn, args, env))
+        out: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(out) < world:
+            try:
+                i, res = self._results.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                raise TimeoutError(f"worker pool: no result within {timeout_s}s") from None
+            out[i] = res
+        errors = [f"rank {i}: {r[1]}" for i, r in sorted(out.items()) if r[0] == "error"]
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        return [out[i][1] for i in range(world)]
+
+    def close(self) -> None:
+        for q in self._jobs:
+            q.put(None)
+        for p in self._procs:
+            p.join(5)
+            if p.exitcode is None:
+                p.kill()

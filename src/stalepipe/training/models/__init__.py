@@ -1,0 +1,33 @@
+"""LLaMA-style models and their pipeline partition."""
+
+from stalepipe.training.models.partition import (
+    PipelineStage,
+    StageSpec,
+    build_stage,
+    describe,
+    partition,
+    split_layers,
+    stage_specs,
+)
+from stalepipe.training.models.transformer import (
+    Transformer,
+    build_model,
+    compile_blocks,
+    count_params,
+    flops_per_token,
+)
+
+__all__ = [
+    "PipelineStage",
+    "StageSpec",
+    "Transformer",
+    "build_model",
+    "build_stage",
+    "compile_blocks",
+    "count_params",
+    "describe",
+    "flops_per_token",
+    "partition",
+    "split_layers",
+    "stage_specs",
+]

@@ -1,0 +1,1 @@
+"""Tools for trained models: export to Hugging Face, evaluate, the cloze tasks."""

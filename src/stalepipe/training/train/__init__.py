@@ -1,0 +1,1 @@
+"""stalepipe.training.train"""
