@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from stalepipe.config import apply_overrides
-from stalepipe.lab.studies.studies import base_config
+from stalepipe.lab.studies.scales import base_config
 from stalepipe.training.data import ensure_prepared
 from stalepipe.training.rundir.metrics import read_metrics
 from stalepipe.training.train.loop import train

@@ -1,8 +1,8 @@
 """How close a study's training step comes to this core's matmul rate, and where its time goes.
 
 For cpu-regime (0.43M; the overhead ladder's width 96 has the same shape) and the overhead
-ladder's widths 48, 64 and 136 (`experiments.scales.overhead_rung`), with AdamW and Muon at the
-scale's LRs, and the three arms sync, 2bw and 2bw+EF: one full training step as
+ladder's widths 48, 64 and 136 (`studies/overhead_ladder.py` `overhead_rung`), with AdamW and
+Muon at the scale's LRs, and the three arms sync, 2bw and 2bw+EF: one full training step as
 `train.emulated.EmulatorEngine.steps` runs it (LR, forward and backward through
 `delay.DelayEmulator`, gradient clipping, the delayed optimizer step, the LR read back), timed
 step by step with the contenders in turns (the machine is shared), on one thread. Printed per
@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from stalepipe.config import ExperimentConfig, apply_overrides
-from stalepipe.lab.studies.scales import LRS, OVERHEAD_LR, base_config, overhead_rung
+from stalepipe.lab.studies.overhead_ladder import OVERHEAD_LR, overhead_rung
+from stalepipe.lab.studies.scales import LRS, base_config
 from stalepipe.training.delay import DelayEmulator, DelaySchedule
 from stalepipe.training.models import build_model, compile_blocks, flops_per_token
 from stalepipe.training.optim import build_optimizer

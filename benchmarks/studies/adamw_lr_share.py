@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from stalepipe.lab.analysis import scaling, stats
-from stalepipe.lab.studies.scales import LADDER_LRS
+from stalepipe.lab.studies.ladder import LADDER_LRS
 
 HPARAMS = Path("docs/results/optimizers-regime")
 LADDER = Path("docs/results/ladder-regime")

@@ -5,7 +5,7 @@ before the runs, `stalepipe.lab.analysis.scaling`), from the ladder's run record
     python benchmarks/studies/ladder_fit.py runs/ladder-regime  # a sweep in progress
 
 Every number is a run's final loss on the whole validation split (`val_loss_full`). Per
-optimizer and width, at its phase-2 LR (`experiments.scales.LADDER_LRS`): sync's mean, and the
+optimizer and width, at its phase-2 LR (`studies/ladder.py` `LADDER_LRS`): sync's mean, and the
 2bw and 2bw+EF gaps paired by seed, with their t-intervals and EF's share (a ratio of means,
 Fieller's interval; the registered paired bootstrap beside it in the labels). Once every width
 has at least 2 seeds of all three arms: the fit, the test of its direction (Holm over the four
@@ -26,7 +26,7 @@ import numpy as np
 from stalepipe.errors import UserError
 from stalepipe.lab.analysis import claims, ladder_labels, plots, scaling, stats
 from stalepipe.lab.analysis.ladder_labels import DRAWS
-from stalepipe.lab.studies.scales import LADDER, LADDER_LRS
+from stalepipe.lab.studies.ladder import LADDER, LADDER_LRS
 
 ARMS = ("sync", "2bw", "2bw+ef")  # `scaling.LadderRun.arm`
 PAPER = {("muon", "2bw"): 0.012, ("muon", "2bw+ef"): 0.005}  # the paper's 360M runs

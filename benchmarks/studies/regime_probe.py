@@ -35,7 +35,7 @@ from pathlib import Path
 
 from stalepipe.config import ExperimentConfig, apply_overrides
 from stalepipe.lab.analysis.regime import end_slope, plateau_exit
-from stalepipe.lab.studies.studies import LRS, SCALES, base_config, paper_mini_base
+from stalepipe.lab.studies.scales import LRS, SCALES, base_config, paper_mini_base
 from stalepipe.lab.sweeps.grid import RunSpec
 from stalepipe.lab.sweeps.sweep import run_status, run_sweep
 from stalepipe.training.data import ensure_prepared

@@ -13,7 +13,7 @@ import pytest
 
 from stalepipe.lab.analysis import ladder_labels as ll
 from stalepipe.lab.analysis import scaling
-from stalepipe.lab.studies.scales import LADDER, LADDER_LRS
+from stalepipe.lab.studies.ladder import LADDER, LADDER_LRS
 
 ROOT = Path(__file__).resolve().parents[2]
 LADDER_ROOT = ROOT / "docs" / "results" / "ladder-regime"

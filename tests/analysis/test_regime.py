@@ -56,11 +56,11 @@ def test_regime_check_reads_a_late_exit_then_the_seed_spread():
 def test_one_arm_failing_does_not_hide_another_arm_s_unread_check():
     """A claim over two arms, the first failing (a) and the second unread, is capped at
     'inconclusive (unread)', not labelled 'partly' by the first failure found."""
-    from stalepipe.lab.analysis.claims import _regime
+    from stalepipe.lab.analysis.claims import regime_failure
 
     sync = _row("sync", 0.05, [2.0, 2.1, 2.2])
     late, unread = _row("late", 0.3, [3.0], 1.0, sync), _row("unread", math.nan, [3.0], 1.0, sync)
-    assert _regime(late, unread).startswith("unread: ") and _regime(unread, late) == _regime(
-        late, unread
-    )
-    assert _regime(late, _row("fine", 0.05, [3.0], 1.0, sync)).startswith("(a) plateau exit")
+    assert regime_failure(late, unread).startswith("unread: ") and regime_failure(
+        unread, late
+    ) == regime_failure(late, unread)
+    assert regime_failure(late, _row("fine", 0.05, [3.0], 1.0, sync)).startswith("(a) plateau exit")

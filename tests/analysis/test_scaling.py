@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from stalepipe.lab.analysis import scaling
-from stalepipe.lab.studies.scales import LADDER
+from stalepipe.lab.studies.ladder import LADDER
 
 SIZES = [params for _, _, params in LADDER]
 

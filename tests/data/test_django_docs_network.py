@@ -10,7 +10,7 @@ import json
 import pytest
 
 from stalepipe.config import DataConfig
-from stalepipe.lab.studies.studies import CORPUS2
+from stalepipe.lab.studies.corpus2 import CORPUS2
 from stalepipe.training.data import fetch, prepare_corpus, read_manifest, verify
 
 

@@ -7,7 +7,8 @@ import pytest
 
 from stalepipe.config import ConfigError
 from stalepipe.errors import UserError
-from stalepipe.lab.studies import studies
+from stalepipe.lab.studies import ladder, scales
+from stalepipe.lab.studies.registry import STUDIES, get_study
 from stalepipe.lab.sweeps import plan
 from stalepipe.lab.sweeps.grid import (
     axis,
@@ -60,14 +61,14 @@ def test_grid_arg_and_bad_values(tiny_config):
 
 
 def test_only_keeps_the_runs_whose_config_has_the_values():
-    base = studies.base_config("cpu-regime")
-    specs = studies.get_study("optimizers").specs("cpu-regime", 2)
+    base = scales.base_config("cpu-regime")
+    specs = get_study("optimizers").specs("cpu-regime", 2)
     names = lambda kept: {s.name for s in kept}  # noqa: E731
     kept = select_runs(specs, base, ["optim.name=adamw,muon"])
     assert names(kept) == {f"{o}_{a}_s{k}" for o in ("adamw", "muon")
                            for a in ("sync", "2bw", "2bw+ef") for k in (0, 1)}  # fmt: skip
     # values compare as the config holds them: "0.01" keeps a run at 1e-2, "true" EF on
-    at_1e2 = {o for o, lr in studies.LRS["cpu-regime"].items() if float(lr) == 0.01}
+    at_1e2 = {o for o, lr in scales.LRS["cpu-regime"].items() if float(lr) == 0.01}
     assert "muon" in at_1e2  # Muon's LR at this scale is written "0.01"
     kept = select_runs(specs, base, ["optim.lr=1e-2", "delay.ef=true"])
     assert names(kept) == {f"{o}_2bw+ef_s{k}" for o in at_1e2 for k in (0, 1)}
@@ -91,16 +92,14 @@ def test_dedupe_keeps_first_and_rejects_clashes():
         dedupe(clash)
 
 
-@pytest.mark.parametrize("name", list(studies.STUDIES))
+@pytest.mark.parametrize("name", list(STUDIES))
 def test_every_study_expands_to_valid_configs(name, monkeypatch):
-    study = studies.STUDIES[name]
+    study = STUDIES[name]
     if name == "ladder":  # phase 2 waits for phase 1's LRs: expand it with the grids' middles
-        from stalepipe.lab.studies import scales
-
         lrs = {
-            (n, w): scales.ladder_lrs(n, w)[1] for n in ("adamw", "muon") for w, *_ in scales.LADDER
+            (n, w): ladder.ladder_lrs(n, w)[1] for n in ("adamw", "muon") for w, *_ in ladder.LADDER
         }
-        monkeypatch.setattr(studies, "LADDER_LRS", lrs)
+        monkeypatch.setattr(ladder, "LADDER_LRS", lrs)
     for scale in study.scales:
         specs = study.specs(scale, seeds=2)
         assert specs and len({s.name for s in specs}) == len(specs)
@@ -108,16 +107,16 @@ def test_every_study_expands_to_valid_configs(name, monkeypatch):
 
 
 def test_paper_mini_contents():
-    specs = studies.STUDIES["paper-mini"].specs("cpu", seeds=3)
+    specs = STUDIES["paper-mini"].specs("cpu", seeds=3)
     groups = {s.group for s in specs}
     assert {"adamw_sync", "adamw_2bw", "adamw_2bw+ef", "muon_sync", "muon_2bw",
             "muon_2bw+ef"} <= groups  # fmt: skip
     assert {"adamw_pipedream_P2", "adamw_pipedream_P4"} <= groups
     assert len(specs) == 3 * len(groups)
     with pytest.raises(UserError, match="runs at --scale cpu"):
-        studies.STUDIES["paper-mini"].specs("135m", 1)
+        STUDIES["paper-mini"].specs("135m", 1)
     with pytest.raises(UserError, match="did you mean 'depth'"):
-        studies.get_study("deptj")
+        get_study("deptj")
     assert "paper-mini" in plan.study_table(seeds=3)
 
 

@@ -21,7 +21,7 @@ from stalepipe.training.models.transformer import count_params
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "docs/results/ladder-regime/muon_lr0.04_d32_sync_s0/config.json"
-WIDTHS = {32: 96, 48: 128, 64: 192}  # model.dim -> model.ffn_dim (experiments.scales.LADDER)
+WIDTHS = {32: 96, 48: 128, 64: 192}  # model.dim -> model.ffn_dim (studies/ladder.py LADDER)
 LENGTHS = (1.0, 1.1, 1.2, 1.35, 1.5)
 SIM = ["--model", "smollm-135m", "--stages", "4", "--microbatches", "8"]
 

@@ -23,7 +23,8 @@ def _add_demo(sub: Subparsers) -> None:
 
 
 def _add_sweep(sub: Subparsers) -> None:
-    from stalepipe.lab.studies.studies import SCALES, STUDIES
+    from stalepipe.lab.studies.registry import STUDIES
+    from stalepipe.lab.studies.scales import SCALES
     from stalepipe.lab.sweeps.plan import study_table
 
     p = sub.add_parser(

@@ -16,20 +16,12 @@ from pathlib import Path
 from stalepipe.errors import UserError
 from stalepipe.fileio import csv_text, shown, write_files
 from stalepipe.lab.analysis import lengths, plots
-from stalepipe.lab.analysis.claims import (
-    CLAIMS,
-    RULE,
-    Claim,
-    fmt,
-    fmt_ci,
-    fmt_p,
-    fmt_share,
-    label,
-    regime_check,
-)
+from stalepipe.lab.analysis.claims import RULE, Claim, label, regime_check
 from stalepipe.lab.analysis.markdown import Block, md_code, to_html, to_markdown
 from stalepipe.lab.analysis.overhead import DEFAULT_RULE, Overhead
 from stalepipe.lab.analysis.results import Row, Run, build_rows, load_runs, missing_summary
+from stalepipe.lab.analysis.stats import fmt, fmt_ci, fmt_p, fmt_share
+from stalepipe.lab.studies.registry import declared_claims
 
 
 def summary_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
@@ -163,9 +155,10 @@ OVERHEAD_TEXT = (
 
 def claims(rows: list[Row]) -> list[Claim]:
     """The paper's qualitative claims, checked on whatever rows exist: (claim, verdict,
-    evidence). Every claim function runs once, in `claims.CLAIMS` order; a claim
-    whose configurations are absent is left out."""
-    return label([f for check in CLAIMS for f in check(rows)])
+    evidence). Every claim function some study declares runs once, in the order the studies
+    declare them (`registry.declared_claims`); a claim whose configurations are absent is left
+    out."""
+    return label([f for check in declared_claims() for f in check(rows)])
 
 
 def _table(heading: str, text: str, header: list[str], body: list[list[str]]) -> list[Block]:

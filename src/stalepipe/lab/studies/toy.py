@@ -23,10 +23,12 @@ import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from stalepipe.lazy import require
+
+if TYPE_CHECKING:  # imported where used: the studies' registry imports this module for --help
+    import torch
 
 VARIANTS = ("sync", "delay", "delay+ef")
 DEFAULT_ETAS = (0.003, 0.01, 0.03, 0.1, 0.3)
@@ -53,6 +55,8 @@ class ToyProblem:
 
 def make_problem(n: int = 16, kappa: float = 100.0, seeds: int = 3, seed: int = 0) -> ToyProblem:
     """Random orthogonal factors, prescribed spectrum; float64 for clean convergence curves."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     A, X = [], []
     for _ in range(seeds):
@@ -68,6 +72,8 @@ def make_problem(n: int = 16, kappa: float = 100.0, seeds: int = 3, seed: int = 
 def polar(M: torch.Tensor) -> torch.Tensor:
     """U V^T of M = U S V^T (the spectral-norm LMO direction; Muon approximates it with
     Newton-Schulz)."""
+    import torch
+
     U, _, Vh = torch.linalg.svd(M, full_matrices=False)
     return U @ Vh
 
@@ -82,6 +88,8 @@ def run(
 ) -> torch.Tensor:
     """Relative suboptimality f(X_t) / f(X_0) per step: shape (len(etas), steps + 1), mean over
     the problem's seeds."""
+    import torch
+
     assert variant in VARIANTS, variant
     eta = torch.tensor(etas, dtype=torch.float64).view(-1, 1, 1, 1)
     S, n, _ = problem.A.shape

@@ -1,6 +1,6 @@
 """Planning a sweep: what a study costs (CPU core-hours or GPU-hours), the table of studies
 `stalepipe sweep --help` shows, and `stalepipe sweep`'s entry point with its dry run. The
-studies themselves are `studies/studies.py`."""
+studies themselves are one module each in `studies/` (`studies/registry.py`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from stalepipe.config import ExperimentConfig
 from stalepipe.errors import UserError
+from stalepipe.lab.studies.registry import STUDIES, get_study
 from stalepipe.lab.studies.scales import CPU_SCALES, base_config
-from stalepipe.lab.studies.studies import STUDIES, get_study
 from stalepipe.lab.sweeps.executors import EXECUTORS, SlurmOptions, check_slurm, sbatch_script
 from stalepipe.lab.sweeps.grid import RunSpec, dedupe, expand
 
