@@ -125,3 +125,26 @@ def test_the_committed_tables_print_the_interval_the_verdict_used(preset):
         table = text.split(f"\n{arm} (vs ")[1].split("\n\n")[0]
         best_row = next(x for x in table.splitlines() if "(best sync)" in x)
         assert best_row.rstrip().endswith(ratio.split(" ", 1)[1]), (arm, best_row, ratio)
+
+
+def test_the_throughput_model_error_widens_the_interval():
+    """The cluster verdict's edge factors are the assumptions' corners widened by the throughput
+    model's held-out error (sim.efficiency.MODEL_ERROR), the interval with them, and the
+    decision block names the term."""
+    from stalepipe.lab.sim.efficiency import MODEL_ERROR
+    from stalepipe.lab.verdict import cluster as cv
+    from stalepipe.lab.verdict.decision import _covers
+
+    s = cv.setting("smollm-360m", "h100-ib", 8, None)
+    tp, options = cv.throughputs(s)
+    low, high = cv.edge_range(s.workload(), s.cluster, options)
+    assert MODEL_ERROR > 0 and tp.model_error == MODEL_ERROR
+    assert tp.edge_factors == pytest.approx((low * (1 - MODEL_ERROR), high * (1 + MODEL_ERROR)))
+    v = _verdict(1.3, 1.0, Transfer(), (low, high))
+    before = v.ratio_all
+    v.edge_factors, v.model_error = tp.edge_factors, tp.model_error
+    after = v.ratio_all
+    assert after.low == pytest.approx(before.low / (1 + MODEL_ERROR))
+    assert after.high == pytest.approx(before.high / (1 - MODEL_ERROR))
+    assert f"model error +-{MODEL_ERROR:.0%}" in "\n".join(_covers(v))
+    assert f"model error +-{MODEL_ERROR:.1%}" in "\n".join(tp.lines)

@@ -270,7 +270,13 @@ def _add_verdict(sub: Subparsers) -> None:
     add("--stages", type=int, help="without --cluster: pipeline ranks P (default 8)")
     add("--microbatches", type=int, help="without --cluster: microbatches per step m (default 16)")
     add("--device", default="h100", help="without --cluster: h100 | h200 | a100 | cpu")
-    add("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed (default 0.4)")
+    add(
+        "--mfu",
+        type=float,
+        default=None,
+        help="model FLOPs utilisation assumed for every "
+        "shape (default: --cluster, by matmul size, sim/efficiency.py; --model, 0.4)",
+    )
     add("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
     add("--microbatch-size", type=int, default=1, help="sequences per microbatch (default 1)")
     add(

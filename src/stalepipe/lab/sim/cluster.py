@@ -291,7 +291,8 @@ def leading(comm: float, compute: float, units: int) -> float:
 
 # A verdict holds only where it holds at every corner of these (docs/verdict.md, 'The cluster
 # model'; `assumption_corners`).
-MFU_RANGE = (0.75, 1.25)  # x the given MFU: torchtitan's H100 FSDP runs 33-39 %, its A100 57 %
+MFU_RANGE = (0.75, 1.25)  # x the MFU (given, or by shape; at most 1): torchtitan's H100 FSDP runs
+# 33-39 %, its A100 57 %
 # NCCL bus bandwidth / line rate on InfiniBand: 0.75 (p5's all-gathers at 8-16 nodes) to 0.96
 # (nccl-tests 290's 48 GB/s per NDR NIC) around its central 0.92; a preset of another fabric
 # (RoCE, 0.75) takes the same spread relative to its central value (`link_efficiency_range`)
@@ -311,12 +312,14 @@ def assumption_corners(w: Any, c: Cluster) -> list[tuple[Any, Cluster]]:
     """The workload (`sim.parallel.Workload`) and the cluster at each corner of the
     assumptions' ranges (8: MFU, link efficiency, overlap cost each at its low and high end; a
     given value outside a range widens it)."""
-    mfus = (w.mfu * MFU_RANGE[0], min(1.0, w.mfu * MFU_RANGE[1]))
     effs = link_efficiency_range(c)
     costs = (min(OVERLAP_COST_RANGE[0], w.overlap_cost), max(OVERLAP_COST_RANGE[1], w.overlap_cost))
     return [
-        (dataclasses.replace(w, mfu=m, overlap_cost=o), dataclasses.replace(c, link_efficiency=e))
-        for m in mfus
+        (
+            dataclasses.replace(w, mfu_scale=w.mfu_scale * f, overlap_cost=o),
+            dataclasses.replace(c, link_efficiency=e),
+        )
+        for f in MFU_RANGE
         for e in effs
         for o in costs
     ]

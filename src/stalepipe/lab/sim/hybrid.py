@@ -66,12 +66,13 @@ def effective_mfu(w: Workload, c: Cluster, tp: int, recompute: str) -> float:
     as a lower MFU over the whole step, where `recompute` is not 'none')."""
     from stalepipe.training.models.transformer import block_flops
 
-    if tp <= 1 and recompute == "none":
-        return w.mfu  # exactly: the simulator's cache is keyed on it
     seq = w.seq_len
-    compute = seq * block_flops(w.cfg, seq, 0) / (tp * c.peak_tflops * 1e12 * w.mfu)
+    mfu = w.mfu_at(seq, tp)  # a microbatch of one sequence
+    if tp <= 1 and recompute == "none":
+        return mfu  # exactly: the simulator's cache is keyed on it
+    compute = seq * block_flops(w.cfg, seq, 0) / (tp * c.peak_tflops * 1e12 * mfu)
     slow = 1 + tp_time(c, w.cfg, seq, tp) / compute
-    return w.mfu / slow * 3 / (3 + recompute_share(w.cfg, recompute))
+    return mfu / slow * 3 / (3 + recompute_share(w.cfg, recompute))
 
 
 def rank_memory(

@@ -52,6 +52,7 @@ are `sim.cluster`'s `*_RANGE`; BI = BW = F):
 from __future__ import annotations
 
 from stalepipe.config import ConfigError
+from stalepipe.config.registry import PIPELINE_SCHEDULES
 from stalepipe.lab.sim.cluster import Cluster
 from stalepipe.lab.sim.hybrid import MAX_STAGES, _pipeline_device, pipelines
 from stalepipe.lab.sim.replicas import flat_options
@@ -68,12 +69,12 @@ from stalepipe.lab.sim.workload import (
     cluster_schedules,
     pipeline_timing,
 )
-from stalepipe.training.delay.policies import PAPER_ASYNC
+from stalepipe.training.delay.policies import PAPER_ASYNC, never_delays
 
 __all__ = [
     "GRAD_BYTES", "MAX_STAGES", "_pipeline_device", "PARAM_BYTES", "STATE_BYTES", "Option", "PipeTiming",
     "Workload", "_costs", "_memory", "_units", "all_options", "best", "cluster_schedules",
-    "data_parallel", "pipeline_timing", "pipelines",
+    "data_parallel", "layout", "pipeline_timing", "pipelines",
 ]  # fmt: skip
 
 
@@ -83,6 +84,49 @@ def data_parallel(w: Workload, c: Cluster, *, sharded: bool) -> Option | None:
     the batch does not split over N."""
     opts = flat_options(w, c, ("fsdp" if sharded else "dp",))
     return next((o for o in opts if o.tp == 1), None)
+
+
+def layout(
+    w: Workload, c: Cluster, *, tp: int, stages: int, schedule: str, microbatch: int = 1,
+    recompute: str = "none", across: str = "dp",
+) -> Option:  # fmt: skip
+    """One fixed configuration, timed as the search times it (a published run's layout, for
+    benchmarks/validation): `schedule` 'dp' / 'zero1' / 'zero2' / 'fsdp' / 'hsdp' at
+    `stages` 1, or a pipeline schedule of `stages` (microbatches of one sequence; replicas
+    sharing gradients `across`, 'stages in a node' placement); TP `tp`, recomputation
+    `recompute` as given, not searched. Raises ConfigError where the sizes do not split."""
+    import dataclasses
+
+    from stalepipe.lab.sim.hybrid import _hybrid, _placements, _timed, rank_memory, tp_cluster
+    from stalepipe.lab.sim.replicas import KINDS, flat_step
+
+    n, limit = w.num_gpus // tp, c.memory_gb * 1e9
+    if w.num_gpus % (tp * stages) or w.global_batch % (n // stages):
+        raise ConfigError(f"{w.num_gpus} GPUs, batch {w.global_batch}: no TP {tp} x PP {stages}")
+    if stages == 1:
+        k = w.global_batch // n // microbatch
+        step, exposed, mem = flat_step(w, c, schedule, tp, microbatch, recompute)
+        rate = w.global_batch * w.seq_len / step
+        across = "fsdp" if KINDS[schedule] == 3 else "dp"
+        return Option(schedule, "sync", 1, n, across, k, microbatch, "", step, exposed, 0.0,
+                      mem, limit, rate, tp, recompute)  # fmt: skip
+    if microbatch != 1:
+        raise ConfigError("the pipeline simulator's microbatches are one sequence")
+    v, vw = tp_cluster(c, tp), dataclasses.replace(w, num_gpus=n)
+    replicas = n // stages
+    m = w.global_batch // replicas
+    name, spn, per_node = _placements(v, n, stages, replicas)[0]
+    dev = _pipeline_device(v, spn, stages)
+    t = _timed(vw, c, dev, schedule, stages, m, tp, recompute)
+    if t is None:
+        raise ConfigError(f"{schedule} refuses P={stages}, m={m} for {w.cfg.num_layers} layers")
+    sync = never_delays(PIPELINE_SCHEDULES[schedule].policy)
+    per_gpu = rank_memory(vw, t, stages, tp, recompute, sync)
+    t = dataclasses.replace(t, memory=per_gpu, state=tuple(s / tp for s in t.state))
+    step, exposed, mem = _hybrid(vw, v, t, replicas, across, per_node, sync)
+    return Option(schedule, PIPELINE_SCHEDULES[schedule].policy, stages, replicas, across, m, 1,
+                  name, step, exposed, t.bubble, mem, limit, w.global_batch * w.seq_len / step,
+                  tp, recompute)  # fmt: skip
 
 
 def all_options(

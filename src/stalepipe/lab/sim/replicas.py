@@ -103,8 +103,8 @@ def flat_step(w, c: Cluster, kind: str, tp: int, b: int, recompute: str, ep: int
     units, n = _units(w.cfg, w.seq_len), w.num_gpus // tp
     routed = [experts(w.cfg, i) for i in range(len(units))]
     params = sum(p for p, _ in units)
-    speed, hbm = c.peak_tflops * 1e12 * w.mfu, c.hbm_tbps * 1e12
     tokens, k = b * w.seq_len, w.global_batch // n // b
+    speed, hbm = c.peak_tflops * 1e12 * w.mfu_at(tokens, tp), c.hbm_tbps * 1e12
     tpc = tp_time(c, w.cfg, tokens, tp)
     fwd = [compute_time(tokens * f / tp, PARAM_BYTES * p / tp, speed, hbm) + tpc for p, f in units]
     extra = recompute_share(w.cfg, recompute) * sum(fwd)

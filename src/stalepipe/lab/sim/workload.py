@@ -43,15 +43,28 @@ def cluster_schedules(sync: bool) -> tuple[str, ...]:
 class Workload:
     """What is trained: a model shape, its sequence length, the global batch (sequences per
     optimizer step) and the number of GPUs, at a model FLOPs utilisation `mfu` (the compute
-    roof; `compute_time` adds the memory roof), with communication that slows the compute it
+    roof; `compute_time` adds the memory roof; None: by shape, `sim.efficiency`), times
+    `mfu_scale` (the assumptions' corners), with communication that slows the compute it
     hides behind by `overlap_cost` of its own time (`sim.cluster.OVERLAP_COST_RANGE`)."""
 
     cfg: ModelConfig
     seq_len: int
     global_batch: int
     num_gpus: int
-    mfu: float = 0.4
+    mfu: float | None = 0.4
     overlap_cost: float = 0.05
+    mfu_scale: float = 1.0
+
+    def mfu_at(self, tokens: float, tp: int = 1) -> float:
+        """The MFU of a microbatch of `tokens` split `tp` ways: the given one, or the
+        calibrated curve's (`sim.efficiency.shape_mfu`), times `mfu_scale`, at most 1."""
+        if self.mfu is None:
+            from stalepipe.lab.sim.efficiency import shape_mfu
+
+            base = shape_mfu(self.cfg, self.seq_len, tokens, tp)
+        else:
+            base = self.mfu
+        return base if self.mfu_scale == 1.0 else min(1.0, base * self.mfu_scale)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any
 from stalepipe.errors import UserError
 from stalepipe.fileio import csv_text
 from stalepipe.lab.analysis.plots import png_bytes, pyplot
+from stalepipe.lab.sim.efficiency import MODEL_ERROR, MODEL_ERROR_WORST
 from stalepipe.lab.verdict.rule import Verdict, call, time_to_target, widen
 from stalepipe.lab.verdict.throughput import ScheduleThroughput, Throughputs
 from stalepipe.training.delay.policies import PAPER_ASYNC, never_delays
@@ -40,7 +41,7 @@ class Setting:
     cluster: Any  # sim.cluster.Cluster
     gpus: int
     global_batch: int  # sequences
-    mfu: float
+    mfu: float | None  # None: by shape (sim.efficiency)
 
     def workload(self, gpus: int | None = None, batch: int | None = None) -> Any:
         from stalepipe.lab.sim.parallel import Workload
@@ -77,7 +78,7 @@ def setting(
     gpus: int | None,
     global_batch: str | int | None,
     *,
-    mfu: float = 0.4,
+    mfu: float | None = None,
     seq_len: int | None = None,
     inter_node_gbps: float | None = None,
 ) -> Setting:
@@ -196,7 +197,7 @@ def throughputs(s: Setting) -> tuple[Throughputs, list[Any]]:
         f"throughput and memory: simulated, cluster model (sim/parallel.py): {s.model} "
         f"({s.seq_len}-token sequences) on {s.gpus} GPUs of {c.describe()}; global batch "
         f"{s.global_batch} sequences = {s.global_batch * s.seq_len} tokens per step; MFU "
-        f"{s.mfu:.2f} for every configuration; {len(options)} configurations, the best of each "
+        f"{mfu_text(s)}; {len(options)} configurations, the best of each "
         "kind shown (docs/verdict.md, 'The cluster model', states the assumptions)",
         f"left out, over {c.memory_gb:g} GB per GPU ({len(left)}): "
         + (", ".join(f"{o.label()} ({o.peak_memory / 1e9:.0f} GB)" for o in left[:12]) or "none")
@@ -204,13 +205,32 @@ def throughputs(s: Setting) -> tuple[Throughputs, list[Any]]:
     ]
     low, high = edge_range(s.workload(), c, options)
     lines.append(assumptions_line(s, low, high, edge(options)))
+    low, high = with_model_error(low, high)
     short = f"{s.model} on {s.gpus} x {c.name}, global batch {s.global_batch} (cluster model)"
     rate = window.tokens_per_s if window else math.nan
     from stalepipe.training.models.transformer import count_params
 
     target = count_params(s.cfg)["non_embedding"]
-    tp = Throughputs(rows, rate, a and a.stages, lines, short, (low, high), target)
+    tp = Throughputs(rows, rate, a and a.stages, lines, short, (low, high), target, MODEL_ERROR)
     return tp, options
+
+
+def mfu_text(s: Setting) -> str:
+    """How the compute efficiency is set: the user's one MFU, or the calibrated curve."""
+    from stalepipe.lab.sim import efficiency as e
+
+    if s.mfu is not None:
+        return f"{s.mfu:.2f} for every configuration (--mfu)"
+    return (
+        f"by matmul size, {e.E_MAX:.3f} x / (x + {e.X_HALF:.3g}) with x a block's FLOPs per "
+        f"microbatch and GPU (sim/efficiency.py, fitted on Narayanan et al. Table 1)"
+    )
+
+
+def with_model_error(low: float, high: float) -> tuple[float, float]:
+    """The edge's factors over the assumptions widened by the throughput model's held-out
+    error (`MODEL_ERROR`, docs/verdict.md): the edge anywhere in [1 - e, 1 + e] x its value."""
+    return low * (1 - MODEL_ERROR), high * (1 + MODEL_ERROR)
 
 
 def edge(options: list[Any]) -> float:
@@ -239,14 +259,19 @@ def assumptions_line(s: Setting, low: float, high: float, central: float) -> str
     """The 'inputs' line naming each assumption's central value and range, and the edge's."""
     from stalepipe.lab.sim import cluster as cl
 
-    m = [f"{s.mfu * f:.2f}" for f in cl.MFU_RANGE]
+    m = "-".join(f"{f:.2f}" for f in cl.MFU_RANGE)
+    mfu = f"{s.mfu:.2f} (x{m})" if s.mfu is not None else f"by shape (x{m})"
     eff = "-".join(f"{x:.2f}" for x in cl.link_efficiency_range(s.cluster))
     cost = "-".join(f"{x:.2f}" for x in cl.OVERLAP_COST_RANGE)
+    e = MODEL_ERROR
     return (
-        f"assumptions (central, range): MFU {s.mfu:.2f} ({m[0]}-{m[1]}), link efficiency "
+        f"assumptions (central, range): MFU {mfu}, link efficiency "
         f"{s.cluster.link_efficiency:.2f} ({eff}), overlap cost {s.workload().overlap_cost:.2f} "
         f"({cost}); 2BW's "
-        f"edge {central:.3f}x, {central * low:.3f}-{central * high:.3f}x over their corners"
+        f"edge {central:.3f}x, {central * low:.3f}-{central * high:.3f}x over their corners; "
+        f"model error +-{e:.1%} (held-out median, worst {MODEL_ERROR_WORST:.0%}: "
+        f"benchmarks/validation/cluster_published.py): "
+        f"{central * low * (1 - e):.3f}-{central * high * (1 + e):.3f}x"
     )
 
 
@@ -303,7 +328,7 @@ def _map_row(row: tuple[Setting, int, int]) -> list[Cell]:
     for bw in sorted({*MAP_GBPS, s.cluster.inter_node_gbps}):
         c = dataclasses.replace(s.cluster, inter_node_gbps=bw)
         opts = all_options(s.workload(n, b), c)
-        factors = edge_range(s.workload(n, b), c, opts)
+        factors = with_model_error(*edge_range(s.workload(n, b), c, opts))
         cells.append(Cell(n, b, bw, best(opts, ASYNC), best(opts), factors))
     return cells
 

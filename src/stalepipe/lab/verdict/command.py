@@ -107,6 +107,7 @@ def judge(
     # quality floor: the band says so with its own margin
     floor = v.target.missed and row.token_overhead.status == "floor"
     v.edge_factors = tp.edge_factors  # a bound below must outweigh the edge at its highest
+    v.model_error = tp.model_error
     n = model_params(row.config)["non_embedding"]
     v.transfer = transfer or default_transfer(
         n, tp.target_params, size_text(n), size_text(tp.target_params)
@@ -204,7 +205,7 @@ def run_verdict(
     stages: int | None = None,
     microbatches: int | None = None,
     device: str = "h100",
-    mfu: float = 0.4,
+    mfu: float | None = None,
     seq_len: int | None = None,
     microbatch_size: int = 1,
     fit: decision.GivenOverhead | None = None,
@@ -235,7 +236,7 @@ def run_verdict(
     else:
         assert model is not None
         P, m = 8 if stages is None else stages, 16 if microbatches is None else microbatches
-        tp = simulated(model, device, P, m, mfu=mfu, seq_len=seq_len,
+        tp = simulated(model, device, P, m, mfu=0.4 if mfu is None else mfu, seq_len=seq_len,
                        microbatch_size=microbatch_size)  # fmt: skip
     verdicts, skipped = judge_sweep(rows, tp, fit)
     if not verdicts:

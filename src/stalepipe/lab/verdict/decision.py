@@ -155,8 +155,14 @@ def _covers(v: Verdict | None) -> list[str]:
         ]
     terms = ["the seeds' 95% CI"]
     terms += ["MFU, link efficiency, overlap cost"] if v.edge_factors != (1.0, 1.0) else []
+    terms += [f"model error +-{v.model_error:.0%}"] if v.model_error else []
     terms += ["size transfer"] if not v.transfer.none else []
     out = [f"bound: worst case of {', '.join(terms)} (stacked, not a 95% CI)"]
+    if v.model_error:
+        out.append(
+            f"model error: the throughput model's held-out median |error| on published runs, "
+            f"+-{v.model_error:.0%} on 2BW's edge (docs/verdict.md)"
+        )
     if not v.transfer.none:
         out.append(f"size transfer of the overhead {v.transfer.text()}")
     return out

@@ -168,6 +168,7 @@ class Verdict:
     async_row: ScheduleThroughput | None = None  # the row of `schedule` its rate is read off
     edge_factors: tuple[float, float] = (1.0, 1.0)  # `Throughputs.edge_factors`
     transfer: Transfer = Transfer()  # the overhead's move to the throughputs' model size
+    model_error: float = 0.0  # `Throughputs.model_error`, already in `edge_factors` (printed)
     # the same configuration planned longer, judged against sync at the same length
     # (a lengths sweep's like-for-like row: in the tables, not the decision block)
     at_length: bool = False

@@ -95,6 +95,9 @@ class Throughputs:
     # non-embedding parameters of the model the throughputs are for (0: not known, as for a
     # measured costs file): the size the token overhead must transfer to
     target_params: float = 0.0
+    # the throughput model's held-out error folded into `edge_factors` (`sim.efficiency`
+    # MODEL_ERROR; 0: none, as for measured costs): printed as a named term of the interval
+    model_error: float = 0.0
 
     def get(self, name: str) -> ScheduleThroughput:
         return next(s for s in self.rows if s.name == name)
