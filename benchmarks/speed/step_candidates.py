@@ -6,7 +6,9 @@ every (optimizer, arm, eager | compiled) contender trains in this process on one
 contenders in turns step by step (the machine is shared: ratios are read side by side). Printed
 per (optimizer, arm): the median steady step times, eager and compiled, their ratio read per
 round (median [range]) and of the two fastest steps (the least disturbed by other jobs on a
-shared machine), and whether the compiled train losses equal eager's bit for bit; per
+shared machine), whether the compiled train losses equal eager's bit for bit, and the last
+train loss of each (after the warm-up and timed steps on the fixed batch: what the setting
+does to the loss, beside what it does to the time); per
 scale, the pooled ratio and runs per core-hour of a full run of the scale (its steps x the
 steady step time, plus the compilation: the first `--warmup` steps and one evaluation forward
 beyond their steady cost, measured on the scale's first compiled contender, which every run
@@ -92,11 +94,17 @@ def scale_rows(width: int | None, args) -> list[float]:
             eager, comp = times[optim, arm, "eager"], times[optim, arm, "compiled"]
             ratios = paired_ratios(eager, comp)
             pooled += ratios
-            exact = runs[optim, arm, "compiled"].losses == runs[optim, arm, "eager"].losses
+            # the scale's first compiled run trained extra steps while compiling: compare the
+            # losses of the steps both ran (the same steps on the same batch)
+            e_loss = runs[optim, arm, "eager"].losses
+            c_loss = runs[optim, arm, "compiled"].losses[: len(e_loss)]
+            exact = c_loss == e_loss
             best = min(eager) / min(comp)
+            last = [e_loss[-1], c_loss[-1]]
             print(f"{label:<11} {optim:<6} {arm:<7} {statistics.median(eager) * 1e3:8.1f} "
                   f"{statistics.median(comp) * 1e3:8.1f}  {median_range(ratios, '.2f'):<17} "
-                  f"{best:7.2f} {'yes' if exact else 'NO':>5}", flush=True)  # fmt: skip
+                  f"{best:7.2f} {'yes' if exact else 'NO':>5} {last[0]:7.4f} {last[1]:7.4f}",
+                  flush=True)  # fmt: skip
     steady = statistics.median(pooled)
     eager_s = statistics.median([t for k, v in times.items() if k[2] == "eager" for t in v])
     full_eager = cfg.train.num_steps * eager_s
@@ -140,7 +148,7 @@ def main() -> None:
     scales = [*([] if args.skip_regime else [None]), *args.widths]
     if not args.skip_compile:
         print(f"{'model':<11} {'optim':<6} {'arm':<7} {'eager ms':>8} {'comp ms':>8}  "
-              f"{'eager/compiled':<17} {'of mins':>7} {'exact':>5}")  # fmt: skip
+              f"{'eager/compiled':<17} {'of mins':>7} {'exact':>5} {'loss e':>7} {'loss c':>7}")  # fmt: skip
         for width in scales:
             scale_rows(width, args)
     for width in scales if args.batch else []:

@@ -123,3 +123,43 @@ def test_the_cli_prints_one_line_and_exits_2(tmp_path, excerpt_data_dir, capsys)
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "--train.device cuda: this torch build" in line and "--train.device cpu" in line
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_on_a_cpu_without_native_bf16_is_warned(monkeypatch, native):
+    """The config cannot know the machine: a bf16 run on a CPU that emulates bf16 products
+    (an AVX2 core: 6-8x slower than float32) hears it when it starts; one with them does not,
+    nor does a float32 run or a CUDA one."""
+    from stalepipe.training.train import devices
+
+    monkeypatch.setattr(devices, "cpu_has_bf16", lambda: native)
+    (warned,) = devices.machine_warnings(_cfg(**{"train.dtype": "bfloat16"})) or [None]
+    assert (warned is None) == native
+    if not native:
+        assert "train.dtype bfloat16" in warned and "--train.dtype float32" in warned
+    assert devices.machine_warnings(_cfg()) == []
+    assert (
+        devices.machine_warnings(_cfg(**{"train.dtype": "bfloat16", "train.device": "cuda"})) == []
+    )
+
+
+def test_train_prints_the_machine_warning(tmp_path, excerpt_data_dir, monkeypatch, capsys):
+    from stalepipe.training.train import devices
+    from stalepipe.training.train.loop import train
+
+    monkeypatch.setattr(devices, "cpu_has_bf16", lambda: False)
+    cfg = apply_overrides(
+        get_preset("cpu-tiny"),
+        {
+            "train.dtype": "bfloat16",
+            "train.num_steps": "1",
+            "train.eval_every": "0",
+            "train.num_eval_batches": "1",
+            "out_dir": str(tmp_path / "runs"),
+            "name": "bf16",
+            "data.corpus": "excerpt",
+            "data.data_dir": str(excerpt_data_dir),
+        },
+    )
+    train(cfg, overwrite=True, verbose=True)
+    assert "stalepipe: warning: train.dtype bfloat16 on a CPU without" in capsys.readouterr().err

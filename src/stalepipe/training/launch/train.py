@@ -28,7 +28,7 @@ from stalepipe.training.peers.group import PeerError, under_torchrun
 from stalepipe.training.peers.topology import Topology
 from stalepipe.training.rundir.checkpoint import latest_checkpoint
 from stalepipe.training.rundir.startup import FRESH, StartUp, begin_run
-from stalepipe.training.train.devices import check_device
+from stalepipe.training.train.devices import check_device, machine_warnings
 from stalepipe.training.train.loop import with_resolved_optim
 from stalepipe.training.train.pipelined import PREPARED_ENV, check_config, error_line, run_worker
 from stalepipe.training.train.ranklog import log_header, log_only, rank_log_path, tee_rank_log
@@ -44,7 +44,7 @@ def launch_train(cfg: ExperimentConfig, start: StartUp = FRESH, *, verbose: bool
     check_config(cfg)
     cfg = with_resolved_optim(cfg)  # config.json records the values used
     with begin_run(cfg, start, verbose=verbose) as (_, run_dir):  # the lease: while ranks run
-        for warning in cfg.warnings() if verbose else ():
+        for warning in [*cfg.warnings(), *machine_warnings(cfg)] if verbose else ():
             print(f"stalepipe: warning: {warning}", file=sys.stderr)
         pc = cfg.pipeline
         topo = Topology.of(pc)

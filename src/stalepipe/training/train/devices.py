@@ -32,6 +32,28 @@ def check_device(cfg: ExperimentConfig) -> None:
     check_cuda(cfg.train.device, "--train.device", local_processes(cfg))
 
 
+def machine_warnings(cfg: ExperimentConfig) -> list[str]:
+    """What this machine makes of the config that the config alone cannot say (it stays
+    hardware-independent): `train.dtype bfloat16` on a CPU without native bf16 products, where
+    torch falls back to slow code (a study step 6-8x slower than float32 on an AVX2 core;
+    docs/benchmarks.md, 'Study step speed'). Printed beside `cfg.warnings()` when a run starts."""
+    tc = cfg.train
+    if tc.dtype != "bfloat16" or tc.device.startswith("cuda") or cpu_has_bf16():
+        return []
+    return [
+        f"train.dtype bfloat16 on a CPU without native bf16 products (torch's CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, no oneDNN bf16): torch falls back to slow "
+        "code, a step several times slower than float32 (6-8x measured on an AVX2 core; "
+        "docs/benchmarks.md, 'Study step speed'); --train.dtype float32 is faster here"
+    ]
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (oneDNN's own check: AVX512-BF16, AMX, or
+    AVX-NE-CONVERT)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def check_cuda(device: str, flag: str, local: int = 1) -> None:
     """`check_device` of a device string given as `flag` (`--train.device`, or `stalepipe
     eval --device`), for `local` processes on this machine; a CPU device passes."""

@@ -36,7 +36,12 @@ from stalepipe.training.rundir.checkpoint import (
 from stalepipe.training.rundir.metrics import Meter, MetricsWriter, read_metrics
 from stalepipe.training.rundir.startup import StartUp, begin_run
 from stalepipe.training.schedules.plan import StepPlan
-from stalepipe.training.train.devices import check_device, peak_flops, set_tf32
+from stalepipe.training.train.devices import (
+    check_device,
+    machine_warnings,
+    peak_flops,
+    set_tf32,
+)
 from stalepipe.training.train.distributed import (
     init_data_parallel,
     local_device,
@@ -101,7 +106,7 @@ def train(
             begin = lambda: lease.enter_context(begun)  # noqa: E731
             # Data preparation can outlast a collective's timeout: the others wait on the store.
             data_dir, run_dir = on_main_outside_collectives(begin, ctx, "data preparation")
-            for warning in cfg.warnings() if verbose else ():
+            for warning in [*cfg.warnings(), *machine_warnings(cfg)] if verbose else ():
                 print(f"stalepipe: warning: {warning}", file=sys.stderr)
             ckpt, hf = start.checkpoint(run_dir), start.hf_weights(run_dir)
             engine = EmulatorEngine(cfg, ctx, device, data_dir, run_dir, ckpt, hf)
