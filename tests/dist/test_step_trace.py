@@ -35,6 +35,15 @@ EMULATOR_LEAVES = LEAVES - {"delay/emulator.py"} | {"train/distributed.py"}
 FIRST, LAST = 2, 4  # the window: from STEP 2 to STEP 4, steady state at P = 2, m = 2
 
 
+def _room_path(path: str) -> str:
+    """'training/delay/policies.py' -> 'delay/policies.py': the design text cites a file by its
+    room, whichever wing holds it."""
+    for wing in ("training/", "lab/"):
+        if path.startswith(wing):
+            return path[len(wing) :]
+    return path
+
+
 def traced(run, opens: tuple[str, str], first: int, last: int) -> list[tuple[str, str, str]]:
     """`run()` under a profiler: (file under src/stalepipe, function, the caller's file) of every
     call made between the call of `opens` (file, function) for step `first` and its call for
@@ -54,8 +63,8 @@ def traced(run, opens: tuple[str, str], first: int, last: int) -> list[tuple[str
             window[0] = window[0] if step not in (first, last) else step == first
         if window[0]:
             caller = frame.f_back.f_code.co_filename if frame.f_back else ""
-            caller = caller[len(prefix) :] if caller.startswith(prefix) else "-"
-            calls.add((code.co_filename[len(prefix) :], code.co_qualname, caller))
+            caller = _room_path(caller[len(prefix) :]) if caller.startswith(prefix) else "-"
+            calls.add((_room_path(code.co_filename[len(prefix) :]), code.co_qualname, caller))
 
     sys.setprofile(profile)
     try:
