@@ -7,6 +7,8 @@ TORCH ?= 2.13.0
 NEWEST_TORCH := 2.14.1
 NEWEST_TESTS := tests/delay tests/dist/test_runtime.py tests/dist/test_dcp_checkpoints.py tests/train/test_train.py
 TESTS ?=
+# pytest processes (pytest-xdist): the suite's tests are independent; 2 fits a 2-core machine
+TEST_WORKERS ?= 2
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -24,7 +26,7 @@ demo: $(STAMP)
 	$(BIN)/stalepipe demo
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(TESTS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(TESTS)
 
 test-newest:
 	$(MAKE) test TORCH=$(NEWEST_TORCH) VENV=.venv-torch-$(NEWEST_TORCH) TESTS="$(NEWEST_TESTS)"

@@ -35,7 +35,8 @@ import numpy as np
 
 from stalepipe.errors import UserError
 from stalepipe.lab.analysis import scaling, stats
-from stalepipe.lab.studies.scales import LADDER, LADDER_ADAMW_SECOND_LRS, LADDER_LRS
+from stalepipe.lab.studies.ladder import LADDER, LADDER_LRS
+from stalepipe.lab.studies.ladder_adamw_lr2 import LADDER_ADAMW_SECOND_LRS
 
 BEST_ROOT = "docs/results/ladder-regime"  # phase 1 and phase 2 of the size ladder
 SECOND_ROOT = "docs/results/ladder-adamw-lr2"
