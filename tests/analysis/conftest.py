@@ -90,10 +90,9 @@ def _synthetic_runs_leave_the_plateau_at_once(monkeypatch):
     """Hand-made run records name data they never trained on (a data_cache in the working
     directory must not feed their regime check (a)), and their curves are a few steps long:
     their rows are taken to leave the initial plateau at once, so check (a) is read and passes.
-    A test that sets a row's exit itself (`row._exit`, tests/analysis/test_regime.py, where an
-    unread check caps a claim at inconclusive) gets what it set."""
+    A test that sets rows' exits itself (tests/analysis/test_regime.py, where an unread check
+    caps a claim at inconclusive) patches `plateau_exit_of` over this."""
     from stalepipe.lab.analysis import regime
 
-    real = regime.plateau_exit_of
     monkeypatch.setattr(regime, "run_entropy", lambda run: math.nan)
-    monkeypatch.setattr(regime, "plateau_exit_of", lambda r: 0.0 if r._exit is None else real(r))
+    monkeypatch.setattr(regime, "plateau_exit_of", lambda r: 0.0)

@@ -8,6 +8,8 @@ from stalepipe.lab.analysis import regime, stats
 from stalepipe.lab.analysis.claims import Finding, label, regime_check
 from stalepipe.lab.analysis.results import Row, Run
 
+_real_plateau_exit_of = regime.plateau_exit_of  # before conftest's patch over it
+
 
 def test_plateau_exit_and_end_slope_by_hand():
     # 100 logged steps: window 5; loss 5.0 for 30 steps, then 4.0: the trailing mean drops
@@ -22,12 +24,39 @@ def test_plateau_exit_and_end_slope_by_hand():
     assert math.isnan(regime.exit_fraction(run, math.nan))  # data not found: not read
 
 
-def _row(label, exit_at, values, gap=math.nan, baseline=None):
-    r = Row(label, {}, [], values, baseline=baseline, gap=gap)
-    r.mean = sum(values) / len(values)
-    r.std = stats.std(values)
-    r._exit = exit_at
+_EXITS: dict[Row, float] = {}  # row -> its plateau exit, as `regime.plateau_exit_of` reads it
+
+
+@pytest.fixture(autouse=True)
+def _exits_as_set(monkeypatch, _synthetic_runs_leave_the_plateau_at_once):
+    """Rows made by `_row` leave the plateau where it says (others at once, as conftest's)."""
+    monkeypatch.setattr(regime, "plateau_exit_of", lambda r: _EXITS.get(r, 0.0))
+    yield
+    _EXITS.clear()
+
+
+def _row(label, exit_at, values, gap=math.nan, baseline=None, unmitigated=None):
+    """A row with a gap of `gap` (no test or interval: check (b) reads the gap only)."""
+    nan = math.nan
+    diff = None if math.isnan(gap) else stats.Difference(gap, nan, nan, nan, len(values), False)
+    r = Row(
+        label, {}, (), tuple(values), stats.mean(values), stats.std(values),
+        baseline=baseline, gap=diff, unmitigated=unmitigated,
+    )  # fmt: skip
+    _EXITS[r] = exit_at
     return r
+
+
+def test_a_row_s_plateau_exit_is_read_once_and_kept_beside_it(monkeypatch):
+    """`plateau_exit_of` caches by row without writing into it (a row is immutable)."""
+    losses = [5.0] * 30 + [4.0] * 70  # leaves the plateau at index 31 (the test above)
+    run = Run("r", None, "finished", {}, curve=[(i, x) for i, x in enumerate(losses)])
+    calls = []
+    monkeypatch.setattr(regime, "run_entropy", lambda r: calls.append(r) or 5.0)
+    row = Row("r", {}, (run,), (2.0,), 2.0, math.nan)
+    assert _real_plateau_exit_of(row) == pytest.approx(0.32)
+    assert _real_plateau_exit_of(row) == pytest.approx(0.32) and calls == [run]
+    assert row in regime._EXITS
 
 
 def test_regime_check_reads_a_late_exit_then_the_seed_spread():
@@ -48,8 +77,7 @@ def test_regime_check_reads_a_late_exit_then_the_seed_spread():
     assert label([found._replace(partly="")])[0].verdict == "reproduced"
     # a mitigation is held to the unmitigated gap: EF's small remaining gap is the point
     plain = _row("2bw", 0.05, [3.0], 1.0, sync)
-    ef = _row("2bw+ef", 0.05, [2.2], 0.1, sync)
-    ef.unmitigated = plain
+    ef = _row("2bw+ef", 0.05, [2.2], 0.1, sync, unmitigated=plain)
     assert regime_check(ef) == ""
 
 

@@ -76,22 +76,60 @@ def test_tables_match_hand_computed(sweep_dir):
     assert sync.is_sync and sync.mean == pytest.approx(2.1) and sync.std == pytest.approx(0.1)
     # gap: 2.6 - 2.1; Welch with equal variances 0.01 and n = 3: t = 0.5 / sqrt(2 * 0.01 / 3),
     # df = 4
-    assert bw.baseline is sync and bw.gap == pytest.approx(0.5)
+    assert bw.baseline is sync and bw.gap_diff == pytest.approx(0.5)
     t = 0.5 / math.sqrt(0.02 / 3)
-    assert bw.gap_p_welch == pytest.approx(stats.t_sf_two_sided(t, 4.0), rel=1e-9)
+    assert bw.gap_welch.p == pytest.approx(stats.t_sf_two_sided(t, 4.0), rel=1e-9)
     # paired by seed: each seed's 2bw loss is its sync loss + 0.5, no spread, so p = 0
-    assert bw.gap_test.paired and bw.gap_test.n == 3 and bw.gap_p == 0.0
-    assert (bw.gap_test.low, bw.gap_test.high) == pytest.approx((0.5, 0.5))
+    assert bw.gap.paired and bw.gap.n == 3 and bw.gap.p == 0.0
+    assert (bw.gap.low, bw.gap.high) == pytest.approx((0.5, 0.5))
     # EF: mean 6.7 / 3, gap 6.7/3 - 2.1 = 0.1333; recovered (0.5 - 0.1333) / 0.5 = 0.7333
     assert ef.unmitigated is bw and ef.baseline is sync
     assert ef.mean == pytest.approx(6.7 / 3)
     assert ef.std == pytest.approx(math.sqrt(((2.2 - 6.7 / 3) ** 2 * 2 + (2.3 - 6.7 / 3) ** 2) / 2))
-    assert ef.gap == pytest.approx(6.7 / 3 - 2.1)
-    assert ef.recovered == pytest.approx((0.5 - (6.7 / 3 - 2.1)) / 0.5)
+    assert ef.gap_diff == pytest.approx(6.7 / 3 - 2.1)
+    assert ef.recovered.share == pytest.approx((0.5 - (6.7 / 3 - 2.1)) / 0.5)
     # paired: ef - 2bw per seed, from the fixture's values (seed order)
     d = [e - b for e, b in zip(ef.values, bw.values)]
     t = stats.mean(d) / (stats.std(d) / math.sqrt(3))
-    assert ef.recovered_p == pytest.approx(stats.t_sf_two_sided(t, 2.0), rel=1e-9)
+    assert ef.recovered.p == pytest.approx(stats.t_sf_two_sided(t, 2.0), rel=1e-9)
+
+
+def test_rows_are_immutable_and_built_with_every_comparison(sweep_dir):
+    """`build_rows` builds each row once, frozen (issue 54): the mitigated arm, read first (its
+    runs sort before 2bw's), still gets its unmitigated counterpart and its baseline. Every
+    number by hand; Student's t with df = 2 in closed form, p = 1 - |t| / sqrt(t^2 + 2)."""
+    rows = build_rows(load_runs(sweep_dir))
+    assert [r.label for r in rows] == ["adamw_sync", "adamw_2bw", "adamw_2bw+ef"]
+    sync, bw, ef = rows
+    for row, name, value in ((bw, "gap", None), (sync, "mean", 0.0), (ef, "recovered", None)):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(row, name, value)
+    assert sync.values == (2.0, 2.1, 2.2) and sync.baseline is None and sync.gap is None
+    assert (sync.gap_welch, sync.unmitigated, sync.recovered) == (None, None, None)
+    assert sync.token_overhead is None and sync.targets == {}
+    # 2bw - sync is 0.5 in every seed: paired, no spread; Welch's beside it, t = 0.5 / sqrt(
+    # 2 * 0.01 / 3), df = 4
+    assert bw.baseline is sync and bw.unmitigated is None and bw.recovered is None
+    assert (bw.gap.diff, bw.gap.low, bw.gap.high, bw.gap.p) == pytest.approx((0.5, 0.5, 0.5, 0))
+    assert bw.gap.paired and bw.gap.n == 3 and bw.gap_diff == bw.gap.diff
+    t = 0.5 / math.sqrt(0.02 / 3)
+    half = stats.t_quantile(0.975, 4.0) * math.sqrt(0.02 / 3)
+    welch = (0.5, 0.5 - half, 0.5 + half, stats.t_sf_two_sided(t, 4.0))
+    assert (bw.gap_welch.diff, bw.gap_welch.low, bw.gap_welch.high, bw.gap_welch.p) == (
+        pytest.approx(welch, rel=1e-9)
+    )
+    assert not bw.gap_welch.paired and bw.token_overhead is not None and "final" in bw.targets
+    # EF - sync per seed: 0.2, 0.1, 0.1: mean 0.1333, sd 0.0577, t = 4; 95 %: t_{0.975, 2} =
+    # 4.302653 (tables) x sd / sqrt(3)
+    assert ef.baseline is sync and ef.unmitigated is bw and ef.gap.paired
+    half = 4.302653 * math.sqrt(1 / 300) / math.sqrt(3)
+    assert (ef.gap.diff, ef.gap.low, ef.gap.high, ef.gap.p) == pytest.approx(
+        (0.4 / 3, 0.4 / 3 - half, 0.4 / 3 + half, 1 - 4 / math.sqrt(18)), rel=1e-6
+    )
+    # recovered per seed (2bw - EF) / (2bw - sync): 0.3 / 0.5, 0.4 / 0.5, 0.4 / 0.5; its p:
+    # EF - 2bw per seed -0.3, -0.4, -0.4, t = -11
+    assert ef.recovered.share == pytest.approx(2.2 / 3)
+    assert ef.recovered.p == pytest.approx(1 - 11 / math.sqrt(123), rel=1e-6)
 
 
 def test_a_record_from_before_a_new_setting_joins_its_configuration(sweep_dir):
@@ -117,7 +155,7 @@ def test_runs_of_different_numerics_settings_never_pair(sweep_dir):
     runs = load_runs(sweep_dir)
     rows = {r.label: r for r in build_rows(runs)}
     compiled = rows["adamw_2bw_compiled"]
-    assert compiled.baseline is None and math.isnan(compiled.gap)
+    assert compiled.baseline is None and compiled.gap is None and math.isnan(compiled.gap_diff)
     assert rows["adamw_2bw"].baseline is rows["adamw_sync"]
     lines = missing_summary(runs, list(rows.values()))
     why = "of its train.compile (adamw_sync ran with another: never paired)"
@@ -144,7 +182,7 @@ def test_every_mitigation_of_the_study_finds_its_baseline_and_unmitigated_arm(tm
         assert row.baseline is rows["adamw_sync"], label
         if "+" in label:  # e.g. 2bw+ef against 2bw, pipedream_P4+adamom against pipedream_P4
             assert row.unmitigated is rows[f"adamw_{label.split('+')[0]}"], label
-            assert math.isfinite(row.recovered), label
+            assert math.isfinite(row.recovered.share), label
 
 
 def test_report_files_and_claims(sweep_dir):
@@ -182,9 +220,9 @@ def test_partial_sweep_says_what_is_missing(sweep_dir):
     make_run(sweep_dir, "muon_2bw+ef_s0", {"optim.name": "muon", **EF}, 0, 2.1)
 
     rows = rows_by_label(sweep_dir)
-    assert rows["muon_sync"].values == [2.0] and math.isnan(rows["muon_sync"].std)
-    assert rows["muon_2bw+ef"].gap == pytest.approx(0.1)
-    assert math.isnan(rows["muon_2bw+ef"].gap_p)  # one seed each: no test
+    assert rows["muon_sync"].values == (2.0,) and math.isnan(rows["muon_sync"].std)
+    assert rows["muon_2bw+ef"].gap_diff == pytest.approx(0.1)
+    assert math.isnan(rows["muon_2bw+ef"].gap.p)  # one seed each: no test
     assert rows["muon_2bw+ef"].unmitigated is None  # its 2bw run failed
     md = (write_report(sweep_dir) / "report.md").read_text()
     assert "## Missing" in md
@@ -194,7 +232,7 @@ def test_partial_sweep_says_what_is_missing(sweep_dir):
     assert "muon_2bw+ef: no finished unmitigated counterpart" in md
     assert "| muon_sync | 1/2 | 2.0000 ± - |" in md
     # the adamw rows are unchanged by the muon runs
-    assert rows["adamw_2bw"].gap == pytest.approx(0.5)
+    assert rows["adamw_2bw"].gap_diff == pytest.approx(0.5)
 
 
 def test_labels_without_sweep_json_and_depth_matching(tmp_path):
@@ -222,7 +260,7 @@ def test_labels_without_sweep_json_and_depth_matching(tmp_path):
     rows = rows_by_label(root)
     assert set(rows) == {"sync num_stages=1", "pipedream num_stages=2", "pipedream num_stages=3"}
     assert rows["pipedream num_stages=3"].baseline is rows["sync num_stages=1"]
-    assert rows["pipedream num_stages=3"].gap == pytest.approx(0.6)
+    assert rows["pipedream num_stages=3"].gap_diff == pytest.approx(0.6)
     verdict = claims(list(rows.values()))
     assert verdict[0][1] == "inconclusive (2 seeds < 3)" and "P=3: 0.6000" in verdict[0][2]
 
@@ -368,7 +406,7 @@ def test_gap_plots_over_batch_size_weight_decay_and_lr(tmp_path):
     rows = build_rows(load_runs(root))
     bs = plots.gap_series(rows, "batch_size")
     assert list(bs) == ["adamw 2bw"]
-    assert [(x, round(r.gap, 4)) for x, r in bs["adamw 2bw"]] == [
+    assert [(x, round(r.gap_diff, 4)) for x, r in bs["adamw 2bw"]] == [
         (2.0, 0.1), (4.0, 0.2), (8.0, 0.3), (16.0, 0.3)]  # fmt: skip  # 16: the base config
     assert [x for x, _ in plots.gap_series(rows, "weight_decay")["adamw 2bw"]] == [0.0, 0.1, 0.3]
     out = write_report(root)
@@ -393,7 +431,7 @@ def test_the_delay_series_reads_2bw_as_one_step(tmp_path):
                  "pipeline.num_stages": "2"}, s, 2.9)  # fmt: skip
     series = plots.gap_series(build_rows(load_runs(root)), "delay")
     assert list(series) == ["adamw"]
-    assert [(x, r.policy, round(r.gap, 4)) for x, r in series["adamw"]] == [
+    assert [(x, r.policy, round(r.gap_diff, 4)) for x, r in series["adamw"]] == [
         (1.0, "2bw", 0.2), (2.0, "fixed:2", 0.2), (4.0, "fixed:4", 0.4)]  # fmt: skip
     for s in range(2):
         make_run(root, f"adamw_fixed1_s{s}", {"delay.policy": "fixed:1"}, s, 2.2 + 0.01 * s)

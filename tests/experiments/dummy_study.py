@@ -29,14 +29,14 @@ def claim_dummy_delay_costs_loss(rows) -> list[Finding]:
     return [
         Finding(
             f"A dummy study's delay costs loss ({r.label})",
-            r.gap > 0,
-            r.gap_p,
-            fmt(r.gap),
+            r.gap_diff > 0,
+            r.gap.p,
+            fmt(r.gap_diff),
             len(seed_gaps(r)),
             need=2,
         )
         for r in rows
-        if not r.is_sync and math.isfinite(r.gap)
+        if not r.is_sync and math.isfinite(r.gap_diff)
     ]
 
 

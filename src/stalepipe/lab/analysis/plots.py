@@ -183,7 +183,7 @@ _SHOWN = (
 
 def _points(series: dict[str, list[tuple[float, Row | None]]]) -> dict[str, list]:
     return {
-        name: [(x, r.gap, r.std) if r is not None else (x, 0.0, 0.0) for x, r in pts]
+        name: [(x, r.gap_diff, r.std) if r is not None else (x, 0.0, 0.0) for x, r in pts]
         for name, pts in series.items()
     }
 
@@ -198,7 +198,7 @@ def gap_series(rows: list[Row], kind: str) -> dict[str, list[tuple[float, Row | 
         for r in rows
         if not r.is_sync
         and not r.mitigations
-        and math.isfinite(r.gap)
+        and math.isfinite(r.gap_diff)
         and (kind != "delay" or _uniform_delay(r.policy))
     ]
     drop = _AXIS_KEYS[kind] + _TUNED_KEYS.get(kind, ())
@@ -253,7 +253,7 @@ def tuned_tags(
             if len(values) > 1:
                 tags.update(
                     {
-                        (x, r.gap): f"{key.split('.')[-1]}={r.config.get(key):g}"
+                        (x, r.gap_diff): f"{key.split('.')[-1]}={r.config.get(key):g}"
                         for x, r in pts
                         if r is not None
                     }

@@ -21,6 +21,7 @@ the check reads nan ("not read"), never a pass.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -94,13 +95,17 @@ def exit_fraction(run: Run, entropy: float) -> float:
 
 def plateau_exit_of(row: Row) -> float:
     """The latest plateau exit over the row's finished seeds, as a fraction of the run
-    (criterion (a)): inf if a seed never leaves, nan if not read. Cached on the row."""
-    if row._exit is None:
+    (criterion (a)): inf if a seed never leaves, nan if not read. Cached per row (a row is
+    immutable and hashed by identity; the cache holds it weakly)."""
+    if row not in _EXITS:
         done = [r for r in row.runs if r.status == "finished"]
         entropy = run_entropy(done[0]) if done else math.nan
         fractions = [exit_fraction(r, entropy) for r in done]
-        row._exit = max(fractions) if fractions and math.isfinite(entropy) else math.nan
-    return row._exit
+        _EXITS[row] = max(fractions) if fractions and math.isfinite(entropy) else math.nan
+    return _EXITS[row]
+
+
+_EXITS: weakref.WeakKeyDictionary[Row, float] = weakref.WeakKeyDictionary()
 
 
 UNREAD = "unread"  # a regime check that could not be read: never a pass (`claims.label`)
@@ -124,7 +129,7 @@ def regime_check(r: Row) -> str:
                 f"(a) {'sync ' if arm is not r else ''}plateau exit {when} > {100 * EXIT_BY:.0f}%"
             )
     # (b) against the delay's gap: a mitigated row's own gap is small by design
-    base, effect = r.baseline, (r.unmitigated or r).gap
+    base, effect = r.baseline, (r.unmitigated or r).gap_diff
     readable = base is not None and len(base.values) >= 2 and math.isfinite(effect) and effect > 0
     if readable and base.std > effect / 5:
         return f"(b) sync std {base.std:.4f} > gap/5"

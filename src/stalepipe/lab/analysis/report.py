@@ -20,7 +20,7 @@ from stalepipe.lab.analysis.claims import RULE, Claim, label, regime_check
 from stalepipe.lab.analysis.markdown import Block, md_code, to_html, to_markdown
 from stalepipe.lab.analysis.overhead import DEFAULT_RULE, Overhead
 from stalepipe.lab.analysis.results import Row, Run, build_rows, load_runs, missing_summary
-from stalepipe.lab.analysis.stats import fmt, fmt_ci, fmt_p, fmt_share
+from stalepipe.lab.analysis.stats import Difference, fmt, fmt_ci, fmt_p, fmt_share
 from stalepipe.lab.studies.registry import declared_claims
 
 
@@ -48,17 +48,22 @@ def summary_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
                 r.label,
                 f"{r.seeds_done}/{len(r.runs)}",
                 f"{fmt(r.mean)} ± {fmt(r.std)}" if r.values else "-",
-                ("0 (baseline)" if r.values else "-") if r.is_sync else fmt(r.gap),
-                fmt_ci(r.gap_test) or "-",
-                fmt_p(r.gap_p) + ("" if r.gap_test is None or r.gap_test.paired else " (Welch)"),
-                fmt_p(r.gap_p_welch),
+                ("0 (baseline)" if r.values else "-") if r.is_sync else fmt(r.gap_diff),
+                fmt_ci(r.gap) or "-",
+                fmt_p(_p(r.gap)) + ("" if r.gap is None or r.gap.paired else " (Welch)"),
+                fmt_p(_p(r.gap_welch)),
                 "-" if r.is_sync or r.baseline is None else (regime_check(r) or "ok"),
-                fmt_share(r.recovered),
-                fmt_p(r.recovered_p),
+                fmt_share(r.recovered.share if r.recovered else math.nan),
+                fmt_p(r.recovered.p if r.recovered else math.nan),
                 r.baseline.label if r.baseline else "-",
             ]
         )
     return header, body
+
+
+def _p(d: Difference | None) -> float:
+    """A difference's p-value, nan without one."""
+    return d.p if d is not None else math.nan
 
 
 def target_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
@@ -374,11 +379,11 @@ def csv_files(rows: list[Row], runs: list[Run]) -> dict[str, str]:
                 r.mean,
                 r.std,
                 " ".join(f"{v:.6f}" for v in r.values),
-                r.gap,
-                r.gap_p,
+                r.gap_diff,
+                _p(r.gap),
                 r.baseline.label if r.baseline else "",
-                r.recovered,
-                r.recovered_p,
+                r.recovered.share if r.recovered else math.nan,
+                r.recovered.p if r.recovered else math.nan,
                 r.unmitigated.label if r.unmitigated else "",
                 *overhead_cells(r),
             ]

@@ -20,9 +20,10 @@ import contextlib
 import functools
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from stalepipe.config import ExperimentConfig, upgrade_record
 from stalepipe.config.overrides import default_of
@@ -154,27 +155,18 @@ def _at_default(key: str, value: Any) -> bool:
     return _default(key) is not _NO_DEFAULT and value == _default(key)
 
 
-@dataclass
-class Row:
-    """One configuration: its runs over seeds and its statistics."""
+@dataclass(frozen=True, eq=False)
+class Configuration:
+    """One configuration's runs over seeds and its own statistics, before it is compared with
+    another (`build_rows` links these into `Row`s). Equal only to itself: rows are compared
+    and looked up by identity (`row.baseline is sync`)."""
 
     label: str
     config: dict[str, Any]
-    runs: list[Run]
-    values: list[float]  # final val losses of finished seeds
-    mean: float = math.nan
-    std: float = math.nan
-    baseline: Row | None = None  # the sync configuration it is compared with
-    gap: float = math.nan
-    gap_p: float = math.nan  # two-sided, paired by seed where >= 2 seeds pair, else Welch
-    gap_test: stats.Difference | None = None  # that test, with the gap's 95 % interval
-    gap_p_welch: float = math.nan  # Welch's test beside it (unpaired)
-    unmitigated: Row | None = None
-    recovered: float = math.nan  # share of the unmitigated gap this mitigation removes
-    recovered_p: float = math.nan  # vs the unmitigated configuration (paired as gap_p)
-    token_overhead: overhead.Overhead | None = None  # over the baseline (overhead.py)
-    targets: dict[str, targets_mod.TargetOverhead] = field(default_factory=dict)  # targets.py
-    _exit: float | None = None  # cache of `regime.plateau_exit_of`
+    runs: tuple[Run, ...]
+    values: tuple[float, ...]  # final val losses of finished seeds
+    mean: float
+    std: float
 
     @property
     def policy(self) -> str:
@@ -195,6 +187,39 @@ class Row:
     @property
     def seeds_done(self) -> int:
         return len(self.values)
+
+
+C = TypeVar("C", bound=Configuration)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """The share of its unmitigated counterpart's gap a mitigated row removes."""
+
+    share: float  # the seeds' mean share (`recovered_shares`), else from the two gaps; nan: none
+    p: float  # mitigated against unmitigated final loss (`compare`, paired as the gap)
+
+
+@dataclass(frozen=True, eq=False)
+class Row(Configuration):
+    """One configuration: its runs over seeds, its statistics and its comparisons, all set
+    when `build_rows` builds it (immutable)."""
+
+    baseline: Row | None = None  # the sync configuration it is compared with
+    # mean(row) - mean(baseline) with its test and 95 % interval: paired by seed where >= 2
+    # seeds pair, else Welch's over all finished runs (`compare`); None without a baseline or
+    # a finished run
+    gap: stats.Difference | None = None
+    gap_welch: stats.Difference | None = None  # Welch's test of the same gap beside it
+    unmitigated: Row | None = None
+    recovered: Recovery | None = None  # with an unmitigated counterpart
+    token_overhead: overhead.Overhead | None = None  # over the baseline (overhead.py)
+    targets: dict[str, targets_mod.TargetOverhead] = field(default_factory=dict)  # targets.py
+
+    @property
+    def gap_diff(self) -> float:
+        """The gap's point estimate (`gap.diff`), nan without a gap."""
+        return self.gap.diff if self.gap is not None else math.nan
 
 
 def _short(key: str) -> str:
@@ -225,7 +250,9 @@ def _implied_by_optimizer(key: str, runs: list[Run]) -> bool:
 
 
 def build_rows(runs: list[Run]) -> list[Row]:
-    """Group runs into configurations and fill in every statistic."""
+    """Group runs into configurations and build each one's row once, with every statistic:
+    sync rows first, then the unmitigated delayed rows (compared with their baseline), then the
+    mitigated ones (with their baseline and their unmitigated counterpart)."""
     with_cfg = [r for r in runs if r.config]
     groups: dict[tuple, list[Run]] = {}
     for r in with_cfg:
@@ -236,29 +263,42 @@ def build_rows(runs: list[Run]) -> list[Row]:
     # optimizer-implied defaults vary with optim.name; keep them out of labels when a sweep
     # label exists, and order the label: optimizer, policy, then the rest
     varying.sort(key=lambda k: (k != "optim.name", k != "delay.policy", k))
-    rows = []
-    for members in groups.values():
-        members.sort(key=lambda r: (r.seed if r.seed is not None else 0, r.name))
-        # one configuration planned under several names (e.g. a length study's 2x arm and an
-        # --extend 2 of the 1x arm) reads as its names, not as a list of its whole config
-        labels = {r.group for r in members}
-        label = " = ".join(sorted(labels)) if "" not in labels else ""
-        config = members[0].config
-        vals = [
-            r.final_val for r in members if r.status == "finished" and math.isfinite(r.final_val)
-        ]
-        row = Row(one_line(label or _label(config, varying)), config, members, vals)
-        row.mean, row.std = stats.mean(vals), stats.std(vals)
-        rows.append(row)
-    _link(rows)
-    longer = longer_runs(rows)
-    for row in rows:
-        if row.baseline is not None:
-            row.token_overhead = row_overhead(row, row.baseline)
-            row.targets = row_targets(row, row.baseline, longer.get(id(row), []))
+    configurations = [_configuration(members, varying) for members in groups.values()]
+    find = _Counterparts(configurations)
+    longer = longer_runs(configurations)
+    built: dict[int, Row] = {}  # id(configuration) -> its row
+    for tier in (_SYNC, _UNMITIGATED, _MITIGATED):
+        for c in configurations:
+            if _tier(c) == tier:
+                built[id(c)] = _row(c, find, built, longer.get(id(c), []))
+    rows = [built[id(c)] for c in configurations]
     # each sync baseline, then the configurations compared with it
     rows.sort(key=lambda r: (r.baseline.label if r.baseline else r.label, not r.is_sync, r.label))
     return rows
+
+
+def _configuration(members: list[Run], varying: list[str]) -> Configuration:
+    """One configuration's runs, sorted by seed, with its label and own statistics."""
+    members = sorted(members, key=lambda r: (r.seed if r.seed is not None else 0, r.name))
+    # one configuration planned under several names (e.g. a length study's 2x arm and an
+    # --extend 2 of the 1x arm) reads as its names, not as a list of its whole config
+    labels = {r.group for r in members}
+    label = " = ".join(sorted(labels)) if "" not in labels else ""
+    config = members[0].config
+    vals = [r.final_val for r in members if r.status == "finished" and math.isfinite(r.final_val)]
+    label = one_line(label or _label(config, varying))
+    return Configuration(
+        label, config, tuple(members), tuple(vals), stats.mean(vals), stats.std(vals)
+    )
+
+
+_SYNC, _UNMITIGATED, _MITIGATED = range(
+    3
+)  # the order rows are built in: each needs the ones before
+
+
+def _tier(c: Configuration) -> int:
+    return _SYNC if c.is_sync else _MITIGATED if c.mitigations else _UNMITIGATED
 
 
 def _sync_version(config: dict[str, Any]) -> dict[str, Any]:
@@ -268,65 +308,76 @@ def _sync_version(config: dict[str, Any]) -> dict[str, Any]:
     return c
 
 
-def _link(rows: list[Row]) -> None:
-    """Find each row's sync baseline and unmitigated counterpart; compute gaps and shares."""
-    ignore = _tuning() + ("delay.mode",)
-    by_key = {config_key(r.config, ignore): r for r in rows}
-    by_key_any_depth = {}
-    for r in rows:
-        if r.is_sync:
-            by_key_any_depth.setdefault(config_key(r.config, ignore + ("pipeline.num_stages",)), r)
-    for r in rows:
-        if r.is_sync:
-            continue
-        target = _sync_version(r.config)
-        base = by_key.get(config_key(target, ignore))
+class _Counterparts:
+    """Finds a configuration's sync baseline and unmitigated counterpart, each only with a
+    finished run, by config (module docstring)."""
+
+    def __init__(self, configurations: list[Configuration]) -> None:
+        self.ignore = _tuning() + ("delay.mode",)
+        self.by_key = {config_key(c.config, self.ignore): c for c in configurations}
+        self.by_key_any_depth: dict[tuple, Configuration] = {}
+        for c in configurations:
+            if c.is_sync:
+                key = config_key(c.config, self.ignore + ("pipeline.num_stages",))
+                self.by_key_any_depth.setdefault(key, c)
+
+    def baseline(self, c: Configuration) -> Configuration | None:
+        if c.is_sync:
+            return None
+        target = _sync_version(c.config)
+        base = self.by_key.get(config_key(target, self.ignore))
         if base is None or not base.is_sync:
-            base = by_key_any_depth.get(config_key(target, ignore + ("pipeline.num_stages",)))
-        if base is not None and base.values:
-            _set_gap(r, base)
-        if r.mitigations:
-            plain = dict(r.config)
-            plain.update(mitigation_defaults())
-            un = by_key.get(config_key(plain, ignore))
-            if un is not None and un.values:
-                r.unmitigated = un
-                if un.baseline is None:
-                    _link_one_baseline(un, by_key, by_key_any_depth, ignore)
-                shares = recovered_shares(r)  # one estimator: the seeds' mean share (claims.py)
-                r.recovered = stats.mean(shares) if shares else stats.recovered_share(r.gap, un.gap)
-                r.recovered_p = compare(r, un).p if r.values else math.nan
+            key = config_key(target, self.ignore + ("pipeline.num_stages",))
+            base = self.by_key_any_depth.get(key)
+        return base if base is not None and base.values else None
+
+    def unmitigated(self, c: Configuration) -> Configuration | None:
+        if not c.mitigations:
+            return None
+        plain = dict(c.config)
+        plain.update(mitigation_defaults())
+        un = self.by_key.get(config_key(plain, self.ignore))
+        # itself when only a tuning setting is off its default: no counterpart
+        return un if un is not None and un is not c and un.values else None
 
 
-def _link_one_baseline(r: Row, by_key: dict, by_key_any_depth: dict, ignore: tuple) -> None:
-    target = _sync_version(r.config)
-    base = by_key.get(config_key(target, ignore)) or by_key_any_depth.get(
-        config_key(target, ignore + ("pipeline.num_stages",))
-    )
-    if base is not None and base.values and r.values:
-        _set_gap(r, base)
+def _row(
+    c: Configuration, find: _Counterparts, built: dict[int, Row], longer: list[Configuration]
+) -> Row:
+    """The row of `c`, its baseline and unmitigated counterpart already `built`."""
+    base = find.baseline(c)
+    un = find.unmitigated(c)
+    baseline = built[id(base)] if base is not None else None
+    unmitigated = built[id(un)] if un is not None else None
+    gap = welch = None
+    if baseline is not None and c.values:
+        # the gap, its test and interval from one set of seeds: the paired ones when at least
+        # two pair (a seed only one side finished does not move the gap), else all of them
+        gap = compare(c, baseline)
+        welch = stats.welch_difference(c.values, baseline.values)
+    recovered = None
+    if unmitigated is not None:
+        shares = _shares(c, unmitigated, baseline)  # one estimator: the seeds' mean (claims.py)
+        gap_diff = gap.diff if gap is not None else math.nan
+        share = (
+            stats.mean(shares) if shares else stats.recovered_share(gap_diff, unmitigated.gap_diff)
+        )
+        recovered = Recovery(share, compare(c, unmitigated).p if c.values else math.nan)
+    return Row(
+        c.label, c.config, c.runs, c.values, c.mean, c.std,
+        baseline=baseline, gap=gap, gap_welch=welch, unmitigated=unmitigated, recovered=recovered,
+        token_overhead=row_overhead(c, baseline) if baseline is not None else None,
+        targets=row_targets(c, baseline, longer) if baseline is not None else {},
+    )  # fmt: skip
 
 
-def compare(a: Row, b: Row) -> stats.Difference:
+def compare(a: Configuration, b: Configuration) -> stats.Difference:
     """mean(a) - mean(b) with its test and interval (`stats.seed_difference`: paired by seed
     where two or more seeds pair, else Welch's over all finished runs)."""
     return stats.seed_difference(seed_values(a), seed_values(b), (a.values, b.values))
 
 
-def _set_gap(r: Row, base: Row) -> None:
-    """The gap, its test and interval, from one set of seeds: the paired ones when at least
-    two pair (a seed only one side finished does not move the gap), else all of them."""
-    r.baseline = base
-    r.gap_test = compare(r, base) if r.values else None
-    paired = r.gap_test is not None and r.gap_test.paired
-    r.gap = (
-        r.gap_test.diff if paired else stats.gap(r.values, base.values) if r.values else math.nan
-    )
-    r.gap_p = r.gap_test.p if r.gap_test else math.nan
-    r.gap_p_welch = stats.welch_t_test(r.values, base.values).p
-
-
-def seed_values(row: Row) -> dict[int, float]:
+def seed_values(row: Configuration) -> dict[int, float]:
     """Seed -> final val loss, for the row's finished runs with a seed."""
     return {
         int(r.seed): r.final_val
@@ -338,8 +389,11 @@ def seed_values(row: Row) -> dict[int, float]:
 def recovered_shares(r: Row) -> list[float]:
     """Per seed, paired over the row, its unmitigated arm and their sync baseline: the share of
     the unmitigated gap the mitigation removes ((plain - mine) / (plain - sync)). Its mean is
-    the row's `recovered` and its t-interval the claim's, one estimator for both."""
-    un, sync = r.unmitigated, r.baseline
+    the row's `recovered.share` and its t-interval the claim's, one estimator for both."""
+    return _shares(r, r.unmitigated, r.baseline)
+
+
+def _shares(r: Configuration, un: Configuration | None, sync: Configuration | None) -> list[float]:
     if un is None or sync is None:
         return []
     mine, plain, base = seed_values(r), seed_values(un), seed_values(sync)
@@ -359,7 +413,7 @@ def best_row(rows: list[Row]) -> Row:
     return min(rows, key=score)
 
 
-def val_curves(row: Row) -> dict[int, overhead.Curve]:
+def val_curves(row: Configuration) -> dict[int, overhead.Curve]:
     """Seed -> val loss against tokens, for the row's finished runs with a seed."""
     return {
         int(r.seed): overhead.token_curve(r.val_curve, overhead.tokens_per_step(r.config))
@@ -369,7 +423,7 @@ def val_curves(row: Row) -> dict[int, overhead.Curve]:
 
 
 def row_overhead(
-    row: Row, baseline: Row, rule: overhead.BandRule = overhead.DEFAULT_RULE
+    row: Configuration, baseline: Configuration, rule: overhead.BandRule = overhead.DEFAULT_RULE
 ) -> overhead.Overhead:
     """The token overhead of `row` over its sync `baseline`, finished runs paired by seed."""
     return overhead.overhead_over_seeds(val_curves(baseline), val_curves(row), rule)
@@ -378,10 +432,10 @@ def row_overhead(
 LENGTH_KEYS = ("train.num_steps", "train.warmup_steps", "train.eval_every")
 
 
-def longer_runs(rows: list[Row]) -> dict[int, list[Row]]:
+def longer_runs(rows: Sequence[C]) -> dict[int, list[C]]:
     """id(row) -> the rows equal to it but for a longer training length (the same delayed arm
     planned longer: its runs count toward reaching sync's final loss, `targets.py`)."""
-    by_key: dict[tuple, list[Row]] = {}
+    by_key: dict[tuple, list[C]] = {}
     for r in rows:
         by_key.setdefault(config_key(r.config, LENGTH_KEYS), []).append(r)
     steps = lambda r: int(r.config.get("train.num_steps", 0))  # noqa: E731
@@ -394,7 +448,7 @@ def longer_runs(rows: list[Row]) -> dict[int, list[Row]]:
 
 
 def row_targets(
-    row: Row, baseline: Row, longer: list[Row]
+    row: Configuration, baseline: Configuration, longer: Sequence[Configuration]
 ) -> dict[str, targets_mod.TargetOverhead]:
     """The token overhead of `row` at sync's final loss and at shares of its drop, counting
     the same arm's longer planned runs (`targets.target_overheads`)."""

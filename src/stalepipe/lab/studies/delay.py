@@ -31,15 +31,15 @@ def claim_gap_grows_with_delay(rows: list[Row]) -> list[Finding]:
 
     out = []
     for name, pts in plots.gap_series(rows, "delay").items():
-        rho = stats.spearman([x for x, _ in pts], [r.gap for _, r in pts])
+        rho = stats.spearman([x for x, _ in pts], [r.gap_diff for _, r in pts])
         longest = pts[-1][1]
         out.append(
             Finding(
                 f"A longer delay costs more ({name})",
-                rho >= 0.8 and longest.gap > pts[0][1].gap,
-                longest.gap_p,
-                ", ".join(f"N={int(x)}: {fmt(r.gap)}" for x, r in pts)
-                + f" ({fmt_ci(longest.gap_test)} at N={int(pts[-1][0])}); Spearman rho {rho:+.2f}",
+                rho >= 0.8 and longest.gap_diff > pts[0][1].gap_diff,
+                longest.gap.p,
+                ", ".join(f"N={int(x)}: {fmt(r.gap_diff)}" for x, r in pts)
+                + f" ({fmt_ci(longest.gap)} at N={int(pts[-1][0])}); Spearman rho {rho:+.2f}",
                 len(seed_gaps(longest)),
                 why=f"{len(pts)} delays" if len(pts) < 3 else "",
                 partly=regime_failure(*(r for _, r in pts)),

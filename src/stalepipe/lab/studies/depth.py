@@ -56,10 +56,10 @@ def claim_pipedream_gap_grows_with_depth(rows: list[Row]) -> list[Finding]:
             Finding(
                 f"PipeDream's gap grows with depth, 2bw's stays flat ({opt})",
                 ok,
-                deepest.gap_p,
+                deepest.gap.p,
                 "pipedream: "
                 + ", ".join(f"P={int(x)}: {fmt(_gap(r))}" for x, r in pts)
-                + f" ({fmt_ci(deepest.gap_test)} at P={depth})"
+                + f" ({fmt_ci(deepest.gap)} at P={depth})"
                 + (
                     "; 2bw: " + ", ".join(f"P={int(x)}: {fmt(_gap(r))}" for x, r in bw)
                     if bw
@@ -77,7 +77,7 @@ def claim_pipedream_gap_grows_with_depth(rows: list[Row]) -> list[Finding]:
 
 def _gap(row: Row | None) -> float:
     """A depth series' gap: P = 1 of pipedream is sync by definition (no row, gap 0)."""
-    return 0.0 if row is None else row.gap
+    return 0.0 if row is None else row.gap_diff
 
 
 STUDY = Study(

@@ -83,7 +83,13 @@ def claim_ef_recovers_gap(rows: list[Row]) -> list[Finding]:
     that interval meets it is judged apart from the direction (`Finding.size`)."""
     from stalepipe.lab.analysis.results import recovered_shares, seed_values
 
-    ef = [r for r in rows if r.mitigations.keys() == {"delay.ef"} and math.isfinite(r.recovered)]
+    ef = [
+        r
+        for r in rows
+        if r.mitigations.keys() == {"delay.ef"}
+        and r.recovered is not None
+        and math.isfinite(r.recovered.share)
+    ]
     out = []
     for r in ef:
         plain, sync = seed_values(r.unmitigated), seed_values(r.unmitigated.baseline)
@@ -95,9 +101,9 @@ def claim_ef_recovers_gap(rows: list[Row]) -> list[Finding]:
         out.append(
             Finding(
                 f"Error feedback recovers most of the gap ({r.unmitigated.label})",
-                r.recovered > 0.5,
+                r.recovered.share > 0.5,
                 test.p,
-                f"{fmt_share(r.recovered)}{ci} of {fmt(r.unmitigated.gap)}",
+                f"{fmt_share(r.recovered.share)}{ci} of {fmt(r.unmitigated.gap_diff)}",
                 len(shares),
                 need=HEADLINE_SEEDS,
                 partly=regime_failure(r, r.unmitigated),

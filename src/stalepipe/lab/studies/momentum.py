@@ -45,7 +45,7 @@ def claim_momentum_shrinks_gap(rows: list[Row]) -> list[Finding]:
     for name, pts in plots.gap_series(rows, "momentum").items():
         if len(pts) < 3:
             continue
-        gaps = [r.gap for _, r in pts]
+        gaps = [r.gap_diff for _, r in pts]
         lrs = {r.config.get("optim.lr") for _, r in pts}  # retuned per beta1 (plots._TUNED_KEYS)
         at = {b: f" (lr {r.config.get('optim.lr'):g})" if len(lrs) > 1 else "" for b, r in pts}
         rho = stats.spearman([b for b, _ in pts], gaps)
@@ -65,7 +65,7 @@ def claim_momentum_shrinks_gap(rows: list[Row]) -> list[Finding]:
                 f"Higher momentum shrinks the gap ({name})",
                 rho <= -0.8,
                 test.p,
-                ", ".join(f"beta1 {b:g}{at[b]}: {fmt(r.gap)}" for b, r in pts)
+                ", ".join(f"beta1 {b:g}{at[b]}: {fmt(r.gap_diff)}" for b, r in pts)
                 + f"; Spearman rho {rho:+.2f}; last - first {fmt(test.diff)} {fmt_ci(test)}"
                 f"; sync {fmt(min(syncs, default=math.nan))}-{fmt(max(syncs, default=math.nan))}",
                 min(len(first), len(last)),

@@ -75,7 +75,7 @@ def _main_row(rows: list[Row], optimizer: str) -> Row | None:
     lr = min(top, key=lambda v: (sync_loss(v), str(v))) if top else None
     want = {**eq, "optim.lr": lr}
     for r in rows:
-        if r.is_sync or r.mitigations or not math.isfinite(r.gap):
+        if r.is_sync or r.mitigations or not math.isfinite(r.gap_diff):
             continue
         c = r.config
         if (
@@ -93,15 +93,15 @@ def claim_adamw_gap_exceeds_muon(rows: list[Row]) -> list[Finding]:
     if not (adam and muon):
         return []
     ga, gm = seed_gaps(adam), seed_gaps(muon)
-    ratio = adam.gap / muon.gap if muon.gap > 0 else math.inf
+    ratio = adam.gap_diff / muon.gap_diff if muon.gap_diff > 0 else math.inf
     test = stats.seed_difference(ga, gm)
     return [
         Finding(
             "AdamW's gap (2bw) is much larger than Muon's",
-            adam.gap > 0 and ratio >= 2,
+            adam.gap_diff > 0 and ratio >= 2,
             test.p,
-            f"AdamW {fmt(adam.gap)} {fmt_ci(adam.gap_test)}, Muon {fmt(muon.gap)} "
-            f"{fmt_ci(muon.gap_test)}; ratio {ratio:.1f}x; difference {fmt(test.diff)} {fmt_ci(test)}",
+            f"AdamW {fmt(adam.gap_diff)} {fmt_ci(adam.gap)}, Muon {fmt(muon.gap_diff)} "
+            f"{fmt_ci(muon.gap)}; ratio {ratio:.1f}x; difference {fmt(test.diff)} {fmt_ci(test)}",
             min(len(ga), len(gm)),
             need=HEADLINE_SEEDS,
             partly=regime_failure(adam, muon),
