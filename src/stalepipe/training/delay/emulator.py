@@ -33,6 +33,7 @@ from stalepipe.training.delay import tied
 from stalepipe.training.delay.delayed_optimizer import DelayedOptimizer
 from stalepipe.training.delay.policies import DelaySchedule
 from stalepipe.training.delay.rng import seeded
+from stalepipe.training.models import Transformer, partition
 
 Microbatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -233,8 +234,6 @@ class DelayEmulator:
 def _split_transformer(
     model: nn.Module, num_stages: int, policy: str, seq_len: int | None, split: str
 ) -> list[nn.Module]:
-    from stalepipe.training.models import Transformer, partition
-
     if not isinstance(model, Transformer):
         raise ConfigError(
             f"DelayEmulator splits only stalepipe Transformers by itself; for a "

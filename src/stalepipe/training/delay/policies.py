@@ -192,6 +192,8 @@ class DelaySchedule:
                     "resolve the cooldown: pass train=... (to DelayedOptimizer: "
                     "delay=DelaySchedule.build(delay_cfg, num_stages, steps, train=train_cfg))"
                 )
+            # here, not at the top: mitigations loads torch, and the package root imports
+            # this module (it must stay torch-free, config/registry.py)
             from stalepipe.training.delay.mitigations import resolve_delay_config
 
             delay = resolve_delay_config(delay, train)

@@ -12,13 +12,13 @@ import os
 import queue
 import time
 
+import torch
+
 from stalepipe.training.launch.processes import free_port
 from stalepipe.training.peers.group import leave_process_group
 
 
 def _pool_worker(index: int, jobs, results) -> None:
-    import torch
-
     torch.set_num_threads(1)
     while True:
         job = jobs.get()

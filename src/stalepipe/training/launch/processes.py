@@ -36,6 +36,7 @@ from typing import Any
 import torch.distributed as dist
 
 from stalepipe.errors import EXIT_PEER, EXIT_PREEMPTED, EXIT_USER, TrainingError, UserError
+from stalepipe.fileio import open_append
 from stalepipe.training.peers.failures import AGENT_STORE_ENV, Failure, FailureRecords
 from stalepipe.training.peers.topology import Topology
 
@@ -210,8 +211,6 @@ def supervise(
 def _append(path: Path, line: str) -> None:
     """One line at the end of a rank's log; never through a link (`fileio.open_append`), and
     a log that cannot take it only loses the line (the failure is reported anyway)."""
-    from stalepipe.fileio import open_append
-
     with contextlib.suppress(OSError, UserError), open_append(path) as f:
         f.write(line + "\n")
 

@@ -17,6 +17,7 @@ from typing import Any
 from stalepipe.config import ExperimentConfig
 from stalepipe.errors import EXIT_PREEMPTED, EXIT_REQUEUE_FAILED, Preempted
 from stalepipe.fileio import make_owned_dir
+from stalepipe.training.rundir.lease import RunLeased, lease_run
 from stalepipe.training.rundir.status import RUN_KIND, run_status, write_error
 
 
@@ -25,6 +26,8 @@ def run_one(cfg_dict: dict[str, Any], threads: int) -> None:
     live owner elsewhere trains it), then train it, resuming from its last checkpoint if it has
     one (a run directory holding only sweep.json starts fresh); an exception goes to
     error.json."""
+    # here, not at the top (torch, the loop): the sweep's parent process (planning, counting,
+    # --dry-run) imports this module torch-free; each run's own process loads them
     import torch
 
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -32,8 +35,7 @@ def run_one(cfg_dict: dict[str, Any], threads: int) -> None:
     cfg = ExperimentConfig.from_dict(cfg_dict)
     run_dir = Path(cfg.out_dir) / cfg.name
     try:
-        from stalepipe.training.rundir.lease import RunLeased, lease_run
-        from stalepipe.training.train.loop import train
+        from stalepipe.training.train.loop import train  # here: torch (see above)
 
         make_owned_dir(run_dir, RUN_KIND, within=cfg.out_dir)  # a sweep's: no link out of it
         with lease_run(run_dir) as me:

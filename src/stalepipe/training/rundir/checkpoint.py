@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
+from stalepipe.config import ExperimentConfig
 from stalepipe.errors import CheckpointError
 from stalepipe.training.delay import tied
+from stalepipe.training.models import Transformer
 from stalepipe.training.rundir import sharded, verified
 from stalepipe.training.rundir.checkpoint_parts import FlatState
 
@@ -140,9 +142,6 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 def check_model_shapes(path: Path, config: Any, stored: dict[str, tuple[int, ...]]) -> None:
     """The model `config` describes, built on the meta device (nothing allocated), has exactly
     the parameters and shapes the checkpoint stores; CheckpointError otherwise."""
-    from stalepipe.config import ExperimentConfig
-    from stalepipe.training.models import Transformer
-
     try:
         cfg = ExperimentConfig.from_dict(config, strict=False).model
         with torch.device("meta"):

@@ -20,6 +20,10 @@ import sys
 from pathlib import Path
 
 from stalepipe.errors import CheckpointError, UserError
+from stalepipe.training.delay import tied
+from stalepipe.training.rundir import checkpoint_parts, legacy, sharded
+from stalepipe.training.rundir.checkpoint import checkpoint_step
+from stalepipe.training.rundir.checkpoint_parts import from_merged
 
 MEMORY_LIMIT = 16 << 30  # the child's address space: a 360M model's state is ~6 GB; raise it
 LIMIT_ENV = "STALEPIPE_CONVERT_MEMORY"  # bytes, to raise (or lower) MEMORY_LIMIT
@@ -27,8 +31,6 @@ LIMIT_ENV = "STALEPIPE_CONVERT_MEMORY"  # bytes, to raise (or lower) MEMORY_LIMI
 
 def convert(old: Path, new: Path) -> Path:
     """Convert the checkpoint `old` (format 1 or 2) into `new` (format 3); returns `new`."""
-    from stalepipe.training.rundir import checkpoint_parts, sharded
-
     old, new = Path(old), Path(new)
     _check_args(old, new)
     step = _old_step(old)
@@ -75,8 +77,6 @@ def _check_args(old: Path, new: Path) -> None:
 def _old_step(old: Path) -> int:
     """The step of an old checkpoint, from its manifest (format 2) or its name (format 1);
     UserError when it is not an old checkpoint."""
-    from stalepipe.training.rundir.checkpoint import checkpoint_step
-
     if old.is_file():
         step = checkpoint_step(old)
         if step is None or old.suffix != ".pt":
@@ -96,10 +96,6 @@ def _old_step(old: Path) -> int:
 
 def _child(old: Path, new: Path) -> None:
     """In the capped child: read `old` through `rundir.legacy`, write `new` as training does."""
-    from stalepipe.training.delay import tied
-    from stalepipe.training.rundir import legacy, sharded
-    from stalepipe.training.rundir.checkpoint_parts import from_merged
-
     step = _old_step(old)
     if old.is_file():
         state = legacy.read_format1(old)
@@ -130,11 +126,9 @@ def _json(v: object) -> object:
 
 
 def main() -> int:
-    from stalepipe.errors import UserError as Error
-
     try:
         _child(Path(sys.argv[1]), Path(sys.argv[2]))
-    except Error as e:
+    except UserError as e:
         print(f"stalepipe: error: {e}", file=sys.stderr)
         return 2
     except MemoryError:

@@ -24,6 +24,7 @@ import torch
 
 from stalepipe.config import ModelConfig
 from stalepipe.errors import CheckpointError
+from stalepipe.training.models import Transformer
 from stalepipe.training.models.hf import HfFormatError, hf_name, mismatch, model_config
 from stalepipe.training.rundir.verified import SMALL_MAX, Entry, Verifier, inside, read_header
 
@@ -122,8 +123,6 @@ class HfCheckpoint:
 
 def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter of `cfg`'s model by global name (a tied head too), built on meta."""
-    from stalepipe.training.models import Transformer
-
     with torch.device("meta"):
         model = Transformer(cfg)
     return {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}

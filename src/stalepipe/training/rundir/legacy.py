@@ -31,6 +31,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from stalepipe.errors import CheckpointError
 from stalepipe.training.rundir.verified import (
@@ -215,13 +224,6 @@ def load_metadata(data: bytes, where: Callable[[str], CheckpointError]) -> Any:
 def check_metadata(md: Any) -> str | None:
     """What is wrong with an unpickled `.metadata` for a stalepipe shard, or None: every entry
     a tensor, every byte range in a plain file of the shard, no storage transforms."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
 
     if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
         return "is not DCP metadata"
@@ -289,7 +291,6 @@ def check_data(shard: Path, md: Any, verifier: Verifier) -> None:
 def make_reader(shard: Path, md: Any):
     """torch's `FileSystemReader` for `shard` that takes its metadata as already read (`md`,
     from `SafeUnpickler`): the file is never unpickled by torch's plain `pickle.load`."""
-    from torch.distributed.checkpoint import FileSystemReader
 
     class Reader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -305,8 +306,6 @@ def _where(ckpt: Path) -> Callable[[str], Callable[[str], CheckpointError]]:
 def read_format2(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict]]:
     """A format-2 checkpoint directory whole: (its manifest, each shard's state.json, each
     shard's tensors), every file checked against its recorded digests when it has them."""
-    import torch.distributed.checkpoint as dcp
-
     where = _where(path)
     manifest = read_json((path / MANIFEST_NAME).read_bytes(), where(MANIFEST_NAME))
     files = manifest.get("files") if isinstance(manifest, dict) else None

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from stalepipe.fileio import check_writable, inside, open_append, read_record, write_text_atomic
+from stalepipe.training.rundir.trackers import scalars
 
 
 class MetricsWriter:
@@ -43,8 +44,6 @@ class MetricsWriter:
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
         if self._trackers:
-            from stalepipe.training.rundir.trackers import scalars
-
             values = scalars(record)
             for t in self._trackers:
                 t.log(values, record["step"])

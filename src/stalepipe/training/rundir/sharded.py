@@ -36,19 +36,23 @@ them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import shutil
+import struct
 import time
 import warnings
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.futures import Future
 
-from stalepipe.errors import CheckpointError
+from stalepipe.errors import CheckpointError, TrainingError
 from stalepipe.fileio import mark_owned, remove_owned_dir, write_json_atomic
 from stalepipe.training.rundir import verified
 from stalepipe.training.rundir.checkpoint_parts import PART_DONE, part_dir, part_path, staging_dir
@@ -85,7 +89,7 @@ def save_part(
     state.json, then the safetensors file (`streaming_writer`), then (once they
     are complete) the digests of all of them (`PART_DONE`: the shard is complete when it is
     there). A full disk is one line and leaves no staging directory (`disk_full`)."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # here: DCP (see streaming_writer)
 
     where = part_dir(run_dir, step, pipe_rank)
     tensors = {k: t.detach() for k, t in tensors.items()}
@@ -112,13 +116,10 @@ def streaming_writer(where: Path) -> Any:
     first builds the whole file as one bytes object (`safetensors.torch.save`), a second copy
     of the state in memory and ~4x the save time here (420 MB: 7.1-7.5 s against 1.5-1.7 s).
     Planning and the index file are DCP's; what DCP's reader reads is this same format."""
-    import struct
-    from concurrent.futures import ThreadPoolExecutor
-
+    # here, not at the top: DCP takes ~1.7 s to import, and the loop imports this module
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.storage import WriteResult
-    from torch.futures import Future
 
     names = {dtype: name for name, dtype in verified.DTYPES.items()}
 
@@ -188,8 +189,6 @@ ENOSPC_TEXT = ("[Errno 28]", "No space left on device", "[Errno 122]")  # ENOSPC
 def _is_disk_full(e: BaseException) -> bool:
     """Whether `e` (or what it wraps: DCP wraps a writer's error in its CheckpointException,
     with the original inside its failures) is a full disk or quota."""
-    import errno
-
     seen: set[int] = set()
     todo: list[object] = [e]
     while todo:
@@ -213,8 +212,6 @@ def disk_full(run_dir: Path, step: int, nbytes: int) -> Iterator[None]:
     """Turn a full disk while saving the checkpoint of `step` into one line (TrainingError):
     what filled, about how much the save needed and how much is free; the staging directory
     is removed first, so the previous checkpoint is the newest and the disk is as it was."""
-    from stalepipe.errors import TrainingError
-
     try:
         yield
     except BaseException as e:
@@ -386,7 +383,7 @@ class ShardedCheckpoint:
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """The tensors of `keys`, read from the shards that hold them (only those bytes), each
         checked against its digest before it is used."""
-        import torch.distributed.checkpoint as dcp
+        import torch.distributed.checkpoint as dcp  # here: DCP (see streaming_writer)
 
         by_shard: dict[str, dict[str, torch.Tensor]] = {}
         for key in keys:

@@ -28,6 +28,8 @@ def run_status(run_dir: Path, steps: int | None = None) -> str:
     before the end, or a torn last line (skipped) never reads as finished; a crash after it
     writes error.json, which wins. The final checkpoint, when present, also counts (it is
     written after that line). `steps` defaults to the run's own config.json."""
+    # here, not at the top: both load torch, and the lab's sweep and analysis read run status
+    # torch-free through this module
     from stalepipe.training.rundir.checkpoint import checkpoint_path
     from stalepipe.training.rundir.metrics import read_metrics
 

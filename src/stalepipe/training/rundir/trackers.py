@@ -15,6 +15,7 @@ unless `MLFLOW_TRACKING_URI` is set, trackio into its local database
 
 from __future__ import annotations
 
+import importlib
 import os
 import uuid
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from stalepipe.errors import UserError
+from stalepipe.fileio import inside, read_record, write_text_atomic
 
 _GROUPS = {
     "loss": "train/loss",
@@ -92,8 +94,6 @@ def open_trackers(
 
 
 def _need(module: str, tracker: str, package: str) -> Any:
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -110,8 +110,6 @@ def _run_id(run_dir: Path) -> str:
     """The run's tracker id: made at a fresh start and kept in the run directory, so a resume
     continues the same tracker run and a run started over (`--overwrite`, a failed sweep run
     retried: a new directory) starts a new one."""
-    from stalepipe.fileio import inside, read_record, write_text_atomic
-
     path = inside(run_dir, run_dir / ID_FILE)  # no link out of the run
     if path.is_file():
         return read_record(run_dir, path).strip()

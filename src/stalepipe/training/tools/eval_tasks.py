@@ -9,7 +9,9 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from stalepipe.config import DataConfig
 from stalepipe.errors import UserError
+from stalepipe.training.data import load_corpus, val_mask
 
 BUILTIN_TASKS = ("shakespeare-cloze",)
 
@@ -107,9 +109,6 @@ def shakespeare_cloze(
     line and `num_choices - 1` other lines of the same document, in a seeded random order; only
     lines of >= 20 characters are asked about or used as distractors.
     """
-    from stalepipe.config import DataConfig
-    from stalepipe.training.data import load_corpus, val_mask
-
     docs = list(load_corpus("excerpt", None, progress=False).documents())
     mask = val_mask([name for name, _ in docs], DataConfig().val_fraction)
     text = "\n".join(t for (_, t), is_val in zip(docs, mask, strict=True) if is_val)

@@ -25,12 +25,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from stalepipe.config import ExperimentConfig
 from stalepipe.config.sections import check_device_name
 from stalepipe.fileio import check_writable, write_json_atomic
-from stalepipe.training.data import EVAL_SEED, Tokenizer, TokenLoader, check_vocab
-from stalepipe.training.data.manifest import SPLITS
+from stalepipe.training.data import EVAL_SEED, Tokenizer, TokenLoader, check_vocab, tokenizer_class
+from stalepipe.training.data.manifest import SPLITS, unigram_entropy
 from stalepipe.training.rundir.checkpoint import list_checkpoints
 from stalepipe.training.rundir.directory import run_data_dir
 from stalepipe.training.tools.eval_tasks import (  # re-exported: part of evaluate's API
@@ -103,8 +104,6 @@ def choice_logprobs(
 
 def _bar(it: Any, desc: str, unit: str) -> Any:
     """A progress bar on stderr while `stalepipe eval` works (silent when not a terminal)."""
-    from tqdm import tqdm
-
     return tqdm(it, desc=desc, unit=unit, leave=False, disable=None)
 
 
@@ -158,8 +157,6 @@ def validation_loss(
 
 def run_tokenizer(tokenizer_name: str, data_dir: Path | None) -> Tokenizer:
     """The run's tokenizer: byte and gpt2 need no files, bpe its data directory's tokenizer.json."""
-    from stalepipe.training.data import tokenizer_class
-
     cls = tokenizer_class(tokenizer_name)
     if tokenizer_name == "bpe":
         if data_dir is None or not (data_dir / "tokenizer.json").is_file():
@@ -303,8 +300,6 @@ def chance_losses(data_dir: Path, vocab_size: int) -> dict[str, float]:
     """What a model that learned nothing scores: `uniform_loss` = ln(vocab size), and
     `unigram_loss` = the entropy of the training tokens' frequencies (a model that learned
     only which tokens are common; `data/manifest.py:unigram_entropy`)."""
-    from stalepipe.training.data.manifest import unigram_entropy
-
     out = {"uniform_loss": math.log(vocab_size)}
     with suppress(OSError, ValueError):  # shards of another tool without a train split
         out["unigram_loss"] = unigram_entropy(str(Path(data_dir).resolve()))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from stalepipe.config import ExperimentConfig, ModelConfig
 from stalepipe.fileio import (
@@ -37,6 +38,11 @@ from stalepipe.fileio import (
     remove_owned_dir,
 )
 from stalepipe.lazy import require
+from stalepipe.training.data.gpt2 import (  # GPT-2's byte <-> char table and files
+    EOT_TEXT,
+    _byte_alphabet,
+    _read_package_file,
+)
 from stalepipe.training.models.hf import (
     ARCHITECTURES,
     HfFormatError,
@@ -137,7 +143,7 @@ def hf_state_dict(
 def _byte_level_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]):
     """A byte-level BPE `tokenizers.Tokenizer` with GPT-2's pre-tokenizer and decoder."""
     require("tokenizers", "the exported tokenizer.json")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # optional: required above
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -148,10 +154,8 @@ def _byte_level_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]):
 def _byte_tokenizer():
     """Our byte tokenizer (id = UTF-8 byte) as a byte-level BPE with no merges: each byte is
     one character of GPT-2's byte alphabet, mapped to its byte value as id."""
-    from tokenizers import pre_tokenizers
-
-    from stalepipe.training.data.gpt2 import EOT_TEXT, _byte_alphabet  # GPT-2's byte <-> char table
-
+    # optional (the tokenizers extra): require names it in one line when it is missing
+    pre_tokenizers = require("tokenizers", "the exported tokenizer.json").pre_tokenizers
     vocab = {char: byte for char, byte in _byte_alphabet().items() if byte != 0}
     # Byte 0 is our eot (corpora strip NUL from text): name it as the special token, so HF tools
     # that need a bos/eos token (generation, lm-eval's prefix token) find it at id 0.
@@ -164,8 +168,6 @@ def _byte_tokenizer():
 
 def _gpt2_tokenizer():
     """GPT-2's BPE from the same packaged files our gpt2 tokenizer reads (no download)."""
-    from stalepipe.training.data.gpt2 import EOT_TEXT, _read_package_file
-
     vocab = json.loads(_read_package_file("encoder.json"))
     lines = _read_package_file("vocab.bpe").decode("utf-8").split("\n")[1:-1]
     tok = _byte_level_tokenizer(vocab, [tuple(line.split(" ")) for line in lines])
@@ -236,8 +238,6 @@ def save_safetensors(
 ) -> list[str]:
     """`model.safetensors`, or `model-0000i-of-0000n.safetensors` shards plus the index HF reads
     when the weights exceed `max_shard_bytes`. Returns the file names."""
-    from safetensors.torch import save_file
-
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():

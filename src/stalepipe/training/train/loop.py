@@ -24,6 +24,7 @@ import torch
 
 from stalepipe.config import ExperimentConfig
 from stalepipe.errors import Preempted, TrainingError
+from stalepipe.fileio import flatten_dict
 from stalepipe.training.models import flops_per_token
 from stalepipe.training.optim import resolve_config
 from stalepipe.training.peers.interrupts import Interrupts
@@ -35,6 +36,7 @@ from stalepipe.training.rundir.checkpoint import (
 )
 from stalepipe.training.rundir.metrics import Meter, MetricsWriter, read_metrics
 from stalepipe.training.rundir.startup import StartUp, begin_run
+from stalepipe.training.rundir.trackers import open_trackers
 from stalepipe.training.schedules.plan import StepPlan
 from stalepipe.training.train.devices import (
     check_device,
@@ -118,9 +120,6 @@ def train(
 def _trackers(cfg: ExperimentConfig, run_dir: Path, start: int) -> list:
     """The run's trackers (`--log.tracker`; `train.tensorboard` adds TensorBoard), started
     with its config."""
-    from stalepipe.fileio import flatten_dict
-    from stalepipe.training.rundir.trackers import open_trackers
-
     names = cfg.log.trackers + (("tensorboard",) if cfg.train.tensorboard else ())
     if not names:
         return []
