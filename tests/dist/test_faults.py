@@ -227,7 +227,7 @@ def test_bad_input_found_by_the_ranks_is_their_one_line_and_exit_2(tmp_path):
         spawn_ranks([(load_checkpoint, (bad,))] * 2, run, 10.0, topo=Topology(2), console=False)
     assert err.value.exit_code == EXIT_USER and not isinstance(err.value, TrainingError)
     assert re.fullmatch(
-        rf"rank [01]: CheckpointError: checkpoint {re.escape(str(bad))} is corrupt .*",
+        rf"rank [01]: CheckpointError: checkpoint {re.escape(str(bad))} is corrupt or incomplete .*",
         str(err.value),
     )
     for r in range(2):

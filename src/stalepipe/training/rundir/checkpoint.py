@@ -82,7 +82,20 @@ def _refuse_file(path: Path) -> CheckpointError:
             f"{path} is not a stalepipe checkpoint (a directory ckpt_<step>/ in a run); give the "
             f"run directory or one of its checkpoints"
         )
+    if not _looks_like_torch_save(Path(path)):  # not format 1 either: converting cannot help
+        return sharded.corrupt(Path(path), "neither a checkpoint directory nor a torch.save file")
     return sharded.refuse_old(path, "an older version's single file (format 1)")
+
+
+def _looks_like_torch_save(path: Path) -> bool:
+    """Whether a file starts as torch.save writes one (a zip archive, or a bare pickle from
+    `_use_new_zipfile_serialization=False`): the only files the converter can read."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head == b"PK\x03\x04" or head[:1] == b"\x80"
 
 
 def open_checkpoint(path: Path) -> FlatState:
