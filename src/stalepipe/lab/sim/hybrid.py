@@ -11,11 +11,12 @@ tensor parallelism inside a node and activation recomputation (issue 52, item 1)
 - **Recomputation**: the least of none, selective, full whose memory fits, its extra forward
   FLOPs stretching each backward and the step (`_timed`, `sim.replicas.recompute_share`).
 - **Microbatch size** (issue 52: a pipeline of one-sequence microbatches against FSDP at 8
-  compared a small GEMM with a large one): b in `MICROBATCH_SIZES` (1, 2, 4, 8 sequences),
-  the same for every schedule, synchronous and asynchronous, with m = batch per replica / b
-  >= P (`microbatch_sizes`); a larger b runs bigger matmuls (`sim.efficiency`), a smaller one
-  more microbatches (less bubble; 2BW's m >= P - 1 and the V schedules' m >= 2P hold within
-  it) and smaller stashes. Each b with its least recomputation that fits; the fastest kept.
+  compared a small GEMM with a large one): b a power of two with m = batch per replica / b
+  >= P (`microbatch_sizes`: 1, 2, 4, ... up to the sequences per GPU, as the data-parallel
+  family's), the same for every schedule, synchronous and asynchronous; a larger b runs bigger
+  matmuls (`sim.efficiency`), a smaller one more microbatches (less bubble; 2BW's m >= P - 1
+  and the V schedules' m >= 2P hold within it) and smaller stashes. Each b with its least
+  recomputation that fits; the fastest kept.
 - **Memory per GPU** (`rank_memory`): the schedule's peak of weight versions and optimizer
   state (`sim.memory`), plus error feedback's buffer on asynchronous schedules, plus the most
   microbatch stashes the rank holds at once times one stash of b sequences (`sim.memory`,
@@ -57,15 +58,20 @@ from stalepipe.training.delay.policies import never_delays, parse_policy
 
 MAX_STAGES = 64
 ALWAYS_STAGES = 8  # depths searched always; deeper ones while no shallower one fits as it is
-MICROBATCH_SIZES = (1, 2, 4, 8)  # sequences per microbatch a pipeline may run (searched)
 
 
 def microbatch_sizes(local: int, stages: int) -> list[int]:
-    """The microbatch sizes searched for a pipeline replica of `local` sequences a step, the
-    same for every schedule, synchronous or not: those of `MICROBATCH_SIZES` that split it into
-    m = local / size >= P microbatches (a schedule asking for more, the V schedules' m >= 2P,
-    refuses the rest itself)."""
-    return [b for b in MICROBATCH_SIZES if local % b == 0 and local // b >= stages]
+    """The microbatch sizes (sequences) searched for a pipeline replica of `local` sequences a
+    step, the same for every schedule, synchronous or not: the powers of two that split it
+    into m = local / size >= P microbatches, so up to the global batch's sequences per GPU,
+    the data-parallel family's largest microbatch too (`sim.replicas.best_flat`); a schedule
+    asking for more microbatches (the V schedules' m >= 2P) refuses the rest itself."""
+    out, b = [], 1
+    while b * stages <= local:
+        if local % b == 0:
+            out.append(b)
+        b *= 2
+    return out
 
 
 def tp_cluster(c: Cluster, tp: int) -> Cluster:

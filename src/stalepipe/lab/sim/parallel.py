@@ -29,9 +29,9 @@ are `sim.cluster`'s `*_RANGE`; BI = BW = F):
   activations.
 - Pipelines: the timing simulator's steady step (`sim.simulate`, both stage splits, the faster
   kept), cached per (schedule, P, m, placement, link): it does not depend on the replicas'
-  link. The microbatch size b is searched (`hybrid.MICROBATCH_SIZES`: 1, 2, 4, 8 sequences),
-  the same sizes for synchronous and asynchronous schedules: m = global batch / D / b, m < P
-  not considered (a schedule needing more, the V schedules' 2P, refuses the rest); larger b
+  link. The microbatch size b is searched (`hybrid.microbatch_sizes`: powers of two up to
+  the sequences per GPU, as for DP and FSDP), the same sizes for synchronous and asynchronous
+  schedules: m = global batch / D / b, m < P not considered (a schedule needing more, the V schedules' 2P, refuses the rest); larger b
   buys compute efficiency (`sim.efficiency`: bigger matmuls) and costs bubble (fewer
   microbatches) and memory (each stash b times larger); each b is checked against memory, and
   the fastest that fits is kept. Past `MAX_SIM_MICROBATCHES` (and 4P) the step time and memory
