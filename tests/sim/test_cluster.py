@@ -182,12 +182,14 @@ def test_pipedream_updates_after_every_microbatch():
     one = {(o.schedule, o.stages): o for o in opts}
     pd, bw2 = one[("pipedream", 4)], one[("2bw", 4)]
     dev = par._pipeline_device(c, 4, 4)
-    update = par.pipeline_timing(w.cfg, 1024, w.mfu, dev, "pipedream", 4, 8).step_time
-    assert par.pipeline_timing(w.cfg, 1024, w.mfu, dev, "pipedream", 4, 4).step_time == (
+    b, m = pd.microbatch_size, pd.microbatches  # searched (fewer updates: the largest)
+    update = par.pipeline_timing(w.cfg, 1024, w.mfu, dev, "pipedream", 4, 8, 1.0, b).step_time
+    assert par.pipeline_timing(w.cfg, 1024, w.mfu, dev, "pipedream", 4, 4, 1.0, b).step_time == (
         pytest.approx(update)
     )
-    assert pd.microbatches == 32 and pd.step_time == pytest.approx(32 * update)
-    assert pd.peak_memory > bw2.peak_memory and pd.label().endswith("m=32 (an update each)")
+    assert m * b == 32 and pd.step_time == pytest.approx(m * update)
+    assert pd.peak_memory > bw2.peak_memory
+    assert pd.label().endswith(f"m={m} (microbatch {b}, an update each)")
     # an optimizer step per microbatch: slower than 2BW's one per batch
     assert pd.tokens_per_s < bw2.tokens_per_s
 
@@ -207,7 +209,9 @@ def test_an_async_fsdp_hybrid_is_never_faster_than_its_pipeline_without_updates(
         dev = par._pipeline_device(c, per_node, o.stages)
         updates = o.microbatches if o.policy == "pipedream" else 1
         m_sim = min(o.microbatches, 2 * o.stages) if updates > 1 else o.microbatches
-        bare = par.pipeline_timing(w.cfg, 1024, w.mfu, dev, o.schedule, o.stages, m_sim, 0.0)
+        bare = par.pipeline_timing(
+            w.cfg, 1024, w.mfu, dev, o.schedule, o.stages, m_sim, 0.0, o.microbatch_size
+        )
         assert o.step_time >= updates * bare.step_time * (1 - 1e-9), o.label()
 
 

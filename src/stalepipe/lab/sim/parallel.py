@@ -7,7 +7,8 @@ Assumptions, each stated once (the three with a range, MFU, link efficiency and 
 are `sim.cluster`'s `*_RANGE`; BI = BW = F):
 
 - compute: a forward is the roofline of its FLOPs at peak x MFU and of reading its bf16 weights
-  from HBM (`compute_time`); one MFU for every configuration above that.
+  from HBM (`compute_time`); the MFU by the microbatch's shape (`sim.efficiency`: a block's
+  FLOPs per microbatch and GPU), or one given MFU for every configuration (`--mfu`).
 - collectives: NCCL's ring or tree, over the group's rails across nodes (`sim.cluster`).
 - overlap: communication hidden behind compute still slows it, by `overlap_cost` of the
   communication's time (NCCL's kernels take SMs and HBM bandwidth from the compute).
@@ -28,9 +29,14 @@ are `sim.cluster`'s `*_RANGE`; BI = BW = F):
   activations.
 - Pipelines: the timing simulator's steady step (`sim.simulate`, both stage splits, the faster
   kept), cached per (schedule, P, m, placement, link): it does not depend on the replicas'
-  link. Microbatches of one sequence; m = global batch / D; m < P is not considered. Past
-  `MAX_SIM_MICROBATCHES` (and 4P) the step time and memory are extrapolated linearly from
-  m = max(8, 2P) and twice that (exact once the steady state is affine in m).
+  link. The microbatch size b is searched (`hybrid.microbatch_sizes`: powers of two up to
+  the sequences per GPU, as for DP and FSDP), the same sizes for synchronous and asynchronous
+  schedules: m = global batch / D / b, m < P not considered (a schedule needing more, the V schedules' 2P, refuses the rest); larger b
+  buys compute efficiency (`sim.efficiency`: bigger matmuls) and costs bubble (fewer
+  microbatches) and memory (each stash b times larger); each b is checked against memory, and
+  the fastest that fits is kept. Past `MAX_SIM_MICROBATCHES` (and 4P) the step time and memory
+  are extrapolated linearly from m = max(8, 2P) and twice that (exact once the steady state is
+  affine in m).
 - Hybrids: the replicas of each stage share gradients once a step ("dp": all-reduce; "fsdp":
   reduce-scatter of gradients, optimizer on a 1/D shard, all-gather of the bf16 weights, as
   torchtitan runs FSDP with PP: weights gathered once per step), layer by layer as FSDP does it,
@@ -92,9 +98,10 @@ def layout(
 ) -> Option:  # fmt: skip
     """One fixed configuration, timed as the search times it (a published run's layout, for
     benchmarks/validation): `schedule` 'dp' / 'zero1' / 'zero2' / 'fsdp' / 'hsdp' at
-    `stages` 1, or a pipeline schedule of `stages` (microbatches of one sequence; replicas
-    sharing gradients `across`, 'stages in a node' placement); TP `tp`, recomputation
-    `recompute` as given, not searched. Raises ConfigError where the sizes do not split."""
+    `stages` 1, or a pipeline schedule of `stages` (replicas sharing gradients `across`,
+    'stages in a node' placement); TP `tp`, microbatches of `microbatch` sequences and
+    recomputation `recompute` as given, not searched. Raises ConfigError where the sizes do
+    not split."""
     import dataclasses
 
     from stalepipe.lab.sim.hybrid import _hybrid, _placements, _timed, rank_memory, tp_cluster
@@ -110,33 +117,47 @@ def layout(
         across = "fsdp" if KINDS[schedule] == 3 else "dp"
         return Option(schedule, "sync", 1, n, across, k, microbatch, "", step, exposed, 0.0,
                       mem, limit, rate, tp, recompute)  # fmt: skip
-    if microbatch != 1:
-        raise ConfigError("the pipeline simulator's microbatches are one sequence")
     v, vw = tp_cluster(c, tp), dataclasses.replace(w, num_gpus=n)
     replicas = n // stages
-    m = w.global_batch // replicas
+    local = w.global_batch // replicas
+    if local % microbatch:
+        raise ConfigError(
+            f"{local} sequences a replica do not split into microbatches of {microbatch}"
+        )
+    m = local // microbatch
     name, spn, per_node = _placements(v, n, stages, replicas)[0]
     dev = _pipeline_device(v, spn, stages)
-    t = _timed(vw, c, dev, schedule, stages, m, tp, recompute)
+    t = _timed(vw, c, dev, schedule, stages, m, tp, recompute, microbatch)
     if t is None:
         raise ConfigError(f"{schedule} refuses P={stages}, m={m} for {w.cfg.num_layers} layers")
     sync = never_delays(PIPELINE_SCHEDULES[schedule].policy)
-    per_gpu = rank_memory(vw, t, stages, tp, recompute, sync)
+    per_gpu = rank_memory(vw, t, stages, tp, recompute, sync, microbatch)
     t = dataclasses.replace(t, memory=per_gpu, state=tuple(s / tp for s in t.state))
     step, exposed, mem = _hybrid(vw, v, t, replicas, across, per_node, sync)
-    return Option(schedule, PIPELINE_SCHEDULES[schedule].policy, stages, replicas, across, m, 1,
+    return Option(schedule, PIPELINE_SCHEDULES[schedule].policy, stages, replicas, across, m, microbatch,
                   name, step, exposed, t.bubble, mem, limit, w.global_batch * w.seq_len / step,
                   tp, recompute)  # fmt: skip
 
 
 def all_options(
-    w: Workload, c: Cluster, async_schedules: tuple[str, ...] = (PAPER_ASYNC,)
+    w: Workload,
+    c: Cluster,
+    async_schedules: tuple[str, ...] = (PAPER_ASYNC,),
+    *,
+    best_only: bool = False,
 ) -> list[Option]:
-    """DP, FSDP and every pipeline configuration (synchronous, and `async_schedules`)."""
+    """DP, FSDP and every pipeline configuration (synchronous, and `async_schedules`).
+    `best_only`: only `best`'s picks are wanted (the map, the assumptions' corners): a pipeline
+    that cannot beat the fastest fitting configuration of its policy found before it is not
+    timed nor listed (`hybrid.pipelines`' `floor`); `best` returns the same option."""
     if w.num_gpus < 1 or w.global_batch < 1:
         raise ConfigError("the GPU count and the global batch must be >= 1")
     synchronous = cluster_schedules(sync=True)
-    return flat_options(w, c) + pipelines(w, c, synchronous + async_schedules)
+    flat = flat_options(w, c)
+    floor = None
+    if best_only:
+        floor = {"sync": min((o.step_time for o in flat if o.fits), default=float("inf"))}
+    return flat + pipelines(w, c, synchronous + async_schedules, floor)
 
 
 def best(options: list[Option], policy: str = "sync", kind: str | None = None) -> Option | None:

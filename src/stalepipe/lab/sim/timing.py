@@ -20,6 +20,7 @@ staleness, and per rank the peak memory (`sim.memory`; from the schedule's order
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import math
 import statistics
@@ -156,6 +157,26 @@ def stage_params(cfg: ModelConfig, layers: list[range]) -> list[int]:
     return out
 
 
+@functools.lru_cache(maxsize=1024)
+def _split(
+    cfg: ModelConfig, num_stages: int, seq_len: int, partition: str, ranks: tuple | None
+) -> tuple[tuple[range, ...], tuple[int, ...], tuple[float, ...]]:
+    """`analytic_costs`' stages (cached: the split depends on none of the device, MFU or
+    microbatch): each stage's blocks, parameters and forward FLOPs per token."""
+    if partition != "balanced":
+        layers = split_layers(cfg, num_stages, seq_len, partition)
+    elif ranks is not None and len(set(ranks)) < num_stages:
+        assert len(ranks) == num_stages, (ranks, num_stages)
+        layers = rank_balanced_layers(cfg, seq_len, ranks)
+    else:
+        layers = split_layers(cfg, num_stages, seq_len)
+    flops = []
+    for s, r in enumerate(layers):
+        f = sum(block_flops(cfg, seq_len, i) for i in r)
+        flops.append(f + (head_flops(cfg) if s == num_stages - 1 else 0))
+    return tuple(layers), tuple(stage_params(cfg, layers)), tuple(flops)
+
+
 def analytic_costs(
     cfg: ModelConfig,
     num_stages: int,
@@ -189,20 +210,12 @@ def analytic_costs(
     if microbatch_size < 1:
         raise ConfigError(f"--microbatch-size must be >= 1, got {microbatch_size}")
     seq_len = seq_len or cfg.max_seq_len
-    if partition != "balanced":
-        layers = split_layers(cfg, num_stages, seq_len, partition)
-    elif stage_ranks is not None and len(set(stage_ranks)) < num_stages:
-        assert len(stage_ranks) == num_stages, (stage_ranks, num_stages)
-        layers = rank_balanced_layers(cfg, seq_len, stage_ranks)
-    else:
-        layers = split_layers(cfg, num_stages, seq_len)
+    ranks = None if stage_ranks is None else tuple(stage_ranks)
+    layers, params, stage_flops = _split(cfg, num_stages, seq_len, partition, ranks)
     tokens = microbatch_size * seq_len
     speed = device.peak_flops * mfu
-    params = stage_params(cfg, layers)
     fwd = []
-    for s, r in enumerate(layers):
-        flops = sum(block_flops(cfg, seq_len, i) for i in r)
-        flops += head_flops(cfg) if s == num_stages - 1 else 0
+    for s, flops in enumerate(stage_flops):
         # the roofline: compute, or reading the stage's weights (short microbatches)
         fwd.append(max(tokens * flops / speed, params[s] * param_bytes / device.hbm_bandwidth))
     return CostModel(

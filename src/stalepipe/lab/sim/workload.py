@@ -102,7 +102,7 @@ class Option:
 
     def label(self) -> str:
         """E.g. 'fsdp x16 (microbatch 4)', 'fsdp x32 x tp 8 (microbatch 2, full AC)' or
-        '1f1b P=4 x fsdp 4 (stages in a node), m=32'."""
+        '1f1b P=4 x fsdp 4 (stages in a node), m=8 (microbatch 4)'."""
         tp = f" x tp {self.tp}" if self.tp > 1 else ""
         tp += f" x ep {self.ep}" if self.ep > 1 else ""
         ac = f", {self.recompute} AC" if self.recompute != "none" else ""
@@ -110,8 +110,9 @@ class Option:
             return f"{self.schedule} x{self.replicas}{tp} (microbatch {self.microbatch_size}{ac})"
         rep = f" x {self.across} {self.replicas}" if self.replicas > 1 else ""
         where = f" ({self.placement})" if self.placement else ""
-        each = " (an update each)" if parse_policy(self.policy).per_microbatch else ""
-        return f"{self.schedule} P={self.stages}{rep}{tp}{where}, m={self.microbatches}{each}{ac}"
+        each = ", an update each" if parse_policy(self.policy).per_microbatch else ""
+        mb = f"microbatch {self.microbatch_size}{each}{ac}"
+        return f"{self.schedule} P={self.stages}{rep}{tp}{where}, m={self.microbatches} ({mb})"
 
 
 def _units(cfg: ModelConfig, seq_len: int) -> list[tuple[int, int]]:
@@ -145,11 +146,14 @@ class PipeTiming:
 
     @staticmethod
     def blend(a: PipeTiming, b: PipeTiming, t: float) -> PipeTiming:
-        """a + t (b - a) for the step time, memory and stashes (linear extrapolation in m)."""
+        """a + t (b - a) for the step time, the ranks' busy time (so the bubble), memory and
+        stashes (linear extrapolation in m)."""
         mem = tuple(x + t * (y - x) for x, y in zip(a.memory, b.memory))
         stashed = tuple(x + t * (y - x) for x, y in zip(a.stashed, b.stashed))
         step = a.step_time + t * (b.step_time - a.step_time)
-        return dataclasses.replace(b, step_time=step, memory=mem, stashed=stashed)
+        busy_a, busy_b = (1 - a.bubble) * a.step_time, (1 - b.bubble) * b.step_time
+        bubble = 1 - (busy_a + t * (busy_b - busy_a)) / step
+        return dataclasses.replace(b, step_time=step, bubble=bubble, memory=mem, stashed=stashed)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -162,15 +166,17 @@ def pipeline_timing(
     stages: int,
     m: int,
     opt_share: float = 1.0,
+    mb: int = 1,
 ) -> PipeTiming:
     """The simulated steady step of one replica (cached; `dev.gpus_per_node` is the stages
     per node), of the two stage splits the faster (`simulate.model_costs`), each rank updating
-    `opt_share` of its stages' parameters (1/D under FSDP). Raises ConfigError when the
+    `opt_share` of its stages' parameters (1/D under FSDP), `m` microbatches of `mb` sequences
+    a step (`mfu` is the one for that microbatch's shape). Raises ConfigError when the
     schedule refuses these sizes."""
     half = max(MAX_SIM_MICROBATCHES // 2, 2 * stages)  # past the V schedules' m >= 2P
     if m > 2 * half:
-        a = pipeline_timing(cfg, seq_len, mfu, dev, schedule, stages, half, opt_share)
-        b = pipeline_timing(cfg, seq_len, mfu, dev, schedule, stages, 2 * half, opt_share)
+        a = pipeline_timing(cfg, seq_len, mfu, dev, schedule, stages, half, opt_share, mb)
+        b = pipeline_timing(cfg, seq_len, mfu, dev, schedule, stages, 2 * half, opt_share, mb)
         return PipeTiming.blend(a, b, (m - half) / half)
     p = plan(schedule, stages, m, SIM_STEPS)
     links = dict(
@@ -179,7 +185,7 @@ def pipeline_timing(
         ranks_per_node=dev.gpus_per_node,
         p2p_latency=dev.p2p_latency,
     )
-    compute = (cfg, seq_len, mfu, dev.peak_flops, dev.hbm_bandwidth)
+    compute = (cfg, seq_len, mfu, dev.peak_flops, dev.hbm_bandwidth, mb)
     options = [
         dataclasses.replace(c, optimizer=tuple(o * opt_share for o in c.optimizer), **links)
         for c in _costs(p, *compute)
@@ -213,10 +219,11 @@ def pipeline_timing(
 
 @functools.lru_cache(maxsize=4096)
 def _costs(
-    p: Plan, cfg: ModelConfig, seq_len: int, mfu: float, flops: float, hbm: float
+    p: Plan, cfg: ModelConfig, seq_len: int, mfu: float, flops: float, hbm: float, mb: int = 1
 ) -> list[CostModel]:
     """The analytic cost models of `p`'s schedule (both stage splits) on a GPU of `flops` and
-    `hbm` bandwidth; the links are set by the caller (so the cache ignores them)."""
+    `hbm` bandwidth, microbatches of `mb` sequences; the links are set by the caller (so the
+    cache ignores them)."""
     dev = Device(
         name="",
         peak_flops=flops,
@@ -224,7 +231,7 @@ def _costs(
         intra_node_bandwidth=1.0,
         inter_node_bandwidth=1.0,
     )
-    return model_costs(p.sched, cfg, dev, {}, mfu=mfu, seq_len=seq_len, mb_size=1)
+    return model_costs(p.sched, cfg, dev, {}, mfu=mfu, seq_len=seq_len, mb_size=mb)
 
 
 @functools.lru_cache(maxsize=4096)

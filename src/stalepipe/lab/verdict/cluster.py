@@ -250,7 +250,7 @@ def edge_range(w: Any, c: Any, options: list[Any]) -> tuple[float, float]:
     central = edge(options)
     if not math.isfinite(central):
         return 1.0, 1.0
-    edges = [edge(all_options(wc, cc)) for wc, cc in assumption_corners(w, c)]
+    edges = [edge(all_options(wc, cc, best_only=True)) for wc, cc in assumption_corners(w, c)]
     edges = [e for e in edges if math.isfinite(e)]
     return min([central, *edges]) / central, max([central, *edges]) / central
 
@@ -327,7 +327,7 @@ def _map_row(row: tuple[Setting, int, int]) -> list[Cell]:
     cells = []
     for bw in sorted({*MAP_GBPS, s.cluster.inter_node_gbps}):
         c = dataclasses.replace(s.cluster, inter_node_gbps=bw)
-        opts = all_options(s.workload(n, b), c)
+        opts = all_options(s.workload(n, b), c, best_only=True)
         factors = with_model_error(*edge_range(s.workload(n, b), c, opts))
         cells.append(Cell(n, b, bw, best(opts, ASYNC), best(opts), factors))
     return cells
