@@ -65,12 +65,12 @@ def test_the_transfer_never_takes_the_overhead_below_one():
     assert r.low == pytest.approx(1 / 0.937 / 1.004)  # an overhead of 1 at the highest edge
     assert r.high == pytest.approx(1.1 / 0.937 * 1.03 * 1.83 / 0.99)
     assert r.low > 1  # what the call reads: sync sooner, not "inconclusive at the target size"
-    holds = "inconclusive (interval holds 1)"
+    holds = "too close to call (interval holds 1)"
     assert at_size(_verdict(1.05, 0.99, Transfer(0.5, 2.0, "a", "b")), holds) == holds
 
 
 def test_a_transfer_that_alone_spans_the_flip_point_leaves_it_open_at_the_target_size():
-    holds = "inconclusive (interval holds 1)"
+    holds = "too close to call (interval holds 1)"
     v = _verdict(0.95, 1.159, Transfer(0.72, 1.39, "0.41M", "315M"), (0.92, 1.06))
     call = at_size(v, holds)
     assert call.startswith("inconclusive at the target size")
@@ -99,7 +99,7 @@ def _decision_rows(preset: str) -> dict[str, tuple[str, str]]:
 @pytest.mark.parametrize("preset", ["h100-ib", "h100-pcie"])
 def test_the_committed_tables_print_the_interval_the_verdict_used(preset):
     """The quoted inconsistency: verdict-h100-pcie printed '95% CI 1.10x [1.05, 1.15]' beside
-    'inconclusive (interval holds 1)'. Now the decision block, the summary table and the CSV
+    'too close to call (interval holds 1)'. Now the decision block, the summary table and the CSV
     give one interval per configuration, labelled, and it is the one the call reads."""
     block = _decision_rows(preset)
     assert (

@@ -40,7 +40,7 @@ def test_call_follows_the_printed_rule():
     o3 = tax(1.2, 1.3, 1.4)
     assert call(o3, Ratio(0.8, 0.7, 0.9)) == "async sooner"
     assert call(o3, Ratio(1.2, 1.1, 1.3)) == "sync sooner"
-    assert call(o3, Ratio(1.0, 0.9, 1.1)) == "inconclusive (interval holds 1)"
+    assert call(o3, Ratio(1.0, 0.9, 1.1)) == "too close to call (interval holds 1)"
     assert call(tax(1.1, 1.2), Ratio(0.5, 0.4, 0.6)) == "inconclusive (2 seeds < 3)"
     nan = Ratio(math.nan, math.nan, math.nan)
     floor = oh.summarize_pairs([dataclasses.replace(p, floor=True) for p in o3.pairs])

@@ -1,5 +1,5 @@
 """The decision block `stalepipe verdict` prints by default (issue 40): what a team acts on, in
-at most `MAX_LINES` lines of at most `WIDTH` characters; the tables go to verdict.md and
+at most `MAX_LINES` lines of at most `WIDTH` characters (a longer line wraps); the tables go to verdict.md and
 verdict.csv (and to stdout with `--verbose`).
 
 Per configuration with a verdict (3 seeds or more), the fastest first: its verdict ("too close
@@ -16,6 +16,7 @@ left to the tables: their configuration's row already reads its overhead over al
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ TOO_WIDE = 10  # a given overhead's time ratio whose interval leaves [x / 10, 10
 
 def plain(verdict: str) -> str:
     """The verdict's words for a decision: an interval holding 1 is too close to call."""
-    if verdict.startswith("inconclusive (interval holds 1"):
+    if verdict.startswith("too close to call (interval holds 1"):
         return "too close to call"
     if verdict.startswith("inconclusive at the target size"):
         return "inconclusive at target size"
@@ -171,7 +172,7 @@ def _covers(v: Verdict | None) -> list[str]:
 def decision_block(
     verdicts: Sequence[Verdict], title: str, given: GivenOverhead | None = None
 ) -> str:
-    """The block (module docstring); every line cut to `WIDTH`. `given`: an overhead from
+    """The block (module docstring); a line longer than `WIDTH` wraps. `given`: an overhead from
     elsewhere (`given_overhead`), judged against the same best synchronous configuration."""
     headline = [v for v in verdicts if not v.at_length]
     judged = sorted(
@@ -226,4 +227,18 @@ def decision_block(
             "verdict.md"
         )
     lines += _covers(best or (judged[0] if judged else None))
-    return "\n".join(line[:WIDTH] for line in lines[:MAX_LINES])
+    return "\n".join(_wrapped(lines)[:MAX_LINES])
+
+
+def _wrapped(lines: list[str]) -> list[str]:
+    """Each line as it is when it fits in `WIDTH`, else wrapped at spaces onto indented
+    continuation lines (never cut mid-word)."""
+    out: list[str] = []
+    for line in lines:
+        if len(line) <= WIDTH:
+            out.append(line)
+            continue
+        out += textwrap.wrap(
+            line, WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
+        )
+    return out

@@ -147,7 +147,7 @@ def call(overhead: Overhead | TargetOverhead, ratio: Ratio, speedup: float = mat
         return "async sooner"
     if ratio.low > 1:
         return "sync sooner"
-    return "inconclusive (interval holds 1)"
+    return "too close to call (interval holds 1)"
 
 
 @dataclass
@@ -226,7 +226,7 @@ def at_size(v: Verdict, verdict: str) -> str:
     (the overhead's point times the transfer's range holds 1 x the edge), 'inconclusive at the
     target size' with the overheads that would decide it (issue 52, item 4)."""
     t, r = v.transfer, v.ratio
-    if not verdict.startswith("inconclusive (interval holds 1") or not math.isfinite(r.value):
+    if not verdict.startswith("too close to call (interval holds 1") or not math.isfinite(r.value):
         return verdict
     floor = 1 / v.speedup if v.speedup > 0 else 0.0  # an overhead of 1 (`widen`)
     if not max(r.value * t.low, floor) < 1 < r.value * t.high:
