@@ -52,7 +52,7 @@ def test_the_results_lengths_readings_are_the_committed_ones():
         ("muon_2bw", "Muon"),
         ("adamw_2bw+ef", "AdamW+EF"),
     ):
-        m = re.search(rf"^{re.escape(arm)} +(?:sync sooner|too close to call) +(\S+ \[\S+ \S+\])",
+        m = re.search(rf"^{re.escape(arm)} +(?:sync sooner|async sooner|too close to call|inconclusive at target size) +(\S+ \[\S+ \S+\])",
                       text, re.M)  # fmt: skip
         assert m and f"{name} {m.group(1)}" in doc, (arm, m)
         est, lo, hi = rows[arm].targets["final"].interval()
