@@ -30,6 +30,11 @@ from stalepipe.config.sections import DEFAULT_SCHEDULE
 from stalepipe.errors import Preempted, UserError
 from stalepipe.presets import PRESETS, get_preset
 
+# Each cmd_* imports its command's machinery inside, not at the top (and build_config its
+# file reader): this module builds every command's parser, so `stalepipe --help` and each
+# `stalepipe COMMAND --help` would load it all (torch for most) before answering. The other
+# cli modules follow the same rule.
+
 HF_PREFIX = "hf:"  # `--init-from hf:DIR` (rundir.hf_checkpoint.PREFIX, spelled out: no torch)
 
 

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from stalepipe.config import ConfigError, DelayConfig, ExperimentConfig, OptimConfig, PipelineConfig
 from stalepipe.errors import TrainingError
 from stalepipe.fileio import write_atomic, write_text_atomic
@@ -31,6 +33,8 @@ from stalepipe.lab.sweeps.workers import Finished, run_spawned
 from stalepipe.lab.verdict.command import VerdictReport, run_verdict
 from stalepipe.lazy import require
 from stalepipe.presets import cpu_tiny
+from stalepipe.training.data import ensure_prepared
+from stalepipe.training.train.loop import train
 
 VARIANTS: dict[str, DelayConfig] = {
     "sync": DelayConfig(policy="sync"),
@@ -87,10 +91,6 @@ def demo_configs(out_dir: str | Path, steps: int = DEFAULT_STEPS) -> list[Experi
 
 
 def _run_one(cfg: ExperimentConfig) -> DemoRun:
-    import torch
-
-    from stalepipe.training.train.loop import train
-
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     result = train(cfg, overwrite=True, verbose=False)
@@ -117,8 +117,6 @@ def run_demo(
 ) -> dict:
     """Train the six runs (`workers` processes, one thread each), print the table, write the
     plot and `demo.json`; return the summary dict."""
-    from stalepipe.training.data import ensure_prepared
-
     if steps < 1 or workers < 1:
         raise ConfigError("--steps and --workers must be >= 1")
     t0 = time.perf_counter()
@@ -233,7 +231,7 @@ def format_table(summary: dict) -> str:
 def plot_curves(runs: Sequence[DemoRun], path: Path) -> None:
     """Smoothed training-loss curves, one panel per optimizer."""
     require("matplotlib", "the demo's loss-curve plot").use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional (the plots extra): required above
 
     fig, axes = plt.subplots(
         1, len(DEMO_OPTIMIZERS), figsize=(5 * len(DEMO_OPTIMIZERS), 3.6), sharey=True

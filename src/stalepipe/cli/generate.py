@@ -10,6 +10,7 @@ with; sampling (`models.sample`) stops at the next separator or after --max-new-
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 from stalepipe.cli.common import Subparsers, runs
@@ -55,8 +56,6 @@ def _is_hf(run: str) -> bool:
 
 def _from_hf(run: str, device: str):
     """(model, tokenizer, max_seq_len, autocast) of an HF directory."""
-    import contextlib
-
     from stalepipe.training.data.hf_tokenizer import FILENAME, HfTokenizer
     from stalepipe.training.models import build_model
     from stalepipe.training.rundir.hf_checkpoint import load_hf_weights, open_hf

@@ -6,6 +6,14 @@ from __future__ import annotations
 import argparse
 
 from stalepipe.cli.common import Subparsers, runs
+from stalepipe.errors import UserError
+from stalepipe.fileio import shown
+from stalepipe.lab.studies.registry import STUDIES
+from stalepipe.lab.studies.scales import SCALES
+from stalepipe.lab.studies.toy import toy_main
+from stalepipe.lab.sweeps.executors import SlurmOptions
+from stalepipe.lab.sweeps.grid import parse_set_args
+from stalepipe.lab.sweeps.plan import study_table, sweep_main
 
 
 def _add_demo(sub: Subparsers) -> None:
@@ -23,10 +31,6 @@ def _add_demo(sub: Subparsers) -> None:
 
 
 def _add_sweep(sub: Subparsers) -> None:
-    from stalepipe.lab.studies.registry import STUDIES
-    from stalepipe.lab.studies.scales import SCALES
-    from stalepipe.lab.sweeps.plan import study_table
-
     p = sub.add_parser(
         "sweep",
         help="run a study (a grid of runs, parallel, resumable)",
@@ -138,8 +142,6 @@ def _add_executor(p: argparse.ArgumentParser) -> None:
 
 def _factors(text: str | None) -> tuple[float, ...]:
     """--extend / --lengths F1,F2 as numbers; a one-line error naming the form."""
-    from stalepipe.errors import UserError
-
     if not text:
         return ()
     try:
@@ -152,8 +154,6 @@ def _factors(text: str | None) -> tuple[float, ...]:
 
 def slurm_options(args: argparse.Namespace) -> object:
     """The --slurm-* flags as SlurmOptions (None when none is given)."""
-    from stalepipe.lab.sweeps.executors import SlurmOptions
-
     given = {
         "partition": args.slurm_partition,
         "account": args.slurm_account,
@@ -171,9 +171,7 @@ def slurm_options(args: argparse.Namespace) -> object:
 
 
 def cmd_sweep(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.lab.sweeps.grid import parse_set_args
-    from stalepipe.lab.sweeps.plan import sweep_main
-    from stalepipe.training.launch import task
+    from stalepipe.training.launch import task  # here: see cli/__init__.py
 
     if args.study == "toy":
         return cmd_toy(args, extra)
@@ -214,8 +212,7 @@ def _add_report(sub: Subparsers) -> None:
 
 
 def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.fileio import shown
-    from stalepipe.lab.analysis.report import write_report
+    from stalepipe.lab.analysis.report import write_report  # here: see cli/__init__.py
 
     out = write_report(args.runs, args.out, title=args.title)
     print(f"report written to {shown(out)}/report.md, report.html, summary.csv, runs.csv")
@@ -318,8 +315,6 @@ def _add_toy(sub: Subparsers) -> None:
 
 
 def cmd_toy(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.lab.studies.toy import toy_main
-
     out = getattr(args, "out", None) or "runs/toy"
     print(toy_main(out, steps=getattr(args, "steps", 500), seeds=getattr(args, "seeds", 3)))
     print(f"written to {out}/toy.md, toy.csv, toy.png")

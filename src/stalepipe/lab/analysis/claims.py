@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
+from stalepipe.config import ModelConfig
 from stalepipe.lab.analysis import stats
 from stalepipe.lab.analysis.regime import UNREAD, regime_check
 from stalepipe.lab.analysis.stats import fmt_p
@@ -120,6 +121,8 @@ def label(findings: list[Finding]) -> list[Claim]:
 
 def seed_gaps(row: Row) -> dict[int, float]:
     """Seed -> the row's final val loss minus its baseline's at that seed."""
+    # here, not at the top: results reads run directories (targets, records, rundir.status),
+    # and `sweep --help` imports this module through the studies
     from stalepipe.lab.analysis.results import seed_values
 
     if row.baseline is None:
@@ -159,8 +162,7 @@ def paper_size(optimizer: str, low: float, high: float, scale: str = "") -> str:
 def scale_of(row: Row) -> str:
     """'measured at 0.43M parameters and 2.5M tokens': the model size (all parameters) and
     tokens of `row`'s runs, which a "not reproduced" states ('' where its config lacks them)."""
-    from stalepipe.config import ModelConfig
-    from stalepipe.training.models.transformer import count_params
+    from stalepipe.training.models.transformer import count_params  # here: torch (--help)
 
     c = row.config
     try:

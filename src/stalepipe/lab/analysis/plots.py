@@ -14,7 +14,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from stalepipe.lab.analysis.results import Row, best_row, config_key
+from stalepipe.lab.analysis import overhead
+from stalepipe.lab.analysis.results import Row, best_row, config_key, val_curves
 from stalepipe.lazy import require
 from stalepipe.training.delay import DelaySchedule
 from stalepipe.training.delay.policies import never_delays, same_delay_at_any_depth
@@ -26,7 +27,7 @@ def pyplot() -> Any:
     matplotlib = require("matplotlib", "plots")
     matplotlib.use("Agg")
     matplotlib.rcParams["text.parse_math"] = False
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional (the plots extra): required above
 
     return plt
 
@@ -330,9 +331,6 @@ def overhead_plot(rows: list[Row], marks: int = 4) -> bytes | None:
     against tokens of it and its sync baseline, the band of targets shaded, and at `marks`
     targets of the band an arrow from T_sync(L) to T_delayed(L) labelled with the multiplier
     (a cross at the sync point where the delayed run never gets there)."""
-    from stalepipe.lab.analysis.overhead import mean_curve
-    from stalepipe.lab.analysis.results import val_curves
-
     items = overhead_panels(rows)
     if not items:
         return None
@@ -343,7 +341,7 @@ def overhead_plot(rows: list[Row], marks: int = 4) -> bytes | None:
         seeds = [p.seed for p in o.pairs]
         for row, style in ((base, dict(color="black", lw=1.4)), (r, dict(color="C3", lw=1.2))):
             curves = val_curves(row)
-            pts = mean_curve([curves[s] for s in seeds if s in curves])
+            pts = overhead.mean_curve([curves[s] for s in seeds if s in curves])
             if pts:
                 ax.plot(*zip(*pts), marker=".", ms=3, label=row.label, **style)
         _mark_multipliers(ax, o.mean_pair, marks)

@@ -24,6 +24,9 @@ import math
 import weakref
 from typing import TYPE_CHECKING
 
+from stalepipe.config import ExperimentConfig, upgrade_record
+from stalepipe.fileio import read_json_record
+
 if TYPE_CHECKING:
     from stalepipe.lab.analysis.results import Row, Run
 
@@ -64,8 +67,6 @@ def end_slope(losses: list[float]) -> float:
 def run_entropy(run: Run) -> float:
     """The unigram entropy of the tokens `run` trained on; nan when its data is not found."""
     # here, not at the top: the data package loads torch, and `--help` reads the claims
-    from stalepipe.config import ExperimentConfig, upgrade_record
-    from stalepipe.fileio import read_json_record
     from stalepipe.training.data.manifest import unigram_entropy
     from stalepipe.training.rundir.directory import locate_run_data
 

@@ -21,6 +21,7 @@ from stalepipe.lab.analysis.markdown import Block, md_code, to_html, to_markdown
 from stalepipe.lab.analysis.overhead import DEFAULT_RULE, Overhead
 from stalepipe.lab.analysis.results import Row, Run, build_rows, load_runs, missing_summary
 from stalepipe.lab.analysis.stats import Difference, fmt, fmt_ci, fmt_p, fmt_share
+from stalepipe.lab.analysis.targets import TARGET_NAMES
 from stalepipe.lab.studies.registry import declared_claims
 
 
@@ -69,8 +70,6 @@ def _p(d: Difference | None) -> float:
 def target_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
     """Per delayed configuration with a baseline: the token overhead at sync's final loss and
     at shares of its drop (`analysis.targets`)."""
-    from stalepipe.lab.analysis.targets import TARGET_NAMES
-
     header = [
         "configuration",
         "seeds",

@@ -89,6 +89,8 @@ def load_runs(root: str | Path) -> list[Run]:
 
 def _load_run(root: Path, d: Path) -> Run:
     """One run directory as the report reads it (`load_runs`)."""
+    # here, not at the top: metrics loads torch, and the sweep and `--dry-run` import this
+    # module torch-free
     from stalepipe.training.rundir.metrics import read_metrics
 
     config: dict[str, Any] = {}

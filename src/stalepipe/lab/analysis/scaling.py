@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from stalepipe.config import ModelConfig
 from stalepipe.errors import UserError
 from stalepipe.fileio import inside, read_json_record, read_record
 from stalepipe.lab.analysis.stats import t_quantile, t_sf_two_sided
@@ -253,7 +254,8 @@ class LadderRun:
 def ladder_runs(root: Path) -> list[LadderRun]:
     """The finished runs under `root` (config.json and the last metrics row; nothing else read,
     nothing unpickled) that scored the whole validation split."""
-    from stalepipe.config import ModelConfig
+    # here, not at the top: torch, and a verdict on measured costs imports this module
+    # torch-free (verdict.decision)
     from stalepipe.training.models.transformer import count_params
 
     out = []

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from stalepipe.config import ModelConfig
+from stalepipe.lab.sim.cluster import CLUSTERS
 from stalepipe.lab.sim.efficiency import CALIBRATION_SOURCE, block_size, curve
+from stalepipe.lab.sim.parallel import Workload, layout
 
 
 def gpt(h: int, heads: int, layers: int) -> ModelConfig:
@@ -88,9 +90,6 @@ CALIBRATION = tuple(megatron_layout(CALIBRATION_SOURCE, *row) for row in MEGATRO
 
 def timed(r: Layout, mfu: float | None, clusters: dict | None = None) -> float:
     """The cluster model's tokens/s per GPU of layout `r` at a fixed `mfu` (None: the curve)."""
-    from stalepipe.lab.sim.cluster import CLUSTERS
-    from stalepipe.lab.sim.parallel import Workload, layout
-
     c = (clusters or {}).get(r.cluster) or CLUSTERS[r.cluster]
     w = Workload(r.cfg, r.seq_len, r.batch, r.gpus, mfu)
     o = layout(w, c, tp=r.tp, stages=r.stages, schedule=r.schedule, microbatch=r.microbatch,

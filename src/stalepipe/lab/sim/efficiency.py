@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 
 from stalepipe.config import ModelConfig
+from stalepipe.training.models.transformer import block_flops
 
 CALIBRATION_SOURCE = "megatron-t1"
 # `sim.calibration.fit` rounded (tests/verdict/test_cluster_published.py checks they agree)
@@ -34,8 +35,6 @@ MODEL_ERROR_WORST = 3.577
 
 def block_size(cfg: ModelConfig, seq_len: int, tokens: float, tp: int = 1) -> float:
     """x: the per-GPU forward FLOPs of one (the first) block on a microbatch of `tokens`."""
-    from stalepipe.training.models.transformer import block_flops
-
     return tokens * block_flops(cfg, seq_len, 0) / max(1, tp)
 
 

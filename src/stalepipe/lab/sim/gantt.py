@@ -34,7 +34,7 @@ def plot_timelines(timelines: list[Timeline], path: str, *, title: str | None = 
     if not path.lower().endswith((".png", ".svg", ".pdf")):
         raise UserError(f"plot file must end in .png, .svg or .pdf, got {path!r}")
     require("matplotlib", "--plot").use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional (the plots extra): required above
 
     heights = [max(1.2, 0.32 * tl.schedule.num_ranks + 0.7) for tl in timelines]
     width = 14.0
@@ -116,7 +116,7 @@ def _draw_panel(ax: Any, tl: Timeline, horizon: float, pts_per_unit: float) -> s
 
 def _legend_handles(timelines: list[Timeline], kinds_used: set[str]) -> list[Any]:
     """One patch per action kind drawn (in COLORS order), plus the hatch of odd chunks."""
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch  # optional: plot_timelines required it
 
     handles = [Patch(color=COLORS[k], label=LABELS[k]) for k in COLORS if k in kinds_used]
     if any(tl.schedule.num_chunks > 1 for tl in timelines):

@@ -55,6 +55,7 @@ from stalepipe.lab.sim.workload import (
     pipeline_timing,
 )
 from stalepipe.training.delay.policies import never_delays, parse_policy
+from stalepipe.training.models.transformer import block_flops
 
 MAX_STAGES = 64
 ALWAYS_STAGES = 8  # depths searched always; deeper ones while no shallower one fits as it is
@@ -89,8 +90,6 @@ def effective_mfu(w: Workload, c: Cluster, tp: int, recompute: str, mb: int = 1)
     """The MFU a TP group runs a layer at on microbatches of `mb` sequences, with its TP
     traffic charged (and recomputation's, as a lower MFU over the whole step, where
     `recompute` is not 'none')."""
-    from stalepipe.training.models.transformer import block_flops
-
     tokens = mb * w.seq_len
     mfu = w.mfu_at(tokens, tp)  # the microbatch's shape (`sim.efficiency`)
     if tp <= 1 and recompute == "none":
@@ -216,8 +215,6 @@ def _timed(
 @functools.lru_cache(maxsize=256)
 def _blocks_flops(cfg: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs per token of all the model's blocks."""
-    from stalepipe.training.models.transformer import block_flops
-
     return float(sum(block_flops(cfg, seq_len, i) for i in range(cfg.num_layers)))
 
 

@@ -57,11 +57,22 @@ are `sim.cluster`'s `*_RANGE`; BI = BW = F):
 
 from __future__ import annotations
 
+import dataclasses
+
 from stalepipe.config import ConfigError
 from stalepipe.config.registry import PIPELINE_SCHEDULES
 from stalepipe.lab.sim.cluster import Cluster
-from stalepipe.lab.sim.hybrid import MAX_STAGES, _pipeline_device, pipelines
-from stalepipe.lab.sim.replicas import flat_options
+from stalepipe.lab.sim.hybrid import (
+    MAX_STAGES,
+    _hybrid,
+    _pipeline_device,
+    _placements,
+    _timed,
+    pipelines,
+    rank_memory,
+    tp_cluster,
+)
+from stalepipe.lab.sim.replicas import KINDS, flat_options, flat_step
 from stalepipe.lab.sim.workload import (
     GRAD_BYTES,
     PARAM_BYTES,
@@ -102,11 +113,6 @@ def layout(
     'stages in a node' placement); TP `tp`, microbatches of `microbatch` sequences and
     recomputation `recompute` as given, not searched. Raises ConfigError where the sizes do
     not split."""
-    import dataclasses
-
-    from stalepipe.lab.sim.hybrid import _hybrid, _placements, _timed, rank_memory, tp_cluster
-    from stalepipe.lab.sim.replicas import KINDS, flat_step
-
     n, limit = w.num_gpus // tp, c.memory_gb * 1e9
     if w.num_gpus % (tp * stages) or w.global_batch % (n // stages):
         raise ConfigError(f"{w.num_gpus} GPUs, batch {w.global_batch}: no TP {tp} x PP {stages}")

@@ -34,6 +34,7 @@ import math
 from stalepipe.config import ModelConfig
 from stalepipe.lab.sim.cluster import Cluster, collective_time, compute_time, trailing
 from stalepipe.lab.sim.memory import RECOMPUTE, gpu_memory
+from stalepipe.lab.sim.workload import Option, _units
 
 KINDS = {"dp": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "hsdp": 3}
 TP_DEGREES = (1, 2, 4, 8)
@@ -98,8 +99,6 @@ def flat_step(w, c: Cluster, kind: str, tp: int, b: int, recompute: str, ep: int
     `b` sequences, recomputation `recompute`, expert parallelism `ep` (FSDP, MoE: each GPU
     holds 1/ep of the routed experts, gathered over the n/ep GPUs holding the same ones, one a
     node, each on its own rail); `w` a `sim.workload.Workload`."""
-    from stalepipe.lab.sim.workload import _units
-
     units, n = _units(w.cfg, w.seq_len), w.num_gpus // tp
     routed = [experts(w.cfg, i) for i in range(len(units))]
     params = sum(p for p, _ in units)
@@ -185,8 +184,6 @@ def best_flat(w, c: Cluster, kind: str, tp: int, ep: int = 1) -> tuple | None:
 def flat_options(w, c: Cluster, kinds=tuple(KINDS)) -> list:
     """The best of each data-parallel kind at each TP degree, a larger degree only while the
     smaller needs recomputation or does not fit (`sim.workload.Option`s)."""
-    from stalepipe.lab.sim.workload import Option
-
     out = []
     for kind in kinds:
         for tp in tp_choices(c, w.num_gpus):

@@ -18,6 +18,7 @@ from stalepipe.config import ConfigError, ModelConfig
 from stalepipe.config.registry import PIPELINE_SCHEDULES
 from stalepipe.errors import UserError
 from stalepipe.hardware import Device, get_device
+from stalepipe.lab.sim.gantt import plot_timelines
 from stalepipe.lab.sim.models import model_config
 from stalepipe.lab.sim.table import LEGEND, format_stages, format_table
 from stalepipe.lab.sim.timing import (
@@ -308,8 +309,6 @@ def _write_outputs(
     returns the 'wrote ...' lines."""
     wrote = []
     if plot:
-        from stalepipe.lab.sim.gantt import plot_timelines
-
         plot_timelines(timelines, plot)
         wrote.append(f"wrote {plot}")
     if csv:

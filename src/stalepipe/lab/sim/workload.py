@@ -10,7 +10,9 @@ import functools
 from dataclasses import dataclass
 
 from stalepipe.config import ModelConfig
+from stalepipe.config.registry import PIPELINE_SCHEDULES
 from stalepipe.hardware import Device
+from stalepipe.lab.sim.efficiency import shape_mfu
 from stalepipe.lab.sim.memory import RankMemory, rank_memory
 from stalepipe.lab.sim.simulate import model_costs
 from stalepipe.lab.sim.steady import Plan, plan
@@ -30,8 +32,6 @@ def cluster_schedules(sync: bool) -> tuple[str, ...]:
     """The registered pipeline schedules the cluster model compares (`ScheduleSpec.cluster`),
     the synchronous ones or the others, in the registry's order: a schedule registered later
     is compared with no change here."""
-    from stalepipe.config.registry import PIPELINE_SCHEDULES
-
     return tuple(
         name
         for name, spec in PIPELINE_SCHEDULES.items()
@@ -58,12 +58,7 @@ class Workload:
     def mfu_at(self, tokens: float, tp: int = 1) -> float:
         """The MFU of a microbatch of `tokens` split `tp` ways: the given one, or the
         calibrated curve's (`sim.efficiency.shape_mfu`), times `mfu_scale`, at most 1."""
-        if self.mfu is None:
-            from stalepipe.lab.sim.efficiency import shape_mfu
-
-            base = shape_mfu(self.cfg, self.seq_len, tokens, tp)
-        else:
-            base = self.mfu
+        base = shape_mfu(self.cfg, self.seq_len, tokens, tp) if self.mfu is None else self.mfu
         return base if self.mfu_scale == 1.0 else min(1.0, base * self.mfu_scale)
 
 

@@ -27,6 +27,8 @@ def claim_gap_grows_with_delay(rows: list[Row]) -> list[Finding]:
     """Per optimizer: the gap of a uniform delay of N steps (fixed:N, 2bw as N = 1) rises with
     N (Spearman >= 0.8 and the longest delay's gap above the shortest's); the test: the
     longest delay's gap. Unreadable with fewer than three delays."""
+    # here, not at the top: plots reads runs (analysis.results), and `sweep --help` imports
+    # every study
     from stalepipe.lab.analysis import plots
 
     out = []

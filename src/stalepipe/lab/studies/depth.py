@@ -36,6 +36,8 @@ def claim_pipedream_gap_grows_with_depth(rows: list[Row]) -> list[Finding]:
     is a 2bw depth series) varies by less than a third of that rise; the test: the deepest
     gap. Unreadable with fewer than three depths (P = 1 counts: sync by definition): two
     points make any rank correlation +-1."""
+    # here, not at the top: plots reads runs (analysis.results), and `sweep --help` imports
+    # every study
     from stalepipe.lab.analysis import plots
 
     series = plots.gap_series(rows, "depth")

@@ -81,6 +81,7 @@ def claim_ef_recovers_gap(rows: list[Row]) -> list[Finding]:
     half recovered). The share: the seeds' mean of their shares with its t-interval
     (`results.recovered_shares`, one estimator for both); where the paper gives a size, whether
     that interval meets it is judged apart from the direction (`Finding.size`)."""
+    # here, not at the top: results reads run directories, and `sweep --help` imports every study
     from stalepipe.lab.analysis.results import recovered_shares, seed_values
 
     ef = [

@@ -39,6 +39,8 @@ def claim_momentum_shrinks_gap(rows: list[Row]) -> list[Finding]:
     """Per beta1 series of at least 3 points: the gap falls with beta1 (Spearman <= -0.8); the
     test: the gap at the highest beta1 against the lowest, per seed. Where the LR was swept
     too, each beta1 is read at its best LR on sync."""
+    # here, not at the top: plots reads runs (analysis.results), and `sweep --help` imports
+    # every study
     from stalepipe.lab.analysis import plots
 
     out = []

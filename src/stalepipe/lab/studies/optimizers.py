@@ -8,6 +8,7 @@ import math
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from stalepipe.config import OptimConfig
 from stalepipe.lab.analysis import stats
 from stalepipe.lab.analysis.claims import (
     HEADLINE_SEEDS,
@@ -33,8 +34,7 @@ def study_optimizers(scale: str) -> list[list[list[Bundle]]]:
 
 def _defaults(optimizer: str) -> Any:
     """The optimizer's resolved default OptimConfig."""
-    from stalepipe.config import OptimConfig
-    from stalepipe.training.optim import resolve_config
+    from stalepipe.training.optim import resolve_config  # here, not at the top: it imports torch
 
     return resolve_config(OptimConfig(name=optimizer))
 

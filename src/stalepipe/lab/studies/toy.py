@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stalepipe.fileio import csv_text, write_files
 from stalepipe.lazy import require
 
 if TYPE_CHECKING:  # imported where used: the studies' registry imports this module for --help
@@ -55,7 +56,7 @@ class ToyProblem:
 
 def make_problem(n: int = 16, kappa: float = 100.0, seeds: int = 3, seed: int = 0) -> ToyProblem:
     """Random orthogonal factors, prescribed spectrum; float64 for clean convergence curves."""
-    import torch
+    import torch  # here: torch (see the top)
 
     g = torch.Generator().manual_seed(seed)
     A, X = [], []
@@ -72,7 +73,7 @@ def make_problem(n: int = 16, kappa: float = 100.0, seeds: int = 3, seed: int = 
 def polar(M: torch.Tensor) -> torch.Tensor:
     """U V^T of M = U S V^T (the spectral-norm LMO direction; Muon approximates it with
     Newton-Schulz)."""
-    import torch
+    import torch  # here: torch (see the top)
 
     U, _, Vh = torch.linalg.svd(M, full_matrices=False)
     return U @ Vh
@@ -88,7 +89,7 @@ def run(
 ) -> torch.Tensor:
     """Relative suboptimality f(X_t) / f(X_0) per step: shape (len(etas), steps + 1), mean over
     the problem's seeds."""
-    import torch
+    import torch  # here: torch (see the top)
 
     assert variant in VARIANTS, variant
     eta = torch.tensor(etas, dtype=torch.float64).view(-1, 1, 1, 1)
@@ -162,7 +163,7 @@ def toy_plot(
 ) -> bytes:
     """Left: convergence at one step size per momentum; right: final f/f0 vs step size."""
     require("matplotlib", "the toy's plot").use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional (the plots extra): required above
 
     betas = sorted({b for b, _ in results})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -207,8 +208,7 @@ def toy_main(
     etas: tuple[float, ...] = DEFAULT_ETAS,
 ) -> str:
     """Run the toy study, write toy.md, toy.csv and toy.png under `out`, return the table."""
-    from stalepipe.fileio import csv_text, write_files
-    from stalepipe.lab.analysis.markdown import md_table
+    from stalepipe.lab.analysis.markdown import md_table  # here: off `sweep --help`
 
     results = toy_study(etas, steps=steps, seeds=seeds, n=n, kappa=kappa)
     header, body = toy_table(results, etas)

@@ -119,7 +119,7 @@ class SlurmOptions:
 def sbatch_script(out: Path, opts: SlurmOptions, num_runs: int) -> str:
     """The sbatch array script `--executor slurm` would submit for `num_runs` runs."""
     require("submitit", "--executor slurm")
-    from submitit.slurm.slurm import _make_sbatch_string
+    from submitit.slurm.slurm import _make_sbatch_string  # optional: required above
 
     folder = out / SUBMITIT_DIR / "%j"
     python = shlex.quote(sys.executable)

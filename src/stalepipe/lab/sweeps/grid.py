@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from stalepipe.config import ConfigError, ExperimentConfig, apply_overrides
+from stalepipe.config.overrides import parse_field
 from stalepipe.errors import UserError
+from stalepipe.fileio import flatten_dict
 from stalepipe.training.delay.policies import never_delays
 
 Bundle = tuple[str, dict[str, str]]  # (label used in run names, dotted overrides)
@@ -72,9 +74,6 @@ def select_runs(
     """The runs of `specs` that `--only KEY=V1,V2` (repeatable; all must hold) keep: those whose
     config has one of the values at KEY, compared as the config holds them (`optim.lr=1e-2`
     keeps a run at 0.01, `delay.ef=true` one with EF on). For running part of a study first."""
-    from stalepipe.config.overrides import parse_field
-    from stalepipe.fileio import flatten_dict
-
     if not only:
         return list(specs)
     wanted: list[tuple[str, list[Any]]] = []

@@ -8,12 +8,20 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stalepipe.config import ExperimentConfig
+from stalepipe.config import ExperimentConfig, apply_overrides
 from stalepipe.errors import UserError
 from stalepipe.lab.studies.registry import STUDIES, get_study
 from stalepipe.lab.studies.scales import CPU_SCALES, base_config
 from stalepipe.lab.sweeps.executors import EXECUTORS, SlurmOptions, check_slurm, sbatch_script
-from stalepipe.lab.sweeps.grid import RunSpec, dedupe, expand
+from stalepipe.lab.sweeps.grid import (
+    RunSpec,
+    check_overrides,
+    dedupe,
+    expand,
+    extend_delayed,
+    parse_grid_arg,
+    select_runs,
+)
 
 if TYPE_CHECKING:
     from stalepipe.lab.sweeps.sweep import Trainer
@@ -52,6 +60,8 @@ GPU_DEVICE, GPU_MFU = "h100", 0.4
 def estimate_gpu_seconds(specs: list[RunSpec], base: ExperimentConfig) -> float:
     """GPU-seconds of a sweep on `GPU_DEVICE` at `GPU_MFU`: each run's training FLOPs (the
     model's per-token count, attention included, times its tokens) over the device's peak."""
+    # here, not at the top: models loads torch, and `sweep --help` imports this module (the
+    # hardware table too: --help never estimates GPU time)
     from stalepipe.hardware import get_device
     from stalepipe.training.models import flops_per_token
 
@@ -113,13 +123,8 @@ def sweep_main(
     the number of failed runs; `trainer` trains each run (`sweep.Trainer`). `fixed` overrides apply to every run (e.g. train.num_steps);
     `only` (`--only KEY=V1,V2`) keeps the runs that match (`grid.select_runs`); `executor`
     and `slurm` say where the runs execute (`sweeps/executors.py`)."""
-    from stalepipe.config import apply_overrides
-    from stalepipe.lab.sweeps.grid import (
-        check_overrides,
-        extend_delayed,
-        parse_grid_arg,
-        select_runs,
-    )
+    # here, not at the top: the sweep (its workers, multiprocessing, the results reader) is
+    # ~45 ms that `sweep --help` would pay for nothing
     from stalepipe.lab.sweeps.sweep import main_progress_stream, run_sweep
 
     log = log or main_progress_stream()
@@ -198,7 +203,7 @@ def _default_workers(fixed: dict[str, str], study: str | None, scale: str) -> in
     base = get_study(study).base(scale) if study else base_config(scale)
     if fixed.get("train.device", base.train.device) != "cuda":
         return 1
-    import torch
+    import torch  # here: torch, and `sweep --help` imports this module
 
     return max(torch.cuda.device_count(), 1)
 
@@ -214,6 +219,7 @@ def _dry_run(
 ) -> int:
     """`stalepipe sweep --dry-run`: each run's status and overrides, and the CPU time left;
     returns how many runs it would run."""
+    # here: the sweep and the lease (socket, threading) stay off `sweep --help` (see sweep_main)
     from stalepipe.lab.sweeps.sweep import plan_status
     from stalepipe.training.rundir.lease import live_owner
 

@@ -29,13 +29,17 @@ from stalepipe.errors import EXIT_LEASED, EXIT_PREEMPTED, Preempted
 from stalepipe.fileio import (
     MARKER,
     check_removable,
+    flatten_dict,
     make_owned_dir,
     read_json_record,
     remove_owned_dir,
     write_json_atomic,
 )
+from stalepipe.lab.analysis.results import config_key
+from stalepipe.lab.sweeps.executors import run_array
 from stalepipe.lab.sweeps.grid import RunSpec
 from stalepipe.lab.sweeps.workers import gpu_slots, run_spawned
+from stalepipe.training.rundir.lease import live_owner
 from stalepipe.training.rundir.status import ERROR_FILE, SPEC_FILE, run_status, write_error
 
 SWEEP_KIND = "sweep"  # the kind in a sweep directory's marker
@@ -76,14 +80,13 @@ def run_identity(flat: dict[str, Any]) -> tuple:
     """What makes two runs one run: the configuration as the report groups it
     (`results.config_key`: names, logging knobs and settings at their defaults left out) and
     the seeds. A flattened config as train() records it (optimizer defaults resolved)."""
-    from stalepipe.lab.analysis.results import config_key
-
     return config_key(flat), json.dumps(flat.get("train.seed")), json.dumps(flat.get("data.seed"))
 
 
 def _recorded(cfg: ExperimentConfig) -> dict[str, Any]:
     """`cfg` flattened as train() writes it to config.json (optimizer defaults resolved)."""
-    from stalepipe.fileio import flatten_dict  # here, not at the top: it imports torch
+    # here, not at the top (torch, the rundir readers below too): the sweep's planning and
+    # `--dry-run` import this module torch-free; what resumes or runs a run loads them
     from stalepipe.training.optim import resolve_config
 
     return flatten_dict(dataclasses.replace(cfg, optim=resolve_config(cfg.optim)).to_dict())
@@ -91,8 +94,6 @@ def _recorded(cfg: ExperimentConfig) -> dict[str, Any]:
 
 def _saved(run_dir: Path) -> dict[str, Any] | None:
     """The run's config.json, upgraded and flattened; None when absent or unreadable."""
-    from stalepipe.fileio import flatten_dict
-
     try:  # no link out of the run (LinkError)
         return flatten_dict(upgrade_record(read_json_record(run_dir, run_dir / "config.json")))
     except (OSError, ValueError):
@@ -159,7 +160,7 @@ def _changed_keys(run_dir: Path, cfg: ExperimentConfig) -> list[str]:
     """Config keys whose saved value (config.json) differs from `cfg` (optimizer defaults
     resolved as train() records them; keys the saved file lacks, e.g. added later, and fields
     that do not change the trajectory are ignored)."""
-    from stalepipe.training.rundir.resume import RESUMABLE_CHANGES
+    from stalepipe.training.rundir.resume import RESUMABLE_CHANGES  # here: torch (see _recorded)
 
     saved = _saved(run_dir)
     if saved is None:
@@ -178,7 +179,7 @@ def _read_error(run_dir: Path) -> str:
 
 def _prepare_data(cfgs: list[ExperimentConfig]) -> None:
     """Prepare each distinct corpus once, before the workers start (they would all wait)."""
-    from stalepipe.training.data import ensure_prepared
+    from stalepipe.training.data import ensure_prepared  # here: torch (see _recorded)
 
     seen = set()
     for cfg in cfgs:
@@ -238,8 +239,6 @@ def run_sweep(
     _write_spec_files(out, specs, [s for s, _ in todo])
     progress = _Progress(out, res, len(todo), workers, log)
     if executor != "local" and todo:
-        from stalepipe.lab.sweeps.executors import run_array
-
         tasks = [(spec, cfg.to_dict(), threads) for spec, cfg in todo]
         run_array(executor, out, slurm, trainer.run_task, tasks, progress.done, log, workers)
     elif workers <= 1:
@@ -271,7 +270,7 @@ def _gpus_for(cfgs: list[ExperimentConfig]) -> int:
     `cuda` (an explicit `cuda:N` is the user's choice), else 0."""
     if not cfgs or any(c.train.device != "cuda" for c in cfgs):
         return 0
-    import torch
+    import torch  # here: torch (see _recorded)
 
     return torch.cuda.device_count()
 
@@ -287,8 +286,7 @@ def _plan(
     config), repeats of another run (`plan_status`) and failed ones not retried go into
     `res`. A failed run to retry, and one that stopped before its first checkpoint, is
     deleted (it starts over)."""
-    from stalepipe.training.rundir.directory import RUN_ENTRIES, RUN_KIND
-    from stalepipe.training.rundir.lease import live_owner
+    from stalepipe.training.rundir.directory import RUN_ENTRIES, RUN_KIND  # here: torch
 
     todo = []
     for p in plan_status(specs, base, out):
@@ -314,6 +312,7 @@ def _plan(
 
 def _stopped_before_checkpoint(run_dir: Path) -> bool:
     """A run that trained some steps but wrote no checkpoint: --resume cannot continue it."""
+    # here: torch (see _recorded)
     from stalepipe.training.rundir.checkpoint import latest_checkpoint
     from stalepipe.training.rundir.directory import run_state
 
@@ -324,7 +323,7 @@ def remove_sweep_dir(out: Path) -> None:
     """Delete the sweep directory `out` (NotOwnedError, nothing deleted, unless every part is
     stalepipe's): marked as a sweep, each subdirectory a run directory `remove_owned_dir`
     may delete or the report, and nothing else at its top."""
-    from stalepipe.training.rundir.directory import RUN_ENTRIES, RUN_KIND
+    from stalepipe.training.rundir.directory import RUN_ENTRIES, RUN_KIND  # here: torch
 
     allowed = [".*.deleting-*", ".submitit"]  # an interrupted deletion; submitit's job files
     for child in sorted(out.iterdir()):
@@ -347,7 +346,7 @@ def _is_report_file(path: Path) -> bool:
 def _write_spec_files(out: Path, specs: Sequence[RunSpec], todo: list[RunSpec]) -> None:
     """sweep.json in every run directory that exists or is about to: it lets the report label
     runs the way the sweep named them, and list planned runs not started yet."""
-    from stalepipe.training.rundir.directory import RUN_KIND
+    from stalepipe.training.rundir.directory import RUN_KIND  # here: torch (see _recorded)
 
     for spec in specs:
         d = out / spec.name
@@ -398,7 +397,7 @@ class _Progress:
 
 
 def _final_val(run_dir: Path) -> float:
-    from stalepipe.training.rundir.metrics import read_metrics
+    from stalepipe.training.rundir.metrics import read_metrics  # here: torch (see _recorded)
 
     vals = [r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r]
     return vals[-1] if vals else math.nan

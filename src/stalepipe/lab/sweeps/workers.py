@@ -8,6 +8,7 @@ loses that job only. `kill PID` (SIGTERM) or Ctrl-C stops the running workers to
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -40,8 +41,6 @@ class _Worker:
 def _child(conn: Any, fn: Callable[..., Any], args: tuple, env: dict[str, str]) -> None:
     """Worker body: run `fn(*args)` under `env` (added to the environment) and send ("ok",
     result) or ("error", exception) back."""
-    import os
-
     os.environ.update(env)
     try:
         result = fn(*args)
@@ -133,8 +132,6 @@ def gpu_slots(num_gpus: int) -> Callable[[int], dict[str, str]] | None:
     run's `cuda` is its slot's GPU, so `--workers 8` on an 8-GPU node puts one run on each."""
     if num_gpus < 1:
         return None
-    import os
-
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [d for d in visible.split(",") if d] if visible else [str(i) for i in range(num_gpus)]
     return lambda slot: {"CUDA_VISIBLE_DEVICES": ids[slot % len(ids)]}

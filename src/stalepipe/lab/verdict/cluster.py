@@ -11,17 +11,32 @@ interval carried through.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from stalepipe.config.registry import PIPELINE_SCHEDULES
 from stalepipe.errors import UserError
 from stalepipe.fileio import csv_text
 from stalepipe.lab.analysis.plots import png_bytes, pyplot
-from stalepipe.lab.sim.efficiency import MODEL_ERROR, MODEL_ERROR_WORST
+from stalepipe.lab.sim.cluster import (
+    MFU_RANGE,
+    OVERLAP_COST_RANGE,
+    assumption_corners,
+    get_cluster,
+    link_efficiency_range,
+)
+from stalepipe.lab.sim.efficiency import E_MAX, MODEL_ERROR, MODEL_ERROR_WORST, X_HALF
+from stalepipe.lab.sim.parallel import Workload, all_options, best, cluster_schedules
+from stalepipe.lab.sim.replicas import KINDS
 from stalepipe.lab.verdict.rule import Verdict, call, time_to_target, widen
-from stalepipe.lab.verdict.throughput import ScheduleThroughput, Throughputs
+from stalepipe.lab.verdict.throughput import ScheduleThroughput, Throughputs, model_shape
 from stalepipe.training.delay.policies import PAPER_ASYNC, never_delays
+from stalepipe.training.models.transformer import count_params
 
 ASYNC = PAPER_ASYNC  # the asynchronous schedule of the map (delay.policies)
 MAP_GBPS = (12.5, 25.0, 50.0, 100.0, 200.0, 400.0, 800.0)
@@ -44,8 +59,6 @@ class Setting:
     mfu: float | None  # None: by shape (sim.efficiency)
 
     def workload(self, gpus: int | None = None, batch: int | None = None) -> Any:
-        from stalepipe.lab.sim.parallel import Workload
-
         return Workload(
             self.cfg, self.seq_len, batch or self.global_batch, gpus or self.gpus, self.mfu
         )
@@ -83,9 +96,6 @@ def setting(
     inter_node_gbps: float | None = None,
 ) -> Setting:
     """The setting from the CLI's flags; one-line UserError (ConfigError) naming the fix."""
-    from stalepipe.lab.sim.cluster import get_cluster
-    from stalepipe.lab.verdict.throughput import model_shape
-
     c = get_cluster(cluster, inter_node_gbps)
     name = model or "smollm-360m"
     cfg, own_len, own_batch = model_shape(name)
@@ -151,8 +161,6 @@ def _window(a: Any, options: list[Any]) -> Any:
     """The flushed rate of asynchronous option `a` in a sync window: its schedule's flushed
     order (`ScheduleSpec.flushed`: 1F1B for 2BW) on its P, replicas and sharing (else the
     fastest fitting one of that schedule)."""
-    from stalepipe.config.registry import PIPELINE_SCHEDULES
-
     name = PIPELINE_SCHEDULES[a.schedule].flushed
     flushed = [o for o in options if o.schedule == name and o.fits]
     same = [
@@ -163,8 +171,6 @@ def _window(a: Any, options: list[Any]) -> Any:
 
 def _best_row(mine: list[Any], options: list[Any], stages: int | None = None) -> ScheduleThroughput:
     """The fastest fitting of `mine`, else the one nearest to fitting (marked as not fitting)."""
-    from stalepipe.lab.sim.parallel import best
-
     top = best(mine, mine[0].policy) or min(mine, key=lambda o: o.peak_memory)
     return _row(top, options, stages)
 
@@ -173,13 +179,9 @@ def throughputs(s: Setting) -> tuple[Throughputs, list[Any]]:
     """One row per kind of synchronous contender (dp, zero1, zero2, fsdp, hsdp, each pipeline
     schedule, its best configuration over TP, P, D, placement), 2BW's best over P, PipeDream's best at each P (its
     delay grows with P: a run is judged at its own P), and every option timed."""
-    from stalepipe.lab.sim.parallel import all_options, best, cluster_schedules
-
     asyncs = cluster_schedules(sync=False)  # 2bw, pipedream: the registry's, in its order
     options = all_options(s.workload(), s.cluster, asyncs)
     rows = []
-    from stalepipe.lab.sim.replicas import KINDS
-
     for name in (*KINDS, *cluster_schedules(sync=True), ASYNC):
         mine = [o for o in options if o.schedule == name]
         if mine:
@@ -208,8 +210,6 @@ def throughputs(s: Setting) -> tuple[Throughputs, list[Any]]:
     low, high = with_model_error(low, high)
     short = f"{s.model} on {s.gpus} x {c.name}, global batch {s.global_batch} (cluster model)"
     rate = window.tokens_per_s if window else math.nan
-    from stalepipe.training.models.transformer import count_params
-
     target = count_params(s.cfg)["non_embedding"]
     tp = Throughputs(rows, rate, a and a.stages, lines, short, (low, high), target, MODEL_ERROR)
     return tp, options
@@ -217,12 +217,10 @@ def throughputs(s: Setting) -> tuple[Throughputs, list[Any]]:
 
 def mfu_text(s: Setting) -> str:
     """How the compute efficiency is set: the user's one MFU, or the calibrated curve."""
-    from stalepipe.lab.sim import efficiency as e
-
     if s.mfu is not None:
         return f"{s.mfu:.2f} for every configuration (--mfu)"
     return (
-        f"by matmul size, {e.E_MAX:.3f} x / (x + {e.X_HALF:.3g}) with x a block's FLOPs per "
+        f"by matmul size, {E_MAX:.3f} x / (x + {X_HALF:.3g}) with x a block's FLOPs per "
         f"microbatch and GPU (sim/efficiency.py, fitted on Narayanan et al. Table 1)"
     )
 
@@ -235,8 +233,6 @@ def with_model_error(low: float, high: float) -> tuple[float, float]:
 
 def edge(options: list[Any]) -> float:
     """2BW's throughput edge: its fastest fitting option over the fastest synchronous one."""
-    from stalepipe.lab.sim.parallel import best
-
     a, s = best(options, ASYNC), best(options)
     return a.tokens_per_s / s.tokens_per_s if a and s else math.nan
 
@@ -244,9 +240,6 @@ def edge(options: list[Any]) -> float:
 def edge_range(w: Any, c: Any, options: list[Any]) -> tuple[float, float]:
     """The edge's lowest and highest value over the corners of the assumptions' ranges
     (`sim.cluster.assumption_corners`), over its value at the central ones (`options`)."""
-    from stalepipe.lab.sim.cluster import assumption_corners
-    from stalepipe.lab.sim.parallel import all_options
-
     central = edge(options)
     if not math.isfinite(central):
         return 1.0, 1.0
@@ -257,12 +250,10 @@ def edge_range(w: Any, c: Any, options: list[Any]) -> tuple[float, float]:
 
 def assumptions_line(s: Setting, low: float, high: float, central: float) -> str:
     """The 'inputs' line naming each assumption's central value and range, and the edge's."""
-    from stalepipe.lab.sim import cluster as cl
-
-    m = "-".join(f"{f:.2f}" for f in cl.MFU_RANGE)
+    m = "-".join(f"{f:.2f}" for f in MFU_RANGE)
     mfu = f"{s.mfu:.2f} (x{m})" if s.mfu is not None else f"by shape (x{m})"
-    eff = "-".join(f"{x:.2f}" for x in cl.link_efficiency_range(s.cluster))
-    cost = "-".join(f"{x:.2f}" for x in cl.OVERLAP_COST_RANGE)
+    eff = "-".join(f"{x:.2f}" for x in link_efficiency_range(s.cluster))
+    cost = "-".join(f"{x:.2f}" for x in OVERLAP_COST_RANGE)
     e = MODEL_ERROR
     return (
         f"assumptions (central, range): MFU {mfu}, link efficiency "
@@ -299,10 +290,6 @@ def crossover_map(s: Setting, workers: int | None = None) -> list[Cell]:
     a cell where the batch is below the GPU count, or the GPU count is not whole nodes, is left
     out. The (GPU count, batch) rows run in `workers` processes (default: the CPUs, at most 8;
     forked, so the pipeline timings cached so far come along)."""
-    import multiprocessing
-    import os
-    from concurrent.futures import ProcessPoolExecutor
-
     g = int(s.cluster.gpus_per_node)
     gpus = sorted(
         {n for f in MAP_GPUS if (n := int(s.gpus * f)) >= 1 and (n % g == 0 or g % n == 0)}
@@ -319,10 +306,6 @@ def crossover_map(s: Setting, workers: int | None = None) -> list[Cell]:
 
 def _map_row(row: tuple[Setting, int, int]) -> list[Cell]:
     """The map's cells of one GPU count and global batch, at every inter-node bandwidth."""
-    import dataclasses
-
-    from stalepipe.lab.sim.parallel import all_options, best
-
     s, n, b = row
     cells = []
     for bw in sorted({*MAP_GBPS, s.cluster.inter_node_gbps}):

@@ -21,6 +21,7 @@ import math
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
+from stalepipe.config import ExperimentConfig, upgrade_record
 from stalepipe.errors import UserError
 from stalepipe.fileio import read_json_record, write_files
 from stalepipe.lab.analysis import plots
@@ -56,6 +57,7 @@ from stalepipe.lab.verdict.throughput import (
     load_costs,
     simulated,
 )
+from stalepipe.training.delay import DelaySchedule
 from stalepipe.training.delay.policies import never_delays
 
 
@@ -73,9 +75,6 @@ def _label(row: Row) -> str:
 def sync_window_share(row: Row) -> float:
     """Share of the run's steps with tau = 0 (delay.sync_start / sync_cooldown windows, the
     WSD-aligned cooldown included), from its first run's config.json."""
-    from stalepipe.config import ExperimentConfig, upgrade_record
-    from stalepipe.training.delay import DelaySchedule
-
     run_dir = row.runs[0].path
     record = read_json_record(run_dir, run_dir / "config.json")  # no link out of the run
     cfg = ExperimentConfig.from_dict(upgrade_record(record), strict=False)
@@ -218,6 +217,8 @@ def run_verdict(
     crossover map, and verdict_map.csv) into `out` (default SWEEP_DIR/verdict). Bad input
     raises UserError before anything is written."""
     sweep_dir = Path(sweep_dir)
+    # here, not at the top: the cluster model (sim) loads torch, and a verdict on measured
+    # costs (--costs) needs none
     from stalepipe.lab.verdict.cluster import check_modes
 
     check_modes(model, costs, cluster, stages, microbatches, gpus, global_batch, inter_node_gbps)
@@ -226,7 +227,7 @@ def run_verdict(
     rows = _rows_of(sweep_dir)
     where = None
     if cluster is not None:
-        from stalepipe.lab.verdict import cluster as cv
+        from stalepipe.lab.verdict import cluster as cv  # here: torch (see above)
 
         where = cv.setting(model, cluster, gpus, global_batch, mfu=mfu, seq_len=seq_len,
                            inter_node_gbps=inter_node_gbps)  # fmt: skip
@@ -253,7 +254,7 @@ def _write(r: VerdictReport, title: str, where: object, within: Path | None) -> 
     written through a link (`fileio.write_files`; `within`: the sweep, for the default out)."""
     files: dict[str, str | bytes] = {"verdict.csv": verdict_csv(r.verdicts, r.throughputs)}
     if where is not None:
-        from stalepipe.lab.verdict import cluster as cv
+        from stalepipe.lab.verdict import cluster as cv  # here: torch (run_verdict)
 
         cells, shown = cv.crossover_map(where), cv.headline(r.verdicts)  # type: ignore[arg-type]
         files["verdict_map.csv"] = cv.map_csv(cells, shown)

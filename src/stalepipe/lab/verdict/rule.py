@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stalepipe.config import ModelConfig
 from stalepipe.lab.analysis.overhead import Overhead
 from stalepipe.lab.analysis.results import Row
 from stalepipe.lab.analysis.targets import TargetOverhead
@@ -240,7 +241,8 @@ def at_size(v: Verdict, verdict: str) -> str:
 
 def model_params(config: dict[str, object]) -> dict[str, int]:
     """`models.transformer.count_params` of a run's model, from its flattened config."""
-    from stalepipe.config import ModelConfig
+    # here, not at the top: torch, and every verdict imports this module; one on measured
+    # costs (--costs) loads none
     from stalepipe.training.models.transformer import count_params
 
     fields = {k[6:]: v for k, v in config.items() if k.startswith("model.")}

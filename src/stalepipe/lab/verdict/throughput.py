@@ -33,6 +33,9 @@ from typing import Any
 
 from stalepipe.config.registry import PIPELINE_SCHEDULES
 from stalepipe.errors import UserError
+from stalepipe.hardware import get_device
+from stalepipe.lab.sim.models import model_config
+from stalepipe.presets import PRESETS
 from stalepipe.training.delay.policies import PAPER_ASYNC, never_delays, same_delay_at_any_depth
 
 SIM_STEPS = 8
@@ -152,9 +155,6 @@ def async_schedule(policy: str) -> str | None:
 def model_shape(name: str) -> tuple[Any, int, int]:
     """The model shape of `name`, its sequence length and global batch in sequences (a
     training preset's own; a simulator shape's context and 512)."""
-    from stalepipe.lab.sim.models import model_config
-    from stalepipe.presets import PRESETS
-
     cfg = model_config(name)
     if name in PRESETS:
         preset = PRESETS[name]()
@@ -177,6 +177,8 @@ def simulate_all(
     """The simulator's `compare_schedules` (sim/simulate.py) for `cfg` on `device`: steady
     tokens/s and bubble, peak memory per rank, whether it fits the device's memory; with
     `sync_steps` the first steps of an asynchronous schedule run synchronously."""
+    # here, not at the top: the simulator loads torch, and every verdict imports this module;
+    # one on measured costs (--costs) loads none
     from stalepipe.lab.sim.simulate import compare_schedules
 
     rows = compare_schedules(
@@ -218,8 +220,7 @@ def simulated(
 ) -> Throughputs:
     """Every schedule of the simulator for `model` on `device` at P = `num_stages`,
     m = `num_microbatches`; bad names or sizes raise UserError (ConfigError)."""
-    from stalepipe.hardware import get_device
-    from stalepipe.training.models.transformer import count_params
+    from stalepipe.training.models.transformer import count_params  # here: torch (simulate_all)
 
     if num_stages < 1 or num_microbatches < 1 or microbatch_size < 1:
         raise UserError("--stages, --microbatches and --microbatch-size must be >= 1")
