@@ -22,9 +22,15 @@ def gpt(h: int, heads: int, layers: int) -> ModelConfig:
     the same 12 h^2 parameters and 24 h^2 matmul FLOPs per token a block (three MLP matmuls
     instead of two)."""
     return ModelConfig(
-        vocab_size=51200, dim=h, num_layers=layers, num_heads=heads, num_kv_heads=heads,
-        ffn_dim=round(8 * h / 3), max_seq_len=2048, tie_embeddings=True,
-    )  # fmt: skip
+        vocab_size=51200,
+        dim=h,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=heads,
+        ffn_dim=round(8 * h / 3),
+        max_seq_len=2048,
+        tie_embeddings=True,
+    )
 
 
 def megatron_tokens_per_s(tflops: float, h: int, layers: int, s: int = 2048, v: int = 51200):
@@ -76,8 +82,18 @@ MEGATRON_TABLE1 = (
 )
 
 
-def megatron_layout(source: str, size: float, heads: int, h: int, layers: int, tp: int, pp: int,
-                    gpus: int, batch: int, tflops: float) -> Layout:  # fmt: skip
+def megatron_layout(
+    source: str,
+    size: float,
+    heads: int,
+    h: int,
+    layers: int,
+    tp: int,
+    pp: int,
+    gpus: int,
+    batch: int,
+    tflops: float,
+) -> Layout:
     what = f"GPT {size:g}B, TP {tp} x PP {pp} x DP {gpus // (tp * pp)}, {gpus} A100, batch {batch}"
     return Layout(
         source, what, gpt(h, heads, layers), 2048, "a100-ib", gpus, batch, tp, pp,
@@ -92,8 +108,15 @@ def timed(r: Layout, mfu: float | None, clusters: dict | None = None) -> float:
     """The cluster model's tokens/s per GPU of layout `r` at a fixed `mfu` (None: the curve)."""
     c = (clusters or {}).get(r.cluster) or CLUSTERS[r.cluster]
     w = Workload(r.cfg, r.seq_len, r.batch, r.gpus, mfu)
-    o = layout(w, c, tp=r.tp, stages=r.stages, schedule=r.schedule, microbatch=r.microbatch,
-               recompute=r.recompute)  # fmt: skip
+    o = layout(
+        w,
+        c,
+        tp=r.tp,
+        stages=r.stages,
+        schedule=r.schedule,
+        microbatch=r.microbatch,
+        recompute=r.recompute,
+    )
     return o.tokens_per_s / r.gpus
 
 

@@ -153,9 +153,15 @@ def flat_memory(w, c: Cluster, kind: str, tp: int, b: int, recompute: str, ep: i
     n, zero = w.num_gpus // tp, KINDS[kind]
     shard = min(n, int(c.gpus_per_node) // tp) if kind == "hsdp" else n
     return gpu_memory(
-        w.cfg, seq_len=w.seq_len, microbatch=b, tp=tp, dp=shard if zero == 3 else n,
-        zero=zero, recompute=recompute, ep=ep,
-    ).total  # fmt: skip
+        w.cfg,
+        seq_len=w.seq_len,
+        microbatch=b,
+        tp=tp,
+        dp=shard if zero == 3 else n,
+        zero=zero,
+        recompute=recompute,
+        ep=ep,
+    ).total
 
 
 def best_flat(w, c: Cluster, kind: str, tp: int, ep: int = 1) -> tuple | None:
@@ -214,7 +220,7 @@ def flat_options(w, c: Cluster, kinds=tuple(KINDS)) -> list:
                         tp,
                         mode,
                         ep,
-                    )  # fmt: skip
+                    )
                 )
     return [o for o in out if math.isfinite(o.tokens_per_s)]
 

@@ -229,16 +229,30 @@ def run_verdict(
     if cluster is not None:
         from stalepipe.lab.verdict import cluster as cv  # here: torch (see above)
 
-        where = cv.setting(model, cluster, gpus, global_batch, mfu=mfu, seq_len=seq_len,
-                           inter_node_gbps=inter_node_gbps)  # fmt: skip
+        where = cv.setting(
+            model,
+            cluster,
+            gpus,
+            global_batch,
+            mfu=mfu,
+            seq_len=seq_len,
+            inter_node_gbps=inter_node_gbps,
+        )
         tp, _ = cv.throughputs(where)
     elif costs is not None:
         tp = load_costs(costs)
     else:
         assert model is not None
         P, m = 8 if stages is None else stages, 16 if microbatches is None else microbatches
-        tp = simulated(model, device, P, m, mfu=0.4 if mfu is None else mfu, seq_len=seq_len,
-                       microbatch_size=microbatch_size)  # fmt: skip
+        tp = simulated(
+            model,
+            device,
+            P,
+            m,
+            mfu=0.4 if mfu is None else mfu,
+            seq_len=seq_len,
+            microbatch_size=microbatch_size,
+        )
     verdicts, skipped = judge_sweep(rows, tp, fit)
     if not verdicts:
         raise UserError(f"no verdict for any configuration in {sweep_dir}: " + "; ".join(skipped))
