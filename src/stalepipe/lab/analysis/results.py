@@ -98,7 +98,8 @@ def _load_run(root: Path, d: Path) -> Run:
         with contextlib.suppress(ValueError):  # unreadable: the run has no configuration
             config = flatten_dict(upgrade_record(read_json_record(root, d / "config.json")))
     spec = read_spec(root, d)
-    status = run_status(d)
+    read = functools.cache(lambda: read_metrics(d))  # the status and the curves: parsed once
+    status = run_status(d, metrics=read)
     if status == "partial" and not inside(root, d / "metrics.jsonl").exists():
         status = "missing"  # planned by the sweep, not started
     run = Run(
@@ -106,7 +107,7 @@ def _load_run(root: Path, d: Path) -> Run:
     )
     if run.seed is None and config:
         run.seed = seed_or_none(config.get("train.seed"))
-    records = read_metrics(d)
+    records = read()
     wrong = wrong_value(records)
     if wrong:
         warn(

@@ -8,6 +8,7 @@ runs to read) ask it, so it lives below both.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from stalepipe.config import upgrade_record
@@ -18,7 +19,9 @@ SPEC_FILE = "sweep.json"  # the sweep's record of a planned run (name, group, ov
 RUN_KIND = "run"  # the kind in a run directory's marker (fileio.MARKER)
 
 
-def run_status(run_dir: Path, steps: int | None = None) -> str:
+def run_status(
+    run_dir: Path, steps: int | None = None, metrics: Callable[[], list[dict]] | None = None
+) -> str:
     """'finished', 'failed', 'partial' (started, resumable) or 'missing'.
 
     Finished is read from the run's records alone, so a run directory committed or copied
@@ -27,7 +30,9 @@ def run_status(run_dir: Path, steps: int | None = None) -> str:
     and its evaluation, so a run stopped by a signal (it ends at an earlier step), a crash
     before the end, or a torn last line (skipped) never reads as finished; a crash after it
     writes error.json, which wins. The final checkpoint, when present, also counts (it is
-    written after that line). `steps` defaults to the run's own config.json."""
+    written after that line). `steps` defaults to the run's own config.json; `metrics` reads
+    the run's records (default `read_metrics`; a reader that needs them too passes its own
+    cached one, so the file is parsed once)."""
     # here, not at the top: both load torch, and the lab's sweep and analysis read run status
     # torch-free through this module
     from stalepipe.training.rundir.checkpoint import checkpoint_path
@@ -46,7 +51,7 @@ def run_status(run_dir: Path, steps: int | None = None) -> str:
             return "partial" if any(run_dir.iterdir()) else "missing"
     if checkpoint_path(run_dir, steps).exists():
         return "finished"
-    records = read_metrics(run_dir)
+    records = metrics() if metrics is not None else read_metrics(run_dir)
     if records and records[-1].get("step") == steps - 1 and "val_loss" in records[-1]:
         return "finished"
     return "partial" if any(run_dir.iterdir()) else "missing"
