@@ -1,4 +1,5 @@
-"""Data-parallel emulator under torchrun (2 gloo ranks) == one process with the same global batch."""
+"""Data-parallel emulator on 2 gloo ranks (torchrun, and the test pool started as torchrun starts
+its workers) == one process with the same global batch."""
 
 from __future__ import annotations
 
@@ -56,11 +57,13 @@ def _cfg(tiny_config, name, policy, ef):
     )
 
 
-def test_two_ranks_equal_one_process(tiny_config, tmp_path):
-    """sync; 2bw with EF is the next test's uninterrupted 2-rank run (one torchrun fewer)."""
+def test_two_ranks_equal_one_process(tiny_config, pool):
+    """sync, 2 ranks on env:// as torchrun starts them, on the test pool (the next test runs
+    torchrun itself, twice: a whole torchrun here would pay three more interpreters); 2bw with
+    EF is the next test's uninterrupted 2-rank run."""
     single = train(_cfg(tiny_config, "single-sync", "sync", False), verbose=False)
     dp = _cfg(tiny_config, "dp-sync", "sync", False)
-    _torchrun(dp, tmp_path)
+    pool.run(train, (dp,), 2, timeout_s=240)
     run_dir = f"{dp.out_dir}/{dp.name}"
     meta = json.loads(Path(run_dir, "meta.json").read_text())
     assert meta["data_parallel_ranks"] == 2
@@ -71,8 +74,8 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_alike_then_resumes(tiny_conf
     """torchrun forwards SIGTERM to its workers: they agree on a step (one all-reduce of the
     request bits), rank 0 writes the checkpoint, and a resumed run ends where one process
     ends (up to data-parallel rounding). 2bw with EF: the uninterrupted 2-rank run (on the
-    test pool: the previous test ran torchrun uninterrupted) equals one process, and the 2-rank
-    checkpoint resumes on 1 rank too."""
+    test pool, as the previous test's) equals one process, and the 2-rank checkpoint resumes
+    on 1 rank too."""
     import signal
     import time
 
