@@ -37,8 +37,9 @@ def _pool_worker(index: int, jobs, results) -> None:
 
 
 class WorkerPool:
-    """`size` spawned processes that run world-sized jobs one after another, so that each run
-    pays for a process group, not for starting Python and importing torch again.
+    """Up to `size` spawned processes that run world-sized jobs one after another, so that each
+    run pays for a process group, not for starting Python and importing torch again. A worker
+    starts when the first run that needs it does (a session whose runs use 2 ranks starts 2).
 
     `pool.run(fn, args, world)` calls `fn(*args)` on ranks 0..world-1 with the env://
     variables set (fresh port each time) and returns the per-rank results; a rank's exception
@@ -46,19 +47,24 @@ class WorkerPool:
     """
 
     def __init__(self, size: int) -> None:
-        ctx = mp.get_context("spawn")
+        self._ctx = mp.get_context("spawn")
         self.size = size
-        self._jobs = [ctx.Queue() for _ in range(size)]
-        self._results = ctx.Queue()
-        self._procs = [
-            ctx.Process(target=_pool_worker, args=(i, self._jobs[i], self._results), daemon=True)
-            for i in range(size)
-        ]
-        for p in self._procs:
+        self._jobs = [self._ctx.Queue() for _ in range(size)]
+        self._results = self._ctx.Queue()
+        self._procs: list = []
+
+    def _start(self, world: int) -> None:
+        """Start the workers up to rank world - 1 that are not running yet."""
+        for i in range(len(self._procs), world):
+            p = self._ctx.Process(
+                target=_pool_worker, args=(i, self._jobs[i], self._results), daemon=True
+            )
             p.start()
+            self._procs.append(p)
 
     def run(self, fn, args: tuple, world: int, timeout_s: float = 300.0) -> list:
         assert world <= self.size, (world, self.size)
+        self._start(world)
         env = {
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port()),
@@ -82,7 +88,7 @@ class WorkerPool:
         return [out[i][1] for i in range(world)]
 
     def close(self) -> None:
-        for q in self._jobs:
+        for q in self._jobs[: len(self._procs)]:
             q.put(None)
         for p in self._procs:
             p.join(5)
