@@ -70,24 +70,40 @@ def pool():
     p.close()
 
 
+def _shared_dir(tmp_path_factory) -> Path:
+    """A directory all of this run's pytest processes share (pytest-xdist's workers each have
+    a base directory of their own, under one they share), for a set-up made once per run."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def ladder_fit(tmp_path_factory) -> tuple[str, Path]:
     """benchmarks/studies/ladder_fit.py on the committed ladder records with `--plot`, run once
-    for the tests that read it (its table and fits; the README's and RESULTS.md's quotes of
-    them): its stdout without the plot's 'wrote' line, and the PNG it drew."""
+    per test run (whichever pytest process asks first runs it, under a lock; the others read
+    its output) for the tests that read it (its table and fits; the README's and RESULTS.md's
+    quotes of them): its stdout without the plot's 'wrote' line, and the PNG it drew."""
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
-    png = tmp_path_factory.mktemp("ladder-fit") / "ladder.png"
-    script = root / "benchmarks" / "studies" / "ladder_fit.py"
-    args = [sys.executable, str(script), "docs/results/ladder-regime", "--plot", str(png)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=root, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    wrote = f"wrote {png}\n"
-    assert out.stdout.endswith(f"\n{wrote}"), out.stdout[-300:]
-    return out.stdout.removesuffix(wrote), png
+    from filelock import FileLock  # torch's own dependency
+
+    shared = _shared_dir(tmp_path_factory) / "ladder-fit"
+    png, text = shared / "ladder.png", shared / "stdout.txt"
+    with FileLock(f"{shared}.lock"):
+        if text.is_file():
+            return text.read_text(), png
+        shared.mkdir(exist_ok=True)
+        root = Path(__file__).resolve().parents[1]
+        script = root / "benchmarks" / "studies" / "ladder_fit.py"
+        args = [sys.executable, str(script), "docs/results/ladder-regime", "--plot", str(png)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        out = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=root, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        wrote = f"wrote {png}\n"
+        assert out.stdout.endswith(f"\n{wrote}"), out.stdout[-300:]
+        text.write_text(out.stdout.removesuffix(wrote))
+        return text.read_text(), png
 
 
 class OldFormats:
