@@ -135,9 +135,16 @@ def test_the_committed_decision_is_what_the_command_prints_now(tmp_path, monkeyp
     """The h100-ib outputs regenerated from the committed runs, by the command as the docs show
     it (from the project root), equal the committed ones: the decision, and every file but the
     figure whole, the map's 133 cells included (the other presets differ only in the preset's
-    links: one stands for all, to keep this fast; the map is most of its time)."""
+    links: one stands for all, to keep this fast; the map is most of its time). The map runs
+    in this process, not in forked workers: it must equal the committed map, which forked
+    workers drew (the forked path runs in test_cluster_verdict's end-to-end test); forked from
+    a test session's heap, its workers took half again the CPU (issue 54)."""
+    import functools
+
+    from stalepipe.lab.verdict import cluster as cv
     from stalepipe.lab.verdict.command import run_verdict
 
+    monkeypatch.setattr(cv, "crossover_map", functools.partial(cv.crossover_map, workers=1))
     monkeypatch.chdir(ROOT)
     run_verdict(SWEEP.relative_to(ROOT), cluster="h100-ib", out=tmp_path)
     fresh = (tmp_path / "verdict.md").read_text().split("```")[1]
