@@ -7,8 +7,8 @@ size in bytes (nccl-tests' size: the whole gathered, scattered or reduced buffer
 us where the source prints it, and the bus bandwidth in GB/s (out-of-place unless `SWEEPS`
 says otherwise). `SWEEPS` says where each sweep is from and on what.
 
-    OMP_NUM_THREADS=1 python benchmarks/validation/nccl_sweeps.py            # fit the calibration sweep
-    OMP_NUM_THREADS=1 python benchmarks/validation/nccl_sweeps.py --errors   # the held-out error
+    OMP_NUM_THREADS=1 python benchmarks/validation/nccl_sweeps.py           # the calibration's fit
+    OMP_NUM_THREADS=1 python benchmarks/validation/nccl_sweeps.py --errors  # the held-out error
 
 `--errors` needs only `collective_time`, so it runs on an older checkout too (`PYTHONPATH=
 OLD/src`): the error of the model before the size-dependent latency, on the same cells.
@@ -192,7 +192,8 @@ if __name__ == "__main__":
         held = held_out_errors(cells())
         (med, worst), (cmed, cworst) = summary(held), summary(calibration_errors())
         print(f"held out: {len(held)} cells at 1-256 MiB, median |error| {med:.1%}, worst "
-              f"{worst:.1%}; {CALIBRATION} at every size: median {cmed:.1%}, worst {cworst:.1%}")  # fmt: skip
+              f"{worst:.1%}; {CALIBRATION} at every size: median {cmed:.1%}, "
+              f"worst {cworst:.1%}")  # fmt: skip
     else:
         small, large, half = calibration()
         print(f"{CALIBRATION}: HOP_SMALL {small:.3f}, HOP_LARGE {large:.3f}, "

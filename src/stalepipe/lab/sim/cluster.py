@@ -234,10 +234,10 @@ TREE_BANDWIDTH = 0.92  # NCCL tuning.cc: a tree all-reduce's bus bandwidth, "bus
 
 # The latency of a ring step grows with the chunk each rank sends in it (issue 52): NCCL sends
 # small messages with its LL protocol (a few us a hop) and large ones with Simple, whose
-# per-step cost is several times higher (tuning.cc's hwLat at NVIDIA/nccl b647562: ring LL 0.6 /
-# 2.7 us a hop over NVLink / the network, Simple 3.4 / 14 us). A saturating curve in the chunk m = S / n (the
-# bytes a rank sends a step), the same form as `sim.efficiency`'s, scales the preset's per-hop
-# latencies: hop_scale(m) = HOP_SMALL + (HOP_LARGE - HOP_SMALL) x m / (m + CHUNK_HALF).
+# per-step cost is several times higher (tuning.cc's hwLat at NVIDIA/nccl b647562: ring LL 0.6
+# / 2.7 us a hop over NVLink / the network, Simple 3.4 / 14 us). A saturating curve in the
+# chunk m = S / n (the bytes a rank sends a step), the same form as `sim.efficiency`'s, scales
+# the preset's per-hop latencies: h(m) = HOP_SMALL + (HOP_LARGE - HOP_SMALL) x hop_share(m).
 # Fitted (`sim.calibration.fit_collectives`) on ONE complete nccl-tests sweep,
 # `COLLECTIVE_CALIBRATION`, every size it prints; every other published sweep is held out
 # (benchmarks/validation/cluster_published.py, docs/verdict.md 'Checked against published
