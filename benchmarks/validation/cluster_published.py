@@ -4,12 +4,15 @@ table there from this script).
 
     OMP_NUM_THREADS=1 python benchmarks/validation/cluster_published.py
 
-Two kinds of row. **Collectives**: nccl-tests bus bandwidth (busbw, GB/s, the largest message
-printed) on published systems, against `sim.cluster.collective_time` on the same system, group
-and message: busbw = bytes per rank / time, as nccl-tests computes it. **Training**: published
-throughputs against the cluster model's option on the published setting, at the MFU the source
-reports (the MFU is an input, so ratios between two published settings check the
-communication and schedule model alone).
+Three kinds of row. **Collectives by size**: the bus bandwidth (busbw, GB/s) of complete
+published nccl-tests sweeps (benchmarks/validation/nccl_sweeps.py, nccl_sweeps.csv) at FSDP's and
+TP's message sizes, 1 to 256 MiB, against `sim.cluster.collective_time` on the same system,
+group and message (busbw = bytes per rank / time, as nccl-tests computes it); the collective
+model's latency curve is fitted on one sweep (`sim.cluster.COLLECTIVE_CALIBRATION`) and every
+other sweep is held out. **Collectives at the largest message**: the bandwidth the model
+reaches. **Training**: published throughputs against the cluster model's option on the
+published layout, its MFU from `sim.efficiency`'s curve (fitted on one source, the others held
+out).
 
 Every published number is quoted with its source in `SOURCES`; where the source leaves a
 hardware figure out, the row says what was assumed.
@@ -17,9 +20,14 @@ hardware figure out, the row says what was assumed.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 from stalepipe.lab.sim import calibration as cal
+from stalepipe.lab.sim import cluster as sc
 from stalepipe.lab.sim import efficiency as eff
 from stalepipe.lab.sim.cluster import (
     CLUSTERS,
@@ -30,22 +38,23 @@ from stalepipe.lab.sim.cluster import (
 )
 from stalepipe.lab.sim.models import model_config
 
-GIB = 2**30
+MIB, GIB = 2**20, 2**30
 WITHIN = 0.15  # the issue's tolerance: a row outside it is a miss, explained in docs/verdict.md
 
-# ---- the published systems ------------------------------------------------------------------
-# AWS p5.48xlarge: 8 H100 SXM, NVLink 4, four 100 Gb/s EFA cards per GPU (crazyguitar/aws-gpu-
-# communication-benchmark README: "four Elastic Fabric Adapter (EFA) interfaces per GPU";
-# Perplexity's p5 write-up: "four 100 Gbps EFA cards" per GPU) = 400 Gb/s per GPU
-P5 = replace(CLUSTERS["h100-ib"], name="aws-p5")
-# Voltage Park: 8 H100 SXM per node on InfiniBand, "3.2 Tbps InfiniBand (400 Gbps per port, 3
-# active ports per node)" (ZiyanIshani/vpbenchmarking): the two halves disagree; taken as
-# 3.2 Tb/s a node = 400 Gb/s per GPU
-VOLTAGE_PARK = replace(CLUSTERS["h100-ib"], name="voltage-park")
-# Crusoe: 8 A100-80GB SXM, 8 InfiniBand HCAs a node (dstack's crusoe example); the HCAs' speed
-# is not stated: taken as HDR 200 Gb/s, as NVIDIA's "DGX-A100 ... 8x200Gbit/s IB cards ... 192GB/s
-# AllReduce BusBW" (NVIDIA/nccl issue 1576) for the same node
-CRUSOE = replace(CLUSTERS["a100-ib"], name="crusoe-a100")
+
+def _sibling(name: str) -> Any:
+    """A module beside this script (the tests load this one by path, not as a package)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        assert spec and spec.loader
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # its dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+sweeps = _sibling("nccl_sweeps")
+P5, VOLTAGE_PARK, CRUSOE = sweeps.P5, sweeps.VOLTAGE_PARK, sweeps.CRUSOE
 # torchtitan's Grand Teton H100 hosts: 96 GB HBM2e at 2.4 TB/s, NVLink, 400 Gb/s RDMA per GPU
 GRAND_TETON = replace(CLUSTERS["h100-ib"], name="grand-teton", memory_gb=96.0, hbm_tbps=2.4)
 
@@ -105,6 +114,42 @@ COLLECTIVES = [
     ),  # fmt: skip
     Collective("a100-1", CLUSTERS["a100-ib"], "all-reduce", 1, 8 * GIB, 231.58),
 ]
+
+
+# ---- collectives by message size: the latency curve fitted on one sweep, the rest held out ---
+# (nccl_sweeps.py: the data, the cells at `sweeps.SIZES`, their errors)
+SIZES = sweeps.SIZES
+summary = sweeps.summary  # (median, worst) of a list of errors
+
+
+def sweep_table() -> list[str]:
+    """The sweeps at `SIZES`: published busbw and model / published in each cell."""
+    cells = sweeps.cells()
+    head = " | ".join(f"{size // MIB} MiB" for size in SIZES)
+    lines = [f"| sweep | collective, GPUs (system) | role | {head} |",
+             "|---|---|---|" + "---:|" * len(SIZES)]  # fmt: skip
+    for name, s in sweeps.SWEEPS.items():
+        row = {size: (p, m, i) for n, size, p, m, i in cells if n == name}
+        if not row:
+            continue
+        shown = [f"{p:.0f}: {m / p:.2f}{'*' if i else ''}" if (p, m, i) != (0, 0, 0) else "-"
+                 for p, m, i in (row.get(size, (0, 0, 0)) for size in SIZES)]  # fmt: skip
+        role = "calibration" if name == sweeps.CALIBRATION else "held out"
+        what = f"{s.kind}, {s.nodes} x {s.per_node} ({s.cluster.name})"
+        lines.append(f"| {name} | {what} | {role} | {' | '.join(shown)} |")
+    med, worst = summary(sweeps.held_out_errors(cells))
+    cmed, cworst = summary(sweeps.calibration_errors())
+    n = len(sweeps.held_out_errors(cells))
+    lines += [
+        "",
+        f"Collectives at 1-256 MiB (a cell: published busbw GB/s: model / published; * "
+        f"interpolated in log size), held out ({n} cells, the latency curve fitted on "
+        f"{sc.COLLECTIVE_CALIBRATION} only: HOP_SMALL {sc.HOP_SMALL:g}, HOP_LARGE "
+        f"{sc.HOP_LARGE:g}, CHUNK_HALF {sc.CHUNK_HALF:.3g} B): median |error| {med:.1%}, worst "
+        f"{worst:.1%}; the calibration sweep at every size it prints "
+        f"({len(sweeps.calibration_errors())}): median {cmed:.1%}, worst {cworst:.1%}",
+    ]
+    return lines
 
 
 # ---- training throughput: the per-shape compute model (sim.efficiency), held out -----------
@@ -210,13 +255,6 @@ def held_out_errors(rows: list[tuple[str, str, float, float, str]]) -> list[floa
     return [abs(m / p - 1) for src, _, p, m, note in rows if note.startswith("held out")]
 
 
-def summary(errors: list[float]) -> tuple[float, float]:
-    """(median, worst) of `errors`."""
-    e = sorted(errors)
-    n = len(e)
-    return (e[n // 2] if n % 2 else (e[n // 2 - 1] + e[n // 2]) / 2), e[-1]
-
-
 def steady_step(name: str, stages: int, m: int, costs: tuple[float, ...], chunks: int = 2) -> float:
     """The simulator's steady step (`sim.steady`) of schedule `name` with per-rank times
     (forward, backward-input, backward-weight, p2p latency) split evenly over its chunks."""
@@ -280,7 +318,8 @@ def pipeline_rows() -> list[tuple[str, str, float, float, str]]:
 
 def table() -> str:
     """The markdown table docs/verdict.md shows, its sources below it."""
-    lines = [
+    lines = [*sweep_table(), ""]
+    lines += [
         "| source | measurement | published | model | model / published | within 15 % |",
         "|---|---|---:|---:|---:|---|",
     ]
@@ -304,6 +343,7 @@ def table() -> str:
     )
     lines.append("")
     lines += [f"- omitted: {text}" for text in OMITTED]
+    lines += [f"- {name}: {s.source}; {s.note}" for name, s in sweeps.SWEEPS.items()]
     lines += [f"- {key}: {text}" for key, text in SOURCES.items()]
     return "\n".join(lines)
 
