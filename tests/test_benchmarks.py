@@ -338,3 +338,31 @@ def test_batched_model_is_each_seed_s_transformer(monkeypatch):
         other = solo(*xy[(s + 1) % 3]).item()  # another seed's data order: another loss
         assert other != loss.item()
     assert len({round(v, 6) for v in losses.tolist()}) == 3
+
+
+def test_batched_seeds_check_reports_a_seed_that_strays(monkeypatch):
+    """The script's comparison (`differences`) finds a seed whose batched weights stray from
+    its solo run: equal after two steps, then one weight of seed 1 nudged, and the losses
+    differ from the first step that reads the nudged weights (2bw: one step later)."""
+    import torch
+
+    bs = _batched_seeds(monkeypatch)
+    cfg = bs.scale_cfg(None, "adamw", "2bw+ef", quick=True)
+    solos, run = [bs.SoloRun(cfg, s) for s in range(2)], bs.BatchedRun(cfg, 2)
+
+    def step() -> None:
+        run.step()
+        for solo in solos:
+            solo.timed()
+
+    for _ in range(2):
+        step()
+    assert bs.differences(run, solos) == (None, 0.0, True)
+    with torch.no_grad():
+        run.model.param("layers.0.attn.wq.weight")[1, 0, 0] += 1e-3  # W_2 of seed 1
+    step()  # step 2 reads W_1: still equal
+    assert bs.differences(run, solos)[:2] == (None, 0.0)
+    step()  # step 3 reads W_2
+    first, worst, same = bs.differences(run, solos)
+    assert (first, same) == (3, False) and worst > 0.0
+    assert run.losses[3][0] == solos[0].losses[3]  # seed 0 untouched
