@@ -59,7 +59,7 @@ def detail_rows(v: Verdict, tp: Throughputs) -> list[list[str]]:
         f"{v.schedule} time to target vs it ({v.interval_kind})",
     ]
     out = [head]
-    for s in tp.rows:
+    for s in (v.throughputs or tp).rows:  # its arm's, costed with its optimizer
         if not never_delays(s.policy) and s is not v.async_row:
             continue  # another delay policy's schedule, or another P of it
         name = s.shown() + (" (best sync)" if v.best_sync and s.name == v.best_sync.name else "")
@@ -133,7 +133,7 @@ def verdict_csv(verdicts: list[Verdict], tp: Throughputs) -> str:
     rows: list[list[object]] = [CSV_HEADER]
     for v in verdicts:
         a, t = v.async_row, v.transfer
-        for s in tp.sync():
+        for s in (v.throughputs or tp).sync():  # its arm's (`Verdict.throughputs`)
             r = v.ratios[s.name]
             called = v.ratio_against(s)
             rows.append(
