@@ -77,6 +77,11 @@ def test_cluster_verdict_end_to_end(curve_sweep, capsys):
     assert set(lines) == {"AdamW", "AdamW+EF", "Muon"}
     assert "Newton-Schulz" in lines["Muon"] and "error feedback" in lines["AdamW+EF"]
     assert "Newton-Schulz" not in lines["AdamW"] and "error feedback" not in lines["AdamW"]
+    assert [rows[k]["arm"] for k in ("adamw_2bw", "adamw_2bw+ef", "muon_2bw")] == [
+        "AdamW",
+        "AdamW+EF",
+        "Muon",
+    ]
     plain = rows["adamw_2bw"]["best_sync_tokens_per_s"]
     assert rows["muon_2bw"]["best_sync_tokens_per_s"] < plain  # NS slows the synchronous best
     assert rows["adamw_2bw+ef"]["best_sync_tokens_per_s"] == plain  # sync runs without EF

@@ -53,9 +53,11 @@ from stalepipe.lab.sim.memory import (
     transient_bytes,
 )
 from stalepipe.lab.sim.optimizer import (
+    ADAMW,
     ELEMENTWISE,
     NS_BYTES,
     PLACEMENTS,
+    Arm,
     Update,
     ns_mfu,
     ns_time,
@@ -232,16 +234,18 @@ def _timed(
     mb: int = 1,
     update: Update = ELEMENTWISE,
     share: float = 1.0,
+    state: Arm | None = None,
 ) -> PipeTiming | None:
     """The replica's steady step at TP `tp`, recomputation `mode` and microbatches of `mb`
     sequences, each rank's update as `update` says on `share` of its parameters (None:
     refused sizes): simulated once without recomputation, whose extra forward then stretches
     each backward and the step by the same share (the stashes do not change; p2p and the
     elementwise update are stretched too, a small overcharge; Newton-Schulz in the update is
-    not)."""
+    not). `state`: whose state the memory holds (default `update`'s arm)."""
     try:
         mfu = effective_mfu(w, c, tp, "none", mb)
-        t = pipeline_timing(w.cfg, w.seq_len, mfu, dev, name, stages, m_sim, share, mb, update)
+        args = (w.cfg, w.seq_len, mfu, dev, name, stages, m_sim, share, mb, update, state)
+        t = pipeline_timing(*args)
     except ConfigError:
         return None  # too many stages for the layers, or m too small for it
     extra = recompute_share(w.cfg, mode)
@@ -268,39 +272,77 @@ def _placed(
     microbatch size) with `sharing` (D replicas, across 'dp' or 'fsdp', per node), the
     workload's arm's update (module docstring): for Muon the faster of `PLACEMENTS` ('' where
     D = 1 or for AdamW); None where the schedule refuses the sizes. `c` is the cluster, `v` its
-    TP groups' (`tp_cluster`)."""
+    TP groups' (`tp_cluster`).
+
+    A synchronous schedule is simulated with AdamW's elementwise update, the timing every arm
+    shares, and its arm's difference (Muon's lighter elementwise part, Newton-Schulz and its
+    traffic) is added in the rank's gap (`_hybrid`); a placement no better on any rank than
+    the other is not timed. An asynchronous one's update is simulated in its stream, one
+    simulation a placement."""
     stages, m_sim, tp, mode, mb = sizes
     replicas, across, per_node = sharing
     arm = w.arm.synchronous() if sync else w.arm
     speed = c.peak_tflops * 1e12 * ns_mfu(w.cfg, w.mfu, w.mfu_scale) if arm.muon else 0.0
     places = (PLACEMENTS if replicas > 1 else PLACEMENTS[:1]) if arm.muon else ("",)
+    fsdp = across == "fsdp" and replicas > 1
     # asynchronous under FSDP: each rank's 1/D of the update is simulated in its stream
-    share = 1 / replicas if across == "fsdp" and not sync and replicas > 1 else 1.0
-    per_gpu = None
+    share = 1 / replicas if fsdp and not sync else 1.0
+    traffic_of: dict[tuple[str, float], float] = {}
+
+    def coll(kind: str, nbytes: float) -> float:
+        return collective_time(v, kind, nbytes, replicas, per_node)
+
+    def traffic(place: str, matrix_params: float) -> float:
+        key = (place, matrix_params)  # ranks of equal stages move the same: timed once
+        if key not in traffic_of:
+            d = replicas if place == "sharded" else 1
+            traffic_of[key] = tp_ns_traffic(c, NS_BYTES * matrix_params / d, tp) + ns_traffic(
+                place, NS_BYTES * matrix_params, replicas, fsdp, coll
+            )
+        return traffic_of[key]
+
+    def ns(t: PipeTiming, place: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        group = tp * (replicas if place == "sharded" else 1)
+        compute = [ns_time(x, group, speed) for x in t.matrices]
+        if sync:  # the arm's elementwise update less AdamW's, which the simulation ran
+            hbm = dev.hbm_bandwidth * (replicas if fsdp else 1)
+            compute = [y + (arm.traffic(p, x.params) - ADAMW.traffic(p, x.params)) / hbm
+                       for y, p, x in zip(compute, t.params, t.matrices)]  # fmt: skip
+        return tuple(compute), tuple(traffic(place, x.params) for x in t.matrices)
+
+    def memory(t: PipeTiming) -> PipeTiming:
+        per_gpu = rank_memory(w, t, stages, tp, mode, mb)
+        return dataclasses.replace(t, memory=per_gpu, state=tuple(s / tp for s in t.state))
+
     timed = []
+    if sync:
+        t = _timed(w, c, dev, name, stages, m_sim, tp, mode, mb, ELEMENTWISE, 1.0, arm)
+        if t is None:
+            return None
+        t = memory(t)
+        costs = {place: ns(t, place) for place in places} if arm.muon else {"": None}
+        if len(costs) == 2:  # a placement whose every rank waits no less is not timed
+            extra = {p: [x + y for x, y in zip(*costs[p])] for p in costs}
+            rep, shard = extra["replicated"], extra["sharded"]
+            if all(a <= b for a, b in zip(shard, rep)):
+                del costs["replicated"]
+            elif all(a <= b for a, b in zip(rep, shard)):
+                del costs["sharded"]
+        for place, cost in costs.items():
+            step, exposed, mem, upd = _hybrid(w, v, t, replicas, across, per_node, sync, None, cost)
+            timed.append((step, exposed, mem, upd, place if replicas > 1 else "", t.bubble))
+        return min(timed)
+    held = None
     for place in places:
         group = tp * (replicas if place == "sharded" else 1)
-        update = Update(arm) if sync else Update(arm, group, speed)  # sync: NS in the gap
+        update = Update(arm, group, speed)
         t = _timed(w, c, dev, name, stages, m_sim, tp, mode, mb, update, share)
         if t is None:
             return None
-        per_gpu = per_gpu or rank_memory(w, t, stages, tp, mode, mb)  # one for every place
-        t = dataclasses.replace(t, memory=per_gpu, state=tuple(s / tp for s in t.state))
-        ns = None
-        if arm.muon:
-            d = replicas if place == "sharded" else 1
-
-            def coll(kind: str, nbytes: float) -> float:
-                return collective_time(v, kind, nbytes, replicas, per_node)
-
-            compute = tuple(ns_time(x, group, speed) for x in t.matrices)
-            traffic = tuple(
-                tp_ns_traffic(c, NS_BYTES * x.params / d, tp)
-                + ns_traffic(place, NS_BYTES * x.params, replicas, across == "fsdp", coll)
-                for x in t.matrices
-            )
-            ns = (compute, traffic)
-        step, exposed, mem, upd = _hybrid(w, v, t, replicas, across, per_node, sync, None, ns)
+        held = held or memory(t)  # the same for every placement
+        t = dataclasses.replace(t, memory=held.memory, state=held.state)
+        cost = ns(t, place) if arm.muon else None
+        step, exposed, mem, upd = _hybrid(w, v, t, replicas, across, per_node, sync, None, cost)
         timed.append((step, exposed, mem, upd, place if replicas > 1 else "", t.bubble))
     return min(timed)
 

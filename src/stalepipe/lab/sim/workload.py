@@ -23,7 +23,7 @@ from stalepipe.lab.sim.optimizer import (
     layers_matrices,
 )
 from stalepipe.lab.sim.simulate import model_costs
-from stalepipe.lab.sim.steady import Plan, plan
+from stalepipe.lab.sim.steady import Plan, Steady, plan
 from stalepipe.lab.sim.timing import CostModel, _split
 from stalepipe.training.delay.policies import never_delays, parse_policy
 from stalepipe.training.models.transformer import block_flops, block_params, head_flops
@@ -178,19 +178,22 @@ def pipeline_timing(
     opt_share: float = 1.0,
     mb: int = 1,
     update: Update = ELEMENTWISE,
+    state: Arm | None = None,
 ) -> PipeTiming:
     """The simulated steady step of one replica (cached; `dev.gpus_per_node` is the stages
     per node), of the two stage splits the faster (`simulate.model_costs`), each rank updating
     `opt_share` of its stages' parameters elementwise (1/D under FSDP) as `update` says (its
-    arm's optimizer, and Muon's Newton-Schulz where it sits in the step; its state, and EF's,
-    in the memory), `m` microbatches of `mb` sequences a step (`mfu` is the one for that
-    microbatch's shape). Raises ConfigError when the schedule refuses these sizes."""
+    arm's optimizer, and Muon's Newton-Schulz where it sits in the step), holding the state of
+    `state` (default `update`'s arm; EF's buffer included), `m` microbatches of `mb` sequences
+    a step (`mfu` is the one for that microbatch's shape). Raises ConfigError when the
+    schedule refuses these sizes."""
     half = max(MAX_SIM_MICROBATCHES // 2, 2 * stages)  # past the V schedules' m >= 2P
     if m > 2 * half:
         args = (cfg, seq_len, mfu, dev, schedule, stages)
-        a = pipeline_timing(*args, half, opt_share, mb, update)
-        b = pipeline_timing(*args, 2 * half, opt_share, mb, update)
+        a = pipeline_timing(*args, half, opt_share, mb, update, state)
+        b = pipeline_timing(*args, 2 * half, opt_share, mb, update, state)
         return PipeTiming.blend(a, b, (m - half) / half)
+    kept = update.arm if state is None else state
     p = plan(schedule, stages, m, SIM_STEPS)
     links = dict(
         intra_node_bandwidth=dev.intra_node_bandwidth,
@@ -200,13 +203,15 @@ def pipeline_timing(
     )
     compute = (cfg, seq_len, mfu, dev.peak_flops, dev.hbm_bandwidth, mb)
     options = []
-    for c, mats in zip(_costs(p, *compute), _stage_matrices(p, cfg, seq_len, update.arm.ns_steps)):
+    for c, mats in zip(_costs(p, *compute), _stage_matrices(p, cfg, seq_len, kept.ns_steps)):
         params = [w / PARAM_BYTES for w in c.weight_bytes]
         opt = [update.time(n, x, dev.hbm_bandwidth, opt_share) for n, x in zip(params, mats)]
-        state = [update.arm.state_bytes(n, x.params) for n, x in zip(params, mats)]
-        c = dataclasses.replace(c, optimizer=tuple(opt), state_bytes=tuple(state), **links)
-        options.append((c, mats))
-    (costs, mats), t = min(((cm, p.time(cm[0])) for cm in options), key=lambda ct: ct[1].step_time)
+        c = dataclasses.replace(c, optimizer=tuple(opt), **links)  # the timing: arm-free state
+        options.append((c, mats, _steady(p, c)))
+    costs, mats, t = min(options, key=lambda cmt: cmt[2].step_time)
+    held_state = tuple(kept.state_bytes(w / PARAM_BYTES, x.params)
+                       for w, x in zip(costs.weight_bytes, mats))  # fmt: skip
+    costs = dataclasses.replace(costs, state_bytes=held_state)
     sizes = (costs.weight_bytes, costs.state_bytes, costs.activation_bytes)
     ranks = [p.sched.stages_of(r) for r in range(p.sched.num_ranks)]
 
@@ -233,6 +238,12 @@ def pipeline_timing(
         last,
         tuple(held),
     )
+
+
+@functools.lru_cache(maxsize=16384)
+def _steady(p: Plan, c: CostModel) -> Steady:
+    """`p`'s steady step under `c` (cached: arms whose update takes the same time share it)."""
+    return p.time(c)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -176,6 +176,8 @@ def verdict_json(verdicts: list[Verdict], inputs: list[str], skipped: list[str])
         row["time_to_target_interval"] = finite(*_values(v.ratio_all))
         row["time_to_target_ci"] = finite(*_values(v.ratio))
         row["transfer"] = [v.transfer.low, v.transfer.high, v.transfer.source]
+        # the optimizer its throughputs are costed with (None: not per arm; `sim.optimizer`)
+        row["arm"] = v.arm.label() if v.arm is not None else None
     return {"inputs": inputs, "skipped": skipped, "verdicts": rows}
 
 
