@@ -18,10 +18,18 @@ tensor parallelism inside a node and activation recomputation (issue 52, item 1)
   and the V schedules' m >= 2P hold within it) and smaller stashes. Each b with its least
   recomputation that fits; the fastest kept.
 - **Memory per GPU** (`rank_memory`): the schedule's peak of weight versions and optimizer
-  state (`sim.memory`), plus error feedback's buffer on asynchronous schedules, plus the most
-  microbatch stashes the rank holds at once times one stash of b sequences (`sim.memory`,
-  SwiGLU and GQA per layer), one layer's recomputation and, on the rank holding the last
-  stage, the logits.
+  state (the arm's optimizer, and error feedback's buffer on its asynchronous schedules:
+  `sim.optimizer`), plus the most microbatch stashes the rank holds at once times one stash
+  of b sequences (`sim.memory`, SwiGLU and GQA per layer), one layer's recomputation and, on
+  the rank holding the last stage, the logits.
+- **The update** (`sim.optimizer`): the arm's optimizer on each rank's stages. Muon's
+  Newton-Schulz is placed replicated (every replica of a stage orthogonalises all its
+  matrices) or sharded (each of the D replicas 1/D of them), both tried where D > 1, the
+  faster kept, with its traffic (`sim.replicas.ns_traffic`, and the TP group's). In a
+  synchronous schedule it follows the rank's gradient exchange in its gap, as the rest of its
+  update does (`_hybrid`: a rank late past its gap delays the step); in an asynchronous one
+  it is simulated inside the stream (`sim.optimizer.Update`), its traffic hidden behind the
+  step with the replicas' other exchanges.
 - **Depth**: P up to `MAX_STAGES` (64) and the model's layers; interleaved and V schedules hold
   two stages a rank. Depths past `ALWAYS_STAGES` (8) are searched only while no shallower
   pipeline fits without recomputation: a search bound that keeps the map under 10 s (a
@@ -39,13 +47,28 @@ from stalepipe.config.registry import PIPELINE_SCHEDULES
 from stalepipe.hardware import Device
 from stalepipe.lab.sim.cluster import Cluster, collective_time, leading, trailing
 from stalepipe.lab.sim.memory import (
-    EF_BYTES,
     RECOMPUTE,
     activation_bytes,
     logits_bytes,
     transient_bytes,
 )
-from stalepipe.lab.sim.replicas import recompute_share, tp_choices, tp_time
+from stalepipe.lab.sim.optimizer import (
+    ADAMW,
+    ELEMENTWISE,
+    NS_BYTES,
+    PLACEMENTS,
+    Arm,
+    Update,
+    ns_mfu,
+    ns_time,
+)
+from stalepipe.lab.sim.replicas import (
+    ns_traffic,
+    recompute_share,
+    tp_choices,
+    tp_ns_traffic,
+    tp_time,
+)
 from stalepipe.lab.sim.workload import (
     GRAD_BYTES,
     PARAM_BYTES,
@@ -100,14 +123,14 @@ def effective_mfu(w: Workload, c: Cluster, tp: int, recompute: str, mb: int = 1)
 
 
 def rank_memory(
-    w: Workload, t: PipeTiming, stages: int, tp: int, recompute: str, sync: bool, mb: int = 1
+    w: Workload, t: PipeTiming, stages: int, tp: int, recompute: str, mb: int = 1
 ) -> tuple[float, ...]:
     """Per GPU peak of each rank of the pipeline on microbatches of `mb` sequences (module
-    docstring), bytes."""
+    docstring; the state, EF's buffer included, is `t`'s: `pipeline_timing`), bytes."""
     out, tokens = [], mb * w.seq_len
     for r, (weights, stashed, chunks) in enumerate(zip(t.weights, t.stashed, t.chunks)):
         layers = w.cfg.num_layers / (stages * chunks)
-        m = weights / tp + (0.0 if sync else EF_BYTES * t.params[r] / tp)
+        m = weights / tp
         m += stashed * activation_bytes(w.cfg, tokens, layers, recompute, tp)
         m += transient_bytes(w.cfg, tokens, recompute, tp)
         m += logits_bytes(w.cfg, tokens, tp) if r == t.last else 0.0
@@ -146,43 +169,57 @@ def _hybrid(
     per_node: int,
     sync: bool,
     sharded: PipeTiming | None = None,
-) -> tuple[float, float, float]:
-    """(step time, exposed traffic, peak memory) of a pipeline replica with `replicas`
-    sharing gradients `across` ('dp' or 'fsdp'), `per_node` of each stage's replicas in a
-    node (module docstring). `sharded`: the same pipeline timed with each rank updating its
-    1/D shard (FSDP, asynchronous: the update sits inside the stream, so it is simulated there
-    rather than subtracted)."""
+    ns: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
+) -> tuple[float, float, float, float]:
+    """(step time, exposed traffic, peak memory, update seconds on the latest rank) of a
+    pipeline replica with `replicas` sharing gradients `across` ('dp' or 'fsdp'), `per_node`
+    of each stage's replicas in a node (module docstring). `sharded`: the same pipeline timed
+    with each rank updating its 1/D shard (FSDP, asynchronous: the update sits inside the
+    stream, so it is simulated there rather than subtracted). `ns`: per rank, Muon's
+    Newton-Schulz compute (a synchronous schedule's: an asynchronous one's is in its
+    simulated update) and its traffic, in seconds."""
     memory = max(t.memory)
-    if replicas == 1:
-        return t.step_time, 0.0, memory
-    units = max(1, round(w.cfg.num_layers / len(t.params)))  # blocks per rank
+    n = len(t.params)
+    compute, traffic = ns or ((0.0,) * n, (0.0,) * n)
+    # synchronous: what follows the gradients in the rank's gap, NS and its traffic (the rest
+    # of its update is `t.optimizer`); asynchronous: NS is in the simulated update already
+    extra = [x + y for x, y in zip(compute, traffic)] if sync else list(traffic)
+    if replicas == 1 and not any(extra):
+        return t.step_time, 0.0, memory, max(t.optimizer)
+    units = max(1, round(w.cfg.num_layers / n))  # blocks per rank
 
     def coll(kind: str, nbytes: float) -> float:
         return collective_time(c, kind, nbytes, replicas, per_node)
 
-    if across == "dp":
+    if replicas == 1:
+        grads, gather, opt = [0.0] * n, [0.0] * n, list(t.optimizer)
+    elif across == "dp":
         grads = [coll("all-reduce", GRAD_BYTES * p) for p in t.params]
-        gather = [0.0] * len(t.params)
+        gather = [0.0] * n
         opt = list(t.optimizer)
     else:
         grads = [coll("reduce-scatter", GRAD_BYTES * p) for p in t.params]
         gather = [coll("all-gather", PARAM_BYTES * p) for p in t.params]
-        opt = [o / replicas for o in t.optimizer]
+        # synchronous: the update simulated whole, 1/D of it done; asynchronous: as simulated
+        opt = [o / replicas for o in t.optimizer] if sync else list((sharded or t).optimizer)
         memory = max(m - s * (1 - 1 / replicas) for m, s in zip(t.memory, t.state))
     cost = w.overlap_cost
     if sync:  # each rank: gradients behind its last backward, weights behind its next forward
         late = []
         for r, (x, g, o) in enumerate(zip(grads, gather, opt)):
+            o += extra[r]  # NS and its traffic: on the critical path, not overlapped
             tail = trailing(x, t.backward[r], units) - t.backward[r]
             ag = leading(g, t.forward[r], units)
             ready = max(t.gap[r], tail + o + g / units) + ag - g / units if g else tail + o
             late.append(ready - t.gap[r] + cost * (x + g))
         step = t.step_time + max(0.0, *late)
+        update = max(o + e for o, e in zip(opt, extra))
     else:  # no flush: a whole step to hide it in
-        hidden = max(x + g for x, g in zip(grads, gather))
-        longest = max(x + g + o for x, g, o in zip(grads, gather, opt))
+        hidden = max(x + g + e for x, g, e in zip(grads, gather, extra))
+        longest = max(x + g + e + o for x, g, e, o in zip(grads, gather, extra, opt))
         step = max((sharded or t).step_time + cost * hidden, longest)
-    return step, max(0.0, step - t.step_time), memory
+        update = max(opt)
+    return step, max(0.0, step - t.step_time), memory, update
 
 
 def _timed(
@@ -195,21 +232,119 @@ def _timed(
     tp: int,
     mode: str,
     mb: int = 1,
+    update: Update = ELEMENTWISE,
+    share: float = 1.0,
+    state: Arm | None = None,
 ) -> PipeTiming | None:
     """The replica's steady step at TP `tp`, recomputation `mode` and microbatches of `mb`
-    sequences (None: refused sizes): simulated once without recomputation, whose extra
-    forward then stretches each backward and the step by the same share (the stashes do not
-    change; p2p and the update are stretched too, a small overcharge)."""
+    sequences, each rank's update as `update` says on `share` of its parameters (None:
+    refused sizes): simulated once without recomputation, whose extra forward then stretches
+    each backward and the step by the same share (the stashes do not change; p2p and the
+    elementwise update are stretched too, a small overcharge; Newton-Schulz in the update is
+    not). `state`: whose state the memory holds (default `update`'s arm)."""
     try:
         mfu = effective_mfu(w, c, tp, "none", mb)
-        t = pipeline_timing(w.cfg, w.seq_len, mfu, dev, name, stages, m_sim, 1.0, mb)
+        args = (w.cfg, w.seq_len, mfu, dev, name, stages, m_sim, share, mb, update, state)
+        t = pipeline_timing(*args)
     except ConfigError:
         return None  # too many stages for the layers, or m too small for it
     extra = recompute_share(w.cfg, mode)
     if not extra:
         return t
     back = tuple(b * (2 + extra) / 2 for b in t.backward)
-    return dataclasses.replace(t, step_time=t.step_time * (3 + extra) / 3, backward=back)
+    ns = max((ns_time(x, update.group, update.speed) for x in t.matrices), default=0.0)
+    step = (t.step_time - ns) * (3 + extra) / 3 + ns
+    return dataclasses.replace(t, step_time=step, backward=back)
+
+
+def _placed(
+    w: Workload,
+    c: Cluster,
+    v: Cluster,
+    dev: Device,
+    name: str,
+    sizes: tuple[int, int, int, str, int],
+    sharing: tuple[int, str, int],
+    sync: bool,
+) -> tuple[float, float, float, float, str, float] | None:
+    """(step, exposed traffic, peak memory, update seconds, Newton-Schulz's placement, bubble)
+    of schedule `name` at `sizes` (P, the microbatches simulated, TP, recomputation,
+    microbatch size) with `sharing` (D replicas, across 'dp' or 'fsdp', per node), the
+    workload's arm's update (module docstring): for Muon the faster of `PLACEMENTS` ('' where
+    D = 1 or for AdamW); None where the schedule refuses the sizes. `c` is the cluster, `v` its
+    TP groups' (`tp_cluster`).
+
+    A synchronous schedule is simulated with AdamW's elementwise update, the timing every arm
+    shares, and its arm's difference (Muon's lighter elementwise part, Newton-Schulz and its
+    traffic) is added in the rank's gap (`_hybrid`); a placement no better on any rank than
+    the other is not timed. An asynchronous one's update is simulated in its stream, one
+    simulation a placement."""
+    stages, m_sim, tp, mode, mb = sizes
+    replicas, across, per_node = sharing
+    arm = w.arm.synchronous() if sync else w.arm
+    speed = c.peak_tflops * 1e12 * ns_mfu(w.cfg, w.mfu, w.mfu_scale) if arm.muon else 0.0
+    places = (PLACEMENTS if replicas > 1 else PLACEMENTS[:1]) if arm.muon else ("",)
+    fsdp = across == "fsdp" and replicas > 1
+    # asynchronous under FSDP: each rank's 1/D of the update is simulated in its stream
+    share = 1 / replicas if fsdp and not sync else 1.0
+    traffic_of: dict[tuple[str, float], float] = {}
+
+    def coll(kind: str, nbytes: float) -> float:
+        return collective_time(v, kind, nbytes, replicas, per_node)
+
+    def traffic(place: str, matrix_params: float) -> float:
+        key = (place, matrix_params)  # ranks of equal stages move the same: timed once
+        if key not in traffic_of:
+            d = replicas if place == "sharded" else 1
+            traffic_of[key] = tp_ns_traffic(c, NS_BYTES * matrix_params / d, tp) + ns_traffic(
+                place, NS_BYTES * matrix_params, replicas, fsdp, coll
+            )
+        return traffic_of[key]
+
+    def ns(t: PipeTiming, place: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        group = tp * (replicas if place == "sharded" else 1)
+        compute = [ns_time(x, group, speed) for x in t.matrices]
+        if sync:  # the arm's elementwise update less AdamW's, which the simulation ran
+            hbm = dev.hbm_bandwidth * (replicas if fsdp else 1)
+            compute = [y + (arm.traffic(p, x.params) - ADAMW.traffic(p, x.params)) / hbm
+                       for y, p, x in zip(compute, t.params, t.matrices)]  # fmt: skip
+        return tuple(compute), tuple(traffic(place, x.params) for x in t.matrices)
+
+    def memory(t: PipeTiming) -> PipeTiming:
+        per_gpu = rank_memory(w, t, stages, tp, mode, mb)
+        return dataclasses.replace(t, memory=per_gpu, state=tuple(s / tp for s in t.state))
+
+    timed = []
+    if sync:
+        t = _timed(w, c, dev, name, stages, m_sim, tp, mode, mb, ELEMENTWISE, 1.0, arm)
+        if t is None:
+            return None
+        t = memory(t)
+        costs = {place: ns(t, place) for place in places} if arm.muon else {"": None}
+        if len(costs) == 2:  # a placement whose every rank waits no less is not timed
+            extra = {p: [x + y for x, y in zip(*costs[p])] for p in costs}
+            rep, shard = extra["replicated"], extra["sharded"]
+            if all(a <= b for a, b in zip(shard, rep)):
+                del costs["replicated"]
+            elif all(a <= b for a, b in zip(rep, shard)):
+                del costs["sharded"]
+        for place, cost in costs.items():
+            step, exposed, mem, upd = _hybrid(w, v, t, replicas, across, per_node, sync, None, cost)
+            timed.append((step, exposed, mem, upd, place if replicas > 1 else "", t.bubble))
+        return min(timed)
+    held = None
+    for place in places:
+        group = tp * (replicas if place == "sharded" else 1)
+        update = Update(arm, group, speed)
+        t = _timed(w, c, dev, name, stages, m_sim, tp, mode, mb, update, share)
+        if t is None:
+            return None
+        held = held or memory(t)  # the same for every placement
+        t = dataclasses.replace(t, memory=held.memory, state=held.state)
+        cost = ns(t, place) if arm.muon else None
+        step, exposed, mem, upd = _hybrid(w, v, t, replicas, across, per_node, sync, None, cost)
+        timed.append((step, exposed, mem, upd, place if replicas > 1 else "", t.bubble))
+    return min(timed)
 
 
 @functools.lru_cache(maxsize=256)
@@ -271,21 +406,13 @@ def _one(
             m_sim = min(m, 2 * stages) if updates > 1 else m
             pick = None
             for mode in RECOMPUTE:
-                t = _timed(w, c, dev, name, stages, m_sim, tp, mode, mb)
-                if t is None:
+                sharing = (replicas, across, per_node)
+                r = _placed(w, c, v, dev, name, (stages, m_sim, tp, mode, mb), sharing, sync)
+                if r is None:
                     break  # refused sizes (the V schedules' m >= 2P)
-                per_gpu = rank_memory(w, t, stages, tp, mode, sync, mb)
-                t = dataclasses.replace(t, memory=per_gpu, state=tuple(s / tp for s in t.state))
-                sharded = None
-                if across == "fsdp" and not sync:
-                    sharded = pipeline_timing(
-                        w.cfg, w.seq_len, effective_mfu(w, c, tp, "none", mb), dev, name,
-                        stages, m_sim, 1 / replicas, mb,
-                    )  # fmt: skip
-                    stretch = (3 + recompute_share(w.cfg, mode)) / 3
-                    sharded = dataclasses.replace(sharded, step_time=sharded.step_time * stretch)
-                step, exposed, mem = _hybrid(w, v, t, replicas, across, per_node, sync, sharded)
-                row = (step * updates, exposed * updates, mem, mode, t.bubble, m, mb)
+                step, exposed, mem, update, ns, bubble = r
+                row = (step * updates, exposed * updates, mem, mode, bubble, m, mb, ns,
+                       update * updates)  # fmt: skip
                 if mem <= limit:  # the least recomputation that fits
                     pick = row
                     break
@@ -298,12 +425,12 @@ def _one(
             continue
         fit = [r for r in rows if r[2] <= limit]
         chosen = min(fit, key=lambda r: (r[0], r[6])) if fit else min(rows, key=lambda r: r[2])
-        step, exposed, mem, mode, bubble, m, mb = chosen
+        step, exposed, mem, mode, bubble, m, mb, ns, update = chosen
         if floor is not None and fit:
             floor[policy] = min(step, floor.get(policy, math.inf))
         rate = w.global_batch * w.seq_len / step
         out.append(Option(name, policy, stages, replicas, across, m, mb, spn_name, step, exposed,
-                          bubble, mem, limit, rate, tp, mode))  # fmt: skip
+                          bubble, mem, limit, rate, tp, mode, ns=ns, update=update))  # fmt: skip
     return out, beaten
 
 

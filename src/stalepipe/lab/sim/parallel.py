@@ -12,11 +12,16 @@ are `sim.cluster`'s `*_RANGE`; BI = BW = F):
 - collectives: NCCL's ring or tree, over the group's rails across nodes (`sim.cluster`).
 - overlap: communication hidden behind compute still slows it, by `overlap_cost` of the
   communication's time (NCCL's kernels take SMs and HBM bandwidth from the compute).
-- memory: mixed-precision AdamW, `PARAM_BYTES` (bf16 weights) per weight version plus
-  `STATE_BYTES` (fp32 gradient accumulator, fp32 master weights, two fp32 moments) per
-  parameter, plus the activations of the microbatches in flight (`timing.ACT_BYTES_PER_TOKEN_DIM`,
-  no recomputation); nothing else (no logits, buffers, fragmentation). A configuration over the
-  GPU's memory is kept, marked `fits=False`, and named by the verdict, never chosen.
+- memory: mixed precision, `PARAM_BYTES` (bf16 weights) per weight version plus the fp32
+  gradient accumulator, fp32 master weights and the workload's arm's optimizer state (AdamW's
+  two moments; Muon's momentum on its matrices; error feedback's buffer on an EF arm's
+  asynchronous schedules: `sim.optimizer`) per parameter, plus the activations of the
+  microbatches in flight, the logits and FSDP's buffers (`sim.memory`). A configuration over
+  the GPU's memory is kept, marked `fits=False`, and named by the verdict, never chosen.
+- the update: the arm's optimizer (`sim.optimizer`): AdamW's 28 HBM bytes a parameter; Muon's
+  elementwise part and its Newton-Schulz FLOPs, replicated or sharded over the data-parallel
+  replicas (both tried, with their traffic); on a synchronous step's critical path, inside an
+  asynchronous schedule's stream.
 - DP: an all-reduce of the fp32 gradients (`GRAD_BYTES`) once per step, bucket by bucket behind
   the backward of the step's last microbatch (DDP's buckets; `trailing`).
 - FSDP (ZeRO-3, weights, gradients and optimizer state sharded over all N): per unit (a block;
@@ -58,21 +63,20 @@ are `sim.cluster`'s `*_RANGE`; BI = BW = F):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from stalepipe.config import ConfigError
 from stalepipe.config.registry import PIPELINE_SCHEDULES
 from stalepipe.lab.sim.cluster import Cluster
 from stalepipe.lab.sim.hybrid import (
     MAX_STAGES,
-    _hybrid,
     _pipeline_device,
+    _placed,
     _placements,
-    _timed,
     pipelines,
-    rank_memory,
     tp_cluster,
 )
-from stalepipe.lab.sim.replicas import KINDS, flat_options, flat_step
+from stalepipe.lab.sim.replicas import KINDS, flat_options, flat_step, flat_update
 from stalepipe.lab.sim.workload import (
     GRAD_BYTES,
     PARAM_BYTES,
@@ -121,8 +125,9 @@ def layout(
         step, exposed, mem = flat_step(w, c, schedule, tp, microbatch, recompute)
         rate = w.global_batch * w.seq_len / step
         across = "fsdp" if KINDS[schedule] == 3 else "dp"
+        update, ns = flat_update(w, c, schedule, tp)
         return Option(schedule, "sync", 1, n, across, k, microbatch, "", step, exposed, 0.0,
-                      mem, limit, rate, tp, recompute)  # fmt: skip
+                      mem, limit, rate, tp, recompute, ns=ns, update=update)  # fmt: skip
     v, vw = tp_cluster(c, tp), dataclasses.replace(w, num_gpus=n)
     replicas = n // stages
     local = w.global_batch // replicas
@@ -133,16 +138,15 @@ def layout(
     m = local // microbatch
     name, spn, per_node = _placements(v, n, stages, replicas)[0]
     dev = _pipeline_device(v, spn, stages)
-    t = _timed(vw, c, dev, schedule, stages, m, tp, recompute, microbatch)
-    if t is None:
-        raise ConfigError(f"{schedule} refuses P={stages}, m={m} for {w.cfg.num_layers} layers")
     sync = never_delays(PIPELINE_SCHEDULES[schedule].policy)
-    per_gpu = rank_memory(vw, t, stages, tp, recompute, sync, microbatch)
-    t = dataclasses.replace(t, memory=per_gpu, state=tuple(s / tp for s in t.state))
-    step, exposed, mem = _hybrid(vw, v, t, replicas, across, per_node, sync)
+    sizes = (stages, m, tp, recompute, microbatch)
+    r = _placed(vw, c, v, dev, schedule, sizes, (replicas, across, per_node), sync)
+    if r is None:
+        raise ConfigError(f"{schedule} refuses P={stages}, m={m} for {w.cfg.num_layers} layers")
+    step, exposed, mem, update, ns, bubble = r
     return Option(schedule, PIPELINE_SCHEDULES[schedule].policy, stages, replicas, across, m, microbatch,
-                  name, step, exposed, t.bubble, mem, limit, w.global_batch * w.seq_len / step,
-                  tp, recompute)  # fmt: skip
+                  name, step, exposed, bubble, mem, limit, w.global_batch * w.seq_len / step,
+                  tp, recompute, ns=ns, update=update)  # fmt: skip
 
 
 def all_options(
@@ -158,12 +162,27 @@ def all_options(
     timed nor listed (`hybrid.pipelines`' `floor`); `best` returns the same option."""
     if w.num_gpus < 1 or w.global_batch < 1:
         raise ConfigError("the GPU count and the global batch must be >= 1")
-    synchronous = cluster_schedules(sync=True)
+    flat, pipes, floor = _synchronous(dataclasses.replace(w, arm=w.arm.synchronous()), c, best_only)
+    floor = dict(floor) if floor is not None else None  # the cached one stays as it was
+    return [*flat, *pipes, *pipelines(w, c, async_schedules, floor)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _synchronous(
+    w: Workload, c: Cluster, best_only: bool
+) -> tuple[tuple[Option, ...], tuple[Option, ...], dict[str, float] | None]:
+    """`all_options`' synchronous part (the data-parallel family, the synchronous pipelines)
+    and, with `best_only`, the floor they leave: cached, so arms that differ only in error
+    feedback (which synchronous schedules never run) share it. The search over depth and TP
+    runs for the synchronous pipelines and the asynchronous ones apart (`hybrid.pipelines`),
+    so each side searches deeper where its own pipelines need it (2BW's second weight version
+    and EF's buffer may not fit where a synchronous schedule does)."""
     flat = flat_options(w, c)
     floor = None
     if best_only:
         floor = {"sync": min((o.step_time for o in flat if o.fits), default=float("inf"))}
-    return flat + pipelines(w, c, synchronous + async_schedules, floor)
+    pipes = pipelines(w, c, cluster_schedules(sync=True), floor)
+    return tuple(flat), tuple(pipes), floor
 
 
 def best(options: list[Option], policy: str = "sync", kind: str | None = None) -> Option | None:

@@ -25,6 +25,12 @@ Megatron's default and torchtitan without AsyncTP, whose Table 4 gains 5.7 % wit
 **Recomputation** (`RECOMPUTE`): none, selective (torchtitan's op-level policy: every second
 matmul of a block recomputed, `recompute_share`) or full (the whole forward again): the extra
 forward FLOPs slow the backward, and the kept activations shrink (`sim.memory`).
+
+**The update** (`flat_update`; `sim.optimizer` states the model): the workload's arm's
+optimizer (these are synchronous: never error feedback), elementwise on the shard the GPU
+updates (1/D from ZeRO-1 on; HSDP's shard group), and for Muon its Newton-Schulz placed
+replicated or sharded over the data-parallel ranks (the state's shard group for HSDP), the
+faster kept, with its traffic; after the gradients' exchange, on the critical path.
 """
 
 from __future__ import annotations
@@ -34,11 +40,18 @@ import math
 from stalepipe.config import ModelConfig
 from stalepipe.lab.sim.cluster import Cluster, collective_time, compute_time, trailing
 from stalepipe.lab.sim.memory import RECOMPUTE, gpu_memory
+from stalepipe.lab.sim.optimizer import (
+    NS_BYTES,
+    PLACEMENTS,
+    model_matrices,
+    ns_mfu,
+    ns_time,
+)
 from stalepipe.lab.sim.workload import Option, _units
 
 KINDS = {"dp": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "hsdp": 3}
 TP_DEGREES = (1, 2, 4, 8)
-GRAD_BYTES, PARAM_BYTES, OPT_TRAFFIC = 4.0, 2.0, 28.0  # as sim.parallel
+GRAD_BYTES, PARAM_BYTES = 4.0, 2.0  # as sim.parallel
 
 
 def recompute_share(cfg: ModelConfig, mode: str) -> float:
@@ -142,10 +155,58 @@ def flat_step(w, c: Cluster, kind: str, tp: int, b: int, recompute: str, ep: int
         if zero == 2:
             exposed += (k - 1) * max(0.0, rs - 2 * sum(fwd))
     exposed += w.overlap_cost * (comm - exposed)
-    opt = OPT_TRAFFIC * params / tp / (n if zero else 1) / hbm
+    opt = flat_update(w, c, kind, tp)[0]
     a2a = sum(1 for x in routed if x) * a2a_time(c, w.cfg, tokens, ep)
     step = k * (3 * sum(fwd) + extra + a2a) + exposed + opt
     return step, exposed + k * a2a, flat_memory(w, c, kind, tp, b, recompute, ep)
+
+
+def ns_traffic(placement: str, nbytes: float, d: int, sharded_state: bool, coll) -> float:
+    """Seconds of the traffic Newton-Schulz adds over `d` data-parallel ranks (`sim.optimizer`,
+    dion's Muon), for matrices of `nbytes` (bf16) on each rank's part; `coll(kind, nbytes)` times
+    a collective over them (all-gather: the whole gathered tensor; all-to-all: a rank's own)."""
+    if d <= 1:
+        return 0.0
+    if placement == "sharded":  # whole matrices, 1/d of them a rank; the results to every rank
+        return 2 * coll("all-to-all", nbytes / d) if sharded_state else coll("all-gather", nbytes)
+    return coll("all-gather", nbytes) if sharded_state else 0.0  # Moonlight's "DP gather"
+
+
+def tp_ns_traffic(c: Cluster, nbytes: float, tp: int) -> float:
+    """Seconds of bringing a TP group's `tp` GPUs whole matrices and back: two all-to-alls
+    inside the node of a GPU's slices, `nbytes` in all (`sim.optimizer`)."""
+    return 2 * collective_time(c, "all-to-all", nbytes / tp, tp, tp) if tp > 1 else 0.0
+
+
+def flat_update(
+    w, c: Cluster, kind: str, tp: int, placements: tuple[str, ...] = PLACEMENTS
+) -> tuple[float, str]:
+    """(seconds, Newton-Schulz's placement) of the update of data-parallel `kind` at TP `tp`
+    (module docstring): the arm's elementwise update on the GPU's shard, and for Muon the
+    faster of `placements` with its traffic ('' for AdamW and for one data-parallel rank)."""
+    n, zero = w.num_gpus // tp, KINDS[kind]
+    g = int(c.gpus_per_node) // tp
+    shard = min(n, g) if kind == "hsdp" else n  # the group the state is sharded over
+    arm = w.arm.synchronous()
+    params = sum(p for p, _ in _units(w.cfg, w.seq_len))
+    mats = model_matrices(w.cfg, arm.ns_steps)
+    hbm = c.hbm_tbps * 1e12
+    elementwise = arm.traffic(params, mats.params) / tp / (shard if zero else 1) / hbm
+    if not arm.muon:
+        return elementwise, ""
+    speed = c.peak_tflops * 1e12 * ns_mfu(w.cfg, w.mfu, w.mfu_scale)
+    nbytes = NS_BYTES * mats.params / tp  # this GPU's slice of every matrix
+
+    def coll(op: str, size: float) -> float:
+        return collective_time(c, op, size, shard, min(shard, g))
+
+    timed = []
+    for placement in placements if shard > 1 else PLACEMENTS[:1]:
+        d = shard if placement == "sharded" else 1
+        seconds = ns_time(mats, tp * d, speed) + tp_ns_traffic(c, nbytes * tp / d, tp)
+        seconds += ns_traffic(placement, nbytes, shard, zero > 0, coll)
+        timed.append((elementwise + seconds, placement if shard > 1 else ""))
+    return min(timed)
 
 
 def flat_memory(w, c: Cluster, kind: str, tp: int, b: int, recompute: str, ep: int = 1) -> float:
@@ -161,6 +222,7 @@ def flat_memory(w, c: Cluster, kind: str, tp: int, b: int, recompute: str, ep: i
         zero=zero,
         recompute=recompute,
         ep=ep,
+        optimizer=w.arm.optimizer,  # synchronous: no error feedback
     ).total
 
 
@@ -201,6 +263,7 @@ def flat_options(w, c: Cluster, kinds=tuple(KINDS)) -> list:
                     continue
                 step, exposed, mem, b, mode = r
                 n = w.num_gpus // tp
+                update, ns = flat_update(w, c, kind, tp)
                 out.append(
                     Option(
                         kind,
@@ -220,6 +283,8 @@ def flat_options(w, c: Cluster, kinds=tuple(KINDS)) -> list:
                         tp,
                         mode,
                         ep,
+                        ns,
+                        update,
                     )
                 )
     return [o for o in out if math.isfinite(o.tokens_per_s)]
