@@ -287,8 +287,9 @@ def gpu_memory(
         params = sum(block_params(cfg, i) for i in range(cfg.num_layers))
         params += cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
     tokens = microbatch * seq_len / cp
-    # FSDP shards over the data- and context-parallel ranks together (torchtitan's dp_shard_cp)
-    shard = dp * cp if zero >= 3 else dp
+    # ZeRO shards over the data- and context-parallel ranks together (torchtitan's dp_shard_cp;
+    # Megatron's distributed optimizer: get_data_parallel_group(with_context_parallel=True))
+    shard = dp * cp
     state = params / tp * state_bytes(optimizer, ef=ef, versions=versions, zero=zero, dp=shard)
     acts = in_flight * activation_bytes(cfg, tokens, layers, recompute, tp)
     buffers = 0.0
