@@ -38,7 +38,9 @@ shards, over the data- and context-parallel GPUs together (Megatron's and torcht
 `dp_shard_cp`), so their traffic is that of N / t GPUs as without CP. The CP group sits inside
 a node where t x c fits one (torchtitan's and Llama 3's order: TP innermost, then CP). A degree
 c > 1 is tried only while the smaller left every configuration of that kind and TP needing
-recomputation or over memory (TP's rule: CP buys memory; a short sequence never needs it).
+recomputation or over memory (TP's rule: CP buys memory; a short sequence never needs it), and
+only where the weights' terms alone (state and gathered buffers, which CP does not divide) fit
+(`cp_may_fit`).
 """
 
 from __future__ import annotations
@@ -195,6 +197,10 @@ def flat_memory(
 ) -> float:
     """Peak bytes per GPU of data-parallel `kind` (`sim.memory.gpu_memory`); with CP the
     data-parallel group is n / cp, sharding with the CP GPUs (`gpu_memory`'s `cp`)."""
+    return _flat_memory(w, c, kind, tp, b, recompute, ep, cp).total
+
+
+def _flat_memory(w, c: Cluster, kind: str, tp: int, b: int, recompute: str, ep: int, cp: int):
     n, zero = w.num_gpus // tp, KINDS[kind]
     shard = min(n, int(c.gpus_per_node) // tp) if kind == "hsdp" else n
     return gpu_memory(
@@ -207,7 +213,14 @@ def flat_memory(
         cp=cp,
         recompute=recompute,
         ep=ep,
-    ).total
+    )
+
+
+def cp_may_fit(w, c: Cluster, kind: str, tp: int, cp: int) -> bool:
+    """Whether what CP does not divide (the state and the gathered buffers: the weights'
+    terms) leaves room in memory for `kind` at TP `tp` and CP `cp`: else no degree fits."""
+    m = _flat_memory(w, c, kind, tp, 1, "full", 1, cp)
+    return m.state + m.buffers <= c.memory_gb * 1e9
 
 
 def best_flat(w, c: Cluster, kind: str, tp: int, ep: int = 1, cp: int = 1) -> tuple | None:
@@ -249,6 +262,8 @@ def flat_options(w, c: Cluster, kinds=tuple(KINDS)) -> list:
                 mine = [o for o in out if (o.schedule, o.tp) == (kind, tp)]
                 if cp > 1 and any(o.fits and o.recompute == "none" for o in mine):
                     break  # CP buys memory the smaller degree no longer needs (TP's rule)
+                if cp > 1 and not cp_may_fit(w, c, kind, tp, cp):
+                    break  # the weights alone do not fit: CP cannot help
                 for ep in _ep_choices(w, c, kind, tp) if cp == 1 else (1,):
                     r = best_flat(w, c, kind, tp, ep, cp)
                     if r is None:
