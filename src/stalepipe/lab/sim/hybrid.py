@@ -28,7 +28,7 @@ tensor parallelism inside a node and activation recomputation (issue 52, item 1)
   pipeline of 16+ stages each simulated costs seconds), not a claim that deeper never pays.
 - **CP** c (`sim.replicas`' docstring has the model: Llama 3's all-gather of K and V, exposed):
   a pipeline rank is a group of t x c GPUs, one rank of a virtual cluster with t c times the
-  compute, HBM and links (`tp_cluster(c, t, c)`: each GPU sends its 1/(t c) of a stage's
+  compute, HBM and links (`tp_cluster(cluster, t, c)`: each GPU sends its 1/(t c) of a stage's
   activations on its own link), at an MFU lowered by the CP traffic as by TP's (`_layer_comm`);
   a GPU keeps 1/(t c) of the activations and 1/t of the weights; the c CP ranks of a stage
   reduce its gradients with its D replicas, D c TP groups on the TP-only virtual cluster (FSDP
@@ -49,8 +49,8 @@ tensor parallelism inside a node and activation recomputation (issue 52, item 1)
   deepseek-ai/DualPipe dualpipev.py runs its steps 4 and 5 as such pairs): the pair's
   all-to-alls hide behind the pair's compute, exposed max(0, a2a - compute) and slowing it by
   `overlap_cost` of what they hide (the cluster model's rule; DeepSeek gives 20 of the H800's
-  132 SMs to communication, Section 3.2.2); on the share of a rank's chunks that run paired
-  (`paired_share`, the least paired rank's), the rest exposed. The pipeline's P2P transfers
+  132 SMs to communication, Sections 3.2.2 and 3.5.1); on the share of a rank's chunks that run
+  paired (`paired_share`, the least paired rank's), the rest exposed. The pipeline's P2P transfers
   are the simulator's for every schedule: they never block the sender and delay a receiver
   only while it has nothing else to run (`sim.timing`), which is what DualPipe's pairing buys
   (its code waits for a pair's receives before computing and sends after); nothing is added.

@@ -216,6 +216,15 @@ def _flat_memory(w, c: Cluster, kind: str, tp: int, b: int, recompute: str, ep: 
     )
 
 
+def _splits(w, c: Cluster, kind: str, tp: int, cp: int) -> bool:
+    """Whether the GPUs and the batch split for `kind` at TP `tp` and CP `cp` (HSDP: replicas
+    across nodes, its CP group inside its shard group, a node)."""
+    n, g = w.num_gpus // tp, int(c.gpus_per_node) // tp
+    if n % cp or w.global_batch % (n // cp):
+        return False
+    return kind != "hsdp" or (n > g and min(n, g) % cp == 0)
+
+
 def cp_may_fit(w, c: Cluster, kind: str, tp: int, cp: int) -> bool:
     """Whether what CP does not divide (the state and the gathered buffers: the weights'
     terms) leaves room in memory for `kind` at TP `tp` and CP `cp`: else no degree fits."""
@@ -229,11 +238,9 @@ def best_flat(w, c: Cluster, kind: str, tp: int, ep: int = 1, cp: int = 1) -> tu
     in proportion to its tokens, so the largest is the fastest but for the roofline), the
     fastest of those; the one nearest to fitting when none fits; None when the batch does not
     split."""
-    n = w.num_gpus // tp
-    if n % cp or w.global_batch % (n // cp) or (kind == "hsdp" and n <= int(c.gpus_per_node) // tp):
+    if not _splits(w, c, kind, tp, cp):
         return None
-    if kind == "hsdp" and min(n, int(c.gpus_per_node) // tp) % cp:
-        return None  # HSDP's CP group inside its shard group (a node)
+    n = w.num_gpus // tp
     local = w.global_batch // (n // cp)
     sizes = [b for b in (2**i for i in range(local.bit_length(), -1, -1)) if local % b == 0]
     limit = c.memory_gb * 1e9
@@ -262,7 +269,7 @@ def flat_options(w, c: Cluster, kinds=tuple(KINDS)) -> list:
                 mine = [o for o in out if (o.schedule, o.tp) == (kind, tp)]
                 if cp > 1 and any(o.fits and o.recompute == "none" for o in mine):
                     break  # CP buys memory the smaller degree no longer needs (TP's rule)
-                if cp > 1 and not cp_may_fit(w, c, kind, tp, cp):
+                if cp > 1 and _splits(w, c, kind, tp, cp) and not cp_may_fit(w, c, kind, tp, cp):
                     break  # the weights alone do not fit: CP cannot help
                 for ep in _ep_choices(w, c, kind, tp) if cp == 1 else (1,):
                     r = best_flat(w, c, kind, tp, ep, cp)
