@@ -34,8 +34,9 @@ tensor parallelism inside a node and activation recomputation (issue 52, item 1)
   reduce its gradients with its D replicas, D c TP groups on the TP-only virtual cluster (FSDP
   shards over them: torchtitan's `dp_shard_cp`). The CP group sits in a node where t c fits
   one, else spans nodes (Llama 3's TP 8 x CP 16). Searched at the largest TP degree only, and
-  there c > 1 only while the smaller left every pipeline needing recomputation or over memory
-  (TP first: it buys weights' memory too; the data-parallel family searches CP at every TP).
+  there c > 1 only while the smaller gave pipelines and every one needed recomputation or did
+  not fit (TP first: it buys weights' memory too; the data-parallel family searches CP at every
+  TP; neither searches CP to split a batch of fewer sequences than replicas).
 - **EP** e (MoE, without TP or CP): a stage's routed experts sharded over e of its D
   data-parallel replicas (e = 1, the replicas a node holds of the stage, all D; powers of two
   dividing the experts), so a GPU holds 1/e of its stage's experts (`rank_memory`), reduces the
@@ -43,7 +44,8 @@ tensor parallelism inside a node and activation recomputation (issue 52, item 1)
   (`_hybrid`), and per MoE layer and microbatch runs four all-to-alls of the routed tokens
   (dispatch and combine, forward and backward: `sim.replicas.a2a_time`) inside the node or
   across it, on the critical path (`_layer_comm`); experts are taken as spread evenly over the
-  ranks.
+  ranks. EP across nodes (all D) is tried only where the node's EP left every pipeline of that
+  depth and placement needing recomputation or over memory (a search bound, as TP's).
 - **DualPipeV's overlap** (`FB_OVERLAP`; DeepSeek-V3 technical report, Section 3.2.1: in a pair
   of a forward and a backward chunk "both all-to-all and PP communication can be fully hidden";
   deepseek-ai/DualPipe dualpipev.py runs its steps 4 and 5 as such pairs): the pair's
@@ -496,11 +498,17 @@ def _depths(
             continue
         for place in _placements(vc, n, stages, replicas):
             dev = _pipeline_device(vc, place[1], stages)
+            here: list[Option] = []
             for ep in pipeline_eps(w.cfg, tp, cp, replicas, place[2]):
+                if ep[0] > place[2] and (
+                    beaten or any(o.fits and o.recompute == "none" for o in here)
+                ):
+                    break  # EP across nodes only where memory asks for it (module docstring)
                 for name in schedules:
                     where = (stages, replicas, local, place, dev)
                     opts, left = _one(vw, c, v, where, name, tp, floor, cp, ep)
-                    mine, beaten = mine + opts, beaten or left
+                    here, beaten = here + opts, beaten or left
+            mine += here
     return mine, beaten
 
 
@@ -525,8 +533,10 @@ def pipelines(
         mine: list[Option] = []
         beaten = False
         for cp in cp_choices(w, w.num_gpus // tp) if tp == tps[-1] else [1]:
-            if cp > 1 and (beaten or any(o.fits and o.recompute == "none" for o in mine)):
-                break  # CP buys memory the smaller degree no longer needs (module docstring)
+            if cp > 1 and (
+                not mine or beaten or any(o.fits and o.recompute == "none" for o in mine)
+            ):
+                break  # CP buys memory where the smaller degree needs it (module docstring)
             opts, left = _depths(w, c, schedules, floor, tp, cp)
             mine, beaten = mine + opts, beaten or left
         out += mine

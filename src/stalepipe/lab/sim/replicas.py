@@ -37,8 +37,9 @@ are 1/c), the batch splits over N / (t c) replicas, and the gradients are reduce
 shards, over the data- and context-parallel GPUs together (Megatron's and torchtitan's
 `dp_shard_cp`), so their traffic is that of N / t GPUs as without CP. The CP group sits inside
 a node where t x c fits one (torchtitan's and Llama 3's order: TP innermost, then CP). A degree
-c > 1 is tried only while the smaller left every configuration of that kind and TP needing
-recomputation or over memory (TP's rule: CP buys memory; a short sequence never needs it), and
+c > 1 is tried only while the smaller gave configurations of that kind and TP and every one
+needed recomputation or did not fit (TP's rule: CP buys memory; a short sequence never needs
+it; CP is not searched to split a batch of fewer sequences than GPUs), and
 only where the weights' terms alone (state and gathered buffers, which CP does not divide) fit
 (`cp_may_fit`).
 """
@@ -267,8 +268,8 @@ def flat_options(w, c: Cluster, kinds=tuple(KINDS)) -> list:
             n = w.num_gpus // tp
             for cp in cp_choices(w, n):
                 mine = [o for o in out if (o.schedule, o.tp) == (kind, tp)]
-                if cp > 1 and any(o.fits and o.recompute == "none" for o in mine):
-                    break  # CP buys memory the smaller degree no longer needs (TP's rule)
+                if cp > 1 and (not mine or any(o.fits and o.recompute == "none" for o in mine)):
+                    break  # CP buys memory where the smaller degree needs it (TP's rule)
                 if cp > 1 and _splits(w, c, kind, tp, cp) and not cp_may_fit(w, c, kind, tp, cp):
                     break  # the weights alone do not fit: CP cannot help
                 for ep in _ep_choices(w, c, kind, tp) if cp == 1 else (1,):
