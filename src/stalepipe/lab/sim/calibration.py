@@ -60,9 +60,11 @@ class Layout:
     microbatch: int
     recompute: str
     published: float  # tokens/s per GPU
+    cp: int = 1  # context parallelism: each sequence over `cp` GPUs
 
-    def tokens(self) -> int:
-        return self.microbatch * self.seq_len
+    def tokens(self) -> float:
+        """A microbatch's tokens on one GPU (its shape, `sim.efficiency`)."""
+        return self.microbatch * self.seq_len / self.cp
 
 
 # Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -118,6 +120,7 @@ def timed(r: Layout, mfu: float | None, clusters: dict | None = None) -> float:
         schedule=r.schedule,
         microbatch=r.microbatch,
         recompute=r.recompute,
+        cp=r.cp,
     )
     return o.tokens_per_s / r.gpus
 

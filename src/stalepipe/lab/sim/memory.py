@@ -297,8 +297,9 @@ def gpu_memory(
     whole += cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
     params = whole if params is None else params
     tokens = microbatch * seq_len / cp
-    # FSDP shards over the data- and context-parallel ranks together (torchtitan's dp_shard_cp)
-    shard = dp * cp if zero >= 3 else dp
+    # ZeRO shards over the data- and context-parallel ranks together (torchtitan's dp_shard_cp;
+    # Megatron's distributed optimizer: get_data_parallel_group(with_context_parallel=True))
+    shard = dp * cp
     share = model_matrices(cfg).params / whole if matrix_share is None else matrix_share
     kept = state_bytes(optimizer, ef=ef, versions=versions, zero=zero, dp=shard, matrix_share=share)
     state = params / tp * kept

@@ -70,9 +70,11 @@ from stalepipe.config.registry import PIPELINE_SCHEDULES
 from stalepipe.lab.sim.cluster import Cluster
 from stalepipe.lab.sim.hybrid import (
     MAX_STAGES,
+    _layer_comm,
     _pipeline_device,
     _placed,
     _placements,
+    group_per_node,
     pipelines,
     tp_cluster,
 )
@@ -109,44 +111,50 @@ def data_parallel(w: Workload, c: Cluster, *, sharded: bool) -> Option | None:
 
 def layout(
     w: Workload, c: Cluster, *, tp: int, stages: int, schedule: str, microbatch: int = 1,
-    recompute: str = "none", across: str = "dp",
+    recompute: str = "none", across: str = "dp", cp: int = 1, ep: int = 1,
 ) -> Option:  # fmt: skip
     """One fixed configuration, timed as the search times it (a published run's layout, for
     benchmarks/validation): `schedule` 'dp' / 'zero1' / 'zero2' / 'fsdp' / 'hsdp' at
     `stages` 1, or a pipeline schedule of `stages` (replicas sharing gradients `across`,
-    'stages in a node' placement); TP `tp`, microbatches of `microbatch` sequences and
-    recomputation `recompute` as given, not searched. Raises ConfigError where the sizes do
-    not split."""
+    'stages in a node' placement); TP `tp`, CP `cp`, EP `ep` (over a stage's replicas, MoE),
+    microbatches of `microbatch` sequences and recomputation `recompute` as given, not
+    searched. Raises ConfigError where the sizes do not split."""
     n, limit = w.num_gpus // tp, c.memory_gb * 1e9
-    if w.num_gpus % (tp * stages) or w.global_batch % (n // stages):
-        raise ConfigError(f"{w.num_gpus} GPUs, batch {w.global_batch}: no TP {tp} x PP {stages}")
+    if w.num_gpus % (tp * stages * cp) or w.global_batch % (n // stages // cp):
+        raise ConfigError(
+            f"{w.num_gpus} GPUs, batch {w.global_batch}: no TP {tp} x CP {cp} x PP {stages}"
+        )
     if stages == 1:
-        k = w.global_batch // n // microbatch
-        step, exposed, mem = flat_step(w, c, schedule, tp, microbatch, recompute)
+        k = w.global_batch // (n // cp) // microbatch
+        step, exposed, mem = flat_step(w, c, schedule, tp, microbatch, recompute, ep, cp)
         rate = w.global_batch * w.seq_len / step
         across = "fsdp" if KINDS[schedule] == 3 else "dp"
         update, ns = flat_update(w, c, schedule, tp)
-        return Option(schedule, "sync", 1, n, across, k, microbatch, "", step, exposed, 0.0,
-                      mem, limit, rate, tp, recompute, ns=ns, update=update)  # fmt: skip
-    v, vw = tp_cluster(c, tp), dataclasses.replace(w, num_gpus=n)
-    replicas = n // stages
+        return Option(schedule, "sync", 1, n // cp, across, k, microbatch, "", step, exposed, 0.0,
+                      mem, limit, rate, tp, recompute, ep, cp, ns, update)  # fmt: skip
+    v, vc, vw = tp_cluster(c, tp), tp_cluster(c, tp, cp), dataclasses.replace(w, num_gpus=n)
+    replicas = n // stages // cp
     local = w.global_batch // replicas
     if local % microbatch:
         raise ConfigError(
             f"{local} sequences a replica do not split into microbatches of {microbatch}"
         )
     m = local // microbatch
-    name, spn, per_node = _placements(v, n, stages, replicas)[0]
-    dev = _pipeline_device(v, spn, stages)
+    name, spn, per_node = _placements(vc, n // cp, stages, replicas)[0]
+    dev = _pipeline_device(vc, spn, stages)
+    comm = _layer_comm(vw, c, schedule, stages, m, microbatch, tp, cp, ep, min(ep, per_node))
     sync = never_delays(PIPELINE_SCHEDULES[schedule].policy)
+    group = replicas * cp
+    sharing = (group, across, group_per_node(c, tp, cp, per_node, group))
     sizes = (stages, m, tp, recompute, microbatch)
-    r = _placed(vw, c, v, dev, schedule, sizes, (replicas, across, per_node), sync)
+    r = _placed(vw, c, v, dev, schedule, sizes, sharing, sync, cp, comm, ep)
     if r is None:
         raise ConfigError(f"{schedule} refuses P={stages}, m={m} for {w.cfg.num_layers} layers")
     step, exposed, mem, update, ns, bubble = r
+    exposed += m * w.cfg.num_layers / stages * comm
     return Option(schedule, PIPELINE_SCHEDULES[schedule].policy, stages, replicas, across, m, microbatch,
                   name, step, exposed, bubble, mem, limit, w.global_batch * w.seq_len / step,
-                  tp, recompute, ns=ns, update=update)  # fmt: skip
+                  tp, recompute, ep, cp, ns, update)  # fmt: skip
 
 
 def all_options(

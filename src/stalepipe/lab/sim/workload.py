@@ -93,7 +93,8 @@ class Option:
     tokens_per_s: float
     tp: int = 1  # tensor-parallel degree inside a node (`sim.replicas`)
     recompute: str = "none"  # activation recomputation: none, selective, full
-    ep: int = 1  # expert-parallel degree inside a node (MoE, `sim.replicas`)
+    ep: int = 1  # expert-parallel degree (MoE, `sim.replicas`, `sim.hybrid`)
+    cp: int = 1  # context-parallel degree: each sequence over `cp` GPUs (`sim.replicas`)
     ns: str = ""  # where Muon's Newton-Schulz runs (`sim.optimizer.PLACEMENTS`; "": no NS)
     update: float = 0.0  # seconds a step the optimizer takes on the critical rank (NS included)
 
@@ -113,11 +114,12 @@ class Option:
         '1f1b P=4 x fsdp 4 (stages in a node), m=8 (microbatch 4)'."""
         tp = f" x tp {self.tp}" if self.tp > 1 else ""
         tp += f" x ep {self.ep}" if self.ep > 1 else ""
+        tp += f" x cp {self.cp}" if self.cp > 1 else ""
         ac = f", {self.recompute} AC" if self.recompute != "none" else ""
         ac += f", NS {self.ns}" if self.ns else ""
         if self.stages == 1:
             return f"{self.schedule} x{self.replicas}{tp} (microbatch {self.microbatch_size}{ac})"
-        rep = f" x {self.across} {self.replicas}" if self.replicas > 1 else ""
+        rep = f" x {self.across} {self.replicas}" if self.replicas * self.cp > 1 else ""
         where = f" ({self.placement})" if self.placement else ""
         each = ", an update each" if parse_policy(self.policy).per_microbatch else ""
         mb = f"microbatch {self.microbatch_size}{each}{ac}"
