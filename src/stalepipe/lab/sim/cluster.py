@@ -36,6 +36,7 @@ with `base` naming the preset the others default to), or `--inter-node-gbps` ove
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import tomllib
@@ -236,10 +237,12 @@ def bus_bandwidth(c: Cluster, per_node: int, nodes: int) -> float:
     return min(intra, c.link_efficiency * per_node * c.inter_node_gbps) * 1e9 / 8
 
 
+@functools.lru_cache(maxsize=65536)
 def collective_time(c: Cluster, kind: str, nbytes: float, n: int, per_node: int = 0) -> float:
     """Seconds of collective `kind` of a tensor of `nbytes` over `n` GPUs of cluster `c`,
     `per_node` of them in each node (default: as many as fit, min(n, GPUs per node)); the
-    faster of NCCL's ring and (all-reduce across nodes) tree."""
+    faster of NCCL's ring and (all-reduce across nodes) tree. Cached: a search asks for the
+    same exchange at every microbatch size, recomputation and placement."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     k = min(n, per_node or int(c.gpus_per_node))
