@@ -5,8 +5,8 @@ and DualPipeV's overlap (issue 52, item 1; 'The cluster model'), from the cluste
 
 Prints: Llama 3 405B's CP traffic a layer at 131,072 tokens (TP 8, CP 16 across nodes)
 beside its forward; Llama 3 8B at 131,072 tokens under FSDP at each CP degree searched; the
-10B MoE in a 2-stage pipeline with and without EP 8, under 1F1B, ZB-V and DualPipeV. Seconds
-a step, GB a GPU; h100-ib unless said.
+10B MoE in a 2-stage pipeline with and without EP 8, under 1F1B, ZB-V and DualPipeV, and its
+best synchronous and 2BW configurations. Seconds a step, GB a GPU; h100-ib unless said.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from stalepipe.lab.sim import replicas as rp
 from stalepipe.lab.sim.cluster import CLUSTERS, ROCE_EFFICIENCY
 from stalepipe.lab.sim.hybrid import _blocks_flops
 from stalepipe.lab.sim.models import model_config
-from stalepipe.lab.sim.parallel import Workload, best, layout
+from stalepipe.lab.sim.parallel import Workload, all_options, best, layout
 from stalepipe.lab.verdict.throughput import model_shape
 
 IB = CLUSTERS["h100-ib"]
@@ -53,6 +53,10 @@ def main() -> None:
                 f"moe-10b, 64 H100: {o.label()}: step {o.step_time:.3f} s, exposed "
                 f"{o.exposed_comm:.3f} s, {o.peak_memory / 1e9:.1f} GB"
             )
+    opts = all_options(wm, IB, ("2bw",))
+    for policy in ("sync", "2bw"):
+        o = best(opts, policy)
+        print(f"moe-10b, 64 H100, best {policy}: {o.label()}, {o.tokens_per_s / 1e6:.3f}M tok/s")
 
 
 if __name__ == "__main__":

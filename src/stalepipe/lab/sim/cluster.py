@@ -42,6 +42,7 @@ with `base` naming the preset the others default to), or `--inter-node-gbps` ove
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import tomllib
@@ -274,6 +275,7 @@ def hop_share(chunk: float, half: float = CHUNK_HALF) -> float:
     return chunk / (chunk + half)
 
 
+@functools.lru_cache(maxsize=65536)
 def collective_time(
     c: Cluster,
     kind: str,
@@ -285,7 +287,8 @@ def collective_time(
     """Seconds of collective `kind` of a tensor of `nbytes` over `n` GPUs of cluster `c`,
     `per_node` of them in each node (default: as many as fit, min(n, GPUs per node)); the
     faster of NCCL's ring and (all-reduce across nodes) tree. `hops`: (HOP_SMALL, HOP_LARGE,
-    CHUNK_HALF), the calibrated latency curve (given otherwise only by its fit)."""
+    CHUNK_HALF), the calibrated latency curve (given otherwise only by its fit). Cached: a search
+    asks for the same exchange at every microbatch size, recomputation and placement."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     k = min(n, per_node or int(c.gpus_per_node))

@@ -180,6 +180,7 @@ def model_matrices(cfg: ModelConfig, steps: int = NS_STEPS) -> Matrices:
     return layers_matrices(cfg, tuple(range(cfg.num_layers)), steps)
 
 
+@functools.lru_cache(maxsize=1024)
 def ns_mfu(cfg: ModelConfig, mfu: float | None, mfu_scale: float = 1.0) -> float:
     """The MFU Newton-Schulz's matmuls run at (module docstring): the given `mfu`, else the
     calibrated curve at one iteration over one block's matrices; times `mfu_scale`, at most 1."""

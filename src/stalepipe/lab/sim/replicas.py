@@ -52,6 +52,7 @@ only where the weights' terms alone (state and gathered buffers, which CP does n
 
 from __future__ import annotations
 
+import functools
 import math
 
 from stalepipe.config import ModelConfig
@@ -223,12 +224,14 @@ def tp_ns_traffic(c: Cluster, nbytes: float, tp: int) -> float:
     return 2 * collective_time(c, "all-to-all", nbytes / tp, tp, tp) if tp > 1 else 0.0
 
 
+@functools.lru_cache(maxsize=8192)
 def flat_update(
     w, c: Cluster, kind: str, tp: int, placements: tuple[str, ...] = PLACEMENTS
 ) -> tuple[float, str]:
     """(seconds, Newton-Schulz's placement) of the update of data-parallel `kind` at TP `tp`
     (module docstring): the arm's elementwise update on the GPU's shard, and for Muon the
-    faster of `placements` with its traffic ('' for AdamW and for one data-parallel rank)."""
+    faster of `placements` with its traffic ('' for AdamW and for one data-parallel rank).
+    Cached: every microbatch size and recomputation of a kind shares it."""
     n, zero = w.num_gpus // tp, KINDS[kind]
     g = int(c.gpus_per_node) // tp
     shard = min(n, g) if kind == "hsdp" else n  # the group the state is sharded over
