@@ -139,6 +139,11 @@ def test_the_ef_arms_2bw_keeps_its_buffer_and_its_sync_baseline_does_not():
         largest = max(plain.params) / (8 if across == "fsdp" else 1)  # FSDP shards it
         assert 0 < bw_ef.peak_memory - bw.peak_memory <= EF_BYTES * largest * (1 + 1e-9)
         assert sync_ef.peak_memory == sync.peak_memory and sync_ef.step_time == sync.step_time
+        # on a GPU with room for the one and not the other, the EF arm's 2BW does not fit
+        tight = dataclasses.replace(C, memory_gb=(bw.peak_memory + bw_ef.peak_memory) / 2e9)
+        w_ef = dataclasses.replace(w, arm=MUON_EF)
+        assert par.layout(w, tight, schedule="2bw", **kw).fits
+        assert not par.layout(w_ef, tight, schedule="2bw", **kw).fits
 
 
 def test_a_muon_pipeline_pays_newton_schulz_in_sync_and_in_2bw():
