@@ -279,3 +279,90 @@ def test_whole_split_reads_the_headline_on_both_evaluations():
     assert [ln.split(" at ")[0] for ln in short] == ["token overhead of adamw_2bw+ef"], short
     assert '"> 1.50x (1/5 seeds short)"' in readme and "(1/5 seeds short;" in short[0]
     assert "whole 162,560-token validation split" in readme
+
+
+def _batched_seeds(monkeypatch):
+    """benchmarks/speed/batched_seeds.py as a module (its classes, for in-process checks)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    return importlib.import_module("benchmarks.speed.batched_seeds")
+
+
+def test_batched_seeds_trains_each_seed_as_its_solo_run_bit_for_bit():
+    """`batched_seeds.py --quick` (issue 55): S seeds as one batched model against each seed
+    trained alone by today's engine, both optimizers, the three arms. The tolerance its runs
+    established is none: every seed's losses at every step and its final weights equal the
+    solo run's bit for bit (at the study shapes too: docs/benchmarks.md, 'Batched seeds')."""
+    args = ["--quick", "--rounds", "1", "--warmup", "0", "--sizes", "3", "--check-steps", "4"]
+    out = _script("speed/batched_seeds.py", *args).stdout
+    rows = [ln.split() for ln in out.splitlines() if re.match(r"quick +(adamw|muon) ", ln)]
+    assert {(r[1], r[2]) for r in rows} == {
+        (o, a) for o in ("adamw", "muon") for a in ("sync", "2bw", "2bw+ef")
+    }, out
+    assert all(r[3] == "3" and r[-1] == "yes" for r in rows), out
+    assert re.search(r"quick +all: S = 3: \d+\.\d\d \[", out)
+    checks = [ln for ln in out.splitlines() if ln.startswith("check quick")]
+    assert len(checks) == 6, out
+    assert all(
+        "4 steps: losses differ never, max |dloss| 0.000e+00, final weights equal" in ln
+        for ln in checks
+    ), checks
+
+
+def test_batched_model_is_each_seed_s_transformer(monkeypatch):
+    """The batched model computes our Transformer's function per seed: seed s's slices are
+    `build_model(cfg, s)`'s initial weights, its loss on its own batch and its gradients are
+    the solo model's bit for bit, and the seeds differ (the check is not vacuous)."""
+    import torch
+
+    from stalepipe.training.models import build_model
+
+    bs = _batched_seeds(monkeypatch)
+    cfg = bs.scale_cfg(None, "muon", "2bw", quick=True)
+    solos = [build_model(cfg.model, s) for s in range(3)]
+    batched = bs.BatchedTransformer([build_model(cfg.model, s) for s in range(3)])
+    for s, solo in enumerate(solos):
+        for name, p in solo.named_parameters():
+            assert torch.equal(batched.param(name)[s], p), (s, name)
+    xy = [bs.seed_batch(cfg, s, 0) for s in range(3)]
+    x, y = (torch.stack(t) for t in zip(*xy, strict=True))
+    losses = batched(x, y)
+    losses.sum().backward()
+    for s, solo in enumerate(solos):
+        loss = solo(*xy[s])
+        loss.backward()
+        assert losses[s].item() == loss.item()
+        for name, p in solo.named_parameters():
+            assert torch.equal(batched.param(name).grad[s], p.grad), (s, name)
+        other = solo(*xy[(s + 1) % 3]).item()  # another seed's data order: another loss
+        assert other != loss.item()
+    assert len({round(v, 6) for v in losses.tolist()}) == 3
+
+
+def test_batched_seeds_check_reports_a_seed_that_strays(monkeypatch):
+    """The script's comparison (`differences`) finds a seed whose batched weights stray from
+    its solo run: equal after two steps, then one weight of seed 1 nudged, and the losses
+    differ from the first step that reads the nudged weights (2bw: one step later)."""
+    import torch
+
+    bs = _batched_seeds(monkeypatch)
+    cfg = bs.scale_cfg(None, "adamw", "2bw+ef", quick=True)
+    solos, run = [bs.SoloRun(cfg, s) for s in range(2)], bs.BatchedRun(cfg, 2)
+
+    def step() -> None:
+        run.step()
+        for solo in solos:
+            solo.timed()
+
+    for _ in range(2):
+        step()
+    assert bs.differences(run, solos) == (None, 0.0, True)
+    with torch.no_grad():
+        run.model.param("layers.0.attn.wq.weight")[1, 0, 0] += 1e-3  # W_2 of seed 1
+    step()  # step 2 reads W_1: still equal
+    assert bs.differences(run, solos)[:2] == (None, 0.0)
+    step()  # step 3 reads W_2
+    first, worst, same = bs.differences(run, solos)
+    assert (first, same) == (3, False) and worst > 0.0
+    assert run.losses[3][0] == solos[0].losses[3]  # seed 0 untouched

@@ -29,7 +29,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from stalepipe.config import PIPELINE_SCHEDULES, DelayConfig, ModelConfig, OptimConfig
+from stalepipe.config import (
+    PIPELINE_SCHEDULES,
+    DelayConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+)
 from stalepipe.lab.sim.timing import simulate, summarize
 from stalepipe.training.delay import DelayedOptimizer
 from stalepipe.training.launch.pool import WorkerPool
@@ -67,10 +73,10 @@ CHUNKS = {name: spec.stages_per_rank(2) for name, spec in PIPELINE_SCHEDULES.ite
 
 
 class _NoCadence:
-    """The peak LR throughout; no logs, evaluations or checkpoints (a pure throughput run)."""
+    """The peak LR throughout (its `train`: no warmup, a constant schedule); no logs,
+    evaluations or checkpoints (a pure throughput run)."""
 
-    def lr_multiplier(self, step: int) -> float:
-        return 1.0
+    train = TrainConfig(warmup_steps=0, lr_schedule="constant")
 
     def logs(self, step: int) -> bool:
         return False
@@ -78,11 +84,11 @@ class _NoCadence:
     evaluates = is_sync_point = logs
     stop_step = None
 
-    def with_agreed(self, step: int, bits: int) -> _NoCadence:  # no signal: nothing agreed
+    def with_agreed(self, agreed: object) -> _NoCadence:  # no signal: nothing agreed
         return self
 
-    def agreed_bits(self, step: int) -> int:
-        return 0
+    def agreed_at(self, step: int) -> None:
+        return None
 
 
 def ours(model_cfg: ModelConfig, schedule: str, m: int, mb: int, T: int, steps: int, warm: int):

@@ -1,7 +1,7 @@
 """How long the verdict's crossover map takes (issue 32: a full map in under 10 s on 2 cores).
 
     OMP_NUM_THREADS=1 python benchmarks/speed/verdict_map_speed.py \
-        [--cluster h100-ib] [--model smollm-360m]
+        [--cluster h100-ib] [--model smollm-360m] [--arms muon+ef,muon,adamw+ef]
 
 Times `verdict.cluster.crossover_map` from a cold cache (the pipeline timings are
 cached per process), in one process and in its default worker processes (one a CPU), and counts
@@ -17,7 +17,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from stalepipe.lab.sim import parallel, steady
+from stalepipe.lab.sim import parallel, steady, workload
+from stalepipe.lab.sim.cluster import collective_time
+from stalepipe.lab.sim.optimizer import Arm
 from stalepipe.lab.sim.parallel import all_options
 from stalepipe.lab.verdict.cluster import crossover_map, setting
 
@@ -30,23 +32,27 @@ def main() -> None:
     ap.add_argument("--cluster", default="h100-ib")
     ap.add_argument("--model", default="smollm-360m")
     ap.add_argument("--gpus", type=int, default=32)
+    ap.add_argument("--arms", default="", help="e.g. muon+ef,muon,adamw+ef (default: AdamW)")
     args = ap.parse_args()
     s = setting(args.model, args.cluster, args.gpus, None)
+    arms = [Arm(a.partition("+")[0], a.endswith("+ef")) for a in args.arms.split(",") if a]
     took = {}
     for workers in (1, None):
-        for f in (parallel.pipeline_timing, parallel._costs, parallel._memory, steady.plan):
+        for f in (parallel.pipeline_timing, parallel._costs, parallel._memory, steady.plan,
+                  parallel._synchronous, workload._steady, collective_time):  # fmt: skip
             f.cache_clear()
         t0 = time.perf_counter()
-        cells = crossover_map(s, workers)
+        cells = crossover_map(s, workers, arms or None)
         took[workers] = time.perf_counter() - t0
     configs = sum(
         len(
             all_options(
-                s.workload(c.gpus, c.global_batch), replace(s.cluster, inter_node_gbps=c.inter_gbps)
+                replace(s.workload(c.gpus, c.global_batch), arm=c.arm),
+                replace(s.cluster, inter_node_gbps=c.inter_gbps),
             )
         )
         for c in cells
-    )  # cached now: counting costs nothing
+    )  # the central assumptions' (the map timed the corners' too)
     print(
         f"crossover map, {args.model} on {args.cluster} around {args.gpus} GPUs: {len(cells)} cells, "
         f"{configs} configurations at the central assumptions (and 8 corners each); cold cache: "

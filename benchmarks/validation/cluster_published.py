@@ -4,12 +4,15 @@ table there from this script).
 
     OMP_NUM_THREADS=1 python benchmarks/validation/cluster_published.py
 
-Two kinds of row. **Collectives**: nccl-tests bus bandwidth (busbw, GB/s, the largest message
-printed) on published systems, against `sim.cluster.collective_time` on the same system, group
-and message: busbw = bytes per rank / time, as nccl-tests computes it. **Training**: published
-throughputs against the cluster model's option on the published setting, at the MFU the source
-reports (the MFU is an input, so ratios between two published settings check the
-communication and schedule model alone).
+Three kinds of row. **Collectives by size**: the bus bandwidth (busbw, GB/s) of complete
+published nccl-tests sweeps (benchmarks/validation/nccl_sweeps.py, nccl_sweeps.csv) at FSDP's and
+TP's message sizes, 1 to 256 MiB, against `sim.cluster.collective_time` on the same system,
+group and message (busbw = bytes per rank / time, as nccl-tests computes it); the collective
+model's latency curve is fitted on one sweep (`sim.cluster.COLLECTIVE_CALIBRATION`) and every
+other sweep is held out. **Collectives at the largest message**: the bandwidth the model
+reaches. **Training**: published throughputs against the cluster model's option on the
+published layout, its MFU from `sim.efficiency`'s curve (fitted on one source, the others held
+out).
 
 Every published number is quoted with its source in `SOURCES`; where the source leaves a
 hardware figure out, the row says what was assumed.
@@ -17,9 +20,14 @@ hardware figure out, the row says what was assumed.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 from stalepipe.lab.sim import calibration as cal
+from stalepipe.lab.sim import cluster as sc
 from stalepipe.lab.sim import efficiency as eff
 from stalepipe.lab.sim.cluster import (
     CLUSTERS,
@@ -30,22 +38,23 @@ from stalepipe.lab.sim.cluster import (
 )
 from stalepipe.lab.sim.models import model_config
 
-GIB = 2**30
+MIB, GIB = 2**20, 2**30
 WITHIN = 0.15  # the issue's tolerance: a row outside it is a miss, explained in docs/verdict.md
 
-# ---- the published systems ------------------------------------------------------------------
-# AWS p5.48xlarge: 8 H100 SXM, NVLink 4, four 100 Gb/s EFA cards per GPU (crazyguitar/aws-gpu-
-# communication-benchmark README: "four Elastic Fabric Adapter (EFA) interfaces per GPU";
-# Perplexity's p5 write-up: "four 100 Gbps EFA cards" per GPU) = 400 Gb/s per GPU
-P5 = replace(CLUSTERS["h100-ib"], name="aws-p5")
-# Voltage Park: 8 H100 SXM per node on InfiniBand, "3.2 Tbps InfiniBand (400 Gbps per port, 3
-# active ports per node)" (ZiyanIshani/vpbenchmarking): the two halves disagree; taken as
-# 3.2 Tb/s a node = 400 Gb/s per GPU
-VOLTAGE_PARK = replace(CLUSTERS["h100-ib"], name="voltage-park")
-# Crusoe: 8 A100-80GB SXM, 8 InfiniBand HCAs a node (dstack's crusoe example); the HCAs' speed
-# is not stated: taken as HDR 200 Gb/s, as NVIDIA's "DGX-A100 ... 8x200Gbit/s IB cards ... 192GB/s
-# AllReduce BusBW" (NVIDIA/nccl issue 1576) for the same node
-CRUSOE = replace(CLUSTERS["a100-ib"], name="crusoe-a100")
+
+def _sibling(name: str) -> Any:
+    """A module beside this script (the tests load this one by path, not as a package)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        assert spec and spec.loader
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # its dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+sweeps = _sibling("nccl_sweeps")
+P5, VOLTAGE_PARK, CRUSOE = sweeps.P5, sweeps.VOLTAGE_PARK, sweeps.CRUSOE
 # torchtitan's Grand Teton H100 hosts: 96 GB HBM2e at 2.4 TB/s, NVLink, 400 Gb/s RDMA per GPU
 GRAND_TETON = replace(CLUSTERS["h100-ib"], name="grand-teton", memory_gb=96.0, hbm_tbps=2.4)
 
@@ -107,6 +116,42 @@ COLLECTIVES = [
 ]
 
 
+# ---- collectives by message size: the latency curve fitted on one sweep, the rest held out ---
+# (nccl_sweeps.py: the data, the cells at `sweeps.SIZES`, their errors)
+SIZES = sweeps.SIZES
+summary = sweeps.summary  # (median, worst) of a list of errors
+
+
+def sweep_table() -> list[str]:
+    """The sweeps at `SIZES`: published busbw and model / published in each cell."""
+    cells = sweeps.cells()
+    head = " | ".join(f"{size // MIB} MiB" for size in SIZES)
+    lines = [f"| sweep | collective, GPUs (system) | role | {head} |",
+             "|---|---|---|" + "---:|" * len(SIZES)]  # fmt: skip
+    for name, s in sweeps.SWEEPS.items():
+        row = {size: (p, m, i) for n, size, p, m, i in cells if n == name}
+        if not row:
+            continue
+        shown = [f"{p:.0f}: {m / p:.2f}{'*' if i else ''}" if (p, m, i) != (0, 0, 0) else "-"
+                 for p, m, i in (row.get(size, (0, 0, 0)) for size in SIZES)]  # fmt: skip
+        role = "calibration" if name == sweeps.CALIBRATION else "held out"
+        what = f"{s.kind}, {s.nodes} x {s.per_node} ({s.cluster.name})"
+        lines.append(f"| {name} | {what} | {role} | {' | '.join(shown)} |")
+    med, worst = summary(sweeps.held_out_errors(cells))
+    cmed, cworst = summary(sweeps.calibration_errors())
+    n = len(sweeps.held_out_errors(cells))
+    lines += [
+        "",
+        f"Collectives at 1-256 MiB (a cell: published busbw GB/s: model / published; * "
+        f"interpolated in log size), held out ({n} cells, the latency curve fitted on "
+        f"{sc.COLLECTIVE_CALIBRATION} only: HOP_SMALL {sc.HOP_SMALL:g}, HOP_LARGE "
+        f"{sc.HOP_LARGE:g}, CHUNK_HALF {sc.CHUNK_HALF:.3g} B): median |error| {med:.1%}, worst "
+        f"{worst:.1%}; the calibration sweep at every size it prints "
+        f"({len(sweeps.calibration_errors())}): median {cmed:.1%}, worst {cworst:.1%}",
+    ]
+    return lines
+
+
 # ---- training throughput: the per-shape compute model (sim.efficiency), held out -----------
 # Every row is a prediction: the MFU comes from `sim.efficiency`'s curve, fitted to Narayanan et
 # al. Table 1 alone (CALIBRATION_SOURCE, marked "calibration" and left out of the error); no
@@ -126,18 +171,22 @@ SOURCES |= {
 }
 
 
-def _llama3(gpus: int, dp: int, per_dp: int, tflops: float) -> cal.Layout:
-    """Llama 3 Table 4: 405B, sequence 8,192, TP 8, CP 1, PP 16, DP `dp`, `per_dp` sequences a
-    replica, TFLOP/s per GPU. Meta's FLOP count is not stated: converted with the model's own
-    (causal attention; counted non-causal, the tokens/s would be ~4 % lower). Not stated,
-    assumed: microbatch 1, interleaved 1F1B (2 stages a rank), no recomputation."""
+def _llama3(
+    gpus: int, dp: int, per_dp: int, tflops: float, cp: int = 1, seq: int = 8192
+) -> cal.Layout:
+    """Llama 3 Table 4: 405B, sequence `seq`, TP 8, CP `cp`, PP 16, DP `dp`, `per_dp`
+    sequences a replica, TFLOP/s per GPU. Meta's FLOP count is not stated: converted with the
+    model's own (causal attention; counted non-causal, the tokens/s would be ~4 % lower at
+    8,192 tokens, ~29 % at 131,072). Not stated, assumed: microbatch 1 (one sequence, split
+    over the CP group), interleaved 1F1B (2 stages a rank), no recomputation."""
     from stalepipe.training.models.transformer import flops_per_token
 
     cfg = model_config("llama3-405b")
-    tps = tflops * 1e12 / flops_per_token(cfg, 8192)["total"]
-    what = f"Llama 3 405B, TP 8 x PP 16 x DP {dp}, {gpus:,} H100, {per_dp} seq a replica"
-    return cal.Layout("llama3", what, cfg, 8192, "meta-roce", gpus, dp * per_dp, 8, 16,
-                      "interleaved-1f1b", 1, "none", tps)  # fmt: skip
+    tps = tflops * 1e12 / flops_per_token(cfg, seq)["total"]
+    ctx = f" x CP {cp}, sequence {seq:,}" if cp > 1 else ""
+    what = f"Llama 3 405B, TP 8 x PP 16 x DP {dp}{ctx}, {gpus:,} H100, {per_dp} seq a replica"
+    return cal.Layout("llama3", what, cfg, seq, "meta-roce", gpus, dp * per_dp, 8, 16,
+                      "interleaved-1f1b", 1, "none", tps, cp)  # fmt: skip
 
 
 def _titan(src: str, what: str, cluster: str, gpus: int, local: int, tps: float) -> cal.Layout:
@@ -171,6 +220,7 @@ HELD_OUT = (
     _titan("tt-a100", "Llama 3 8B, FSDP, 64 A100, local batch 1", "a100-ib", 64, 1, 2904),
     _llama3(8192, 64, 32, 430),
     _llama3(16384, 128, 16, 400),
+    _llama3(16384, 8, 16, 380, cp=16, seq=131072),  # Table 4's long-context row
     *(_t2(174.6, 12288, 96, 8, 12, g, 1536, 1, x) for g, x in ((384, 153), (768, 149), (1536, 141))),
     *(_t2(529.6, 20480, 105, 8, 35, g, 2240, 1, x) for g, x in ((560, 171), (1120, 167), (2240, 159))),
     *(_t2(174.6, 12288, 96, 1, 0, g, 1536, mb, x) for g, mb, x in ((384, 4, 144), (768, 2, 88), (1536, 1, 44))),
@@ -181,8 +231,6 @@ ROWS = (*cal.CALIBRATION, *HELD_OUT)
 
 # In scope but not rows, and why (docs/verdict.md repeats this):
 OMITTED = [
-    "Llama 3 Table 4 row 3 (16,384 GPUs, CP 16, sequence 131,072): context parallelism is not "
-    "in the cluster model",
     "torchtitan Tables 2, 4, 5, 6 and the compile / Float8 rows of Tables 1 and 3 (70B FSDP 32 x "
     "TP 8, 405B FSDP x TP x PP): Float8 matmuls and torch.compile, the model is bf16 eager; "
     "Table 5's schedule ratio is kept below (Float8 common to both)",
@@ -208,13 +256,6 @@ def training_rows() -> list[tuple[str, str, float, float, str]]:
 def held_out_errors(rows: list[tuple[str, str, float, float, str]]) -> list[float]:
     """|model / published - 1| of the held-out training rows (the model-error term)."""
     return [abs(m / p - 1) for src, _, p, m, note in rows if note.startswith("held out")]
-
-
-def summary(errors: list[float]) -> tuple[float, float]:
-    """(median, worst) of `errors`."""
-    e = sorted(errors)
-    n = len(e)
-    return (e[n // 2] if n % 2 else (e[n // 2 - 1] + e[n // 2]) / 2), e[-1]
 
 
 def steady_step(name: str, stages: int, m: int, costs: tuple[float, ...], chunks: int = 2) -> float:
@@ -280,7 +321,8 @@ def pipeline_rows() -> list[tuple[str, str, float, float, str]]:
 
 def table() -> str:
     """The markdown table docs/verdict.md shows, its sources below it."""
-    lines = [
+    lines = [*sweep_table(), ""]
+    lines += [
         "| source | measurement | published | model | model / published | within 15 % |",
         "|---|---|---:|---:|---:|---|",
     ]
@@ -304,6 +346,7 @@ def table() -> str:
     )
     lines.append("")
     lines += [f"- omitted: {text}" for text in OMITTED]
+    lines += [f"- {name}: {s.source}; {s.note}" for name, s in sweeps.SWEEPS.items()]
     lines += [f"- {key}: {text}" for key, text in SOURCES.items()]
     return "\n".join(lines)
 

@@ -11,9 +11,16 @@ import pytest
 from stalepipe.config import ConfigError
 from stalepipe.lab.sim import parallel as par
 from stalepipe.lab.sim.cluster import (
+    CHUNK_HALF,
     CLUSTERS,
+    HOP_LARGE,
+    HOP_SMALL,
+    TREE_HOP_NET,
+    TREE_HOP_NVLINK,
+    bus_bandwidth,
     collective_time,
     get_cluster,
+    hop_share,
     leading,
     ring_bytes_per_rank,
     ring_time,
@@ -65,22 +72,64 @@ def test_a_ring_across_nodes_runs_on_the_group_s_rails():
 
 
 def test_nccl_s_ring_latency_and_the_tree_for_small_messages():
-    """Ring latency as tuning.cc: per pass n - 1 steps, N - 1 of them between nodes; an
-    all-reduce across nodes takes NCCL's tree when it is faster (small messages)."""
+    """Ring latency as tuning.cc: per pass n - 1 steps, N - 1 of them between nodes, each the
+    preset's hop latency times the calibrated scale of its chunk (HOP_SMALL for a tiny one);
+    an all-reduce across nodes takes NCCL's tree when it is faster (small messages), its hops
+    a ring's times tuning.cc's tree / ring ratio."""
     c = CLUSTERS["h100-ib"]
-    a_in, a_out = 5e-6, 10e-6
     n, nodes = 128, 16
+    scale = HOP_SMALL + (HOP_LARGE - HOP_SMALL) * (1 / n) / (1 / n + CHUNK_HALF)
+    a_in, a_out = 5e-6 * scale, 10e-6 * scale
     tiny = collective_time(c, "all-gather", 1.0, n)
     assert tiny == pytest.approx(
         (n - nodes) * a_in + (nodes - 1) * a_out + (n - 1) / n / (0.82 * 3600e9 / 8), rel=1e-6
     )
     ring_ar = 2 * ((n - nodes) * a_in + (nodes - 1) * a_out)
-    tree_ar = 2 * (4 * a_out + 7 * a_in)
+    net, nvl = TREE_HOP_NET[0], TREE_HOP_NVLINK[0]  # a 1-byte chunk: LL's ratios
+    tree_ar = 2 * (4 * a_out * net + 7 * a_in * nvl)
     assert collective_time(c, "all-reduce", 1.0, n) == pytest.approx(tree_ar, rel=1e-3)
     assert tree_ar < ring_ar
     big = collective_time(c, "all-reduce", 8e9, n)  # the ring's full bandwidth wins
     bw = min(0.82 * 3600e9, 0.92 * 8 * 400e9) / 8  # NVLink or the node's 8 rails
+    f = (8e9 / n) / (8e9 / n + CHUNK_HALF)
+    scale = HOP_SMALL + (HOP_LARGE - HOP_SMALL) * f
+    ring_ar = 2 * ((n - nodes) * 5e-6 + (nodes - 1) * 10e-6) * scale
     assert big == pytest.approx(ring_ar + 2 * (n - 1) / n * 8e9 / bw)
+
+
+@pytest.mark.parametrize("kind", ["all-gather", "reduce-scatter", "all-reduce"])
+@pytest.mark.parametrize(("preset", "n"), [("h100-ib", 8), ("h100-ib", 32), ("h100-ib", 1024),
+                                           ("a100-ib", 16), ("h100-eth25", 64)])  # fmt: skip
+def test_a_collective_is_monotone_in_size_and_reaches_the_bus_bandwidth(kind, preset, n):
+    """Time grows with the message at every size, and so does the bus bandwidth it reaches;
+    what it takes beyond moving the bytes at `bus_bandwidth` (the constant-latency model's) is
+    at most HOP_LARGE x the constant latency, so the bandwidth approaches the old one (within
+    1 % at 64 GiB up to 64 GPUs, 5 % at 1,024); a tiny message costs under half the old
+    constant latency (issue 52: 3x too high)."""
+    c = CLUSTERS[preset]
+    sizes = [2.0**i for i in range(3, 37)]  # 8 B to 64 GiB
+    times = [collective_time(c, kind, s, n) for s in sizes]
+    assert all(a < b for a, b in zip(times, times[1:]))
+    busbw = [ring_bytes_per_rank(kind, s, n) / t for s, t in zip(sizes, times)]
+    assert all(a <= b * (1 + 1e-9) for a, b in zip(busbw, busbw[1:]))
+    k = min(n, 8)
+    nodes = -(-n // k)
+    bw = bus_bandwidth(c, k, nodes)
+    passes = 2 if kind == "all-reduce" else 1
+    hops = (n - nodes) * c.intra_node_latency_us + (nodes - 1) * c.inter_node_latency_us
+    constant = passes * hops * 1e-6
+    for s, t in zip(sizes, times):
+        assert t - ring_bytes_per_rank(kind, s, n) / bw <= HOP_LARGE * constant * (1 + 1e-9)
+    assert busbw[-1] == pytest.approx(bw, rel=0.01 if n <= 64 else 0.05)
+    assert times[0] < 0.5 * constant
+
+
+def test_the_latency_scale_rises_from_small_to_large_chunks():
+    """hop_share runs from 0 to 1 through 1/2 at CHUNK_HALF; the fitted scales bracket NCCL's
+    protocols: a tiny chunk's hop below the preset's latency, a large one's above."""
+    assert hop_share(0.0) == 0.0 and hop_share(CHUNK_HALF) == pytest.approx(0.5)
+    assert hop_share(1e12) == pytest.approx(1.0, abs=1e-6)
+    assert 0 < HOP_SMALL < 1 < HOP_LARGE
 
 
 def test_overlap_flows_by_hand():

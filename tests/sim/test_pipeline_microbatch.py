@@ -82,9 +82,9 @@ def test_sync_schedules_and_2bw_search_the_same_microbatch_sizes(monkeypatch):
     seen: dict[str, set] = {}
     timed = hybrid._timed
 
-    def spy(w, c, dev, name, stages, m_sim, tp, mode, mb=1):
+    def spy(w, c, dev, name, stages, m_sim, tp, mode, mb=1, *rest):
         seen.setdefault(name, set()).add((stages, tp, mb))
-        return timed(w, c, dev, name, stages, m_sim, tp, mode, mb)
+        return timed(w, c, dev, name, stages, m_sim, tp, mode, mb, *rest)
 
     monkeypatch.setattr(hybrid, "_timed", spy)
     # one MFU for every shape: no size can be ruled out by its compute alone, so every

@@ -69,10 +69,30 @@ def test_cluster_verdict_end_to_end(curve_sweep, capsys):
     # the model the overhead was measured on, beside it (the fixture's tiny model)
     assert ef["seeds"] == "3" and ef["measured_on_params"].endswith("M")
     assert any("cluster model" in line for line in doc["inputs"])
+    # each arm judged on throughputs costed with its own optimizer (issue 52): Muon's Newton-
+    # Schulz in its synchronous configurations and its 2BW, EF's buffer in AdamW+EF's 2BW only
+    lines = {
+        line.split(": optimizer: ")[0]: line for line in doc["inputs"] if ": optimizer: " in line
+    }
+    assert set(lines) == {"AdamW", "AdamW+EF", "Muon"}
+    assert "Newton-Schulz" in lines["Muon"] and "error feedback" in lines["AdamW+EF"]
+    assert "Newton-Schulz" not in lines["AdamW"] and "error feedback" not in lines["AdamW"]
+    assert [rows[k]["arm"] for k in ("adamw_2bw", "adamw_2bw+ef", "muon_2bw")] == [
+        "AdamW",
+        "AdamW+EF",
+        "Muon",
+    ]
+    plain = rows["adamw_2bw"]["best_sync_tokens_per_s"]
+    assert rows["muon_2bw"]["best_sync_tokens_per_s"] < plain  # NS slows the synchronous best
+    assert rows["adamw_2bw+ef"]["best_sync_tokens_per_s"] == plain  # sync runs without EF
     out = curve_sweep / "verdict"
     assert (out / "verdict.png").stat().st_size > 10_000
     with open(out / "verdict_map.csv") as f:
-        cells = list(csv.DictReader(f))
+        every = list(csv.DictReader(f))
+    # one row per cell and drawn arm; a drawn configuration's call is on its own arm's rows
+    cells = [c for c in every if c["arm"] == "AdamW+EF"]
+    assert {c["arm"] for c in every} == {"AdamW+EF", "AdamW"} and len(every) == 2 * len(cells)
+    assert all(c["adamw_2bw+ef"] == "" for c in every if c["arm"] != "AdamW+EF")
     assert len(cells) >= 50 and {"16", "32"} <= {c["gpus"] for c in cells}
     # every cell's call is the rule applied to its own edge over the assumptions' range: sooner
     # when even its lowest edge is above the overhead's interval, later when even its highest is

@@ -1,7 +1,9 @@
-"""The calibration of `sim.efficiency`'s curve on ONE named source (`CALIBRATION_SOURCE`,
-Narayanan et al. SC'21 Table 1), and the published layouts it and the held-out rows of
-benchmarks/validation/cluster_published.py are timed on (issue 52, item 3). Kept apart from
-the curve: the fit times layouts with the cluster model, which reads the curve."""
+"""The calibrations of the cluster model on ONE named source each (issue 52, item 3):
+`sim.efficiency`'s curve on Narayanan et al. SC'21 Table 1 (`CALIBRATION_SOURCE`), with the
+published layouts it and the held-out rows of benchmarks/validation/cluster_published.py are
+timed on, and `sim.cluster.collective_time`'s latency curve on one nccl-tests sweep
+(`fit_collectives`). Kept apart from the curves: the fits time with the cluster model, which
+reads them."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stalepipe.config import ModelConfig
-from stalepipe.lab.sim.cluster import CLUSTERS
+from stalepipe.lab.sim.cluster import CLUSTERS, Cluster, collective_time
 from stalepipe.lab.sim.efficiency import CALIBRATION_SOURCE, block_size, curve
 from stalepipe.lab.sim.parallel import Workload, layout
 
@@ -58,9 +60,11 @@ class Layout:
     microbatch: int
     recompute: str
     published: float  # tokens/s per GPU
+    cp: int = 1  # context parallelism: each sequence over `cp` GPUs
 
-    def tokens(self) -> int:
-        return self.microbatch * self.seq_len
+    def tokens(self) -> float:
+        """A microbatch's tokens on one GPU (its shape, `sim.efficiency`)."""
+        return self.microbatch * self.seq_len / self.cp
 
 
 # Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -116,6 +120,7 @@ def timed(r: Layout, mfu: float | None, clusters: dict | None = None) -> float:
         schedule=r.schedule,
         microbatch=r.microbatch,
         recompute=r.recompute,
+        cp=r.cp,
     )
     return o.tokens_per_s / r.gpus
 
@@ -156,3 +161,66 @@ def fit(rows: tuple[Layout, ...] | list[Layout]) -> tuple[float, float]:
         if sse < best[0]:
             best = (sse, e, x_half)
     return best[1], best[2]
+
+
+# ---- the collectives' latency curve (sim.cluster.HOP_SMALL, HOP_LARGE, CHUNK_HALF) ----------
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One published nccl-tests point: `kind` of `nbytes` (nccl-tests' size) over `nodes` x
+    `per_node` GPUs of `cluster`, taking `seconds`."""
+
+    cluster: Cluster
+    kind: str
+    nodes: int
+    per_node: int
+    nbytes: float
+    seconds: float
+
+    def model(self, hops: tuple[float, float, float] | None = None) -> float:
+        """`collective_time` of this point, at the calibrated curve or at `hops`."""
+        n = self.nodes * self.per_node
+        if hops is None:
+            return collective_time(self.cluster, self.kind, self.nbytes, n, self.per_node)
+        return collective_time(self.cluster, self.kind, self.nbytes, n, self.per_node, hops)
+
+
+def _log_sse(points: list[Measured], hops: tuple[float, float, float]) -> float:
+    return sum(math.log(p.model(hops) / p.seconds) ** 2 for p in points)
+
+
+def fit_collectives(points: list[Measured]) -> tuple[float, float, float]:
+    """(HOP_SMALL, HOP_LARGE, CHUNK_HALF) minimising the squared log error of
+    `collective_time` over `points` (the calibration sweep alone; the caller picks it): a grid
+    over CHUNK_HALF on a log scale (1e3 to 1e8 bytes, 40 a decade), and for each the two
+    scales by Gauss-Newton (a ring's time is linear in them)."""
+    if len(points) < 3:
+        raise ValueError(f"fit_collectives needs three points or more, got {len(points)}")
+    best = (math.inf, 0.0, 0.0, 0.0)
+    for i in range(201):
+        half = 10 ** (3 + i / 40)
+        small, large = 0.5, 1.0
+        for _ in range(12):
+            base = [math.log(p.model((small, large, half)) / p.seconds) for p in points]
+            d = 1e-4
+            ds = [math.log(p.model((small + d, large, half)) / p.seconds) for p in points]
+            dl = [math.log(p.model((small, large + d, half)) / p.seconds) for p in points]
+            js = [(a - b) / d for a, b in zip(ds, base)]
+            jl = [(a - b) / d for a, b in zip(dl, base)]
+            # the 2 x 2 normal equations of one Gauss-Newton step
+            ss, sl, ll = (
+                sum(x * y for x, y in zip(u, v)) for u, v in ((js, js), (js, jl), (jl, jl))
+            )
+            gs, gl = sum(x * r for x, r in zip(js, base)), sum(x * r for x, r in zip(jl, base))
+            det = ss * ll - sl * sl
+            if det <= 0:
+                break
+            step_s, step_l = (ll * gs - sl * gl) / det, (ss * gl - sl * gs) / det
+            small, large = max(1e-3, small - step_s), max(1e-3, large - step_l)
+            if abs(step_s) + abs(step_l) < 1e-9:
+                break
+        sse = _log_sse(points, (small, large, half))
+        if sse < best[0]:
+            best = (sse, small, large, half)
+    return best[1], best[2], best[3]

@@ -21,10 +21,16 @@ its N = n / k nodes:
   stages) use theirs at the same time. Time = latency + bytes moved per rank / bus bandwidth,
   bytes = 2(n-1)/n x S (all-reduce) or (n-1)/n x S (S the whole gathered or scattered tensor);
   latency per pass (two for an all-reduce) n - 1 steps, N - 1 of them between nodes
-  (`tuning.cc`: `(nsteps - nInterSteps) * intraLat + nInterSteps * interLat`);
+  (`tuning.cc`: `(nsteps - nInterSteps) * intraLat + nInterSteps * interLat`), each step's
+  latency the preset's per-hop latency times a scale that grows with the chunk S / n a rank
+  sends in it, from NCCL's small-message (LL) cost to its large-message (Simple) one: a
+  saturating curve fitted on one published nccl-tests sweep (`HOP_SMALL`, `HOP_LARGE`,
+  `CHUNK_HALF`; issue 52: the constant latency was 3x too high for small messages and the
+  model 1.2-2.7x too fast at FSDP's 32-256 MiB);
 - **trees** (all-reduce only, across nodes): NCCL's double binary tree between nodes, a chain
-  inside each: latency 2 x (log2 N x inter-node + (k-1) x intra-node), bus bandwidth 0.92 x
-  the ring's (`tuning.cc`). NCCL picks, per size, the faster of the two; so does this one: the
+  inside each: latency 2 x (log2 N x inter-node + (k-1) x intra-node), each hop a ring hop
+  times tuning.cc's tree / ring ratio (`TREE_HOP_NET`, `TREE_HOP_NVLINK`), bus bandwidth 0.92
+  x the ring's (`tuning.cc`). NCCL picks, per size, the faster of the two; so does this one: the
   tree for small, latency-bound messages over many nodes, the ring for large ones. (At N = 2 a
   tree moves half the ring's bytes across nodes, which is why two-node nccl-tests all-reduce
   figures exceed the NICs' line rate; the model keeps the ring's bytes: conservative there.)
@@ -36,6 +42,7 @@ with `base` naming the preset the others default to), or `--inter-node-gbps` ove
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import tomllib
@@ -226,6 +233,32 @@ def ring_time(kind: str, nbytes: float, n: int, bandwidth: float, latency: float
 
 TREE_BANDWIDTH = 0.92  # NCCL tuning.cc: a tree all-reduce's bus bandwidth, "busBw * .92"
 
+# The latency of a ring step grows with the chunk each rank sends in it (issue 52): NCCL sends
+# small messages with its LL protocol (a few us a hop) and large ones with Simple, whose
+# per-step cost is several times higher (tuning.cc's hwLat at NVIDIA/nccl b647562: ring LL 0.6
+# / 2.7 us a hop over NVLink / the network, Simple 3.4 / 14 us). A saturating curve in the
+# chunk m = S / n (the bytes a rank sends a step), the same form as `sim.efficiency`'s, scales
+# the preset's per-hop latencies: h(m) = HOP_SMALL + (HOP_LARGE - HOP_SMALL) x hop_share(m).
+# Fitted (`sim.calibration.fit_collectives`) on ONE complete nccl-tests sweep,
+# `COLLECTIVE_CALIBRATION`, every size it prints; every other published sweep is held out
+# (benchmarks/validation/cluster_published.py, docs/verdict.md 'Checked against published
+# figures'). The bus bandwidth is the one above at every size: a large message reaches it.
+COLLECTIVE_CALIBRATION = "vp-all-gather"  # H100 + 400 Gb/s InfiniBand, 4 x 8, 512 B to 8 GiB
+HOP_SMALL = 0.319  # x the preset's per-hop latency, tiny chunks (tests check `fit_collectives`)
+HOP_LARGE = 1.52  # x the preset's per-hop latency, large chunks
+CHUNK_HALF = 1.26e5  # bytes a rank sends a step at which the scale is half way
+# A tree's hop against a ring's, from tuning.cc's hwLat (tree / ring; NVIDIA/nccl b647562), LL
+# for tiny chunks and Simple for large ones, moved between the two as the ring's scale is: across
+# nodes 5.0 / 2.7 and 28 / 14; inside a node (NVLink) 0.6 / 0.6 and 28 / 3.4. Not fitted.
+TREE_HOP_NET = (5.0 / 2.7, 28 / 14.0)
+TREE_HOP_NVLINK = (0.6 / 0.6, 28 / 3.4)
+# The held-out error of `collective_time` at these constants: median and worst |model / published
+# - 1| of the held-out sweeps' bus bandwidths at 1-256 MiB (cluster_published.py prints them;
+# tests/verdict/test_cluster_published.py recomputes them). `sim.efficiency.MODEL_ERROR` is the
+# larger of this and the training rows' (docs/verdict.md).
+COLLECTIVE_ERROR = 0.189
+COLLECTIVE_ERROR_WORST = 0.898
+
 
 def bus_bandwidth(c: Cluster, per_node: int, nodes: int) -> float:
     """Bytes/s of NCCL's bus bandwidth for a group with `per_node` GPUs in each of `nodes`
@@ -236,24 +269,47 @@ def bus_bandwidth(c: Cluster, per_node: int, nodes: int) -> float:
     return min(intra, c.link_efficiency * per_node * c.inter_node_gbps) * 1e9 / 8
 
 
-def collective_time(c: Cluster, kind: str, nbytes: float, n: int, per_node: int = 0) -> float:
+def hop_share(chunk: float, half: float = CHUNK_HALF) -> float:
+    """How far a step of `chunk` bytes a rank is from NCCL's small-message latency (0) to its
+    large-message one (1)."""
+    return chunk / (chunk + half)
+
+
+@functools.lru_cache(maxsize=65536)
+def collective_time(
+    c: Cluster,
+    kind: str,
+    nbytes: float,
+    n: int,
+    per_node: int = 0,
+    hops: tuple[float, float, float] = (HOP_SMALL, HOP_LARGE, CHUNK_HALF),
+) -> float:
     """Seconds of collective `kind` of a tensor of `nbytes` over `n` GPUs of cluster `c`,
     `per_node` of them in each node (default: as many as fit, min(n, GPUs per node)); the
-    faster of NCCL's ring and (all-reduce across nodes) tree."""
+    faster of NCCL's ring and (all-reduce across nodes) tree. `hops`: (HOP_SMALL, HOP_LARGE,
+    CHUNK_HALF), the calibrated latency curve (given otherwise only by its fit). Cached: a search
+    asks for the same exchange at every microbatch size, recomputation and placement."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     k = min(n, per_node or int(c.gpus_per_node))
     nodes = math.ceil(n / k)
     bw = bus_bandwidth(c, k, nodes)
-    a_in, a_out = c.intra_node_latency_us * 1e-6, c.inter_node_latency_us * 1e-6
-    passes = 2 if kind == "all-reduce" else 1
-    # NCCL's ring latency: per pass, n - 1 steps of which N - 1 cross a node
-    ring = passes * ((n - nodes) * a_in + (nodes - 1) * a_out)
-    ring += ring_bytes_per_rank(kind, nbytes, n) / bw
-    if kind != "all-reduce" or nodes <= 1:
+    small, large, half = hops
+    f = hop_share(nbytes / n, half)
+    scale = (small + (large - small) * f) * 1e-6
+    a_in, a_out = c.intra_node_latency_us * scale, c.inter_node_latency_us * scale
+    moved = ring_bytes_per_rank(kind, nbytes, n)
+    # NCCL's ring latency: per pass (two for an all-reduce), n - 1 steps, N - 1 across nodes
+    ring = (n - nodes) * a_in + (nodes - 1) * a_out
+    if kind != "all-reduce":
+        return ring + moved / bw
+    ring = 2 * ring + moved / bw
+    if nodes <= 1:
         return ring
-    tree = 2 * (math.floor(math.log2(nodes)) * a_out + (k - 1) * a_in)
-    return min(ring, tree + ring_bytes_per_rank(kind, nbytes, n) / (TREE_BANDWIDTH * bw))
+    (net_lo, net_hi), (nvl_lo, nvl_hi) = TREE_HOP_NET, TREE_HOP_NVLINK
+    net, nvl = net_lo + (net_hi - net_lo) * f, nvl_lo + (nvl_hi - nvl_lo) * f
+    tree = 2 * (math.floor(math.log2(nodes)) * a_out * net + (k - 1) * a_in * nvl)
+    return min(ring, tree + moved / (TREE_BANDWIDTH * bw))
 
 
 # ---- overlap and compute (sim/parallel.py's steps) ------------------------------------------

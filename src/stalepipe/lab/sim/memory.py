@@ -58,13 +58,14 @@ whose backward starts holding three fp32 copies of tokens x vocab (log-softmax's
 the loss's gradient, log-softmax's input gradient): 12 bytes per token per vocabulary entry,
 over t with a vocabulary-parallel loss.
 
-**State per parameter** (`state_bytes`): bf16 weights 2 per version (2BW keeps a second
-stashed version), fp32 gradients 4, fp32 master weights 4, and the optimizer's own buffers:
-AdamW two fp32 moments (8), Muon one fp32 momentum (4; its non-matrix parameters under AdamW
-are a few percent of a Llama model and counted at Muon's rate), error feedback one fp32 buffer
-of the last update (4). ZeRO stage z shards over the data-parallel group: 1 the master weights
-and optimizer buffers, 2 also the gradients, 3 (FSDP) also the weights, which are then gathered
-a unit at a time.
+**State per parameter** (`state_bytes`; `sim.optimizer` states the optimizers' part): bf16
+weights 2 per version (2BW keeps a second stashed version), fp32 gradients 4, fp32 master
+weights 4, and the optimizer's own buffers: AdamW two fp32 moments (8), Muon one fp32 momentum
+(4) on its matrices and AdamW's two on the rest (the embedding, the head and the norms: 13 % of
+SmolLM-360M, 3 % of Llama 3 70B; `matrix_share`), error feedback one fp32 buffer of the last
+update (4). ZeRO stage z shards over the data-parallel group: 1 the master weights, optimizer
+buffers and EF's buffer (the update of the shard the rank computes), 2 also the gradients, 3
+(FSDP) also the weights, which are then gathered a unit at a time.
 
 **Communication buffers**: FSDP gathers a unit (a block; the embedding and the head are units
 of their own) ahead of the one computing: two units of bf16 weights, and one unit's fp32
@@ -82,6 +83,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stalepipe.config import ModelConfig
+from stalepipe.lab.sim.optimizer import EF_BYTES, OPTIMIZER_BYTES, model_matrices
 from stalepipe.training.models.transformer import block_params
 from stalepipe.training.schedules.schedule import PipelineSchedule
 
@@ -172,8 +174,6 @@ def rank_memory(
 
 
 RECOMPUTE = ("none", "selective", "full")
-OPTIMIZER_BYTES = {"adamw": 8.0, "muon": 4.0}  # fp32 buffers per parameter beyond the master
-EF_BYTES = 4.0  # error feedback's fp32 copy of the last update
 LOGIT_BYTES = 12.0  # per token per vocabulary entry: three fp32 copies at the backward's start
 
 
@@ -221,16 +221,24 @@ def logits_bytes(cfg: ModelConfig, tokens: float, tp: int = 1) -> float:
 
 
 def state_bytes(
-    optimizer: str = "adamw", *, ef: bool = False, versions: int = 1, zero: int = 0, dp: int = 1
+    optimizer: str = "adamw",
+    *,
+    ef: bool = False,
+    versions: int = 1,
+    zero: int = 0,
+    dp: int = 1,
+    matrix_share: float = 1.0,
 ) -> float:
     """Bytes per parameter a GPU keeps between steps (module docstring), the data-parallel
-    group of `dp` sharding as ZeRO stage `zero` says (3: FSDP)."""
+    group of `dp` sharding as ZeRO stage `zero` says (3: FSDP); `matrix_share` of the
+    parameters are matrices (Muon's rule), the rest AdamW's."""
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"optimizer must be one of {list(OPTIMIZER_BYTES)}, got {optimizer!r}")
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0-3, got {zero}")
     weights, grads = 2.0 * versions, 4.0
-    master = 4.0 + OPTIMIZER_BYTES[optimizer] + (EF_BYTES if ef else 0.0)
+    own = matrix_share * OPTIMIZER_BYTES[optimizer] + (1 - matrix_share) * OPTIMIZER_BYTES["adamw"]
+    master = 4.0 + own + (EF_BYTES if ef else 0.0)
     return (
         weights / (dp if zero >= 3 else 1)
         + grads / (dp if zero >= 2 else 1)
@@ -272,6 +280,7 @@ def gpu_memory(
     last_stage: bool = True,
     gathered: bool = False,
     ep: int = 1,
+    matrix_share: float | None = None,
 ) -> Memory:
     """The peak of one GPU holding `layers` layers (default all) with `params` parameters
     (default the whole model's), `in_flight` microbatches of `microbatch` sequences stashed
@@ -281,15 +290,19 @@ def gpu_memory(
     under a pipeline as torchtitan runs it (no resharding after forward, gradients accumulated
     unsharded until the step's last microbatch): the stage's bf16 weights and fp32 gradients
     whole, instead of a unit at a time. `ep`: expert parallelism (a unit's routed experts are
-    gathered 1/ep at a time)."""
+    gathered 1/ep at a time). `matrix_share`: the share of `params` in Muon's matrices
+    (default the model's)."""
     layers = cfg.num_layers if layers is None else layers
-    if params is None:
-        params = sum(block_params(cfg, i) for i in range(cfg.num_layers))
-        params += cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
+    whole = sum(block_params(cfg, i) for i in range(cfg.num_layers))
+    whole += cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
+    params = whole if params is None else params
     tokens = microbatch * seq_len / cp
-    # FSDP shards over the data- and context-parallel ranks together (torchtitan's dp_shard_cp)
-    shard = dp * cp if zero >= 3 else dp
-    state = params / tp * state_bytes(optimizer, ef=ef, versions=versions, zero=zero, dp=shard)
+    # ZeRO shards over the data- and context-parallel ranks together (torchtitan's dp_shard_cp;
+    # Megatron's distributed optimizer: get_data_parallel_group(with_context_parallel=True))
+    shard = dp * cp
+    share = model_matrices(cfg).params / whole if matrix_share is None else matrix_share
+    kept = state_bytes(optimizer, ef=ef, versions=versions, zero=zero, dp=shard, matrix_share=share)
+    state = params / tp * kept
     acts = in_flight * activation_bytes(cfg, tokens, layers, recompute, tp)
     buffers = 0.0
     if zero >= 3 and shard > 1 and gathered:

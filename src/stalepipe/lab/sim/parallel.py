@@ -12,11 +12,16 @@ are `sim.cluster`'s `*_RANGE`; BI = BW = F):
 - collectives: NCCL's ring or tree, over the group's rails across nodes (`sim.cluster`).
 - overlap: communication hidden behind compute still slows it, by `overlap_cost` of the
   communication's time (NCCL's kernels take SMs and HBM bandwidth from the compute).
-- memory: mixed-precision AdamW, `PARAM_BYTES` (bf16 weights) per weight version plus
-  `STATE_BYTES` (fp32 gradient accumulator, fp32 master weights, two fp32 moments) per
-  parameter, plus the activations of the microbatches in flight (`timing.ACT_BYTES_PER_TOKEN_DIM`,
-  no recomputation); nothing else (no logits, buffers, fragmentation). A configuration over the
-  GPU's memory is kept, marked `fits=False`, and named by the verdict, never chosen.
+- memory: mixed precision, `PARAM_BYTES` (bf16 weights) per weight version plus the fp32
+  gradient accumulator, fp32 master weights and the workload's arm's optimizer state (AdamW's
+  two moments; Muon's momentum on its matrices; error feedback's buffer on an EF arm's
+  asynchronous schedules: `sim.optimizer`) per parameter, plus the activations of the
+  microbatches in flight, the logits and FSDP's buffers (`sim.memory`). A configuration over
+  the GPU's memory is kept, marked `fits=False`, and named by the verdict, never chosen.
+- the update: the arm's optimizer (`sim.optimizer`): AdamW's 28 HBM bytes a parameter; Muon's
+  elementwise part and its Newton-Schulz FLOPs, replicated or sharded over the data-parallel
+  replicas (both tried, with their traffic); on a synchronous step's critical path, inside an
+  asynchronous schedule's stream.
 - DP: an all-reduce of the fp32 gradients (`GRAD_BYTES`) once per step, bucket by bucket behind
   the backward of the step's last microbatch (DDP's buckets; `trailing`).
 - FSDP (ZeRO-3, weights, gradients and optimizer state sharded over all N): per unit (a block;
@@ -58,21 +63,22 @@ are `sim.cluster`'s `*_RANGE`; BI = BW = F):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from stalepipe.config import ConfigError
 from stalepipe.config.registry import PIPELINE_SCHEDULES
 from stalepipe.lab.sim.cluster import Cluster
 from stalepipe.lab.sim.hybrid import (
     MAX_STAGES,
-    _hybrid,
+    _layer_comm,
     _pipeline_device,
+    _placed,
     _placements,
-    _timed,
+    group_per_node,
     pipelines,
-    rank_memory,
     tp_cluster,
 )
-from stalepipe.lab.sim.replicas import KINDS, flat_options, flat_step
+from stalepipe.lab.sim.replicas import KINDS, flat_options, flat_step, flat_update
 from stalepipe.lab.sim.workload import (
     GRAD_BYTES,
     PARAM_BYTES,
@@ -105,44 +111,50 @@ def data_parallel(w: Workload, c: Cluster, *, sharded: bool) -> Option | None:
 
 def layout(
     w: Workload, c: Cluster, *, tp: int, stages: int, schedule: str, microbatch: int = 1,
-    recompute: str = "none", across: str = "dp",
+    recompute: str = "none", across: str = "dp", cp: int = 1, ep: int = 1,
 ) -> Option:  # fmt: skip
     """One fixed configuration, timed as the search times it (a published run's layout, for
     benchmarks/validation): `schedule` 'dp' / 'zero1' / 'zero2' / 'fsdp' / 'hsdp' at
     `stages` 1, or a pipeline schedule of `stages` (replicas sharing gradients `across`,
-    'stages in a node' placement); TP `tp`, microbatches of `microbatch` sequences and
-    recomputation `recompute` as given, not searched. Raises ConfigError where the sizes do
-    not split."""
+    'stages in a node' placement); TP `tp`, CP `cp`, EP `ep` (over a stage's replicas, MoE),
+    microbatches of `microbatch` sequences and recomputation `recompute` as given, not
+    searched. Raises ConfigError where the sizes do not split."""
     n, limit = w.num_gpus // tp, c.memory_gb * 1e9
-    if w.num_gpus % (tp * stages) or w.global_batch % (n // stages):
-        raise ConfigError(f"{w.num_gpus} GPUs, batch {w.global_batch}: no TP {tp} x PP {stages}")
+    if w.num_gpus % (tp * stages * cp) or w.global_batch % (n // stages // cp):
+        raise ConfigError(
+            f"{w.num_gpus} GPUs, batch {w.global_batch}: no TP {tp} x CP {cp} x PP {stages}"
+        )
     if stages == 1:
-        k = w.global_batch // n // microbatch
-        step, exposed, mem = flat_step(w, c, schedule, tp, microbatch, recompute)
+        k = w.global_batch // (n // cp) // microbatch
+        step, exposed, mem = flat_step(w, c, schedule, tp, microbatch, recompute, ep, cp)
         rate = w.global_batch * w.seq_len / step
         across = "fsdp" if KINDS[schedule] == 3 else "dp"
-        return Option(schedule, "sync", 1, n, across, k, microbatch, "", step, exposed, 0.0,
-                      mem, limit, rate, tp, recompute)  # fmt: skip
-    v, vw = tp_cluster(c, tp), dataclasses.replace(w, num_gpus=n)
-    replicas = n // stages
+        update, ns = flat_update(w, c, schedule, tp)
+        return Option(schedule, "sync", 1, n // cp, across, k, microbatch, "", step, exposed, 0.0,
+                      mem, limit, rate, tp, recompute, ep, cp, ns, update)  # fmt: skip
+    v, vc, vw = tp_cluster(c, tp), tp_cluster(c, tp, cp), dataclasses.replace(w, num_gpus=n)
+    replicas = n // stages // cp
     local = w.global_batch // replicas
     if local % microbatch:
         raise ConfigError(
             f"{local} sequences a replica do not split into microbatches of {microbatch}"
         )
     m = local // microbatch
-    name, spn, per_node = _placements(v, n, stages, replicas)[0]
-    dev = _pipeline_device(v, spn, stages)
-    t = _timed(vw, c, dev, schedule, stages, m, tp, recompute, microbatch)
-    if t is None:
-        raise ConfigError(f"{schedule} refuses P={stages}, m={m} for {w.cfg.num_layers} layers")
+    name, spn, per_node = _placements(vc, n // cp, stages, replicas)[0]
+    dev = _pipeline_device(vc, spn, stages)
+    comm = _layer_comm(vw, c, schedule, stages, m, microbatch, tp, cp, ep, min(ep, per_node))
     sync = never_delays(PIPELINE_SCHEDULES[schedule].policy)
-    per_gpu = rank_memory(vw, t, stages, tp, recompute, sync, microbatch)
-    t = dataclasses.replace(t, memory=per_gpu, state=tuple(s / tp for s in t.state))
-    step, exposed, mem = _hybrid(vw, v, t, replicas, across, per_node, sync)
+    group = replicas * cp
+    sharing = (group, across, group_per_node(c, tp, cp, per_node, group))
+    sizes = (stages, m, tp, recompute, microbatch)
+    r = _placed(vw, c, v, dev, schedule, sizes, sharing, sync, cp, comm, ep)
+    if r is None:
+        raise ConfigError(f"{schedule} refuses P={stages}, m={m} for {w.cfg.num_layers} layers")
+    step, exposed, mem, update, ns, bubble = r
+    exposed += m * w.cfg.num_layers / stages * comm
     return Option(schedule, PIPELINE_SCHEDULES[schedule].policy, stages, replicas, across, m, microbatch,
-                  name, step, exposed, t.bubble, mem, limit, w.global_batch * w.seq_len / step,
-                  tp, recompute)  # fmt: skip
+                  name, step, exposed, bubble, mem, limit, w.global_batch * w.seq_len / step,
+                  tp, recompute, ep, cp, ns, update)  # fmt: skip
 
 
 def all_options(
@@ -158,12 +170,27 @@ def all_options(
     timed nor listed (`hybrid.pipelines`' `floor`); `best` returns the same option."""
     if w.num_gpus < 1 or w.global_batch < 1:
         raise ConfigError("the GPU count and the global batch must be >= 1")
-    synchronous = cluster_schedules(sync=True)
+    flat, pipes, floor = _synchronous(dataclasses.replace(w, arm=w.arm.synchronous()), c, best_only)
+    floor = dict(floor) if floor is not None else None  # the cached one stays as it was
+    return [*flat, *pipes, *pipelines(w, c, async_schedules, floor)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _synchronous(
+    w: Workload, c: Cluster, best_only: bool
+) -> tuple[tuple[Option, ...], tuple[Option, ...], dict[str, float] | None]:
+    """`all_options`' synchronous part (the data-parallel family, the synchronous pipelines)
+    and, with `best_only`, the floor they leave: cached, so arms that differ only in error
+    feedback (which synchronous schedules never run) share it. The search over depth and TP
+    runs for the synchronous pipelines and the asynchronous ones apart (`hybrid.pipelines`),
+    so each side searches deeper where its own pipelines need it (2BW's second weight version
+    and EF's buffer may not fit where a synchronous schedule does)."""
     flat = flat_options(w, c)
     floor = None
     if best_only:
         floor = {"sync": min((o.step_time for o in flat if o.fits), default=float("inf"))}
-    return flat + pipelines(w, c, synchronous + async_schedules, floor)
+    pipes = pipelines(w, c, cluster_schedules(sync=True), floor)
+    return tuple(flat), tuple(pipes), floor
 
 
 def best(options: list[Option], policy: str = "sync", kind: str | None = None) -> Option | None:

@@ -14,16 +14,25 @@ from stalepipe.config.registry import PIPELINE_SCHEDULES
 from stalepipe.hardware import Device
 from stalepipe.lab.sim.efficiency import shape_mfu
 from stalepipe.lab.sim.memory import RankMemory, rank_memory
+from stalepipe.lab.sim.optimizer import (
+    ADAMW,
+    ELEMENTWISE,
+    Arm,
+    Matrices,
+    Update,
+    layers_matrices,
+)
 from stalepipe.lab.sim.simulate import model_costs
-from stalepipe.lab.sim.steady import Plan, plan
-from stalepipe.lab.sim.timing import CostModel
+from stalepipe.lab.sim.steady import Plan, Steady, plan
+from stalepipe.lab.sim.timing import CostModel, _split
 from stalepipe.training.delay.policies import never_delays, parse_policy
 from stalepipe.training.models.transformer import block_flops, block_params, head_flops
 
 PARAM_BYTES = 2.0  # bf16 weights: one version, and what FSDP gathers
 STATE_BYTES = 16.0  # fp32 grad accumulator 4 + fp32 master 4 + AdamW moments 8 (timing.py)
 GRAD_BYTES = 4.0  # gradients are reduced in fp32 (torchtitan's default reduce dtype)
-OPT_TRAFFIC = 28.0  # HBM bytes an AdamW update moves per parameter (timing.analytic_costs)
+# the optimizer's own: per arm, `sim.optimizer` (AdamW's 28 HBM bytes a parameter, Muon's
+# Newton-Schulz, EF's buffer)
 MAX_SIM_MICROBATCHES = 16
 SIM_STEPS = 3
 
@@ -45,7 +54,8 @@ class Workload:
     optimizer step) and the number of GPUs, at a model FLOPs utilisation `mfu` (the compute
     roof; `compute_time` adds the memory roof; None: by shape, `sim.efficiency`), times
     `mfu_scale` (the assumptions' corners), with communication that slows the compute it
-    hides behind by `overlap_cost` of its own time (`sim.cluster.OVERLAP_COST_RANGE`)."""
+    hides behind by `overlap_cost` of its own time (`sim.cluster.OVERLAP_COST_RANGE`), trained
+    by `arm`'s optimizer (`sim.optimizer`; error feedback on its asynchronous schedules)."""
 
     cfg: ModelConfig
     seq_len: int
@@ -54,6 +64,7 @@ class Workload:
     mfu: float | None = 0.4
     overlap_cost: float = 0.05
     mfu_scale: float = 1.0
+    arm: Arm = ADAMW
 
     def mfu_at(self, tokens: float, tp: int = 1) -> float:
         """The MFU of a microbatch of `tokens` split `tp` ways: the given one, or the
@@ -82,7 +93,10 @@ class Option:
     tokens_per_s: float
     tp: int = 1  # tensor-parallel degree inside a node (`sim.replicas`)
     recompute: str = "none"  # activation recomputation: none, selective, full
-    ep: int = 1  # expert-parallel degree inside a node (MoE, `sim.replicas`)
+    ep: int = 1  # expert-parallel degree (MoE, `sim.replicas`, `sim.hybrid`)
+    cp: int = 1  # context-parallel degree: each sequence over `cp` GPUs (`sim.replicas`)
+    ns: str = ""  # where Muon's Newton-Schulz runs (`sim.optimizer.PLACEMENTS`; "": no NS)
+    update: float = 0.0  # seconds a step the optimizer takes on the critical rank (NS included)
 
     @property
     def fits(self) -> bool:
@@ -100,10 +114,12 @@ class Option:
         '1f1b P=4 x fsdp 4 (stages in a node), m=8 (microbatch 4)'."""
         tp = f" x tp {self.tp}" if self.tp > 1 else ""
         tp += f" x ep {self.ep}" if self.ep > 1 else ""
+        tp += f" x cp {self.cp}" if self.cp > 1 else ""
         ac = f", {self.recompute} AC" if self.recompute != "none" else ""
+        ac += f", NS {self.ns}" if self.ns else ""
         if self.stages == 1:
             return f"{self.schedule} x{self.replicas}{tp} (microbatch {self.microbatch_size}{ac})"
-        rep = f" x {self.across} {self.replicas}" if self.replicas > 1 else ""
+        rep = f" x {self.across} {self.replicas}" if self.replicas * self.cp > 1 else ""
         where = f" ({self.placement})" if self.placement else ""
         each = ", an update each" if parse_policy(self.policy).per_microbatch else ""
         mb = f"microbatch {self.microbatch_size}{each}{ac}"
@@ -128,9 +144,9 @@ class PipeTiming:
     step_time: float
     bubble: float
     memory: tuple[float, ...]  # per rank peak, bytes
-    state: tuple[float, ...]  # per rank optimizer state + gradient accumulator, bytes
+    state: tuple[float, ...]  # per rank optimizer state + gradient accumulator (+ EF), bytes
     params: tuple[float, ...]  # per rank parameters
-    optimizer: tuple[float, ...]  # per rank update time
+    optimizer: tuple[float, ...]  # per rank update time (as simulated: `sim.optimizer.Update`)
     gap: tuple[float, ...]  # per rank: next step's first forward - this step's last backward
     forward: tuple[float, ...]  # per rank: one microbatch's forward, s
     backward: tuple[float, ...]  # per rank: one microbatch's backward (BI + BW), s
@@ -138,6 +154,7 @@ class PipeTiming:
     stashed: tuple[float, ...] = ()  # per rank most microbatch stashes held at once
     chunks: tuple[int, ...] = ()  # per rank stages held (2 for interleaved and V schedules)
     last: int = -1  # the rank holding the last stage (the logits)
+    matrices: tuple[Matrices, ...] = ()  # per rank what Muon's Newton-Schulz works on
 
     @staticmethod
     def blend(a: PipeTiming, b: PipeTiming, t: float) -> PipeTiming:
@@ -162,17 +179,23 @@ def pipeline_timing(
     m: int,
     opt_share: float = 1.0,
     mb: int = 1,
+    update: Update = ELEMENTWISE,
+    state: Arm | None = None,
 ) -> PipeTiming:
     """The simulated steady step of one replica (cached; `dev.gpus_per_node` is the stages
     per node), of the two stage splits the faster (`simulate.model_costs`), each rank updating
-    `opt_share` of its stages' parameters (1/D under FSDP), `m` microbatches of `mb` sequences
+    `opt_share` of its stages' parameters elementwise (1/D under FSDP) as `update` says (its
+    arm's optimizer, and Muon's Newton-Schulz where it sits in the step), holding the state of
+    `state` (default `update`'s arm; EF's buffer included), `m` microbatches of `mb` sequences
     a step (`mfu` is the one for that microbatch's shape). Raises ConfigError when the
     schedule refuses these sizes."""
     half = max(MAX_SIM_MICROBATCHES // 2, 2 * stages)  # past the V schedules' m >= 2P
     if m > 2 * half:
-        a = pipeline_timing(cfg, seq_len, mfu, dev, schedule, stages, half, opt_share, mb)
-        b = pipeline_timing(cfg, seq_len, mfu, dev, schedule, stages, 2 * half, opt_share, mb)
+        args = (cfg, seq_len, mfu, dev, schedule, stages)
+        a = pipeline_timing(*args, half, opt_share, mb, update, state)
+        b = pipeline_timing(*args, 2 * half, opt_share, mb, update, state)
         return PipeTiming.blend(a, b, (m - half) / half)
+    kept = update.arm if state is None else state
     p = plan(schedule, stages, m, SIM_STEPS)
     links = dict(
         intra_node_bandwidth=dev.intra_node_bandwidth,
@@ -181,11 +204,16 @@ def pipeline_timing(
         p2p_latency=dev.p2p_latency,
     )
     compute = (cfg, seq_len, mfu, dev.peak_flops, dev.hbm_bandwidth, mb)
-    options = [
-        dataclasses.replace(c, optimizer=tuple(o * opt_share for o in c.optimizer), **links)
-        for c in _costs(p, *compute)
-    ]
-    costs, t = min(((c, p.time(c)) for c in options), key=lambda ct: ct[1].step_time)
+    options = []
+    for c, mats in zip(_costs(p, *compute), _stage_matrices(p, cfg, seq_len, kept.ns_steps)):
+        params = [w / PARAM_BYTES for w in c.weight_bytes]
+        opt = [update.time(n, x, dev.hbm_bandwidth, opt_share) for n, x in zip(params, mats)]
+        c = dataclasses.replace(c, optimizer=tuple(opt), **links)  # the timing: arm-free state
+        options.append((c, mats, _steady(p, c)))
+    costs, mats, t = min(options, key=lambda cmt: cmt[2].step_time)
+    held_state = tuple(kept.state_bytes(w / PARAM_BYTES, x.params)
+                       for w, x in zip(costs.weight_bytes, mats))  # fmt: skip
+    costs = dataclasses.replace(costs, state_bytes=held_state)
     sizes = (costs.weight_bytes, costs.state_bytes, costs.activation_bytes)
     ranks = [p.sched.stages_of(r) for r in range(p.sched.num_ranks)]
 
@@ -195,12 +223,13 @@ def pipeline_timing(
     state = per_rank(costs.state_bytes)
     memory = _memory(p, *sizes)
     last = next(r for r, stages in enumerate(ranks) if p.sched.num_stages - 1 in stages)
+    held = [sum((mats[s] for s in stages), Matrices()) for stages in ranks]
     return PipeTiming(
         t.step_time,
         1 - sum(t.busy) / (len(t.busy) * t.step_time),
         tuple(m.total for m in memory),
         state,
-        tuple(x / STATE_BYTES for x in state),
+        tuple(x / PARAM_BYTES for x in per_rank(costs.weight_bytes)),
         per_rank(costs.optimizer),
         t.gap,
         per_rank(costs.forward),
@@ -209,7 +238,30 @@ def pipeline_timing(
         tuple(float(m.stashed) for m in memory),
         tuple(len(stages) for stages in ranks),
         last,
+        tuple(held),
     )
+
+
+@functools.lru_cache(maxsize=16384)
+def _steady(p: Plan, c: CostModel) -> Steady:
+    """`p`'s steady step under `c` (cached: arms whose update takes the same time share it)."""
+    return p.time(c)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_matrices(
+    p: Plan, cfg: ModelConfig, seq_len: int, steps: int
+) -> tuple[tuple[Matrices, ...], ...]:
+    """Per stage split of `_costs` (in its order: `simulate.model_costs`' candidates), what each
+    stage's Newton-Schulz works on (`sim.optimizer`)."""
+    sched = p.sched
+    ranks = tuple(sched.rank_of(s) for s in range(sched.num_stages))
+    splits = [None, ranks] if sched.num_chunks > 1 else [None]
+    out = []
+    for split in splits:
+        layers = _split(cfg, sched.num_stages, seq_len, "balanced", split)[0]
+        out.append(tuple(layers_matrices(cfg, tuple(r), steps) for r in layers))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=4096)

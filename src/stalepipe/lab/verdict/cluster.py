@@ -4,9 +4,11 @@
 The verdict compares the fastest fitting configuration of the asynchronous schedule (2BW, with
 DP or FSDP across its replicas) with the fastest fitting synchronous one of any kind (DP, FSDP,
 every pipeline schedule over P and m, hybrids), for one model, cluster, GPU count and global
-batch. The map repeats that over GPU counts, global batches (so m) and inter-node bandwidths,
-and calls each cell with the verdict's rule (`verdict.rule.call`), the token overhead's
-interval carried through.
+batch, and for each arm with its own optimizer (`sim.optimizer`: a Muon arm's synchronous
+configurations and its 2BW pay Newton-Schulz; an EF arm's 2BW keeps EF's buffer;
+`arm_throughputs`). The map repeats that over GPU counts, global batches (so m) and inter-node
+bandwidths, per drawn arm, and calls each cell with the verdict's rule (`verdict.rule.call`),
+the token overhead's interval carried through.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import gc
 import math
 import multiprocessing
 import os
+import re
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +35,7 @@ from stalepipe.lab.sim.cluster import (
     link_efficiency_range,
 )
 from stalepipe.lab.sim.efficiency import E_MAX, MODEL_ERROR, MODEL_ERROR_WORST, X_HALF
+from stalepipe.lab.sim.optimizer import ADAMW, Arm, model_matrices, ns_mfu
 from stalepipe.lab.sim.parallel import Workload, all_options, best, cluster_schedules
 from stalepipe.lab.sim.replicas import KINDS
 from stalepipe.lab.verdict.rule import Verdict, call, time_to_target, widen
@@ -58,10 +62,16 @@ class Setting:
     gpus: int
     global_batch: int  # sequences
     mfu: float | None  # None: by shape (sim.efficiency)
+    arm: Arm = ADAMW  # the optimizer the throughputs are costed with (`sim.optimizer`)
 
     def workload(self, gpus: int | None = None, batch: int | None = None) -> Any:
         return Workload(
-            self.cfg, self.seq_len, batch or self.global_batch, gpus or self.gpus, self.mfu
+            self.cfg,
+            self.seq_len,
+            batch or self.global_batch,
+            gpus or self.gpus,
+            self.mfu,
+            arm=self.arm,
         )
 
 
@@ -155,6 +165,7 @@ def _row(o: Any, options: list[Any], stages: int | None = None) -> ScheduleThrou
         o.label(),
         stages,
         w.tokens_per_s if w else math.nan,
+        o.update,
     )
 
 
@@ -208,12 +219,60 @@ def throughputs(s: Setting) -> tuple[Throughputs, list[Any]]:
     ]
     low, high = edge_range(s.workload(), c, options)
     lines.append(assumptions_line(s, low, high, edge(options)))
+    lines.insert(1, optimizer_line(s, best(options), a))
     low, high = with_model_error(low, high)
     short = f"{s.model} on {s.gpus} x {c.name}, global batch {s.global_batch} (cluster model)"
     rate = window.tokens_per_s if window else math.nan
     target = count_params(s.cfg)["non_embedding"]
     tp = Throughputs(rows, rate, a and a.stages, lines, short, (low, high), target, MODEL_ERROR)
+    tp.arm = s.arm
     return tp, options
+
+
+def arm_throughputs(s: Setting, arms: list[Arm]) -> dict[Arm, Throughputs]:
+    """`throughputs` for each arm (in order), each costed with its own optimizer."""
+    return {arm: throughputs(dataclasses.replace(s, arm=arm))[0] for arm in arms}
+
+
+def arm_lines(tps: dict[Arm, Throughputs]) -> list[str]:
+    """The 'inputs' lines of throughputs per arm: the cluster model's (its first arm's) once,
+    then each arm's own (optimizer, left out, assumptions and edge), named by the arm."""
+    first = next(iter(tps.values()))
+    if len(tps) == 1:
+        return first.describe()
+    head = re.sub(
+        r"\d+ configurations, the best", "each arm's configurations, the best", first.lines[0]
+    )
+    out = [head]
+    for arm, tp in tps.items():
+        out += [f"{arm.label()}: {line}" for line in tp.lines[1:]]
+    return out
+
+
+def optimizer_line(s: Setting, sync: Any, a: Any) -> str:
+    """The 'inputs' line of the arm's optimizer (`sim.optimizer`): what its update costs, and
+    what it takes a step on the best synchronous and the best 2BW configurations."""
+    arm = s.arm
+    if arm.muon:
+        mats = model_matrices(s.cfg, arm.ns_steps)
+        what = (
+            f"Muon ({arm.ns_steps} Newton-Schulz steps on the {mats.params / 1e6:.0f}M matrix "
+            f"parameters: {mats.flops / 1e12:.3g} TFLOP a step at MFU "
+            f"{ns_mfu(s.cfg, s.mfu):.2f}, replicated or sharded over the replicas, the faster; "
+            f"24 HBM bytes and 4 B of state a matrix parameter) with AdamW on the rest "
+            f"(28 HBM bytes, 8 B of state a parameter)"
+        )
+    else:
+        what = "AdamW (28 HBM bytes and 8 B of state a parameter)"
+    ef = "; error feedback on 2BW (4 B a parameter, 8 HBM bytes)" if arm.ef else ""
+
+    def took(o: Any) -> str:
+        return f"{o.update * 1e3:.2f} ms ({o.label()})" if o else "none fits"
+
+    return (
+        f"optimizer: {what}{ef} (sim/optimizer.py); its update a step: best synchronous "
+        f"{took(sync)}, best 2BW {took(a)}"
+    )
 
 
 def mfu_text(s: Setting) -> str:
@@ -277,6 +336,7 @@ class Cell:
     async_option: Any  # sim.parallel.Option or None
     sync_option: Any
     edge_factors: tuple[float, float] = (1.0, 1.0)  # over the assumptions (`edge_range`)
+    arm: Arm = ADAMW  # the optimizer both are costed with
 
     @property
     def speedup(self) -> float:
@@ -285,20 +345,26 @@ class Cell:
         return self.async_option.tokens_per_s / self.sync_option.tokens_per_s
 
 
-def crossover_map(s: Setting, workers: int | None = None) -> list[Cell]:
+def crossover_map(
+    s: Setting, workers: int | None = None, arms: list[Arm] | None = None
+) -> list[Cell]:
     """The best async and sync configurations at every (GPU count, global batch, inter-node
-    bandwidth) of the map around the setting, each with its edge over the assumptions' corners;
-    a cell where the batch is below the GPU count, or the GPU count is not whole nodes, is left
-    out. The (GPU count, batch) rows run in `workers` processes (default: the CPUs, at most 8;
+    bandwidth) of the map around the setting, each with its edge over the assumptions' corners,
+    for each of `arms` (default the setting's: each arm costed with its optimizer); a cell
+    where the batch is below the GPU count, or the GPU count is not whole nodes, is left out.
+    The (arm, GPU count, batch) rows run in `workers` processes (default: the CPUs, at most 8;
     forked, so the pipeline timings cached so far come along)."""
     g = int(s.cluster.gpus_per_node)
     gpus = sorted(
         {n for f in MAP_GPUS if (n := int(s.gpus * f)) >= 1 and (n % g == 0 or g % n == 0)}
     )
     batches = sorted({int(s.global_batch * f) for f in MAP_BATCH})
-    rows = [(s, n, b) for n in gpus for b in batches if b >= n]
+    # a row holds every arm: the arms sharing a synchronous optimizer share its timings
+    # (`sim.parallel.all_options`' cache) in one process
+    rows = [(s, tuple(arms or (s.arm,)), n, b) for n in gpus for b in batches if b >= n]
     workers = min(workers or os.cpu_count() or 1, 8, len(rows))
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+<<<<<<< HEAD
         return [c for row in rows for c in _map_row(row)]
     ctx = multiprocessing.get_context("fork")
     # What this process holds (a test session's, a notebook's) is frozen out of the children's
@@ -310,18 +376,36 @@ def crossover_map(s: Setting, workers: int | None = None) -> list[Cell]:
             return [c for cells in pool.map(_map_row, rows) for c in cells]
     finally:
         gc.unfreeze()
+=======
+        cells = [c for row in rows for c in _map_row(row)]
+    else:
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            cells = [c for cells in pool.map(_map_row, rows) for c in cells]
+    order = {arm: i for i, arm in enumerate(arms or (s.arm,))}
+    return sorted(cells, key=lambda c: order[c.arm])  # stable: each arm's in the map's order
+>>>>>>> main
 
 
-def _map_row(row: tuple[Setting, int, int]) -> list[Cell]:
-    """The map's cells of one GPU count and global batch, at every inter-node bandwidth."""
-    s, n, b = row
+def _map_row(row: tuple[Setting, tuple[Arm, ...], int, int]) -> list[Cell]:
+    """The map's cells of one GPU count and global batch, at every inter-node bandwidth, for
+    each arm."""
+    s, arms, n, b = row
     cells = []
-    for bw in sorted({*MAP_GBPS, s.cluster.inter_node_gbps}):
-        c = dataclasses.replace(s.cluster, inter_node_gbps=bw)
-        opts = all_options(s.workload(n, b), c, best_only=True)
-        factors = with_model_error(*edge_range(s.workload(n, b), c, opts))
-        cells.append(Cell(n, b, bw, best(opts, ASYNC), best(opts), factors))
+    for arm in arms:
+        w = dataclasses.replace(s.workload(n, b), arm=arm)
+        for bw in sorted({*MAP_GBPS, s.cluster.inter_node_gbps}):
+            c = dataclasses.replace(s.cluster, inter_node_gbps=bw)
+            opts = all_options(w, c, best_only=True)
+            factors = with_model_error(*edge_range(w, c, opts))
+            cells.append(Cell(n, b, bw, best(opts, ASYNC), best(opts), factors, arm))
     return cells
+
+
+def arm_cells(v: Verdict, cells: list[Cell]) -> list[Cell]:
+    """The cells costed with `v`'s arm's optimizer (all of them where `v` has no arm)."""
+    mine = [c for c in cells if c.arm == v.arm]
+    return mine if v.arm is not None else cells
 
 
 def cell_verdict(v: Verdict, c: Cell) -> str:
@@ -354,10 +438,11 @@ def headline(verdicts: list[Verdict], most: int = 3) -> list[Verdict]:
 
 
 def map_csv(cells: list[Cell], shown: list[Verdict]) -> str:
-    """verdict_map.csv's text, one row per cell: the two best configurations, their rates, the
-    edge (central, and its lowest and highest over the assumptions' corners), and each drawn
-    verdict."""
-    header = ["gpus", "global_batch", "inter_node_gbps", "async_config", "async_tokens_per_s",
+    """verdict_map.csv's text, one row per cell and arm (the optimizer both configurations are
+    costed with): the two best configurations, their rates, the edge (central, and its lowest
+    and highest over the assumptions' corners), and each drawn verdict of that arm (empty for
+    another arm's)."""
+    header = ["arm", "gpus", "global_batch", "inter_node_gbps", "async_config", "async_tokens_per_s",
               "sync_config", "sync_tokens_per_s", "speedup", "speedup_low", "speedup_high",
               *(v.label for v in shown)]  # fmt: skip
     rows: list[list[Any]] = [header]
@@ -365,6 +450,7 @@ def map_csv(cells: list[Cell], shown: list[Verdict]) -> str:
         a, s = c.async_option, c.sync_option
         rows.append(
             [
+                c.arm.label(),
                 c.gpus,
                 c.global_batch,
                 c.inter_gbps,
@@ -375,7 +461,7 @@ def map_csv(cells: list[Cell], shown: list[Verdict]) -> str:
                 c.speedup,
                 c.speedup * c.edge_factors[0],
                 c.speedup * c.edge_factors[1],
-                *(cell_verdict(v, c) for v in shown),
+                *(cell_verdict(v, c) if v.arm in (None, c.arm) else "" for v in shown),
             ]
         )
     return csv_text(rows)
@@ -395,7 +481,7 @@ def map_plot(cells: list[Cell], shown: list[Verdict], title: str) -> bytes:
     for i, v in enumerate(shown):
         for j, n in enumerate(gpus):
             ax = axes[i][j]
-            for c in (c for c in cells if c.gpus == n):
+            for c in (c for c in arm_cells(v, cells) if c.gpus == n):
                 x, y = batches.index(c.global_batch), gbps.index(c.inter_gbps)
                 kind = cell_verdict(v, c)
                 ax.add_patch(plt.Rectangle((x - 0.5, y - 0.5), 1, 1, color=COLORS[kind], lw=0))
@@ -405,7 +491,8 @@ def map_plot(cells: list[Cell], shown: list[Verdict], title: str) -> bytes:
             ax.set_ylim(-0.5, len(gbps) - 0.5)
             ax.set_xticks(range(len(batches)), [str(b) for b in batches], fontsize=7)
             ax.set_yticks(range(len(gbps)), [f"{g:g}" for g in gbps], fontsize=7)
-            ax.set_title(f"{v.label}: {n} GPUs", fontsize=8)
+            arm = f" ({v.arm.label()})" if v.arm is not None else ""
+            ax.set_title(f"{v.label}{arm}: {n} GPUs", fontsize=8)
             if i == len(shown) - 1:
                 ax.set_xlabel("global batch (sequences)", fontsize=7)
             if j == 0:
@@ -428,15 +515,18 @@ def map_summary(cells: list[Cell], shown: list[Verdict]) -> str:
     async is sooner (`where_sooner`)."""
     counts = []
     for v in shown:
-        calls = [(c.gpus, c.global_batch, cell_verdict(v, c)) for c in cells]
+        calls = [(c.gpus, c.global_batch, cell_verdict(v, c)) for c in arm_cells(v, cells)]
         kinds = [k for *_, k in calls]
         tally = ", ".join(f"{kinds.count(k)} {k}" for k in COLORS)
         counts.append(f"{v.label}: {tally} (async sooner at {where_sooner(calls)})")
     gpus = sorted({c.gpus for c in cells})
     batches = sorted({c.global_batch for c in cells})
     gbps = sorted({c.inter_gbps for c in cells})
+    arms = list(dict.fromkeys(c.arm for c in cells))
+    each = f" for each of {len(arms)} arms' optimizers" if len(arms) > 1 else ""
     return (
-        f"crossover map (verdict.png, verdict_map.csv): {len(cells)} cells, GPUs {gpus}, global "
+        f"crossover map (verdict.png, verdict_map.csv): {len(cells) // max(1, len(arms))} cells{each}, "
+        f"GPUs {gpus}, global "
         f"batch {batches} sequences, inter-node {[f'{g:g}' for g in gbps]} Gb/s per GPU; "
         + "; ".join(counts)
     )

@@ -53,7 +53,9 @@ from stalepipe.lab.verdict.tables import (
 from stalepipe.lab.verdict.throughput import (
     ScheduleThroughput,
     Throughputs,
+    arm_of,
     async_schedule,
+    costed_as,
     load_costs,
     simulated,
 )
@@ -107,6 +109,7 @@ def judge(
     floor = v.target.missed and row.token_overhead.status == "floor"
     v.edge_factors = tp.edge_factors  # a bound below must outweigh the edge at its highest
     v.model_error = tp.model_error
+    v.throughputs = tp
     n = model_params(row.config)["non_embedding"]
     v.transfer = transfer or default_transfer(
         n, tp.target_params, size_text(n), size_text(tp.target_params)
@@ -117,10 +120,14 @@ def judge(
 
 
 def judge_sweep(
-    rows: list[Row], tp: Throughputs, fit: decision.GivenOverhead | None = None
+    rows: list[Row],
+    tp: Throughputs | dict,
+    fit: decision.GivenOverhead | None = None,
 ) -> tuple[list[Verdict], list[str]]:
     """Verdicts of every delayed row with a baseline; and why other delayed rows have none.
-    `fit`: an `--overhead-fit`, whose prediction interval is then each row's transfer."""
+    `tp`: the throughputs, or per arm (`throughput.arm_of`: the cluster model costs each
+    arm's own optimizer) the arm's. `fit`: an `--overhead-fit`, whose prediction interval is
+    then each row's transfer."""
     verdicts, skipped = [], []
     # a delayed arm's longer planned runs extend it toward sync's final loss (`targets`):
     # read with it, not configurations of their own
@@ -138,12 +145,13 @@ def judge_sweep(
                 f"{_label(row)}: no pipeline schedule realises delay.policy {row.policy}"
             )
             continue
-        a = tp.async_row(sched, row.policy, int(row.config.get("pipeline.num_stages", 1)))
+        mine = tp[arm_of(row.config)] if isinstance(tp, dict) else tp
+        a = mine.async_row(sched, row.policy, int(row.config.get("pipeline.num_stages", 1)))
         if isinstance(a, str):
             skipped.append(f"{_label(row)}: {a}")
             continue
         n = model_params(row.config)["non_embedding"]
-        v = judge(row, tp, a, decision.fit_transfer(fit, n) if fit else None)
+        v = judge(row, mine, a, decision.fit_transfer(fit, n) if fit else None)
         v.at_length = id(row) in extensions
         verdicts.append(v)
     return verdicts, skipped
@@ -217,6 +225,8 @@ def run_verdict(
     crossover map, and verdict_map.csv) into `out` (default SWEEP_DIR/verdict). Bad input
     raises UserError before anything is written."""
     sweep_dir = Path(sweep_dir)
+    per_arm: dict = {}
+    described: list[str] = []
     # here, not at the top: the cluster model (sim) loads torch, and a verdict on measured
     # costs (--costs) needs none
     from stalepipe.lab.verdict.cluster import check_modes
@@ -238,7 +248,11 @@ def run_verdict(
             seq_len=seq_len,
             inter_node_gbps=inter_node_gbps,
         )
-        tp, _ = cv.throughputs(where)
+        judged = [r for r in rows if not r.is_sync and r.token_overhead is not None]
+        arms = list(dict.fromkeys(arm_of(r.config) for r in judged)) or [where.arm]
+        per_arm = cv.arm_throughputs(where, arms)
+        tp = next(iter(per_arm.values()))
+        described = cv.arm_lines(per_arm)
     elif costs is not None:
         tp = load_costs(costs)
     else:
@@ -253,10 +267,14 @@ def run_verdict(
             seq_len=seq_len,
             microbatch_size=microbatch_size,
         )
-    verdicts, skipped = judge_sweep(rows, tp, fit)
+    verdicts, skipped = judge_sweep(rows, per_arm or tp, fit)
     if not verdicts:
         raise UserError(f"no verdict for any configuration in {sweep_dir}: " + "; ".join(skipped))
-    inputs = [overhead_source(sweep_dir, rows), *tp.describe(), intervals_line(verdicts)]
+    described = described or tp.describe()
+    inputs = [overhead_source(sweep_dir, rows), *described, intervals_line(verdicts)]
+    others = sorted({costed_as(r.config) for r in rows if costed_as(r.config)})
+    if per_arm and others:
+        inputs.insert(-1, "optimizers: " + "; ".join(others))
     out_dir = Path(out) if out else sweep_dir / "verdict"
     report = VerdictReport(verdicts, skipped, tp, inputs, out_dir)
     _write(report, sweep_dir.name, None if no_map else where, None if out else sweep_dir)
@@ -270,7 +288,9 @@ def _write(r: VerdictReport, title: str, where: object, within: Path | None) -> 
     if where is not None:
         from stalepipe.lab.verdict import cluster as cv  # here: torch (run_verdict)
 
-        cells, shown = cv.crossover_map(where), cv.headline(r.verdicts)  # type: ignore[arg-type]
+        shown = cv.headline(r.verdicts)
+        arms = list(dict.fromkeys(v.arm for v in shown if v.arm is not None)) or None
+        cells = cv.crossover_map(where, arms=arms)  # type: ignore[arg-type]
         files["verdict_map.csv"] = cv.map_csv(cells, shown)
         files["verdict.png"] = cv.map_plot(cells, shown, r.throughputs.title())
         r.inputs.append(cv.map_summary(cells, shown))

@@ -180,8 +180,12 @@ def decision_block(
     )
     lines = [f"decision: {title}"]
     best = next((v for v in judged if v.best_sync is not None), None)
+    # the arm whose optimizer the best configuration's throughputs are costed with
+    name = best.arm.label() if best is not None and best.arm is not None else ""
+    arm, of = (f"{name} ", f" ({name})") if name else ("", "")
     if best is not None and best.best_sync is not None:
-        head = f"best synchronous: {best.best_sync.shown()} ({best.best_sync.rate_text()} tok/s)"
+        sync = best.best_sync
+        head = f"best synchronous{of}: {sync.shown()} ({sync.rate_text()} tok/s)"
         edge = f"2BW's throughput edge over it {best.speedup:.3f}x"
         fits = len(head) + len(edge) + 2 <= WIDTH  # a long configuration: two lines
         lines += [f"{head}; {edge}"] if fits else [head, f"  {edge}"]
@@ -206,14 +210,15 @@ def decision_block(
         at = f" at {best.transfer.target}" if best.transfer.target else ""
         if hi < 1:  # an overhead is at least 1: no size makes async sooner here
             lines.append(
-                f"2BW's edge ({best.speedup:.3f}x{span}) is below 1: sync is sooner at any "
+                f"{arm}2BW's edge ({best.speedup:.3f}x{span}) is below 1: sync is sooner at any "
                 f"overhead{at}"
             )
         else:
             lines.append(
-                f"a token overhead{at} below 2BW's edge ({best.speedup:.3f}x{span}) makes async "
-                f"sooner"
+                f"a {arm}token overhead{at} below 2BW's edge ({best.speedup:.3f}x{span}) makes "
+                f"async sooner"
             )
+        lines += _arm_lines(judged)
     if given is not None and best is not None and math.isfinite(best.speedup):
         lines += _given_lines(best, given)
     rest = len(headline) - min(len(judged), SHOWN)
@@ -228,6 +233,28 @@ def decision_block(
         )
     lines += _covers(best or (judged[0] if judged else None))
     return "\n".join(_wrapped(lines)[:MAX_LINES])
+
+
+def _arm_lines(judged: list[Verdict]) -> list[str]:
+    """2BW's throughput edge of each arm, each costed with its own optimizer (the cluster
+    model), and what its update takes a step on the best synchronous and the best 2BW
+    configuration; none where the throughputs are not per arm."""
+    first: dict = {}
+    for v in judged:
+        if v.arm is not None and math.isfinite(v.speedup):
+            first.setdefault(v.arm, v)
+    parts = []
+    for arm, v in first.items():
+        s, a = v.best_sync, v.async_row
+        times = [x.update * 1e3 for x in (s, a) if x is not None]
+        took = f" ({times[0]:.2f} / {times[1]:.2f} ms)" if len(times) == 2 else ""
+        parts.append(f"{arm.label()} {v.speedup:.3f}x{took}")
+    if not parts:
+        return []
+    return [
+        "2BW's edge by arm, each costed with its optimizer (its update a step, best sync / 2BW): "
+        + ", ".join(parts)
+    ]
 
 
 def _wrapped(lines: list[str]) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from stalepipe.config import ModelConfig
 from stalepipe.lab.analysis.overhead import Overhead
@@ -173,6 +174,15 @@ class Verdict:
     # the same configuration planned longer, judged against sync at the same length
     # (a lengths sweep's like-for-like row: in the tables, not the decision block)
     at_length: bool = False
+    # the throughputs it was judged on: its arm's (the cluster model costs each arm's own
+    # optimizer, `Throughputs.arm`), else the one set every configuration shares
+    throughputs: Any = None
+
+    @property
+    def arm(self) -> Any:
+        """The arm whose optimizer its throughputs are costed with (`sim.optimizer.Arm`; None
+        where they are not per arm)."""
+        return getattr(self.throughputs, "arm", None)
 
     @property
     def speedup(self) -> float:

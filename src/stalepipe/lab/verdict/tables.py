@@ -59,7 +59,7 @@ def detail_rows(v: Verdict, tp: Throughputs) -> list[list[str]]:
         f"{v.schedule} time to target vs it ({v.interval_kind})",
     ]
     out = [head]
-    for s in tp.rows:
+    for s in (v.throughputs or tp).rows:  # its arm's, costed with its optimizer
         if not never_delays(s.policy) and s is not v.async_row:
             continue  # another delay policy's schedule, or another P of it
         name = s.shown() + (" (best sync)" if v.best_sync and s.name == v.best_sync.name else "")
@@ -133,7 +133,7 @@ def verdict_csv(verdicts: list[Verdict], tp: Throughputs) -> str:
     rows: list[list[object]] = [CSV_HEADER]
     for v in verdicts:
         a, t = v.async_row, v.transfer
-        for s in tp.sync():
+        for s in (v.throughputs or tp).sync():  # its arm's (`Verdict.throughputs`)
             r = v.ratios[s.name]
             called = v.ratio_against(s)
             rows.append(
@@ -176,6 +176,8 @@ def verdict_json(verdicts: list[Verdict], inputs: list[str], skipped: list[str])
         row["time_to_target_interval"] = finite(*_values(v.ratio_all))
         row["time_to_target_ci"] = finite(*_values(v.ratio))
         row["transfer"] = [v.transfer.low, v.transfer.high, v.transfer.source]
+        # the optimizer its throughputs are costed with (None: not per arm; `sim.optimizer`)
+        row["arm"] = v.arm.label() if v.arm is not None else None
     return {"inputs": inputs, "skipped": skipped, "verdicts": rows}
 
 

@@ -56,6 +56,7 @@ class ScheduleThroughput:
     config: str = ""  # the configuration behind the rate (cluster model: P, D, m, placement)
     stages: int | None = None  # P behind the rate where rows differ in it (cluster model)
     flushed_tokens_per_s: float = math.nan  # an async row's steps in a sync window (a flush)
+    update: float = math.nan  # seconds a step its optimizer takes (cluster model, `sim.optimizer`)
 
     def shown(self) -> str:
         """The configuration, else the schedule's name."""
@@ -101,6 +102,9 @@ class Throughputs:
     # the throughput model's held-out error folded into `edge_factors` (`sim.efficiency`
     # MODEL_ERROR; 0: none, as for measured costs): printed as a named term of the interval
     model_error: float = 0.0
+    # the arm whose optimizer these are costed with (`sim.optimizer.Arm`; None: not per arm,
+    # as for measured costs and one simulated pipeline)
+    arm: Any = None
 
     def get(self, name: str) -> ScheduleThroughput:
         return next(s for s in self.rows if s.name == name)
@@ -144,6 +148,27 @@ class Throughputs:
 
     def title(self) -> str:
         return self.short
+
+
+def arm_of(config: dict[str, Any]) -> Any:
+    """The arm a run trains, as the cluster model costs it (`sim.optimizer.Arm`): its
+    optimizer (AdamW or Muon; any other is costed as AdamW, `costed_as` says so), error
+    feedback and Muon's Newton-Schulz steps, from its flattened config."""
+    from stalepipe.lab.sim.optimizer import NS_STEPS, OPTIMIZERS, Arm  # torch-free
+
+    name = str(config.get("optim.name") or "adamw")
+    steps = config.get("optim.ns_steps") or NS_STEPS
+    ef = bool(config.get("delay.ef", False))
+    return Arm(name if name in OPTIMIZERS else "adamw", ef, int(steps))
+
+
+def costed_as(config: dict[str, Any]) -> str:
+    """'' where the cluster model has the run's optimizer's own costs, else why not (its
+    optimizer is costed as AdamW's)."""
+    from stalepipe.lab.sim.optimizer import OPTIMIZERS
+
+    name = str(config.get("optim.name") or "adamw")
+    return "" if name in OPTIMIZERS else f"{name} costed as AdamW (no cost model of its own)"
 
 
 def async_schedule(policy: str) -> str | None:
@@ -245,7 +270,9 @@ def simulated(
         f"tokens, steady state over {SIM_STEPS} steps (sim/simulate.py compare_schedules: "
         "no compute/communication overlap beyond the schedule's order, no data-parallel "
         "all-reduce, BI = BW = F, memory = weight versions + optimizer state + stashed "
-        "activations per rank; fits = the largest rank within the device's memory)",
+        "activations per rank; fits = the largest rank within the device's memory; the "
+        "update and its state AdamW's for every arm: --cluster costs each arm's own "
+        "optimizer)",
     ]
     short = f"{model} on {device}, P={num_stages}, m={num_microbatches} (simulated)"
     rate = window.tokens_per_s if not window.refused else math.nan

@@ -2,8 +2,9 @@
 
 SIGTERM (what SLURM and Kubernetes send before they preempt a job), SIGUSR1 (SLURM's
 `--signal=USR1@<seconds>`) and SIGINT (Ctrl-C) do not kill a run: they set a flag. The
-engine agrees with every other process of the run on a step (its plan becomes
-`schedules.plan.StepPlan.with_agreed`, a new value the loop reads from each `StepResult`), the
+engine agrees with every other process of the run on a step (the vote's bits become an
+`Agreed`, `agreement`; the plan becomes `StepPlan.with_agreed`, a new value the loop reads from
+each `StepResult`), the
 loop writes a checkpoint there and the run ends with `errors.Preempted` (exit status 75);
 `--resume` then continues it bit for bit. A second Ctrl-C stops at once (KeyboardInterrupt),
 keeping only the checkpoints already written.
@@ -19,9 +20,25 @@ import signal
 import threading
 import time
 
-from stalepipe.training.schedules.plan import CHECKPOINT, STOP
+from stalepipe.training.schedules.plan import Agreed
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+# Requests a process makes to the whole run: bits of an int, OR-ed across processes by the
+# engines' votes (`runtime.stage_update`, `train.distributed.or_across_ranks`).
+STOP = 1  # a signal asked the run to stop: checkpoint, then end
+CHECKPOINT = 2  # the checkpoint clock (train.ckpt_every_s) ran out
+
+
+def no_requests() -> int:
+    """The requests of a process nobody signals (no signal handlers, no checkpoint clock)."""
+    return 0
+
+
+def agreement(step: int, bits: int) -> Agreed | None:
+    """What a vote's outcome (`bits`, the requests of every process OR-ed) asks the run to do
+    right after update `step`: any request checkpoints there, STOP ends the run there too."""
+    return Agreed(step, stop=bool(bits & STOP)) if bits else None
 
 
 class Interrupts:
@@ -60,7 +77,7 @@ class Interrupts:
 
     def requests(self) -> int:
         """This process's pending requests: STOP after a signal, CHECKPOINT when the clock ran
-        out (bits of `schedules.plan`)."""
+        out (the bits above)."""
         bits = STOP if self.signal is not None else 0
         if self.every_s and time.monotonic() - self._last >= self.every_s:
             bits |= CHECKPOINT

@@ -30,6 +30,7 @@ order (as `clip_grad_norm_` computes it), the same optimizer class and the same 
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ import torch
 
 from stalepipe.training.delay import DelayedOptimizer, microbatch_seed
 from stalepipe.training.delay.rng import seeded
+from stalepipe.training.optim.lr_schedule import lr_multiplier
+from stalepipe.training.peers.interrupts import agreement
 from stalepipe.training.runtime.split_backward import (
     WeightBranches,
     backward_input,
@@ -115,7 +118,7 @@ class StageExecutor:
             param_counts=layout.param_counts,
             router_layers=layout.router_layers,
             grad_clip=layout.grad_clip,
-            lr_multiplier=plan.lr_multiplier,
+            lr_multiplier=functools.partial(lr_multiplier, cfg=plan.train),
             logs=plan.logs,
             per_expert=layout.per_expert,
         )
@@ -362,7 +365,7 @@ class StageExecutor:
     def _agree(self, step: int, bits: int) -> None:
         """Every process agreed on `bits` after update `step`; drop the receives of later
         steps not posted yet when the run ends there."""
-        self.plan = self.plan.with_agreed(step, bits)
+        self.plan = self.plan.with_agreed(agreement(step, bits))
         if (stop := self.plan.stop_step) is not None:
             for c in self.chunks.values():
                 c.inbox.forget_after(stop)

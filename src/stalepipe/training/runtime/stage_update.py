@@ -250,7 +250,7 @@ def _split(owned: dict[str, Any], param_counts: list[int], stages: list[int]) ->
 
 # ---- votes: agreeing on a step to checkpoint or stop at ----------------------------------
 
-BITS = 8  # request bits voted on (schedules.plan's STOP, CHECKPOINT, ...)
+BITS = 8  # request bits voted on (peers.interrupts' STOP, CHECKPOINT, ...)
 
 
 def lookahead(actions: list[Action]) -> int:

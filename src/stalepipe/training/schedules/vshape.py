@@ -7,10 +7,11 @@ backward (BI, then a deferred BW) and flush every step: they are synchronous (po
 Each step's op list is written per rank from counters (the next microbatch of each kind on each
 stage); a STEP goes right after its stage's last op of the step.
 
-Not modelled: DualPipe's overlap of a forward and a backward of two microbatches inside one
-"F&B" cell (it hides the expert-parallel all-to-all of MoE models, which the simulator does not
-model either): here the pair is the forward followed by the backward, so F&B = F + B. The cost
-of the pair and its order are what the action order can express.
+Not modelled here: DualPipe's overlap of a forward and a backward of two microbatches inside one
+"F&B" cell (it hides the expert-parallel all-to-all of MoE models): here the pair is the forward
+followed by the backward, so F&B = F + B. The cost of the pair and its order are what the action
+order can express; the cluster model charges the overlap of the all-to-alls on top
+(`lab.sim.hybrid.a2a_exposed`).
 """
 
 from __future__ import annotations

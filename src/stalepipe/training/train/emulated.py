@@ -24,7 +24,8 @@ from stalepipe.training.data import EVAL_SEED, TokenLoader
 from stalepipe.training.delay import DelayEmulator, DelaySchedule, tied
 from stalepipe.training.models import Transformer, build_model, compile_blocks
 from stalepipe.training.optim import build_optimizer
-from stalepipe.training.optim.lr_schedule import apply_lr, config_peak_lr
+from stalepipe.training.optim.lr_schedule import apply_lr, config_peak_lr, lr_multiplier
+from stalepipe.training.peers.interrupts import agreement, no_requests
 from stalepipe.training.rundir.checkpoint import (
     commit_checkpoint,
     load_model_state,
@@ -33,7 +34,7 @@ from stalepipe.training.rundir.checkpoint import (
 from stalepipe.training.rundir.checkpoint_parts import emulator_state, flatten_part, saved_split
 from stalepipe.training.rundir.hf_checkpoint import load_hf_weights
 from stalepipe.training.rundir.sharded import clear_staging, save_part
-from stalepipe.training.schedules.plan import StepPlan, no_requests
+from stalepipe.training.schedules.plan import StepPlan
 from stalepipe.training.train.distributed import (
     SINGLE_PROCESS,
     DistContext,
@@ -178,7 +179,7 @@ class EmulatorEngine:
         tc, ctx, m = self.cfg.train, self.ctx, self.cfg.model
         per_expert = m.num_experts * m.num_layers <= 64
         for step in range(self.start_step, plan.total_steps):
-            apply_lr(self.optimizer, plan.lr_multiplier(step))
+            apply_lr(self.optimizer, lr_multiplier(step, tc))
             x, y = self.train_data.batch(step, tc.batch_size)
             x, y = shard_rows(x, ctx).to(self.device), shard_rows(y, ctx).to(self.device)
             micro = split_microbatches(x, y, tc.num_microbatches // ctx.world_size)
@@ -197,8 +198,9 @@ class EmulatorEngine:
             router = self.model.router_stats(per_expert=per_expert) if plan.logs(step) else {}
             lr = self.optimizer.param_groups[0]["lr"]
             # One process acts at once; replicas agree through one small collective.
-            plan = plan.with_agreed(step, or_across_ranks(requests(), ctx, self.device))
-            yield StepResult(step, loss, grad_norm, tau, lr, router, plan.agreed_bits(step), stale)
+            agreed = agreement(step, or_across_ranks(requests(), ctx, self.device))
+            plan = plan.with_agreed(agreed)
+            yield StepResult(step, loss, grad_norm, tau, lr, router, agreed, stale)
             if plan.stops(step):
                 return
 

@@ -6,7 +6,7 @@ runtime per process). The loop never asks which one it has.
 
     engine.start_step                      # 0, or the step a resumed checkpoint holds
     for result in engine.steps(plan, requests):  # one StepResult per update, in order, applied
-        plan = plan.with_agreed(step, result.agreed)  # what every process agreed on (signals)
+        plan = plan.with_agreed(result.agreed)  # what every process agreed on (signals)
         ...                                # at plan.is_sync_point(step) the engine is paused
         engine.evaluate()                  #   right after that update: evaluate and
         engine.checkpoint(step + 1)        #   checkpoint see W_{step+1} and nothing newer
@@ -24,7 +24,8 @@ from typing import Protocol
 
 import torch
 
-from stalepipe.training.schedules.plan import StepPlan, no_requests
+from stalepipe.training.peers.interrupts import no_requests
+from stalepipe.training.schedules.plan import Agreed, StepPlan
 
 
 @dataclass
@@ -37,7 +38,7 @@ class StepResult:
     tau: list[int]  # staleness per stage of this step's gradient
     lr: float  # the LR of the first parameter group at this update
     router: dict[str, float] = field(default_factory=dict)  # MoE metrics at log steps
-    agreed: int = 0  # the requests every process agreed to act on right after it (STOP, ...)
+    agreed: Agreed | None = None  # what every process agreed to do right after it (signals)
     staleness: dict[str, float] = field(default_factory=dict)  # `log.staleness`, at log steps
 
 

@@ -27,6 +27,7 @@ from stalepipe.errors import Preempted, TrainingError
 from stalepipe.fileio import flatten_dict
 from stalepipe.training.models import flops_per_token
 from stalepipe.training.optim import resolve_config
+from stalepipe.training.optim.lr_schedule import lr_multiplier
 from stalepipe.training.peers.interrupts import Interrupts
 from stalepipe.training.rundir.checkpoint import (
     checkpoint_config,
@@ -149,7 +150,7 @@ def run_loop(
         plan = StepPlan(tc)
         try:
             for r in engine.steps(plan, interrupts.requests):
-                plan = plan.with_agreed(r.step, r.agreed)  # a checkpoint (and stop) voted on
+                plan = plan.with_agreed(r.agreed)  # a checkpoint (and stop) voted on
                 meter.step_done(r.step)
                 if not math.isfinite(r.loss):
                     _diverged(f"non-finite loss ({r.loss})", r.step, run_dir, cfg, engine, saved)
@@ -233,7 +234,7 @@ def run_meter(cfg: ExperimentConfig, start: int, device: torch.device) -> Meter:
 def _log_fields(r: StepResult, plan: StepPlan, meter: Meter) -> dict[str, Any]:
     out: dict[str, Any] = {
         "lr": r.lr,
-        "lr_mult": plan.lr_multiplier(r.step),
+        "lr_mult": lr_multiplier(r.step, plan.train),
         "grad_norm": r.grad_norm,
         "tau": r.tau,
         **meter.fields(r.step),

@@ -43,6 +43,7 @@ from stalepipe.training.peers.group import (
     leave_process_group,
     resolve_backend,
 )
+from stalepipe.training.peers.interrupts import no_requests
 from stalepipe.training.peers.topology import Topology
 from stalepipe.training.rundir import checkpoint_parts as stage_ckpt
 from stalepipe.training.rundir import sharded
@@ -57,7 +58,7 @@ from stalepipe.training.runtime.stage_io import ModelLayout, StageIO
 from stalepipe.training.runtime.stage_update import StepVotes, lookahead
 from stalepipe.training.runtime.tied import resume_head
 from stalepipe.training.schedules.generators import one_stage_per_rank, pipeline_schedule_for
-from stalepipe.training.schedules.plan import StepPlan, no_requests
+from stalepipe.training.schedules.plan import StepPlan
 from stalepipe.training.schedules.schedule import PipelineSchedule, validate
 from stalepipe.training.train.devices import check_device, set_tf32
 from stalepipe.training.train.distributed import MAIN_WORK_TIMEOUT_S
@@ -378,7 +379,7 @@ class PipelineEngine:
             self.losses.append((r.step, r.loss))
             tau = self.sched.delay.taus(r.step)
             plan = self.executor.plan  # with what the processes agreed on so far
-            agreed = plan.agreed_bits(r.step)
+            agreed = plan.agreed_at(r.step)
             yield StepResult(r.step, r.loss, r.grad_norm, tau, r.lr, r.router, agreed)
             if plan.stops(r.step):  # checkpointed: end here, with every peer (runtime.stage_update)
                 self.executor.settle()
