@@ -364,27 +364,20 @@ def crossover_map(
     rows = [(s, tuple(arms or (s.arm,)), n, b) for n in gpus for b in batches if b >= n]
     workers = min(workers or os.cpu_count() or 1, 8, len(rows))
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-<<<<<<< HEAD
-        return [c for row in rows for c in _map_row(row)]
-    ctx = multiprocessing.get_context("fork")
-    # What this process holds (a test session's, a notebook's) is frozen out of the children's
-    # garbage collections: each collection would otherwise walk it and copy its pages
-    # (copy-on-write), a fifth more CPU for the map under a loaded heap (issue 54)
-    gc.freeze()
-    try:
-        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-            return [c for cells in pool.map(_map_row, rows) for c in cells]
-    finally:
-        gc.unfreeze()
-=======
         cells = [c for row in rows for c in _map_row(row)]
     else:
         ctx = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-            cells = [c for cells in pool.map(_map_row, rows) for c in cells]
+        # What this process holds (a test session's, a notebook's) is frozen out of the
+        # children's garbage collections: each collection would otherwise walk it and copy its
+        # pages (copy-on-write), a fifth more CPU for the map under a loaded heap (issue 54)
+        gc.freeze()
+        try:
+            with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+                cells = [c for cells in pool.map(_map_row, rows) for c in cells]
+        finally:
+            gc.unfreeze()
     order = {arm: i for i, arm in enumerate(arms or (s.arm,))}
     return sorted(cells, key=lambda c: order[c.arm])  # stable: each arm's in the map's order
->>>>>>> main
 
 
 def _map_row(row: tuple[Setting, tuple[Arm, ...], int, int]) -> list[Cell]:
