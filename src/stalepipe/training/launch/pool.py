@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from stalepipe.training.launch.processes import free_port
+from stalepipe.training.launch.processes import host_store, worker_env
 from stalepipe.training.peers.group import leave_process_group
 
 
@@ -42,8 +42,11 @@ class WorkerPool:
     starts when the first run that needs it does (a session whose runs use 2 ranks starts 2).
 
     `pool.run(fn, args, world)` calls `fn(*args)` on ranks 0..world-1 with the env://
-    variables set (fresh port each time) and returns the per-rank results; a rank's exception
-    comes back as a RuntimeError naming the rank. Not for fault tests (a killed worker is gone).
+    variables set and returns the per-rank results; a rank's exception comes back as a
+    RuntimeError naming the rank. As under torchrun and `stalepipe train`, this process hosts
+    each run's store (a fresh one per run) and every rank joins it as a client: rank 0 leaving
+    first cannot take the store from a rank still using it. Not for fault tests (a killed
+    worker is gone).
     """
 
     def __init__(self, size: int) -> None:
@@ -65,13 +68,8 @@ class WorkerPool:
     def run(self, fn, args: tuple, world: int, timeout_s: float = 300.0) -> list:
         assert world <= self.size, (world, self.size)
         self._start(world)
-        env = {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()),
-            "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world),
-            "OMP_NUM_THREADS": "1",
-        }
+        store = host_store(timeout_s)  # held until every rank has answered
+        env = {**worker_env(store, world), "OMP_NUM_THREADS": "1"}
         for i in range(world):
             self._jobs[i].put((fn, args, env))
         out: dict[int, tuple] = {}
@@ -82,6 +80,7 @@ class WorkerPool:
             except queue.Empty:
                 raise TimeoutError(f"worker pool: no result within {timeout_s}s") from None
             out[i] = res
+        del store
         errors = [f"rank {i}: {r[1]}" for i, r in sorted(out.items()) if r[0] == "error"]
         if errors:
             raise RuntimeError("; ".join(errors))
