@@ -271,6 +271,29 @@ def test_the_default_output_is_a_decision_block(curve_sweep, capsys):
     assert lines[-2].startswith("tables in ") and "verdict.md" in lines[-1]
 
 
+def test_a_long_block_lists_fewer_configurations_and_cuts_no_line(curve_sweep, capsys, monkeypatch):
+    """Issue 52: where the wrapped block would pass MAX_LINES it lists fewer configurations (the
+    rest counted), and never cuts what follows the table: the optimizers-regime block on h100-ib
+    lost its 'bound:' line mid-sentence when the block was cut at 20 wrapped lines."""
+    from stalepipe.lab.verdict import decision
+
+    def block() -> list[str]:
+        assert main(["verdict", str(curve_sweep), *SIM]) == 0
+        return capsys.readouterr().out.splitlines()[:-2]  # less the 'tables in' lines
+
+    full = block()
+    rows = [ln for ln in full if re.match(r"(adamw|muon)_2bw\S* ", ln)]
+    assert len(rows) == 3 and not any("more configuration" in ln for ln in full), full
+    monkeypatch.setattr(decision, "MAX_LINES", len(full) - 1)
+    short = block()
+    assert [ln for ln in short if re.match(r"(adamw|muon)_2bw\S* ", ln)] == rows[:1], short
+    assert "... 2 more configuration(s) (fewer seeds, or past the first 1)" in short
+    assert len(short) == len(full) - 1 and short[-2:] == full[-2:], short
+    assert short[-1].startswith("size transfer of the overhead "), short
+    monkeypatch.setattr(decision, "MAX_LINES", len(full) - 2)  # one row cannot fit it: kept
+    assert block() == short
+
+
 def test_a_lengths_sweep_decides_on_its_headline_rows(curve_sweep, curve_run, capsys):
     """With sync run at the longer lengths too (`sweep --lengths`), each longer delayed run has
     a like-for-like baseline and a verdict of its own: those go to the tables, counted in one

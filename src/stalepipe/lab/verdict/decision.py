@@ -26,7 +26,8 @@ from stalepipe.lab.analysis import overhead_ladder, scaling
 from stalepipe.lab.verdict.rule import Transfer, Verdict, size_text
 
 MAX_LINES, WIDTH = 20, 120
-SHOWN = 10  # configurations listed; the rest are counted
+SHOWN = 10  # configurations listed at most (fewer where the block would pass MAX_LINES); the
+# rest are counted
 TOO_WIDE = 10  # a given overhead's time ratio whose interval leaves [x / 10, 10 x] and holds 1
 # says nothing, not "too close": the size ladder's rule for the paper's figures (docs/RESULTS.md)
 
@@ -173,7 +174,23 @@ def decision_block(
     verdicts: Sequence[Verdict], title: str, given: GivenOverhead | None = None
 ) -> str:
     """The block (module docstring); a line longer than `WIDTH` wraps. `given`: an overhead from
-    elsewhere (`given_overhead`), judged against the same best synchronous configuration."""
+    elsewhere (`given_overhead`), judged against the same best synchronous configuration.
+
+    The block lists the fastest configurations, up to `SHOWN`, as many as leave it within
+    `MAX_LINES` once wrapped (the rest are counted): what it says after the table (the flip
+    point, the arms' edges, what the intervals cover) is never cut. With one configuration it
+    may pass `MAX_LINES` rather than lose a line."""
+    for shown in range(SHOWN, 0, -1):
+        lines = _wrapped(_block(verdicts, title, given, shown))
+        if len(lines) <= MAX_LINES:
+            break
+    return "\n".join(lines)
+
+
+def _block(
+    verdicts: Sequence[Verdict], title: str, given: GivenOverhead | None, shown: int
+) -> list[str]:
+    """`decision_block`'s lines, before wrapping, listing the `shown` fastest configurations."""
     headline = [v for v in verdicts if not v.at_length]
     judged = sorted(
         (v for v in headline if v.target is not None and len(v.target.seeds) >= 3), key=_key
@@ -197,7 +214,7 @@ def decision_block(
         "token overhead (95% CI)"
     )
     lines += [head] if judged else []
-    for v in judged[:SHOWN]:
+    for v in judged[:shown]:
         assert v.target is not None
         overhead = v.target.describe().replace(" seeds short", " short")
         lines.append(
@@ -221,9 +238,9 @@ def decision_block(
         lines += _arm_lines(judged)
     if given is not None and best is not None and math.isfinite(best.speedup):
         lines += _given_lines(best, given)
-    rest = len(headline) - min(len(judged), SHOWN)
+    rest = len(headline) - min(len(judged), shown)
     if rest:
-        lines.append(f"... {rest} more configuration(s) (fewer seeds, or past the first {SHOWN})")
+        lines.append(f"... {rest} more configuration(s) (fewer seeds, or past the first {shown})")
     longer = [plain(v.verdict) for v in verdicts if v.at_length]
     if longer:
         calls = ", ".join(f"{longer.count(c)} {c}" for c in sorted(set(longer)))
@@ -232,7 +249,7 @@ def decision_block(
             "verdict.md"
         )
     lines += _covers(best or (judged[0] if judged else None))
-    return "\n".join(_wrapped(lines)[:MAX_LINES])
+    return lines
 
 
 def _arm_lines(judged: list[Verdict]) -> list[str]:
