@@ -5,7 +5,10 @@ setting, with the edge's range over the assumptions and the model's held-out err
 verdict states it (`verdict.cluster.edge_range`, `with_model_error`); the measured overheads at
 0.43M as horizontal lines (async sooner below a point's edge, if the overhead carried over
 unchanged). Every configuration is timed as `stalepipe verdict --cluster` times it (the
-calibrated per-shape MFU, `sim.efficiency`), so a point's edge is the decision block's.
+calibrated per-shape MFU, `sim.efficiency`) and costed with Muon+EF, the arm the decision
+block's flip point names (Newton-Schulz and EF's buffer, `sim.optimizer`), so a point's edge
+is the decision block's; the lines of the other arms are their overheads beside Muon+EF's edge
+(each arm's own edge is in its verdict: within 1.5 % of Muon+EF's in the committed ones).
 
     OMP_NUM_THREADS=1 python benchmarks/studies/crossover_plot.py [OUT.png]
 
@@ -17,17 +20,20 @@ tokens).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 from matplotlib.ticker import NullFormatter, PercentFormatter
 
 from stalepipe.lab.analysis.plots import png_bytes, pyplot
+from stalepipe.lab.sim.optimizer import Arm
 from stalepipe.lab.sim.parallel import all_options, best
 from stalepipe.lab.verdict.cluster import edge_range, setting, with_model_error
 
 # the lengths study's token overheads at sync's final loss (docs/verdict.md's table, 5 seeds)
 OVERHEADS = {"Muon+EF": 1.10, "Muon": 1.27, "AdamW+EF": 1.38}
+ARM = Arm("muon", ef=True)  # the arm the points are costed with (module docstring)
 
 
 def settings(large: bool) -> list[tuple[str, str, int, int]]:
@@ -56,7 +62,7 @@ def main(argv: list[str]) -> None:
     points = []
     print("model, cluster, GPUs, batch: best sync (lost share), best 2bw, edge [range]")
     for model, preset, gpus, batch in settings(large):
-        st = setting(model, preset, gpus, batch)
+        st = dataclasses.replace(setting(model, preset, gpus, batch), arm=ARM)
         opts = all_options(st.workload(), st.cluster, ("2bw",))
         s, a = best(opts), best(opts, "2bw")
         edge = a.tokens_per_s / s.tokens_per_s
@@ -80,7 +86,7 @@ def main(argv: list[str]) -> None:
         ax.text(ax.get_xlim()[0], o, f" {name} {o:.2f}x @ 0.43M", fontsize=7, va="bottom")
     ax.axhline(1.0, color="black", lw=0.6)
     ax.set_xlabel("best synchronous configuration: bubble + exposed communication (share of step)")
-    ax.set_ylabel("2BW's throughput edge = overhead at the flip")
+    ax.set_ylabel(f"2BW's throughput edge ({ARM.label()}) = overhead at the flip")
     ax.set_title(
         "async sooner where a token overhead lies below its setting's point\n"
         "(bars: the assumptions' corners and the model's held-out error, as the verdict)",

@@ -150,8 +150,8 @@ def ef_speedup(row: dict) -> float:
         (["--cluster", "h100-ibb"], "did you mean 'h100-ib'"),
         (["--cluster", "h100-ib", "--gpus", "12"], "not a whole number of h100-ib nodes"),
         (
-            ["--cluster", "h100-ib", "--gpus", "32", "--global-batch", "8"],
-            "use --global-batch >= 32",
+            ["--cluster", "h100-ib", "--gpus", "32", "--global-batch", "3"],
+            "use --global-batch >= 4",
         ),
         (["--cluster", "h100-ib", "--global-batch", "lots"], "give sequences"),
         (["--cluster", "BAD.json"], "did you mean 'inter_node_gbps'"),

@@ -37,7 +37,7 @@ from stalepipe.lab.sim.cluster import (
 from stalepipe.lab.sim.efficiency import E_MAX, MODEL_ERROR, MODEL_ERROR_WORST, X_HALF
 from stalepipe.lab.sim.optimizer import ADAMW, Arm, model_matrices, ns_mfu
 from stalepipe.lab.sim.parallel import Workload, all_options, best, cluster_schedules
-from stalepipe.lab.sim.replicas import KINDS
+from stalepipe.lab.sim.replicas import KINDS, tp_choices
 from stalepipe.lab.verdict.rule import Verdict, call, time_to_target, widen
 from stalepipe.lab.verdict.throughput import ScheduleThroughput, Throughputs, model_shape
 from stalepipe.training.delay.policies import PAPER_ASYNC, never_delays
@@ -119,10 +119,14 @@ def setting(
             f"--gpus {n} is not a whole number of {c.name} nodes ({g} GPUs each); use {fix}"
         )
     batch = _batch(global_batch, own_batch, seq)
-    if batch < n:
+    # a TP group shares its sequences (Llama 3's 405B: 2,048 sequences on 8,192 GPUs at TP 8);
+    # CP is not searched to split a batch (sim.hybrid), so the largest TP degree sets the floor
+    least = n // max(tp_choices(c, n))
+    if batch < least:
         raise UserError(
             f"--global-batch {batch} sequences is too small for {n} GPUs: every configuration "
-            f"needs at least one sequence per GPU (m >= P for a pipeline); use --global-batch >= {n}"
+            f"needs a sequence per TP group of at most {n // least} GPUs (m >= P for a pipeline); "
+            f"use --global-batch >= {least}"
         )
     return Setting(name, cfg, seq, c, n, batch, mfu)
 
