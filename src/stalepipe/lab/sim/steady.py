@@ -59,18 +59,7 @@ class Plan:
             [(j, R * R if src < 0 else src * R + r) for j, src in deps]
             for r, deps in zip(self.ranks, self.deps)
         ]
-        # What `time` walks: per action (rank, kind slot, dependency, its transfer), the
-        # dependency -1 where none crosses ranks (-2: several, the transfer then their list).
-        # One on the rank's own earlier action never delays it: the rank runs its list in
-        # order, so it is free only once that action has ended (durations are >= 0), and the
-        # transfer to itself is 0; leaving those out gives the same times, faster.
-        self.walk: list[tuple[int, int, int, Any]] = []
-        for r, k, links in zip(self.ranks, self.slots, self.links):
-            across = tuple((j, h) for j, h in links if self.ranks[j] != r)
-            if len(across) > 1:
-                self.walk.append((r, k, -2, across))
-            else:
-                self.walk.append((r, k, *(across[0] if across else (-1, 0))))
+        self.walk = self._walk()
         # the transfers `time` needs (the table's other entries are never read)
         self.hops = sorted({(h // R, h % R) for links in self.links for _, h in links if h < R * R})
         self.per_rank = [[0] * len(self.kinds) for _ in range(R)]  # actions of each kind a rank
@@ -78,15 +67,37 @@ class Plan:
             self.per_rank[r][k] += 1
         # per rank (kind slot, count) of the kinds it runs: the others add 0 x a finite duration
         self.busy = [[(k, c) for k, c in enumerate(row) if c] for row in self.per_rank]
-        # what the summary reads: every STEP's end, and the two last steps' backward ends and
-        # forward starts per rank
+        # what the summary reads (as 1 + index, `time`'s `end`): every STEP's end (with its
+        # step), and per rank the last step's forward starts (with their kind slot) and the
+        # step before's backward ends
         last = sched.num_steps - 2
-        wanted = {("B", last), ("BW", last), ("F", last + 1)}
-        self.marks = [
-            (i, a.kind, a.step, r)
-            for i, (r, a) in enumerate(zip(self.ranks, self.actions))
-            if a.kind == "STEP" or (a.kind, a.step) in wanted
+        marked = list(enumerate(zip(self.ranks, self.actions), 1))
+        self.step_marks = [(i, a.step) for i, (_, a) in marked if a.kind == "STEP"]
+        self.fwd_marks = [
+            (i, r, self.slots[i - 1]) for i, (r, a) in marked if (a.kind, a.step) == ("F", last + 1)
         ]
+        self.back_marks = [
+            (i, r) for i, (r, a) in marked if a.kind in ("B", "BW") and a.step == last
+        ]
+
+    def _walk(self) -> list[tuple[int, int, int, Any]]:
+        """What `time` walks, per action as 1 + an index into the order (0: none): the rank's
+        previous action, the kind slot, the one dependency across ranks and its transfer (-1:
+        several, the transfer then their list of (1 + index, transfer)). One on the rank's own
+        earlier action never delays it: the rank runs its list in order, so it is free only
+        once that action has ended (durations are >= 0), and the transfer to itself is 0;
+        leaving those out gives the same times, faster."""
+        out: list[tuple[int, int, int, Any]] = []
+        previous: dict[int, int] = {}
+        for i, (r, k, links) in enumerate(zip(self.ranks, self.slots, self.links), 1):
+            across = tuple((j + 1, h) for j, h in links if self.ranks[j] != r)
+            prev = previous.get(r, 0)
+            if len(across) > 1:
+                out.append((prev, k, -1, across))
+            else:
+                out.append((prev, k, *(across[0] if across else (0, 0))))
+            previous[r] = i
+        return out
 
     def time(self, costs: CostModel) -> Steady:
         """The steady step under `costs` (as `timing.summarize` measures it: the median gap
@@ -96,35 +107,33 @@ class Plan:
         for a, b in self.hops:
             hop[a * R + b] = costs.transfer(a, b)
         table = [_duration(costs, kind, stage) for kind, stage in self.kinds]
-        end: list[float] = []
-        free = [0.0] * R
-        for r, k, j, h in self.walk:
-            start = free[r]
-            if j >= 0:
+        end = [0.0]  # each action's end, after a 0 for "none"
+        add = end.append
+        for prev, k, j, h in self.walk:
+            start = end[prev]  # its rank is free
+            if j > 0:
                 t = end[j] + hop[h]
                 if t > start:
                     start = t
-            elif j == -2:
+            elif j < 0:
                 for i, g in h:
                     t = end[i] + hop[g]
                     if t > start:
                         start = t
-            free[r] = t = start + table[k]
-            end.append(t)
+            add(start + table[k])
         done = [0.0] * n
-        last_back = [0.0] * R
+        for i, step in self.step_marks:
+            if end[i] > done[step]:
+                done[step] = end[i]
         first_fwd = [math.inf] * R
-        for i, kind, step, r in self.marks:
-            t = end[i]
-            if kind == "STEP":
-                if t > done[step]:
-                    done[step] = t
-            elif kind == "F":
-                t -= table[self.slots[i]]
-                if t < first_fwd[r]:
-                    first_fwd[r] = t
-            elif t > last_back[r]:
-                last_back[r] = t
+        for i, r, k in self.fwd_marks:
+            t = end[i] - table[k]
+            if t < first_fwd[r]:
+                first_fwd[r] = t
+        last_back = [0.0] * R
+        for i, r in self.back_marks:
+            if end[i] > last_back[r]:
+                last_back[r] = end[i]
         steps = [b - a for a, b in zip(done, done[1:])]
         gap = tuple(first_fwd[r] - last_back[r] for r in range(R))
         busy = tuple(sum(c * table[k] for k, c in kinds) / n for kinds in self.busy)
