@@ -19,7 +19,11 @@ import torch
 from stalepipe.config import ConfigError
 from stalepipe.errors import EXIT_FAILED, EXIT_PEER, TrainingError
 from stalepipe.training.launch.train import launch_train
-from stalepipe.training.rundir.checkpoint import list_checkpoints, load_checkpoint, remove_checkpoint
+from stalepipe.training.rundir.checkpoint import (
+    list_checkpoints,
+    load_checkpoint,
+    remove_checkpoint,
+)
 from stalepipe.training.rundir.startup import StartUp
 from stalepipe.training.train.pipelined import check_config
 

@@ -13,7 +13,11 @@ import pytest
 import torch
 
 from stalepipe.config import ConfigError, OptimConfig
-from stalepipe.training.rundir.checkpoint import checkpoint_step, list_checkpoints, remove_checkpoint
+from stalepipe.training.rundir.checkpoint import (
+    checkpoint_step,
+    list_checkpoints,
+    remove_checkpoint,
+)
 from stalepipe.training.train.loop import train
 
 CASES = {

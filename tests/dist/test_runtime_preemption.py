@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,17 +23,11 @@ from stalepipe.training.train.pipelined import runtime_schedule
 STEPS = 300
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(d.name))
-    return sorted(out)
+def _rank_pid(run_dir: Path, rank: int) -> int:
+    """A rank's pid as its log's first line gives it (`ranklog.log_header`), as a user finds
+    it: the ranks are not the launcher's children (they fork from its forkserver)."""
+    first = (run_dir / "logs" / f"rank{rank}.log").read_text().splitlines()[0]
+    return int(re.search(r"== stalepipe rank \d+: pid (\d+) ", first).group(1))
 
 
 def _train(cfg, tmp_path, *extra: str) -> subprocess.Popen:
@@ -80,8 +75,8 @@ def test_sigterm_to_one_rank_stops_all_at_one_step_and_resume_is_bitwise(
     proc = _train(cfg, tmp_path)
     run_dir = Path(cfg.out_dir) / cfg.name
     _wait_for_steps(run_dir, 10, proc, timeout_s=120)
-    workers = _children(proc.pid)
-    os.kill(workers[-1], signal.SIGTERM)  # one rank only: the vote carries it to the others
+    # one rank only, the last: the vote carries it to the others
+    os.kill(_rank_pid(run_dir, cfg.pipeline.num_processes - 1), signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     stopped = load_checkpoint(latest_checkpoint(run_dir))["step"]
     assert 10 <= stopped < STEPS, err

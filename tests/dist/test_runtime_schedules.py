@@ -27,9 +27,9 @@ import torch
 
 from stalepipe.cli import main
 from stalepipe.config import ConfigError
+from stalepipe.presets import PRESETS
 from stalepipe.training.data import TokenLoader
 from stalepipe.training.models import build_model
-from stalepipe.presets import PRESETS
 from stalepipe.training.rundir.metrics import read_metrics
 from stalepipe.training.schedules.generators import make_schedule, one_stage_per_rank
 from stalepipe.training.schedules.schedule import peak_versions, validate

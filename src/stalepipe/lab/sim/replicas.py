@@ -43,9 +43,10 @@ are 1/c), the batch splits over N / (t c) replicas, and the gradients are reduce
 shards, over the data- and context-parallel GPUs together (Megatron's and torchtitan's
 `dp_shard_cp`), so their traffic is that of N / t GPUs as without CP. The CP group sits inside
 a node where t x c fits one (torchtitan's and Llama 3's order: TP innermost, then CP). A degree
-c > 1 is tried only while the smaller gave configurations of that kind and TP and every one
-needed recomputation or did not fit (TP's rule: CP buys memory; a short sequence never needs
-it; CP is not searched to split a batch of fewer sequences than GPUs), and
+c > 1 is tried only where the smaller gave configurations of that kind and TP and a microbatch
+of one sequence without recomputation did not fit at it (TP's rule, read on memory alone: CP
+buys memory; a short sequence never needs it; CP is not searched to split a batch of fewer
+sequences than GPUs), and
 only where the weights' terms alone (state and gathered buffers, which CP does not divide) fit
 (`cp_may_fit`).
 """
@@ -291,6 +292,11 @@ def _splits(w, c: Cluster, kind: str, tp: int, cp: int) -> bool:
     return kind != "hsdp" or (n > g and min(n, g) % cp == 0)
 
 
+def _one_fits(w, c: Cluster, kind: str, tp: int, cp: int) -> bool:
+    """Whether a microbatch of one sequence without recomputation fits at CP `cp`."""
+    return flat_memory(w, c, kind, tp, 1, "none", 1, cp) <= c.memory_gb * 1e9
+
+
 def cp_may_fit(w, c: Cluster, kind: str, tp: int, cp: int) -> bool:
     """Whether what CP does not divide (the state and the gathered buffers: the weights'
     terms) leaves room in memory for `kind` at TP `tp` and CP `cp`: else no degree fits."""
@@ -333,7 +339,7 @@ def flat_options(w, c: Cluster, kinds=tuple(KINDS)) -> list:
             n = w.num_gpus // tp
             for cp in cp_choices(w, n):
                 mine = [o for o in out if (o.schedule, o.tp) == (kind, tp)]
-                if cp > 1 and (not mine or any(o.fits and o.recompute == "none" for o in mine)):
+                if cp > 1 and (not mine or _one_fits(w, c, kind, tp, mine[-1].cp)):
                     break  # CP buys memory where the smaller degree needs it (TP's rule)
                 if cp > 1 and _splits(w, c, kind, tp, cp) and not cp_may_fit(w, c, kind, tp, cp):
                     break  # the weights alone do not fit: CP cannot help

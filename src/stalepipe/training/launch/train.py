@@ -1,9 +1,9 @@
 """`stalepipe train --pipeline.engine distributed` on one machine: open the run directory,
-host the run's store, spawn one process per (stage, replica) and supervise them
+host the run's store, start one process per (stage, replica) and supervise them
 (`launch.processes.supervise`). Under torchrun the process is already one of the workers and
 runs it directly (`main_worker`).
 
-Each spawned worker tees its output into its rank log first thing (`train.ranklog`), and every
+Each started worker tees its output into its rank log first thing (`train.ranklog`), and every
 worker ends through `run_rank`: on a failure it records its one line in the run's store (so the
 other ranks and the launcher name it), prints it (and a bug's traceback) into its log, and exits
 with the status docs/runtime.md lists: `UserError.exit_code` (2 bad input, 4 training failed,
@@ -18,6 +18,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from pathlib import Path
 
 from stalepipe.config import ExperimentConfig
@@ -60,19 +61,21 @@ def spawn_ranks(
     topo: Topology | None = None,
     console: bool = True,
 ) -> int:
-    """Host the run's store, spawn rank r running `jobs[r]` = (fn, args) (a module-level
-    function, as spawn pickles it) through `run_rank`, teeing into its rank log under
+    """Host the run's store, start rank r running `jobs[r]` = (fn, args) (a module-level
+    function: it is pickled, `rank_context`) through `run_rank`, teeing into its rank log under
     `run_dir`, and supervise them (`launch.processes.supervise`: its return value, or its
     error naming the rank that stopped first). After a preemption (`EXIT_PREEMPTED`) prints
     the one line saying where the checkpoint is and that `--resume` continues."""
     world = len(jobs)
     store = host_store()
-    env = {**worker_env(store, world), PREPARED_ENV: "1"}
-    ctx = mp.get_context("spawn")
+    # The whole environment as it is now: a forkserver's child starts from the server's, which
+    # was the launcher's when its first run started.
+    env = {**os.environ, **worker_env(store, world), PREPARED_ENV: "1"}
+    ctx = rank_context()
     procs = [
         ctx.Process(
             target=_child,
-            args=(r, env, Path(run_dir), console and r == 0, fn, args),
+            args=(r, _Stdio(), env, Path(run_dir), console and r == 0, fn, args),
             name=f"stalepipe-rank{r}",
         )
         for r, (fn, args) in enumerate(jobs)
@@ -97,10 +100,52 @@ def spawn_ranks(
     )
 
 
+def rank_context() -> mp.context.BaseContext:
+    """How ranks start: forked from a server that has imported torch and the training code
+    once (multiprocessing's forkserver), so a rank starts in a fraction of a second instead of
+    importing torch again (seconds of CPU a rank, each launch). Where there is no forkserver,
+    spawned. Never plain fork: the launcher may hold threads (a store, a notebook's)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # __main__ as spawn would import it (a script's own rank functions), then the training code
+    ctx.set_forkserver_preload(["__main__", __name__])
+    return ctx
+
+
+class _Stdio:
+    """The launcher's stdout and stderr at the rank's start, handed to the rank: a forkserver's
+    child would otherwise write where the server's went (the first launch's). Multiprocessing
+    hands over the working directory and sys.path itself."""
+
+    def __reduce__(self):
+        return (_Stdio.Inherited, (reduction.DupFd(1), reduction.DupFd(2)))
+
+    class Inherited:
+        def __init__(self, out, err) -> None:
+            self.fds = {1: out, 2: err}
+
+        def enter(self) -> None:
+            for fd, dup in self.fds.items():
+                got = dup.detach()
+                if got != fd:  # spawn passes the descriptor itself
+                    os.dup2(got, fd)
+                    os.close(got)
+
+
 def _child(
-    rank: int, env: dict[str, str], run_dir: Path, console: bool, fn: Callable, args: tuple
+    rank: int,
+    stdio: _Stdio.Inherited,
+    env: dict[str, str],
+    run_dir: Path,
+    console: bool,
+    fn: Callable,
+    args: tuple,
 ) -> None:
-    """A spawned worker: environment, its rank log from the first line on, then `run_rank`."""
+    """A started rank: the launcher's output and environment, its rank log from the first line
+    on, then `run_rank`."""
+    stdio.enter()
+    os.environ.clear()
     os.environ.update(env)
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
     tee_rank_log(rank_log_path(run_dir, rank), console=console, header=log_header(rank))
