@@ -17,8 +17,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from stalepipe.lab.sim import parallel, steady, workload
-from stalepipe.lab.sim.cluster import collective_time
+from stalepipe.lab.sim import parallel
 from stalepipe.lab.sim.optimizer import Arm
 from stalepipe.lab.sim.parallel import all_options
 from stalepipe.lab.verdict.cluster import crossover_map, setting
@@ -38,9 +37,7 @@ def main() -> None:
     arms = [Arm(a.partition("+")[0], a.endswith("+ef")) for a in args.arms.split(",") if a]
     took = {}
     for workers in (1, None):
-        for f in (parallel.pipeline_timing, parallel._costs, parallel._memory, steady.plan,
-                  parallel._synchronous, workload._steady, collective_time):  # fmt: skip
-            f.cache_clear()
+        parallel.cache_clear()
         t0 = time.perf_counter()
         cells = crossover_map(s, workers, arms or None)
         took[workers] = time.perf_counter() - t0

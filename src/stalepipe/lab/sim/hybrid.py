@@ -72,6 +72,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from dataclasses import dataclass
 
 from stalepipe.config import ConfigError, ModelConfig
 from stalepipe.config.registry import PIPELINE_SCHEDULES
@@ -89,6 +90,7 @@ from stalepipe.lab.sim.optimizer import (
     NS_BYTES,
     PLACEMENTS,
     Arm,
+    Matrices,
     Update,
     ns_mfu,
     ns_time,
@@ -211,10 +213,12 @@ def _routed_total(cfg: ModelConfig) -> float:
     return float(sum(experts(cfg, i) for i in range(cfg.num_layers)))
 
 
-def _routed_share(cfg: ModelConfig, t: PipeTiming) -> tuple[float, ...]:
-    """Per rank, the share of its parameters that are routed experts (spread evenly)."""
-    each = _routed_total(cfg) / len(t.params)
-    return tuple(min(1.0, each / p) if p else 0.0 for p in t.params)
+@functools.lru_cache(maxsize=4096)
+def _routed_share(cfg: ModelConfig, params: tuple[float, ...]) -> tuple[float, ...]:
+    """Per rank (of `params` parameters each), the share of its parameters that are routed
+    experts (spread evenly)."""
+    each = _routed_total(cfg) / len(params)
+    return tuple(min(1.0, each / p) if p else 0.0 for p in params)
 
 
 def rank_memory(
@@ -230,15 +234,27 @@ def rank_memory(
     """Per GPU peak of each rank of the pipeline on microbatches of `mb` sequences, each over
     `cp` GPUs, the routed experts over `ep` (module docstring; the state, EF's buffer included,
     is `t`'s: `pipeline_timing`), bytes."""
-    out, tokens = [], mb * w.seq_len / cp
-    share = _routed_share(w.cfg, t) if ep > 1 else (0.0,) * len(t.params)
-    for r, (weights, stashed, chunks) in enumerate(zip(t.weights, t.stashed, t.chunks)):
-        layers = w.cfg.num_layers / (stages * chunks)
+    sizes = (t.weights, t.stashed, t.chunks, t.last, t.params)
+    return _rank_memory(w.cfg, w.seq_len, *sizes, stages, tp, recompute, mb, cp, ep)
+
+
+@functools.lru_cache(maxsize=65536)
+def _rank_memory(
+    cfg: ModelConfig, seq_len: int, weights: tuple[float, ...], stashed: tuple[float, ...],
+    chunks: tuple[int, ...], last: int, params: tuple[float, ...], stages: int, tp: int,
+    recompute: str, mb: int, cp: int, ep: int,
+) -> tuple[float, ...]:  # fmt: skip
+    """`rank_memory` from a timing's per rank sizes (cached: each sharing, placement and link
+    of a pipeline asks for the same)."""
+    out, tokens = [], mb * seq_len / cp
+    share = _routed_share(cfg, params) if ep > 1 else (0.0,) * len(params)
+    for r, (held, stash, chunk) in enumerate(zip(weights, stashed, chunks)):
+        layers = cfg.num_layers / (stages * chunk)
         keep = 1 - share[r] * (1 - 1 / ep)  # the experts' share a GPU holds under EP
-        m = weights * keep / tp
-        m += stashed * activation_bytes(w.cfg, tokens, layers, recompute, tp)
-        m += transient_bytes(w.cfg, tokens, recompute, tp)
-        m += logits_bytes(w.cfg, tokens, tp) if r == t.last else 0.0
+        m = held * keep / tp
+        m += stash * activation_bytes(cfg, tokens, layers, recompute, tp)
+        m += transient_bytes(cfg, tokens, recompute, tp)
+        m += logits_bytes(cfg, tokens, tp) if r == last else 0.0
         out.append(m)
     return tuple(out)
 
@@ -265,61 +281,78 @@ def _pipeline_device(c: Cluster, stages_per_node: int, stages: int) -> Device:
     return dev
 
 
+@dataclass(frozen=True)
+class _Exposure:
+    """A pipeline replica's step before the overlap cost (`_hybrid`), which enters last, so the
+    assumptions' overlap-cost corners share the rest (`_settled`)."""
+
+    step: float  # the replica's simulated step
+    memory: float  # peak bytes a GPU, the largest rank
+    update: float  # the optimizer's seconds on the latest rank
+    sync: bool | None  # None: nothing to exchange (one replica, no Newton-Schulz)
+    late: tuple[float, ...] = ()  # synchronous, per rank: how far past its gap it is ready
+    traffic: tuple[float, ...] = ()  # synchronous, per rank: the traffic slowing its compute
+    hidden: float = 0.0  # asynchronous: the traffic hidden in a step, on the busiest rank
+    longest: float = 0.0  # asynchronous: the longest rank's traffic and update
+
+
+def _overlapped(e: _Exposure, cost: float) -> tuple[float, float, float, float]:
+    """(step time, exposed traffic, peak memory, update seconds on the latest rank) of `e` with
+    the traffic hidden behind compute slowing it by `cost` of its time (module docstring)."""
+    if e.sync is None:
+        return e.step, 0.0, e.memory, e.update
+    if e.sync:
+        step = e.step + max(0.0, *(late + cost * x for late, x in zip(e.late, e.traffic)))
+    else:
+        step = max(e.step + cost * e.hidden, e.longest)
+    return step, max(0.0, step - e.step), e.memory, e.update
+
+
 def _hybrid(
     w: Workload,
     c: Cluster,
     t: PipeTiming,
+    held: tuple[tuple[float, ...], tuple[float, ...]],
     replicas: int,
     across: str,
     per_node: int,
     sync: bool,
-    sharded: PipeTiming | None = None,
     ns: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
     ep: int = 1,
-) -> tuple[float, float, float, float]:
-    """(step time, exposed traffic, peak memory, update seconds on the latest rank) of a
-    pipeline replica with `replicas` sharing gradients `across` ('dp' or 'fsdp'), `per_node`
-    of each stage's replicas in a node (module docstring). `sharded`: the same pipeline timed
-    with each rank updating its 1/D shard (FSDP, asynchronous: the update sits inside the
-    stream, so it is simulated there rather than subtracted). `ns`: per rank, Muon's
-    Newton-Schulz compute (a synchronous schedule's: an asynchronous one's is in its
-    simulated update) and its traffic, in seconds. `ep`: the routed experts sharded over `ep`
-    replicas, their gradients reduced over the replicas / ep holding the same ones (`t.memory`
-    already holds 1/ep of them)."""
-    memory = max(t.memory)
+) -> _Exposure:
+    """The step of a pipeline replica with `replicas` sharing gradients `across` ('dp' or
+    'fsdp'), `per_node` of each stage's replicas in a node (module docstring), before the
+    overlap cost (`_overlapped` adds it). `held`: per rank a GPU's peak and its state, bytes
+    (`rank_memory`). Asynchronous under FSDP, `t` is timed with each rank updating its 1/D
+    shard (the update sits inside the stream, so it is simulated there rather than
+    subtracted). `ns`: per rank, Muon's Newton-Schulz compute (a synchronous schedule's: an
+    asynchronous one's is in its simulated update) and its traffic, in seconds. `ep`: the
+    routed experts sharded over `ep` replicas, their gradients reduced over the replicas / ep
+    holding the same ones (`held` already holds 1/ep of them)."""
+    memory = max(held[0])
     n = len(t.params)
     compute, traffic = ns or ((0.0,) * n, (0.0,) * n)
     # synchronous: what follows the gradients in the rank's gap, NS and its traffic (the rest
     # of its update is `t.optimizer`); asynchronous: NS is in the simulated update already
     extra = [x + y for x, y in zip(compute, traffic)] if sync else list(traffic)
     if replicas == 1 and not any(extra):
-        return t.step_time, 0.0, memory, max(t.optimizer)
+        return _Exposure(t.step_time, memory, max(t.optimizer), None)
     units = max(1, round(w.cfg.num_layers / n))  # blocks per rank
-    share = _routed_share(w.cfg, t) if ep > 1 else (0.0,) * n
-
-    def coll(kind: str, nbytes: float, f: float) -> float:  # `f` of `nbytes` routed experts'
-        out = collective_time(c, kind, nbytes * (1 - f), replicas, per_node)
-        if f:
-            out += collective_time(c, kind, nbytes * f / ep, replicas // ep, max(1, per_node // ep))
-        return out
-
+    share = _routed_share(w.cfg, t.params) if ep > 1 else (0.0,) * n
     if replicas == 1:
         grads, gather, opt = [0.0] * n, [0.0] * n, list(t.optimizer)
     elif across == "dp":
-        grads = [coll("all-reduce", GRAD_BYTES * p, f) for p, f in zip(t.params, share)]
-        gather = [0.0] * n
+        grads, gather = _exchange(c, across, t.params, share, replicas, per_node, ep)
         opt = [o * (1 - f + f / ep) for o, f in zip(t.optimizer, share)]
     else:
-        grads = [coll("reduce-scatter", GRAD_BYTES * p, f) for p, f in zip(t.params, share)]
-        gather = [coll("all-gather", PARAM_BYTES * p, f) for p, f in zip(t.params, share)]
+        grads, gather = _exchange(c, across, t.params, share, replicas, per_node, ep)
         # synchronous: the update simulated whole, 1/D of it done (1/ep of the experts over
         # replicas / ep); asynchronous: as simulated
-        opt = [o / replicas for o in t.optimizer] if sync else list((sharded or t).optimizer)
+        opt = [o / replicas for o in t.optimizer] if sync else list(t.optimizer)
         memory = max(
             m - s * (1 - f) * (1 - 1 / replicas) - s * f / ep * (1 - ep / replicas)
-            for m, s, f in zip(t.memory, t.state, share)
+            for m, s, f in zip(*held, share)
         )
-    cost = w.overlap_cost
     if sync:  # each rank: gradients behind its last backward, weights behind its next forward
         late = []
         for r, (x, g, o) in enumerate(zip(grads, gather, opt)):
@@ -327,15 +360,37 @@ def _hybrid(
             tail = trailing(x, t.backward[r], units) - t.backward[r]
             ag = leading(g, t.forward[r], units)
             ready = max(t.gap[r], tail + o + g / units) + ag - g / units if g else tail + o
-            late.append(ready - t.gap[r] + cost * (x + g))
-        step = t.step_time + max(0.0, *late)
+            late.append(ready - t.gap[r])
         update = max(o + e for o, e in zip(opt, extra))
-    else:  # no flush: a whole step to hide it in
-        hidden = max(x + g + e for x, g, e in zip(grads, gather, extra))
-        longest = max(x + g + e + o for x, g, e, o in zip(grads, gather, extra, opt))
-        step = max((sharded or t).step_time + cost * hidden, longest)
-        update = max(opt)
-    return step, max(0.0, step - t.step_time), memory, update
+        both = tuple(x + g for x, g in zip(grads, gather))
+        return _Exposure(t.step_time, memory, update, True, tuple(late), both)
+    # no flush: a whole step to hide it in
+    hidden = max(x + g + e for x, g, e in zip(grads, gather, extra))
+    longest = max(x + g + e + o for x, g, e, o in zip(grads, gather, extra, opt))
+    return _Exposure(t.step_time, memory, max(opt), False, hidden=hidden, longest=longest)
+
+
+@functools.lru_cache(maxsize=65536)
+def _exchange(
+    c: Cluster, across: str, params: tuple[float, ...], share: tuple[float, ...], replicas: int,
+    per_node: int, ep: int,
+) -> tuple[tuple[float, ...], tuple[float, ...]]:  # fmt: skip
+    """`_hybrid`'s traffic per rank of `params` parameters (`share` of them routed experts,
+    over `ep`): its gradients' all-reduce ('dp') or reduce-scatter and weights' all-gather
+    ('fsdp') over `replicas`, seconds (cached: every arm, microbatch and recomputation of a
+    pipeline moves the same)."""
+
+    def coll(kind: str, nbytes: float, f: float) -> float:  # `f` of `nbytes` routed experts'
+        out = collective_time(c, kind, nbytes * (1 - f), replicas, per_node)
+        if f:
+            out += collective_time(c, kind, nbytes * f / ep, replicas // ep, max(1, per_node // ep))
+        return out
+
+    if across == "dp":
+        grads = tuple(coll("all-reduce", GRAD_BYTES * p, f) for p, f in zip(params, share))
+        return grads, (0.0,) * len(params)
+    grads = tuple(coll("reduce-scatter", GRAD_BYTES * p, f) for p, f in zip(params, share))
+    return grads, tuple(coll("all-gather", PARAM_BYTES * p, f) for p, f in zip(params, share))
 
 
 def _timed(
@@ -402,6 +457,27 @@ def _placed(
     traffic) is added in the rank's gap (`_hybrid`); a placement no better on any rank than
     the other is not timed. An asynchronous one's update is simulated in its stream, one
     simulation a placement."""
+    settled = _settled(_without_overlap(w), c, v, dev, name, sizes, sharing, sync, cp, comm, ep)
+    if settled is None:
+        return None
+    return min((*_overlapped(e, w.overlap_cost), place, bubble) for e, place, bubble in settled)
+
+
+@functools.lru_cache(maxsize=4096)
+def _without_overlap(w: Workload) -> Workload:
+    """`w` at overlap cost 0: the key of the work before the cost enters (`_settled`)."""
+    return dataclasses.replace(w, overlap_cost=0.0)
+
+
+@functools.lru_cache(maxsize=16384)
+def _settled(
+    w: Workload, c: Cluster, v: Cluster, dev: Device, name: str,
+    sizes: tuple[int, int, int, str, int], sharing: tuple[int, str, int], sync: bool, cp: int,
+    comm: float, ep: int,
+) -> tuple[tuple[_Exposure, str, float], ...] | None:  # fmt: skip
+    """`_placed`'s work before the overlap cost (`w`'s, unread here): per placement tried, the
+    step's `_Exposure`, the placement and the bubble; None where the schedule refuses the
+    sizes. Cached: the assumptions' overlap-cost corners share it."""
     stages, m_sim, tp, mode, mb = sizes
     replicas, across, per_node = sharing
     arm = w.arm.synchronous() if sync else w.arm
@@ -410,40 +486,23 @@ def _placed(
     fsdp = across == "fsdp" and replicas > 1
     # asynchronous under FSDP: each rank's 1/D of the update is simulated in its stream
     share = 1 / replicas if fsdp and not sync else 1.0
-    traffic_of: dict[tuple[str, float], float] = {}
+    # a synchronous step's update is simulated as AdamW's: the arm's difference comes here
+    gap_arm = arm if sync else None
+    where = (c, v, tp, replicas, per_node, fsdp, speed, gap_arm, dev.hbm_bandwidth)
 
-    def coll(kind: str, nbytes: float) -> float:
-        return collective_time(v, kind, nbytes, replicas, per_node)
-
-    def traffic(place: str, matrix_params: float) -> float:
-        key = (place, matrix_params)  # ranks of equal stages move the same: timed once
-        if key not in traffic_of:
-            d = replicas if place == "sharded" else 1
-            traffic_of[key] = tp_ns_traffic(c, NS_BYTES * matrix_params / d, tp) + ns_traffic(
-                place, NS_BYTES * matrix_params, replicas, fsdp, coll
-            )
-        return traffic_of[key]
-
-    def ns(t: PipeTiming, place: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        group = tp * (replicas if place == "sharded" else 1)
-        compute = [ns_time(x, group, speed) for x in t.matrices]
-        if sync:  # the arm's elementwise update less AdamW's, which the simulation ran
-            hbm = dev.hbm_bandwidth * (replicas if fsdp else 1)
-            compute = [y + (arm.traffic(p, x.params) - ADAMW.traffic(p, x.params)) / hbm
-                       for y, p, x in zip(compute, t.params, t.matrices)]  # fmt: skip
-        return tuple(compute), tuple(traffic(place, x.params) for x in t.matrices)
-
-    def memory(t: PipeTiming) -> PipeTiming:
+    def held(t: PipeTiming) -> tuple[tuple[float, ...], tuple[float, ...]]:
         per_gpu = rank_memory(w, t, stages, tp, mode, mb, cp, ep)
-        return dataclasses.replace(t, memory=per_gpu, state=tuple(s / tp for s in t.state))
+        return per_gpu, tuple(s / tp for s in t.state)
 
-    timed = []
+    out = []
     if sync:
         t = _timed(w, c, dev, name, stages, m_sim, tp, mode, mb, ELEMENTWISE, 1.0, arm, cp, comm)
         if t is None:
             return None
-        t = memory(t)
-        costs = {place: ns(t, place) for place in places} if arm.muon else {"": None}
+        kept = held(t)
+        costs = {"": None}
+        if arm.muon:
+            costs = {p: _ns(t.matrices, t.params, p, *where) for p in places}
         if len(costs) == 2:  # a placement whose every rank waits no less is not timed
             extra = {p: [x + y for x, y in zip(*costs[p])] for p in costs}
             rep, shard = extra["replicated"], extra["sharded"]
@@ -452,24 +511,54 @@ def _placed(
             elif all(a <= b for a, b in zip(rep, shard)):
                 del costs["sharded"]
         for place, cost in costs.items():
-            step, exposed, mem, upd = _hybrid(
-                w, v, t, replicas, across, per_node, sync, None, cost, ep
-            )
-            timed.append((step, exposed, mem, upd, place if replicas > 1 else "", t.bubble))
-        return min(timed)
-    held = None
+            e = _hybrid(w, v, t, kept, replicas, across, per_node, sync, cost, ep)
+            out.append((e, place if replicas > 1 else "", t.bubble))
+        return tuple(out)
+    kept = None
     for place in places:
         group = tp * (replicas if place == "sharded" else 1)
         update = Update(arm, group, speed)
         t = _timed(w, c, dev, name, stages, m_sim, tp, mode, mb, update, share, None, cp, comm)
         if t is None:
             return None
-        held = held or memory(t)  # the same for every placement
-        t = dataclasses.replace(t, memory=held.memory, state=held.state)
-        cost = ns(t, place) if arm.muon else None
-        step, exposed, mem, upd = _hybrid(w, v, t, replicas, across, per_node, sync, None, cost, ep)
-        timed.append((step, exposed, mem, upd, place if replicas > 1 else "", t.bubble))
-    return min(timed)
+        kept = kept or held(t)  # the same for every placement
+        cost = _ns(t.matrices, t.params, place, *where) if arm.muon else None
+        e = _hybrid(w, v, t, kept, replicas, across, per_node, sync, cost, ep)
+        out.append((e, place if replicas > 1 else "", t.bubble))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=65536)
+def _ns(
+    matrices: tuple[Matrices, ...], params: tuple[float, ...], place: str, c: Cluster,
+    v: Cluster, tp: int, replicas: int, per_node: int, fsdp: bool, speed: float,
+    gap_arm: Arm | None, hbm: float,
+) -> tuple[tuple[float, ...], tuple[float, ...]]:  # fmt: skip
+    """Per rank of a pipeline (`matrices` and `params` each), Muon's Newton-Schulz placed
+    `place` over the `replicas` (`_placed`): its compute at `speed` FLOP/s a GPU, and for a
+    synchronous schedule (`gap_arm`) the arm's elementwise update less AdamW's at `hbm`; and
+    its traffic (TP's on `c`, the replicas' on `v`), seconds (cached: every microbatch size,
+    recomputation and sharing of a pipeline asks for the same)."""
+    traffic_of: dict[float, float] = {}
+
+    def coll(kind: str, nbytes: float) -> float:
+        return collective_time(v, kind, nbytes, replicas, per_node)
+
+    def traffic(matrix_params: float) -> float:
+        if matrix_params not in traffic_of:  # ranks of equal stages move the same: timed once
+            d = replicas if place == "sharded" else 1
+            traffic_of[matrix_params] = tp_ns_traffic(
+                c, NS_BYTES * matrix_params / d, tp
+            ) + ns_traffic(place, NS_BYTES * matrix_params, replicas, fsdp, coll)
+        return traffic_of[matrix_params]
+
+    group = tp * (replicas if place == "sharded" else 1)
+    compute = [ns_time(x, group, speed) for x in matrices]
+    if gap_arm is not None:  # the arm's elementwise update less AdamW's, which the simulation ran
+        hbm *= replicas if fsdp else 1
+        compute = [y + (gap_arm.traffic(p, x.params) - ADAMW.traffic(p, x.params)) / hbm
+                   for y, p, x in zip(compute, params, matrices)]  # fmt: skip
+    return tuple(compute), tuple(traffic(x.params) for x in matrices)
 
 
 @functools.lru_cache(maxsize=256)
@@ -478,6 +567,7 @@ def _blocks_flops(cfg: ModelConfig, seq_len: int) -> float:
     return float(sum(block_flops(cfg, seq_len, i) for i in range(cfg.num_layers)))
 
 
+@functools.lru_cache(maxsize=65536)
 def _compute_bound(
     w: Workload,
     c: Cluster,
@@ -492,7 +582,8 @@ def _compute_bound(
     """A lower bound on a pipeline replica's step at microbatches of `mb` sequences: its
     blocks' forward and backward FLOPs on `local` sequences spread evenly over the `stages`
     ranks at the microbatch's MFU (no bubble, traffic, head or update). Every schedule's step,
-    synchronous or not, is at least its busiest rank's work, so this bounds them all."""
+    synchronous or not, is at least its busiest rank's work, so this bounds them all (cached: every
+    schedule of a depth asks)."""
     flops = _blocks_flops(w.cfg, w.seq_len)
     speed = dev.peak_flops * effective_mfu(w, c, tp, "none", mb, cp, comm)  # as `_timed` does
     return 3 * local * w.seq_len * flops / (stages * speed)

@@ -80,6 +80,7 @@ fragmentation (the published peaks are reserved memory: they include it), fp8 we
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from stalepipe.config import ModelConfig
@@ -246,6 +247,14 @@ def state_bytes(
     )
 
 
+@functools.lru_cache(maxsize=256)
+def model_params(cfg: ModelConfig) -> int:
+    """Every parameter of the model: its blocks, the embedding and an untied head (cached: each
+    configuration's memory asks)."""
+    whole = sum(block_params(cfg, i) for i in range(cfg.num_layers))
+    return whole + cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
+
+
 @dataclass(frozen=True)
 class Memory:
     """One GPU's peak, by term (bytes)."""
@@ -293,8 +302,7 @@ def gpu_memory(
     gathered 1/ep at a time). `matrix_share`: the share of `params` in Muon's matrices
     (default the model's)."""
     layers = cfg.num_layers if layers is None else layers
-    whole = sum(block_params(cfg, i) for i in range(cfg.num_layers))
-    whole += cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
+    whole = model_params(cfg)
     params = whole if params is None else params
     tokens = microbatch * seq_len / cp
     # ZeRO shards over the data- and context-parallel ranks together (torchtitan's dp_shard_cp;

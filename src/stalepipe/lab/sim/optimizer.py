@@ -101,7 +101,7 @@ class Arm:
 
     def synchronous(self) -> Arm:
         """The arm as its synchronous baseline runs it: without error feedback."""
-        return Arm(self.optimizer, False, self.ns_steps)
+        return Arm(self.optimizer, False, self.ns_steps) if self.ef else self
 
     def traffic(self, params: float, matrix_params: float) -> float:
         """HBM bytes of the elementwise update of `params` parameters, `matrix_params` of them

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 
 from stalepipe.config import ConfigError
 from stalepipe.config.registry import PIPELINE_SCHEDULES
@@ -97,7 +98,7 @@ from stalepipe.training.delay.policies import PAPER_ASYNC, never_delays
 __all__ = [
     "GRAD_BYTES", "MAX_STAGES", "_pipeline_device", "PARAM_BYTES", "STATE_BYTES", "Option", "PipeTiming",
     "Workload", "_costs", "_memory", "_units", "all_options", "best", "cluster_schedules",
-    "data_parallel", "layout", "pipeline_timing", "pipelines",
+    "cache_clear", "data_parallel", "layout", "pipeline_timing", "pipelines",
 ]  # fmt: skip
 
 
@@ -191,6 +192,16 @@ def _synchronous(
         floor = {"sync": min((o.step_time for o in flat if o.fits), default=float("inf"))}
     pipes = pipelines(w, c, cluster_schedules(sync=True), floor)
     return tuple(flat), tuple(pipes), floor
+
+
+def cache_clear() -> None:
+    """Empty every cache of the cluster model (`functools.lru_cache`s of `sim`'s modules): a
+    cold start, as a fresh process makes one (benchmarks/speed/verdict_map_speed.py)."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("stalepipe.lab.sim."):
+            for f in vars(module).values():
+                if hasattr(f, "cache_clear") and getattr(f, "__module__", None) == name:
+                    f.cache_clear()
 
 
 def best(options: list[Option], policy: str = "sync", kind: str | None = None) -> Option | None:

@@ -225,7 +225,7 @@ def tp_ns_traffic(c: Cluster, nbytes: float, tp: int) -> float:
     return 2 * collective_time(c, "all-to-all", nbytes / tp, tp, tp) if tp > 1 else 0.0
 
 
-@functools.lru_cache(maxsize=8192)
+@functools.lru_cache(maxsize=65536)
 def flat_update(
     w, c: Cluster, kind: str, tp: int, placements: tuple[str, ...] = PLACEMENTS
 ) -> tuple[float, str]:

@@ -126,15 +126,17 @@ class Option:
         return f"{self.schedule} P={self.stages}{rep}{tp}{where}, m={self.microbatches} ({mb})"
 
 
-def _units(cfg: ModelConfig, seq_len: int) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=256)
+def _units(cfg: ModelConfig, seq_len: int) -> tuple[tuple[int, int], ...]:
     """(parameters, forward FLOPs per token) of each FSDP unit: the blocks, the embedding
-    folded into the first, the final norm and untied head into the last."""
+    folded into the first, the final norm and untied head into the last (cached: every
+    data-parallel configuration asks)."""
     out = [(block_params(cfg, i), block_flops(cfg, seq_len, i)) for i in range(cfg.num_layers)]
     emb = cfg.vocab_size * cfg.dim
     out[0] = (out[0][0] + emb, out[0][1])
     head = cfg.dim + (0 if cfg.tie_embeddings else emb)
     out[-1] = (out[-1][0] + head, out[-1][1] + head_flops(cfg))
-    return out
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,7 @@ class PipeTiming:
         return dataclasses.replace(b, step_time=step, bubble=bubble, memory=mem, stashed=stashed)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=65536)
 def pipeline_timing(
     cfg: ModelConfig,
     seq_len: int,
@@ -205,40 +207,90 @@ def pipeline_timing(
     )
     compute = (cfg, seq_len, mfu, dev.peak_flops, dev.hbm_bandwidth, mb)
     options = []
-    for c, mats in zip(_costs(p, *compute), _stage_matrices(p, cfg, seq_len, kept.ns_steps)):
-        params = [w / PARAM_BYTES for w in c.weight_bytes]
-        opt = [update.time(n, x, dev.hbm_bandwidth, opt_share) for n, x in zip(params, mats)]
-        c = dataclasses.replace(c, optimizer=tuple(opt), **links)  # the timing: arm-free state
-        options.append((c, mats, _steady(p, c)))
-    costs, mats, t = min(options, key=lambda cmt: cmt[2].step_time)
+    for split, (c, mats, params) in enumerate(_splits(p, *compute, kept.ns_steps)):
+        opt = tuple(update.time(n, x, dev.hbm_bandwidth, opt_share) for n, x in zip(params, mats))
+        c = dataclasses.replace(c, optimizer=opt, **links)  # the timing: arm-free state
+        options.append((split, opt, _steady(p, c)))
+    split, opt, t = min(options, key=lambda sot: sot[2].step_time)
+    r = _ranks(p, *compute, kept, split)
+    return PipeTiming(
+        t.step_time,
+        1 - sum(t.busy) / (len(t.busy) * t.step_time),
+        r.memory,
+        r.state,
+        r.params,
+        tuple(sum(opt[s] for s in stages) for stages in r.stages),
+        t.gap,
+        r.forward,
+        r.backward,
+        r.weights,
+        r.stashed,
+        r.chunks,
+        r.last,
+        r.matrices,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _splits(
+    p: Plan, cfg: ModelConfig, seq_len: int, mfu: float, flops: float, hbm: float, mb: int,
+    steps: int,
+) -> tuple[tuple[CostModel, tuple[Matrices, ...], tuple[float, ...]], ...]:  # fmt: skip
+    """Per stage split of `_costs`: its cost model, what each stage's Newton-Schulz works on
+    and each stage's parameters (cached: every arm, link and update share them)."""
+    costs = _costs(p, cfg, seq_len, mfu, flops, hbm, mb)
+    mats = _stage_matrices(p, cfg, seq_len, steps)
+    return tuple(
+        (c, x, tuple(w / PARAM_BYTES for w in c.weight_bytes)) for c, x in zip(costs, mats)
+    )
+
+
+@dataclass(frozen=True)
+class _Ranks:
+    """What `pipeline_timing` gives per rank that its update and links do not change."""
+
+    stages: tuple[tuple[int, ...], ...]  # per rank the stages it holds
+    memory: tuple[float, ...]
+    state: tuple[float, ...]
+    params: tuple[float, ...]
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    weights: tuple[float, ...]
+    stashed: tuple[float, ...]
+    chunks: tuple[int, ...]
+    last: int
+    matrices: tuple[Matrices, ...]
+
+
+@functools.lru_cache(maxsize=16384)
+def _ranks(
+    p: Plan, cfg: ModelConfig, seq_len: int, mfu: float, flops: float, hbm: float, mb: int,
+    kept: Arm, split: int,
+) -> _Ranks:  # fmt: skip
+    """`pipeline_timing`'s per rank sizes of stage split `split` (of `_splits`) holding `kept`'s
+    state (cached: the arms sharing a state and every link share them)."""
+    costs, mats, _ = _splits(p, cfg, seq_len, mfu, flops, hbm, mb, kept.ns_steps)[split]
     held_state = tuple(kept.state_bytes(w / PARAM_BYTES, x.params)
                        for w, x in zip(costs.weight_bytes, mats))  # fmt: skip
-    costs = dataclasses.replace(costs, state_bytes=held_state)
-    sizes = (costs.weight_bytes, costs.state_bytes, costs.activation_bytes)
-    ranks = [p.sched.stages_of(r) for r in range(p.sched.num_ranks)]
+    ranks = tuple(tuple(p.sched.stages_of(r)) for r in range(p.sched.num_ranks))
 
     def per_rank(*xs: tuple[float, ...]) -> tuple[float, ...]:
         return tuple(sum(x[s] for x in xs for s in stages) for stages in ranks)
 
-    state = per_rank(costs.state_bytes)
-    memory = _memory(p, *sizes)
+    memory = _memory(p, costs.weight_bytes, held_state, costs.activation_bytes)
     last = next(r for r, stages in enumerate(ranks) if p.sched.num_stages - 1 in stages)
-    held = [sum((mats[s] for s in stages), Matrices()) for stages in ranks]
-    return PipeTiming(
-        t.step_time,
-        1 - sum(t.busy) / (len(t.busy) * t.step_time),
+    return _Ranks(
+        ranks,
         tuple(m.total for m in memory),
-        state,
+        per_rank(held_state),
         tuple(x / PARAM_BYTES for x in per_rank(costs.weight_bytes)),
-        per_rank(costs.optimizer),
-        t.gap,
         per_rank(costs.forward),
         per_rank(costs.backward_input, costs.backward_weight),
         tuple(m.weights for m in memory),
         tuple(float(m.stashed) for m in memory),
         tuple(len(stages) for stages in ranks),
         last,
-        tuple(held),
+        tuple(sum((mats[s] for s in stages), Matrices()) for stages in ranks),
     )
 
 

@@ -367,19 +367,21 @@ def crossover_map(
     # (`sim.parallel.all_options`' cache) in one process
     rows = [(s, tuple(arms or (s.arm,)), n, b) for n in gpus for b in batches if b >= n]
     workers = min(workers or os.cpu_count() or 1, 8, len(rows))
-    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        cells = [c for row in rows for c in _map_row(row)]
-    else:
-        ctx = multiprocessing.get_context("fork")
-        # What this process holds (a test session's, a notebook's) is frozen out of the
-        # children's garbage collections: each collection would otherwise walk it and copy its
-        # pages (copy-on-write), a fifth more CPU for the map under a loaded heap (issue 54)
-        gc.freeze()
-        try:
+    # What this process holds (a test session's, a notebook's) is frozen out of the map's
+    # garbage collections, and each row freezes what it cached (`_map_row`): each collection
+    # would otherwise walk it all again (a tenth of the map's CPU in one process) and, in a
+    # forked child, copy its pages (copy-on-write: a fifth more CPU under a loaded heap, issue
+    # 54). The collector gets them all back after the map.
+    gc.freeze()
+    try:
+        if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+            cells = [c for row in rows for c in _map_row(row)]
+        else:
+            ctx = multiprocessing.get_context("fork")
             with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
                 cells = [c for cells in pool.map(_map_row, rows) for c in cells]
-        finally:
-            gc.unfreeze()
+    finally:
+        gc.unfreeze()
     order = {arm: i for i, arm in enumerate(arms or (s.arm,))}
     return sorted(cells, key=lambda c: order[c.arm])  # stable: each arm's in the map's order
 
@@ -396,6 +398,7 @@ def _map_row(row: tuple[Setting, tuple[Arm, ...], int, int]) -> list[Cell]:
             opts = all_options(w, c, best_only=True)
             factors = with_model_error(*edge_range(w, c, opts))
             cells.append(Cell(n, b, bw, best(opts, ASYNC), best(opts), factors, arm))
+    gc.freeze()  # what the row cached: out of the next rows' collections (`crossover_map`)
     return cells
 
 
