@@ -11,6 +11,7 @@ mode's median; the first forkserver launch in a process pays for the server's ow
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import subprocess
 import sys
@@ -30,7 +31,7 @@ def one_process(mode: str, launches: int) -> list[float]:
     from stalepipe.training.rundir.startup import StartUp
 
     if mode == "spawn":
-        lt.rank_context = lambda: lt.mp.get_context("spawn")
+        lt.rank_context = lambda: multiprocessing.get_context("spawn")
     d = tempfile.mkdtemp()
     data_cfg = DataConfig(corpus="excerpt", tokenizer="byte", data_dir=d + "/data")
     data = str(prepare_corpus(data_cfg, progress=False))

@@ -14,8 +14,8 @@ is the decision block's; the lines of the other arms are their overheads beside 
 
 Settings: smollm-360m on 32 GPUs of each preset at the lengths study's batch (the committed
 verdicts), and the 10B MoE on 64 H100s. Llama 3 70B / 405B take minutes each: pass --large to
-add them (1,024 H100s on InfiniBand and on 100 Gb/s Ethernet, 2,048 sequences of 8,192
-tokens).
+add them (2,048 sequences of 8,192 tokens on 1,024 H100s with InfiniBand and with 100 Gb/s
+Ethernet, and on 8,192 H100s with InfiniBand, the Llama 3 paper's 405B setting).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def settings(large: bool) -> list[tuple[str, str, int, int]]:
             for m in ("llama3-70b", "llama3-405b")
             for p in ("h100-ib", "h100-eth100")
         ]
+        out += [(m, "h100-ib", 8192, 2048) for m in ("llama3-70b", "llama3-405b")]
     return out
 
 
@@ -67,7 +68,8 @@ def main(argv: list[str]) -> None:
         s, a = best(opts), best(opts, "2bw")
         edge = a.tokens_per_s / s.tokens_per_s
         low, high = with_model_error(*edge_range(st.workload(), st.cluster, opts))
-        points.append((f"{model} {preset}", lost(s), edge, edge * low, edge * high))
+        where = f"{model} {preset}" + (f" x{gpus}" if gpus > 64 else "")
+        points.append((where, lost(s), edge, edge * low, edge * high))
         print(
             f"{model}, {preset}, {gpus}, {batch}: {s.label()} ({lost(s):.1%}), {a.label()}, "
             f"{edge:.3f}x [{edge * low:.3f}, {edge * high:.3f}]"

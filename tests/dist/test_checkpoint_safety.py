@@ -21,6 +21,7 @@ import os
 import pickle
 import shutil
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -338,8 +339,14 @@ def test_damage_of_the_same_size_is_found_and_the_previous_checkpoint_resumes(
     msg = str(err.value)
     assert f"{data} does not match the digest its save recorded" in msg, msg
     assert f"mv {ckpt} {ckpt}.damaged" in msg, msg
-    with pytest.raises(UserError, match="does not match the digest"):  # the runtime's resume
-        launch_train(cfg, StartUp(resume=True), verbose=False)
+    # the runtime's resume: rank 1 refuses while rank 0, its own shard sound, waits for it in
+    # a group being made (a rendezvous that hears of no failure); the launcher stops it
+    # GRACE_S after rank 1's own failure, not after the peer timeout (130 s at 120 s here)
+    slow = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, timeout_s=120))
+    start = time.monotonic()
+    with pytest.raises(UserError, match="does not match the digest"):
+        launch_train(slow, StartUp(resume=True), verbose=False)
+    assert time.monotonic() - start < 60
     assert [p.name for p in list_checkpoints(run_dir)] == ["ckpt_00000002", "ckpt_00000004"]
     # the fix as the message words it: move it aside, resume from the previous one
     ckpt.rename(f"{ckpt}.damaged")

@@ -151,11 +151,17 @@ def _add_train(sub: Subparsers) -> None:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    overrides = parse_overrides(extra)
+    cfg = build_config(args.preset, args.config, overrides)
+    from stalepipe.training.peers.topology import under_torchrun
+
+    if cfg.pipeline.engine == "distributed" and not under_torchrun():
+        from stalepipe.training.launch.server import start_rank_server
+
+        start_rank_server()  # its imports beside this process's (launch.server)
     from stalepipe.training.rundir.resume import parent_checkpoint, saved_run_location
     from stalepipe.training.train.loop import train
 
-    overrides = parse_overrides(extra)
-    cfg = build_config(args.preset, args.config, overrides)
     # `--config RUN/config.json --resume` continues RUN from any working directory
     where = saved_run_location(args.config) if args.resume and args.config else None
     if where is not None and "out_dir" not in overrides:

@@ -6,7 +6,9 @@ failure records (`peers.failures.Failure`) outlive any worker: a worker that fai
 line, and `supervise` records a worker that died without one (killed), which every waiting rank
 reads at once. When a rank fails, the rest stop within seconds (a dead peer closes its
 connections; a hung one is timed out after `pipeline.timeout_s`); what is still running when
-every other rank has stopped because of a peer is hung, and is killed. The error names the rank
+every other rank has stopped because of a peer is hung, and is killed, as is what still runs
+GRACE_S after a rank failed by itself (a rank waiting in a rendezvous, such as a process group
+being made, waits `pipeline.timeout_s` and hears of no failure). The error names the rank
 that stopped first: one that failed by itself, else the rank the others' peer errors blame,
 else the one left running, and its log (`<run dir>/logs/rank<r>.log`).
 
@@ -40,7 +42,7 @@ from stalepipe.fileio import open_append
 from stalepipe.training.peers.failures import AGENT_STORE_ENV, Failure, FailureRecords
 from stalepipe.training.peers.topology import Topology
 
-GRACE_S = 10.0  # after the first failure: timeout_s + GRACE_S for the rest to stop, then kill
+GRACE_S = 10.0  # for the rest to stop after a rank's own failure (after a peer error: + timeout_s)
 HUNG_GRACE_S = 2.0  # a rank still running this long after all others stopped is hung
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # a worker's status after Ctrl-C (KeyboardInterrupt)
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
@@ -157,15 +159,16 @@ def supervise(
     """Wait for the workers (ranks 0..n-1 in order), forwarding SIGTERM / SIGUSR1 to them.
     Returns 0 when all finished, `EXIT_PREEMPTED` when all stopped at a signal with a
     checkpoint (or finished). On a failure, records killed ranks in `store` (the run's, from
-    `host_store`), lets the rest stop by themselves (at most timeout_s + GRACE_S; a rank left
-    running HUNG_GRACE_S after all others stopped because of a peer is hung), kills what is
+    `host_store`), lets the rest stop by themselves (at most GRACE_S after a rank failed by
+    itself, timeout_s + GRACE_S after a peer error; a rank left running HUNG_GRACE_S after all
+    others stopped because of a peer is hung), kills what is
     left, and raises: `TrainingError` naming the rank that stopped first and its log
     (`log_path(rank)`, where a line says what the launcher saw) or `UserError` with the
     worker's line when that rank stopped at bad input; KeyboardInterrupt when the ranks
     stopped at a Ctrl-C. `checkpoint_note()`: what the error says is kept."""
     describe = topo.describe if topo is not None else (lambda r: f"rank {r}")
     watch = _Watch(procs, describe)
-    first_fail = last_exit = None
+    first_fail = own_fail = last_exit = None
     with _forward_signals(watch):
         while True:
             now = time.monotonic()
@@ -177,15 +180,19 @@ def supervise(
             alive = watch.alive()
             if not alive:
                 break
-            if first_fail is None and watch.failed():
+            failed = watch.failed()
+            if first_fail is None and failed:
                 first_fail = now
+            if own_fail is None and any(watch.code(r) != EXIT_PEER for r in failed):
+                own_fail = now
             if first_fail is not None:
                 # A dead rank's peers notice at once; a hung one's after timeout_s. Left
-                # running after every other rank stopped because of a peer: hung.
+                # running after every other rank stopped because of a peer: hung. Once a rank
+                # failed by itself (its line recorded, or killed), the rest have GRACE_S: one
+                # waiting in a rendezvous (a group being made) never hears of it.
                 peers_only = all(watch.code(r) == EXIT_PEER for r in watch.exited)
-                if now > first_fail + timeout_s + GRACE_S or (
-                    peers_only and now > last_exit + HUNG_GRACE_S
-                ):
+                deadline = first_fail + timeout_s if own_fail is None else own_fail
+                if now > deadline + GRACE_S or (peers_only and now > last_exit + HUNG_GRACE_S):
                     watch.kill(alive)
                     break
             time.sleep(0.05)

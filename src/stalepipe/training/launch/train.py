@@ -13,7 +13,6 @@ with the status docs/runtime.md lists: `UserError.exit_code` (2 bad input, 4 tra
 from __future__ import annotations
 
 import functools
-import multiprocessing as mp
 import os
 import sys
 import traceback
@@ -24,9 +23,10 @@ from pathlib import Path
 from stalepipe.config import ExperimentConfig
 from stalepipe.errors import EXIT_BUG, EXIT_PEER, EXIT_PREEMPTED, Preempted, UserError
 from stalepipe.training.launch.processes import EXIT_INTERRUPTED, host_store, supervise, worker_env
+from stalepipe.training.launch.server import rank_context
 from stalepipe.training.peers.failures import Failure, WorkerFailed, launcher_records
-from stalepipe.training.peers.group import PeerError, under_torchrun
-from stalepipe.training.peers.topology import Topology
+from stalepipe.training.peers.group import PeerError
+from stalepipe.training.peers.topology import Topology, under_torchrun
 from stalepipe.training.rundir.checkpoint import latest_checkpoint
 from stalepipe.training.rundir.startup import FRESH, StartUp, begin_run
 from stalepipe.training.train.devices import check_device, machine_warnings
@@ -98,19 +98,6 @@ def spawn_ranks(
         topo=topo,
         checkpoint_note=kept,
     )
-
-
-def rank_context() -> mp.context.BaseContext:
-    """How ranks start: forked from a server that has imported torch and the training code
-    once (multiprocessing's forkserver), so a rank starts in a fraction of a second instead of
-    importing torch again (seconds of CPU a rank, each launch). Where there is no forkserver,
-    spawned. Never plain fork: the launcher may hold threads (a store, a notebook's)."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    # __main__ as spawn would import it (a script's own rank functions), then the training code
-    ctx.set_forkserver_preload(["__main__", __name__])
-    return ctx
 
 
 class _Stdio:

@@ -33,12 +33,6 @@ class PeerError(RuntimeError):
         self.peer = peer
 
 
-def under_torchrun() -> bool:
-    """True when torchrun (or another env:// launcher, `launch.train.launch_train` included)
-    started this process: RANK and WORLD_SIZE are set. The one test for it in stalepipe."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def resolve_backend(backend: str, device: str) -> str:
     """'auto' -> NCCL for CUDA devices, gloo otherwise."""
     if backend != "auto":

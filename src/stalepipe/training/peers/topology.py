@@ -7,6 +7,7 @@ gives the placement.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,3 +74,10 @@ class Topology:
 
 def _listed(items) -> str:
     return ", ".join(map(str, items))
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or another env:// launcher, `launch.train.launch_train` included)
+    started this process: RANK and WORLD_SIZE are set. The one test for it in stalepipe (here,
+    where the command line reads it without importing torch)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -33,8 +33,8 @@ from stalepipe.training.peers.group import (
     init_from_env,
     leave_process_group,
     resolve_backend,
-    under_torchrun,
 )
+from stalepipe.training.peers.topology import under_torchrun
 from stalepipe.training.peers.waits import STORE_POLL_S, restart_prefix
 
 T = TypeVar("T")
