@@ -68,18 +68,21 @@ def main(argv: list[str]) -> None:
         s, a = best(opts), best(opts, "2bw")
         edge = a.tokens_per_s / s.tokens_per_s
         low, high = with_model_error(*edge_range(st.workload(), st.cluster, opts))
-        where = f"{model} {preset}" + (f" x{gpus}" if gpus > 64 else "")
+        where = f"{model} {preset} x{gpus}"
         points.append((where, lost(s), edge, edge * low, edge * high))
         print(
             f"{model}, {preset}, {gpus}, {batch}: {s.label()} ({lost(s):.1%}), {a.label()}, "
             f"{edge:.3f}x [{edge * low:.3f}, {edge * high:.3f}]"
         )
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, (label, x, y, lo, hi) in enumerate(points):
+    fig, ax = plt.subplots(figsize=(9.5, 4.8))
+    for i, (_, x, y, lo, hi) in enumerate(points):
         ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt="o", color="#0072B2", capsize=3)
-        shift = (4, -10 if i % 2 else 3)  # neighbours' labels apart
-        ax.annotate(label, (x, y), fontsize=7, xytext=shift, textcoords="offset points")
+        shift = (4, -10 if i % 2 else 3)  # neighbours' numbers apart
+        ax.annotate(str(i + 1), (x, y), fontsize=7, xytext=shift, textcoords="offset points")
+    key = "\n".join(f"{i + 1}  {p[0]}  {p[2]:.3f}x" for i, p in enumerate(points))
+    fig.text(0.74, 0.5, key, fontsize=7, va="center", family="monospace")
+    fig.subplots_adjust(right=0.72)
     ax.set_xscale("log")  # lost shares run from ~1 % to ~60 %
     ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
     ax.xaxis.set_minor_formatter(NullFormatter())
@@ -94,7 +97,6 @@ def main(argv: list[str]) -> None:
         "(bars: the assumptions' corners and the model's held-out error, as the verdict)",
         fontsize=9,
     )
-    fig.tight_layout()
     out.write_bytes(png_bytes(fig))
     print(f"wrote {out}")
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from stalepipe.config import PIPELINE_SCHEDULES, ConfigError, ExperimentConfig
-from stalepipe.errors import Preempted
+from stalepipe.errors import Preempted, UserError
 from stalepipe.training.data import EVAL_SEED, TokenLoader
 from stalepipe.training.data.loader import ReplicaBatches
 from stalepipe.training.delay import DelayedOptimizer, DelaySchedule, tied
@@ -64,7 +64,7 @@ from stalepipe.training.train.devices import check_device, set_tf32
 from stalepipe.training.train.distributed import MAIN_WORK_TIMEOUT_S
 from stalepipe.training.train.engine import StepResult
 from stalepipe.training.train.loop import TrainResult, run_loop, with_resolved_optim
-from stalepipe.training.train.ranklog import tee_rank_log
+from stalepipe.training.train.ranklog import log_only, tee_rank_log
 
 PREPARED_ENV = "STALEPIPE_RUN_PREPARED"  # set by the spawning launcher: run dir already open
 
@@ -173,7 +173,13 @@ def run_worker(
             raise
         except BaseException as e:
             # Into this rank's log while stdout/stderr still go there; main_worker does the rest.
-            print(f"stalepipe: error: {error_line(e, rank)}", file=sys.stderr, flush=True)
+            # Bad input under stalepipe's launcher: the log only, as the launcher says it once
+            # (its ranks would each repeat the launcher's one line on the console).
+            line = f"stalepipe: error: {error_line(e, rank)}"
+            if isinstance(e, UserError) and os.environ.get(PREPARED_ENV):
+                log_only(line)
+            else:
+                print(line, file=sys.stderr, flush=True)
             if wrapped:
                 raise WorkerFailed(e, records) from e
             raise
