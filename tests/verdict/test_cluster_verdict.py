@@ -167,3 +167,12 @@ def test_bad_cluster_input_is_one_line(args, message, curve_sweep, tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert err.startswith("stalepipe: error: ") and "\n" not in err and message in err, err
     assert not (curve_sweep / "verdict").exists()
+
+
+def test_a_tp_group_shares_its_sequences():
+    """Issue 52: Llama 3 405B trained on 8,192 H100s at 2,048 sequences (TP 8): the setting
+    takes a batch down to one sequence per TP group of a node, and names that floor below it."""
+    s = cv.setting("llama3-405b", "h100-ib", 8192, 2048)
+    assert (s.gpus, s.global_batch) == (8192, 2048)
+    with pytest.raises(cv.UserError, match=r"use --global-batch >= 1024$"):
+        cv.setting("llama3-405b", "h100-ib", 8192, 1023)
