@@ -155,7 +155,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = build_config(args.preset, args.config, overrides)
     from stalepipe.training.peers.topology import under_torchrun
 
-    if cfg.pipeline.engine == "distributed" and not under_torchrun():
+    if cfg.pipeline.engine == "distributed" and not (under_torchrun() or args.print_config):
         from stalepipe.training.launch.server import start_rank_server
 
         start_rank_server()  # its imports beside this process's (launch.server)
