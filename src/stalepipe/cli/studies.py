@@ -250,7 +250,8 @@ def _add_verdict(sub: Subparsers) -> None:
     add(
         "--global-batch",
         metavar="N|Ntok",
-        help="with --cluster: sequences per step, or tokens ('1Mtok') (default: the preset's)",
+        help="with --cluster: sequences per step, or tokens ('1Mtok'), at least GPUs / GPUs a "
+        "node (a TP group shares its sequences; default: the preset's)",
     )
     add(
         "--inter-node-gbps", type=float, help="with --cluster: override its inter-node Gb/s per GPU"
