@@ -112,6 +112,7 @@ from stalepipe.lab.sim.workload import (
     Option,
     PipeTiming,
     Workload,
+    busy_bound,
     pipeline_timing,
 )
 from stalepipe.training.delay.policies import never_delays, parse_policy
@@ -119,6 +120,9 @@ from stalepipe.training.models.transformer import block_flops
 
 MAX_STAGES = 64
 ALWAYS_STAGES = 8  # depths searched always; deeper ones while no shallower one fits as it is
+# a bound summed in another order than the simulation sums the same durations may exceed its
+# step by a few ulps: a configuration is left out only when its bound beats the floor by more
+BOUND_ROUNDING = 1e-9
 
 
 def microbatch_sizes(local: int, stages: int) -> list[int]:
@@ -640,6 +644,12 @@ def _one(
                 beaten = True
                 continue
             m = local // mb
+            if floor is not None and not each:
+                mfu = effective_mfu(w, c, tp, "none", mb, cp, comm[mb])  # as `_timed`'s
+                work = busy_bound(w.cfg, w.seq_len, mfu, dev, name, stages, m, mb)
+                if work * (1 - BOUND_ROUNDING) >= floor.get(policy, math.inf):
+                    beaten = True
+                    continue
             # PipeDream updates after every microbatch: its steady update is the same at any
             # m >= P, so one m is simulated and a global batch takes m updates
             updates = m if each else 1

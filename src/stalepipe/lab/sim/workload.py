@@ -9,7 +9,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from stalepipe.config import ModelConfig
+from stalepipe.config import ConfigError, ModelConfig
 from stalepipe.config.registry import PIPELINE_SCHEDULES
 from stalepipe.hardware import Device
 from stalepipe.lab.sim.efficiency import shape_mfu
@@ -229,6 +229,35 @@ def pipeline_timing(
         r.last,
         r.matrices,
     )
+
+
+@functools.lru_cache(maxsize=65536)
+def busy_bound(
+    cfg: ModelConfig, seq_len: int, mfu: float, dev: Device, schedule: str, stages: int, m: int,
+    mb: int = 1,
+) -> float:  # fmt: skip
+    """A lower bound on `pipeline_timing`'s step time for these arguments (any update, share
+    and state), without simulating it: of the stage splits the least, of the ranks the most
+    a rank computes in a step, its m forwards and backwards of each stage it holds, at the
+    cost model's durations. Every rank runs each of its actions once a step, one at a time,
+    so a steady step is at least its busiest rank's work; what the bound leaves out, the
+    update, the transfers and the idle time (bubble), is non-negative. 0.0 (no bound) where
+    the step is extrapolated rather than simulated (past `MAX_SIM_MICROBATCHES` and 4P: the
+    extrapolation need not stay above the work) or the schedule refuses the sizes (cached:
+    every sharing, placement and link of a pipeline asks)."""
+    if m > 2 * max(MAX_SIM_MICROBATCHES // 2, 2 * stages):
+        return 0.0
+    try:
+        p = plan(schedule, stages, m, SIM_STEPS)
+    except ConfigError:
+        return 0.0
+    compute = (cfg, seq_len, mfu, dev.peak_flops, dev.hbm_bandwidth, mb)
+    ranks = [p.sched.stages_of(r) for r in range(p.sched.num_ranks)]
+    return min(
+        m * max(sum(c.forward[s] + c.backward_input[s] + c.backward_weight[s] for s in held)
+                for held in ranks)
+        for c, _, _ in _splits(p, *compute, ADAMW.ns_steps)
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)
