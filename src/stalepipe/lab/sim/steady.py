@@ -54,6 +54,7 @@ class Plan:
         slot = {k: i for i, k in enumerate(self.kinds)}
         self.slots = [slot[a.kind, a.stage] for a in self.actions]
         R = sched.num_ranks
+        self.held = tuple(tuple(sched.stages_of(r)) for r in range(R))  # each rank's stages
         # a dependency's transfer as an index into a flat R x R table plus a last 0 (same rank)
         self.links = [
             [(j, R * R if src < 0 else src * R + r) for j, src in deps]

@@ -252,10 +252,9 @@ def busy_bound(
     except ConfigError:
         return 0.0
     compute = (cfg, seq_len, mfu, dev.peak_flops, dev.hbm_bandwidth, mb)
-    ranks = [p.sched.stages_of(r) for r in range(p.sched.num_ranks)]
     return min(
         m * max(sum(c.forward[s] + c.backward_input[s] + c.backward_weight[s] for s in held)
-                for held in ranks)
+                for held in p.held)
         for c, _, _ in _splits(p, *compute, ADAMW.ns_steps)
     )  # fmt: skip
 
@@ -301,7 +300,7 @@ def _ranks(
     costs, mats, _ = _splits(p, cfg, seq_len, mfu, flops, hbm, mb, kept.ns_steps)[split]
     held_state = tuple(kept.state_bytes(w / PARAM_BYTES, x.params)
                        for w, x in zip(costs.weight_bytes, mats))  # fmt: skip
-    ranks = tuple(tuple(p.sched.stages_of(r)) for r in range(p.sched.num_ranks))
+    ranks = p.held
 
     def per_rank(*xs: tuple[float, ...]) -> tuple[float, ...]:
         return tuple(sum(x[s] for x in xs for s in stages) for stages in ranks)
