@@ -644,7 +644,7 @@ def _one(
                 beaten = True
                 continue
             m = local // mb
-            if floor is not None and not each:
+            if floor is not None:
                 mfu = effective_mfu(w, c, tp, "none", mb, cp, comm[mb])  # as `_timed`'s
                 work = busy_bound(w.cfg, w.seq_len, mfu, dev, name, stages, m, mb)
                 if work * (1 - BOUND_ROUNDING) >= floor.get(policy, math.inf):

@@ -243,9 +243,11 @@ def busy_bound(
     so a steady step is at least its busiest rank's work; what the bound leaves out, the
     update, the transfers and the idle time (bubble), is non-negative. 0.0 (no bound) where
     the step is extrapolated rather than simulated (past `MAX_SIM_MICROBATCHES` and 4P: the
-    extrapolation need not stay above the work) or the schedule refuses the sizes (cached:
-    every sharing, placement and link of a pipeline asks)."""
-    if m > 2 * max(MAX_SIM_MICROBATCHES // 2, 2 * stages):
+    extrapolation need not stay above the work), for a schedule that updates after every
+    microbatch (PipeDream: its steady step is one update's, not m microbatches') and where the
+    schedule refuses the sizes (cached: every sharing, placement and link of a pipeline asks)."""
+    each = parse_policy(PIPELINE_SCHEDULES[schedule].policy).per_microbatch
+    if each or m > 2 * max(MAX_SIM_MICROBATCHES // 2, 2 * stages):
         return 0.0
     try:
         p = plan(schedule, stages, m, SIM_STEPS)

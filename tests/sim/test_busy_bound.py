@@ -1,0 +1,73 @@
+"""The map's search leaves out a pipeline whose busiest rank's work alone (`busy_bound`) cannot
+beat the fastest fitting step found so far (issue 52, the map's speed): the bound must stay
+below every simulated step, and the search must pick what it picks without it."""
+
+from __future__ import annotations
+
+import pytest
+
+from stalepipe.lab.sim import hybrid
+from stalepipe.lab.sim import parallel as par
+from stalepipe.lab.sim.cluster import CLUSTERS, assumption_corners
+from stalepipe.lab.sim.models import model_config
+from stalepipe.lab.sim.optimizer import ADAMW, Arm, Update
+from stalepipe.lab.sim.workload import busy_bound, pipeline_timing
+
+CFG = model_config("smollm-360m")
+
+
+@pytest.mark.parametrize("preset", ["h100-ib", "h100-eth25"])
+def test_the_busiest_rank_s_work_is_below_every_simulated_step(preset):
+    c = CLUSTERS[preset]
+    schedules = (*par.cluster_schedules(sync=True), *par.cluster_schedules(sync=False))
+    checked = 0
+    for name in schedules:
+        for stages, per_node in ((2, 2), (4, 4), (8, 2)):  # (8, 2): the p2p crosses nodes
+            dev = par._pipeline_device(c, per_node, stages)
+            for m in (stages, 2 * stages, 16):
+                for mb, mfu in ((1, 0.3), (4, 0.5)):
+                    work = busy_bound(CFG, 1024, mfu, dev, name, stages, m, mb)
+                    if not work:
+                        continue  # refused sizes
+                    for update in (Update(ADAMW), Update(Arm("muon", True), 1, 1e14)):
+                        t = pipeline_timing(CFG, 1024, mfu, dev, name, stages, m, 1.0, mb, update)
+                        assert 0 < work <= t.step_time, (name, stages, m, mb)
+                        checked += 1
+    assert checked > 100
+
+
+def test_no_bound_where_the_step_is_extrapolated():
+    dev = par._pipeline_device(CLUSTERS["h100-ib"], 4, 4)
+    assert busy_bound(CFG, 1024, 0.4, dev, "1f1b", 4, 16, 1) > 0
+    assert busy_bound(CFG, 1024, 0.4, dev, "1f1b", 4, 64, 1) == 0.0  # past 4P and 16
+
+
+def _picks(settings: list) -> tuple[list, int]:
+    """`best`'s synchronous and 2BW picks of the map's search at each (workload, cluster), and
+    how many options it listed, from a cold cache."""
+    par.cache_clear()
+    picks, listed = [], 0
+    for w, c in settings:
+        opts = par.all_options(w, c, best_only=True)
+        picks.append((par.best(opts), par.best(opts, "2bw")))
+        listed += len(opts)
+    return picks, listed
+
+
+@pytest.mark.parametrize("preset", ["h100-ib", "h100-eth25"])
+def test_the_bound_leaves_the_map_s_picks_as_they_were(preset, monkeypatch):
+    c = CLUSTERS[preset]
+    settings = []
+    for gpus, batch in ((16, 64), (32, 256), (64, 1024)):
+        for arm in (ADAMW, Arm("muon", True)):
+            w = par.Workload(CFG, 1024, batch, gpus, mfu=None, arm=arm)
+            settings += [(w, c), *list(assumption_corners(w, c))[::3]]
+    pruned, fewer = _picks(settings)
+    monkeypatch.setattr(hybrid, "busy_bound", lambda *args: 0.0)  # no bound
+    full, listed = _picks(settings)
+    par.cache_clear()  # nothing timed without the bound stays cached
+    assert fewer < listed  # the bound left pipelines out
+    for (w, cc), got, want in zip(settings, pruned, full):
+        where = (w.num_gpus, w.global_batch, w.arm, w.mfu_scale, cc.link_efficiency)
+        assert got == want, where
+    assert all(a is not None for _, a in pruned)  # 2BW fits in every setting: a pick to compare
