@@ -755,7 +755,9 @@ def pipelines(
     `floor` (policy -> the fastest fitting step time known, e.g. {"sync": DP's}; updated as
     faster ones are found): only the fastest fitting option of each policy is then wanted
     (`sim.parallel.best`, the map and the assumptions' corners), and a configuration whose
-    compute alone (`_compute_bound`) is no faster than the floor is not timed nor returned.
+    compute alone (`_compute_bound`), or its busiest rank's work (`workload.busy_bound`: the
+    same durations the simulation adds, without its transfers, update and bubble), is no faster
+    than the floor is not timed nor returned.
     `best` picks the same option either way; for the depth, TP and CP rules such a
     configuration counts as one that fits (a deeper pipeline or a larger TP computes no
     faster)."""
