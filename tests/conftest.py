@@ -60,9 +60,10 @@ def tiny_config(tmp_path, excerpt_data_dir) -> ExperimentConfig:
 
 @pytest.fixture(scope="session")
 def pool():
-    """Up to 4 spawned workers (gloo, one thread each) for the whole session, each started by
-    the first run that needs it: a run on 2-4 ranks that needs no launcher of its own pays for
-    a process group, not for 2-4 interpreters."""
+    """Up to 4 workers (gloo, one thread each) for the whole session, each started by the first
+    run that needs it, forked from the launcher's forkserver (torch and the training code
+    imported once): a run on 2-4 ranks that needs no launcher of its own pays for a process
+    group, not for 2-4 interpreters."""
     from stalepipe.training.launch.pool import WorkerPool
 
     p = WorkerPool(4)

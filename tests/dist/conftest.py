@@ -1,4 +1,4 @@
-"""Multi-process fixtures: the session's pool of spawned workers (`pool`, tests/conftest.py) and
+"""Multi-process fixtures: the session's pool of workers (`pool`, tests/conftest.py) and
 a tiny config builder. Every run has a short `pipeline.timeout_s`, so a broken
 run fails fast instead of hanging."""
 

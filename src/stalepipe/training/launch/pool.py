@@ -7,7 +7,6 @@ importing torch again; `launch.pooled.worker_entry` runs one training worker on 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -15,6 +14,7 @@ import time
 import torch
 
 from stalepipe.training.launch.processes import host_store, worker_env
+from stalepipe.training.launch.server import rank_context
 from stalepipe.training.peers.group import leave_process_group
 
 
@@ -37,9 +37,11 @@ def _pool_worker(index: int, jobs, results) -> None:
 
 
 class WorkerPool:
-    """Up to `size` spawned processes that run world-sized jobs one after another, so that each
-    run pays for a process group, not for starting Python and importing torch again. A worker
-    starts when the first run that needs it does (a session whose runs use 2 ranks starts 2).
+    """Up to `size` processes that run world-sized jobs one after another, so that each run
+    pays for a process group, not for starting Python and importing torch again. A worker
+    starts when the first run that needs it does (a session whose runs use 2 ranks starts 2),
+    as the launcher's ranks start (`launch.server.rank_context`: forked from the server that
+    imported torch and the training code once, or spawned where there is no forkserver).
 
     `pool.run(fn, args, world)` calls `fn(*args)` on ranks 0..world-1 with the env://
     variables set and returns the per-rank results; a rank's exception comes back as a
@@ -50,7 +52,7 @@ class WorkerPool:
     """
 
     def __init__(self, size: int) -> None:
-        self._ctx = mp.get_context("spawn")
+        self._ctx = rank_context()
         self.size = size
         self._jobs = [self._ctx.Queue() for _ in range(size)]
         self._results = self._ctx.Queue()
