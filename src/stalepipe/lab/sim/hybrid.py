@@ -602,6 +602,21 @@ def group_per_node(c: Cluster, tp: int, cp: int, per_node: int, group: int) -> i
     return min(cp * per_node, max(1, int(c.gpus_per_node) // tp), group)
 
 
+def _cannot_beat(
+    w: Workload, c: Cluster, dev: Device, name: str, tp: int, stages: int, local: int, mb: int,
+    cp: int, comm: float, compute_bound: float, best: float,
+) -> bool:  # fmt: skip
+    """Whether schedule `name` at microbatches of `mb` sequences cannot beat `best`, the fastest
+    fitting step found so far, before it is simulated: its compute alone, spread evenly over
+    the ranks (`compute_bound`, `_compute_bound`), or its busiest rank's work
+    (`workload.busy_bound`) is no faster."""
+    if compute_bound >= best:
+        return True
+    mfu = effective_mfu(w, c, tp, "none", mb, cp, comm)  # as `_timed`'s
+    work = busy_bound(w.cfg, w.seq_len, mfu, dev, name, stages, local // mb, mb)
+    return work * (1 - BOUND_ROUNDING) >= best
+
+
 def _one(
     w: Workload,
     c: Cluster,
@@ -640,16 +655,12 @@ def _one(
         for mb in sizes:
             if any(r[2] <= limit and r[0] <= bound[mb] for r in rows):
                 continue
-            if floor is not None and bound[mb] >= floor.get(policy, math.inf):
+            best = floor.get(policy, math.inf) if floor is not None else math.inf
+            if best < math.inf and _cannot_beat(w, c, dev, name, tp, stages, local, mb, cp,
+                                                comm[mb], bound[mb], best):  # fmt: skip
                 beaten = True
                 continue
             m = local // mb
-            if floor is not None:
-                mfu = effective_mfu(w, c, tp, "none", mb, cp, comm[mb])  # as `_timed`'s
-                work = busy_bound(w.cfg, w.seq_len, mfu, dev, name, stages, m, mb)
-                if work * (1 - BOUND_ROUNDING) >= floor.get(policy, math.inf):
-                    beaten = True
-                    continue
             # PipeDream updates after every microbatch: its steady update is the same at any
             # m >= P, so one m is simulated and a global batch takes m updates
             updates = m if each else 1
