@@ -603,9 +603,19 @@ def group_per_node(c: Cluster, tp: int, cp: int, per_node: int, group: int) -> i
 
 
 def _cannot_beat(
-    w: Workload, c: Cluster, dev: Device, name: str, tp: int, stages: int, local: int, mb: int,
-    cp: int, comm: float, compute_bound: float, best: float,
-) -> bool:  # fmt: skip
+    w: Workload,
+    c: Cluster,
+    dev: Device,
+    name: str,
+    tp: int,
+    stages: int,
+    local: int,
+    mb: int,
+    cp: int,
+    comm: float,
+    compute_bound: float,
+    best: float,
+) -> bool:
     """Whether schedule `name` at microbatches of `mb` sequences cannot beat `best`, the fastest
     fitting step found so far, before it is simulated: its compute alone, spread evenly over
     the ranks (`compute_bound`, `_compute_bound`), or its busiest rank's work
@@ -656,8 +666,9 @@ def _one(
             if any(r[2] <= limit and r[0] <= bound[mb] for r in rows):
                 continue
             best = floor.get(policy, math.inf) if floor is not None else math.inf
-            if best < math.inf and _cannot_beat(w, c, dev, name, tp, stages, local, mb, cp,
-                                                comm[mb], bound[mb], best):  # fmt: skip
+            if best < math.inf and _cannot_beat(
+                w, c, dev, name, tp, stages, local, mb, cp, comm[mb], bound[mb], best
+            ):
                 beaten = True
                 continue
             m = local // mb
