@@ -259,6 +259,33 @@ def test_config_and_cli_import_no_torch_and_see_every_component(module):
     assert out.stdout.split("\n")[:2] == ["[]", str(here["names"])]
 
 
+_LAB_WITHOUT_TORCH = """
+import importlib, pkgutil, sys
+import stalepipe.lab
+from stalepipe.cli import main
+for m in pkgutil.walk_packages(stalepipe.lab.__path__, "stalepipe.lab."):
+    importlib.import_module(m.name)
+for argv in (["simulate", "--model", "smollm-360m", "--stages", "4", "--microbatches", "8"],
+             ["info", "--preset", "moe-10b", "--pipeline.num_stages", "4"], ["presets"]):
+    assert main(argv) == 0, argv
+print(sorted({m.split(".")[0] for m in sys.modules} & {"torch"}), file=sys.stderr)
+"""
+
+
+def test_the_lab_and_the_model_arithmetic_load_no_torch():
+    """The lab reads records, simulates and judges without torch (2 s of every command's start
+    here): a fresh process that imports every module of the lab and runs `simulate`, `info` and
+    `presets` (the model's counts, FLOPs and stage split: `config.shapes`) has not loaded it.
+    The lab imports the training side's data or checkpoints only inside the functions that
+    read them."""
+    out = subprocess.run(
+        [sys.executable, "-c", _LAB_WITHOUT_TORCH], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == "[]", out.stderr[-2000:]
+    assert "4-stage split (balanced" in out.stdout and "moe-10b" in out.stdout
+
+
 def _resolve(path: str) -> Path:
     """A file design.md cites by its room (`delay/policies.py`, `sweeps/sweep.py`), found in
     the core, the training wing or the lab (room names are unique across them)."""

@@ -179,7 +179,7 @@ def _llama3(
     model's own (causal attention; counted non-causal, the tokens/s would be ~4 % lower at
     8,192 tokens, ~29 % at 131,072). Not stated, assumed: microbatch 1 (one sequence, split
     over the CP group), interleaved 1F1B (2 stages a rank), no recomputation."""
-    from stalepipe.training.models.transformer import flops_per_token
+    from stalepipe.config.shapes import flops_per_token
 
     cfg = model_config("llama3-405b")
     tps = tflops * 1e12 / flops_per_token(cfg, seq)["total"]

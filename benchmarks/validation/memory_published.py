@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from stalepipe.config.shapes import block_params
 from stalepipe.lab.sim.memory import Memory, gpu_memory
 from stalepipe.lab.sim.models import model_config
-from stalepipe.training.models.transformer import block_params
 
 GIB = 2**30
 WITHIN = 0.15  # issue 52, item 2

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from stalepipe.config import ConfigError, DelayConfig
+from stalepipe.config.shapes import block_flops, head_flops
 from stalepipe.training.delay import DelayedOptimizer, DelayEmulator, split_stages, tied
 from stalepipe.training.models import build_model, partition, split_layers
-from stalepipe.training.models.transformer import block_flops, head_flops
 
 from .conftest import make_batches, tiny_model_cfg
 

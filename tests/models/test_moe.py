@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from stalepipe.config import ConfigError, ModelConfig
+from stalepipe.config.shapes import block_flops, split_layers
 from stalepipe.presets import cpu_moe, cpu_tiny, moe_10b
 from stalepipe.training.models import (
     Transformer,
@@ -25,8 +26,6 @@ from stalepipe.training.models.moe import (
     router_z_loss,
     summarize_router_stats,
 )
-from stalepipe.training.models.partition import split_layers
-from stalepipe.training.models.transformer import block_flops
 
 MOE = ModelConfig(
     vocab_size=128,

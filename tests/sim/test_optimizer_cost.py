@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from stalepipe.config.shapes import count_params
 from stalepipe.lab.sim import parallel as par
 from stalepipe.lab.sim.cluster import CLUSTERS
 from stalepipe.lab.sim.memory import gpu_memory, state_bytes
@@ -25,7 +26,6 @@ from stalepipe.lab.sim.optimizer import (
     ns_time,
 )
 from stalepipe.lab.sim.replicas import flat_step, flat_update
-from stalepipe.training.models.transformer import count_params
 from stalepipe.training.optim.muon import newton_schulz
 
 C = CLUSTERS["h100-ib"]

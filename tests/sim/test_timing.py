@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from stalepipe.config import ConfigError
+from stalepipe.config.shapes import flops_per_token, split_layers
 from stalepipe.hardware import DEVICES, get_device
 from stalepipe.lab.sim.balance import rank_balanced_layers
 from stalepipe.lab.sim.timing import (
@@ -15,8 +16,6 @@ from stalepipe.lab.sim.timing import (
     uniform_costs,
 )
 from stalepipe.presets import smollm_360m
-from stalepipe.training.models.partition import split_layers
-from stalepipe.training.models.transformer import flops_per_token
 from stalepipe.training.schedules.generators import make_schedule
 
 

@@ -13,12 +13,12 @@ import torch
 from stalepipe.cli import main
 from stalepipe.errors import CheckpointError, UserError
 from stalepipe.training.rundir.checkpoint import (
-    checkpoint_path,
     latest_checkpoint,
     load_checkpoint,
     remove_checkpoint,
 )
 from stalepipe.training.rundir.metrics import read_metrics
+from stalepipe.training.rundir.status import checkpoint_path
 from stalepipe.training.train.loop import train
 
 

@@ -16,8 +16,8 @@ import pytest
 
 from stalepipe.cli import main
 from stalepipe.config import ModelConfig
+from stalepipe.config.shapes import count_params
 from stalepipe.lab.analysis import overhead_ladder, scaling
-from stalepipe.training.models.transformer import count_params
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "docs/results/ladder-regime/muon_lr0.04_d32_sync_s0/config.json"

@@ -27,6 +27,7 @@ from stalepipe.config import (
     upgrade_record,
 )
 from stalepipe.config.sections import DEFAULT_SCHEDULE
+from stalepipe.config.shapes import count_params, describe
 from stalepipe.errors import Preempted, UserError
 from stalepipe.presets import PRESETS, get_preset
 
@@ -241,8 +242,6 @@ def _add_info(sub: Subparsers) -> None:
 
 
 def cmd_info(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.training.models import describe
-
     cfg = build_config(args.preset, args.config, parse_overrides(extra))
     pc = cfg.pipeline
     print("\n".join(describe(cfg.model, cfg.data.seq_len, pc.num_stages, pc.partition)))
@@ -286,8 +285,6 @@ def _add_presets(sub: Subparsers) -> None:
 
 
 def cmd_presets(args: argparse.Namespace, extra: list[str]) -> int:
-    from stalepipe.training.models import count_params
-
     for name, fn in PRESETS.items():
         cfg = fn()
         n = count_params(cfg.model)["total"]

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from stalepipe.config import ModelConfig
+from stalepipe.config.shapes import count_params
 from stalepipe.lab.analysis import stats
 from stalepipe.lab.analysis.regime import UNREAD, regime_check
 from stalepipe.lab.analysis.stats import fmt_p
@@ -162,8 +163,6 @@ def paper_size(optimizer: str, low: float, high: float, scale: str = "") -> str:
 def scale_of(row: Row) -> str:
     """'measured at 0.43M parameters and 2.5M tokens': the model size (all parameters) and
     tokens of `row`'s runs, which a "not reproduced" states ('' where its config lacks them)."""
-    from stalepipe.training.models.transformer import count_params  # here: torch (--help)
-
     c = row.config
     try:
         model = ModelConfig(**{k[6:]: v for k, v in c.items() if k.startswith("model.")})

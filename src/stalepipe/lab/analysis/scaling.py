@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from stalepipe.config import ModelConfig
+from stalepipe.config.shapes import count_params
 from stalepipe.errors import UserError
 from stalepipe.fileio import inside, read_json_record, read_record
 from stalepipe.lab.analysis.stats import t_quantile, t_sf_two_sided
@@ -254,10 +255,6 @@ class LadderRun:
 def ladder_runs(root: Path) -> list[LadderRun]:
     """The finished runs under `root` (config.json and the last metrics row; nothing else read,
     nothing unpickled) that scored the whole validation split."""
-    # here, not at the top: torch, and a verdict on measured costs imports this module
-    # torch-free (verdict.decision)
-    from stalepipe.training.models.transformer import count_params
-
     out = []
     for cfg_path in sorted(Path(root).glob("*/config.json")):
         metrics = inside(root, cfg_path.with_name("metrics.jsonl"))  # no link out of `root`

@@ -1,6 +1,6 @@
 """A stage split that balances ranks, not stages, for schedules with several stages per rank.
 
-`models.partition.split_layers` balances the FLOPs of each stage, which is right when every
+`config.shapes.split_layers` balances the FLOPs of each stage, which is right when every
 stage has a rank of its own. With chunks, a rank's time is the sum of its stages': in the V
 placement rank 0 holds both the embedding and the output head, and an interleaved rank R-1
 holds the head next to a middle stage, so per-stage balance leaves one rank with far more work
@@ -12,8 +12,7 @@ rank (then the spread), a local search: never worse than its start, not proven o
 from __future__ import annotations
 
 from stalepipe.config import ModelConfig
-from stalepipe.training.models.partition import split_layers
-from stalepipe.training.models.transformer import block_flops, head_flops
+from stalepipe.config.shapes import block_flops, head_flops, split_layers
 
 
 def _rank_loads(

@@ -20,8 +20,8 @@ from __future__ import annotations
 import functools
 
 from stalepipe.config import ModelConfig
+from stalepipe.config.shapes import block_flops
 from stalepipe.lab.sim.cluster import COLLECTIVE_ERROR, COLLECTIVE_ERROR_WORST
-from stalepipe.training.models.transformer import block_flops
 
 CALIBRATION_SOURCE = "megatron-t1"
 # `sim.calibration.fit` rounded (tests/verdict/test_cluster_published.py checks they agree)

@@ -76,6 +76,7 @@ from dataclasses import dataclass
 
 from stalepipe.config import ConfigError, ModelConfig
 from stalepipe.config.registry import PIPELINE_SCHEDULES
+from stalepipe.config.shapes import block_flops
 from stalepipe.hardware import Device
 from stalepipe.lab.sim.cluster import Cluster, collective_time, leading, trailing
 from stalepipe.lab.sim.memory import (
@@ -116,7 +117,6 @@ from stalepipe.lab.sim.workload import (
     pipeline_timing,
 )
 from stalepipe.training.delay.policies import never_delays, parse_policy
-from stalepipe.training.models.transformer import block_flops
 
 MAX_STAGES = 64
 ALWAYS_STAGES = 8  # depths searched always; deeper ones while no shallower one fits as it is

@@ -84,8 +84,8 @@ import functools
 from dataclasses import dataclass
 
 from stalepipe.config import ModelConfig
+from stalepipe.config.shapes import block_params
 from stalepipe.lab.sim.optimizer import EF_BYTES, OPTIMIZER_BYTES, model_matrices
-from stalepipe.training.models.transformer import block_params
 from stalepipe.training.schedules.schedule import PipelineSchedule
 
 

@@ -27,11 +27,10 @@ import statistics
 from dataclasses import dataclass
 
 from stalepipe.config import ConfigError, ModelConfig
+from stalepipe.config.shapes import block_flops, block_params, head_flops, split_layers
 from stalepipe.hardware import Device
 from stalepipe.lab.sim.balance import rank_balanced_layers
 from stalepipe.lab.sim.memory import RankMemory, memory_trace, rank_memory
-from stalepipe.training.models.partition import split_layers
-from stalepipe.training.models.transformer import block_flops, block_params, head_flops
 from stalepipe.training.schedules.schedule import (
     Action,
     PipelineSchedule,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from stalepipe.config import ConfigError, ModelConfig
 from stalepipe.config.registry import PIPELINE_SCHEDULES
+from stalepipe.config.shapes import block_flops, block_params, head_flops
 from stalepipe.hardware import Device
 from stalepipe.lab.sim.efficiency import shape_mfu
 from stalepipe.lab.sim.memory import RankMemory, rank_memory
@@ -26,7 +27,6 @@ from stalepipe.lab.sim.simulate import model_costs
 from stalepipe.lab.sim.steady import Plan, Steady, plan
 from stalepipe.lab.sim.timing import CostModel, _split
 from stalepipe.training.delay.policies import never_delays, parse_policy
-from stalepipe.training.models.transformer import block_flops, block_params, head_flops
 
 PARAM_BYTES = 2.0  # bf16 weights: one version, and what FSDP gathers
 STATE_BYTES = 16.0  # fp32 grad accumulator 4 + fp32 master 4 + AdamW moments 8 (timing.py)

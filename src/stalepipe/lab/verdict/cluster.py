@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stalepipe.config.registry import PIPELINE_SCHEDULES
+from stalepipe.config.shapes import count_params
 from stalepipe.errors import UserError
 from stalepipe.fileio import csv_text
 from stalepipe.lab.analysis.plots import png_bytes, pyplot
@@ -41,7 +42,6 @@ from stalepipe.lab.sim.replicas import KINDS, tp_choices
 from stalepipe.lab.verdict.rule import Verdict, call, time_to_target, widen
 from stalepipe.lab.verdict.throughput import ScheduleThroughput, Throughputs, model_shape
 from stalepipe.training.delay.policies import PAPER_ASYNC, never_delays
-from stalepipe.training.models.transformer import count_params
 
 ASYNC = PAPER_ASYNC  # the asynchronous schedule of the map (delay.policies)
 MAP_GBPS = (12.5, 25.0, 50.0, 100.0, 200.0, 400.0, 800.0)

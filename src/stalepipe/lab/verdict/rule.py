@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from stalepipe.config import ModelConfig
+from stalepipe.config.shapes import count_params
 from stalepipe.lab.analysis.overhead import Overhead
 from stalepipe.lab.analysis.results import Row
 from stalepipe.lab.analysis.targets import TargetOverhead
@@ -250,11 +251,7 @@ def at_size(v: Verdict, verdict: str) -> str:
 
 
 def model_params(config: dict[str, object]) -> dict[str, int]:
-    """`models.transformer.count_params` of a run's model, from its flattened config."""
-    # here, not at the top: torch, and every verdict imports this module; one on measured
-    # costs (--costs) loads none
-    from stalepipe.training.models.transformer import count_params
-
+    """`config.shapes.count_params` of a run's model, from its flattened config."""
     fields = {k[6:]: v for k, v in config.items() if k.startswith("model.")}
     known = {k: v for k, v in fields.items() if k in ModelConfig.__dataclass_fields__}
     return count_params(ModelConfig(**known))

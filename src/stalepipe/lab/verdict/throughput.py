@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from stalepipe.config.registry import PIPELINE_SCHEDULES
+from stalepipe.config.shapes import count_params
 from stalepipe.errors import UserError
 from stalepipe.hardware import get_device
 from stalepipe.lab.sim.models import model_config
@@ -245,8 +246,6 @@ def simulated(
 ) -> Throughputs:
     """Every schedule of the simulator for `model` on `device` at P = `num_stages`,
     m = `num_microbatches`; bad names or sizes raise UserError (ConfigError)."""
-    from stalepipe.training.models.transformer import count_params  # here: torch (simulate_all)
-
     if num_stages < 1 or num_microbatches < 1 or microbatch_size < 1:
         raise UserError("--stages, --microbatches and --microbatch-size must be >= 1")
     cfg, own_len, _ = model_shape(model)

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from stalepipe.config import ConfigError
+from stalepipe.config.shapes import balance_blocks
 from stalepipe.training.delay import tied
-from stalepipe.training.models.partition import balance_blocks
 
 
 @dataclass(frozen=True)

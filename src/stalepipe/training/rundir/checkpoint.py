@@ -28,13 +28,6 @@ from stalepipe.training.rundir.checkpoint_parts import FlatState
 _NAME = re.compile(r"^ckpt_(\d{8})(\.pt)?$")
 
 
-def checkpoint_path(run_dir: Path, step: int) -> Path:
-    """The checkpoint of `step` in `run_dir`: the directory (format 2), or an older version's
-    file when only that exists."""
-    new, old = Path(run_dir) / f"ckpt_{step:08d}", Path(run_dir) / f"ckpt_{step:08d}.pt"
-    return old if old.exists() and not new.exists() else new
-
-
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints in `run_dir`, oldest first (staging directories and temporary
     files are ignored; a directory counts once its manifest is in)."""

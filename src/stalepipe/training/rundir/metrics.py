@@ -11,12 +11,13 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from stalepipe.fileio import check_writable, inside, open_append, read_record, write_text_atomic
 from stalepipe.training.rundir.trackers import scalars
+
+if TYPE_CHECKING:
+    import torch
 
 
 class MetricsWriter:
@@ -110,6 +111,10 @@ class Meter:
         self.start, self.warmup, self.peak = start, warmup, peak_flops
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.cuda = device if device is not None and device.type == "cuda" else None
+        if self.cuda is not None:
+            import torch  # here, not at the top: the lab reads metrics.jsonl torch-free
+
+            self._torch_cuda = torch.cuda
         self.t0 = time.perf_counter()
         self._paused_s = 0.0
         self._steady: tuple[int, float] | None = None  # (first timed step, busy clock then)
@@ -117,7 +122,7 @@ class Meter:
     def _busy(self, sync: bool = False) -> float:
         """Seconds since the start, less the paused ones. `sync`: let the GPU finish first."""
         if sync and self.cuda is not None:
-            torch.cuda.synchronize(self.cuda)
+            self._torch_cuda.synchronize(self.cuda)
         return time.perf_counter() - self.t0 - self._paused_s
 
     def elapsed(self) -> float:
@@ -162,5 +167,5 @@ class Meter:
         if self.peak:
             out["mfu"] = out["model_flops_per_s"] / self.peak
         if self.cuda is not None:
-            out["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.cuda) / 2**30
+            out["peak_mem_gib"] = self._torch_cuda.max_memory_allocated(self.cuda) / 2**30
         return out

@@ -25,12 +25,9 @@ from stalepipe.errors import CheckpointError
 from stalepipe.fileio import flatten_dict
 from stalepipe.training.delay import DelaySchedule
 from stalepipe.training.optim.lr_schedule import lr_multiplier
-from stalepipe.training.rundir.checkpoint import (
-    checkpoint_path,
-    checkpoint_step,
-    list_checkpoints,
-)
+from stalepipe.training.rundir.checkpoint import checkpoint_step, list_checkpoints
 from stalepipe.training.rundir.sharded import MANIFEST
+from stalepipe.training.rundir.status import checkpoint_path
 
 # Fields that may differ between a run and its resumption without changing the trajectory.
 RESUMABLE_CHANGES = {

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from stalepipe.config import upgrade_record
 from stalepipe.fileio import inside, make_owned_dir, read_json_record, write_json_atomic
+from stalepipe.training.rundir.metrics import read_metrics
 
 ERROR_FILE = "error.json"  # a crashed run's error, written by the sweep
 SPEC_FILE = "sweep.json"  # the sweep's record of a planned run (name, group, overrides)
@@ -33,11 +34,6 @@ def run_status(
     written after that line). `steps` defaults to the run's own config.json; `metrics` reads
     the run's records (default `read_metrics`; a reader that needs them too passes its own
     cached one, so the file is parsed once)."""
-    # here, not at the top: both load torch, and the lab's sweep and analysis read run status
-    # torch-free through this module
-    from stalepipe.training.rundir.checkpoint import checkpoint_path
-    from stalepipe.training.rundir.metrics import read_metrics
-
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return "missing"
@@ -55,6 +51,13 @@ def run_status(
     if records and records[-1].get("step") == steps - 1 and "val_loss" in records[-1]:
         return "finished"
     return "partial" if any(run_dir.iterdir()) else "missing"
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    """The checkpoint of `step` in `run_dir`: the directory (format 2), or an older version's
+    file when only that exists."""
+    new, old = Path(run_dir) / f"ckpt_{step:08d}", Path(run_dir) / f"ckpt_{step:08d}.pt"
+    return old if old.exists() and not new.exists() else new
 
 
 def write_error(run_dir: Path, message: str, tb: str = "") -> None:
