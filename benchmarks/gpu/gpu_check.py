@@ -184,11 +184,11 @@ def resume_row(s: Setup) -> Row:
     import torch
 
     from stalepipe.training.rundir.checkpoint import (
-        checkpoint_path,
         latest_checkpoint,
         load_checkpoint,
         remove_checkpoint,
     )
+    from stalepipe.training.rundir.status import checkpoint_path
     from stalepipe.training.train.loop import train
 
     row = Row("resume", "emulator", "2bw+EF", "adamw", False)
