@@ -1,8 +1,9 @@
 """A run directory's status read from its records alone (finished, failed, partial or missing),
-and the error record a crashed run leaves.
+the error record a crashed run leaves, and the path a step's checkpoint has.
 
 Both the sweep (which runs to skip or resume, which crashes to record) and the analysis (which
-runs to read) ask it, so it lives below both.
+runs to read) ask it, so it lives below both, torch-free (`rundir.checkpoint`, which loads
+checkpoints, is not).
 """
 
 from __future__ import annotations
