@@ -15,7 +15,7 @@ order, on whatever rows exist. Here: the findings, the rule, and the helpers the
 paper's size of a share).
 
 The studies import this module, and `stalepipe --help` imports the studies: `results` and
-`plots` (which imports torch through `stalepipe.training.delay`) are imported inside the
+`plots` (numpy and the records' readers, a tenth of a second) are imported inside the
 functions that need them, here and in the claims.
 """
 

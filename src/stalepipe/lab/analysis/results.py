@@ -33,6 +33,7 @@ from stalepipe.lab.analysis import overhead, stats
 from stalepipe.lab.analysis import targets as targets_mod
 from stalepipe.lab.analysis.records import read_spec, seed_or_none, warn, wrong_value
 from stalepipe.training.delay.policies import SYNC, never_delays
+from stalepipe.training.rundir.metrics import read_metrics
 from stalepipe.training.rundir.status import ERROR_FILE, SPEC_FILE, run_status
 
 # Keys that do not define a configuration (the seed axis, names, logging and speed knobs).
@@ -89,10 +90,6 @@ def load_runs(root: str | Path) -> list[Run]:
 
 def _load_run(root: Path, d: Path) -> Run:
     """One run directory as the report reads it (`load_runs`)."""
-    # here, not at the top: metrics loads torch, and the sweep and `--dry-run` import this
-    # module torch-free
-    from stalepipe.training.rundir.metrics import read_metrics
-
     config: dict[str, Any] = {}
     if inside(root, d / "config.json").exists():
         with contextlib.suppress(ValueError):  # unreadable: the run has no configuration

@@ -64,6 +64,7 @@ import functools
 from dataclasses import dataclass
 
 from stalepipe.config import ModelConfig
+from stalepipe.lab.sim.efficiency import curve
 
 OPTIMIZERS = ("adamw", "muon")
 NAMES = {"adamw": "AdamW", "muon": "Muon"}
@@ -184,8 +185,6 @@ def model_matrices(cfg: ModelConfig, steps: int = NS_STEPS) -> Matrices:
 def ns_mfu(cfg: ModelConfig, mfu: float | None, mfu_scale: float = 1.0) -> float:
     """The MFU Newton-Schulz's matmuls run at (module docstring): the given `mfu`, else the
     calibrated curve at one iteration over one block's matrices; times `mfu_scale`, at most 1."""
-    from stalepipe.lab.sim.efficiency import curve  # here: torch (the curve's module)
-
     x = layer_matrices(cfg, 0, 1).flops
     base = curve(x) if mfu is None else mfu
     return min(1.0, base * mfu_scale)

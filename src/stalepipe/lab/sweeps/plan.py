@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stalepipe.config import ExperimentConfig, apply_overrides
+from stalepipe.config.shapes import flops_per_token
 from stalepipe.errors import UserError
 from stalepipe.lab.studies.registry import STUDIES, get_study
 from stalepipe.lab.studies.scales import CPU_SCALES, base_config
@@ -60,10 +61,8 @@ GPU_DEVICE, GPU_MFU = "h100", 0.4
 def estimate_gpu_seconds(specs: list[RunSpec], base: ExperimentConfig) -> float:
     """GPU-seconds of a sweep on `GPU_DEVICE` at `GPU_MFU`: each run's training FLOPs (the
     model's per-token count, attention included, times its tokens) over the device's peak."""
-    # here, not at the top: models loads torch, and `sweep --help` imports this module (the
-    # hardware table too: --help never estimates GPU time)
+    # here, not at the top: `sweep --help` imports this module and never estimates GPU time
     from stalepipe.hardware import get_device
-    from stalepipe.training.models import flops_per_token
 
     rate = get_device(GPU_DEVICE).peak_flops * GPU_MFU
     total = 0.0

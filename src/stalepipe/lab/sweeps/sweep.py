@@ -40,6 +40,7 @@ from stalepipe.lab.sweeps.executors import run_array
 from stalepipe.lab.sweeps.grid import RunSpec
 from stalepipe.lab.sweeps.workers import gpu_slots, run_spawned
 from stalepipe.training.rundir.lease import live_owner
+from stalepipe.training.rundir.metrics import read_metrics
 from stalepipe.training.rundir.status import ERROR_FILE, SPEC_FILE, run_status, write_error
 
 SWEEP_KIND = "sweep"  # the kind in a sweep directory's marker
@@ -397,8 +398,6 @@ class _Progress:
 
 
 def _final_val(run_dir: Path) -> float:
-    from stalepipe.training.rundir.metrics import read_metrics  # here: torch (see _recorded)
-
     vals = [r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r]
     return vals[-1] if vals else math.nan
 

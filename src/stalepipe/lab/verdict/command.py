@@ -227,8 +227,8 @@ def run_verdict(
     sweep_dir = Path(sweep_dir)
     per_arm: dict = {}
     described: list[str] = []
-    # here, not at the top: the cluster model (sim) loads torch, and a verdict on measured
-    # costs (--costs) needs none
+    # here, not at the top: the cluster model's modules (the simulator) are imports a verdict
+    # on measured costs (--costs) does not need
     from stalepipe.lab.verdict.cluster import check_modes
 
     check_modes(model, costs, cluster, stages, microbatches, gpus, global_batch, inter_node_gbps)
@@ -237,7 +237,7 @@ def run_verdict(
     rows = _rows_of(sweep_dir)
     where = None
     if cluster is not None:
-        from stalepipe.lab.verdict import cluster as cv  # here: torch (see above)
+        from stalepipe.lab.verdict import cluster as cv  # here: see above
 
         where = cv.setting(
             model,
@@ -286,7 +286,7 @@ def _write(r: VerdictReport, title: str, where: object, within: Path | None) -> 
     written through a link (`fileio.write_files`; `within`: the sweep, for the default out)."""
     files: dict[str, str | bytes] = {"verdict.csv": verdict_csv(r.verdicts, r.throughputs)}
     if where is not None:
-        from stalepipe.lab.verdict import cluster as cv  # here: torch (run_verdict)
+        from stalepipe.lab.verdict import cluster as cv  # here: see run_verdict
 
         shown = cv.headline(r.verdicts)
         arms = list(dict.fromkeys(v.arm for v in shown if v.arm is not None)) or None

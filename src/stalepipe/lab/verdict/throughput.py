@@ -203,8 +203,8 @@ def simulate_all(
     """The simulator's `compare_schedules` (sim/simulate.py) for `cfg` on `device`: steady
     tokens/s and bubble, peak memory per rank, whether it fits the device's memory; with
     `sync_steps` the first steps of an asynchronous schedule run synchronously."""
-    # here, not at the top: the simulator loads torch, and every verdict imports this module;
-    # one on measured costs (--costs) loads none
+    # here, not at the top: every verdict imports this module, and one on measured costs
+    # (--costs) loads no simulator
     from stalepipe.lab.sim.simulate import compare_schedules
 
     rows = compare_schedules(
