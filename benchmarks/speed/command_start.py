@@ -34,7 +34,9 @@ COMMANDS = {
 }  # fmt: skip
 
 # appended to a command's process: whether it loaded torch (printed to stderr at exit)
-_PROBE = "import atexit, sys; atexit.register(lambda: print('torch' in sys.modules, file=sys.stderr))"
+_PROBE = (
+    "import atexit, sys; atexit.register(lambda: print('torch' in sys.modules, file=sys.stderr))"
+)
 
 
 def _run(args: list[str]) -> tuple[float, bool]:
