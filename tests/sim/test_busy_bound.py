@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from stalepipe.config import ConfigError
 from stalepipe.lab.sim import hybrid
 from stalepipe.lab.sim import parallel as par
 from stalepipe.lab.sim.cluster import CLUSTERS, assumption_corners
@@ -40,6 +41,18 @@ def test_no_bound_where_the_step_is_extrapolated():
     dev = par._pipeline_device(CLUSTERS["h100-ib"], 4, 4)
     assert busy_bound(CFG, 1024, 0.4, dev, "1f1b", 4, 16, 1) > 0
     assert busy_bound(CFG, 1024, 0.4, dev, "1f1b", 4, 64, 1) == 0.0  # past 4P and 16
+
+
+def test_no_bound_where_the_model_has_fewer_layers_than_the_stages():
+    """A V schedule holds 2P stages: at P = 64 a Llama 3 70B (80 layers) cannot be split, and
+    the search asks for it (1,024 GPUs); the bound says so (0.0: none) as `pipeline_timing`
+    refuses it, instead of raising from the split."""
+    cfg = model_config("llama3-70b")
+    dev = par._pipeline_device(CLUSTERS["h100-ib"], 8, 64)
+    assert busy_bound(cfg, 8192, 0.4, dev, "zb-v", 64, 128, 1) == 0.0
+    with pytest.raises(ConfigError, match="num_layers=80"):
+        pipeline_timing(cfg, 8192, 0.4, dev, "zb-v", 64, 128, 1.0, 1, Update(ADAMW))
+    assert busy_bound(cfg, 8192, 0.4, dev, "zb-v", 32, 64, 1) > 0  # 64 stages of 80 layers
 
 
 def _picks(settings: list) -> tuple[list, int]:

@@ -249,15 +249,16 @@ def busy_bound(
     each = parse_policy(PIPELINE_SCHEDULES[schedule].policy).per_microbatch
     if each or m > 2 * max(MAX_SIM_MICROBATCHES // 2, 2 * stages):
         return 0.0
-    try:
+    compute = (cfg, seq_len, mfu, dev.peak_flops, dev.hbm_bandwidth, mb)
+    try:  # refused: the schedule's sizes, or more stages than the model has layers (V: 2P)
         p = plan(schedule, stages, m, SIM_STEPS)
+        splits = _splits(p, *compute, ADAMW.ns_steps)
     except ConfigError:
         return 0.0
-    compute = (cfg, seq_len, mfu, dev.peak_flops, dev.hbm_bandwidth, mb)
     return min(
         m * max(sum(c.forward[s] + c.backward_input[s] + c.backward_weight[s] for s in held)
                 for held in p.held)
-        for c, _, _ in _splits(p, *compute, ADAMW.ns_steps)
+        for c, _, _ in splits
     )  # fmt: skip
 
 
