@@ -622,7 +622,9 @@ def _cannot_beat(
     faster (no deeper pipeline or larger TP computes faster either: the search's depth, TP and
     CP rules may stop on it), "busy" where its busiest rank's work (`workload.busy_bound`) is
     no faster (this configuration only: a deeper or wider one balances its ranks otherwise),
-    "" where it may."""
+    "" where it may (always where nothing fits yet: `best` infinite)."""
+    if best == math.inf:
+        return ""
     if compute_bound >= best:
         return "compute"
     mfu = effective_mfu(w, c, tp, "none", mb, cp, comm)  # as `_timed`'s
@@ -670,9 +672,7 @@ def _one(
             if any(r[2] <= limit and r[0] <= bound[mb] for r in rows):
                 continue
             best = floor.get(policy, math.inf) if floor is not None else math.inf
-            by = "" if best == math.inf else _cannot_beat(
-                w, c, dev, name, tp, stages, local, mb, cp, comm[mb], bound[mb], best
-            )  # fmt: skip
+            by = _cannot_beat(w, c, dev, name, tp, stages, local, mb, cp, comm[mb], bound[mb], best)
             if by:
                 beaten, skipped = beaten or by == "compute", True
                 continue
