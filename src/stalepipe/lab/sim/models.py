@@ -43,6 +43,29 @@ SIM_MODELS["llama3-405b"] = dataclasses.replace(
 )
 
 
+# DeepSeek-V3's shape (DeepSeek-AI 2024, arXiv 2412.19437, Section 4.2: 61 layers, hidden 7168,
+# 128 heads, the first 3 layers dense (FFN 18432), then 1 shared and 256 routed experts of
+# width 2048 with 8 active, vocabulary 129K; 671B parameters, 37B active) with two stated
+# departures: multi-head latent attention is costed as plain multi-head attention of the same
+# heads (205M parameters a layer against MLA's ~187M: +10 % on attention, ~1 % of the total),
+# and the multi-token-prediction module is left out. Counts: 672.2B, 38.7B active.
+SIM_MODELS["deepseek-v3"] = ModelConfig(
+    vocab_size=129280,
+    dim=7168,
+    num_layers=61,
+    num_heads=128,
+    num_kv_heads=128,
+    ffn_dim=18432,
+    max_seq_len=4096,
+    rope_theta=10000.0,
+    tie_embeddings=False,
+    num_experts=256,
+    top_k=8,
+    expert_ffn_dim=2048,
+    num_shared_experts=1,
+    num_dense_layers=3,
+)
+
 def model_config(name: str) -> ModelConfig:
     """A model shape by name: SIM_MODELS or a training preset of presets.PRESETS."""
     if name in SIM_MODELS:
