@@ -66,6 +66,7 @@ SIM_MODELS["deepseek-v3"] = ModelConfig(
     num_dense_layers=3,
 )
 
+
 def model_config(name: str) -> ModelConfig:
     """A model shape by name: SIM_MODELS or a training preset of presets.PRESETS."""
     if name in SIM_MODELS:
