@@ -50,7 +50,7 @@ def _run(args: list[str]) -> tuple[float, bool]:
     t0 = time.perf_counter()
     out = subprocess.run(argv, capture_output=True, text=True)
     took = time.perf_counter() - t0
-    if out.returncode not in (0,):
+    if out.returncode != 0:
         raise SystemExit(f"{' '.join(args)} failed: {out.stderr[-500:]}")
     return took, out.stderr.strip().splitlines()[-1] == "True"
 
